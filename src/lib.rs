@@ -1,0 +1,13 @@
+//! kvroute: the KV-aware ingress of an LLM inference fleet.
+//!
+//! Map of the router, following a request and a KV event through it (DESIGN §3):
+//!
+//! - [`protocol`]: the contract shared with workers. Ids, block hashing (xxh3, chained
+//!   sequence hashes), the `EventBatch` KV-event model and its validated rkyv wire codec.
+//!   No I/O.
+//!
+//! Request path: ingress → `protocol` hashing → indexer → scheduler → worker.
+//! Event path: worker publisher → `protocol` codec → events task → indexer.
+#![forbid(unsafe_code)]
+
+pub mod protocol;

@@ -1,0 +1,18 @@
+//! The contract between router and workers: identifiers, block hashing, KV events and their
+//! wire codec (DESIGN §4). Pure data and functions, no I/O: both sides link this module.
+
+mod codec;
+mod events;
+mod hashing;
+mod ids;
+
+pub use codec::{
+    DecodeError, EncodeError, FORMAT_VERSION, HEADER_LEN, Limits, MAGIC, decode, encode,
+    encode_split, split_batch,
+};
+pub use events::{EventBatch, KvEvent, KvEventData, StoredBlock};
+pub use hashing::{BlockHash, HASH_SEED, Salt, extend_blocks, hash_blocks, local_hash, seq_hash};
+pub use ids::{DpRank, LocalHash, SeqHash, Tier, WorkerId};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,345 @@
+//! Wire format of an `EventBatch`: a 4-byte header (magic `KVR` + format version) followed by
+//! an rkyv 0.8 archive in little-endian, unaligned layout, so a payload can be validated and
+//! read in place wherever it lands in a network buffer. Decoding never trusts the bytes:
+//! bytecheck validates the archive, then lengths are capped and ids checked before anything is
+//! allocated for the caller.
+
+use rkyv::rancor;
+
+use super::events::{ArchivedEventBatch, ArchivedKvEventData};
+use super::{EventBatch, KvEvent, KvEventData};
+
+/// First three header bytes of every payload.
+pub const MAGIC: [u8; 3] = *b"KVR";
+/// Archive layout version carried in the fourth header byte.
+pub const FORMAT_VERSION: u8 = 1;
+/// Header length in bytes.
+pub const HEADER_LEN: usize = 4;
+
+/// Upper bounds of the archive's size, used to cut batches before encoding. Checked against
+/// real encodings in tests (`size_model_is_an_upper_bound`): the archive of a batch is a
+/// 36-byte root, 27 bytes per event, 16 per stored and 8 per removed block, with no padding
+/// in the unaligned layout. The margins absorb a change of layout without silent overflow.
+const BATCH_OVERHEAD: usize = HEADER_LEN + 64;
+const EVENT_OVERHEAD: usize = 48;
+const STORED_BLOCK_BYTES: usize = 16;
+const REMOVED_BLOCK_BYTES: usize = 8;
+
+/// Caps applied to payloads from the network, and the size encoders split under.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest payload accepted or produced, header included, in bytes. NATS' default
+    /// `max_payload` is 1 MiB.
+    pub max_payload_bytes: usize,
+    /// Most events one batch may carry.
+    pub max_events: usize,
+    /// Most blocks all events of one batch may name together.
+    pub max_blocks: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_payload_bytes: 1 << 20,
+            max_events: 1 << 16,
+            max_blocks: 1 << 17,
+        }
+    }
+}
+
+/// Why bytes from the network are not a usable `EventBatch`.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    /// Fewer bytes than the header.
+    #[error("payload of {len} bytes is shorter than the {HEADER_LEN}-byte header")]
+    Truncated {
+        /// Payload length.
+        len: usize,
+    },
+    /// The payload exceeds `Limits::max_payload_bytes`.
+    #[error("payload of {len} bytes exceeds the limit of {limit} bytes")]
+    TooLarge {
+        /// Payload length.
+        len: usize,
+        /// The configured limit.
+        limit: usize,
+    },
+    /// The first three bytes are not `KVR`: not a kvroute event payload.
+    #[error("bad magic {found:02x?}, expected \"KVR\"")]
+    BadMagic {
+        /// The bytes found.
+        found: [u8; 3],
+    },
+    /// A format version this build does not read.
+    #[error("unsupported format version {found} (this build reads {FORMAT_VERSION})")]
+    UnsupportedVersion {
+        /// The version byte found.
+        found: u8,
+    },
+    /// The archive failed validation (out-of-bounds pointer, invalid enum tag, …).
+    #[error("malformed archive: {source}")]
+    Malformed {
+        /// What bytecheck found.
+        #[source]
+        source: rancor::Error,
+    },
+    /// More events than `Limits::max_events`.
+    #[error("{count} events exceed the limit of {limit}")]
+    TooManyEvents {
+        /// Events in the batch.
+        count: usize,
+        /// The configured limit.
+        limit: usize,
+    },
+    /// More blocks than `Limits::max_blocks`.
+    #[error("{count} blocks exceed the limit of {limit}")]
+    TooManyBlocks {
+        /// Blocks named by the batch.
+        count: usize,
+        /// The configured limit.
+        limit: usize,
+    },
+    /// Event ids do not start at 1 or more and ascend by one.
+    #[error("event id {found} where {expected} was expected")]
+    BadEventId {
+        /// The id found.
+        found: u64,
+        /// The id the sequence required.
+        expected: u64,
+    },
+}
+
+/// Why a batch could not be encoded.
+#[derive(Debug, thiserror::Error)]
+pub enum EncodeError {
+    /// The payload limit cannot hold even one block.
+    #[error("payload limit of {limit} bytes is below the minimum of {minimum}")]
+    LimitTooSmall {
+        /// The requested limit.
+        limit: usize,
+        /// The smallest workable limit.
+        minimum: usize,
+    },
+    /// A split batch still encoded larger than the limit (a bug in the size model).
+    #[error("encoded batch of {len} bytes exceeds the limit of {limit}")]
+    Oversized {
+        /// Encoded length.
+        len: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// rkyv failed to serialize.
+    #[error("serialization failed: {source}")]
+    Serialize {
+        /// The serializer's error.
+        #[source]
+        source: rancor::Error,
+    },
+}
+
+/// Encodes one batch as it is, header included, whatever its size.
+pub fn encode(batch: &EventBatch) -> Result<Vec<u8>, EncodeError> {
+    let mut out = Vec::with_capacity(encoded_len_bound(batch));
+    out.extend_from_slice(&MAGIC);
+    out.push(FORMAT_VERSION);
+    rkyv::api::high::to_bytes_in::<_, rancor::Error>(batch, out)
+        .map_err(|source| EncodeError::Serialize { source })
+}
+
+/// Splits `batch` into batches that each encode within `max_payload_bytes` and encodes them.
+/// See [`split_batch`] for how ids are kept contiguous.
+pub fn encode_split(
+    batch: &EventBatch,
+    max_payload_bytes: usize,
+) -> Result<Vec<Vec<u8>>, EncodeError> {
+    split_batch(batch, max_payload_bytes)?
+        .iter()
+        .map(|part| {
+            let bytes = encode(part)?;
+            if bytes.len() > max_payload_bytes {
+                return Err(EncodeError::Oversized {
+                    len: bytes.len(),
+                    limit: max_payload_bytes,
+                });
+            }
+            Ok(bytes)
+        })
+        .collect()
+}
+
+/// Cuts `batch` into consecutive batches that each encode within `max_payload_bytes`.
+///
+/// Events are kept whole where they fit. An event too large for one payload is cut into
+/// several events of the same kind (a `Stored` chain continues from the last block of the
+/// previous piece), so the output may hold more events than the input: ids are renumbered
+/// from the input's first id and stay gap-free across the output, and the caller continues
+/// its stream at `output.last().last_id() + 1`. An empty batch comes back as one empty batch.
+pub fn split_batch(
+    batch: &EventBatch,
+    max_payload_bytes: usize,
+) -> Result<Vec<EventBatch>, EncodeError> {
+    let minimum = BATCH_OVERHEAD + EVENT_OVERHEAD + STORED_BLOCK_BYTES;
+    if max_payload_bytes < minimum {
+        return Err(EncodeError::LimitTooSmall {
+            limit: max_payload_bytes,
+            minimum,
+        });
+    }
+    let budget = max_payload_bytes - BATCH_OVERHEAD;
+    let shell = || EventBatch {
+        events: Vec::new(),
+        ..batch.clone_header()
+    };
+    let mut out = Vec::new();
+    let mut current = shell();
+    let mut used = 0;
+    let mut next_id = batch.first_id().unwrap_or(1);
+    for event in &batch.events {
+        for data in pieces(&event.data, budget - EVENT_OVERHEAD) {
+            let cost = EVENT_OVERHEAD + data_bytes(&data);
+            if used + cost > budget && !current.events.is_empty() {
+                out.push(std::mem::replace(&mut current, shell()));
+                used = 0;
+            }
+            current.events.push(KvEvent {
+                id: next_id,
+                tier: event.tier,
+                data,
+            });
+            next_id += 1;
+            used += cost;
+        }
+    }
+    if !current.events.is_empty() || out.is_empty() {
+        out.push(current);
+    }
+    Ok(out)
+}
+
+/// Cuts one event's data into pieces whose blocks take at most `room` bytes.
+fn pieces(data: &KvEventData, room: usize) -> Vec<KvEventData> {
+    match data {
+        KvEventData::Stored { parent, blocks } if blocks.len() * STORED_BLOCK_BYTES > room => {
+            let mut parent = *parent;
+            blocks
+                .chunks(room / STORED_BLOCK_BYTES)
+                .map(|chunk| {
+                    let piece = KvEventData::Stored {
+                        parent,
+                        blocks: chunk.to_vec(),
+                    };
+                    parent = chunk.last().map(|b| b.seq);
+                    piece
+                })
+                .collect()
+        }
+        KvEventData::Removed { blocks } if blocks.len() * REMOVED_BLOCK_BYTES > room => blocks
+            .chunks(room / REMOVED_BLOCK_BYTES)
+            .map(|chunk| KvEventData::Removed {
+                blocks: chunk.to_vec(),
+            })
+            .collect(),
+        other => vec![other.clone()],
+    }
+}
+
+fn data_bytes(data: &KvEventData) -> usize {
+    match data {
+        KvEventData::Stored { blocks, .. } => blocks.len() * STORED_BLOCK_BYTES,
+        KvEventData::Removed { blocks } => blocks.len() * REMOVED_BLOCK_BYTES,
+        KvEventData::Cleared => 0,
+    }
+}
+
+/// An upper bound of `encode(batch).len()`.
+fn encoded_len_bound(batch: &EventBatch) -> usize {
+    BATCH_OVERHEAD
+        + batch
+            .events
+            .iter()
+            .map(|e| EVENT_OVERHEAD + data_bytes(&e.data))
+            .sum::<usize>()
+}
+
+/// Validates a payload from the network and returns the batch it carries.
+///
+/// Checks, in order: size limit, header, archive validity (bytecheck), event and block
+/// counts, and that ids start at 1 or more and ascend by one. Nothing is allocated for the
+/// result until all checks pass, and the allocation is bounded by the payload's size.
+pub fn decode(bytes: &[u8], limits: &Limits) -> Result<EventBatch, DecodeError> {
+    let archived = access(bytes, limits)?;
+    rkyv::deserialize::<EventBatch, rancor::Error>(archived)
+        .map_err(|source| DecodeError::Malformed { source })
+}
+
+fn access<'a>(bytes: &'a [u8], limits: &Limits) -> Result<&'a ArchivedEventBatch, DecodeError> {
+    if bytes.len() > limits.max_payload_bytes {
+        return Err(DecodeError::TooLarge {
+            len: bytes.len(),
+            limit: limits.max_payload_bytes,
+        });
+    }
+    let Some((header, body)) = bytes.split_first_chunk::<HEADER_LEN>() else {
+        return Err(DecodeError::Truncated { len: bytes.len() });
+    };
+    let [m0, m1, m2, version] = *header;
+    if [m0, m1, m2] != MAGIC {
+        return Err(DecodeError::BadMagic {
+            found: [m0, m1, m2],
+        });
+    }
+    if version != FORMAT_VERSION {
+        return Err(DecodeError::UnsupportedVersion { found: version });
+    }
+    let archived = rkyv::access::<ArchivedEventBatch, rancor::Error>(body)
+        .map_err(|source| DecodeError::Malformed { source })?;
+    let events = &archived.events;
+    if events.len() > limits.max_events {
+        return Err(DecodeError::TooManyEvents {
+            count: events.len(),
+            limit: limits.max_events,
+        });
+    }
+    let mut blocks = 0usize;
+    let mut previous: Option<u64> = None;
+    for event in events.iter() {
+        let id = event.id.to_native();
+        // The first id may be anything from 1 on; each later one must follow its predecessor.
+        let expected = match previous {
+            None => id.max(1),
+            Some(previous) => previous.saturating_add(1),
+        };
+        if id != expected || previous == Some(u64::MAX) {
+            return Err(DecodeError::BadEventId {
+                found: id,
+                expected,
+            });
+        }
+        previous = Some(id);
+        blocks += match &event.data {
+            ArchivedKvEventData::Stored { blocks, .. } => blocks.len(),
+            ArchivedKvEventData::Removed { blocks } => blocks.len(),
+            ArchivedKvEventData::Cleared => 0,
+        };
+    }
+    if blocks > limits.max_blocks {
+        return Err(DecodeError::TooManyBlocks {
+            count: blocks,
+            limit: limits.max_blocks,
+        });
+    }
+    Ok(archived)
+}
+
+impl EventBatch {
+    /// A copy of the batch's header (worker, rank, epoch, send time) with no events.
+    fn clone_header(&self) -> EventBatch {
+        EventBatch {
+            worker: self.worker,
+            dp_rank: self.dp_rank,
+            epoch: self.epoch,
+            sent_unix_us: self.sent_unix_us,
+            events: Vec::new(),
+        }
+    }
+}

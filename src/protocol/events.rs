@@ -1,0 +1,90 @@
+//! KV events: what a worker tells the router about the blocks it caches (DESIGN §4).
+
+use super::{DpRank, LocalHash, SeqHash, Tier, WorkerId};
+
+/// One message of a worker's event stream: consecutive events of one (worker, dp rank,
+/// epoch), with ids that continue the previous batch's without a gap.
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct EventBatch {
+    /// The publishing worker.
+    pub worker: WorkerId,
+    /// Its data-parallel rank; each rank has its own cache and its own id sequence.
+    pub dp_rank: DpRank,
+    /// The worker process incarnation (random at start). A new epoch means a restart.
+    pub epoch: u64,
+    /// When the worker sent the batch, µs since the Unix epoch (0 = unknown); the router
+    /// derives event lag from it.
+    pub sent_unix_us: u64,
+    /// The events, ids ascending by one.
+    pub events: Vec<KvEvent>,
+}
+
+/// One change to a worker's cache.
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct KvEvent {
+    /// Position in the (worker, dp rank, epoch) stream: starts at 1, no gaps.
+    pub id: u64,
+    /// The memory tier the change happened in.
+    pub tier: Tier,
+    /// What changed.
+    pub data: KvEventData,
+}
+
+/// The three things that can happen to a cache.
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum KvEventData {
+    /// Blocks became resident: a chain continuing `parent` (or starting a sequence).
+    Stored {
+        /// `SeqHash` of the block just before `blocks[0]`; `None` at a sequence's root.
+        parent: Option<SeqHash>,
+        /// The stored blocks, in sequence order.
+        blocks: Vec<StoredBlock>,
+    },
+    /// Blocks left the tier. Order is irrelevant and unknown hashes are tolerated.
+    Removed {
+        /// The removed blocks.
+        blocks: Vec<SeqHash>,
+    },
+    /// Everything in the tier is gone.
+    Cleared,
+}
+
+/// A stored block, named both ways: by prefix (`seq`, for events) and by content (`local`,
+/// for lookups).
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize,
+)]
+pub struct StoredBlock {
+    /// Hash of the prefix ending at this block.
+    pub seq: SeqHash,
+    /// Hash of this block's tokens.
+    pub local: LocalHash,
+}
+
+impl KvEventData {
+    /// How many blocks the event names (0 for `Cleared`).
+    pub fn block_count(&self) -> usize {
+        match self {
+            KvEventData::Stored { blocks, .. } => blocks.len(),
+            KvEventData::Removed { blocks } => blocks.len(),
+            KvEventData::Cleared => 0,
+        }
+    }
+}
+
+impl EventBatch {
+    /// Id of the first event, if any.
+    pub fn first_id(&self) -> Option<u64> {
+        self.events.first().map(|e| e.id)
+    }
+
+    /// Id of the last event, if any.
+    pub fn last_id(&self) -> Option<u64> {
+        self.events.last().map(|e| e.id)
+    }
+
+    /// Total blocks named by all events.
+    pub fn block_count(&self) -> usize {
+        self.events.iter().map(|e| e.data.block_count()).sum()
+    }
+}

@@ -1,0 +1,445 @@
+use std::num::NonZeroUsize;
+
+use proptest::prelude::*;
+
+use super::*;
+
+fn bs(n: usize) -> NonZeroUsize {
+    NonZeroUsize::new(n).unwrap()
+}
+
+#[derive(serde::Deserialize)]
+struct Golden {
+    seed: u64,
+    cases: Vec<GoldenCase>,
+}
+
+#[derive(serde::Deserialize)]
+struct GoldenCase {
+    name: String,
+    block_size: usize,
+    salt: String,
+    tokens: Vec<u32>,
+    blocks: Vec<GoldenBlock>,
+}
+
+#[derive(serde::Deserialize)]
+struct GoldenBlock {
+    local: String,
+    seq: String,
+}
+
+#[test]
+fn hashing_matches_independent_golden_vectors() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/hashes.json");
+    let golden: Golden = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    assert_eq!(golden.seed, HASH_SEED);
+    assert!(
+        golden.cases.len() >= 40,
+        "only {} golden cases",
+        golden.cases.len()
+    );
+    for case in &golden.cases {
+        let salt = Salt(case.salt.parse().unwrap());
+        let got = hash_blocks(&case.tokens, bs(case.block_size), salt);
+        let want: Vec<BlockHash> = case
+            .blocks
+            .iter()
+            .map(|b| BlockHash {
+                local: LocalHash(b.local.parse().unwrap()),
+                seq: SeqHash(b.seq.parse().unwrap()),
+            })
+            .collect();
+        assert_eq!(got, want, "golden case {}", case.name);
+    }
+}
+
+#[test]
+fn unsalted_root_seq_equals_local() {
+    let tokens: Vec<u32> = (0..64).collect();
+    let blocks = hash_blocks(&tokens, bs(16), Salt::NONE);
+    assert_eq!(blocks.len(), 4);
+    assert_eq!(blocks[0].seq.0, blocks[0].local.0);
+    assert_ne!(blocks[1].seq.0, blocks[1].local.0);
+}
+
+#[test]
+fn salt_changes_every_seq_but_no_local() {
+    let tokens: Vec<u32> = (0..64).collect();
+    let plain = hash_blocks(&tokens, bs(16), Salt::NONE);
+    let salted = hash_blocks(&tokens, bs(16), Salt(9));
+    for (p, s) in plain.iter().zip(&salted) {
+        assert_eq!(p.local, s.local);
+        assert_ne!(p.seq, s.seq);
+    }
+}
+
+#[test]
+fn partial_tail_is_not_hashed() {
+    let tokens: Vec<u32> = (0..40).collect();
+    assert_eq!(hash_blocks(&tokens, bs(16), Salt::NONE).len(), 2);
+    assert!(hash_blocks(&tokens[..15], bs(16), Salt::NONE).is_empty());
+    assert!(hash_blocks(&[], bs(16), Salt::NONE).is_empty());
+}
+
+#[test]
+fn extending_from_a_parent_equals_hashing_the_whole() {
+    let tokens: Vec<u32> = (1000..1160).collect();
+    let whole = hash_blocks(&tokens, bs(16), Salt(5));
+    let mut split = hash_blocks(&tokens[..64], bs(16), Salt(5));
+    let parent = split.last().map(|b| b.seq);
+    extend_blocks(parent, &tokens[64..], bs(16), Salt(5), &mut split);
+    assert_eq!(whole, split);
+}
+
+#[test]
+fn streaming_path_for_huge_blocks_equals_one_shot() {
+    // Blocks above the stack buffer stream through Xxh3; both paths must agree.
+    let tokens: Vec<u32> = (0..5000).map(|i| i * 7919).collect();
+    let mut bytes = Vec::new();
+    for t in &tokens {
+        bytes.extend_from_slice(&t.to_le_bytes());
+    }
+    let want = xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, HASH_SEED);
+    assert_eq!(local_hash(&tokens), LocalHash(want));
+}
+
+fn stored(id: u64, parent: Option<u64>, seqs: std::ops::Range<u64>) -> KvEvent {
+    KvEvent {
+        id,
+        tier: Tier::Device,
+        data: KvEventData::Stored {
+            parent: parent.map(SeqHash),
+            blocks: seqs
+                .map(|s| StoredBlock {
+                    seq: SeqHash(s),
+                    local: LocalHash(s ^ 0xff),
+                })
+                .collect(),
+        },
+    }
+}
+
+fn batch(events: Vec<KvEvent>) -> EventBatch {
+    EventBatch {
+        worker: WorkerId(7),
+        dp_rank: DpRank(1),
+        epoch: 99,
+        sent_unix_us: 123,
+        events,
+    }
+}
+
+#[test]
+fn codec_roundtrip_and_header() {
+    let b = batch(vec![
+        stored(1, None, 0..3),
+        KvEvent {
+            id: 2,
+            tier: Tier::Host,
+            data: KvEventData::Removed {
+                blocks: vec![SeqHash(1)],
+            },
+        },
+        KvEvent {
+            id: 3,
+            tier: Tier::Disk,
+            data: KvEventData::Cleared,
+        },
+    ]);
+    let bytes = encode(&b).unwrap();
+    assert_eq!(&bytes[..3], b"KVR");
+    assert_eq!(bytes[3], FORMAT_VERSION);
+    assert_eq!(decode(&bytes, &Limits::default()).unwrap(), b);
+}
+
+#[test]
+fn decode_rejects_bad_headers_and_limits() {
+    let limits = Limits::default();
+    let good = encode(&batch(vec![stored(1, None, 0..4)])).unwrap();
+    assert!(matches!(
+        decode(&good[..2], &limits),
+        Err(DecodeError::Truncated { len: 2 })
+    ));
+    let mut bad = good.clone();
+    bad[0] = b'X';
+    assert!(matches!(
+        decode(&bad, &limits),
+        Err(DecodeError::BadMagic { .. })
+    ));
+    let mut bad = good.clone();
+    bad[3] = 200;
+    assert!(matches!(
+        decode(&bad, &limits),
+        Err(DecodeError::UnsupportedVersion { found: 200 })
+    ));
+    assert!(matches!(
+        decode(&good[..good.len() - 1], &limits),
+        Err(DecodeError::Malformed { .. })
+    ));
+    let tight = Limits {
+        max_payload_bytes: good.len() - 1,
+        ..limits
+    };
+    assert!(matches!(
+        decode(&good, &tight),
+        Err(DecodeError::TooLarge { .. })
+    ));
+    let few_blocks = Limits {
+        max_blocks: 3,
+        ..limits
+    };
+    assert!(matches!(
+        decode(&good, &few_blocks),
+        Err(DecodeError::TooManyBlocks { count: 4, .. })
+    ));
+    let two = encode(&batch(vec![
+        stored(1, None, 0..1),
+        stored(2, Some(0), 1..2),
+    ]))
+    .unwrap();
+    let one_event = Limits {
+        max_events: 1,
+        ..limits
+    };
+    assert!(matches!(
+        decode(&two, &one_event),
+        Err(DecodeError::TooManyEvents { count: 2, .. })
+    ));
+}
+
+#[test]
+fn decode_rejects_id_gaps_and_zero() {
+    let limits = Limits::default();
+    let gap = encode(&batch(vec![
+        stored(4, None, 0..1),
+        stored(6, Some(0), 1..2),
+    ]))
+    .unwrap();
+    assert!(matches!(
+        decode(&gap, &limits),
+        Err(DecodeError::BadEventId {
+            found: 6,
+            expected: 5
+        })
+    ));
+    let zero = encode(&batch(vec![stored(0, None, 0..1)])).unwrap();
+    assert!(matches!(
+        decode(&zero, &limits),
+        Err(DecodeError::BadEventId { found: 0, .. })
+    ));
+    let wrap = encode(&batch(vec![
+        stored(u64::MAX, None, 0..1),
+        stored(0, Some(0), 1..2),
+    ]))
+    .unwrap();
+    assert!(decode(&wrap, &limits).is_err());
+}
+
+#[test]
+fn size_model_is_an_upper_bound() {
+    for events in [
+        vec![],
+        vec![stored(1, None, 0..1)],
+        vec![stored(1, Some(3), 0..1000)],
+        vec![KvEvent {
+            id: 1,
+            tier: Tier::Host,
+            data: KvEventData::Removed {
+                blocks: vec![SeqHash(1); 999],
+            },
+        }],
+        (1..=100)
+            .map(|id| KvEvent {
+                id,
+                tier: Tier::Remote,
+                data: KvEventData::Cleared,
+            })
+            .collect(),
+    ] {
+        let b = batch(events);
+        assert!(encode(&b).unwrap().len() <= codec_bound(&b));
+    }
+}
+
+fn codec_bound(b: &EventBatch) -> usize {
+    // Mirrors the constants of codec.rs; if the layout grows this test fails first.
+    68 + b
+        .events
+        .iter()
+        .map(|e| {
+            48 + match &e.data {
+                KvEventData::Stored { blocks, .. } => 16 * blocks.len(),
+                KvEventData::Removed { blocks } => 8 * blocks.len(),
+                KvEventData::Cleared => 0,
+            }
+        })
+        .sum::<usize>()
+}
+
+#[test]
+fn split_rejects_a_limit_that_holds_nothing() {
+    assert!(matches!(
+        split_batch(&batch(vec![stored(1, None, 0..1)]), 10),
+        Err(EncodeError::LimitTooSmall { .. })
+    ));
+}
+
+#[test]
+fn split_cuts_one_huge_stored_event_into_a_chain() {
+    let b = batch(vec![
+        stored(10, Some(77), 0..10_000),
+        stored(11, Some(9_999), 10_000..10_001),
+    ]);
+    let parts = split_batch(&b, 4096).unwrap();
+    assert!(parts.len() > 30);
+    let events: Vec<&KvEvent> = parts.iter().flat_map(|p| &p.events).collect();
+    let mut parent = Some(SeqHash(77));
+    let mut seqs = Vec::new();
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(e.id, 10 + i as u64);
+        let KvEventData::Stored { parent: p, blocks } = &e.data else {
+            panic!("not stored")
+        };
+        assert_eq!(*p, parent);
+        parent = blocks.last().map(|b| b.seq);
+        seqs.extend(blocks.iter().map(|b| b.seq.0));
+    }
+    assert_eq!(seqs, (0..10_001).collect::<Vec<_>>());
+    for bytes in encode_split(&b, 4096).unwrap() {
+        assert!(bytes.len() <= 4096);
+    }
+}
+
+fn arb_event_data() -> impl Strategy<Value = KvEventData> {
+    prop_oneof![
+        (
+            proptest::option::of(any::<u64>()),
+            proptest::collection::vec((any::<u64>(), any::<u64>()), 0..300)
+        )
+            .prop_map(|(parent, blocks)| KvEventData::Stored {
+                parent: parent.map(SeqHash),
+                blocks: blocks
+                    .into_iter()
+                    .map(|(s, l)| StoredBlock {
+                        seq: SeqHash(s),
+                        local: LocalHash(l)
+                    })
+                    .collect(),
+            }),
+        proptest::collection::vec(any::<u64>(), 0..300).prop_map(|b| KvEventData::Removed {
+            blocks: b.into_iter().map(SeqHash).collect()
+        }),
+        Just(KvEventData::Cleared),
+    ]
+}
+
+fn arb_tier() -> impl Strategy<Value = Tier> {
+    prop_oneof![
+        Just(Tier::Device),
+        Just(Tier::Host),
+        Just(Tier::Disk),
+        Just(Tier::Remote)
+    ]
+}
+
+fn arb_batch() -> impl Strategy<Value = EventBatch> {
+    (
+        any::<u64>(),
+        any::<u32>(),
+        any::<u64>(),
+        any::<u64>(),
+        1u64..1_000_000,
+        proptest::collection::vec((arb_tier(), arb_event_data()), 0..20),
+    )
+        .prop_map(|(worker, rank, epoch, sent, first, events)| EventBatch {
+            worker: WorkerId(worker),
+            dp_rank: DpRank(rank),
+            epoch,
+            sent_unix_us: sent,
+            events: events
+                .into_iter()
+                .enumerate()
+                .map(|(i, (tier, data))| KvEvent {
+                    id: first + i as u64,
+                    tier,
+                    data,
+                })
+                .collect(),
+        })
+}
+
+/// Flattens a batch's events into (tier, kind, block) items in order, with Stored chains
+/// resolved so that a split chain compares equal to the original.
+fn flatten(events: &[KvEvent]) -> Vec<(Tier, u8, u64, u64)> {
+    let mut out = Vec::new();
+    for e in events {
+        match &e.data {
+            KvEventData::Stored { blocks, .. } => {
+                out.extend(blocks.iter().map(|b| (e.tier, 0, b.seq.0, b.local.0)));
+            }
+            KvEventData::Removed { blocks } => {
+                out.extend(blocks.iter().map(|b| (e.tier, 1, b.0, 0)))
+            }
+            KvEventData::Cleared => out.push((e.tier, 2, 0, 0)),
+        }
+    }
+    out
+}
+
+proptest! {
+    #[test]
+    fn prop_encode_decode_roundtrip(b in arb_batch()) {
+        let bytes = encode(&b).unwrap();
+        prop_assert_eq!(decode(&bytes, &Limits::default()).unwrap(), b);
+    }
+
+    #[test]
+    fn prop_decode_arbitrary_bytes_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let _ = decode(&bytes, &Limits::default());
+    }
+
+    #[test]
+    fn prop_decode_corrupted_payload_never_panics(
+        b in arb_batch(),
+        flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..8),
+    ) {
+        let mut bytes = encode(&b).unwrap();
+        for (at, value) in flips {
+            let i = at.index(bytes.len());
+            bytes[i] = value;
+        }
+        if let Ok(decoded) = decode(&bytes, &Limits::default()) {
+            // Whatever validates must satisfy the semantic checks.
+            for pair in decoded.events.windows(2) {
+                prop_assert_eq!(pair[1].id, pair[0].id + 1);
+            }
+        }
+    }
+
+    #[test]
+    fn prop_split_keeps_every_event_once_with_contiguous_ids(
+        b in arb_batch(),
+        limit in 200usize..20_000,
+    ) {
+        let parts = split_batch(&b, limit).unwrap();
+        let payloads = encode_split(&b, limit).unwrap();
+        prop_assert_eq!(parts.len(), payloads.len());
+        let mut expected_id = b.first_id().unwrap_or(1);
+        let mut all = Vec::new();
+        for (part, bytes) in parts.iter().zip(&payloads) {
+            prop_assert!(bytes.len() <= limit);
+            let decoded = decode(bytes, &Limits::default()).unwrap();
+            prop_assert_eq!(&decoded, part);
+            prop_assert_eq!((part.worker, part.dp_rank, part.epoch), (b.worker, b.dp_rank, b.epoch));
+            for e in &part.events {
+                prop_assert_eq!(e.id, expected_id);
+                expected_id += 1;
+            }
+            all.extend(part.events.iter().cloned());
+        }
+        prop_assert_eq!(flatten(&all), flatten(&b.events));
+        // Split Stored pieces chain: each piece's parent is the previous piece's last block.
+        prop_assert!(all.len() >= b.events.len());
+    }
+}
