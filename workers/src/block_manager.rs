@@ -1,0 +1,584 @@
+//! The worker's KV cache: fixed pools of G1 (device) and G2 (host) block slots, a prefix
+//! cache over them, eviction, and the G1↔G2 copies between them (timed by
+//! [`crate::offload::Link`]).
+//!
+//! A block slot moves free → mutable (being filled by one request) → registered (full,
+//! shared, refcounted) → inactive (nobody uses it, still cached) → evicted/free. Requests
+//! hold their blocks through a [`Lease`]; dropping it releases every block, in any state.
+//!
+//! G1 eviction is where G2 comes in: an inactive block worth keeping (hit before, or
+//! extended by cached blocks) is copied to G2 first. It leaves G1's index at once (announced
+//! as removed from the device tier), but its slot stays registered, held by the copy, until
+//! the copy ends; the G2 slot is reserved before the copy starts. A prefix
+//! hit in G2 is onboarded the other way: the request reserves G1 slots, waits for the copy,
+//! and only then holds a G1 hit.
+
+mod eviction;
+mod pool;
+
+use std::sync::Arc;
+
+use kvroute::protocol::{SeqHash, StoredBlock, Tier};
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+
+pub use eviction::{EvictionKind, EvictionPolicy, LineageLru, Lru};
+use pool::{Pool, State};
+
+use crate::EngineConfig;
+use crate::offload::{KvStore, Link, TransferId};
+
+/// A block slot within one tier's pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BlockId(pub u32);
+
+impl BlockId {
+    fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// A change to the resident set of a tier, in the order it happened; the publisher turns
+/// these into KV events.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Change {
+    /// A block became resident in `tier`.
+    Stored {
+        /// The tier.
+        tier: Tier,
+        /// `SeqHash` of the block it extends.
+        parent: Option<SeqHash>,
+        /// The block.
+        block: StoredBlock,
+    },
+    /// A block left `tier`.
+    Removed {
+        /// The tier.
+        tier: Tier,
+        /// The block.
+        seq: SeqHash,
+    },
+}
+
+/// How far a request's blocks are cached.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixMatch {
+    /// Leading blocks resident in G1 (active or inactive).
+    pub device: usize,
+    /// Blocks after those resident in G2 (to be onboarded).
+    pub host: usize,
+}
+
+/// Slot counts of one tier by state; they always add up to `capacity`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierUsage {
+    /// Slots in the pool.
+    pub capacity: usize,
+    /// Unused slots.
+    pub free: usize,
+    /// Slots being filled, owned by one request.
+    pub mutable: usize,
+    /// Full blocks in use.
+    pub registered: usize,
+    /// Full blocks nobody uses (cached, evictable).
+    pub inactive: usize,
+}
+
+/// Cumulative counters of the cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Blocks requests found in G1.
+    pub device_hits: u64,
+    /// Blocks onboarded from G2 for requests.
+    pub onboarded: u64,
+    /// Blocks copied G1 → G2 on eviction.
+    pub offloaded: u64,
+    /// Blocks dropped from G1 (copied or not).
+    pub device_evictions: u64,
+    /// Blocks dropped from G2.
+    pub host_evictions: u64,
+}
+
+/// Why an allocation did not happen. Nothing was taken either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AllocError {
+    /// Enough slots are on their way back (G1→G2 copies finishing): try again at
+    /// [`BlockManager::next_wakeup_us`].
+    #[error("waiting for offload copies to free G1 slots")]
+    Pending,
+    /// Not enough slots can be freed now: running requests hold them.
+    #[error("not enough free or evictable G1 slots")]
+    Insufficient,
+}
+
+/// A loud failure of the copy engine.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum OffloadError {
+    /// Bytes onboarded from G2 differ from the block's pattern.
+    #[error("onboarded block {seq:?} does not hold its bytes: G2 data corrupted")]
+    Corrupt {
+        /// The block.
+        seq: SeqHash,
+    },
+}
+
+#[derive(Debug)]
+struct Inner {
+    g1: Pool,
+    g2: Pool,
+    tick: u64,
+    changes: Vec<Change>,
+    d2h: Link,
+    h2d: Link,
+    /// Copies G1 → G2 in flight on `d2h`: (G1 source, reserved G2 slot) pairs.
+    offloads: FxHashMap<TransferId, Vec<(BlockId, BlockId)>>,
+    /// Copies G2 → G1 in flight on `h2d`: (G2 source, reserved G1 slot) pairs.
+    onboards: FxHashMap<TransferId, Vec<(BlockId, BlockId)>>,
+    /// G1 slots held only by an offload copy: they come back when it ends.
+    offloading: usize,
+    block_bytes: u64,
+    offload_min_hits: u32,
+    offload_parents: bool,
+    bytes: Option<KvStore>,
+    stats: CacheStats,
+}
+
+/// The two tiers and their copy engine. Cheap to clone: clones share the cache.
+#[derive(Clone, Debug)]
+pub struct BlockManager {
+    inner: Arc<Mutex<Inner>>,
+}
+
+/// A request's blocks: its G1 blocks in sequence order (shared prefix hits, then its own
+/// mutable ones) and the G2 blocks pinned for an onboard. Dropping it releases them all.
+#[derive(Debug)]
+#[must_use = "dropping a lease releases its blocks"]
+pub struct Lease {
+    inner: Arc<Mutex<Inner>>,
+    blocks: Vec<BlockId>,
+    host_pins: Vec<BlockId>,
+}
+
+/// Names an onboard copy a request waits for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct OnboardTicket(pub u64);
+
+impl BlockManager {
+    /// Empty pools sized by `config`.
+    pub fn new(config: &EngineConfig) -> Self {
+        let bytes = config
+            .kv_bytes
+            .map(|layout| KvStore::new(layout, config.g1_blocks, config.g2_blocks));
+        BlockManager {
+            inner: Arc::new(Mutex::new(Inner {
+                g1: Pool::new(Tier::Device, config.g1_blocks, config.eviction.policy()),
+                g2: Pool::new(Tier::Host, config.g2_blocks, config.eviction.policy()),
+                tick: 0,
+                changes: Vec::new(),
+                d2h: Link::new(config.link_gbps),
+                h2d: Link::new(config.link_gbps),
+                offloads: FxHashMap::default(),
+                onboards: FxHashMap::default(),
+                offloading: 0,
+                block_bytes: config.block_bytes(),
+                offload_min_hits: config.offload_min_hits,
+                offload_parents: config.offload_parents,
+                bytes,
+                stats: CacheStats::default(),
+            })),
+        }
+    }
+
+    /// How far `seqs` (a request's block hashes in order) is cached: the G1 prefix, then
+    /// its continuation in G2. Changes nothing.
+    pub fn match_prefix(&self, seqs: &[SeqHash]) -> PrefixMatch {
+        let inner = self.inner.lock();
+        inner.match_prefix(seqs)
+    }
+
+    /// Takes the cached prefix of `seqs` for a request: references on its G1 blocks, and
+    /// pins on the G2 blocks after them so that they survive until onboarded.
+    pub fn acquire_prefix(&self, seqs: &[SeqHash]) -> (Lease, PrefixMatch) {
+        let mut inner = self.inner.lock();
+        let found = inner.match_prefix(seqs);
+        let inner = &mut *inner;
+        inner.tick += 1;
+        let tick = inner.tick;
+        let mut blocks = Vec::with_capacity(seqs.len());
+        for seq in &seqs[..found.device] {
+            let id = inner
+                .g1
+                .lookup(*seq)
+                .expect("invariant: matched block is indexed");
+            inner.g1.acquire(id, tick);
+            inner.g1.slot_mut(id).hits += 1;
+            blocks.push(id);
+        }
+        inner.stats.device_hits += found.device as u64;
+        let mut host_pins = Vec::with_capacity(found.host);
+        for seq in &seqs[found.device..found.device + found.host] {
+            let id = inner
+                .g2
+                .lookup(*seq)
+                .expect("invariant: matched block is indexed");
+            inner.g2.acquire(id, tick);
+            inner.g2.slot_mut(id).hits += 1;
+            host_pins.push(id);
+        }
+        (
+            Lease {
+                inner: Arc::clone(&self.inner),
+                blocks,
+                host_pins,
+            },
+            found,
+        )
+    }
+
+    /// An empty lease (a request with no cached prefix).
+    pub fn lease(&self) -> Lease {
+        Lease {
+            inner: Arc::clone(&self.inner),
+            blocks: Vec::new(),
+            host_pins: Vec::new(),
+        }
+    }
+
+    /// Appends `n` fresh mutable G1 blocks to `lease`, all or none, evicting inactive
+    /// blocks as the policy orders (and copying those worth keeping to G2).
+    pub fn allocate(&self, now_us: u64, lease: &mut Lease, n: usize) -> Result<(), AllocError> {
+        debug_assert!(Arc::ptr_eq(&self.inner, &lease.inner));
+        let mut inner = self.inner.lock();
+        inner.make_room(now_us, n)?;
+        for _ in 0..n {
+            let id = inner.g1.take_free().expect("invariant: room was made");
+            lease.blocks.push(id);
+        }
+        Ok(())
+    }
+
+    /// Starts copying the lease's pinned G2 blocks into its G1 blocks from index `first`
+    /// on (slots from [`BlockManager::allocate`]). They become G1 hits when the copy ends.
+    pub fn start_onboard(&self, now_us: u64, lease: &mut Lease, first: usize) -> OnboardTicket {
+        let mut inner = self.inner.lock();
+        let inner = &mut *inner;
+        let pins = std::mem::take(&mut lease.host_pins);
+        let mut pairs = Vec::with_capacity(pins.len());
+        for (i, g2) in pins.into_iter().enumerate() {
+            let g1 = lease.blocks[first + i];
+            inner.g1.slot_mut(g1).in_transfer = true;
+            pairs.push((g2, g1));
+        }
+        let id = inner
+            .h2d
+            .start(now_us, inner.block_bytes * pairs.len() as u64);
+        inner.stats.onboarded += pairs.len() as u64;
+        inner.onboards.insert(id, pairs);
+        OnboardTicket(id.0)
+    }
+
+    /// Marks the lease's block `index` full with hash `block` extending `parent`, fills its
+    /// bytes in byte mode, and registers it in G1 (announcing it) unless G1 already holds
+    /// that hash.
+    pub fn register(
+        &self,
+        lease: &Lease,
+        index: usize,
+        parent: Option<SeqHash>,
+        block: StoredBlock,
+    ) {
+        let mut inner = self.inner.lock();
+        let inner = &mut *inner;
+        let id = lease.blocks[index];
+        inner.tick += 1;
+        if let Some(bytes) = &mut inner.bytes {
+            bytes.fill(id.index(), block.seq);
+        }
+        inner
+            .g1
+            .register(id, parent, block, inner.tick, &mut inner.changes);
+    }
+
+    /// Completes every copy finished by `now_us`: offloaded blocks become G2 blocks and
+    /// free their G1 slots; onboarded blocks become G1 blocks, and their tickets are
+    /// appended to `ready`.
+    pub fn advance(&self, now_us: u64, ready: &mut Vec<OnboardTicket>) -> Result<(), OffloadError> {
+        let mut inner = self.inner.lock();
+        inner.advance(now_us, ready)
+    }
+
+    /// When the next copy completes, if any is in flight.
+    pub fn next_wakeup_us(&self) -> Option<u64> {
+        let inner = self.inner.lock();
+        match (
+            inner.d2h.next_completion_us(),
+            inner.h2d.next_completion_us(),
+        ) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Moves the changes recorded since the last call into `out`.
+    pub fn drain_changes(&self, out: &mut Vec<Change>) {
+        out.append(&mut self.inner.lock().changes);
+    }
+
+    /// Slot counts of a tier.
+    pub fn usage(&self, tier: Tier) -> TierUsage {
+        let inner = self.inner.lock();
+        match tier {
+            Tier::Device => inner.g1.usage(),
+            _ => inner.g2.usage(),
+        }
+    }
+
+    /// Counters since creation.
+    pub fn stats(&self) -> CacheStats {
+        self.inner.lock().stats
+    }
+
+    /// The blocks resident (registered or inactive) in a tier, with their parents.
+    pub fn resident(&self, tier: Tier) -> Vec<(Option<SeqHash>, StoredBlock)> {
+        let inner = self.inner.lock();
+        let pool = if tier == Tier::Device {
+            &inner.g1
+        } else {
+            &inner.g2
+        };
+        pool.resident()
+            .map(|(seq, slot)| {
+                (
+                    slot.parent,
+                    StoredBlock {
+                        seq,
+                        local: slot.local,
+                    },
+                )
+            })
+            .collect()
+    }
+
+    /// Checks every invariant: per tier, free + mutable + registered + inactive ==
+    /// capacity, no hash resident twice, index, child counts and eviction order agree.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let inner = self.inner.lock();
+        inner.g1.check()?;
+        inner.g2.check()?;
+        let held = inner.offloads.values().map(Vec::len).sum::<usize>();
+        if held < inner.offloading {
+            return Err(format!(
+                "{} G1 slots counted offloading, {held} in copies",
+                inner.offloading
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether G1 slot `id` holds the byte pattern of `seq` (byte mode only).
+    pub fn verify_bytes(&self, id: BlockId, seq: SeqHash) -> Option<bool> {
+        let inner = self.inner.lock();
+        inner.bytes.as_ref().map(|b| b.verify(id.index(), seq))
+    }
+
+    #[cfg(test)]
+    fn corrupt_host_block(&self, seq: SeqHash) {
+        let mut inner = self.inner.lock();
+        let id = inner.g2.lookup(seq).expect("block in G2");
+        if let Some(bytes) = &mut inner.bytes {
+            bytes.corrupt_g2(id.index());
+        }
+    }
+}
+
+impl Inner {
+    fn match_prefix(&self, seqs: &[SeqHash]) -> PrefixMatch {
+        let device = seqs
+            .iter()
+            .take_while(|s| self.g1.lookup(**s).is_some())
+            .count();
+        let host = seqs[device..]
+            .iter()
+            .take_while(|s| self.g2.lookup(**s).is_some())
+            .count();
+        PrefixMatch { device, host }
+    }
+
+    /// Gets `n` G1 slots free, evicting as needed; `Pending` if copies must finish first.
+    fn make_room(&mut self, now_us: u64, n: usize) -> Result<(), AllocError> {
+        if self.g1.free_count() >= n {
+            return Ok(());
+        }
+        if self.g1.free_count() + self.offloading + self.g1.inactive_count() < n {
+            return Err(AllocError::Insufficient);
+        }
+        let mut copies = Vec::new();
+        while self.g1.free_count() + self.offloading < n {
+            let Some(victim) = self.g1.pop_victim() else {
+                break;
+            };
+            let slot = self.g1.slot(victim);
+            let seq = slot.seq;
+            let keep = slot.hits >= self.offload_min_hits
+                || (self.offload_parents
+                    && (self.g1.has_children(seq) || self.g2.has_children(seq)));
+            if keep
+                && self.g2.capacity() > 0
+                && self.g2.lookup(seq).is_none()
+                && let Some(g2) = self.reserve_g2()
+            {
+                self.g1.detach(victim, &mut self.changes);
+                self.stats.device_evictions += 1;
+                self.offloading += 1;
+                copies.push((victim, g2));
+                continue;
+            }
+            self.g1.evict(victim, &mut self.changes);
+            self.stats.device_evictions += 1;
+        }
+        if !copies.is_empty() {
+            let id = self
+                .d2h
+                .start(now_us, self.block_bytes * copies.len() as u64);
+            self.offloads.insert(id, copies);
+        }
+        if self.g1.free_count() >= n {
+            Ok(())
+        } else if self.g1.free_count() + self.offloading >= n {
+            Err(AllocError::Pending)
+        } else {
+            Err(AllocError::Insufficient)
+        }
+    }
+
+    /// A G2 slot for an offload copy: a free one, or one evicted from G2.
+    fn reserve_g2(&mut self) -> Option<BlockId> {
+        if let Some(id) = self.g2.take_free() {
+            return Some(id);
+        }
+        let victim = self.g2.pop_victim()?;
+        self.g2.evict(victim, &mut self.changes);
+        self.stats.host_evictions += 1;
+        self.g2.take_free()
+    }
+
+    fn advance(&mut self, now_us: u64, ready: &mut Vec<OnboardTicket>) -> Result<(), OffloadError> {
+        let mut done = Vec::new();
+        self.d2h.advance(now_us, &mut done);
+        for (id, _) in done.drain(..) {
+            if let Some(pairs) = self.offloads.remove(&id) {
+                self.finish_offload(pairs);
+            }
+        }
+        self.h2d.advance(now_us, &mut done);
+        let mut result = Ok(());
+        for (id, _) in done {
+            if let Some(pairs) = self.onboards.remove(&id)
+                && let Err(e) = self.finish_onboard(pairs)
+            {
+                result = Err(e);
+            }
+            ready.push(OnboardTicket(id.0));
+        }
+        result
+    }
+
+    fn finish_offload(&mut self, pairs: Vec<(BlockId, BlockId)>) {
+        self.tick += 1;
+        let tick = self.tick;
+        for (g1, g2) in pairs {
+            if let Some(bytes) = &mut self.bytes {
+                bytes.gather(g1.index(), g2.index());
+            }
+            let slot = self.g1.slot(g1);
+            let block = StoredBlock {
+                seq: slot.seq,
+                local: slot.local,
+            };
+            let parent = slot.parent;
+            if self.g2.register(g2, parent, block, tick, &mut self.changes) {
+                self.g2.release(g2, tick);
+            } else {
+                self.g2.free_mutable(g2);
+            }
+            self.stats.offloaded += 1;
+            self.offloading -= 1;
+            self.g1.release_detached(g1);
+        }
+    }
+
+    fn finish_onboard(&mut self, pairs: Vec<(BlockId, BlockId)>) -> Result<(), OffloadError> {
+        self.tick += 1;
+        let tick = self.tick;
+        let mut result = Ok(());
+        for (g2, g1) in pairs {
+            let source = self.g2.slot(g2);
+            let block = StoredBlock {
+                seq: source.seq,
+                local: source.local,
+            };
+            let parent = source.parent;
+            if let Some(bytes) = &mut self.bytes {
+                bytes.scatter(g2.index(), g1.index());
+                if !bytes.verify(g1.index(), block.seq) {
+                    result = Err(OffloadError::Corrupt { seq: block.seq });
+                }
+            }
+            self.g2.release(g2, tick);
+            let slot = self.g1.slot_mut(g1);
+            slot.in_transfer = false;
+            if slot.abandoned {
+                self.g1.free_mutable(g1);
+            } else {
+                self.g1.register(g1, parent, block, tick, &mut self.changes);
+            }
+        }
+        result
+    }
+}
+
+impl Lease {
+    /// G1 blocks held, in sequence order.
+    pub fn blocks(&self) -> &[BlockId] {
+        &self.blocks
+    }
+
+    /// Number of G1 blocks held.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Whether the lease holds no G1 block.
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let mut inner = self.inner.lock();
+        let inner = &mut *inner;
+        // Last block first, each a tick apart: a sequence's tail is less recent than its
+        // head, so even plain LRU evicts a chain from its end.
+        for &id in self.blocks.iter().rev() {
+            inner.tick += 1;
+            let tick = inner.tick;
+            let slot = inner.g1.slot_mut(id);
+            match slot.state {
+                State::Mutable if slot.in_transfer => slot.abandoned = true,
+                State::Mutable => inner.g1.free_mutable(id),
+                State::Registered => inner.g1.release(id, tick),
+                State::Free | State::Inactive => {
+                    debug_assert!(false, "invariant: a leased block is mutable or registered");
+                }
+            }
+        }
+        for &id in &self.host_pins {
+            inner.tick += 1;
+            inner.g2.release(id, inner.tick);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,374 @@
+//! One tier's fixed pool of block slots: states, the hash index, child counts and the
+//! eviction order.
+
+use std::collections::BTreeSet;
+
+use kvroute::protocol::{LocalHash, SeqHash, StoredBlock, Tier};
+use rustc_hash::FxHashMap;
+
+use super::{BlockId, Change, EvictionPolicy, TierUsage};
+
+/// Lifecycle of a slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum State {
+    /// Unused.
+    Free,
+    /// Owned by one request: being filled (or a full private copy of a hash already
+    /// registered by another request, which is never shared).
+    Mutable,
+    /// Full, in the hash index, used by `refs` requests or transfers.
+    Registered,
+    /// Full, in the hash index, used by nobody: cached and evictable.
+    Inactive,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct Slot {
+    pub state: State,
+    pub refs: u32,
+    pub seq: SeqHash,
+    pub local: LocalHash,
+    pub parent: Option<SeqHash>,
+    pub last_used: u64,
+    pub hits: u32,
+    /// Key in `Pool::evictable` while the slot is there.
+    evict_key: Option<u64>,
+    /// A mutable slot an onboard copy is writing.
+    pub in_transfer: bool,
+    /// Its lease was dropped during the copy: free it when the copy ends.
+    pub abandoned: bool,
+    /// Evicted from the index and held (registered, one ref) by the copy to G2 that reads
+    /// it; freed when the copy ends.
+    pub detached: bool,
+}
+
+impl Slot {
+    fn empty() -> Self {
+        Slot {
+            state: State::Free,
+            refs: 0,
+            seq: SeqHash(0),
+            local: LocalHash(0),
+            parent: None,
+            last_used: 0,
+            hits: 0,
+            evict_key: None,
+            in_transfer: false,
+            abandoned: false,
+            detached: false,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(super) struct Pool {
+    tier: Tier,
+    pub slots: Vec<Slot>,
+    free: Vec<BlockId>,
+    by_hash: FxHashMap<SeqHash, BlockId>,
+    /// Parent `SeqHash` → how many registered blocks of this tier extend it.
+    children: FxHashMap<SeqHash, u32>,
+    evictable: BTreeSet<(u64, BlockId)>,
+    policy: Box<dyn EvictionPolicy>,
+    mutable: usize,
+    registered: usize,
+    inactive: usize,
+    detached: usize,
+}
+
+impl Pool {
+    pub fn new(tier: Tier, capacity: usize, policy: Box<dyn EvictionPolicy>) -> Self {
+        Pool {
+            tier,
+            slots: vec![Slot::empty(); capacity],
+            // Popped from the back: hand out low slot numbers first.
+            free: (0..capacity as u32).rev().map(BlockId).collect(),
+            by_hash: FxHashMap::default(),
+            children: FxHashMap::default(),
+            evictable: BTreeSet::new(),
+            policy,
+            mutable: 0,
+            registered: 0,
+            inactive: 0,
+            detached: 0,
+        }
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn free_count(&self) -> usize {
+        self.free.len()
+    }
+
+    pub fn inactive_count(&self) -> usize {
+        self.inactive
+    }
+
+    pub fn usage(&self) -> TierUsage {
+        TierUsage {
+            capacity: self.slots.len(),
+            free: self.free.len(),
+            mutable: self.mutable,
+            registered: self.registered,
+            inactive: self.inactive,
+        }
+    }
+
+    pub fn lookup(&self, seq: SeqHash) -> Option<BlockId> {
+        self.by_hash.get(&seq).copied()
+    }
+
+    pub fn has_children(&self, seq: SeqHash) -> bool {
+        self.children.contains_key(&seq)
+    }
+
+    pub fn slot(&self, id: BlockId) -> &Slot {
+        &self.slots[id.index()]
+    }
+
+    pub fn slot_mut(&mut self, id: BlockId) -> &mut Slot {
+        &mut self.slots[id.index()]
+    }
+
+    pub fn resident(&self) -> impl Iterator<Item = (SeqHash, &Slot)> {
+        self.by_hash
+            .iter()
+            .map(|(seq, id)| (*seq, &self.slots[id.index()]))
+    }
+
+    /// Free → Mutable.
+    pub fn take_free(&mut self) -> Option<BlockId> {
+        let id = self.free.pop()?;
+        let slot = &mut self.slots[id.index()];
+        debug_assert_eq!(slot.state, State::Free);
+        *slot = Slot {
+            state: State::Mutable,
+            ..Slot::empty()
+        };
+        self.mutable += 1;
+        Some(id)
+    }
+
+    /// Mutable → Free.
+    pub fn free_mutable(&mut self, id: BlockId) {
+        let slot = &mut self.slots[id.index()];
+        debug_assert_eq!(slot.state, State::Mutable);
+        *slot = Slot::empty();
+        self.mutable -= 1;
+        self.free.push(id);
+    }
+
+    /// A request or transfer starts using a registered or inactive block.
+    pub fn acquire(&mut self, id: BlockId, tick: u64) {
+        self.set_evictable(id, false);
+        let slot = &mut self.slots[id.index()];
+        debug_assert!(matches!(slot.state, State::Registered | State::Inactive));
+        if slot.state == State::Inactive {
+            slot.state = State::Registered;
+            self.inactive -= 1;
+            self.registered += 1;
+        }
+        slot.refs += 1;
+        slot.last_used = tick;
+    }
+
+    /// A request or transfer stops using a registered block.
+    pub fn release(&mut self, id: BlockId, tick: u64) {
+        let slot = &mut self.slots[id.index()];
+        debug_assert_eq!(slot.state, State::Registered);
+        slot.refs -= 1;
+        slot.last_used = tick;
+        if slot.refs == 0 {
+            slot.state = State::Inactive;
+            self.registered -= 1;
+            self.inactive += 1;
+            self.refresh(id);
+        }
+    }
+
+    /// Mutable → full. Registers the block under its hash and announces it, unless the
+    /// tier already holds that hash: then the slot stays a private mutable copy (returns
+    /// false) and is freed with its lease.
+    pub fn register(
+        &mut self,
+        id: BlockId,
+        parent: Option<SeqHash>,
+        block: StoredBlock,
+        tick: u64,
+        changes: &mut Vec<Change>,
+    ) -> bool {
+        let slot = &mut self.slots[id.index()];
+        debug_assert_eq!(slot.state, State::Mutable);
+        slot.seq = block.seq;
+        slot.local = block.local;
+        slot.parent = parent;
+        slot.last_used = tick;
+        if self.by_hash.contains_key(&block.seq) {
+            return false;
+        }
+        slot.state = State::Registered;
+        slot.refs = 1;
+        self.mutable -= 1;
+        self.registered += 1;
+        self.by_hash.insert(block.seq, id);
+        if let Some(parent) = parent {
+            *self.children.entry(parent).or_insert(0) += 1;
+            if let Some(&p) = self.by_hash.get(&parent) {
+                self.refresh(p);
+            }
+        }
+        changes.push(Change::Stored {
+            tier: self.tier,
+            parent,
+            block,
+        });
+        true
+    }
+
+    /// The next block the policy gives up, taken out of the eviction order.
+    pub fn pop_victim(&mut self) -> Option<BlockId> {
+        let (_, id) = self.evictable.pop_first()?;
+        self.slots[id.index()].evict_key = None;
+        Some(id)
+    }
+
+    /// Inactive → Free: drops the block from the tier and announces it.
+    pub fn evict(&mut self, id: BlockId, changes: &mut Vec<Change>) {
+        self.unindex(id, changes);
+        self.slots[id.index()] = Slot::empty();
+        self.inactive -= 1;
+        self.free.push(id);
+    }
+
+    /// Inactive → registered by a copy that reads it: the block leaves the tier (index,
+    /// lineage, announced as removed) but its slot stays held until
+    /// [`Pool::release_detached`].
+    pub fn detach(&mut self, id: BlockId, changes: &mut Vec<Change>) {
+        self.unindex(id, changes);
+        let slot = &mut self.slots[id.index()];
+        slot.state = State::Registered;
+        slot.refs = 1;
+        slot.detached = true;
+        self.inactive -= 1;
+        self.registered += 1;
+        self.detached += 1;
+    }
+
+    /// The copy reading a detached slot ended: Registered → Free.
+    pub fn release_detached(&mut self, id: BlockId) {
+        debug_assert!(self.slots[id.index()].detached);
+        self.slots[id.index()] = Slot::empty();
+        self.registered -= 1;
+        self.detached -= 1;
+        self.free.push(id);
+    }
+
+    /// Takes an inactive block out of the index and the lineage, and announces its removal.
+    fn unindex(&mut self, id: BlockId, changes: &mut Vec<Change>) {
+        self.set_evictable(id, false);
+        let slot = &self.slots[id.index()];
+        debug_assert_eq!(slot.state, State::Inactive);
+        let (seq, parent) = (slot.seq, slot.parent);
+        self.by_hash.remove(&seq);
+        if let Some(parent) = parent
+            && let Some(count) = self.children.get_mut(&parent)
+        {
+            *count -= 1;
+            if *count == 0 {
+                self.children.remove(&parent);
+                if let Some(&p) = self.by_hash.get(&parent) {
+                    self.refresh(p);
+                }
+            }
+        }
+        changes.push(Change::Removed {
+            tier: self.tier,
+            seq,
+        });
+    }
+
+    /// Puts a slot into, or takes it out of, the eviction order according to its state.
+    fn refresh(&mut self, id: BlockId) {
+        let slot = &self.slots[id.index()];
+        let eligible = slot.state == State::Inactive
+            && !(self.policy.leaf_only() && self.children.contains_key(&slot.seq));
+        self.set_evictable(id, eligible);
+    }
+
+    fn set_evictable(&mut self, id: BlockId, on: bool) {
+        let slot = &mut self.slots[id.index()];
+        match (slot.evict_key, on) {
+            (None, true) => {
+                let key = self.policy.priority(slot.last_used, slot.hits);
+                slot.evict_key = Some(key);
+                self.evictable.insert((key, id));
+            }
+            (Some(key), false) => {
+                slot.evict_key = None;
+                self.evictable.remove(&(key, id));
+            }
+            _ => {}
+        }
+    }
+
+    /// Every structural invariant of the pool, or the first one broken.
+    pub fn check(&self) -> Result<(), String> {
+        let tier = self.tier;
+        let mut by_state = [0usize; 4];
+        for slot in &self.slots {
+            by_state[slot.state as usize] += 1;
+        }
+        let u = self.usage();
+        if by_state != [u.free, u.mutable, u.registered, u.inactive] {
+            return Err(format!(
+                "{tier}: counters {u:?} disagree with slot states {by_state:?}"
+            ));
+        }
+        if u.free + u.mutable + u.registered + u.inactive != u.capacity {
+            return Err(format!("{tier}: states do not add up to capacity: {u:?}"));
+        }
+        if self.by_hash.len() + self.detached != u.registered + u.inactive {
+            return Err(format!(
+                "{tier}: {} hashes indexed, {u:?}",
+                self.by_hash.len()
+            ));
+        }
+        let mut children: FxHashMap<SeqHash, u32> = FxHashMap::default();
+        for (seq, id) in &self.by_hash {
+            let slot = &self.slots[id.index()];
+            if slot.seq != *seq || !matches!(slot.state, State::Registered | State::Inactive) {
+                return Err(format!("{tier}: index entry {seq:?} → {id:?} is {slot:?}"));
+            }
+            if (slot.state == State::Registered) != (slot.refs > 0) {
+                return Err(format!(
+                    "{tier}: {seq:?} state {:?} with {} refs",
+                    slot.state, slot.refs
+                ));
+            }
+            if let Some(parent) = slot.parent {
+                *children.entry(parent).or_insert(0) += 1;
+            }
+            let eligible = slot.state == State::Inactive
+                && !(self.policy.leaf_only() && self.children.contains_key(seq));
+            if eligible != slot.evict_key.is_some() {
+                return Err(format!(
+                    "{tier}: {seq:?} evictable={eligible} but key {:?}",
+                    slot.evict_key
+                ));
+            }
+        }
+        if children != self.children {
+            return Err(format!("{tier}: child counts drifted"));
+        }
+        let keyed = self.slots.iter().filter(|s| s.evict_key.is_some()).count();
+        if keyed != self.evictable.len() {
+            return Err(format!(
+                "{tier}: {keyed} keyed slots, {} in order",
+                self.evictable.len()
+            ));
+        }
+        Ok(())
+    }
+}

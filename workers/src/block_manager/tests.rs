@@ -1,0 +1,308 @@
+use kvroute::protocol::LocalHash;
+
+use super::*;
+use crate::offload::KvLayout;
+
+fn config(g1: usize, g2: usize) -> EngineConfig {
+    EngineConfig {
+        g1_blocks: g1,
+        g2_blocks: g2,
+        ..EngineConfig::default()
+    }
+}
+
+fn chain(start: u64, n: usize) -> Vec<(Option<SeqHash>, StoredBlock)> {
+    (0..n as u64)
+        .map(|i| {
+            let parent = (i > 0).then(|| SeqHash(start + i - 1));
+            (
+                parent,
+                StoredBlock {
+                    seq: SeqHash(start + i),
+                    local: LocalHash(start + i + 1000),
+                },
+            )
+        })
+        .collect()
+}
+
+fn seqs(c: &[(Option<SeqHash>, StoredBlock)]) -> Vec<SeqHash> {
+    c.iter().map(|(_, b)| b.seq).collect()
+}
+
+/// Allocates and registers a whole chain for one request, returning its lease.
+fn compute(bm: &BlockManager, now: u64, c: &[(Option<SeqHash>, StoredBlock)]) -> Lease {
+    let (mut lease, found) = bm.acquire_prefix(&seqs(c));
+    bm.allocate(now, &mut lease, c.len() - found.device)
+        .unwrap();
+    for (i, (parent, block)) in c.iter().enumerate().skip(found.device) {
+        bm.register(&lease, i, *parent, *block);
+    }
+    bm.check_invariants().unwrap();
+    lease
+}
+
+fn resident(bm: &BlockManager, tier: Tier) -> Vec<u64> {
+    let mut v: Vec<u64> = bm
+        .resident(tier)
+        .into_iter()
+        .map(|(_, b)| b.seq.0)
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn lease_lifecycle_and_states() {
+    let bm = BlockManager::new(&config(8, 0));
+    let c = chain(0, 3);
+    let lease = compute(&bm, 0, &c);
+    let u = bm.usage(Tier::Device);
+    assert_eq!((u.free, u.mutable, u.registered, u.inactive), (5, 0, 3, 0));
+    drop(lease);
+    let u = bm.usage(Tier::Device);
+    assert_eq!((u.free, u.mutable, u.registered, u.inactive), (5, 0, 0, 3));
+    assert_eq!(
+        bm.match_prefix(&seqs(&chain(0, 5))),
+        PrefixMatch { device: 3, host: 0 }
+    );
+    bm.check_invariants().unwrap();
+}
+
+#[test]
+fn dropping_a_lease_frees_unregistered_blocks() {
+    let bm = BlockManager::new(&config(4, 0));
+    let mut lease = bm.lease();
+    bm.allocate(0, &mut lease, 3).unwrap();
+    assert_eq!(bm.usage(Tier::Device).mutable, 3);
+    drop(lease);
+    assert_eq!(bm.usage(Tier::Device).free, 4);
+    bm.check_invariants().unwrap();
+}
+
+#[test]
+fn allocation_is_all_or_nothing() {
+    let bm = BlockManager::new(&config(4, 0));
+    let held = compute(&bm, 0, &chain(0, 3));
+    let mut lease = bm.lease();
+    assert_eq!(bm.allocate(0, &mut lease, 2), Err(AllocError::Insufficient));
+    assert!(lease.is_empty());
+    assert_eq!(bm.usage(Tier::Device).free, 1);
+    drop(held);
+    bm.allocate(0, &mut lease, 4).unwrap();
+    assert_eq!(lease.len(), 4);
+    bm.check_invariants().unwrap();
+}
+
+#[test]
+fn duplicate_registration_stays_private() {
+    let bm = BlockManager::new(&config(8, 0));
+    let c = chain(0, 2);
+    let a = compute(&bm, 0, &c);
+    // A second request computing the same blocks concurrently (it allocated before A
+    // registered) keeps private copies; the hash is resident once.
+    let mut b = bm.lease();
+    bm.allocate(0, &mut b, 2).unwrap();
+    bm.register(&b, 0, c[0].0, c[0].1);
+    let u = bm.usage(Tier::Device);
+    assert_eq!((u.registered, u.mutable), (2, 2));
+    let mut changes = Vec::new();
+    bm.drain_changes(&mut changes);
+    assert_eq!(
+        changes.len(),
+        2,
+        "only A's blocks are announced: {changes:?}"
+    );
+    drop((a, b));
+    bm.check_invariants().unwrap();
+    assert_eq!(bm.usage(Tier::Device).free, 6);
+}
+
+#[test]
+fn lineage_lru_evicts_leaves_first() {
+    let bm = BlockManager::new(&config(6, 0));
+    drop(compute(&bm, 0, &chain(0, 3))); // 0 ← 1 ← 2, released tail first
+    drop(compute(&bm, 0, &chain(100, 3)));
+    // Touch chain 0's root only: under plain LRU it would survive and its children go.
+    drop(compute(&bm, 0, &chain(0, 1)));
+    let mut lease = bm.lease();
+    bm.allocate(0, &mut lease, 2).unwrap();
+    // Chain 0's tail is least recent (released first); the root was touched since.
+    assert_eq!(resident(&bm, Tier::Device), vec![0, 100, 101, 102]);
+    bm.allocate(0, &mut lease, 3).unwrap();
+    assert_eq!(resident(&bm, Tier::Device), vec![0]);
+    bm.check_invariants().unwrap();
+}
+
+#[test]
+fn plain_lru_evicts_by_recency_alone() {
+    let bm = BlockManager::new(&EngineConfig {
+        eviction: EvictionKind::Lru,
+        ..config(6, 0)
+    });
+    drop(compute(&bm, 0, &chain(0, 3)));
+    drop(compute(&bm, 0, &chain(100, 3)));
+    drop(compute(&bm, 0, &chain(0, 1))); // root 0 is now the most recent
+    let mut lease = bm.lease();
+    bm.allocate(0, &mut lease, 3).unwrap();
+    // Chain 0's tail (1, 2) was released first of all and goes first, then 102.
+    assert_eq!(resident(&bm, Tier::Device), vec![0, 100, 101]);
+    bm.check_invariants().unwrap();
+}
+
+fn byte_config(g1: usize, g2: usize) -> EngineConfig {
+    EngineConfig {
+        kv_bytes: Some(KvLayout::default()),
+        ..config(g1, g2)
+    }
+}
+
+/// Fills G1 with `c`, then evicts it to G2 by computing another chain of the same length.
+fn offload_chain(bm: &BlockManager, c: &[(Option<SeqHash>, StoredBlock)]) -> u64 {
+    let a = compute(bm, 0, c);
+    drop(a);
+    // A hit makes the blocks worth keeping.
+    drop(bm.acquire_prefix(&seqs(c)).0);
+    let mut other = bm.lease();
+    assert_eq!(
+        bm.allocate(10, &mut other, c.len()),
+        Err(AllocError::Pending)
+    );
+    let done = bm.next_wakeup_us().expect("offload copy in flight");
+    assert!(done > 10);
+    bm.advance(done, &mut Vec::new()).unwrap();
+    bm.check_invariants().unwrap();
+    bm.allocate(done, &mut other, c.len()).unwrap();
+    drop(other);
+    done
+}
+
+#[test]
+fn offload_then_onboard_roundtrips_bytes() {
+    let bm = BlockManager::new(&byte_config(4, 8));
+    let c = chain(0, 4);
+    let t = offload_chain(&bm, &c);
+    assert_eq!(resident(&bm, Tier::Host), vec![0, 1, 2, 3]);
+    assert_eq!(
+        bm.match_prefix(&seqs(&c)),
+        PrefixMatch { device: 0, host: 4 }
+    );
+    let (mut lease, found) = bm.acquire_prefix(&seqs(&c));
+    assert_eq!(found, PrefixMatch { device: 0, host: 4 });
+    bm.allocate(t, &mut lease, 4).unwrap();
+    let ticket = bm.start_onboard(t, &mut lease, 0);
+    let done = bm.next_wakeup_us().unwrap();
+    // 4 blocks × 2 KiB at 25 GB/s: well under a µs, rounded up.
+    assert_eq!(done, t + 1);
+    let mut ready = Vec::new();
+    bm.advance(done, &mut ready).unwrap();
+    assert_eq!(ready, vec![ticket]);
+    assert_eq!(bm.match_prefix(&seqs(&c)).device, 4);
+    for (i, (_, block)) in c.iter().enumerate() {
+        assert_eq!(bm.verify_bytes(lease.blocks()[i], block.seq), Some(true));
+    }
+    assert_eq!(bm.stats().onboarded, 4);
+    bm.check_invariants().unwrap();
+}
+
+#[test]
+fn corrupted_host_bytes_fail_loudly_on_onboard() {
+    let bm = BlockManager::new(&byte_config(2, 4));
+    let c = chain(0, 2);
+    let t = offload_chain(&bm, &c);
+    bm.corrupt_host_block(SeqHash(1));
+    let (mut lease, _) = bm.acquire_prefix(&seqs(&c));
+    bm.allocate(t, &mut lease, 2).unwrap();
+    bm.start_onboard(t, &mut lease, 0);
+    let err = bm.advance(t + 10, &mut Vec::new()).unwrap_err();
+    assert_eq!(err, OffloadError::Corrupt { seq: SeqHash(1) });
+}
+
+#[test]
+fn dropping_a_lease_during_onboard_frees_slots_when_the_copy_ends() {
+    let bm = BlockManager::new(&config(2, 4));
+    let c = chain(0, 2);
+    let t = offload_chain(&bm, &c);
+    let (mut lease, _) = bm.acquire_prefix(&seqs(&c));
+    bm.allocate(t, &mut lease, 2).unwrap();
+    bm.start_onboard(t, &mut lease, 0);
+    drop(lease);
+    assert_eq!(
+        bm.usage(Tier::Device).mutable,
+        2,
+        "the copy still writes them"
+    );
+    bm.advance(t + 1_000, &mut Vec::new()).unwrap();
+    assert_eq!(bm.usage(Tier::Device).free, 2);
+    assert_eq!(bm.usage(Tier::Host).inactive, 2);
+    bm.check_invariants().unwrap();
+}
+
+#[test]
+fn an_offloading_block_leaves_g1_before_it_lands_in_g2() {
+    let bm = BlockManager::new(&config(2, 4));
+    let c = chain(0, 2);
+    drop(compute(&bm, 0, &c));
+    drop(bm.acquire_prefix(&seqs(&c)).0);
+    let mut changes = Vec::new();
+    bm.drain_changes(&mut changes);
+    changes.clear();
+    let mut other = bm.lease();
+    assert_eq!(bm.allocate(0, &mut other, 2), Err(AllocError::Pending));
+    // During the copy: gone from G1's index, slots still held.
+    assert_eq!(bm.match_prefix(&seqs(&c)), PrefixMatch::default());
+    assert_eq!(bm.usage(Tier::Device).registered, 2);
+    bm.check_invariants().unwrap();
+    bm.advance(1_000, &mut Vec::new()).unwrap();
+    assert_eq!(
+        bm.match_prefix(&seqs(&c)),
+        PrefixMatch { device: 0, host: 2 }
+    );
+    assert_eq!(bm.usage(Tier::Device).free, 2);
+    bm.drain_changes(&mut changes);
+    let kinds: Vec<(Tier, bool)> = changes
+        .iter()
+        .map(|c| match c {
+            Change::Stored { tier, .. } => (*tier, true),
+            Change::Removed { tier, .. } => (*tier, false),
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        vec![
+            (Tier::Device, false),
+            (Tier::Device, false),
+            (Tier::Host, true),
+            (Tier::Host, true)
+        ]
+    );
+    bm.check_invariants().unwrap();
+}
+
+#[test]
+fn blocks_not_worth_keeping_are_dropped_not_offloaded() {
+    let bm = BlockManager::new(&config(2, 4));
+    drop(compute(&bm, 0, &chain(0, 2))); // never hit
+    let mut other = bm.lease();
+    bm.allocate(0, &mut other, 2).unwrap();
+    assert!(resident(&bm, Tier::Host).is_empty());
+    assert_eq!(bm.stats().offloaded, 0);
+}
+
+#[test]
+fn g2_evicts_when_full() {
+    let bm = BlockManager::new(&config(2, 2));
+    let t = offload_chain(&bm, &chain(0, 2));
+    offload_chain_at(&bm, &chain(100, 2), t);
+    assert_eq!(resident(&bm, Tier::Host), vec![100, 101]);
+    assert_eq!(bm.stats().host_evictions, 2);
+    bm.check_invariants().unwrap();
+}
+
+fn offload_chain_at(bm: &BlockManager, c: &[(Option<SeqHash>, StoredBlock)], t: u64) {
+    drop(compute(bm, t, c));
+    drop(bm.acquire_prefix(&seqs(c)).0);
+    let mut other = bm.lease();
+    let _ = bm.allocate(t, &mut other, c.len());
+    bm.advance(t + 1_000_000, &mut Vec::new()).unwrap();
+}

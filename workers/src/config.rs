@@ -1,0 +1,122 @@
+//! The worker's one configuration struct, with the defaults of a 7-8B model on one GPU.
+
+use serde::{Deserialize, Serialize};
+
+use crate::block_manager::EvictionKind;
+use crate::engine::TimingModel;
+use crate::offload::KvLayout;
+
+/// Everything that shapes a worker's engine, cache and copy engine.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Block slots in GPU memory (G1).
+    pub g1_blocks: usize,
+    /// Block slots in host memory (G2); 0 disables offload.
+    pub g2_blocks: usize,
+    /// KV bytes per token across all layers (K and V): 131072 for a 7-8B model in bf16
+    /// (32 layers × 8 KV heads × 128 dims × 2 (K, V) × 2 bytes).
+    pub kv_bytes_per_token: u64,
+    /// Bandwidth of each direction of the G1↔G2 link, GB/s (10⁹ bytes per second).
+    pub link_gbps: f64,
+    /// Token budget of one engine step (prefill chunks + decode tokens).
+    pub max_num_batched_tokens: usize,
+    /// Most sequences running at once.
+    pub max_num_seqs: usize,
+    /// Step durations are divided by this (a faster GPU, or a quicker replay).
+    pub speedup: f64,
+    /// Which cached block G1 and G2 give up first.
+    pub eviction: EvictionKind,
+    /// An evicted G1 block is copied to G2 if it was hit at least this often (0 = always)…
+    pub offload_min_hits: u32,
+    /// …or if blocks extending it are still cached (in G1 or G2).
+    pub offload_parents: bool,
+    /// Byte mode: keep real KV bytes per block in this geometry, fill them from the block's
+    /// `SeqHash`, move them on offload/onboard and verify on every onboard. `None` keeps
+    /// only the accounting (what the replay bench runs).
+    pub kv_bytes: Option<KvLayout>,
+    /// Step-duration model.
+    pub timing: TimingModel,
+    /// Size of the token vocabulary synthesised decode tokens are drawn from.
+    pub vocab_size: u32,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            block_size: 16,
+            g1_blocks: 16_384,
+            g2_blocks: 65_536,
+            kv_bytes_per_token: 131_072,
+            link_gbps: 25.0,
+            max_num_batched_tokens: 8192,
+            max_num_seqs: 256,
+            speedup: 1.0,
+            eviction: EvictionKind::LineageLru,
+            offload_min_hits: 1,
+            offload_parents: true,
+            kv_bytes: None,
+            timing: TimingModel::default(),
+            vocab_size: 128_000,
+        }
+    }
+}
+
+/// A configuration that cannot run.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ConfigError {
+    /// A field that must be positive is not.
+    #[error("{field} must be positive")]
+    NotPositive {
+        /// The field's name.
+        field: &'static str,
+    },
+    /// Byte mode's block geometry disagrees with `block_size`.
+    #[error("kv_bytes.block_size {layout} differs from block_size {block_size}")]
+    LayoutMismatch {
+        /// The layout's block size.
+        layout: usize,
+        /// The engine's block size.
+        block_size: usize,
+    },
+}
+
+impl EngineConfig {
+    /// Checks that the configuration can run.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let positive = [
+            ("block_size", self.block_size > 0),
+            ("g1_blocks", self.g1_blocks > 0),
+            ("kv_bytes_per_token", self.kv_bytes_per_token > 0),
+            ("link_gbps", self.link_gbps > 0.0),
+            ("max_num_batched_tokens", self.max_num_batched_tokens > 0),
+            ("max_num_seqs", self.max_num_seqs > 0),
+            ("speedup", self.speedup > 0.0),
+            ("vocab_size", self.vocab_size > 0),
+        ];
+        if let Some((field, _)) = positive.iter().find(|(_, ok)| !ok) {
+            return Err(ConfigError::NotPositive { field });
+        }
+        if let Some(layout) = &self.kv_bytes {
+            if layout.block_size != self.block_size {
+                return Err(ConfigError::LayoutMismatch {
+                    layout: layout.block_size,
+                    block_size: self.block_size,
+                });
+            }
+            layout.validate()?;
+        }
+        Ok(())
+    }
+
+    /// Bytes of one block on the link: `block_size × kv_bytes_per_token`, or the byte-mode
+    /// layout's block size when that is on.
+    pub fn block_bytes(&self) -> u64 {
+        match &self.kv_bytes {
+            Some(layout) => layout.block_bytes() as u64,
+            None => self.block_size as u64 * self.kv_bytes_per_token,
+        }
+    }
+}

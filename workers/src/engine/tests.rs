@@ -1,0 +1,352 @@
+use std::collections::BTreeSet;
+
+use kvroute::protocol::{KvEventData, SeqHash};
+use proptest::prelude::*;
+
+use super::*;
+use crate::block_manager::{BlockManager, EvictionKind};
+use crate::offload::KvLayout;
+
+fn request(id: u64, prompt: Vec<u32>, max_tokens: u32) -> Request {
+    Request {
+        id: RequestId(id),
+        prompt: prompt.into(),
+        max_tokens,
+        salt: Salt::NONE,
+    }
+}
+
+fn engine(config: EngineConfig) -> Engine {
+    Engine::new(config, WorkerId(1), DpRank(0), 42).unwrap()
+}
+
+/// The set of (tier, block) a router would hold after applying the engine's batches.
+#[derive(Default)]
+struct Mirror {
+    blocks: BTreeSet<(Tier, SeqHash)>,
+    next_id: u64,
+}
+
+impl Mirror {
+    fn apply(&mut self, engine: &mut Engine) {
+        let mut batches = Vec::new();
+        engine.drain_batches(&mut batches);
+        for batch in batches {
+            for event in batch.events {
+                assert_eq!(event.id, self.next_id + 1, "gap in event ids");
+                self.next_id = event.id;
+                match event.data {
+                    KvEventData::Stored { blocks, .. } => {
+                        for b in blocks {
+                            assert!(
+                                self.blocks.insert((event.tier, b.seq)),
+                                "stored twice: {b:?}"
+                            );
+                        }
+                    }
+                    KvEventData::Removed { blocks } => {
+                        for seq in blocks {
+                            assert!(
+                                self.blocks.remove(&(event.tier, seq)),
+                                "removed unknown {seq:?}"
+                            );
+                        }
+                    }
+                    KvEventData::Cleared => self.blocks.retain(|(t, _)| *t != event.tier),
+                }
+            }
+        }
+    }
+
+    /// Flushes the engine's events and checks the mirror equals the true resident sets, and
+    /// the snapshot agrees with both.
+    fn check(&mut self, engine: &mut Engine) {
+        let snapshot = engine.snapshot();
+        self.apply(engine);
+        assert_eq!(snapshot.last_event_id, self.next_id);
+        let truth = resident_set(engine.blocks());
+        assert_eq!(
+            self.blocks, truth,
+            "router mirror differs from the block manager"
+        );
+        let snap: BTreeSet<_> = snapshot
+            .blocks
+            .iter()
+            .map(|(t, _, b)| (*t, b.seq))
+            .collect();
+        assert_eq!(snap, truth, "snapshot differs from the block manager");
+        engine.blocks().check_invariants().unwrap();
+    }
+}
+
+fn resident_set(bm: &BlockManager) -> BTreeSet<(Tier, SeqHash)> {
+    [Tier::Device, Tier::Host]
+        .into_iter()
+        .flat_map(|t| bm.resident(t).into_iter().map(move |(_, b)| (t, b.seq)))
+        .collect()
+}
+
+/// Runs `arrivals` (time µs, request) to completion on a virtual clock, checking the event
+/// mirror after every wake-up. Returns every output.
+fn replay(engine: &mut Engine, mut arrivals: Vec<(u64, Request)>) -> Vec<Output> {
+    arrivals.sort_by_key(|(t, r)| (*t, r.id));
+    let mut arrivals = std::collections::VecDeque::from(arrivals);
+    let mut out = Vec::new();
+    let mut mirror = Mirror::default();
+    let mut wakeups = 0;
+    loop {
+        let next_arrival = arrivals.front().map(|(t, _)| *t);
+        let t = match (next_arrival, engine.next_wakeup_us()) {
+            (Some(a), Some(w)) => a.min(w),
+            (a, w) => match a.or(w) {
+                Some(t) => t,
+                None => break,
+            },
+        };
+        while arrivals.front().is_some_and(|(at, _)| *at <= t) {
+            let (at, r) = arrivals.pop_front().unwrap();
+            engine.submit(at, r, &mut out);
+        }
+        engine.advance(t, &mut out).unwrap();
+        mirror.check(engine);
+        wakeups += 1;
+        assert!(wakeups < 1_000_000, "replay does not terminate");
+    }
+    assert!(engine.is_idle(), "stalled with work left and no wake-up");
+    out
+}
+
+fn tokens_of(out: &[Output], id: u64) -> Vec<(u64, u32)> {
+    out.iter()
+        .filter(|o| o.request == RequestId(id))
+        .filter_map(|o| match o.kind {
+            OutputKind::Token { index, .. } => Some((o.at_us, index)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn one_request_follows_the_timing_model() {
+    let mut e = engine(EngineConfig::default());
+    let out = replay(&mut e, vec![(0, request(1, (0..1000).collect(), 3))]);
+    let tokens = tokens_of(&out, 1);
+    // Prefill of 1000 tokens: 32.106 ms. Then decode steps at occupancy p = 1000 / 262144:
+    // 5.74 + 54.01·p ms = 5.946 ms.
+    assert_eq!(tokens[0], (32_106, 0));
+    assert_eq!(tokens.len(), 3);
+    let decode = tokens[1].0 - tokens[0].0;
+    assert_eq!(decode, 5_946);
+    assert!(
+        out.iter()
+            .any(|o| o.kind == OutputKind::Finished && o.at_us == tokens[2].0)
+    );
+    // Everything released: blocks inactive, none leaked.
+    let g1 = e.blocks().usage(Tier::Device);
+    assert_eq!((g1.mutable, g1.registered), (0, 0));
+}
+
+#[test]
+fn a_shared_prefix_is_computed_once() {
+    let mut e = engine(EngineConfig::default());
+    e.record_steps(true);
+    let prefix: Vec<u32> = (0..512).collect();
+    let mut b_prompt = prefix.clone();
+    b_prompt.extend(5000..5100);
+    let out = replay(
+        &mut e,
+        vec![
+            (0, request(1, prefix.clone(), 2)),
+            (1_000_000, request(2, b_prompt, 2)),
+        ],
+    );
+    let admitted: Vec<_> = out
+        .iter()
+        .filter_map(|o| match o.kind {
+            OutputKind::Admitted { device_tokens, .. } => Some((o.request.0, device_tokens)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(admitted, vec![(1, 0), (2, 512)]);
+    let mut steps = Vec::new();
+    e.drain_steps(&mut steps);
+    let prefill: usize = steps.iter().map(|s| s.prefill_tokens).sum();
+    assert_eq!(prefill, 512 + 100, "B computes only its own 100 tokens");
+}
+
+#[test]
+fn preemption_recomputes_and_everyone_finishes() {
+    // 8 blocks of 16 tokens; three requests of 40-token prompts each growing by 40 tokens
+    // cannot all hold their blocks at once.
+    let config = EngineConfig {
+        g1_blocks: 8,
+        g2_blocks: 0,
+        ..EngineConfig::default()
+    };
+    let mut e = engine(config);
+    let arrivals = (1..=3)
+        .map(|i| {
+            (
+                0,
+                request(i, (i as u32 * 1000..i as u32 * 1000 + 40).collect(), 40),
+            )
+        })
+        .collect();
+    let out = replay(&mut e, arrivals);
+    assert!(
+        out.iter().any(|o| o.kind == OutputKind::Preempted),
+        "expected a preemption"
+    );
+    for id in 1..=3 {
+        let tokens = tokens_of(&out, id);
+        let indices: Vec<u32> = tokens.iter().map(|(_, i)| *i).collect();
+        assert_eq!(
+            indices,
+            (0..40).collect::<Vec<_>>(),
+            "request {id} tokens in order, once each"
+        );
+    }
+    // Request 3 waits (no room to admit it); of the running 1 and 2, the newer goes first.
+    let first = out
+        .iter()
+        .find(|o| o.kind == OutputKind::Preempted)
+        .unwrap();
+    assert_eq!(first.request, RequestId(2));
+}
+
+#[test]
+fn g2_hits_are_onboarded_before_they_count() {
+    let config = EngineConfig {
+        g1_blocks: 40,
+        g2_blocks: 200,
+        kv_bytes: Some(KvLayout::default()),
+        ..EngineConfig::default()
+    };
+    let mut e = engine(config);
+    let a: Vec<u32> = (0..320).collect(); // 20 blocks
+    let b: Vec<u32> = (10_000..10_320).collect();
+    let c: Vec<u32> = (20_000..20_320).collect();
+    let second_a: Vec<u32> = (0..330).collect();
+    let out = replay(
+        &mut e,
+        vec![
+            (0, request(1, a.clone(), 1)),
+            (100_000, request(2, a, 1)), // hit: worth keeping
+            (200_000, request(3, b, 1)),
+            (300_000, request(4, c, 1)), // evicts A's blocks to G2
+            (400_000, request(5, second_a, 1)),
+        ],
+    );
+    let admitted = out
+        .iter()
+        .find_map(|o| match o.kind {
+            OutputKind::Admitted {
+                device_tokens,
+                host_tokens,
+            } if o.request == RequestId(5) => Some((device_tokens, host_tokens)),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(admitted.0 + admitted.1, 320);
+    assert!(admitted.1 > 0, "expected G2 hits, got {admitted:?}");
+    assert!(e.blocks().stats().onboarded > 0);
+}
+
+#[test]
+fn rejects_what_cannot_run() {
+    let mut e = engine(EngineConfig {
+        g1_blocks: 4,
+        ..EngineConfig::default()
+    });
+    let mut out = Vec::new();
+    e.submit(0, request(1, vec![1; 60], 10), &mut out);
+    e.submit(0, request(2, vec![], 10), &mut out);
+    e.submit(0, request(3, vec![1], 0), &mut out);
+    let kinds: Vec<_> = out.iter().map(|o| o.kind).collect();
+    assert_eq!(
+        kinds,
+        vec![
+            OutputKind::Rejected(RejectReason::TooLong {
+                needed: 5,
+                capacity: 4
+            }),
+            OutputKind::Rejected(RejectReason::Empty),
+            OutputKind::Rejected(RejectReason::Empty),
+        ]
+    );
+    assert!(e.next_wakeup_us().is_none());
+}
+
+#[test]
+fn cancel_releases_blocks() {
+    let mut e = engine(EngineConfig::default());
+    let mut out = Vec::new();
+    e.submit(0, request(1, (0..100).collect(), 1000), &mut out);
+    e.advance(0, &mut out).unwrap();
+    let wake = e.next_wakeup_us().unwrap();
+    e.advance(wake, &mut out).unwrap();
+    assert!(e.blocks().usage(Tier::Device).registered > 0);
+    assert!(e.cancel(RequestId(1)));
+    let g1 = e.blocks().usage(Tier::Device);
+    assert_eq!((g1.mutable, g1.registered), (0, 0));
+    assert!(!e.cancel(RequestId(1)));
+    e.blocks().check_invariants().unwrap();
+}
+
+fn arb_arrivals() -> impl Strategy<Value = Vec<(u64, Request)>> {
+    // Prompts drawn from a few shared prefixes so caching, sharing and eviction all happen.
+    proptest::collection::vec(
+        (0u64..2_000_000, 0u32..4, 1usize..200, 1u32..40, 0u32..3),
+        1..25,
+    )
+    .prop_map(|items| {
+        items
+            .into_iter()
+            .enumerate()
+            .map(|(i, (at, family, len, max_tokens, variant))| {
+                let prompt: Vec<u32> = (0..len as u32)
+                    .map(|p| {
+                        if p < 64 {
+                            family * 100_000 + p
+                        } else {
+                            family * 100_000 + variant * 10_000 + p
+                        }
+                    })
+                    .collect();
+                (at, request(i as u64 + 1, prompt, max_tokens))
+            })
+            .collect()
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Random request mixes through engine, block manager and publisher: after every
+    /// wake-up the invariants hold, and the events replayed into a set-per-tier model equal
+    /// the true resident sets (checked inside `replay`).
+    #[test]
+    fn prop_events_mirror_the_cache(
+        arrivals in arb_arrivals(),
+        g1 in 16usize..64,
+        g2 in prop_oneof![Just(0usize), 8usize..64],
+        lru in any::<bool>(),
+        byte_mode in any::<bool>(),
+    ) {
+        let config = EngineConfig {
+            g1_blocks: g1,
+            g2_blocks: g2,
+            eviction: if lru { EvictionKind::Lru } else { EvictionKind::LineageLru },
+            kv_bytes: byte_mode.then(KvLayout::default),
+            max_num_batched_tokens: 256,
+            ..EngineConfig::default()
+        };
+        let mut e = engine(config);
+        let n = arrivals.len();
+        let out = replay(&mut e, arrivals);
+        let done = out.iter().filter(|o| matches!(o.kind, OutputKind::Finished | OutputKind::Rejected(_))).count();
+        prop_assert_eq!(done, n);
+        let g1 = e.blocks().usage(Tier::Device);
+        prop_assert_eq!((g1.mutable, g1.registered), (0, 0));
+    }
+}

@@ -1,0 +1,22 @@
+//! kvroute's worker core: everything a worker does except the network and the GPU.
+//!
+//! - [`block_manager`]: G1 (device) and G2 (host) block pools, prefix cache, eviction
+//!   policies, RAII leases, and the G1↔G2 transfers of [`offload`].
+//! - [`offload`]: the copy engine between tiers: a processor-sharing link model for timing
+//!   and, in byte mode, real block bytes in the paged layout the GPU path uses.
+//! - [`engine`]: continuous batching (chunked prefill, preemption, prefix reuse) with step
+//!   times from a timing model, on an injected clock.
+//! - [`publisher`]: turns block-manager changes into gap-free KV event batches and answers
+//!   snapshot requests.
+//!
+//! All of it is sans-I/O: the replay bench drives it on a virtual clock, the worker server on
+//! wall time.
+#![forbid(unsafe_code)]
+
+pub mod block_manager;
+pub mod config;
+pub mod engine;
+pub mod offload;
+pub mod publisher;
+
+pub use config::EngineConfig;

@@ -1,0 +1,240 @@
+//! Turns block-manager changes into KV events: coalesced into `Stored` chains and `Removed`
+//! lists per tier, numbered without gaps within the worker's epoch, flushed as one
+//! `EventBatch` per engine step (or when a batch grows large), and answers snapshot requests
+//! with the resident set the published events describe and the last id they cover.
+
+use kvroute::protocol::{
+    DpRank, EventBatch, KvEvent, KvEventData, LocalHash, SeqHash, StoredBlock, Tier, WorkerId,
+};
+use rustc_hash::FxHashMap;
+
+use crate::block_manager::Change;
+
+/// Blocks per event at most, so that an encoded event always fits a NATS message (16 bytes
+/// per stored block: 64 KiB) and the transport never has to cut (and renumber) an event.
+pub const MAX_EVENT_BLOCKS: usize = 4096;
+
+/// What the publisher has announced about one (tier, block).
+#[derive(Clone, Copy, Debug)]
+struct Announced {
+    parent: Option<SeqHash>,
+    local: LocalHash,
+    /// Stores minus removes seen; the block is announced while this is positive.
+    refs: u32,
+}
+
+/// The full resident set the published events describe, for a router's resync.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Snapshot {
+    /// The worker's incarnation.
+    pub epoch: u64,
+    /// Id of the last event the snapshot includes (0: none yet): the router applies only
+    /// live events after it.
+    pub last_event_id: u64,
+    /// Every announced block, per tier, parents before children.
+    pub blocks: Vec<(Tier, Option<SeqHash>, StoredBlock)>,
+}
+
+/// Counters of what the publisher dropped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PublisherStats {
+    /// Events published.
+    pub events: u64,
+    /// Removals of blocks never announced, not published.
+    pub unannounced_removals: u64,
+}
+
+/// One (worker, dp rank) event stream.
+#[derive(Debug)]
+pub struct Publisher {
+    worker: WorkerId,
+    dp_rank: DpRank,
+    epoch: u64,
+    next_id: u64,
+    pending: Vec<KvEvent>,
+    pending_blocks: usize,
+    announced: FxHashMap<(Tier, SeqHash), Announced>,
+    stats: PublisherStats,
+}
+
+impl Publisher {
+    /// A stream for a new incarnation `epoch` of the worker; ids start at 1.
+    pub fn new(worker: WorkerId, dp_rank: DpRank, epoch: u64) -> Self {
+        Publisher {
+            worker,
+            dp_rank,
+            epoch,
+            next_id: 1,
+            pending: Vec::new(),
+            pending_blocks: 0,
+            announced: FxHashMap::default(),
+            stats: PublisherStats::default(),
+        }
+    }
+
+    /// The worker's incarnation.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Id of the last event handed out in a batch (0 before the first).
+    pub fn last_event_id(&self) -> u64 {
+        self.next_id - 1 - self.pending.len() as u64
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> PublisherStats {
+        self.stats
+    }
+
+    /// Blocks waiting in unflushed events; flush when this grows past what one batch should
+    /// carry.
+    pub fn pending_blocks(&self) -> usize {
+        self.pending_blocks
+    }
+
+    /// Records changes, in order, as pending events.
+    pub fn record(&mut self, changes: &[Change]) {
+        for change in changes {
+            match *change {
+                Change::Stored {
+                    tier,
+                    parent,
+                    block,
+                } => {
+                    let entry = self
+                        .announced
+                        .entry((tier, block.seq))
+                        .or_insert(Announced {
+                            parent,
+                            local: block.local,
+                            refs: 0,
+                        });
+                    entry.refs += 1;
+                    if entry.refs == 1 {
+                        self.push_stored(tier, parent, block);
+                    }
+                }
+                Change::Removed { tier, seq } => match self.announced.get_mut(&(tier, seq)) {
+                    Some(entry) if entry.refs > 1 => entry.refs -= 1,
+                    Some(_) => {
+                        self.announced.remove(&(tier, seq));
+                        self.push_removed(tier, seq);
+                    }
+                    None => self.stats.unannounced_removals += 1,
+                },
+            }
+        }
+    }
+
+    fn push_stored(&mut self, tier: Tier, parent: Option<SeqHash>, block: StoredBlock) {
+        self.pending_blocks += 1;
+        if let Some(KvEvent {
+            tier: t,
+            data: KvEventData::Stored { blocks, .. },
+            ..
+        }) = self.pending.last_mut()
+            && *t == tier
+            && blocks.len() < MAX_EVENT_BLOCKS
+            && blocks.last().map(|b| b.seq) == parent
+        {
+            blocks.push(block);
+            return;
+        }
+        self.push(
+            tier,
+            KvEventData::Stored {
+                parent,
+                blocks: vec![block],
+            },
+        );
+    }
+
+    fn push_removed(&mut self, tier: Tier, seq: SeqHash) {
+        self.pending_blocks += 1;
+        if let Some(KvEvent {
+            tier: t,
+            data: KvEventData::Removed { blocks },
+            ..
+        }) = self.pending.last_mut()
+            && *t == tier
+            && blocks.len() < MAX_EVENT_BLOCKS
+        {
+            blocks.push(seq);
+            return;
+        }
+        self.push(tier, KvEventData::Removed { blocks: vec![seq] });
+    }
+
+    fn push(&mut self, tier: Tier, data: KvEventData) {
+        self.pending.push(KvEvent {
+            id: self.next_id,
+            tier,
+            data,
+        });
+        self.next_id += 1;
+        self.stats.events += 1;
+    }
+
+    /// The pending events as one batch, if there are any.
+    pub fn flush(&mut self, sent_unix_us: u64) -> Option<EventBatch> {
+        if self.pending.is_empty() {
+            return None;
+        }
+        self.pending_blocks = 0;
+        Some(EventBatch {
+            worker: self.worker,
+            dp_rank: self.dp_rank,
+            epoch: self.epoch,
+            sent_unix_us,
+            events: std::mem::take(&mut self.pending),
+        })
+    }
+
+    /// The resident set the flushed events describe, with their watermark. Pending events
+    /// must be flushed first (the snapshot would otherwise include blocks whose events the
+    /// router has not been sent); call [`Publisher::flush`] before.
+    pub fn snapshot(&self) -> Snapshot {
+        debug_assert!(self.pending.is_empty(), "flush before taking a snapshot");
+        let mut blocks = Vec::with_capacity(self.announced.len());
+        for tier in Tier::ALL {
+            let mut children: FxHashMap<Option<SeqHash>, Vec<StoredBlock>> = FxHashMap::default();
+            let mut in_tier = 0;
+            for (&(t, seq), a) in &self.announced {
+                if t == tier {
+                    in_tier += 1;
+                    children.entry(a.parent).or_default().push(StoredBlock {
+                        seq,
+                        local: a.local,
+                    });
+                }
+            }
+            if in_tier == 0 {
+                continue;
+            }
+            // Roots: blocks whose parent is not announced in this tier. Depth-first from
+            // them puts every parent before its children.
+            let mut stack: Vec<(Option<SeqHash>, StoredBlock)> = Vec::new();
+            for (parent, kids) in &children {
+                let rooted = parent.is_none_or(|p| !self.announced.contains_key(&(tier, p)));
+                if rooted {
+                    stack.extend(kids.iter().map(|k| (*parent, *k)));
+                }
+            }
+            while let Some((parent, block)) = stack.pop() {
+                blocks.push((tier, parent, block));
+                if let Some(kids) = children.get(&Some(block.seq)) {
+                    stack.extend(kids.iter().map(|k| (Some(block.seq), *k)));
+                }
+            }
+        }
+        Snapshot {
+            epoch: self.epoch,
+            last_event_id: self.last_event_id(),
+            blocks,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,116 @@
+use kvroute::protocol::LocalHash;
+
+use super::*;
+
+fn stored(tier: Tier, parent: Option<u64>, seq: u64) -> Change {
+    Change::Stored {
+        tier,
+        parent: parent.map(SeqHash),
+        block: StoredBlock {
+            seq: SeqHash(seq),
+            local: LocalHash(seq + 1000),
+        },
+    }
+}
+
+fn removed(tier: Tier, seq: u64) -> Change {
+    Change::Removed {
+        tier,
+        seq: SeqHash(seq),
+    }
+}
+
+#[test]
+fn coalesces_chains_and_numbers_without_gaps() {
+    let mut p = Publisher::new(WorkerId(1), DpRank(0), 77);
+    p.record(&[
+        stored(Tier::Device, None, 1),
+        stored(Tier::Device, Some(1), 2),
+        stored(Tier::Device, Some(2), 3),
+        stored(Tier::Device, Some(1), 4), // a branch: new event
+        removed(Tier::Device, 3),
+        removed(Tier::Device, 2),
+        stored(Tier::Host, Some(1), 2),
+    ]);
+    let batch = p.flush(5).unwrap();
+    assert_eq!(batch.epoch, 77);
+    let ids: Vec<u64> = batch.events.iter().map(|e| e.id).collect();
+    assert_eq!(ids, vec![1, 2, 3, 4]);
+    assert_eq!(batch.events[0].data.block_count(), 3);
+    assert_eq!(
+        batch.events[2].data,
+        KvEventData::Removed {
+            blocks: vec![SeqHash(3), SeqHash(2)]
+        }
+    );
+    assert_eq!(batch.events[3].tier, Tier::Host);
+    assert!(p.flush(6).is_none());
+    p.record(&[removed(Tier::Host, 2)]);
+    assert_eq!(p.flush(7).unwrap().first_id(), Some(5));
+    assert_eq!(p.last_event_id(), 5);
+}
+
+#[test]
+fn never_removes_what_it_did_not_announce() {
+    let mut p = Publisher::new(WorkerId(1), DpRank(0), 1);
+    p.record(&[removed(Tier::Device, 9)]);
+    assert!(p.flush(0).is_none());
+    assert_eq!(p.stats().unannounced_removals, 1);
+    // Announced twice, removed once per announcement: one event each way.
+    p.record(&[stored(Tier::Device, None, 1), stored(Tier::Device, None, 1)]);
+    p.record(&[removed(Tier::Device, 1)]);
+    let b = p.flush(0).unwrap();
+    assert_eq!(b.events.len(), 1);
+    p.record(&[removed(Tier::Device, 1)]);
+    let b = p.flush(0).unwrap();
+    assert_eq!(
+        b.events[0].data,
+        KvEventData::Removed {
+            blocks: vec![SeqHash(1)]
+        }
+    );
+}
+
+#[test]
+fn splits_events_at_the_block_cap() {
+    let mut p = Publisher::new(WorkerId(1), DpRank(0), 1);
+    let changes: Vec<Change> = (0..MAX_EVENT_BLOCKS as u64 + 10)
+        .map(|i| stored(Tier::Device, i.checked_sub(1), i))
+        .collect();
+    p.record(&changes);
+    let b = p.flush(0).unwrap();
+    assert_eq!(b.events.len(), 2);
+    let KvEventData::Stored { parent, .. } = &b.events[1].data else {
+        panic!()
+    };
+    assert_eq!(*parent, Some(SeqHash(MAX_EVENT_BLOCKS as u64 - 1)));
+}
+
+#[test]
+fn snapshot_orders_parents_first_with_watermark() {
+    let mut p = Publisher::new(WorkerId(1), DpRank(0), 3);
+    p.record(&[
+        stored(Tier::Device, None, 1),
+        stored(Tier::Device, Some(1), 2),
+        stored(Tier::Device, Some(2), 3),
+        stored(Tier::Device, Some(1), 4),
+        stored(Tier::Host, Some(50), 60), // continuation of a block G2 does not hold
+        removed(Tier::Device, 3),
+    ]);
+    let batch = p.flush(0).unwrap();
+    let snap = p.snapshot();
+    assert_eq!(snap.epoch, 3);
+    assert_eq!(snap.last_event_id, batch.last_id().unwrap());
+    let mut seen = std::collections::HashSet::new();
+    for (tier, parent, block) in &snap.blocks {
+        if let Some(parent) = parent
+            && *tier == Tier::Device
+        {
+            assert!(seen.contains(parent), "{parent:?} after its child");
+        }
+        seen.insert(block.seq);
+    }
+    let mut seqs: Vec<u64> = snap.blocks.iter().map(|(_, _, b)| b.seq.0).collect();
+    seqs.sort();
+    assert_eq!(seqs, vec![1, 2, 4, 60]);
+}
