@@ -4,11 +4,14 @@
 use std::hint::black_box;
 use std::num::NonZeroUsize;
 
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use kvroute::protocol::{
     DpRank, EventBatch, KvEvent, KvEventData, Limits, LocalHash, Salt, SeqHash, StoredBlock, Tier,
     WorkerId, decode, encode, hash_blocks,
 };
+use kvroute_worker::EngineConfig;
+use kvroute_worker::block_manager::BlockManager;
+use kvroute_worker::engine::{Engine, OutputKind, Request, RequestId};
 
 fn protocol(c: &mut Criterion) {
     let tokens: Vec<u32> = (0..32_768u32)
@@ -54,5 +57,118 @@ fn protocol(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, protocol);
+fn chain(start: u64, n: u64) -> Vec<(Option<SeqHash>, StoredBlock)> {
+    (0..n)
+        .map(|i| {
+            let parent = (i > 0).then(|| SeqHash(start + i - 1));
+            (
+                parent,
+                StoredBlock {
+                    seq: SeqHash(start + i),
+                    local: LocalHash(start + i),
+                },
+            )
+        })
+        .collect()
+}
+
+fn block_manager(c: &mut Criterion) {
+    let config = EngineConfig::default();
+    let bm = BlockManager::new(&config);
+    let prefix = chain(1, 128);
+    let seqs: Vec<SeqHash> = prefix.iter().map(|(_, b)| b.seq).collect();
+    let mut holder = bm.lease();
+    bm.allocate(0, &mut holder, 128)
+        .expect("invariant: empty cache");
+    for (i, (parent, block)) in prefix.iter().enumerate() {
+        bm.register(&holder, i, *parent, *block);
+    }
+    let mut group = c.benchmark_group("block_manager");
+    group.throughput(Throughput::Elements(128));
+    group.bench_function("allocate_release/128_blocks", |b| {
+        b.iter(|| {
+            let mut lease = bm.lease();
+            bm.allocate(0, &mut lease, 128).expect("invariant: room");
+            lease
+        })
+    });
+    group.bench_function("match_prefix/128_blocks/active_hit", |b| {
+        b.iter(|| bm.acquire_prefix(black_box(&seqs)))
+    });
+    drop(holder);
+    group.bench_function("match_prefix/128_blocks/inactive_hit", |b| {
+        b.iter(|| bm.acquire_prefix(black_box(&seqs)))
+    });
+    group.bench_function("release/128_blocks", |b| {
+        b.iter_batched(|| bm.acquire_prefix(&seqs).0, drop, BatchSize::SmallInput)
+    });
+    group.finish();
+}
+
+/// An engine with 256 sequences in steady decode, G1 sized so that `steps` more decode
+/// steps run without eviction or preemption.
+fn decoding_engine(steps: u64) -> (Engine, u64) {
+    let g1_blocks = 256 * (512 + steps as usize + 32).div_ceil(16);
+    let config = EngineConfig {
+        g1_blocks,
+        g2_blocks: 0,
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(config, WorkerId(1), DpRank(0), 1).expect("invariant: valid");
+    let mut out = Vec::new();
+    for i in 0..256u32 {
+        let prompt: Vec<u32> = (0..512).map(|t| i * 1000 + t).collect();
+        let id = RequestId(u64::from(i));
+        let max_tokens = steps as u32 + 16;
+        engine.submit(
+            0,
+            Request {
+                id,
+                prompt: prompt.into(),
+                max_tokens,
+                salt: Salt::NONE,
+            },
+            &mut out,
+        );
+    }
+    let mut now = 0;
+    let mut first_tokens = 0;
+    while first_tokens < 256 {
+        engine
+            .advance(now, &mut out)
+            .expect("invariant: no byte mode");
+        first_tokens += out
+            .iter()
+            .filter(|o| matches!(o.kind, OutputKind::Token { .. }))
+            .count();
+        out.clear();
+        now = engine.next_wakeup_us().expect("invariant: busy");
+    }
+    (engine, now)
+}
+
+fn engine(c: &mut Criterion) {
+    let mut group = c.benchmark_group("engine");
+    group.throughput(Throughput::Elements(256));
+    group.bench_function("step/256_running", |b| {
+        b.iter_custom(|steps| {
+            let (mut engine, _) = decoding_engine(steps);
+            let (mut out, mut batches) = (Vec::new(), Vec::new());
+            let start = std::time::Instant::now();
+            for _ in 0..steps {
+                let now = engine.next_wakeup_us().expect("invariant: busy");
+                engine
+                    .advance(now, &mut out)
+                    .expect("invariant: no byte mode");
+                engine.drain_batches(&mut batches);
+                out.clear();
+                batches.clear();
+            }
+            start.elapsed()
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, protocol, block_manager, engine);
 criterion_main!(benches);
