@@ -5,9 +5,12 @@
 //! - [`protocol`]: the contract shared with workers. Ids, block hashing (xxh3, chained
 //!   sequence hashes), the `EventBatch` KV-event model and its validated rkyv wire codec.
 //!   No I/O.
+//! - [`indexer`]: which blocks every worker holds in which tier (a hash-addressed radix tree
+//!   with lower-tier continuations), and per request, each worker's reusable prefix. No I/O.
 //!
 //! Request path: ingress → `protocol` hashing → indexer → scheduler → worker.
 //! Event path: worker publisher → `protocol` codec → events task → indexer.
 #![forbid(unsafe_code)]
 
+pub mod indexer;
 pub mod protocol;

@@ -88,3 +88,39 @@ impl EventBatch {
         self.events.iter().map(|e| e.data.block_count()).sum()
     }
 }
+
+/// Orders resident blocks so that, within each tier, every block comes after its parent when
+/// the parent is among them (depth-first from the blocks whose parent is absent). Snapshots
+/// and dumps use it so that replaying them as `Stored` events never names an unknown parent.
+pub fn parents_first(
+    blocks: impl IntoIterator<Item = (Tier, Option<SeqHash>, StoredBlock)>,
+) -> Vec<(Tier, Option<SeqHash>, StoredBlock)> {
+    use std::collections::{HashMap, HashSet};
+    let mut children: HashMap<(Tier, Option<SeqHash>), Vec<StoredBlock>> = HashMap::new();
+    let mut present: HashSet<(Tier, SeqHash)> = HashSet::new();
+    let mut count = 0;
+    for (tier, parent, block) in blocks {
+        present.insert((tier, block.seq));
+        children.entry((tier, parent)).or_default().push(block);
+        count += 1;
+    }
+    let mut roots: Vec<(Tier, Option<SeqHash>)> = children
+        .keys()
+        .filter(|(tier, parent)| parent.is_none_or(|p| !present.contains(&(*tier, p))))
+        .copied()
+        .collect();
+    // Deterministic output for equal input sets.
+    roots.sort_by_key(|(tier, parent)| (*tier, parent.map(|p| p.0)));
+    let mut out = Vec::with_capacity(count);
+    let mut stack: Vec<(Tier, Option<SeqHash>, StoredBlock)> = Vec::new();
+    for (tier, parent) in roots {
+        stack.extend(children[&(tier, parent)].iter().map(|b| (tier, parent, *b)));
+        while let Some((tier, parent, block)) = stack.pop() {
+            out.push((tier, parent, block));
+            if let Some(kids) = children.get(&(tier, Some(block.seq))) {
+                stack.extend(kids.iter().map(|k| (tier, Some(block.seq), *k)));
+            }
+        }
+    }
+    out
+}

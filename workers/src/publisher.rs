@@ -5,6 +5,7 @@
 
 use kvroute::protocol::{
     DpRank, EventBatch, KvEvent, KvEventData, LocalHash, SeqHash, StoredBlock, Tier, WorkerId,
+    parents_first,
 };
 use rustc_hash::FxHashMap;
 
@@ -196,38 +197,16 @@ impl Publisher {
     /// router has not been sent); call [`Publisher::flush`] before.
     pub fn snapshot(&self) -> Snapshot {
         debug_assert!(self.pending.is_empty(), "flush before taking a snapshot");
-        let mut blocks = Vec::with_capacity(self.announced.len());
-        for tier in Tier::ALL {
-            let mut children: FxHashMap<Option<SeqHash>, Vec<StoredBlock>> = FxHashMap::default();
-            let mut in_tier = 0;
-            for (&(t, seq), a) in &self.announced {
-                if t == tier {
-                    in_tier += 1;
-                    children.entry(a.parent).or_default().push(StoredBlock {
-                        seq,
-                        local: a.local,
-                    });
-                }
-            }
-            if in_tier == 0 {
-                continue;
-            }
-            // Roots: blocks whose parent is not announced in this tier. Depth-first from
-            // them puts every parent before its children.
-            let mut stack: Vec<(Option<SeqHash>, StoredBlock)> = Vec::new();
-            for (parent, kids) in &children {
-                let rooted = parent.is_none_or(|p| !self.announced.contains_key(&(tier, p)));
-                if rooted {
-                    stack.extend(kids.iter().map(|k| (*parent, *k)));
-                }
-            }
-            while let Some((parent, block)) = stack.pop() {
-                blocks.push((tier, parent, block));
-                if let Some(kids) = children.get(&Some(block.seq)) {
-                    stack.extend(kids.iter().map(|k| (Some(block.seq), *k)));
-                }
-            }
-        }
+        let blocks = parents_first(self.announced.iter().map(|(&(tier, seq), a)| {
+            (
+                tier,
+                a.parent,
+                StoredBlock {
+                    seq,
+                    local: a.local,
+                },
+            )
+        }));
         Snapshot {
             epoch: self.epoch,
             last_event_id: self.last_event_id(),

@@ -1,0 +1,131 @@
+//! One lane per (worker, dp rank): the registration, the reverse map of what the worker holds
+//! (for removals, `Cleared`, `remove_worker` and dumps), and the lock that keeps one worker's
+//! events in order. Lanes of different workers apply in parallel.
+//!
+//! Lock order: registry, released before taking a lane; lane, then block-map shards. The one
+//! race that matters is `apply` fetching a lane that `remove` is tearing down: `apply` would
+//! add blocks for a slot nobody will clean up (the leak peers report). `remove` marks the
+//! lane dead under its lock; `apply` re-checks after locking and starts over with a fresh
+//! registration.
+
+use crate::protocol::{DpRank, SeqHash, WorkerId};
+use rustc_hash::FxHashMap;
+
+use super::slots::{SlotRef, SlotTable};
+use super::sync::{Arc, Mutex, MutexGuard};
+
+/// Tiers a worker holds a block in, as a bit set indexed by `Tier as u8`.
+pub(crate) type TierMask = u8;
+
+/// What one lane knows, guarded by its lock.
+#[derive(Debug, Default)]
+pub(crate) struct LaneState {
+    pub dead: bool,
+    pub blocks: FxHashMap<SeqHash, TierMask>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Lane {
+    pub slot: SlotRef,
+    state: Mutex<LaneState>,
+}
+
+/// No slot is left for a new worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SlotsExhausted;
+
+#[derive(Debug)]
+pub(crate) struct Lanes {
+    registry: Mutex<FxHashMap<(WorkerId, DpRank), Arc<Lane>>>,
+    pub slots: SlotTable,
+    /// Under `cfg(test)`, skip the dead-lane re-check (the loom negative control).
+    #[cfg(all(test, kvroute_loom))]
+    pub broken_apply: bool,
+}
+
+impl Lanes {
+    pub(crate) fn new(max_workers: u32) -> Self {
+        Lanes {
+            registry: Mutex::new(FxHashMap::default()),
+            slots: SlotTable::new(max_workers),
+            #[cfg(all(test, kvroute_loom))]
+            broken_apply: false,
+        }
+    }
+
+    /// Runs `f` on the live lane of `(worker, rank)`, registering it first if needed.
+    pub(crate) fn with_lane<R>(
+        &self,
+        worker: WorkerId,
+        rank: DpRank,
+        f: impl FnOnce(SlotRef, &mut LaneState) -> R,
+    ) -> Result<R, SlotsExhausted> {
+        loop {
+            let lane = {
+                let mut registry = self.registry.lock();
+                match registry.get(&(worker, rank)) {
+                    Some(lane) => Arc::clone(lane),
+                    None => {
+                        let slot = self.slots.occupy(worker, rank).ok_or(SlotsExhausted)?;
+                        let lane = Arc::new(Lane {
+                            slot,
+                            state: Mutex::new(LaneState::default()),
+                        });
+                        registry.insert((worker, rank), Arc::clone(&lane));
+                        lane
+                    }
+                }
+            };
+            let mut state = lane.state.lock();
+            #[cfg(all(test, kvroute_loom))]
+            let dead = state.dead && !self.broken_apply;
+            #[cfg(not(all(test, kvroute_loom)))]
+            let dead = state.dead;
+            if dead {
+                continue;
+            }
+            return Ok(f(lane.slot, &mut state));
+        }
+    }
+
+    /// Unregisters every rank of `worker` (or one rank), running `clean` on each lane's state
+    /// under its lock before its slot is released. Returns how many lanes were removed.
+    pub(crate) fn remove(
+        &self,
+        worker: WorkerId,
+        rank: Option<DpRank>,
+        mut clean: impl FnMut(SlotRef, &mut LaneState),
+    ) -> usize {
+        let lanes: Vec<Arc<Lane>> = {
+            let mut registry = self.registry.lock();
+            let keys: Vec<(WorkerId, DpRank)> = registry
+                .keys()
+                .filter(|(w, r)| *w == worker && rank.is_none_or(|x| x == *r))
+                .copied()
+                .collect();
+            keys.iter().filter_map(|k| registry.remove(k)).collect()
+        };
+        for lane in &lanes {
+            let mut state = lane.state.lock();
+            state.dead = true;
+            clean(lane.slot, &mut state);
+            self.slots.vacate(lane.slot);
+        }
+        lanes.len()
+    }
+
+    /// Every registered lane.
+    pub(crate) fn all(&self) -> Vec<((WorkerId, DpRank), Arc<Lane>)> {
+        self.registry
+            .lock()
+            .iter()
+            .map(|(k, v)| (*k, Arc::clone(v)))
+            .collect()
+    }
+}
+
+impl Lane {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, LaneState> {
+        self.state.lock()
+    }
+}
