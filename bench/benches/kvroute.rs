@@ -5,9 +5,10 @@ use std::hint::black_box;
 use std::num::NonZeroUsize;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use kvroute::indexer::{Config as IndexerConfig, Indexer};
 use kvroute::protocol::{
     DpRank, EventBatch, KvEvent, KvEventData, Limits, LocalHash, Salt, SeqHash, StoredBlock, Tier,
-    WorkerId, decode, encode, hash_blocks,
+    WorkerId, decode, encode, hash_blocks, seq_hash,
 };
 use kvroute_worker::EngineConfig;
 use kvroute_worker::block_manager::BlockManager;
@@ -170,5 +171,58 @@ fn engine(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, protocol, block_manager, engine);
+/// `workers` workers whose chains of `depth` blocks share the first half and differ after.
+fn populated_index(workers: u64, depth: u64) -> (Indexer, Vec<LocalHash>) {
+    let ix = Indexer::new(IndexerConfig::default()).expect("invariant: valid config");
+    let mut query = Vec::new();
+    for w in 0..workers {
+        let locals: Vec<LocalHash> = (0..depth)
+            .map(|i| LocalHash(if i < depth / 2 { i } else { w << 32 | i }))
+            .collect();
+        let mut parent = None;
+        let blocks = locals
+            .iter()
+            .map(|l| {
+                let seq = seq_hash(parent, *l, Salt::NONE);
+                parent = Some(seq);
+                StoredBlock { seq, local: *l }
+            })
+            .collect();
+        let event = KvEvent {
+            id: 1,
+            tier: Tier::Device,
+            data: KvEventData::Stored {
+                parent: None,
+                blocks,
+            },
+        };
+        ix.apply(&EventBatch {
+            worker: WorkerId(w),
+            dp_rank: DpRank(0),
+            epoch: 1,
+            sent_unix_us: 0,
+            events: vec![event],
+        });
+        if w == 0 {
+            query = locals;
+        }
+    }
+    (ix, query)
+}
+
+fn indexer(c: &mut Criterion) {
+    let mut group = c.benchmark_group("indexer/find_matches");
+    for depth in [16u64, 128, 1024] {
+        for workers in [8u64, 64, 512] {
+            let (ix, query) = populated_index(workers, depth);
+            group.throughput(Throughput::Elements(depth));
+            group.bench_function(format!("depth_{depth}/{workers}_workers"), |b| {
+                b.iter(|| ix.find_matches(black_box(&query)))
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, protocol, block_manager, engine, indexer);
 criterion_main!(benches);

@@ -1,4 +1,14 @@
 //! kvroute's benchmarks. The criterion suites live in `benches/kvroute.rs` (one entry, names
-//! read as paths: `protocol/hash/...`); system benches that replay traces are added as
-//! binaries beside them.
+//! read as paths: `protocol/hash/...`); the system benches are subcommands of the
+//! `kvroute-bench` binary, built from these modules:
+//!
+//! - [`trace`]: Mooncake traces and their synthesised prompts.
+//! - [`fleet`]: W worker engines on one virtual clock.
+//! - [`indexer_load`]: `kvroute-bench indexer`, the index under a real event stream.
+//! - [`stats`]: percentiles and process facts.
 #![forbid(unsafe_code)]
+
+pub mod fleet;
+pub mod indexer_load;
+pub mod stats;
+pub mod trace;

@@ -1,0 +1,39 @@
+//! `kvroute-bench`: system benches that print a table and write JSON.
+#![forbid(unsafe_code)]
+
+use std::alloc::System;
+
+use clap::{Parser, Subcommand};
+use kvroute_bench::indexer_load;
+use stats_alloc::{INSTRUMENTED_SYSTEM, StatsAlloc};
+
+// Counting allocator: the indexer bench reports the index's heap per block.
+#[global_allocator]
+static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
+
+/// kvroute's system benchmarks.
+#[derive(Parser)]
+#[command(name = "kvroute-bench", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// The indexer under a trace's real event stream: block-ops/s and lookup latency.
+    Indexer(indexer_load::Args),
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Indexer(args) => {
+            let report = indexer_load::run(&args, GLOBAL)?;
+            indexer_load::print(&report);
+            if let Some(path) = &args.json {
+                std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+            }
+        }
+    }
+    Ok(())
+}

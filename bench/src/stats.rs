@@ -1,0 +1,60 @@
+//! Summaries of measured distributions, and facts about the process.
+
+use serde::Serialize;
+
+/// p50 / p90 / p99 / mean of a sample.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Summary {
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// Mean.
+    pub mean: f64,
+}
+
+impl Summary {
+    /// Summarises `values` (sorted in place); zeros for an empty sample.
+    pub fn of(values: &mut [f64]) -> Summary {
+        if values.is_empty() {
+            return Summary::default();
+        }
+        values.sort_by(f64::total_cmp);
+        // Nearest-rank percentile.
+        let rank =
+            |p: f64| values[((p * values.len() as f64).ceil() as usize).clamp(1, values.len()) - 1];
+        Summary {
+            p50: rank(0.50),
+            p90: rank(0.90),
+            p99: rank(0.99),
+            mean: values.iter().sum::<f64>() / values.len() as f64,
+        }
+    }
+}
+
+/// Peak resident set of this process (VmHWM), bytes; 0 where /proc is unavailable.
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
+        let s = Summary::of(&mut v);
+        assert_eq!((s.p50, s.p90, s.p99, s.mean), (50.0, 90.0, 99.0, 50.5));
+        assert_eq!(Summary::of(&mut []), Summary::default());
+    }
+}
