@@ -7,6 +7,8 @@
 //!   No I/O.
 //! - [`indexer`]: which blocks every worker holds in which tier (a hash-addressed radix tree
 //!   with lower-tier continuations), and per request, each worker's reusable prefix. No I/O.
+//! - [`scheduler`]: the cost of each worker for a request (prefix reuse against booked
+//!   load), the routing policies, and the load bookings. No I/O.
 //!
 //! Request path: ingress → `protocol` hashing → indexer → scheduler → worker.
 //! Event path: worker publisher → `protocol` codec → events task → indexer.
@@ -14,3 +16,4 @@
 
 pub mod indexer;
 pub mod protocol;
+pub mod scheduler;

@@ -1,0 +1,408 @@
+//! Picks the worker for each request and keeps the router's view of every worker's load.
+//! No I/O: the ingress and the replay bench drive it with an injected clock (`now_ms`).
+//!
+//! cost(worker) = prefill_scale · max(prompt_blocks − (device_weight·device +
+//! host_weight·host + disk_weight·disk), 0) + active_prefill_blocks + active_decode_blocks
+//! (DESIGN §8). Load is booked at routing, prefill released at the first token, the rest at
+//! completion; bookings never released expire after `booking_ttl_ms`.
+
+mod load;
+mod policy;
+mod rng;
+
+use std::collections::{BTreeMap, VecDeque};
+
+use rustc_hash::FxHashMap;
+use serde::{Deserialize, Serialize};
+
+pub use load::ActiveLoad;
+pub use policy::{ApproxConfig, Policy, PolicyKind};
+pub use rng::Rng;
+
+use crate::indexer::{Overlap, OverlapScores};
+use crate::protocol::{BlockHash, DpRank, SeqHash, WorkerId};
+
+/// A routable unit: one rank of one worker.
+pub type WorkerKey = (WorkerId, DpRank);
+
+/// Weights and thresholds of the scheduler.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Which policy routes.
+    pub policy: PolicyKind,
+    /// Weight of the uncached prefill against booked load (blocks per block).
+    pub prefill_scale: f64,
+    /// Credit for a block cached in GPU memory, 0..=1.
+    pub device_weight: f64,
+    /// Credit for a block cached in host memory (needs a copy back), 0..=1.
+    pub host_weight: f64,
+    /// Credit for a block on disk or remote storage, 0..=1.
+    pub disk_weight: f64,
+    /// 0: always the lowest cost (ties at random). Above 0: sample from a softmax over
+    /// costs normalised by the largest, at this temperature.
+    pub temperature: f64,
+    /// A worker whose booked blocks exceed this share of its G1 capacity is busy.
+    pub busy_decode_fraction: f64,
+    /// A worker with more uncached prefill booked than this many blocks is busy (0 = off).
+    pub busy_prefill_blocks: f64,
+    /// Bookings not completed within this time are dropped, ms.
+    pub booking_ttl_ms: u64,
+    /// Seed of the tie-break and sampling generator.
+    pub seed: u64,
+    /// Settings of the `approx_prefix` policy.
+    pub approx: ApproxConfig,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            policy: PolicyKind::Kv,
+            prefill_scale: 1.0,
+            device_weight: 1.0,
+            host_weight: 0.75,
+            disk_weight: 0.25,
+            temperature: 0.0,
+            busy_decode_fraction: 0.95,
+            busy_prefill_blocks: 0.0,
+            booking_ttl_ms: 600_000,
+            seed: 0,
+            approx: ApproxConfig::default(),
+        }
+    }
+}
+
+/// A scheduler configuration that cannot work.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ConfigError {
+    /// A weight outside its range.
+    #[error("scheduler.{field} = {value} is outside {range}")]
+    OutOfRange {
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+        /// The allowed range.
+        range: &'static str,
+    },
+}
+
+impl Config {
+    /// Checks every weight's range.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let checks = [
+            (
+                "prefill_scale",
+                self.prefill_scale,
+                self.prefill_scale >= 0.0,
+                ">= 0",
+            ),
+            (
+                "device_weight",
+                self.device_weight,
+                (0.0..=1.0).contains(&self.device_weight),
+                "0..=1",
+            ),
+            (
+                "host_weight",
+                self.host_weight,
+                (0.0..=1.0).contains(&self.host_weight),
+                "0..=1",
+            ),
+            (
+                "disk_weight",
+                self.disk_weight,
+                (0.0..=1.0).contains(&self.disk_weight),
+                "0..=1",
+            ),
+            (
+                "temperature",
+                self.temperature,
+                self.temperature >= 0.0,
+                ">= 0",
+            ),
+            (
+                "busy_decode_fraction",
+                self.busy_decode_fraction,
+                self.busy_decode_fraction > 0.0,
+                "> 0",
+            ),
+            (
+                "busy_prefill_blocks",
+                self.busy_prefill_blocks,
+                self.busy_prefill_blocks >= 0.0,
+                ">= 0",
+            ),
+        ];
+        match checks.into_iter().find(|(_, v, ok, _)| !ok || v.is_nan()) {
+            Some((field, value, _, range)) => Err(ConfigError::OutOfRange {
+                field,
+                value,
+                range,
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
+/// What the scheduler needs to know of a request.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteRequest<'a> {
+    /// Hashes of the prompt's full blocks.
+    pub blocks: &'a [BlockHash],
+    /// Prompt length, tokens.
+    pub prompt_tokens: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Each worker's cached prefix of the request (from the indexer).
+    pub overlaps: &'a OverlapScores,
+}
+
+/// One worker as a policy sees it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Candidate {
+    /// The worker.
+    pub key: WorkerKey,
+    /// Its cached prefix of the request.
+    pub overlap: Overlap,
+    /// Its cost for the request.
+    pub cost: f64,
+    /// Uncached prefill booked on it, blocks.
+    pub prefill_blocks: f64,
+    /// Blocks its booked requests hold.
+    pub decode_blocks: f64,
+    /// Over a busy threshold.
+    pub busy: bool,
+}
+
+/// Names a booking, to release it later.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BookingId(pub u64);
+
+/// The scheduler's answer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Decision {
+    /// Where the request goes, and why.
+    pub chosen: Candidate,
+    /// Its booking: call [`Scheduler::first_token`] and [`Scheduler::complete`] with it.
+    pub booking: BookingId,
+}
+
+#[derive(Debug)]
+struct Booking {
+    worker: WorkerKey,
+    prefill_blocks: f64,
+    blocks: Vec<SeqHash>,
+    tail: bool,
+    booked_ms: u64,
+    prefill_open: bool,
+}
+
+#[derive(Debug)]
+struct WorkerState {
+    capacity_blocks: usize,
+    load: ActiveLoad,
+}
+
+/// The scheduler of one router.
+#[derive(Debug)]
+pub struct Scheduler {
+    config: Config,
+    policy: Box<dyn Policy>,
+    rng: Rng,
+    workers: BTreeMap<WorkerKey, WorkerState>,
+    bookings: FxHashMap<BookingId, Booking>,
+    /// Bookings by age, for expiry; completed ones are skipped lazily.
+    by_age: VecDeque<(u64, BookingId)>,
+    next_booking: u64,
+    expired: u64,
+}
+
+impl Scheduler {
+    /// A scheduler with no workers.
+    pub fn new(config: Config) -> Result<Self, ConfigError> {
+        config.validate()?;
+        Ok(Scheduler {
+            policy: config.policy.build(config.temperature, config.approx),
+            rng: Rng::new(config.seed),
+            config,
+            workers: BTreeMap::new(),
+            bookings: FxHashMap::default(),
+            by_age: VecDeque::new(),
+            next_booking: 0,
+            expired: 0,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The routing policy's name.
+    pub fn policy_name(&self) -> &'static str {
+        self.policy.name()
+    }
+
+    /// Adds (or updates the capacity of) a worker.
+    pub fn add_worker(&mut self, key: WorkerKey, capacity_blocks: usize) {
+        self.workers
+            .entry(key)
+            .or_insert_with(|| WorkerState {
+                capacity_blocks,
+                load: ActiveLoad::default(),
+            })
+            .capacity_blocks = capacity_blocks;
+    }
+
+    /// Removes a worker and drops its bookings.
+    pub fn remove_worker(&mut self, key: WorkerKey) {
+        self.workers.remove(&key);
+        self.bookings.retain(|_, b| b.worker != key);
+    }
+
+    /// Workers known.
+    pub fn workers(&self) -> impl Iterator<Item = (WorkerKey, &ActiveLoad)> {
+        self.workers.iter().map(|(k, w)| (*k, &w.load))
+    }
+
+    /// Bookings dropped by the TTL so far.
+    pub fn expired_bookings(&self) -> u64 {
+        self.expired
+    }
+
+    /// Every worker's cost for `request`, without booking anything (`/admin/explain`).
+    pub fn candidates(&self, request: &RouteRequest<'_>) -> Vec<Candidate> {
+        let c = &self.config;
+        let prompt_blocks = request.prompt_tokens as f64 / request.block_size.max(1) as f64;
+        self.workers
+            .iter()
+            .map(|(key, state)| {
+                let overlap = request.overlaps.get(key.0, key.1);
+                let credit = c.device_weight * f64::from(overlap.device)
+                    + c.host_weight * f64::from(overlap.host)
+                    + c.disk_weight * f64::from(overlap.disk);
+                let prefill_blocks = state.load.prefill_blocks;
+                let decode_blocks = state.load.decode_blocks() as f64;
+                let cost = c.prefill_scale * (prompt_blocks - credit).max(0.0)
+                    + prefill_blocks
+                    + decode_blocks;
+                let busy = decode_blocks > c.busy_decode_fraction * state.capacity_blocks as f64
+                    || (c.busy_prefill_blocks > 0.0 && prefill_blocks > c.busy_prefill_blocks);
+                Candidate {
+                    key: *key,
+                    overlap,
+                    cost,
+                    prefill_blocks,
+                    decode_blocks,
+                    busy,
+                }
+            })
+            .collect()
+    }
+
+    /// Picks a worker for `request` and books its load; `None` when no worker is known.
+    pub fn route(&mut self, now_ms: u64, request: &RouteRequest<'_>) -> Option<Decision> {
+        self.expire(now_ms);
+        let all = self.candidates(request);
+        if all.is_empty() {
+            return None;
+        }
+        // Busy workers sit out unless everyone is busy.
+        let idle: Vec<Candidate> = all.iter().filter(|c| !c.busy).copied().collect();
+        let pool = if idle.is_empty() { all } else { idle };
+        let chosen = pool[self.policy.pick(request, &pool, &mut self.rng, now_ms)];
+        let booking = self.book(now_ms, chosen, request);
+        Some(Decision { chosen, booking })
+    }
+
+    fn book(&mut self, now_ms: u64, chosen: Candidate, request: &RouteRequest<'_>) -> BookingId {
+        let bs = request.block_size.max(1);
+        let cached = (chosen.overlap.device + chosen.overlap.host + chosen.overlap.disk) as usize;
+        let prefill_blocks = (request.prompt_tokens as f64 / bs as f64 - cached as f64).max(0.0);
+        let blocks: Vec<SeqHash> = request.blocks.iter().map(|b| b.seq).collect();
+        let tail = request.prompt_tokens % bs != 0;
+        let state = self
+            .workers
+            .get_mut(&chosen.key)
+            .expect("invariant: candidates are known workers");
+        state.load.book(prefill_blocks, &blocks, tail);
+        self.next_booking += 1;
+        let id = BookingId(self.next_booking);
+        self.bookings.insert(
+            id,
+            Booking {
+                worker: chosen.key,
+                prefill_blocks,
+                blocks,
+                tail,
+                booked_ms: now_ms,
+                prefill_open: true,
+            },
+        );
+        self.by_age.push_back((now_ms, id));
+        id
+    }
+
+    /// The request produced its first token: its prefill no longer loads the worker.
+    pub fn first_token(&mut self, id: BookingId) {
+        if let Some(b) = self.bookings.get_mut(&id)
+            && b.prefill_open
+        {
+            b.prefill_open = false;
+            if let Some(w) = self.workers.get_mut(&b.worker) {
+                w.load.prefill_done(b.prefill_blocks);
+            }
+        }
+    }
+
+    /// The request finished (or failed, or was cancelled): everything it booked is freed.
+    pub fn complete(&mut self, id: BookingId) {
+        if let Some(b) = self.bookings.remove(&id) {
+            self.release(b);
+        }
+    }
+
+    fn release(&mut self, b: Booking) {
+        if let Some(w) = self.workers.get_mut(&b.worker) {
+            if b.prefill_open {
+                w.load.prefill_done(b.prefill_blocks);
+            }
+            w.load.release(&b.blocks, b.tail);
+        }
+    }
+
+    /// Drops bookings older than the TTL.
+    pub fn expire(&mut self, now_ms: u64) {
+        let ttl = self.config.booking_ttl_ms;
+        while let Some(&(at, id)) = self.by_age.front() {
+            if now_ms.saturating_sub(at) <= ttl {
+                break;
+            }
+            self.by_age.pop_front();
+            if let Some(b) = self.bookings.remove(&id) {
+                debug_assert_eq!(b.booked_ms, at);
+                self.expired += 1;
+                self.release(b);
+            }
+        }
+        // Completed bookings leave their ids behind; keep the queue bounded by live ones.
+        if self.by_age.len() > 2 * self.bookings.len() + 64 {
+            let live = &self.bookings;
+            self.by_age.retain(|(_, id)| live.contains_key(id));
+        }
+    }
+
+    /// The booked load of one worker.
+    pub fn load(&self, key: WorkerKey) -> Option<&ActiveLoad> {
+        self.workers.get(&key).map(|w| &w.load)
+    }
+
+    /// Bookings not yet completed.
+    pub fn open_bookings(&self) -> usize {
+        self.bookings.len()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,274 @@
+use super::*;
+use crate::protocol::{LocalHash, Salt, hash_blocks};
+
+fn key(w: u64) -> WorkerKey {
+    (WorkerId(w), DpRank(0))
+}
+
+fn scheduler(policy: PolicyKind, workers: u64) -> Scheduler {
+    let mut s = Scheduler::new(Config {
+        policy,
+        ..Config::default()
+    })
+    .unwrap();
+    for w in 0..workers {
+        s.add_worker(key(w), 1000);
+    }
+    s
+}
+
+fn blocks(n: u32, start: u32) -> Vec<BlockHash> {
+    let tokens: Vec<u32> = (start..start + n * 16).collect();
+    hash_blocks(
+        &tokens,
+        std::num::NonZeroUsize::new(16).unwrap(),
+        Salt::NONE,
+    )
+}
+
+fn scores(entries: &[(u64, u32, u32, u32)]) -> OverlapScores {
+    OverlapScores {
+        workers: entries
+            .iter()
+            .map(|&(w, device, host, disk)| Overlap {
+                worker: WorkerId(w),
+                dp_rank: DpRank(0),
+                device,
+                host,
+                disk,
+            })
+            .collect(),
+    }
+}
+
+fn request<'a>(b: &'a [BlockHash], tokens: usize, overlaps: &'a OverlapScores) -> RouteRequest<'a> {
+    RouteRequest {
+        blocks: b,
+        prompt_tokens: tokens,
+        block_size: 16,
+        overlaps,
+    }
+}
+
+#[test]
+fn cost_follows_the_formula() {
+    let s = scheduler(PolicyKind::Kv, 2);
+    let b = blocks(10, 0);
+    let o = scores(&[(0, 4, 2, 2)]);
+    let c = s.candidates(&request(&b, 160, &o));
+    // 10 − (4 + 0.75·2 + 0.25·2) = 4 blocks of prefill, no load.
+    assert!((c[0].cost - 4.0).abs() < 1e-9);
+    assert!((c[1].cost - 10.0).abs() < 1e-9);
+}
+
+#[test]
+fn kv_prefers_the_cached_worker_until_load_outweighs_it() {
+    let mut s = scheduler(PolicyKind::Kv, 2);
+    let b = blocks(10, 0);
+    let o = scores(&[(1, 10, 0, 0)]);
+    let d = s.route(0, &request(&b, 160, &o)).unwrap();
+    assert_eq!(d.chosen.key, key(1));
+    // Worker 1 now holds 10 booked blocks: for a request it does not cache, worker 0 wins.
+    let other = blocks(10, 5000);
+    let none = scores(&[]);
+    assert_eq!(
+        s.route(0, &request(&other, 160, &none)).unwrap().chosen.key,
+        key(0)
+    );
+}
+
+#[test]
+fn load_is_booked_released_at_first_token_and_completion() {
+    let mut s = scheduler(PolicyKind::Kv, 1);
+    let b = blocks(10, 0);
+    let o = scores(&[(0, 4, 0, 0)]);
+    let d = s.route(0, &request(&b, 165, &o)).unwrap();
+    let load = s.load(key(0)).unwrap();
+    // 165 tokens = 10.3125 blocks, 4 cached: 6.3125 to prefill; 10 full blocks + a tail.
+    assert!((load.prefill_blocks - 6.3125).abs() < 1e-9);
+    assert_eq!(load.decode_blocks(), 11);
+    s.first_token(d.booking);
+    assert_eq!(s.load(key(0)).unwrap().prefill_blocks, 0.0);
+    assert_eq!(s.load(key(0)).unwrap().decode_blocks(), 11);
+    s.complete(d.booking);
+    assert_eq!(s.load(key(0)).unwrap().decode_blocks(), 0);
+    assert_eq!(s.open_bookings(), 0);
+}
+
+#[test]
+fn shared_blocks_count_once_per_worker() {
+    let mut s = scheduler(PolicyKind::RoundRobin, 1);
+    let b = blocks(8, 0);
+    let none = scores(&[]);
+    let d1 = s.route(0, &request(&b, 128, &none)).unwrap();
+    let d2 = s.route(0, &request(&b, 128, &none)).unwrap();
+    assert_eq!(s.load(key(0)).unwrap().decode_blocks(), 8);
+    s.complete(d1.booking);
+    assert_eq!(s.load(key(0)).unwrap().decode_blocks(), 8);
+    s.complete(d2.booking);
+    assert_eq!(s.load(key(0)).unwrap().decode_blocks(), 0);
+}
+
+#[test]
+fn unreleased_bookings_expire() {
+    let mut s = Scheduler::new(Config {
+        booking_ttl_ms: 1000,
+        ..Config::default()
+    })
+    .unwrap();
+    s.add_worker(key(0), 100);
+    let b = blocks(4, 0);
+    let none = scores(&[]);
+    s.route(0, &request(&b, 64, &none)).unwrap();
+    s.expire(1000);
+    assert_eq!(s.open_bookings(), 1);
+    s.expire(1001);
+    assert_eq!(s.open_bookings(), 0);
+    assert_eq!(s.expired_bookings(), 1);
+    assert_eq!(s.load(key(0)).unwrap().decode_blocks(), 0);
+}
+
+#[test]
+fn ties_break_at_random_and_deterministically() {
+    let picks = |seed| {
+        let mut s = Scheduler::new(Config {
+            seed,
+            ..Config::default()
+        })
+        .unwrap();
+        for w in 0..4 {
+            s.add_worker(key(w), 1_000_000);
+        }
+        let none = scores(&[]);
+        (0..40u32)
+            .map(|i| {
+                let b = blocks(1, i * 100);
+                let d = s.route(0, &request(&b, 16, &none)).unwrap();
+                s.complete(d.booking);
+                d.chosen.key.0.0
+            })
+            .collect::<Vec<_>>()
+    };
+    let a = picks(1);
+    assert_eq!(a, picks(1));
+    let distinct: std::collections::BTreeSet<_> = a.iter().collect();
+    assert_eq!(distinct.len(), 4, "ties must spread: {a:?}");
+}
+
+#[test]
+fn busy_workers_sit_out_unless_all_are_busy() {
+    let mut s = Scheduler::new(Config::default()).unwrap();
+    s.add_worker(key(0), 10);
+    s.add_worker(key(1), 1000);
+    let b = blocks(10, 0);
+    let cached_on_0 = scores(&[(0, 10, 0, 0)]);
+    let d = s.route(0, &request(&b, 160, &cached_on_0)).unwrap();
+    assert_eq!(d.chosen.key, key(0));
+    // Worker 0 now holds 10 blocks of its 10: busy, even for a request it caches.
+    assert_eq!(
+        s.route(0, &request(&b, 160, &cached_on_0))
+            .unwrap()
+            .chosen
+            .key,
+        key(1)
+    );
+}
+
+#[test]
+fn temperature_samples_mostly_the_cheapest() {
+    let mut s = Scheduler::new(Config {
+        temperature: 0.05,
+        ..Config::default()
+    })
+    .unwrap();
+    s.add_worker(key(0), 1_000_000);
+    s.add_worker(key(1), 1_000_000);
+    let b = blocks(10, 0);
+    let o = scores(&[(1, 10, 0, 0)]);
+    let mut hits = 0;
+    for _ in 0..200 {
+        let d = s.route(0, &request(&b, 160, &o)).unwrap();
+        hits += usize::from(d.chosen.key == key(1));
+        s.complete(d.booking);
+    }
+    assert!(hits > 180, "{hits}/200");
+}
+
+#[test]
+fn baselines_behave_as_named() {
+    let none = scores(&[]);
+    let b = blocks(2, 0);
+    let mut rr = scheduler(PolicyKind::RoundRobin, 3);
+    let seq: Vec<u64> = (0..6)
+        .map(|_| rr.route(0, &request(&b, 32, &none)).unwrap().chosen.key.0.0)
+        .collect();
+    assert_eq!(seq, vec![0, 1, 2, 0, 1, 2]);
+
+    let mut ll = scheduler(PolicyKind::LeastLoaded, 2);
+    let first = ll.route(0, &request(&b, 32, &none)).unwrap().chosen.key;
+    let other = blocks(2, 999);
+    assert_ne!(
+        ll.route(0, &request(&other, 32, &none)).unwrap().chosen.key,
+        first
+    );
+
+    let mut rnd = scheduler(PolicyKind::Random, 4);
+    let picked: std::collections::BTreeSet<u64> = (0..64)
+        .map(|_| {
+            rnd.route(0, &request(&b, 32, &none))
+                .unwrap()
+                .chosen
+                .key
+                .0
+                .0
+        })
+        .collect();
+    assert_eq!(picked.len(), 4);
+}
+
+#[test]
+fn approx_prefix_follows_its_own_decisions_until_they_expire() {
+    let mut s = scheduler(PolicyKind::ApproxPrefix, 4);
+    let none = scores(&[]);
+    let b = blocks(10, 0);
+    let first = s.route(0, &request(&b, 160, &none)).unwrap();
+    s.complete(first.booking);
+    // Same prompt, load equal again: it follows its memory, not the (empty) indexer.
+    for _ in 0..5 {
+        let d = s.route(1000, &request(&b, 160, &none)).unwrap();
+        assert_eq!(d.chosen.key, first.chosen.key);
+        s.complete(d.booking);
+    }
+    // After the TTL it no longer remembers, and picks the least loaded (any, at random).
+    let later: std::collections::BTreeSet<u64> = (0..40)
+        .map(|i| {
+            let d = s
+                .route(200_000 + i * 200_000, &request(&b, 160, &none))
+                .unwrap();
+            s.complete(d.booking);
+            d.chosen.key.0.0
+        })
+        .collect();
+    assert!(later.len() > 1);
+    let _ = LocalHash(0);
+}
+
+#[test]
+fn config_validation_names_the_field() {
+    let bad = Config {
+        host_weight: 1.5,
+        ..Config::default()
+    };
+    assert!(matches!(
+        bad.validate(),
+        Err(ConfigError::OutOfRange {
+            field: "host_weight",
+            ..
+        })
+    ));
+    assert_eq!(
+        PolicyKind::parse("least_loaded"),
+        Some(PolicyKind::LeastLoaded)
+    );
+    assert_eq!(PolicyKind::parse("nope"), None);
+}
