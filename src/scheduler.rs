@@ -2,8 +2,8 @@
 //! No I/O: the ingress and the replay bench drive it with an injected clock (`now_ms`).
 //!
 //! cost(worker) = prefill_scale · max(prompt_blocks − (device_weight·device +
-//! host_weight·host + disk_weight·disk), 0) + active_prefill_blocks + active_decode_blocks
-//! (DESIGN §8). Load is booked at routing, prefill released at the first token, the rest at
+//! host_weight·host + disk_weight·disk), 0) + active_prefill_blocks +
+//! decode_weight · active_decode_blocks (DESIGN §8, with the decode term weighted). Load is booked at routing, prefill released at the first token, the rest at
 //! completion; bookings never released expire after `booking_ttl_ms`.
 
 mod load;
@@ -31,8 +31,18 @@ pub type WorkerKey = (WorkerId, DpRank);
 pub struct Config {
     /// Which policy routes.
     pub policy: PolicyKind,
-    /// Weight of the uncached prefill against booked load (blocks per block).
+    /// Weight of the uncached prefill against booked load (blocks per block). Above 1
+    /// because recomputing a prefix costs the whole worker GPU time, not just this request
+    /// its first token; 8 measured best on the Mooncake conversation trace at 1× and 6×
+    /// load (README, "Routing").
     pub prefill_scale: f64,
+    /// Weight of the blocks booked requests hold (decode load) against prefill work. Held
+    /// blocks slow a worker's steps only a little (a decode token rides along a prefill step;
+    /// the decode fit adds ≈ 54 ms · held/capacity per step), while queued prefill delays a
+    /// new request's first token block for block; at weight 1 the router gives up a cached
+    /// 150-block prefix to avoid a worker holding two running requests. The default comes
+    /// from the replay bench (README, "Routing").
+    pub decode_weight: f64,
     /// Credit for a block cached in GPU memory, 0..=1.
     pub device_weight: f64,
     /// Credit for a block cached in host memory (needs a copy back), 0..=1.
@@ -58,7 +68,8 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             policy: PolicyKind::Kv,
-            prefill_scale: 1.0,
+            prefill_scale: 8.0,
+            decode_weight: 0.1,
             device_weight: 1.0,
             host_weight: 0.75,
             disk_weight: 0.25,
@@ -163,8 +174,11 @@ pub struct RouteRequest<'a> {
 pub struct Candidate {
     /// The worker.
     pub key: WorkerKey,
-    /// Its cached prefix of the request.
+    /// Its cached prefix of the request, as the indexer knows it.
     pub overlap: Overlap,
+    /// Leading blocks of the request that requests already routed to it hold or are
+    /// computing (what its KV events have not announced yet).
+    pub booked_prefix: u32,
     /// Its cost for the request.
     pub cost: f64,
     /// Uncached prefill booked on it, blocks.
@@ -279,19 +293,29 @@ impl Scheduler {
             .iter()
             .map(|(key, state)| {
                 let overlap = request.overlaps.get(key.0, key.1);
-                let credit = c.device_weight * f64::from(overlap.device)
+                // Blocks of requests this router sent there are being computed or held: by
+                // the time this request is admitted they are G1 hits, though no event has
+                // announced them yet (a burst of requests sharing a prefix, or event lag).
+                let booked_prefix = request
+                    .blocks
+                    .iter()
+                    .take_while(|b| state.load.holds(b.seq))
+                    .count() as u32;
+                let indexed = c.device_weight * f64::from(overlap.device)
                     + c.host_weight * f64::from(overlap.host)
                     + c.disk_weight * f64::from(overlap.disk);
+                let credit = indexed.max(c.device_weight * f64::from(booked_prefix));
                 let prefill_blocks = state.load.prefill_blocks;
                 let decode_blocks = state.load.decode_blocks() as f64;
                 let cost = c.prefill_scale * (prompt_blocks - credit).max(0.0)
                     + prefill_blocks
-                    + decode_blocks;
+                    + c.decode_weight * decode_blocks;
                 let busy = decode_blocks > c.busy_decode_fraction * state.capacity_blocks as f64
                     || (c.busy_prefill_blocks > 0.0 && prefill_blocks > c.busy_prefill_blocks);
                 Candidate {
                     key: *key,
                     overlap,
+                    booked_prefix,
                     cost,
                     prefill_blocks,
                     decode_blocks,
@@ -318,7 +342,8 @@ impl Scheduler {
 
     fn book(&mut self, now_ms: u64, chosen: Candidate, request: &RouteRequest<'_>) -> BookingId {
         let bs = request.block_size.max(1);
-        let cached = (chosen.overlap.device + chosen.overlap.host + chosen.overlap.disk) as usize;
+        let o = chosen.overlap;
+        let cached = ((o.device + o.host + o.disk).max(chosen.booked_prefix)) as usize;
         let prefill_blocks = (request.prompt_tokens as f64 / bs as f64 - cached as f64).max(0.0);
         let blocks: Vec<SeqHash> = request.blocks.iter().map(|b| b.seq).collect();
         let tail = request.prompt_tokens % bs != 0;

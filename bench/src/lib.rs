@@ -5,10 +5,14 @@
 //! - [`trace`]: Mooncake traces and their synthesised prompts.
 //! - [`fleet`]: W worker engines on one virtual clock.
 //! - [`indexer_load`]: `kvroute-bench indexer`, the index under a real event stream.
+//! - [`replay`]: `kvroute-bench replay`, routing policies compared on a trace.
+//! - [`plot`]: the SVG of a replay report.
 //! - [`stats`]: percentiles and process facts.
 #![forbid(unsafe_code)]
 
 pub mod fleet;
 pub mod indexer_load;
+pub mod plot;
+pub mod replay;
 pub mod stats;
 pub mod trace;

@@ -4,7 +4,7 @@
 use std::alloc::System;
 
 use clap::{Parser, Subcommand};
-use kvroute_bench::indexer_load;
+use kvroute_bench::{indexer_load, plot, replay};
 use stats_alloc::{INSTRUMENTED_SYSTEM, StatsAlloc};
 
 // Counting allocator: the indexer bench reports the index's heap per block.
@@ -23,6 +23,8 @@ struct Cli {
 enum Command {
     /// The indexer under a trace's real event stream: block-ops/s and lookup latency.
     Indexer(indexer_load::Args),
+    /// Offline replay of a trace: routing policies compared on TTFT, reuse and load.
+    Replay(replay::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -32,6 +34,16 @@ fn main() -> anyhow::Result<()> {
             indexer_load::print(&report);
             if let Some(path) = &args.json {
                 std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+            }
+        }
+        Command::Replay(args) => {
+            let report = replay::run(&args)?;
+            replay::print(&report);
+            if let Some(path) = &args.json {
+                std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+            }
+            if let Some(path) = &args.plot {
+                std::fs::write(path, plot::svg(&report))?;
             }
         }
     }

@@ -24,6 +24,11 @@ impl ActiveLoad {
         self.shared.len() + self.private_blocks
     }
 
+    /// Whether a booked request holds (or is computing) this block.
+    pub fn holds(&self, block: SeqHash) -> bool {
+        self.shared.contains_key(&block)
+    }
+
     /// Books a request: its uncached prefill and the blocks it will hold.
     pub fn book(&mut self, prefill_blocks: f64, blocks: &[SeqHash], tail: bool) {
         self.prefill_blocks += prefill_blocks;

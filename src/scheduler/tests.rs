@@ -5,10 +5,19 @@ fn key(w: u64) -> WorkerKey {
     (WorkerId(w), DpRank(0))
 }
 
+/// Unit weights, so that expected costs read straight off the formula.
+fn unit_weights() -> Config {
+    Config {
+        prefill_scale: 1.0,
+        decode_weight: 1.0,
+        ..Config::default()
+    }
+}
+
 fn scheduler(policy: PolicyKind, workers: u64) -> Scheduler {
     let mut s = Scheduler::new(Config {
         policy,
-        ..Config::default()
+        ..unit_weights()
     })
     .unwrap();
     for w in 0..workers {
@@ -48,6 +57,41 @@ fn request<'a>(b: &'a [BlockHash], tokens: usize, overlaps: &'a OverlapScores) -
         block_size: 16,
         overlaps,
     }
+}
+
+#[test]
+fn weights_scale_their_terms() {
+    let config = Config {
+        prefill_scale: 8.0,
+        decode_weight: 0.1,
+        ..Config::default()
+    };
+    let mut s = Scheduler::new(config).unwrap();
+    s.add_worker(key(0), 1000);
+    let b = blocks(10, 0);
+    let none = scores(&[]);
+    let d = s.route(0, &request(&b, 160, &none)).unwrap();
+    assert!((d.chosen.cost - 80.0).abs() < 1e-9);
+    s.first_token(d.booking);
+    // 10 held blocks at 0.1, and 8 × 10 uncached.
+    let c = s.candidates(&request(&blocks(10, 900), 160, &none));
+    assert!((c[0].cost - 81.0).abs() < 1e-9, "{}", c[0].cost);
+}
+
+#[test]
+fn blocks_booked_but_not_yet_announced_count_as_cached() {
+    let mut s = Scheduler::new(Config::default()).unwrap();
+    s.add_worker(key(0), 1000);
+    s.add_worker(key(1), 1000);
+    let b = blocks(10, 0);
+    let none = scores(&[]);
+    let first = s.route(0, &request(&b, 160, &none)).unwrap();
+    // Same prompt before any KV event: the worker computing it is the cheap one.
+    let c = s.candidates(&request(&b, 160, &none));
+    let on_first = c.iter().find(|c| c.key == first.chosen.key).unwrap();
+    assert_eq!(on_first.booked_prefix, 10);
+    let second = s.route(0, &request(&b, 160, &none)).unwrap();
+    assert_eq!(second.chosen.key, first.chosen.key);
 }
 
 #[test]
@@ -113,7 +157,7 @@ fn shared_blocks_count_once_per_worker() {
 fn unreleased_bookings_expire() {
     let mut s = Scheduler::new(Config {
         booking_ttl_ms: 1000,
-        ..Config::default()
+        ..unit_weights()
     })
     .unwrap();
     s.add_worker(key(0), 100);
@@ -133,7 +177,7 @@ fn ties_break_at_random_and_deterministically() {
     let picks = |seed| {
         let mut s = Scheduler::new(Config {
             seed,
-            ..Config::default()
+            ..unit_weights()
         })
         .unwrap();
         for w in 0..4 {
@@ -157,7 +201,7 @@ fn ties_break_at_random_and_deterministically() {
 
 #[test]
 fn busy_workers_sit_out_unless_all_are_busy() {
-    let mut s = Scheduler::new(Config::default()).unwrap();
+    let mut s = Scheduler::new(unit_weights()).unwrap();
     s.add_worker(key(0), 10);
     s.add_worker(key(1), 1000);
     let b = blocks(10, 0);
@@ -178,7 +222,7 @@ fn busy_workers_sit_out_unless_all_are_busy() {
 fn temperature_samples_mostly_the_cheapest() {
     let mut s = Scheduler::new(Config {
         temperature: 0.05,
-        ..Config::default()
+        ..unit_weights()
     })
     .unwrap();
     s.add_worker(key(0), 1_000_000);
@@ -257,7 +301,7 @@ fn approx_prefix_follows_its_own_decisions_until_they_expire() {
 fn config_validation_names_the_field() {
     let bad = Config {
         host_weight: 1.5,
-        ..Config::default()
+        ..unit_weights()
     };
     assert!(matches!(
         bad.validate(),
