@@ -489,9 +489,9 @@ pub fn print(report: &Report) {
         report.bound_reuse_ratio
     );
     println!(
-        "| policy | TTFT p50 ms | TTFT p99 ms | TTFT mean ms | ITL p50 ms | E2E p50 ms | tok/s | reuse | G2 reuse | min/mean req | wall s |"
+        "| policy | TTFT p50 ms | TTFT p99 ms | TTFT mean ms | ITL p50 ms | E2E p50 ms | tok/s | reuse | G2 reuse | routing-only reuse | min/mean req | wall s |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for p in &report.policies {
         println!(
             "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} | {:.3} | {:.3} | {:.3} | {:.2} | {:.1} |",
