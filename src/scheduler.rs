@@ -346,7 +346,7 @@ impl Scheduler {
         let cached = ((o.device + o.host + o.disk).max(chosen.booked_prefix)) as usize;
         let prefill_blocks = (request.prompt_tokens as f64 / bs as f64 - cached as f64).max(0.0);
         let blocks: Vec<SeqHash> = request.blocks.iter().map(|b| b.seq).collect();
-        let tail = request.prompt_tokens % bs != 0;
+        let tail = !request.prompt_tokens.is_multiple_of(bs);
         let state = self
             .workers
             .get_mut(&chosen.key)

@@ -272,7 +272,7 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         .iter()
         .map(|p| PolicyKind::parse(p.trim()).with_context(|| format!("unknown policy {p:?}")))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    if !(args.speedup > 0.0) {
+    if args.speedup.is_nan() || args.speedup <= 0.0 {
         bail!("--speedup must be positive");
     }
     let config = engine_config(args)?;
@@ -519,13 +519,12 @@ mod tests {
     /// extending the previous one's prompt, `gap_ms` apart.
     fn synthetic_trace(n: u64, gap_ms: u64) -> PathBuf {
         let mut lines = String::new();
-        let mut next_id = 1u64;
         let mut conversations: Vec<Vec<u64>> = vec![vec![0]; 6];
         for i in 0..n {
             let c = (i * 7 + i / 3) as usize % 6;
             let ids = &mut conversations[c];
-            ids.push(next_id);
-            next_id += 1;
+            // Ids are unique per turn; id 0 is the prompt every conversation shares.
+            ids.push(i + 1);
             let input = ids.len() * 512 - 100;
             lines.push_str(&format!(
                 "{{\"timestamp\": {}, \"input_length\": {input}, \"output_length\": {}, \"hash_ids\": {:?}}}\n",
