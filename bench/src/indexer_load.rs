@@ -44,6 +44,9 @@ pub struct Args {
     /// The paced phase replays the trace this many times faster than recorded.
     #[arg(long, default_value_t = 100.0)]
     pub pace_speedup: f64,
+    /// Blocks the index reserves room for at start (`indexer.initial_blocks`).
+    #[arg(long, default_value_t = 0)]
+    pub initial_blocks: usize,
     /// Write the figures here as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -180,9 +183,13 @@ pub fn run(
     eprintln!(
         "indexer: {events} event batches ({event_blocks} blocks), {lookups} lookups; paced replay …"
     );
-    let (paced, _, _) = replay(&timeline, Some(args.pace_speedup), allocator)?;
+    let config = Config {
+        initial_blocks: args.initial_blocks,
+        ..Config::default()
+    };
+    let (paced, _, _) = replay(&timeline, &config, Some(args.pace_speedup), allocator)?;
     eprintln!("indexer: saturated replay …");
-    let (saturated, lookup_blocks, (heap, sizes)) = replay(&timeline, None, allocator)?;
+    let (saturated, lookup_blocks, (heap, sizes)) = replay(&timeline, &config, None, allocator)?;
     Ok(Report {
         trace: args.trace.display().to_string(),
         workers: args.workers * args.duplicate,
@@ -261,11 +268,12 @@ fn simulate(
 /// Returns the phase figures, blocks walked by lookups, and the index's final heap and sizes.
 fn replay(
     timeline: &Arc<Timeline>,
+    config: &Config,
     speedup: Option<f64>,
     allocator: &'static StatsAlloc<std::alloc::System>,
 ) -> anyhow::Result<(Phase, u64, (i64, kvroute::indexer::Sizes))> {
     let region = Region::new(allocator);
-    let index = Arc::new(Indexer::new(Config::default())?);
+    let index = Arc::new(Indexer::new(config.clone())?);
     let start = Instant::now();
     let due = move |t: u64| speedup.map(|s| Duration::from_secs_f64(t as f64 / 1e6 / s));
     let writer = {
