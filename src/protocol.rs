@@ -5,6 +5,7 @@ mod codec;
 mod events;
 mod hashing;
 mod ids;
+mod snapshot;
 
 pub use codec::{
     DecodeError, EncodeError, FORMAT_VERSION, HEADER_LEN, Limits, MAGIC, decode, encode,
@@ -13,6 +14,10 @@ pub use codec::{
 pub use events::{EventBatch, KvEvent, KvEventData, StoredBlock, parents_first};
 pub use hashing::{BlockHash, HASH_SEED, Salt, extend_blocks, hash_blocks, local_hash, seq_hash};
 pub use ids::{DpRank, LocalHash, SeqHash, Tier, WorkerId};
+pub use snapshot::{
+    AssembleError, SNAPSHOT_MAGIC, Snapshot, SnapshotAssembler, SnapshotBlock, SnapshotChunk,
+    decode_snapshot_chunk,
+};
 
 #[cfg(test)]
 mod tests;

@@ -64,8 +64,9 @@ pub enum DecodeError {
         /// The configured limit.
         limit: usize,
     },
-    /// The first three bytes are not `KVR`: not a kvroute event payload.
-    #[error("bad magic {found:02x?}, expected \"KVR\"")]
+    /// The first three bytes are not the magic of the expected payload kind (`KVR` for
+    /// event batches, `KVS` for snapshot chunks).
+    #[error("bad magic {found:02x?}")]
     BadMagic {
         /// The bytes found.
         found: [u8; 3],
@@ -98,6 +99,14 @@ pub enum DecodeError {
         count: usize,
         /// The configured limit.
         limit: usize,
+    },
+    /// A snapshot chunk's index is not below its count.
+    #[error("snapshot chunk {index} of {count}")]
+    BadChunk {
+        /// The chunk's index.
+        index: u32,
+        /// Chunks announced.
+        count: u32,
     },
     /// Event ids do not start at 1 or more and ascend by one.
     #[error("event id {found} where {expected} was expected")]
@@ -272,7 +281,12 @@ pub fn decode(bytes: &[u8], limits: &Limits) -> Result<EventBatch, DecodeError> 
         .map_err(|source| DecodeError::Malformed { source })
 }
 
-fn access<'a>(bytes: &'a [u8], limits: &Limits) -> Result<&'a ArchivedEventBatch, DecodeError> {
+/// Checks size and header (`magic` + [`FORMAT_VERSION`]) and returns the archive after it.
+pub(crate) fn body<'a>(
+    bytes: &'a [u8],
+    magic: [u8; 3],
+    limits: &Limits,
+) -> Result<&'a [u8], DecodeError> {
     if bytes.len() > limits.max_payload_bytes {
         return Err(DecodeError::TooLarge {
             len: bytes.len(),
@@ -283,7 +297,7 @@ fn access<'a>(bytes: &'a [u8], limits: &Limits) -> Result<&'a ArchivedEventBatch
         return Err(DecodeError::Truncated { len: bytes.len() });
     };
     let [m0, m1, m2, version] = *header;
-    if [m0, m1, m2] != MAGIC {
+    if [m0, m1, m2] != magic {
         return Err(DecodeError::BadMagic {
             found: [m0, m1, m2],
         });
@@ -291,6 +305,11 @@ fn access<'a>(bytes: &'a [u8], limits: &Limits) -> Result<&'a ArchivedEventBatch
     if version != FORMAT_VERSION {
         return Err(DecodeError::UnsupportedVersion { found: version });
     }
+    Ok(body)
+}
+
+fn access<'a>(bytes: &'a [u8], limits: &Limits) -> Result<&'a ArchivedEventBatch, DecodeError> {
+    let body = body(bytes, MAGIC, limits)?;
     let archived = rkyv::access::<ArchivedEventBatch, rancor::Error>(body)
         .map_err(|source| DecodeError::Malformed { source })?;
     let events = &archived.events;

@@ -443,3 +443,71 @@ proptest! {
         prop_assert!(all.len() >= b.events.len());
     }
 }
+
+fn snapshot(n: u64) -> Snapshot {
+    Snapshot {
+        worker: WorkerId(3),
+        dp_rank: DpRank(1),
+        epoch: 9,
+        watermark: 41,
+        blocks: (0..n)
+            .map(|i| SnapshotBlock {
+                tier: if i % 3 == 0 { Tier::Host } else { Tier::Device },
+                parent: i.checked_sub(1).map(SeqHash),
+                block: StoredBlock { seq: SeqHash(i), local: LocalHash(i + 7) },
+            })
+            .collect(),
+    }
+}
+
+#[test]
+fn snapshot_chunks_reassemble_in_any_order() {
+    let snap = snapshot(1000);
+    let mut chunks = snap.encode(4096).unwrap();
+    assert!(chunks.len() > 5);
+    assert!(chunks.iter().all(|c| c.len() <= 4096 && c[..3] == *b"KVS"));
+    chunks.reverse();
+    let mut assembler = SnapshotAssembler::default();
+    let mut done = None;
+    for (i, c) in chunks.iter().enumerate() {
+        let chunk = decode_snapshot_chunk(c, &Limits::default()).unwrap();
+        if i == 1 {
+            // A duplicate of an earlier chunk is ignored.
+            let first = decode_snapshot_chunk(&chunks[0], &Limits::default()).unwrap();
+            assert!(assembler.add(first).unwrap().is_none());
+        }
+        if let Some(s) = assembler.add(chunk).unwrap() {
+            assert_eq!(i, chunks.len() - 1);
+            done = Some(s);
+        }
+    }
+    assert_eq!(done.unwrap(), snap);
+    // An empty snapshot is one chunk.
+    let empty = snapshot(0).encode(4096).unwrap();
+    assert_eq!(empty.len(), 1);
+    let chunk = decode_snapshot_chunk(&empty[0], &Limits::default()).unwrap();
+    assert_eq!(SnapshotAssembler::default().add(chunk).unwrap().unwrap(), snapshot(0));
+}
+
+#[test]
+fn snapshot_chunks_are_validated() {
+    let bytes = snapshot(3).encode(4096).unwrap().remove(0);
+    // An event batch is not a snapshot chunk, and vice versa.
+    assert!(matches!(decode(&bytes, &Limits::default()), Err(DecodeError::BadMagic { .. })));
+    let batch_bytes = encode(&batch(vec![stored(1, None, 0..1)])).unwrap();
+    assert!(decode_snapshot_chunk(&batch_bytes, &Limits::default()).is_err());
+    let mut other = snapshot(3);
+    other.epoch = 10;
+    let mut assembler = SnapshotAssembler::default();
+    let two = snapshot(300).encode(4096).unwrap();
+    assembler.add(decode_snapshot_chunk(&two[0], &Limits::default()).unwrap()).unwrap();
+    let foreign = decode_snapshot_chunk(&other.encode(4096).unwrap()[0], &Limits::default()).unwrap();
+    assert!(assembler.add(foreign).is_err());
+}
+
+proptest! {
+    #[test]
+    fn prop_decode_snapshot_chunk_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let _ = decode_snapshot_chunk(&bytes, &Limits::default());
+    }
+}

@@ -15,14 +15,14 @@ use std::num::NonZeroUsize;
 use std::sync::Arc;
 
 use kvroute::protocol::{
-    BlockHash, DpRank, EventBatch, Salt, StoredBlock, Tier, WorkerId, extend_blocks, local_hash,
-    seq_hash,
+    BlockHash, DpRank, EventBatch, Salt, Snapshot, StoredBlock, Tier, WorkerId, extend_blocks,
+    local_hash, seq_hash,
 };
 pub use timing::TimingModel;
 
 use crate::block_manager::{AllocError, BlockManager, Change, Lease, OffloadError, OnboardTicket};
 use crate::config::{ConfigError, EngineConfig};
-use crate::publisher::{MAX_EVENT_BLOCKS, Publisher, Snapshot};
+use crate::publisher::{MAX_EVENT_BLOCKS, Publisher};
 
 /// Names a request within one worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]

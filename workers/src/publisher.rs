@@ -4,8 +4,8 @@
 //! with the resident set the published events describe and the last id they cover.
 
 use kvroute::protocol::{
-    DpRank, EventBatch, KvEvent, KvEventData, LocalHash, SeqHash, StoredBlock, Tier, WorkerId,
-    parents_first,
+    DpRank, EventBatch, KvEvent, KvEventData, LocalHash, SeqHash, Snapshot, SnapshotBlock,
+    StoredBlock, Tier, WorkerId, parents_first,
 };
 use rustc_hash::FxHashMap;
 
@@ -22,18 +22,6 @@ struct Announced {
     local: LocalHash,
     /// Stores minus removes seen; the block is announced while this is positive.
     refs: u32,
-}
-
-/// The full resident set the published events describe, for a router's resync.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Snapshot {
-    /// The worker's incarnation.
-    pub epoch: u64,
-    /// Id of the last event the snapshot includes (0: none yet): the router applies only
-    /// live events after it.
-    pub last_event_id: u64,
-    /// Every announced block, per tier, parents before children.
-    pub blocks: Vec<(Tier, Option<SeqHash>, StoredBlock)>,
 }
 
 /// Counters of what the publisher dropped.
@@ -208,9 +196,18 @@ impl Publisher {
             )
         }));
         Snapshot {
+            worker: self.worker,
+            dp_rank: self.dp_rank,
             epoch: self.epoch,
-            last_event_id: self.last_event_id(),
-            blocks,
+            watermark: self.last_event_id(),
+            blocks: blocks
+                .into_iter()
+                .map(|(tier, parent, block)| SnapshotBlock {
+                    tier,
+                    parent,
+                    block,
+                })
+                .collect(),
         }
     }
 }

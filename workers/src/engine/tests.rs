@@ -63,7 +63,7 @@ impl Mirror {
     fn check(&mut self, engine: &mut Engine) {
         let snapshot = engine.snapshot();
         self.apply(engine);
-        assert_eq!(snapshot.last_event_id, self.next_id);
+        assert_eq!(snapshot.watermark, self.next_id);
         let truth = resident_set(engine.blocks());
         assert_eq!(
             self.blocks, truth,
@@ -72,7 +72,7 @@ impl Mirror {
         let snap: BTreeSet<_> = snapshot
             .blocks
             .iter()
-            .map(|(t, _, b)| (*t, b.seq))
+            .map(|b| (b.tier, b.block.seq))
             .collect();
         assert_eq!(snap, truth, "snapshot differs from the block manager");
         engine.blocks().check_invariants().unwrap();

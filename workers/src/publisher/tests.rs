@@ -100,9 +100,10 @@ fn snapshot_orders_parents_first_with_watermark() {
     let batch = p.flush(0).unwrap();
     let snap = p.snapshot();
     assert_eq!(snap.epoch, 3);
-    assert_eq!(snap.last_event_id, batch.last_id().unwrap());
+    assert_eq!(snap.watermark, batch.last_id().unwrap());
     let mut seen = std::collections::HashSet::new();
-    for (tier, parent, block) in &snap.blocks {
+    for b in &snap.blocks {
+        let (tier, parent, block) = (&b.tier, &b.parent, &b.block);
         if let Some(parent) = parent
             && *tier == Tier::Device
         {
@@ -110,7 +111,7 @@ fn snapshot_orders_parents_first_with_watermark() {
         }
         seen.insert(block.seq);
     }
-    let mut seqs: Vec<u64> = snap.blocks.iter().map(|(_, _, b)| b.seq.0).collect();
+    let mut seqs: Vec<u64> = snap.blocks.iter().map(|b| b.block.seq.0).collect();
     seqs.sort();
     assert_eq!(seqs, vec![1, 2, 4, 60]);
 }
