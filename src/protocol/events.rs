@@ -10,7 +10,9 @@ pub struct EventBatch {
     pub worker: WorkerId,
     /// Its data-parallel rank; each rank has its own cache and its own id sequence.
     pub dp_rank: DpRank,
-    /// The worker process incarnation (random at start). A new epoch means a restart.
+    /// The worker process incarnation. A new epoch means a restart; a later incarnation has
+    /// a larger epoch (workers put their start time, ms since the Unix epoch, in the high
+    /// bits and random bits below), so stragglers of an old one are recognised as such.
     pub epoch: u64,
     /// When the worker sent the batch, µs since the Unix epoch (0 = unknown); the router
     /// derives event lag from it.

@@ -454,7 +454,10 @@ fn snapshot(n: u64) -> Snapshot {
             .map(|i| SnapshotBlock {
                 tier: if i % 3 == 0 { Tier::Host } else { Tier::Device },
                 parent: i.checked_sub(1).map(SeqHash),
-                block: StoredBlock { seq: SeqHash(i), local: LocalHash(i + 7) },
+                block: StoredBlock {
+                    seq: SeqHash(i),
+                    local: LocalHash(i + 7),
+                },
             })
             .collect(),
     }
@@ -486,22 +489,31 @@ fn snapshot_chunks_reassemble_in_any_order() {
     let empty = snapshot(0).encode(4096).unwrap();
     assert_eq!(empty.len(), 1);
     let chunk = decode_snapshot_chunk(&empty[0], &Limits::default()).unwrap();
-    assert_eq!(SnapshotAssembler::default().add(chunk).unwrap().unwrap(), snapshot(0));
+    assert_eq!(
+        SnapshotAssembler::default().add(chunk).unwrap().unwrap(),
+        snapshot(0)
+    );
 }
 
 #[test]
 fn snapshot_chunks_are_validated() {
     let bytes = snapshot(3).encode(4096).unwrap().remove(0);
     // An event batch is not a snapshot chunk, and vice versa.
-    assert!(matches!(decode(&bytes, &Limits::default()), Err(DecodeError::BadMagic { .. })));
+    assert!(matches!(
+        decode(&bytes, &Limits::default()),
+        Err(DecodeError::BadMagic { .. })
+    ));
     let batch_bytes = encode(&batch(vec![stored(1, None, 0..1)])).unwrap();
     assert!(decode_snapshot_chunk(&batch_bytes, &Limits::default()).is_err());
     let mut other = snapshot(3);
     other.epoch = 10;
     let mut assembler = SnapshotAssembler::default();
     let two = snapshot(300).encode(4096).unwrap();
-    assembler.add(decode_snapshot_chunk(&two[0], &Limits::default()).unwrap()).unwrap();
-    let foreign = decode_snapshot_chunk(&other.encode(4096).unwrap()[0], &Limits::default()).unwrap();
+    assembler
+        .add(decode_snapshot_chunk(&two[0], &Limits::default()).unwrap())
+        .unwrap();
+    let foreign =
+        decode_snapshot_chunk(&other.encode(4096).unwrap()[0], &Limits::default()).unwrap();
     assert!(assembler.add(foreign).is_err());
 }
 

@@ -1,0 +1,5 @@
+//! The event plane, router side: per-worker streams that turn KV event batches from the wire
+//! into exact index updates, recovering from loss, duplication, reordering and restarts
+//! ([`stream`], no I/O).
+
+pub mod stream;

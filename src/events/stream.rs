@@ -1,0 +1,418 @@
+//! The router's view of one (worker, dp rank) event stream, as a state machine with no I/O
+//! (DESIGN §6): it orders batches by id, drops duplicates, holds early batches for a short
+//! reorder window, and on a gap, a new epoch or a late join runs the resync: buffer live
+//! batches, ask for a snapshot, apply it, replay the buffer past its watermark. Recovery
+//! never loops: a snapshot always carries its watermark, so every resync ends live unless
+//! the stream itself loses events again.
+//!
+//! The driver (the events task) feeds it batches, snapshots and clock ticks, and carries out
+//! the [`Command`]s it returns against the indexer and the transport.
+
+use std::collections::BTreeMap;
+
+use crate::protocol::{EventBatch, Snapshot};
+
+/// Limits of one stream.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StreamConfig {
+    /// Early batches held while waiting for a missing one; past this a gap is declared.
+    pub reorder_window: usize,
+    /// How long an early batch may wait for the missing one before a gap is declared, ms.
+    pub reorder_timeout_ms: u64,
+    /// Events buffered during a resync; past this the buffer is dropped and the resync
+    /// starts over (counted as an overflow).
+    pub max_buffered_events: usize,
+    /// A snapshot request unanswered this long is sent again, ms.
+    pub snapshot_timeout_ms: u64,
+}
+
+impl Default for StreamConfig {
+    fn default() -> Self {
+        StreamConfig {
+            reorder_window: 64,
+            reorder_timeout_ms: 250,
+            max_buffered_events: 100_000,
+            snapshot_timeout_ms: 2_000,
+        }
+    }
+}
+
+/// What the driver must do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Command {
+    /// Forget everything indexed for this (worker, rank).
+    Reset,
+    /// Apply this batch to the index.
+    Apply(EventBatch),
+    /// Ask the worker for a snapshot of this epoch.
+    RequestSnapshot {
+        /// The epoch the stream is at (the worker answers with its current one).
+        epoch: u64,
+    },
+}
+
+/// Why a stream is resyncing (for metrics and logs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResyncReason {
+    /// First batch seen mid-stream (router started after the worker).
+    Join,
+    /// The worker restarted (new epoch) and its first batch is not id 1.
+    NewEpoch,
+    /// Events were lost.
+    Gap,
+    /// The resync buffer overflowed.
+    Overflow,
+    /// Asked by the driver (e.g. after a transport reconnect).
+    Requested,
+}
+
+/// Counters of one stream.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StreamStats {
+    /// Batches applied live.
+    pub applied_batches: u64,
+    /// Batches dropped as duplicates (all ids already applied).
+    pub duplicates: u64,
+    /// Batches of a retired epoch, dropped.
+    pub stale_epoch: u64,
+    /// Gaps detected.
+    pub gaps: u64,
+    /// Resyncs started.
+    pub resyncs: u64,
+    /// Resync buffer overflows.
+    pub overflows: u64,
+    /// Snapshot requests sent again after a timeout.
+    pub snapshot_retries: u64,
+    /// Snapshots applied.
+    pub snapshots: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum State {
+    /// Nothing received yet.
+    New,
+    /// Applying batches in order; `next_id` is the next id expected.
+    Live { next_id: u64 },
+    /// Waiting for a snapshot; live batches are buffered.
+    Resyncing { since_ms: u64, requested_ms: u64 },
+}
+
+/// One (worker, dp rank) stream.
+#[derive(Debug)]
+pub struct WorkerStream {
+    config: StreamConfig,
+    state: State,
+    epoch: Option<u64>,
+    /// Epochs this stream has moved on from: their stragglers are dropped, not mistaken for
+    /// yet another restart.
+    retired: Vec<u64>,
+    /// Batches ahead of the next id (live) or received during a resync, by first id.
+    held: BTreeMap<u64, EventBatch>,
+    held_events: usize,
+    /// When the stream first fell behind what it should have (an early batch arrived, or the
+    /// worker announced ids not seen yet); live only.
+    held_since_ms: Option<u64>,
+    /// Highest id the worker said it has sent (heartbeats), to catch a lost tail batch.
+    announced_last: u64,
+    last_reason: Option<ResyncReason>,
+    stats: StreamStats,
+}
+
+const RETIRED_EPOCHS: usize = 4;
+
+impl WorkerStream {
+    /// A stream that has seen nothing yet.
+    pub fn new(config: StreamConfig) -> Self {
+        WorkerStream {
+            config,
+            state: State::New,
+            epoch: None,
+            retired: Vec::new(),
+            held: BTreeMap::new(),
+            held_events: 0,
+            held_since_ms: None,
+            announced_last: 0,
+            last_reason: None,
+            stats: StreamStats::default(),
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> StreamStats {
+        self.stats
+    }
+
+    /// The epoch followed, if any.
+    pub fn epoch(&self) -> Option<u64> {
+        self.epoch
+    }
+
+    /// Whether the stream is applying live events (its index entries are exact up to the
+    /// last applied id).
+    pub fn is_live(&self) -> bool {
+        matches!(self.state, State::Live { .. })
+    }
+
+    /// Why the last resync started.
+    pub fn last_resync_reason(&self) -> Option<ResyncReason> {
+        self.last_reason
+    }
+
+    /// The next event id expected while live.
+    pub fn next_id(&self) -> Option<u64> {
+        match self.state {
+            State::Live { next_id } => Some(next_id),
+            _ => None,
+        }
+    }
+
+    /// Handles a batch from the wire.
+    pub fn on_batch(&mut self, now_ms: u64, batch: EventBatch, out: &mut Vec<Command>) {
+        let (Some(first), Some(_)) = (batch.first_id(), batch.last_id()) else {
+            return;
+        };
+        // Later incarnations have larger epochs (start time in the high bits), so a batch of
+        // a smaller one is a straggler from before a restart, not yet another restart.
+        if self.retired.contains(&batch.epoch) || self.epoch.is_some_and(|e| batch.epoch < e) {
+            self.stats.stale_epoch += 1;
+            return;
+        }
+        if self.epoch != Some(batch.epoch) {
+            // First contact, or the worker restarted.
+            let joining = self.epoch.is_none();
+            self.adopt_epoch(batch.epoch, out);
+            if first == 1 {
+                // We see the new stream from its start: nothing to fetch.
+                self.state = State::Live { next_id: 1 };
+                self.accept_live(now_ms, batch, out);
+            } else {
+                self.hold(batch);
+                let reason = if joining {
+                    ResyncReason::Join
+                } else {
+                    ResyncReason::NewEpoch
+                };
+                self.start_resync(now_ms, reason, out);
+            }
+            return;
+        }
+        match self.state {
+            State::Live { .. } => self.accept_live(now_ms, batch, out),
+            State::Resyncing { .. } => {
+                self.hold(batch);
+                if self.held_events > self.config.max_buffered_events {
+                    self.stats.overflows += 1;
+                    self.clear_held();
+                    self.start_resync(now_ms, ResyncReason::Overflow, out);
+                }
+            }
+            State::New => unreachable!("invariant: an adopted epoch leaves State::New"),
+        }
+    }
+
+    /// Handles a complete snapshot from the worker.
+    pub fn on_snapshot(&mut self, now_ms: u64, snapshot: Snapshot, out: &mut Vec<Command>) {
+        if self.retired.contains(&snapshot.epoch) || !matches!(self.state, State::Resyncing { .. })
+        {
+            // Late answer to a request already served, or from a past incarnation.
+            return;
+        }
+        if self.epoch != Some(snapshot.epoch) {
+            // The worker restarted since we asked: the snapshot is of its new incarnation.
+            self.adopt_epoch(snapshot.epoch, out);
+        } else {
+            out.push(Command::Reset);
+        }
+        self.stats.snapshots += 1;
+        let watermark = snapshot.watermark;
+        out.push(Command::Apply(snapshot.to_batch()));
+        self.state = State::Live {
+            next_id: watermark + 1,
+        };
+        let held = std::mem::take(&mut self.held);
+        self.held_events = 0;
+        for (_, batch) in held {
+            if batch.epoch == snapshot.epoch {
+                self.accept_live(now_ms, batch, out);
+            }
+        }
+    }
+
+    /// The worker says it has sent events up to `last_id` in `epoch` (its heartbeat). A lost
+    /// last batch is otherwise invisible until the next one: if nothing fills the difference
+    /// within the reorder timeout, it is a gap. A heartbeat of another epoch means the worker
+    /// restarted: the old incarnation's entries go at once.
+    pub fn on_watermark(&mut self, now_ms: u64, epoch: u64, last_id: u64, out: &mut Vec<Command>) {
+        if self.retired.contains(&epoch) {
+            return;
+        }
+        if self.epoch != Some(epoch) {
+            // The worker restarted (or is new) and none of its new events reached us: what
+            // the index holds for the old incarnation is stale either way.
+            let joining = self.epoch.is_none();
+            self.adopt_epoch(epoch, out);
+            if last_id == 0 {
+                self.state = State::Live { next_id: 1 };
+            } else {
+                let reason = if joining {
+                    ResyncReason::Join
+                } else {
+                    ResyncReason::NewEpoch
+                };
+                self.start_resync(now_ms, reason, out);
+            }
+            return;
+        }
+        if let State::Live { next_id } = self.state
+            && last_id >= next_id
+        {
+            self.announced_last = self.announced_last.max(last_id);
+            self.held_since_ms.get_or_insert(now_ms);
+            self.on_tick(now_ms, out);
+        }
+    }
+
+    /// Time passes: a missing batch that never came is a gap; an unanswered snapshot
+    /// request is sent again.
+    pub fn on_tick(&mut self, now_ms: u64, out: &mut Vec<Command>) {
+        match self.state {
+            State::Live { next_id } => {
+                let behind = !self.held.is_empty() || self.announced_last >= next_id;
+                if !behind {
+                    self.held_since_ms = None;
+                } else if self
+                    .held_since_ms
+                    .is_some_and(|t| now_ms.saturating_sub(t) >= self.config.reorder_timeout_ms)
+                {
+                    self.gap(now_ms, out);
+                }
+            }
+            State::Resyncing {
+                since_ms,
+                requested_ms,
+            } => {
+                if now_ms.saturating_sub(requested_ms) >= self.config.snapshot_timeout_ms {
+                    self.stats.snapshot_retries += 1;
+                    self.state = State::Resyncing {
+                        since_ms,
+                        requested_ms: now_ms,
+                    };
+                    if let Some(epoch) = self.epoch {
+                        out.push(Command::RequestSnapshot { epoch });
+                    }
+                }
+            }
+            State::New => {}
+        }
+    }
+
+    /// Forces a resync (after a transport outage, when events may have been lost unseen).
+    pub fn resync(&mut self, now_ms: u64, out: &mut Vec<Command>) {
+        if self.epoch.is_some() && !matches!(self.state, State::Resyncing { .. }) {
+            self.start_resync(now_ms, ResyncReason::Requested, out);
+        }
+    }
+
+    fn adopt_epoch(&mut self, epoch: u64, out: &mut Vec<Command>) {
+        if let Some(old) = self.epoch.replace(epoch) {
+            self.retired.push(old);
+            if self.retired.len() > RETIRED_EPOCHS {
+                self.retired.remove(0);
+            }
+        }
+        self.clear_held();
+        out.push(Command::Reset);
+    }
+
+    fn accept_live(&mut self, now_ms: u64, batch: EventBatch, out: &mut Vec<Command>) {
+        let State::Live { next_id } = self.state else {
+            return;
+        };
+        let (first, last) = (batch.first_id().unwrap_or(0), batch.last_id().unwrap_or(0));
+        if last < next_id {
+            self.stats.duplicates += 1;
+        } else if first > next_id {
+            self.hold(batch);
+            self.held_since_ms.get_or_insert(now_ms);
+            if self.held.len() > self.config.reorder_window {
+                self.gap(now_ms, out);
+            }
+            return;
+        } else {
+            out.push(Command::Apply(trim(batch, next_id)));
+            self.stats.applied_batches += 1;
+            self.state = State::Live { next_id: last + 1 };
+        }
+        self.drain_held(now_ms, out);
+    }
+
+    /// Applies held batches that have become next in line.
+    fn drain_held(&mut self, now_ms: u64, out: &mut Vec<Command>) {
+        while let Some(entry) = self.held.first_entry() {
+            let State::Live { next_id } = self.state else {
+                return;
+            };
+            if *entry.key() > next_id {
+                break;
+            }
+            let batch = entry.remove();
+            self.held_events -= batch.events.len();
+            let last = batch.last_id().unwrap_or(0);
+            if last >= next_id {
+                out.push(Command::Apply(trim(batch, next_id)));
+                self.stats.applied_batches += 1;
+                self.state = State::Live { next_id: last + 1 };
+            } else {
+                self.stats.duplicates += 1;
+            }
+        }
+        let State::Live { next_id } = self.state else {
+            return;
+        };
+        let behind = !self.held.is_empty() || self.announced_last >= next_id;
+        self.held_since_ms = behind.then_some(self.held_since_ms.unwrap_or(now_ms));
+    }
+
+    fn gap(&mut self, now_ms: u64, out: &mut Vec<Command>) {
+        self.stats.gaps += 1;
+        self.start_resync(now_ms, ResyncReason::Gap, out);
+    }
+
+    fn start_resync(&mut self, now_ms: u64, reason: ResyncReason, out: &mut Vec<Command>) {
+        self.stats.resyncs += 1;
+        self.last_reason = Some(reason);
+        self.held_since_ms = None;
+        self.state = State::Resyncing {
+            since_ms: now_ms,
+            requested_ms: now_ms,
+        };
+        if let Some(epoch) = self.epoch {
+            out.push(Command::RequestSnapshot { epoch });
+        }
+    }
+
+    fn hold(&mut self, batch: EventBatch) {
+        let first = batch.first_id().unwrap_or(0);
+        self.held_events += batch.events.len();
+        if let Some(previous) = self.held.insert(first, batch) {
+            self.held_events -= previous.events.len();
+        }
+    }
+
+    fn clear_held(&mut self) {
+        self.held.clear();
+        self.held_events = 0;
+        self.held_since_ms = None;
+        self.announced_last = 0;
+    }
+}
+
+/// The part of `batch` from id `from` on.
+fn trim(mut batch: EventBatch, from: u64) -> EventBatch {
+    batch.events.retain(|e| e.id >= from);
+    batch
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,440 @@
+use std::collections::BTreeSet;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::indexer::{Config, Indexer};
+use crate::protocol::{
+    DpRank, KvEvent, KvEventData, LocalHash, Salt, SeqHash, SnapshotBlock, StoredBlock, Tier,
+    WorkerId, seq_hash,
+};
+
+fn block(i: u64) -> StoredBlock {
+    StoredBlock {
+        seq: SeqHash(i),
+        local: LocalHash(i),
+    }
+}
+
+/// A batch of `Stored` events with ids `ids` (one block each, named by the id).
+fn batch(epoch: u64, ids: std::ops::RangeInclusive<u64>) -> EventBatch {
+    EventBatch {
+        worker: WorkerId(1),
+        dp_rank: DpRank(0),
+        epoch,
+        sent_unix_us: 0,
+        events: ids
+            .map(|id| KvEvent {
+                id,
+                tier: Tier::Device,
+                data: KvEventData::Stored {
+                    parent: None,
+                    blocks: vec![block(id)],
+                },
+            })
+            .collect(),
+    }
+}
+
+fn applied_ids(out: &[Command]) -> Vec<u64> {
+    out.iter()
+        .flat_map(|c| match c {
+            Command::Apply(b) => b.events.iter().map(|e| e.id).collect(),
+            _ => Vec::new(),
+        })
+        .collect()
+}
+
+fn stream() -> WorkerStream {
+    WorkerStream::new(StreamConfig {
+        reorder_window: 3,
+        ..StreamConfig::default()
+    })
+}
+
+fn snapshot(epoch: u64, watermark: u64) -> Snapshot {
+    Snapshot {
+        worker: WorkerId(1),
+        dp_rank: DpRank(0),
+        epoch,
+        watermark,
+        blocks: (1..=watermark)
+            .map(|i| SnapshotBlock {
+                tier: Tier::Device,
+                parent: None,
+                block: block(i),
+            })
+            .collect(),
+    }
+}
+
+#[test]
+fn in_order_batches_apply_and_duplicates_are_dropped() {
+    let mut s = stream();
+    let mut out = Vec::new();
+    s.on_batch(0, batch(7, 1..=3), &mut out);
+    assert_eq!(out[0], Command::Reset, "first contact forgets stale state");
+    s.on_batch(0, batch(7, 4..=5), &mut out);
+    s.on_batch(0, batch(7, 2..=3), &mut out); // duplicate
+    s.on_batch(0, batch(7, 5..=6), &mut out); // overlaps: only 6 is new
+    assert_eq!(applied_ids(&out), vec![1, 2, 3, 4, 5, 6]);
+    assert_eq!(s.stats().duplicates, 1);
+    assert_eq!(s.next_id(), Some(7));
+}
+
+#[test]
+fn reordered_batches_within_the_window_are_put_back_in_order() {
+    let mut s = stream();
+    let mut out = Vec::new();
+    s.on_batch(0, batch(7, 1..=1), &mut out);
+    s.on_batch(1, batch(7, 4..=4), &mut out);
+    s.on_batch(2, batch(7, 3..=3), &mut out);
+    assert_eq!(applied_ids(&out), vec![1]);
+    s.on_batch(3, batch(7, 2..=2), &mut out);
+    assert_eq!(applied_ids(&out), vec![1, 2, 3, 4]);
+    s.on_tick(10_000, &mut out);
+    assert!(s.is_live());
+    assert_eq!(s.stats().gaps, 0);
+}
+
+#[test]
+fn a_gap_resyncs_from_a_snapshot_and_replays_only_past_its_watermark() {
+    let mut s = stream();
+    let mut out = Vec::new();
+    s.on_batch(0, batch(7, 1..=2), &mut out);
+    // 3 is lost; 4..=7 arrive: the window (3) overflows.
+    for id in 4..=7 {
+        s.on_batch(1, batch(7, id..=id), &mut out);
+    }
+    assert!(out.contains(&Command::RequestSnapshot { epoch: 7 }));
+    assert!(!s.is_live());
+    out.clear();
+    s.on_batch(2, batch(7, 8..=9), &mut out); // buffered during the resync
+    s.on_snapshot(3, snapshot(7, 5), &mut out);
+    assert_eq!(out[0], Command::Reset);
+    let Command::Apply(snap) = &out[1] else {
+        panic!("{out:?}")
+    };
+    assert_eq!(snap.events.len(), 5);
+    // Buffered 6..=9 (4 and 5 are in the snapshot) follow it.
+    assert_eq!(applied_ids(&out[2..]), vec![6, 7, 8, 9]);
+    assert_eq!(s.next_id(), Some(10));
+    assert_eq!(s.stats().gaps, 1);
+}
+
+#[test]
+fn a_missing_batch_that_never_comes_is_a_gap_after_the_timeout() {
+    let mut s = stream();
+    let mut out = Vec::new();
+    s.on_batch(0, batch(7, 1..=1), &mut out);
+    s.on_batch(10, batch(7, 3..=3), &mut out);
+    s.on_tick(100, &mut out);
+    assert!(s.is_live());
+    s.on_tick(10 + 250, &mut out);
+    assert!(!s.is_live());
+    assert_eq!(s.last_resync_reason(), Some(ResyncReason::Gap));
+}
+
+#[test]
+fn a_lost_last_batch_is_caught_by_the_heartbeat_watermark() {
+    let mut s = stream();
+    let mut out = Vec::new();
+    s.on_batch(0, batch(7, 1..=2), &mut out);
+    // Batch 3..=4 lost; the worker's heartbeat says it sent up to 4.
+    s.on_watermark(100, 7, 4, &mut out);
+    assert!(s.is_live());
+    s.on_watermark(400, 7, 4, &mut out);
+    assert!(!s.is_live());
+    // A heartbeat that matches what was applied is no alarm.
+    let mut t = stream();
+    t.on_batch(0, batch(7, 1..=2), &mut out);
+    t.on_watermark(100, 7, 2, &mut out);
+    t.on_tick(10_000, &mut out);
+    assert!(t.is_live());
+}
+
+#[test]
+fn stragglers_of_an_incarnation_never_seen_do_not_undo_the_restart() {
+    // The router met the worker after its restart; a late batch of the old incarnation
+    // (smaller epoch) arrives afterwards.
+    let mut s = stream();
+    let mut out = Vec::new();
+    s.on_batch(0, batch(8, 1..=1), &mut out);
+    out.clear();
+    s.on_batch(1, batch(7, 3..=3), &mut out);
+    assert!(out.is_empty());
+    assert!(s.is_live());
+    assert_eq!(s.stats().stale_epoch, 1);
+    // The registry's heartbeat is authoritative about the current epoch, even a smaller one
+    // (a clock stepped back across the restart).
+    s.on_watermark(2, 5, 0, &mut out);
+    assert_eq!(s.epoch(), Some(5));
+    assert_eq!(out, vec![Command::Reset]);
+}
+
+#[test]
+fn a_restart_from_id_1_needs_no_snapshot_and_old_stragglers_are_dropped() {
+    let mut s = stream();
+    let mut out = Vec::new();
+    s.on_batch(0, batch(7, 1..=5), &mut out);
+    out.clear();
+    s.on_batch(1, batch(8, 1..=2), &mut out);
+    assert_eq!(out[0], Command::Reset);
+    assert_eq!(applied_ids(&out), vec![1, 2]);
+    assert!(
+        !out.iter()
+            .any(|c| matches!(c, Command::RequestSnapshot { .. }))
+    );
+    out.clear();
+    s.on_batch(2, batch(7, 6..=6), &mut out);
+    assert!(out.is_empty());
+    assert_eq!(s.stats().stale_epoch, 1);
+}
+
+#[test]
+fn joining_mid_stream_resyncs_and_retries_an_unanswered_request() {
+    let mut s = stream();
+    let mut out = Vec::new();
+    s.on_batch(0, batch(7, 5..=6), &mut out);
+    assert_eq!(
+        out,
+        vec![Command::Reset, Command::RequestSnapshot { epoch: 7 }]
+    );
+    assert_eq!(s.last_resync_reason(), Some(ResyncReason::Join));
+    out.clear();
+    s.on_tick(2_000, &mut out);
+    assert_eq!(out, vec![Command::RequestSnapshot { epoch: 7 }]);
+    assert_eq!(s.stats().snapshot_retries, 1);
+    out.clear();
+    s.on_snapshot(2_100, snapshot(7, 5), &mut out);
+    assert_eq!(applied_ids(&out[2..]), vec![6]);
+    // A second answer to the retried request changes nothing.
+    out.clear();
+    s.on_snapshot(2_200, snapshot(7, 5), &mut out);
+    assert!(out.is_empty());
+}
+
+#[test]
+fn buffer_overflow_during_a_resync_starts_over() {
+    let mut s = WorkerStream::new(StreamConfig {
+        max_buffered_events: 4,
+        ..StreamConfig::default()
+    });
+    let mut out = Vec::new();
+    s.on_batch(0, batch(7, 5..=5), &mut out);
+    s.on_batch(1, batch(7, 6..=10), &mut out);
+    assert_eq!(s.stats().overflows, 1);
+    assert_eq!(s.stats().resyncs, 2);
+}
+
+#[test]
+fn a_snapshot_of_a_newer_incarnation_is_adopted() {
+    let mut s = stream();
+    let mut out = Vec::new();
+    s.on_batch(0, batch(7, 5..=5), &mut out);
+    out.clear();
+    s.on_snapshot(1, snapshot(9, 3), &mut out);
+    assert_eq!(s.epoch(), Some(9));
+    assert!(s.is_live());
+    assert_eq!(s.next_id(), Some(4));
+}
+
+// ---- exactness under faults -------------------------------------------------------------
+
+/// A worker that stores and removes chains of blocks, knows its resident set, and answers
+/// snapshots at its current watermark.
+struct Worker {
+    epoch: u64,
+    next_id: u64,
+    resident: BTreeSet<(Tier, SeqHash)>,
+    chains: Vec<Vec<StoredBlock>>,
+}
+
+impl Worker {
+    fn new(epoch: u64) -> Self {
+        Worker {
+            epoch,
+            next_id: 1,
+            resident: BTreeSet::new(),
+            chains: Vec::new(),
+        }
+    }
+
+    fn emit(&mut self, op: u8, arg: u64) -> EventBatch {
+        let mut events = Vec::new();
+        let mut push = |tier, data| {
+            events.push(KvEvent {
+                id: self.next_id,
+                tier,
+                data,
+            });
+            self.next_id += 1;
+        };
+        match op % 3 {
+            0 | 1 => {
+                let tier = if op % 3 == 0 {
+                    Tier::Device
+                } else {
+                    Tier::Host
+                };
+                let mut parent = None;
+                let chain: Vec<StoredBlock> = (0..1 + arg % 4)
+                    .map(|i| {
+                        let local = LocalHash((arg % 50).wrapping_mul(31) + i);
+                        let seq = seq_hash(parent, local, Salt::NONE);
+                        parent = Some(seq);
+                        StoredBlock { seq, local }
+                    })
+                    .collect();
+                for b in &chain {
+                    self.resident.insert((tier, b.seq));
+                }
+                push(
+                    tier,
+                    KvEventData::Stored {
+                        parent: None,
+                        blocks: chain.clone(),
+                    },
+                );
+                self.chains.push(chain);
+            }
+            _ => {
+                if !self.chains.is_empty() {
+                    let chain = self.chains.swap_remove(arg as usize % self.chains.len());
+                    for tier in [Tier::Device, Tier::Host] {
+                        for b in chain.iter().rev() {
+                            self.resident.remove(&(tier, b.seq));
+                        }
+                        push(
+                            tier,
+                            KvEventData::Removed {
+                                blocks: chain.iter().rev().map(|b| b.seq).collect(),
+                            },
+                        );
+                    }
+                }
+            }
+        }
+        EventBatch {
+            worker: WorkerId(1),
+            dp_rank: DpRank(0),
+            epoch: self.epoch,
+            sent_unix_us: 0,
+            events,
+        }
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        // The test's chains are roots (parent None), so any order is parents-first.
+        let blocks = self
+            .resident
+            .iter()
+            .map(|(tier, seq)| SnapshotBlock {
+                tier: *tier,
+                parent: None,
+                block: StoredBlock {
+                    seq: *seq,
+                    local: LocalHash(0),
+                },
+            })
+            .collect();
+        Snapshot {
+            worker: WorkerId(1),
+            dp_rank: DpRank(0),
+            epoch: self.epoch,
+            watermark: self.next_id - 1,
+            blocks,
+        }
+    }
+}
+
+fn indexed(ix: &Indexer) -> BTreeSet<(Tier, SeqHash)> {
+    ix.dump(None)
+        .iter()
+        .flat_map(|b| b.events.iter())
+        .flat_map(|e| match &e.data {
+            KvEventData::Stored { blocks, .. } => blocks.iter().map(|b| (e.tier, b.seq)).collect(),
+            _ => Vec::new(),
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(
+        std::env::var("KVROUTE_PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(128)
+    ))]
+
+    /// Batches dropped, duplicated and reordered on the wire, snapshots answered late, the
+    /// worker restarting: once the wire is quiet, the index equals the worker's resident set.
+    #[test]
+    fn prop_index_converges_to_the_worker_under_faults(
+        ops in proptest::collection::vec((any::<u8>(), any::<u64>(), 0u8..100), 1..120),
+        restart_at in proptest::option::of(0usize..120),
+    ) {
+        let ix = Indexer::new(Config::default()).unwrap();
+        let mut worker = Worker::new(1);
+        let mut stream = WorkerStream::new(StreamConfig::default());
+        let mut wire: Vec<EventBatch> = Vec::new();
+        let mut now = 0u64;
+        let mut snapshot_wanted = false;
+        let run = |commands: Vec<Command>, ix: &Indexer, snapshot_wanted: &mut bool| {
+            for c in commands {
+                match c {
+                    Command::Reset => { ix.remove_rank(WorkerId(1), DpRank(0)); }
+                    Command::Apply(b) => { ix.apply(&b); }
+                    Command::RequestSnapshot { .. } => *snapshot_wanted = true,
+                }
+            }
+        };
+        for (i, (op, arg, fault)) in ops.into_iter().enumerate() {
+            now += 7;
+            if restart_at == Some(i) {
+                worker = Worker::new(worker.epoch + 1);
+            }
+            let batch = worker.emit(op, arg);
+            if batch.events.is_empty() {
+                continue;
+            }
+            match fault {
+                0 => {}                                           // lost
+                1..=3 => { wire.push(batch.clone()); wire.push(batch); } // duplicated
+                4..=9 => wire.insert(wire.len().saturating_sub(2), batch), // reordered
+                _ => wire.push(batch),
+            }
+            // Deliver most of what is on the wire, keeping a little in flight.
+            while wire.len() > 2 {
+                let mut out = Vec::new();
+                stream.on_batch(now, wire.remove(0), &mut out);
+                run(out, &ix, &mut snapshot_wanted);
+            }
+            if snapshot_wanted && fault % 3 == 0 {
+                snapshot_wanted = false;
+                let mut out = Vec::new();
+                stream.on_snapshot(now, worker.snapshot(), &mut out);
+                run(out, &ix, &mut snapshot_wanted);
+            }
+        }
+        // Quiet: deliver the rest, let heartbeats and timeouts do their work, answer
+        // snapshots, until nothing moves.
+        for b in wire.drain(..) {
+            let mut out = Vec::new();
+            stream.on_batch(now, b, &mut out);
+            run(out, &ix, &mut snapshot_wanted);
+        }
+        for _ in 0..10 {
+            now += 3_000;
+            let mut out = Vec::new();
+            stream.on_watermark(now, worker.epoch, worker.next_id - 1, &mut out);
+            stream.on_tick(now + 1_000, &mut out);
+            run(out, &ix, &mut snapshot_wanted);
+            if snapshot_wanted {
+                snapshot_wanted = false;
+                let mut out = Vec::new();
+                stream.on_snapshot(now, worker.snapshot(), &mut out);
+                run(out, &ix, &mut snapshot_wanted);
+            }
+        }
+        prop_assert!(stream.is_live());
+        prop_assert_eq!(indexed(&ix), worker.resident.clone());
+    }
+}
