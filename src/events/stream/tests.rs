@@ -272,7 +272,7 @@ impl Worker {
         };
         match op % 3 {
             0 | 1 => {
-                let tier = if op % 3 == 0 {
+                let tier = if op.is_multiple_of(3) {
                     Tier::Device
                 } else {
                     Tier::Host
