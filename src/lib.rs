@@ -5,6 +5,8 @@
 //! - [`protocol`]: the contract shared with workers. Ids, block hashing (xxh3, chained
 //!   sequence hashes), the `EventBatch` KV-event model and its validated rkyv wire codec.
 //!   No I/O.
+//! - [`discovery`]: the fleet: worker registrations with a lease (NATS KV, in-process, or
+//!   a static list).
 //! - [`events`]: per-worker event streams: ordering, gaps, epochs and the snapshot resync
 //!   that keep the index an exact mirror of every worker's cache.
 //! - [`indexer`]: which blocks every worker holds in which tier (a hash-addressed radix tree
@@ -16,6 +18,7 @@
 //! Event path: worker publisher → `protocol` codec → events task → indexer.
 #![forbid(unsafe_code)]
 
+pub mod discovery;
 pub mod events;
 pub mod indexer;
 pub mod protocol;

@@ -8,15 +8,18 @@
 //!   times from a timing model, on an injected clock.
 //! - [`publisher`]: turns block-manager changes into gap-free KV event batches and answers
 //!   snapshot requests.
+//! - [`plane`] (I/O): publishes the batches over the event plane's transport and serves
+//!   snapshot requests.
 //!
-//! All of it is sans-I/O: the replay bench drives it on a virtual clock, the worker server on
-//! wall time.
+//! All of it but `plane` is sans-I/O: the replay bench drives it on a virtual clock, the
+//! worker server on wall time.
 #![forbid(unsafe_code)]
 
 pub mod block_manager;
 pub mod config;
 pub mod engine;
 pub mod offload;
+pub mod plane;
 pub mod publisher;
 
 pub use config::EngineConfig;

@@ -1,0 +1,279 @@
+//! The transport seam: subjects and byte payloads, over NATS (`async-nats`, core subjects)
+//! or in-process (tokio channels, for `kvroute up` and tests). Everything above it speaks
+//! subjects as DESIGN §5 lays them out; only this module knows which wire carries them.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+use tokio::sync::mpsc;
+
+/// One message.
+#[derive(Clone, Debug)]
+pub struct Message {
+    /// The subject it was published on.
+    pub subject: String,
+    /// Where the publisher wants answers, if anywhere.
+    pub reply: Option<String>,
+    /// The payload.
+    pub payload: Bytes,
+}
+
+/// A transport failure.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// Publishing failed (NATS connection lost and its buffer full, or closed).
+    #[error("publish to {subject} failed: {reason}")]
+    Publish {
+        /// The subject.
+        subject: String,
+        /// What the client said.
+        reason: String,
+    },
+    /// Subscribing failed.
+    #[error("subscribe to {subject} failed: {reason}")]
+    Subscribe {
+        /// The subject.
+        subject: String,
+        /// What the client said.
+        reason: String,
+    },
+    /// Connecting to NATS failed.
+    #[error("cannot connect to NATS at {url}: {reason}")]
+    Connect {
+        /// The server URL.
+        url: String,
+        /// What the client said.
+        reason: String,
+    },
+}
+
+/// NATS or in-process. Cheap to clone.
+#[derive(Clone, Debug)]
+pub enum Transport {
+    /// A NATS client.
+    Nats(async_nats::Client),
+    /// An in-process bus.
+    Local(LocalBus),
+}
+
+/// A subscription; `next` yields messages until the transport closes.
+#[derive(Debug)]
+pub enum Subscription {
+    /// NATS.
+    Nats(async_nats::Subscriber),
+    /// In-process.
+    Local(mpsc::Receiver<Message>),
+}
+
+impl Transport {
+    /// Connects to NATS at `url`; the client reconnects by itself after outages.
+    pub async fn connect_nats(url: &str, name: &str) -> Result<Transport, TransportError> {
+        let client = async_nats::ConnectOptions::new()
+            .name(name)
+            .retry_on_initial_connect()
+            .connection_timeout(std::time::Duration::from_secs(5))
+            .connect(url)
+            .await
+            .map_err(|e| TransportError::Connect {
+                url: url.to_owned(),
+                reason: e.to_string(),
+            })?;
+        Ok(Transport::Nats(client))
+    }
+
+    /// Publishes `payload` on `subject`, with a reply subject if given.
+    pub async fn publish(
+        &self,
+        subject: &str,
+        reply: Option<&str>,
+        payload: Bytes,
+    ) -> Result<(), TransportError> {
+        match self {
+            Transport::Nats(client) => {
+                let result = match reply {
+                    Some(r) => {
+                        client
+                            .publish_with_reply(subject.to_owned(), r.to_owned(), payload)
+                            .await
+                    }
+                    None => client.publish(subject.to_owned(), payload).await,
+                };
+                result.map_err(|e| TransportError::Publish {
+                    subject: subject.to_owned(),
+                    reason: e.to_string(),
+                })
+            }
+            Transport::Local(bus) => {
+                bus.publish(Message {
+                    subject: subject.to_owned(),
+                    reply: reply.map(str::to_owned),
+                    payload,
+                });
+                Ok(())
+            }
+        }
+    }
+
+    /// Subscribes to `subject` (NATS wildcards `*` and `>` allowed).
+    pub async fn subscribe(&self, subject: &str) -> Result<Subscription, TransportError> {
+        match self {
+            Transport::Nats(client) => client
+                .subscribe(subject.to_owned())
+                .await
+                .map(Subscription::Nats)
+                .map_err(|e| TransportError::Subscribe {
+                    subject: subject.to_owned(),
+                    reason: e.to_string(),
+                }),
+            Transport::Local(bus) => Ok(Subscription::Local(bus.subscribe(subject))),
+        }
+    }
+
+    /// A fresh subject for replies.
+    pub fn new_inbox(&self) -> String {
+        match self {
+            Transport::Nats(client) => client.new_inbox(),
+            Transport::Local(bus) => bus.new_inbox(),
+        }
+    }
+
+    /// Largest payload one message may carry.
+    pub fn max_payload(&self) -> usize {
+        match self {
+            Transport::Nats(client) => client.server_info().max_payload.max(4096),
+            Transport::Local(_) => 1 << 20,
+        }
+    }
+
+    /// Waits until everything published so far has reached the server.
+    pub async fn flush(&self) {
+        if let Transport::Nats(client) = self {
+            let _ = client.flush().await;
+        }
+    }
+}
+
+impl Subscription {
+    /// The next message, or `None` once the subscription ends.
+    pub async fn next(&mut self) -> Option<Message> {
+        match self {
+            Subscription::Nats(sub) => {
+                use futures_util::StreamExt;
+                sub.next().await.map(|m| Message {
+                    subject: m.subject.to_string(),
+                    reply: m.reply.map(|r| r.to_string()),
+                    payload: m.payload,
+                })
+            }
+            Subscription::Local(rx) => rx.recv().await,
+        }
+    }
+}
+
+/// Messages queued per local subscriber before the bus drops (like a NATS slow consumer).
+const LOCAL_QUEUE: usize = 65_536;
+
+/// An in-process message bus with NATS subject matching.
+#[derive(Clone, Debug, Default)]
+pub struct LocalBus {
+    inner: Arc<Mutex<LocalInner>>,
+}
+
+#[derive(Debug, Default)]
+struct LocalInner {
+    subscribers: Vec<(Vec<String>, mpsc::Sender<Message>)>,
+    next_inbox: u64,
+    dropped: u64,
+}
+
+impl LocalBus {
+    /// An empty bus.
+    pub fn new() -> Self {
+        LocalBus::default()
+    }
+
+    fn publish(&self, message: Message) {
+        let mut inner = self.inner.lock();
+        let tokens: Vec<&str> = message.subject.split('.').collect();
+        inner.subscribers.retain(|(_, tx)| !tx.is_closed());
+        let mut dropped = 0;
+        for (pattern, tx) in &inner.subscribers {
+            if matches(pattern, &tokens) && tx.try_send(message.clone()).is_err() {
+                dropped += 1;
+            }
+        }
+        inner.dropped += dropped;
+    }
+
+    fn subscribe(&self, subject: &str) -> mpsc::Receiver<Message> {
+        let (tx, rx) = mpsc::channel(LOCAL_QUEUE);
+        let pattern = subject.split('.').map(str::to_owned).collect();
+        self.inner.lock().subscribers.push((pattern, tx));
+        rx
+    }
+
+    fn new_inbox(&self) -> String {
+        let mut inner = self.inner.lock();
+        inner.next_inbox += 1;
+        format!("_INBOX.local.{}", inner.next_inbox)
+    }
+
+    /// Messages dropped because a subscriber's queue was full.
+    pub fn dropped(&self) -> u64 {
+        self.inner.lock().dropped
+    }
+}
+
+/// NATS subject matching: `*` matches one token, a trailing `>` one or more.
+fn matches(pattern: &[String], subject: &[&str]) -> bool {
+    for (i, p) in pattern.iter().enumerate() {
+        match p.as_str() {
+            ">" => return subject.len() > i,
+            "*" if i < subject.len() => {}
+            token if subject.get(i) == Some(&token) => {}
+            _ => return false,
+        }
+    }
+    pattern.len() == subject.len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(p: &str, s: &str) -> bool {
+        let pattern: Vec<String> = p.split('.').map(str::to_owned).collect();
+        matches(&pattern, &s.split('.').collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn subject_matching_follows_nats() {
+        assert!(m("a.b", "a.b"));
+        assert!(!m("a.b", "a.b.c"));
+        assert!(m("a.*.c", "a.x.c"));
+        assert!(!m("a.*", "a"));
+        assert!(m("a.>", "a.b.c"));
+        assert!(!m("a.>", "a"));
+    }
+
+    #[tokio::test]
+    async fn local_bus_delivers_to_matching_subscribers() {
+        let t = Transport::Local(LocalBus::new());
+        let mut all = t.subscribe("kv.events.>").await.unwrap();
+        let mut one = t.subscribe("kv.events.7").await.unwrap();
+        t.publish("kv.events.7", Some("r"), Bytes::from_static(b"x"))
+            .await
+            .unwrap();
+        t.publish("kv.events.8", None, Bytes::from_static(b"y"))
+            .await
+            .unwrap();
+        assert_eq!(all.next().await.unwrap().payload, Bytes::from_static(b"x"));
+        assert_eq!(all.next().await.unwrap().subject, "kv.events.8");
+        let got = one.next().await.unwrap();
+        assert_eq!(
+            (got.subject.as_str(), got.reply.as_deref()),
+            ("kv.events.7", Some("r"))
+        );
+    }
+}

@@ -1,0 +1,304 @@
+//! The event plane end to end: real nats-server, simulated workers publishing real engine
+//! events, the router's plane keeping its index an exact mirror through faults.
+#![allow(missing_docs, clippy::unwrap_used)]
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use kvroute::discovery::{LeaseConfig, LocalRegistry, Registry};
+use kvroute::events::plane::{EventPlane, PlaneConfig, events_subject};
+use kvroute::events::transport::{LocalBus, Transport};
+use kvroute::indexer::{Config, Indexer};
+use kvroute::protocol::{SeqHash, Tier, WorkerId};
+use kvroute_e2e::nats::NatsServer;
+use kvroute_e2e::sim::{Faults, SimWorker, eventually, indexed, small_engine, workload};
+use tokio::sync::watch;
+
+const CLUSTER: &str = "test";
+
+fn lease() -> LeaseConfig {
+    LeaseConfig {
+        heartbeat_ms: 200,
+        ttl_ms: 1_000,
+    }
+}
+
+struct Router {
+    plane: EventPlane,
+    _shutdown: watch::Sender<bool>,
+}
+
+async fn router(transport: Transport, registry: &Registry) -> Router {
+    let indexer = Arc::new(Indexer::new(Config::default()).unwrap());
+    let (shutdown, rx) = watch::channel(false);
+    let config = PlaneConfig {
+        cluster: CLUSTER.into(),
+        ..PlaneConfig::default()
+    };
+    let plane = EventPlane::start(transport, indexer, registry.watch(lease()), config, rx)
+        .await
+        .unwrap();
+    Router {
+        plane,
+        _shutdown: shutdown,
+    }
+}
+
+async fn nats(server: &NatsServer, name: &str) -> (Transport, Registry) {
+    let transport = Transport::connect_nats(&server.url(), name).await.unwrap();
+    let Transport::Nats(client) = &transport else {
+        unreachable!()
+    };
+    let registry = Registry::nats(client.clone(), CLUSTER, &lease())
+        .await
+        .unwrap();
+    (transport, registry)
+}
+
+async fn workers(
+    transport: &Transport,
+    registry: &Registry,
+    ids: std::ops::Range<u64>,
+    faults: Faults,
+) -> Vec<SimWorker> {
+    let mut out = Vec::new();
+    for id in ids {
+        out.push(
+            SimWorker::start(
+                transport.clone(),
+                registry.clone(),
+                CLUSTER,
+                WorkerId(id),
+                small_engine(),
+                faults,
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    out
+}
+
+async fn run_workload(sims: &[SimWorker], seed: u32, n: u32) {
+    for (i, s) in sims.iter().enumerate() {
+        s.submit(workload(seed + i as u32, n)).await;
+    }
+    for s in sims {
+        tokio::time::timeout(Duration::from_secs(60), s.wait_idle())
+            .await
+            .expect("workload finishes");
+    }
+}
+
+fn truth(sims: &[SimWorker]) -> BTreeSet<(WorkerId, Tier, SeqHash)> {
+    sims.iter().flat_map(|s| s.truth()).collect()
+}
+
+/// Waits for the index to equal the workers' caches; panics with the difference if not.
+async fn assert_exact(router: &Router, sims: &[SimWorker]) {
+    let ok = eventually(Duration::from_secs(20), || {
+        indexed(router.plane.indexer()) == truth(sims)
+    })
+    .await;
+    if !ok {
+        let (have, want) = (indexed(router.plane.indexer()), truth(sims));
+        let extra: Vec<_> = have.difference(&want).take(5).collect();
+        let missing: Vec<_> = want.difference(&have).take(5).collect();
+        panic!(
+            "index differs from the workers: {} extra {extra:?}, {} missing {missing:?}; streams {:?}",
+            have.difference(&want).count(),
+            want.difference(&have).count(),
+            router.plane.streams()
+        );
+    }
+    assert!(
+        !truth(sims).is_empty(),
+        "the workload should leave blocks cached"
+    );
+    assert!(
+        truth(sims).iter().any(|(_, t, _)| *t == Tier::Host),
+        "the workload should offload to G2"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_process_plane_mirrors_eight_workers_exactly() {
+    let transport = Transport::Local(LocalBus::new());
+    let registry = Registry::Local(LocalRegistry::default());
+    let r = router(transport.clone(), &registry).await;
+    let sims = workers(&transport, &registry, 0..8, Faults::default()).await;
+    run_workload(&sims, 1, 60).await;
+    assert_exact(&r, &sims).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_plane_mirrors_eight_workers_exactly() {
+    let server = NatsServer::start().unwrap();
+    let (transport, registry) = nats(&server, "workers").await;
+    let (rt, rreg) = nats(&server, "router").await;
+    let r = router(rt, &rreg).await;
+    let sims = workers(&transport, &registry, 0..8, Faults::default()).await;
+    run_workload(&sims, 1, 60).await;
+    assert_exact(&r, &sims).await;
+    let streams = r.plane.streams();
+    assert_eq!(streams.len(), 8);
+    assert!(
+        streams.iter().all(|(_, s)| s.live && s.stats.resyncs == 0),
+        "{streams:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_duplicated_and_reordered_batches_converge() {
+    let server = NatsServer::start().unwrap();
+    let (transport, registry) = nats(&server, "workers").await;
+    let (rt, rreg) = nats(&server, "router").await;
+    let r = router(rt, &rreg).await;
+    let faults = Faults {
+        drop: 0.01,
+        duplicate: 0.05,
+        reorder: 0.05,
+    };
+    let sims = workers(&transport, &registry, 0..8, faults).await;
+    run_workload(&sims, 2, 80).await;
+    assert_exact(&r, &sims).await;
+    let resyncs: u64 = r.plane.streams().iter().map(|(_, s)| s.stats.resyncs).sum();
+    let duplicates: u64 = r
+        .plane
+        .streams()
+        .iter()
+        .map(|(_, s)| s.stats.duplicates)
+        .sum();
+    assert!(
+        resyncs > 0 && duplicates > 0,
+        "faults should have been seen: {:?}",
+        r.plane.streams()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_started_late_recovers_from_snapshots() {
+    let server = NatsServer::start().unwrap();
+    let (transport, registry) = nats(&server, "workers").await;
+    let sims = workers(&transport, &registry, 0..4, Faults::default()).await;
+    run_workload(&sims, 3, 50).await;
+    let (rt, rreg) = nats(&server, "router").await;
+    let r = router(rt, &rreg).await;
+    assert_exact(&r, &sims).await;
+    // New events after the cold start apply live on top.
+    run_workload(&sims, 4, 20).await;
+    assert_exact(&r, &sims).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_in_place_and_a_crash_leave_no_stale_entries() {
+    let server = NatsServer::start().unwrap();
+    let (transport, registry) = nats(&server, "workers").await;
+    let (rt, rreg) = nats(&server, "router").await;
+    let r = router(rt, &rreg).await;
+    let mut sims = workers(&transport, &registry, 0..3, Faults::default()).await;
+    run_workload(&sims, 5, 40).await;
+    assert_exact(&r, &sims).await;
+    // Worker 0 restarts in place: same id, new epoch, empty cache.
+    let old = sims.remove(0);
+    old.stop(true).await;
+    let restarted = SimWorker::start(
+        transport.clone(),
+        registry.clone(),
+        CLUSTER,
+        WorkerId(0),
+        small_engine(),
+        Faults::default(),
+    )
+    .await
+    .unwrap();
+    sims.insert(0, restarted);
+    run_workload(&sims[..1], 6, 10).await;
+    assert_exact(&r, &sims).await;
+    // Worker 2 crashes without goodbye: its lease expires (TTL 1 s) and it is gone within
+    // TTL + 1 s.
+    let crashed = sims.pop().unwrap();
+    let started = tokio::time::Instant::now();
+    crashed.stop(false).await;
+    let gone = eventually(Duration::from_secs(2), || {
+        !indexed(r.plane.indexer())
+            .iter()
+            .any(|(w, _, _)| *w == WorkerId(2))
+    })
+    .await;
+    assert!(
+        gone,
+        "crashed worker still indexed after {:?}",
+        started.elapsed()
+    );
+    assert!(r.plane.counters().workers_expired.load(Ordering::Relaxed) >= 1);
+    assert_exact(&r, &sims).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_server_restart_mid_run() {
+    let mut server = NatsServer::start().unwrap();
+    let (transport, registry) = nats(&server, "workers").await;
+    let (rt, rreg) = nats(&server, "router").await;
+    let r = router(rt, &rreg).await;
+    let sims = workers(&transport, &registry, 0..4, Faults::default()).await;
+    run_workload(&sims, 7, 30).await;
+    server.restart().unwrap();
+    run_workload(&sims, 8, 30).await;
+    assert_exact(&r, &sims).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_router_replicas_build_the_same_index() {
+    let server = NatsServer::start().unwrap();
+    let (transport, registry) = nats(&server, "workers").await;
+    let (t1, reg1) = nats(&server, "router-1").await;
+    let (t2, reg2) = nats(&server, "router-2").await;
+    let (r1, r2) = (router(t1, &reg1).await, router(t2, &reg2).await);
+    let sims = workers(&transport, &registry, 0..4, Faults::default()).await;
+    run_workload(&sims, 9, 40).await;
+    assert_exact(&r1, &sims).await;
+    assert_exact(&r2, &sims).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_payload_is_counted_and_ignored() {
+    let server = NatsServer::start().unwrap();
+    let (transport, registry) = nats(&server, "workers").await;
+    let (rt, rreg) = nats(&server, "router").await;
+    let r = router(rt, &rreg).await;
+    transport
+        .publish(
+            &events_subject(CLUSTER, WorkerId(99)),
+            None,
+            bytes_of(b"KVR\x01 not an archive"),
+        )
+        .await
+        .unwrap();
+    transport
+        .publish(
+            &events_subject(CLUSTER, WorkerId(99)),
+            None,
+            bytes_of(b"garbage"),
+        )
+        .await
+        .unwrap();
+    let counted = eventually(Duration::from_secs(5), || {
+        r.plane.counters().malformed.load(Ordering::Relaxed) == 2
+    })
+    .await;
+    assert!(counted);
+    let sims = workers(&transport, &registry, 0..2, Faults::default()).await;
+    run_workload(&sims, 10, 30).await;
+    assert_exact(&r, &sims).await;
+}
+
+fn bytes_of(b: &'static [u8]) -> kvroute_e2e_bytes::Bytes {
+    kvroute_e2e_bytes::Bytes::from_static(b)
+}
+
+mod kvroute_e2e_bytes {
+    pub use ::bytes::Bytes;
+}
