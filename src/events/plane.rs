@@ -155,6 +155,23 @@ impl EventPlane {
             indexer,
             fleet: Arc::default(),
         };
+        if let Some(mut reconnects) = shared.transport.reconnects() {
+            let (plane, mut shutdown) = (plane.clone(), shutdown.clone());
+            tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        changed = reconnects.changed() => {
+                            if changed.is_err() {
+                                return;
+                            }
+                            tracing::warn!("reconnected to NATS: resyncing every worker stream");
+                            plane.resync_all();
+                        }
+                        _ = shutdown.changed() => return,
+                    }
+                }
+            });
+        }
         let fleet = Arc::clone(&plane.fleet);
         tokio::spawn(async move {
             loop {

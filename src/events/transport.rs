@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 /// One message.
 #[derive(Clone, Debug)]
@@ -52,9 +52,17 @@ pub enum TransportError {
 #[derive(Clone, Debug)]
 pub enum Transport {
     /// A NATS client.
-    Nats(async_nats::Client),
+    Nats(NatsTransport),
     /// An in-process bus.
     Local(LocalBus),
+}
+
+/// A NATS client and the count of its reconnections.
+#[derive(Clone, Debug)]
+pub struct NatsTransport {
+    /// The client.
+    pub client: async_nats::Client,
+    reconnects: watch::Receiver<u64>,
 }
 
 /// A subscription; `next` yields messages until the transport closes.
@@ -69,8 +77,28 @@ pub enum Subscription {
 impl Transport {
     /// Connects to NATS at `url`; the client reconnects by itself after outages.
     pub async fn connect_nats(url: &str, name: &str) -> Result<Transport, TransportError> {
+        let (tx, reconnects) = watch::channel(0u64);
+        let tx = Arc::new(tx);
+        let connects = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let client = async_nats::ConnectOptions::new()
             .name(name)
+            .event_callback(move |event| {
+                let (tx, connects) = (Arc::clone(&tx), Arc::clone(&connects));
+                async move {
+                    match event {
+                        async_nats::Event::Connected => {
+                            // The first connect is not a reconnect.
+                            if connects.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 0 {
+                                tx.send_modify(|n| *n += 1);
+                            }
+                        }
+                        async_nats::Event::Disconnected => {
+                            tracing::warn!("NATS connection lost; reconnecting")
+                        }
+                        other => tracing::debug!(event = %other, "NATS event"),
+                    }
+                }
+            })
             .retry_on_initial_connect()
             .connection_timeout(std::time::Duration::from_secs(5))
             .connect(url)
@@ -79,7 +107,15 @@ impl Transport {
                 url: url.to_owned(),
                 reason: e.to_string(),
             })?;
-        Ok(Transport::Nats(client))
+        // `retry_on_initial_connect` returns at once; give the first connection a moment so
+        // that subscriptions made next are live when this returns (it keeps retrying after).
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+        while client.connection_state() != async_nats::connection::State::Connected
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        Ok(Transport::Nats(NatsTransport { client, reconnects }))
     }
 
     /// Publishes `payload` on `subject`, with a reply subject if given.
@@ -90,7 +126,7 @@ impl Transport {
         payload: Bytes,
     ) -> Result<(), TransportError> {
         match self {
-            Transport::Nats(client) => {
+            Transport::Nats(NatsTransport { client, .. }) => {
                 let result = match reply {
                     Some(r) => {
                         client
@@ -118,7 +154,7 @@ impl Transport {
     /// Subscribes to `subject` (NATS wildcards `*` and `>` allowed).
     pub async fn subscribe(&self, subject: &str) -> Result<Subscription, TransportError> {
         match self {
-            Transport::Nats(client) => client
+            Transport::Nats(NatsTransport { client, .. }) => client
                 .subscribe(subject.to_owned())
                 .await
                 .map(Subscription::Nats)
@@ -133,7 +169,7 @@ impl Transport {
     /// A fresh subject for replies.
     pub fn new_inbox(&self) -> String {
         match self {
-            Transport::Nats(client) => client.new_inbox(),
+            Transport::Nats(NatsTransport { client, .. }) => client.new_inbox(),
             Transport::Local(bus) => bus.new_inbox(),
         }
     }
@@ -141,15 +177,34 @@ impl Transport {
     /// Largest payload one message may carry.
     pub fn max_payload(&self) -> usize {
         match self {
-            Transport::Nats(client) => client.server_info().max_payload.max(4096),
+            Transport::Nats(NatsTransport { client, .. }) => {
+                client.server_info().max_payload.max(4096)
+            }
             Transport::Local(_) => 1 << 20,
         }
     }
 
     /// Waits until everything published so far has reached the server.
     pub async fn flush(&self) {
-        if let Transport::Nats(client) = self {
+        if let Transport::Nats(NatsTransport { client, .. }) = self {
             let _ = client.flush().await;
+        }
+    }
+
+    /// The NATS client, if this is NATS.
+    pub fn nats_client(&self) -> Option<&async_nats::Client> {
+        match self {
+            Transport::Nats(n) => Some(&n.client),
+            Transport::Local(_) => None,
+        }
+    }
+
+    /// Changes on every reconnection after an outage (NATS only): events published during
+    /// the outage may be lost, so streams must resync rather than assume nothing was.
+    pub fn reconnects(&self) -> Option<watch::Receiver<u64>> {
+        match self {
+            Transport::Nats(n) => Some(n.reconnects.clone()),
+            Transport::Local(_) => None,
         }
     }
 }

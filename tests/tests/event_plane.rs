@@ -48,12 +48,8 @@ async fn router(transport: Transport, registry: &Registry) -> Router {
 
 async fn nats(server: &NatsServer, name: &str) -> (Transport, Registry) {
     let transport = Transport::connect_nats(&server.url(), name).await.unwrap();
-    let Transport::Nats(client) = &transport else {
-        unreachable!()
-    };
-    let registry = Registry::nats(client.clone(), CLUSTER, &lease())
-        .await
-        .unwrap();
+    let client = transport.nats_client().unwrap().clone();
+    let registry = Registry::nats(client, CLUSTER, &lease()).await.unwrap();
     (transport, registry)
 }
 
@@ -248,6 +244,12 @@ async fn nats_server_restart_mid_run() {
     server.restart().unwrap();
     run_workload(&sims, 8, 30).await;
     assert_exact(&r, &sims).await;
+    // The router resynced after reconnecting rather than assume nothing was lost.
+    let streams = r.plane.streams();
+    assert!(
+        streams.iter().all(|(_, s)| s.stats.resyncs >= 1),
+        "{streams:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
