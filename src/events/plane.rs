@@ -111,7 +111,40 @@ pub struct EventPlane {
     counters: Arc<PlaneCounters>,
     indexer: Arc<Indexer>,
     fleet: Arc<Mutex<HashMap<WorkerId, crate::discovery::WorkerInfo>>>,
+    lags: Arc<Mutex<LagSamples>>,
+    silence: Arc<Mutex<HashMap<WorkerId, Silence>>>,
 }
+
+/// Publish → apply lag samples (ms), the most recent ones, for reports.
+#[derive(Debug, Default)]
+pub struct LagSamples {
+    samples: Vec<f64>,
+    next: usize,
+}
+
+const LAG_SAMPLES: usize = 100_000;
+
+impl LagSamples {
+    fn record(&mut self, ms: f64) {
+        if self.samples.len() < LAG_SAMPLES {
+            self.samples.push(ms);
+        } else {
+            self.samples[self.next] = ms;
+            self.next = (self.next + 1) % LAG_SAMPLES;
+        }
+    }
+}
+
+/// Requests routed to a worker since its last event: a worker that serves traffic but
+/// publishes nothing gives zero overlap forever (the field's most common KV-router failure).
+#[derive(Debug, Default)]
+struct Silence {
+    routed_since_event: u64,
+    flagged: bool,
+}
+
+/// Requests routed to a worker with no event since, before it is flagged as silent.
+const SILENT_AFTER_REQUESTS: u64 = 8;
 
 struct Shared {
     transport: Transport,
@@ -120,6 +153,8 @@ struct Shared {
     streams: Streams,
     counters: Arc<PlaneCounters>,
     limits: Limits,
+    lags: Arc<Mutex<LagSamples>>,
+    silence: Arc<Mutex<HashMap<WorkerId, Silence>>>,
 }
 
 impl EventPlane {
@@ -148,12 +183,16 @@ impl EventPlane {
             streams: Arc::default(),
             counters: Arc::default(),
             limits,
+            lags: Arc::default(),
+            silence: Arc::default(),
         });
         let plane = EventPlane {
             streams: Arc::clone(&shared.streams),
             counters: Arc::clone(&shared.counters),
             indexer,
             fleet: Arc::default(),
+            lags: Arc::clone(&shared.lags),
+            silence: Arc::clone(&shared.silence),
         };
         if let Some(mut reconnects) = shared.transport.reconnects() {
             let (plane, mut shutdown) = (plane.clone(), shutdown.clone());
@@ -223,6 +262,41 @@ impl EventPlane {
         &self.indexer
     }
 
+    /// The recent publish → apply lags, ms (up to the last 100,000 batches).
+    pub fn lag_samples(&self) -> Vec<f64> {
+        self.lags.lock().samples.clone()
+    }
+
+    /// The ingress routed a request to `worker`. A worker that keeps receiving requests but
+    /// publishes no events is flagged (`kvroute_worker_silent`, and a warning).
+    pub fn note_routed(&self, worker: WorkerId) {
+        let mut silence = self.silence.lock();
+        let s = silence.entry(worker).or_default();
+        s.routed_since_event += 1;
+        if s.routed_since_event >= SILENT_AFTER_REQUESTS && !s.flagged {
+            s.flagged = true;
+            metrics::gauge!("kvroute_worker_silent", "worker" => worker.to_string()).set(1.0);
+            tracing::warn!(
+                %worker,
+                requests = s.routed_since_event,
+                "worker serves traffic but publishes no KV events: its overlap will read zero (check its event publisher and NATS subject)"
+            );
+        }
+    }
+
+    /// Workers flagged as serving traffic without publishing events.
+    pub fn silent_workers(&self) -> Vec<WorkerId> {
+        let mut v: Vec<_> = self
+            .silence
+            .lock()
+            .iter()
+            .filter(|(_, s)| s.flagged)
+            .map(|(w, _)| *w)
+            .collect();
+        v.sort();
+        v
+    }
+
     /// Asks every stream to resync (after a transport outage, when events may have been
     /// lost unseen).
     pub fn resync_all(&self) {
@@ -238,12 +312,23 @@ impl Shared {
             Ok(batch) => batch,
             Err(e) => {
                 self.counters.malformed.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("kvroute_event_malformed_total").increment(1);
                 tracing::warn!(subject, error = %e, "dropping malformed event payload");
                 return;
             }
         };
         let key = (batch.worker, batch.dp_rank);
         self.send(key, Input::Batch(batch));
+    }
+
+    fn note_event(&self, worker: WorkerId) {
+        let mut silence = self.silence.lock();
+        if let Some(s) = silence.get_mut(&worker) {
+            if s.flagged {
+                metrics::gauge!("kvroute_worker_silent", "worker" => worker.to_string()).set(0.0);
+            }
+            *s = Silence::default();
+        }
     }
 
     fn send(self: &Arc<Self>, key: (WorkerId, DpRank), input: Input) {
@@ -254,6 +339,8 @@ impl Shared {
                 .queue_overflows
                 .fetch_add(1, Ordering::Relaxed);
             handle.overflowed.store(true, Ordering::Relaxed);
+            metrics::counter!("kvroute_event_queue_overflows_total", "worker" => key.0.to_string())
+                .increment(1);
         }
     }
 
@@ -274,10 +361,17 @@ impl Shared {
                         },
                     );
                 }
-                fleet.lock().insert(info.id, info);
+                let mut fleet = fleet.lock();
+                fleet.insert(info.id, info);
+                metrics::gauge!("kvroute_workers_registered").set(fleet.len() as f64);
             }
             FleetEvent::Down { id, expired } => {
-                fleet.lock().remove(&id);
+                {
+                    let mut fleet = fleet.lock();
+                    fleet.remove(&id);
+                    metrics::gauge!("kvroute_workers_registered").set(fleet.len() as f64);
+                }
+                self.silence.lock().remove(&id);
                 let removed: Vec<StreamHandle> = {
                     let mut streams = self.streams.lock();
                     let keys: Vec<_> = streams.keys().filter(|(w, _)| *w == id).copied().collect();
@@ -293,6 +387,11 @@ impl Shared {
                     &self.counters.workers_left
                 };
                 counter.fetch_add(1, Ordering::Relaxed);
+                if expired {
+                    metrics::counter!("kvroute_workers_expired_total").increment(1);
+                } else {
+                    metrics::counter!("kvroute_workers_left_total").increment(1);
+                }
             }
         }
     }
@@ -352,7 +451,10 @@ async fn run_stream(
                         stream.on_batch(now, batch, &mut commands);
                         if let Some(lag) = lag_ms {
                             status.lock().last_lag_ms = lag;
+                            shared.lags.lock().record(lag);
+                            metrics::histogram!("kvroute_event_lag_seconds").record(lag / 1e3);
                         }
+                        shared.note_event(key.0);
                     }
                     Input::Watermark { epoch, last_id } => stream.on_watermark(now, epoch, last_id, &mut commands),
                     Input::Snapshot(snapshot) => stream.on_snapshot(now, snapshot, &mut commands),
@@ -367,14 +469,16 @@ async fn run_stream(
             }
         }
         let mut applied = 0;
+        let worker = key.0.to_string();
         for command in commands.drain(..) {
             match command {
                 Command::Reset => {
                     shared.indexer.remove_rank(key.0, key.1);
                 }
                 Command::Apply(batch) => {
-                    shared.indexer.apply(&batch);
+                    let outcome = shared.indexer.apply(&batch);
                     applied += 1;
+                    record_apply_metrics(&worker, &outcome);
                 }
                 Command::RequestSnapshot { .. } => {
                     tokio::spawn(fetch_snapshot(Arc::clone(&shared), key, tx.clone()));
@@ -382,10 +486,55 @@ async fn run_stream(
             }
         }
         let mut s = status.lock();
+        let (before, after) = (s.stats, stream.stats());
+        record_stream_metrics(&worker, &before, &after);
         s.epoch = stream.epoch();
         s.live = stream.is_live();
-        s.stats = stream.stats();
+        s.stats = after;
         s.applied += applied;
+    }
+}
+
+fn record_apply_metrics(worker: &str, outcome: &crate::indexer::ApplyOutcome) {
+    let w = || worker.to_owned();
+    metrics::counter!("kvroute_event_batches_applied_total", "worker" => w()).increment(1);
+    metrics::counter!("kvroute_event_blocks_stored_total", "worker" => w())
+        .increment(outcome.stored);
+    metrics::counter!("kvroute_event_blocks_removed_total", "worker" => w())
+        .increment(outcome.removed);
+    metrics::counter!("kvroute_event_blocks_rejected_total", "worker" => w())
+        .increment(outcome.rejected_blocks + outcome.capped);
+    metrics::counter!("kvroute_event_unknown_removed_total", "worker" => w())
+        .increment(outcome.unknown_removed);
+}
+
+/// Emits the increments between two readings of a stream's counters.
+fn record_stream_metrics(worker: &str, before: &StreamStats, after: &StreamStats) {
+    let w = || worker.to_owned();
+    let delta = |a: u64, b: u64| b.saturating_sub(a);
+    if after.gaps > before.gaps {
+        metrics::counter!("kvroute_event_gaps_total", "worker" => w())
+            .increment(delta(before.gaps, after.gaps));
+    }
+    if after.resyncs > before.resyncs {
+        metrics::counter!("kvroute_event_resyncs_total", "worker" => w())
+            .increment(delta(before.resyncs, after.resyncs));
+    }
+    if after.snapshots > before.snapshots {
+        let ms = delta(before.resync_ms, after.resync_ms) as f64;
+        metrics::histogram!("kvroute_event_resync_seconds", "worker" => w()).record(ms / 1e3);
+    }
+    if after.overflows > before.overflows {
+        metrics::counter!("kvroute_event_buffer_overflows_total", "worker" => w())
+            .increment(delta(before.overflows, after.overflows));
+    }
+    if after.duplicates > before.duplicates {
+        metrics::counter!("kvroute_event_duplicates_total", "worker" => w())
+            .increment(delta(before.duplicates, after.duplicates));
+    }
+    if after.stale_epoch > before.stale_epoch {
+        metrics::counter!("kvroute_event_stale_epoch_total", "worker" => w())
+            .increment(delta(before.stale_epoch, after.stale_epoch));
     }
 }
 

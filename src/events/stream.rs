@@ -86,6 +86,8 @@ pub struct StreamStats {
     pub snapshot_retries: u64,
     /// Snapshots applied.
     pub snapshots: u64,
+    /// Total time spent resyncing (request to applied snapshot), ms.
+    pub resync_ms: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -213,11 +215,15 @@ impl WorkerStream {
 
     /// Handles a complete snapshot from the worker.
     pub fn on_snapshot(&mut self, now_ms: u64, snapshot: Snapshot, out: &mut Vec<Command>) {
-        if self.retired.contains(&snapshot.epoch) || !matches!(self.state, State::Resyncing { .. })
-        {
-            // Late answer to a request already served, or from a past incarnation.
+        let State::Resyncing { since_ms, .. } = self.state else {
+            // Late answer to a request already served.
+            return;
+        };
+        if self.retired.contains(&snapshot.epoch) {
+            // From a past incarnation.
             return;
         }
+        self.stats.resync_ms += now_ms.saturating_sub(since_ms);
         if self.epoch != Some(snapshot.epoch) {
             // The worker restarted since we asked: the snapshot is of its new incarnation.
             self.adopt_epoch(snapshot.epoch, out);

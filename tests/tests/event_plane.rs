@@ -271,27 +271,34 @@ async fn a_malformed_payload_is_counted_and_ignored() {
     let (transport, registry) = nats(&server, "workers").await;
     let (rt, rreg) = nats(&server, "router").await;
     let r = router(rt, &rreg).await;
-    transport
-        .publish(
-            &events_subject(CLUSTER, WorkerId(99)),
-            None,
-            bytes_of(b"KVR\x01 not an archive"),
-        )
-        .await
-        .unwrap();
-    transport
-        .publish(
-            &events_subject(CLUSTER, WorkerId(99)),
-            None,
-            bytes_of(b"garbage"),
-        )
-        .await
-        .unwrap();
+    // Each garbage payload is counted and dropped. (Published until the first count shows,
+    // so the test does not depend on when the router's subscription reaches the server.)
+    let garbage: [&'static [u8]; 2] = [b"KVR\x01 not an archive", b"garbage"];
+    let mut sent = 0u64;
+    while r.plane.counters().malformed.load(Ordering::Relaxed) == 0 && sent < 100 {
+        for g in garbage {
+            transport
+                .publish(&events_subject(CLUSTER, WorkerId(99)), None, bytes_of(g))
+                .await
+                .unwrap();
+        }
+        transport.flush().await;
+        sent += 2;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let counted = eventually(Duration::from_secs(5), || {
-        r.plane.counters().malformed.load(Ordering::Relaxed) == 2
+        r.plane.counters().malformed.load(Ordering::Relaxed) >= 2
     })
     .await;
-    assert!(counted);
+    assert!(
+        counted,
+        "malformed counted: {}",
+        r.plane.counters().malformed.load(Ordering::Relaxed)
+    );
+    assert!(
+        r.plane.streams().is_empty(),
+        "garbage must not create streams"
+    );
     let sims = workers(&transport, &registry, 0..2, Faults::default()).await;
     run_workload(&sims, 10, 30).await;
     assert_exact(&r, &sims).await;
@@ -303,4 +310,23 @@ fn bytes_of(b: &'static [u8]) -> kvroute_e2e_bytes::Bytes {
 
 mod kvroute_e2e_bytes {
     pub use ::bytes::Bytes;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_serving_traffic_without_events_is_flagged_until_it_publishes() {
+    let transport = Transport::Local(LocalBus::new());
+    let registry = Registry::Local(LocalRegistry::default());
+    let r = router(transport.clone(), &registry).await;
+    let sims = workers(&transport, &registry, 0..1, Faults::default()).await;
+    for _ in 0..8 {
+        r.plane.note_routed(WorkerId(0));
+    }
+    assert_eq!(r.plane.silent_workers(), vec![WorkerId(0)]);
+    run_workload(&sims, 11, 5).await;
+    let cleared = eventually(Duration::from_secs(5), || {
+        r.plane.silent_workers().is_empty()
+    })
+    .await;
+    assert!(cleared, "events from the worker should clear the flag");
+    assert!(!r.plane.lag_samples().is_empty());
 }
