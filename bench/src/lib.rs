@@ -4,12 +4,14 @@
 //!
 //! - [`trace`]: Mooncake traces and their synthesised prompts.
 //! - [`fleet`]: W worker engines on one virtual clock.
+//! - [`events_load`]: `kvroute-bench events`, the event plane over loopback NATS.
 //! - [`indexer_load`]: `kvroute-bench indexer`, the index under a real event stream.
 //! - [`replay`]: `kvroute-bench replay`, routing policies compared on a trace.
 //! - [`plot`]: the SVG of a replay report.
 //! - [`stats`]: percentiles and process facts.
 #![forbid(unsafe_code)]
 
+pub mod events_load;
 pub mod fleet;
 pub mod indexer_load;
 pub mod plot;

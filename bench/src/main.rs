@@ -4,7 +4,7 @@
 use std::alloc::System;
 
 use clap::{Parser, Subcommand};
-use kvroute_bench::{indexer_load, plot, replay};
+use kvroute_bench::{events_load, indexer_load, plot, replay};
 use stats_alloc::{INSTRUMENTED_SYSTEM, StatsAlloc};
 
 // Counting allocator: the indexer bench reports the index's heap per block.
@@ -23,15 +23,32 @@ struct Cli {
 enum Command {
     /// The indexer under a trace's real event stream: block-ops/s and lookup latency.
     Indexer(indexer_load::Args),
+    /// Events/s one router applies from many publishing workers over loopback NATS.
+    Events(events_load::Args),
     /// Offline replay of a trace: routing policies compared on TTFT, reuse and load.
     Replay(replay::Args),
 }
 
 fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
     match Cli::parse().command {
         Command::Indexer(args) => {
             let report = indexer_load::run(&args, GLOBAL)?;
             indexer_load::print(&report);
+            if let Some(path) = &args.json {
+                std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+            }
+        }
+        Command::Events(args) => {
+            let runtime = tokio::runtime::Runtime::new()?;
+            let report = runtime.block_on(events_load::run(&args))?;
+            events_load::print(&report);
             if let Some(path) = &args.json {
                 std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
             }

@@ -560,6 +560,11 @@ async fn fetch_snapshot(shared: Arc<Shared>, key: (WorkerId, DpRank), tx: mpsc::
     let mut assembler = SnapshotAssembler::default();
     let result = tokio::time::timeout(deadline, async {
         while let Some(message) = replies.next().await {
+            if message.payload.is_empty() {
+                // NATS' "no responders" status: nobody serves this worker's snapshots.
+                tracing::warn!(worker = %key.0, "no snapshot responder for worker");
+                return None;
+            }
             match decode_snapshot_chunk(&message.payload, &shared.limits) {
                 Ok(chunk) if (chunk.worker, chunk.dp_rank) == key => match assembler.add(chunk) {
                     Ok(Some(snapshot)) => return Some(snapshot),

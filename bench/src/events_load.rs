@@ -1,0 +1,261 @@
+//! `kvroute-bench events`: how many KV events one router's event plane applies from W
+//! publishing workers over loopback NATS (a `nats-server -js` of its own), and the
+//! publish → apply lag at half that rate. Publishers and router share this process (and its
+//! cores), as they would not in production.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use kvroute::discovery::Registry;
+use kvroute::events::plane::{EventPlane, PlaneConfig, events_subject};
+use kvroute::events::transport::Transport;
+use kvroute::indexer::{Config, Indexer};
+use kvroute::protocol::{
+    DpRank, EventBatch, KvEvent, KvEventData, LocalHash, Salt, SeqHash, StoredBlock, Tier,
+    WorkerId, encode, seq_hash,
+};
+use kvroute_e2e::nats::NatsServer;
+use serde::Serialize;
+use tokio::sync::watch;
+
+use crate::stats::Summary;
+
+/// Flags of `kvroute-bench events`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Publishing workers (one NATS connection each).
+    #[arg(long, default_value_t = 32)]
+    pub workers: u64,
+    /// Batches each worker publishes in the saturation phase.
+    #[arg(long, default_value_t = 2_000)]
+    pub batches: u64,
+    /// Events per batch (each stores or removes a 16-block chain).
+    #[arg(long, default_value_t = 4)]
+    pub events_per_batch: u64,
+    /// Length of the paced phase, s.
+    #[arg(long, default_value_t = 5.0)]
+    pub paced_seconds: f64,
+    /// Write the figures here as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// The JSON `kvroute-bench events` writes.
+#[derive(Debug, Default, Serialize)]
+pub struct Report {
+    /// Publishing workers.
+    pub workers: u64,
+    /// Events applied in the saturation phase.
+    pub events: u64,
+    /// Saturation phase, first publish to last apply, s.
+    pub wall_s: f64,
+    /// Events applied per second at saturation.
+    pub events_per_s: f64,
+    /// Blocks per event.
+    pub blocks_per_event: u64,
+    /// Paced rate (half the saturated one), events/s.
+    pub paced_events_per_s: f64,
+    /// Publish → apply lag at the paced rate, ms.
+    pub lag_ms: Summary,
+}
+
+fn unix_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// Batch `n` of a worker: events alternately store a fresh 16-block chain and remove it,
+/// so the index stays small and every event does real work.
+fn batch(worker: u64, n: u64, events_per_batch: u64) -> EventBatch {
+    let events = (0..events_per_batch)
+        .map(|k| {
+            let id = n * events_per_batch + k + 1;
+            let chain_no = (id - 1) / 2;
+            let mut parent = None;
+            let chain: Vec<StoredBlock> = (0..16u64)
+                .map(|i| {
+                    let local = LocalHash(worker << 40 ^ chain_no << 8 ^ i);
+                    let seq = seq_hash(parent, local, Salt::NONE);
+                    parent = Some(seq);
+                    StoredBlock { seq, local }
+                })
+                .collect();
+            let data = if id % 2 == 1 {
+                KvEventData::Stored {
+                    parent: None,
+                    blocks: chain,
+                }
+            } else {
+                KvEventData::Removed {
+                    blocks: chain.iter().rev().map(|b| b.seq).collect::<Vec<SeqHash>>(),
+                }
+            };
+            KvEvent {
+                id,
+                tier: Tier::Device,
+                data,
+            }
+        })
+        .collect();
+    EventBatch {
+        worker: WorkerId(worker),
+        dp_rank: DpRank(0),
+        epoch: 1,
+        sent_unix_us: 0,
+        events,
+    }
+}
+
+async fn publishers(
+    server: &NatsServer,
+    args: &Args,
+    from: u64,
+    to: u64,
+    rate: Option<f64>,
+) -> anyhow::Result<()> {
+    let mut tasks = Vec::new();
+    for w in 0..args.workers {
+        let transport = Transport::connect_nats(&server.url(), &format!("pub-{w}")).await?;
+        let subject = events_subject("bench", WorkerId(w));
+        let epb = args.events_per_batch;
+        // Per worker, batches per second at the paced rate.
+        let period = rate.map(|r| Duration::from_secs_f64(args.workers as f64 * epb as f64 / r));
+        tasks.push(tokio::spawn(async move {
+            let start = tokio::time::Instant::now();
+            for n in from..to {
+                if let Some(p) = period {
+                    tokio::time::sleep_until(start + p * (n - from) as u32).await;
+                }
+                let mut b = batch(w, n, epb);
+                b.sent_unix_us = unix_us();
+                let payload = encode(&b).expect("invariant: bench batches encode");
+                if transport
+                    .publish(&subject, None, payload.into())
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            transport.flush().await;
+        }));
+    }
+    for t in tasks {
+        t.await?;
+    }
+    Ok(())
+}
+
+fn applied(plane: &EventPlane) -> u64 {
+    plane.streams().iter().map(|(_, s)| s.applied).sum()
+}
+
+async fn wait_applied(plane: &EventPlane, batches: u64, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while applied(plane) < batches {
+        if Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    true
+}
+
+/// Runs the bench.
+pub async fn run(args: &Args) -> anyhow::Result<Report> {
+    let server = NatsServer::start()?;
+    let transport = Transport::connect_nats(&server.url(), "router").await?;
+    let indexer = Arc::new(Indexer::new(Config::default())?);
+    let (_shutdown, rx) = watch::channel(false);
+    let config = PlaneConfig {
+        cluster: "bench".into(),
+        queue_batches: 1 << 20,
+        ..PlaneConfig::default()
+    };
+    let plane = EventPlane::start(
+        transport,
+        indexer,
+        Registry::Static(Vec::new()).watch(Default::default()),
+        config,
+        rx,
+    )
+    .await?;
+
+    let total = args.workers * args.batches;
+    let start = Instant::now();
+    publishers(&server, args, 0, args.batches, None).await?;
+    if !wait_applied(&plane, total, Duration::from_secs(120)).await {
+        anyhow::bail!(
+            "the router applied {} of {total} batches: {:?}",
+            applied(&plane),
+            plane.counters()
+        );
+    }
+    let wall_s = start.elapsed().as_secs_f64();
+    let events = total * args.events_per_batch;
+    let events_per_s = events as f64 / wall_s;
+
+    let paced_rate = events_per_s / 2.0;
+    let paced_batches = ((paced_rate * args.paced_seconds)
+        / (args.workers * args.events_per_batch) as f64)
+        .ceil() as u64;
+    let before = plane.lag_samples().len();
+    publishers(
+        &server,
+        args,
+        args.batches,
+        args.batches + paced_batches,
+        Some(paced_rate),
+    )
+    .await?;
+    wait_applied(
+        &plane,
+        total + args.workers * paced_batches,
+        Duration::from_secs(60),
+    )
+    .await;
+    let mut lags = plane.lag_samples();
+    let mut paced: Vec<f64> = lags.split_off(before.min(lags.len()));
+    Ok(Report {
+        workers: args.workers,
+        events,
+        wall_s,
+        events_per_s,
+        blocks_per_event: 16,
+        paced_events_per_s: paced_rate,
+        lag_ms: Summary::of(&mut paced),
+    })
+}
+
+/// Prints the report.
+pub fn print(r: &Report) {
+    println!(
+        "events: {} workers, {} events of {} blocks in {:.2} s: {:.0} events/s ({:.0} blocks/s)",
+        r.workers,
+        r.events,
+        r.blocks_per_event,
+        r.wall_s,
+        r.events_per_s,
+        r.events_per_s * r.blocks_per_event as f64
+    );
+    println!(
+        "lag at {:.0} events/s: p50 {:.2} ms, p90 {:.2} ms, p99 {:.2} ms, mean {:.2} ms",
+        r.paced_events_per_s, r.lag_ms.p50, r.lag_ms.p90, r.lag_ms.p99, r.lag_ms.mean
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute::protocol::{Limits, decode};
+
+    #[test]
+    fn bench_batches_are_valid_payloads() {
+        for n in [0, 1, 2499, 2500, 9999] {
+            let b = batch(31, n, 4);
+            decode(&encode(&b).unwrap(), &Limits::default()).unwrap();
+        }
+    }
+}
