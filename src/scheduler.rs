@@ -60,6 +60,8 @@ pub struct Config {
     pub booking_ttl_ms: u64,
     /// Seed of the tie-break and sampling generator.
     pub seed: u64,
+    /// This router replica's id in shared bookings (unique per replica; 0 is fine alone).
+    pub replica_id: u64,
     /// Settings of the `approx_prefix` policy.
     pub approx: ApproxConfig,
 }
@@ -78,6 +80,7 @@ impl Default for Config {
             busy_prefill_blocks: 0.0,
             booking_ttl_ms: 600_000,
             seed: 0,
+            replica_id: 0,
             approx: ApproxConfig::default(),
         }
     }
@@ -189,9 +192,32 @@ pub struct Candidate {
     pub busy: bool,
 }
 
-/// Names a booking, to release it later.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct BookingId(pub u64);
+/// Names a booking, to release it later: the router replica that made it, and its number
+/// there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct BookingId {
+    /// The replica (`Config::replica_id`) that booked it.
+    pub origin: u64,
+    /// Its number within that replica.
+    pub seq: u64,
+}
+
+/// A booking as replicas share it (`kvroute.<c>.load`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SharedBooking {
+    /// The booking.
+    pub id: BookingId,
+    /// The worker it loads.
+    pub worker: WorkerId,
+    /// The worker's rank.
+    pub dp_rank: DpRank,
+    /// Uncached prefill, blocks.
+    pub prefill_blocks: f64,
+    /// Full prompt blocks held.
+    pub blocks: Vec<SeqHash>,
+    /// Whether a partial tail block is held too.
+    pub tail: bool,
+}
 
 /// The scheduler's answer.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -353,7 +379,10 @@ impl Scheduler {
             .expect("invariant: candidates are known workers");
         state.load.book(prefill_blocks, &blocks, tail);
         self.next_booking += 1;
-        let id = BookingId(self.next_booking);
+        let id = BookingId {
+            origin: self.config.replica_id,
+            seq: self.next_booking,
+        };
         self.bookings.insert(
             id,
             Booking {
@@ -367,6 +396,60 @@ impl Scheduler {
         );
         self.by_age.push_back((now_ms, id));
         id
+    }
+
+    /// A booking in the form replicas share.
+    pub fn shared(&self, id: BookingId) -> Option<SharedBooking> {
+        self.bookings.get(&id).map(|b| SharedBooking {
+            id,
+            worker: b.worker.0,
+            dp_rank: b.worker.1,
+            prefill_blocks: if b.prefill_open {
+                b.prefill_blocks
+            } else {
+                0.0
+            },
+            blocks: b.blocks.clone(),
+            tail: b.tail,
+        })
+    }
+
+    /// Books load another replica routed (idempotent; ignored for unknown workers).
+    pub fn book_shared(&mut self, now_ms: u64, b: SharedBooking) {
+        let key = (b.worker, b.dp_rank);
+        let Some(state) = self.workers.get_mut(&key) else {
+            return;
+        };
+        if self.bookings.contains_key(&b.id) {
+            return;
+        }
+        state.load.book(b.prefill_blocks, &b.blocks, b.tail);
+        self.bookings.insert(
+            b.id,
+            Booking {
+                worker: key,
+                prefill_blocks: b.prefill_blocks,
+                blocks: b.blocks,
+                tail: b.tail,
+                booked_ms: now_ms,
+                prefill_open: true,
+            },
+        );
+        self.by_age.push_back((now_ms, b.id));
+    }
+
+    /// Drops every booking a replica made (it stopped announcing itself). Returns how many.
+    pub fn drop_origin(&mut self, origin: u64) -> usize {
+        let ids: Vec<BookingId> = self
+            .bookings
+            .keys()
+            .filter(|id| id.origin == origin)
+            .copied()
+            .collect();
+        for id in &ids {
+            self.complete(*id);
+        }
+        ids.len()
     }
 
     /// The request produced its first token: its prefill no longer loads the worker.

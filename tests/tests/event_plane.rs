@@ -330,3 +330,106 @@ async fn a_worker_serving_traffic_without_events_is_flagged_until_it_publishes()
     assert!(cleared, "events from the worker should clear the flag");
     assert!(!r.plane.lag_samples().is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_see_each_others_bookings_and_drop_a_dead_replicas() {
+    use kvroute::events::load::{LoadShare, LoadShareConfig};
+    use kvroute::indexer::OverlapScores;
+    use kvroute::protocol::{BlockHash, DpRank, LocalHash};
+    use kvroute::scheduler::{self, RouteRequest, Scheduler};
+
+    let server = NatsServer::start().unwrap();
+    let config = LoadShareConfig {
+        heartbeat_ms: 100,
+        replica_ttl_ms: 500,
+    };
+    let mut replicas = Vec::new();
+    let mut shutdowns = Vec::new();
+    for id in [1u64, 2] {
+        let mut s = Scheduler::new(scheduler::Config {
+            replica_id: id,
+            ..scheduler::Config::default()
+        })
+        .unwrap();
+        for w in 0..2 {
+            s.add_worker((WorkerId(w), DpRank(0)), 10_000);
+        }
+        let s = Arc::new(parking_lot::Mutex::new(s));
+        let transport = Transport::connect_nats(&server.url(), &format!("replica-{id}"))
+            .await
+            .unwrap();
+        let (tx, rx) = watch::channel(false);
+        let share = LoadShare::start(transport, CLUSTER, Arc::clone(&s), config.clone(), rx)
+            .await
+            .unwrap();
+        replicas.push((s, share));
+        shutdowns.push(tx);
+    }
+    let blocks: Vec<BlockHash> = (0..10)
+        .map(|i| BlockHash {
+            local: LocalHash(i),
+            seq: SeqHash(i),
+        })
+        .collect();
+    let none = OverlapScores::default();
+    let request = RouteRequest {
+        blocks: &blocks,
+        prompt_tokens: 160,
+        block_size: 16,
+        overlaps: &none,
+    };
+    let decision = replicas[0].0.lock().route(0, &request).unwrap();
+    replicas[0].1.booked(decision.booking).await;
+    let worker = decision.chosen.key;
+    let b = Arc::clone(&replicas[1].0);
+    let seen = eventually(Duration::from_secs(5), || {
+        b.lock()
+            .load(worker)
+            .is_some_and(|l| l.decode_blocks() == 10)
+    })
+    .await;
+    assert!(seen, "replica 2 should see replica 1's booking");
+    // Replica 2 now prefers the other worker for an unrelated request.
+    let other: Vec<BlockHash> = (100..110)
+        .map(|i| BlockHash {
+            local: LocalHash(i),
+            seq: SeqHash(i),
+        })
+        .collect();
+    let r2 = RouteRequest {
+        blocks: &other,
+        ..request
+    };
+    let d2 = b.lock().route(0, &r2).unwrap();
+    assert_ne!(d2.chosen.key, worker);
+    b.lock().complete(d2.booking);
+    // Completion is shared too.
+    replicas[0].0.lock().complete(decision.booking);
+    replicas[0].1.completed(decision.booking).await;
+    let freed = eventually(Duration::from_secs(5), || {
+        b.lock()
+            .load(worker)
+            .is_some_and(|l| l.decode_blocks() == 0)
+    })
+    .await;
+    assert!(freed);
+    // A booking left open by a replica that dies expires with the replica.
+    let decision = replicas[0].0.lock().route(0, &request).unwrap();
+    replicas[0].1.booked(decision.booking).await;
+    let worker = decision.chosen.key;
+    assert!(
+        eventually(Duration::from_secs(5), || b
+            .lock()
+            .load(worker)
+            .is_some_and(|l| l.decode_blocks() == 10))
+        .await
+    );
+    let _ = shutdowns[0].send(true);
+    let dropped = eventually(Duration::from_secs(5), || {
+        b.lock()
+            .load(worker)
+            .is_some_and(|l| l.decode_blocks() == 0)
+    })
+    .await;
+    assert!(dropped, "a dead replica's bookings must expire");
+}
