@@ -11,7 +11,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{broadcast, mpsc, watch};
 use tokio::time::Instant;
 
 use super::stream::{Command, StreamConfig, StreamStats, WorkerStream};
@@ -113,6 +113,7 @@ pub struct EventPlane {
     fleet: Arc<Mutex<HashMap<WorkerId, crate::discovery::WorkerInfo>>>,
     lags: Arc<Mutex<LagSamples>>,
     silence: Arc<Mutex<HashMap<WorkerId, Silence>>>,
+    changes: broadcast::Sender<FleetEvent>,
 }
 
 /// Publish → apply lag samples (ms), the most recent ones, for reports.
@@ -155,6 +156,7 @@ struct Shared {
     limits: Limits,
     lags: Arc<Mutex<LagSamples>>,
     silence: Arc<Mutex<HashMap<WorkerId, Silence>>>,
+    changes: broadcast::Sender<FleetEvent>,
 }
 
 impl EventPlane {
@@ -185,6 +187,7 @@ impl EventPlane {
             limits,
             lags: Arc::default(),
             silence: Arc::default(),
+            changes: broadcast::channel(1024).0,
         });
         let plane = EventPlane {
             streams: Arc::clone(&shared.streams),
@@ -193,6 +196,7 @@ impl EventPlane {
             fleet: Arc::default(),
             lags: Arc::clone(&shared.lags),
             silence: Arc::clone(&shared.silence),
+            changes: shared.changes.clone(),
         };
         if let Some(mut reconnects) = shared.transport.reconnects() {
             let (plane, mut shutdown) = (plane.clone(), shutdown.clone());
@@ -260,6 +264,12 @@ impl EventPlane {
     /// The index the plane feeds.
     pub fn indexer(&self) -> &Arc<Indexer> {
         &self.indexer
+    }
+
+    /// Fleet changes, after the index has applied them: the scheduler adds and removes
+    /// workers from these, so a worker that leaves or expires is gone from both at once.
+    pub fn fleet_changes(&self) -> broadcast::Receiver<FleetEvent> {
+        self.changes.subscribe()
     }
 
     /// The recent publish → apply lags, ms (up to the last 100,000 batches).
@@ -349,6 +359,7 @@ impl Shared {
         event: FleetEvent,
         fleet: &Mutex<HashMap<WorkerId, crate::discovery::WorkerInfo>>,
     ) {
+        let change = event.clone();
         match event {
             FleetEvent::Up(info) => {
                 for (rank, last_id) in info.last_event_ids.iter().enumerate() {
@@ -394,6 +405,7 @@ impl Shared {
                 }
             }
         }
+        let _ = self.changes.send(change);
     }
 
     fn spawn_stream(self: &Arc<Self>, key: (WorkerId, DpRank)) -> StreamHandle {

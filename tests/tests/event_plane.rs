@@ -216,6 +216,7 @@ async fn a_restart_in_place_and_a_crash_leave_no_stale_entries() {
     // Worker 2 crashes without goodbye: its lease expires (TTL 1 s) and it is gone within
     // TTL + 1 s.
     let crashed = sims.pop().unwrap();
+    let mut changes = r.plane.fleet_changes();
     let started = tokio::time::Instant::now();
     crashed.stop(false).await;
     let gone = eventually(Duration::from_secs(2), || {
@@ -230,6 +231,16 @@ async fn a_restart_in_place_and_a_crash_leave_no_stale_entries() {
         started.elapsed()
     );
     assert!(r.plane.counters().workers_expired.load(Ordering::Relaxed) >= 1);
+    // The scheduler hears of it from the same place, at the same time.
+    let mut down = false;
+    while let Ok(change) = changes.try_recv() {
+        down |= change
+            == kvroute::discovery::FleetEvent::Down {
+                id: WorkerId(2),
+                expired: true,
+            };
+    }
+    assert!(down, "the expiry must be broadcast to the scheduler's side");
     assert_exact(&r, &sims).await;
 }
 
