@@ -11,7 +11,10 @@
 //! - [`plane`] (I/O): publishes the batches over the event plane's transport and serves
 //!   snapshot requests.
 //!
-//! All of it but `plane` is sans-I/O: the replay bench drives it on a virtual clock, the
+//! - [`server`] (I/O): the worker process: engine on wall time, HTTP generate endpoint,
+//!   event plane.
+//!
+//! All of it but `plane` and `server` is sans-I/O: the replay bench drives it on a virtual clock, the
 //! worker server on wall time.
 #![forbid(unsafe_code)]
 
@@ -21,5 +24,6 @@ pub mod engine;
 pub mod offload;
 pub mod plane;
 pub mod publisher;
+pub mod server;
 
 pub use config::EngineConfig;

@@ -1,0 +1,128 @@
+//! `kvroute-worker`: a worker process serving generate requests from its engine and
+//! publishing its KV events to the router over NATS.
+#![forbid(unsafe_code)]
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use kvroute::discovery::{LeaseConfig, Registry};
+use kvroute::events::transport::Transport;
+use kvroute::protocol::WorkerId;
+use kvroute_worker::EngineConfig;
+use kvroute_worker::server::{ServerConfig, Worker};
+
+/// A kvroute worker: continuous-batching engine (timing model, no model weights), HTTP
+/// generate endpoint, KV events over NATS.
+#[derive(Parser, Debug)]
+#[command(name = "kvroute-worker", version, about)]
+struct Args {
+    /// NATS server URL.
+    #[arg(long, env = "KVROUTE_NATS", default_value = "nats://127.0.0.1:4222")]
+    nats: String,
+    /// HTTP port (0: any free port).
+    #[arg(long, env = "KVROUTE_PORT", default_value_t = 9000)]
+    port: u16,
+    /// Address to listen on.
+    #[arg(long, env = "KVROUTE_HOST", default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// Worker id (default: random).
+    #[arg(long, env = "KVROUTE_WORKER_ID")]
+    id: Option<u64>,
+    /// URL the router reaches this worker at (default: http://HOST:PORT).
+    #[arg(long, env = "KVROUTE_URL")]
+    url: Option<String>,
+    /// Cluster name (NATS subjects and registry bucket).
+    #[arg(long, env = "KVROUTE_CLUSTER", default_value = "default")]
+    cluster: String,
+    /// Model name served.
+    #[arg(long, env = "KVROUTE_MODEL", default_value = "kvroute-sim")]
+    model: String,
+    /// Where the KV cache lives: `cpu` (host memory). `cuda[:N]` needs the GPU build.
+    #[arg(long, env = "KVROUTE_DEVICE", default_value = "cpu")]
+    device: String,
+    /// Tokens per KV block.
+    #[arg(long, env = "KVROUTE_BLOCK_SIZE", default_value_t = EngineConfig::default().block_size)]
+    block_size: usize,
+    /// G1 (GPU) blocks.
+    #[arg(long, env = "KVROUTE_G1_BLOCKS", default_value_t = EngineConfig::default().g1_blocks)]
+    g1_blocks: usize,
+    /// G2 (host) blocks; 0 disables offload.
+    #[arg(long, env = "KVROUTE_G2_BLOCKS", default_value_t = EngineConfig::default().g2_blocks)]
+    g2_blocks: usize,
+    /// Divides step times of the timing model.
+    #[arg(long, env = "KVROUTE_SPEEDUP", default_value_t = EngineConfig::default().speedup)]
+    speedup: f64,
+    /// Token budget per engine step.
+    #[arg(long, env = "KVROUTE_MAX_NUM_BATCHED_TOKENS", default_value_t = EngineConfig::default().max_num_batched_tokens)]
+    max_num_batched_tokens: usize,
+    /// Most sequences running at once.
+    #[arg(long, env = "KVROUTE_MAX_NUM_SEQS", default_value_t = EngineConfig::default().max_num_seqs)]
+    max_num_seqs: usize,
+    /// Registration heartbeat, ms.
+    #[arg(long, env = "KVROUTE_HEARTBEAT_MS", default_value_t = LeaseConfig::default().heartbeat_ms)]
+    heartbeat_ms: u64,
+    /// Registration TTL, ms.
+    #[arg(long, env = "KVROUTE_LEASE_TTL_MS", default_value_t = LeaseConfig::default().ttl_ms)]
+    lease_ttl_ms: u64,
+}
+
+fn epoch() -> u64 {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    // Start time (ms) in the high bits: later incarnations compare larger (EventBatch docs).
+    (now.as_millis() as u64) << 16 | u64::from(now.subsec_nanos() & 0xffff)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let args = Args::parse();
+    if args.device != "cpu" {
+        bail!(
+            "--device {}: this build runs the KV cache in host memory only (--device cpu)",
+            args.device
+        );
+    }
+    let engine = EngineConfig {
+        block_size: args.block_size,
+        g1_blocks: args.g1_blocks,
+        g2_blocks: args.g2_blocks,
+        speedup: args.speedup,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_num_seqs: args.max_num_seqs,
+        ..EngineConfig::default()
+    };
+    engine.validate().context("engine configuration")?;
+    let lease = LeaseConfig {
+        heartbeat_ms: args.heartbeat_ms,
+        ttl_ms: args.lease_ttl_ms,
+    };
+    let transport = Transport::connect_nats(&args.nats, "kvroute-worker").await?;
+    let client = transport.nats_client().context("NATS transport")?.clone();
+    let registry = Registry::nats(client, &args.cluster, &lease).await?;
+    let id = WorkerId(args.id.unwrap_or_else(|| epoch() & 0xffff_ffff_ffff));
+    let config = ServerConfig {
+        id,
+        listen: SocketAddr::new(args.host, args.port),
+        url: args.url,
+        cluster: args.cluster,
+        model: args.model,
+        engine,
+        lease,
+        epoch: epoch(),
+    };
+    let worker = Worker::start(config, transport, registry).await?;
+    tracing::info!(%id, addr = %worker.addr, "worker serving");
+    println!("kvroute-worker {id} listening on http://{}", worker.addr);
+    tokio::signal::ctrl_c().await?;
+    worker.stop().await;
+    Ok(())
+}

@@ -1,0 +1,228 @@
+//! The worker's HTTP/1.1 endpoints: `POST /internal/generate` (token ids in; OpenAI
+//! completion chunks out, as SSE while the engine produces them, or one JSON body) and
+//! `GET /health`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited, StreamBody, combinators::BoxBody};
+use hyper::body::{Frame, Incoming};
+use hyper::{Method, Response, StatusCode, header};
+use hyper_util::rt::TokioIo;
+use kvroute::protocol::Salt;
+use serde::Deserialize;
+use tokio::sync::{mpsc, watch};
+
+use super::Job;
+use crate::engine::{Output, OutputKind, Request, RequestId};
+
+pub(crate) type Body = BoxBody<Bytes, Infallible>;
+
+/// Largest request body accepted, bytes.
+const MAX_BODY: usize = 16 << 20;
+
+#[derive(Clone)]
+pub(crate) struct State {
+    pub jobs: mpsc::Sender<Job>,
+    pub model: String,
+    pub next_id: Arc<AtomicU64>,
+}
+
+/// The internal generate request: what the router sends.
+#[derive(Debug, Deserialize)]
+struct Generate {
+    token_ids: Vec<u32>,
+    #[serde(default = "default_max_tokens")]
+    max_tokens: u32,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    salt: u64,
+}
+
+fn default_max_tokens() -> u32 {
+    16
+}
+
+pub(crate) async fn serve(
+    listener: tokio::net::TcpListener,
+    state: State,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = shutdown.changed() => return,
+        };
+        let Ok((stream, _)) = accepted else { continue };
+        // Stream chunks must leave as soon as they are written, not after Nagle's delay.
+        let _ = stream.set_nodelay(true);
+        let state = state.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| handle(state.clone(), req));
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+fn full(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, content_type)
+        .body(Full::new(body.into()).boxed())
+        .expect("invariant: static response parts are valid")
+}
+
+/// An error in OpenAI's shape.
+pub(crate) fn error(status: StatusCode, kind: &str, message: &str) -> Response<Body> {
+    let body = serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": null}});
+    full(status, "application/json", body.to_string())
+}
+
+async fn handle(state: State, req: hyper::Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    Ok(match (req.method(), req.uri().path()) {
+        (&Method::GET, "/health") => full(StatusCode::OK, "application/json", r#"{"status":"ok"}"#),
+        (&Method::POST, "/internal/generate") => generate(state, req).await,
+        _ => error(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "no such endpoint",
+        ),
+    })
+}
+
+async fn generate(state: State, req: hyper::Request<Incoming>) -> Response<Body> {
+    let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(_) => {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                "request body too large",
+            );
+        }
+    };
+    let g: Generate = match serde_json::from_slice(&body) {
+        Ok(g) => g,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                &format!("bad generate request: {e}"),
+            );
+        }
+    };
+    let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
+    let prompt_tokens = g.token_ids.len();
+    let request = Request {
+        id,
+        prompt: g.token_ids.into(),
+        max_tokens: g.max_tokens,
+        salt: Salt(g.salt),
+    };
+    let (tx, mut rx) = mpsc::channel(1024);
+    if state
+        .jobs
+        .send(Job {
+            request,
+            outputs: tx,
+        })
+        .await
+        .is_err()
+    {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "engine stopped",
+        );
+    }
+    let completion_id = format!("cmpl-{}", id.0);
+    if !g.stream {
+        let mut tokens = Vec::new();
+        while let Some(o) = rx.recv().await {
+            match o.kind {
+                OutputKind::Token { token, .. } => tokens.push(token),
+                OutputKind::Finished => break,
+                OutputKind::Rejected(reason) => {
+                    return error(
+                        StatusCode::BAD_REQUEST,
+                        "invalid_request_error",
+                        &reason.to_string(),
+                    );
+                }
+                _ => {}
+            }
+        }
+        let body = serde_json::json!({
+            "id": completion_id, "object": "text_completion", "model": state.model,
+            "choices": [{"index": 0, "text": render(&tokens), "token_ids": tokens, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens.len(), "total_tokens": prompt_tokens + tokens.len()},
+        });
+        return full(StatusCode::OK, "application/json", body.to_string());
+    }
+    let model = state.model.clone();
+    let stream = futures_util::stream::unfold((rx, false), move |(mut rx, done)| {
+        let (completion_id, model) = (completion_id.clone(), model.clone());
+        async move {
+            if done {
+                return None;
+            }
+            loop {
+                let Some(o) = rx.recv().await else {
+                    return Some((
+                        Ok(Frame::data(Bytes::from_static(b"data: [DONE]\n\n"))),
+                        (rx, true),
+                    ));
+                };
+                if let Some(chunk) = sse_chunk(&completion_id, &model, &o) {
+                    let last = matches!(o.kind, OutputKind::Finished | OutputKind::Rejected(_));
+                    let mut bytes = chunk.into_bytes();
+                    if last {
+                        bytes.extend_from_slice(b"data: [DONE]\n\n");
+                    }
+                    return Some((
+                        Ok::<_, Infallible>(Frame::data(Bytes::from(bytes))),
+                        (rx, last),
+                    ));
+                }
+            }
+        }
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(BodyExt::boxed(StreamBody::new(stream)))
+        .expect("invariant: static response parts are valid")
+}
+
+/// One SSE event for an output, if it is one the client sees.
+fn sse_chunk(id: &str, model: &str, o: &Output) -> Option<String> {
+    let (text, token_ids, finish) = match o.kind {
+        OutputKind::Token { token, .. } => (render(&[token]), vec![token], None),
+        OutputKind::Finished => (String::new(), Vec::new(), Some("length")),
+        OutputKind::Rejected(reason) => {
+            let e = serde_json::json!({"error": {"message": reason.to_string(), "type": "invalid_request_error"}});
+            return Some(format!("data: {e}\n\n"));
+        }
+        _ => return None,
+    };
+    let chunk = serde_json::json!({
+        "id": id, "object": "text_completion", "model": model,
+        "choices": [{"index": 0, "text": text, "token_ids": token_ids, "finish_reason": finish}],
+    });
+    Some(format!("data: {chunk}\n\n"))
+}
+
+/// Text of generated tokens. The engine has no model: its tokens are synthetic ids, shown
+/// as lowercase letters (`a + id mod 26`) so streams are readable.
+pub(crate) fn render(tokens: &[u32]) -> String {
+    tokens
+        .iter()
+        .map(|t| char::from(b'a' + (t % 26) as u8))
+        .collect()
+}
