@@ -181,21 +181,13 @@ impl WorkerStream {
             return;
         }
         if self.epoch != Some(batch.epoch) {
-            // First contact, or the worker restarted.
-            let joining = self.epoch.is_none();
-            self.adopt_epoch(batch.epoch, out);
-            if first == 1 {
-                // We see the new stream from its start: nothing to fetch.
-                self.state = State::Live { next_id: 1 };
+            // First contact, or the worker restarted. From id 1 we see the new stream from
+            // its start: nothing to fetch.
+            self.switch_epoch(now_ms, batch.epoch, first == 1, out);
+            if self.is_live() {
                 self.accept_live(now_ms, batch, out);
             } else {
                 self.hold(batch);
-                let reason = if joining {
-                    ResyncReason::Join
-                } else {
-                    ResyncReason::NewEpoch
-                };
-                self.start_resync(now_ms, reason, out);
             }
             return;
         }
@@ -256,18 +248,7 @@ impl WorkerStream {
         if self.epoch != Some(epoch) {
             // The worker restarted (or is new) and none of its new events reached us: what
             // the index holds for the old incarnation is stale either way.
-            let joining = self.epoch.is_none();
-            self.adopt_epoch(epoch, out);
-            if last_id == 0 {
-                self.state = State::Live { next_id: 1 };
-            } else {
-                let reason = if joining {
-                    ResyncReason::Join
-                } else {
-                    ResyncReason::NewEpoch
-                };
-                self.start_resync(now_ms, reason, out);
-            }
+            self.switch_epoch(now_ms, epoch, last_id == 0, out);
             return;
         }
         if let State::Live { next_id } = self.state
@@ -317,6 +298,23 @@ impl WorkerStream {
     pub fn resync(&mut self, now_ms: u64, out: &mut Vec<Command>) {
         if self.epoch.is_some() && !matches!(self.state, State::Resyncing { .. }) {
             self.start_resync(now_ms, ResyncReason::Requested, out);
+        }
+    }
+
+    /// Follows a new incarnation (or the first one seen): drops the old one's entries, then
+    /// goes live at id 1 if the stream is seen `from_start`, or resyncs.
+    fn switch_epoch(&mut self, now_ms: u64, epoch: u64, from_start: bool, out: &mut Vec<Command>) {
+        let joining = self.epoch.is_none();
+        self.adopt_epoch(epoch, out);
+        if from_start {
+            self.state = State::Live { next_id: 1 };
+        } else {
+            let reason = if joining {
+                ResyncReason::Join
+            } else {
+                ResyncReason::NewEpoch
+            };
+            self.start_resync(now_ms, reason, out);
         }
     }
 

@@ -204,27 +204,11 @@ impl BlockManager {
         let inner = &mut *inner;
         inner.tick += 1;
         let tick = inner.tick;
-        let mut blocks = Vec::with_capacity(seqs.len());
-        for seq in &seqs[..found.device] {
-            let id = inner
-                .g1
-                .lookup(*seq)
-                .expect("invariant: matched block is indexed");
-            inner.g1.acquire(id, tick);
-            inner.g1.slot_mut(id).hits += 1;
-            blocks.push(id);
-        }
+        let blocks = inner.g1.acquire_hits(&seqs[..found.device], tick);
         inner.stats.device_hits += found.device as u64;
-        let mut host_pins = Vec::with_capacity(found.host);
-        for seq in &seqs[found.device..found.device + found.host] {
-            let id = inner
-                .g2
-                .lookup(*seq)
-                .expect("invariant: matched block is indexed");
-            inner.g2.acquire(id, tick);
-            inner.g2.slot_mut(id).hits += 1;
-            host_pins.push(id);
-        }
+        let host_pins = inner
+            .g2
+            .acquire_hits(&seqs[found.device..found.device + found.host], tick);
         (
             Lease {
                 inner: Arc::clone(&self.inner),

@@ -174,6 +174,20 @@ impl Pool {
         slot.last_used = tick;
     }
 
+    /// A request references the resident blocks `seqs`: one hit each.
+    pub fn acquire_hits(&mut self, seqs: &[SeqHash], tick: u64) -> Vec<BlockId> {
+        seqs.iter()
+            .map(|seq| {
+                let id = self
+                    .lookup(*seq)
+                    .expect("invariant: matched block is indexed");
+                self.acquire(id, tick);
+                self.slots[id.index()].hits += 1;
+                id
+            })
+            .collect()
+    }
+
     /// A request or transfer stops using a registered block.
     pub fn release(&mut self, id: BlockId, tick: u64) {
         let slot = &mut self.slots[id.index()];
