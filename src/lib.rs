@@ -9,6 +9,8 @@
 //!   a static list).
 //! - [`events`]: per-worker event streams: ordering, gaps, epochs and the snapshot resync
 //!   that keep the index an exact mirror of every worker's cache.
+//! - [`ingress`]: the HTTP front door: OpenAI API, routing, proxying with streamed relay,
+//!   admin views and metrics.
 //! - [`indexer`]: which blocks every worker holds in which tier (a hash-addressed radix tree
 //!   with lower-tier continuations), and per request, each worker's reusable prefix. No I/O.
 //! - [`scheduler`]: the cost of each worker for a request (prefix reuse against booked
@@ -21,5 +23,6 @@
 pub mod discovery;
 pub mod events;
 pub mod indexer;
+pub mod ingress;
 pub mod protocol;
 pub mod scheduler;

@@ -19,9 +19,48 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the router: OpenAI API on --port, KV events and workers from NATS.
+    Serve(ServeArgs),
     /// Print the block hashes of a token sequence, as workers and the router compute them
     /// (debug "why is my overlap zero").
     Hash(HashArgs),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// NATS server URL.
+    #[arg(long, env = "KVROUTE_NATS", default_value = "nats://127.0.0.1:4222")]
+    nats: String,
+    /// HTTP port.
+    #[arg(long, env = "KVROUTE_PORT", default_value_t = 8080)]
+    port: u16,
+    /// Address to listen on.
+    #[arg(long, env = "KVROUTE_HOST", default_value = "0.0.0.0")]
+    host: std::net::IpAddr,
+    /// Cluster name (NATS subjects and registry bucket).
+    #[arg(long, env = "KVROUTE_CLUSTER", default_value = "default")]
+    cluster: String,
+    /// Routing policy: kv, round_robin, random, least_loaded, approx_prefix.
+    #[arg(long, env = "KVROUTE_POLICY", default_value = "kv")]
+    policy: String,
+    /// Weight of uncached prefill (scheduler.prefill_scale).
+    #[arg(long, env = "KVROUTE_PREFILL_SCALE")]
+    prefill_scale: Option<f64>,
+    /// Weight of held decode blocks (scheduler.decode_weight).
+    #[arg(long, env = "KVROUTE_DECODE_WEIGHT")]
+    decode_weight: Option<f64>,
+    /// Softmax temperature over costs; 0 picks the cheapest.
+    #[arg(long, env = "KVROUTE_TEMPERATURE")]
+    temperature: Option<f64>,
+    /// This replica's id when several routers share load (default: random).
+    #[arg(long, env = "KVROUTE_REPLICA_ID")]
+    replica_id: Option<u64>,
+    /// Worker lease TTL, ms.
+    #[arg(long, env = "KVROUTE_LEASE_TTL_MS", default_value_t = 5_000)]
+    lease_ttl_ms: u64,
+    /// Requests in flight beyond which new ones get 429.
+    #[arg(long, env = "KVROUTE_MAX_INFLIGHT", default_value_t = 4096)]
+    max_inflight: usize,
 }
 
 #[derive(clap::Args)]
@@ -41,6 +80,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Hash(args) => run_hash(&args),
+        Command::Serve(args) => run_serve(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -49,6 +89,93 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
+    use std::sync::Arc;
+
+    use kvroute::discovery::{LeaseConfig, Registry};
+    use kvroute::events::load::{LoadShare, LoadShareConfig};
+    use kvroute::events::plane::{EventPlane, PlaneConfig};
+    use kvroute::events::transport::Transport;
+    use kvroute::indexer::{self, Indexer};
+    use kvroute::ingress::{IngressConfig, Router, serve};
+    use kvroute::scheduler::{self, PolicyKind, Scheduler};
+
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let policy = PolicyKind::parse(&args.policy)
+        .with_context(|| format!("unknown --policy {:?}", args.policy))?;
+    let defaults = scheduler::Config::default();
+    let scheduler_config = scheduler::Config {
+        policy,
+        prefill_scale: args.prefill_scale.unwrap_or(defaults.prefill_scale),
+        decode_weight: args.decode_weight.unwrap_or(defaults.decode_weight),
+        temperature: args.temperature.unwrap_or(defaults.temperature),
+        replica_id: args.replica_id.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_nanos() as u64
+        }),
+        ..defaults
+    };
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async move {
+        let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+            .install_recorder()
+            .ok();
+        let transport = Transport::connect_nats(&args.nats, "kvroute-router").await?;
+        let client = transport.nats_client().context("NATS transport")?.clone();
+        let lease = LeaseConfig {
+            ttl_ms: args.lease_ttl_ms,
+            ..LeaseConfig::default()
+        };
+        let registry = Registry::nats(client, &args.cluster, &lease).await?;
+        let (shutdown, shutdown_rx) = tokio::sync::watch::channel(false);
+        let indexer = Arc::new(Indexer::new(indexer::Config::default())?);
+        let plane_config = PlaneConfig {
+            cluster: args.cluster.clone(),
+            ..PlaneConfig::default()
+        };
+        let plane = EventPlane::start(
+            transport.clone(),
+            indexer,
+            registry.watch(lease),
+            plane_config,
+            shutdown_rx.clone(),
+        )
+        .await?;
+        let scheduler = Arc::new(parking_lot::Mutex::new(Scheduler::new(scheduler_config)?));
+        let load = LoadShare::start(
+            transport,
+            &args.cluster,
+            Arc::clone(&scheduler),
+            LoadShareConfig::default(),
+            shutdown_rx.clone(),
+        )
+        .await?;
+        let ingress = IngressConfig {
+            max_inflight: args.max_inflight,
+            ..IngressConfig::default()
+        };
+        let router = Router::new(scheduler, plane, Some(load), ingress, metrics);
+        let listener = tokio::net::TcpListener::bind((args.host, args.port)).await?;
+        let addr = listener.local_addr()?;
+        println!("kvroute serving on http://{addr}");
+        tracing::info!(%addr, nats = %args.nats, "router serving");
+        tokio::select! {
+            _ = serve(router, listener, shutdown_rx) => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        let _ = shutdown.send(true);
+        Ok::<(), anyhow::Error>(())
+    })
 }
 
 fn run_hash(args: &HashArgs) -> anyhow::Result<()> {

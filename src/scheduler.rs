@@ -353,8 +353,19 @@ impl Scheduler {
 
     /// Picks a worker for `request` and books its load; `None` when no worker is known.
     pub fn route(&mut self, now_ms: u64, request: &RouteRequest<'_>) -> Option<Decision> {
+        self.route_excluding(now_ms, request, &[])
+    }
+
+    /// Like [`Scheduler::route`], leaving out workers that already failed this request.
+    pub fn route_excluding(
+        &mut self,
+        now_ms: u64,
+        request: &RouteRequest<'_>,
+        exclude: &[WorkerKey],
+    ) -> Option<Decision> {
         self.expire(now_ms);
-        let all = self.candidates(request);
+        let mut all = self.candidates(request);
+        all.retain(|c| !exclude.contains(&c.key));
         if all.is_empty() {
             return None;
         }

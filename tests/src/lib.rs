@@ -4,4 +4,5 @@
 #![forbid(unsafe_code)]
 
 pub mod nats;
+pub mod procs;
 pub mod sim;

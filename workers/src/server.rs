@@ -180,7 +180,12 @@ async fn run_engine(
             engine.cancel(id);
         }
         engine.drain_batches(&mut batches);
-        for batch in batches.drain(..) {
+        let sent = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64);
+        for mut batch in batches.drain(..) {
+            // The engine's clock is process-relative; the router measures lag in Unix time.
+            batch.sent_unix_us = sent;
             if let Err(e) = plane.publish(&batch).await {
                 tracing::warn!(error = %e, "publishing KV events failed; the router will resync");
                 plane.note_sent(&batch);

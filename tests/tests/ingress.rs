@@ -1,0 +1,230 @@
+//! The router end to end: nats-server, `kvroute serve` and `kvroute-worker` processes, real
+//! HTTP over loopback.
+#![allow(missing_docs, clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use kvroute_e2e::nats::NatsServer;
+use kvroute_e2e::procs::{Http, Proc, free_port};
+
+struct Fleet {
+    _nats: NatsServer,
+    _router: Proc,
+    workers: Vec<(u16, Proc)>,
+    url: String,
+    http: Http,
+}
+
+async fn fleet(workers: usize) -> Fleet {
+    let nats = NatsServer::start().unwrap();
+    let port = free_port();
+    let router = Proc::start(
+        "kvroute",
+        &[
+            "serve".into(),
+            "--nats".into(),
+            nats.url(),
+            "--port".into(),
+            port.to_string(),
+            "--host".into(),
+            "127.0.0.1".into(),
+            "--lease-ttl-ms".into(),
+            "1500".into(),
+        ],
+    )
+    .unwrap();
+    let mut procs = Vec::new();
+    for _ in 0..workers {
+        let p = free_port();
+        let args = [
+            "--nats".into(),
+            nats.url(),
+            "--port".into(),
+            p.to_string(),
+            "--id".into(),
+            p.to_string(),
+            "--speedup".into(),
+            "50".into(),
+            "--heartbeat-ms".into(),
+            "300".into(),
+            "--lease-ttl-ms".into(),
+            "1500".into(),
+        ];
+        procs.push((p, Proc::start("kvroute-worker", &args).unwrap()));
+    }
+    let f = Fleet {
+        _nats: nats,
+        _router: router,
+        workers: procs,
+        url: format!("http://127.0.0.1:{port}"),
+        http: Http::default(),
+    };
+    // Ready once every worker is registered and synced.
+    for _ in 0..200 {
+        if let Ok(r) = f
+            .http
+            .call("GET", &format!("{}/admin/workers", f.url), "")
+            .await
+            && r.body.matches("\"synced\":true").count() == workers
+        {
+            return f;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("fleet not ready");
+}
+
+fn prompt(group: usize) -> String {
+    format!(
+        "Group {group:03}: {}",
+        "a shared system prompt for this group of requests. ".repeat(12)
+    )
+}
+
+fn completion(group: usize, i: usize, stream: bool) -> String {
+    serde_json::json!({"model": "kvroute-sim", "prompt": format!("{} Question {i}.", prompt(group)), "max_tokens": 4, "stream": stream}).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_of_a_group_follow_their_cached_prefix() {
+    let f = fleet(4).await;
+    let mut by_group: Vec<Vec<String>> = vec![Vec::new(); 20];
+    for round in 0..10 {
+        for (g, seen) in by_group.iter_mut().enumerate() {
+            let stream = (g + round) % 2 == 0;
+            let r = f
+                .http
+                .call(
+                    "POST",
+                    &format!("{}/v1/completions", f.url),
+                    completion(g, round, stream),
+                )
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200, "{}", r.body);
+            if stream {
+                assert!(r.body.contains("data: [DONE]"), "{}", r.body);
+            } else {
+                assert!(r.body.contains("\"completion_tokens\":4"), "{}", r.body);
+            }
+            let worker = r.header("x-kvroute-worker").unwrap().to_owned();
+            let overlap = r.header("x-kvroute-overlap").unwrap().to_owned();
+            if round > 0 {
+                assert!(
+                    !overlap.starts_with("device=0;"),
+                    "group {g} round {round} saw no overlap: {overlap}"
+                );
+            }
+            seen.push(worker);
+        }
+    }
+    for (g, workers) in by_group.iter().enumerate() {
+        let first = &workers[1];
+        let same = workers[1..].iter().filter(|w| *w == first).count();
+        assert!(same >= 8, "group {g} scattered over workers: {workers:?}");
+    }
+    // Every booking was freed.
+    let admin = f
+        .http
+        .call("GET", &format!("{}/admin/workers", f.url), "")
+        .await
+        .unwrap();
+    assert_eq!(
+        admin.body.matches("\"booked_requests\":0").count(),
+        4,
+        "{}",
+        admin.body
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_inputs_get_their_status_codes() {
+    let f = fleet(1).await;
+    let url = format!("{}/v1/completions", f.url);
+    let bad_json = f.http.call("POST", &url, "{not json").await.unwrap();
+    assert_eq!(bad_json.status, 400);
+    assert!(bad_json.body.contains("\"type\":\"invalid_request_error\""));
+    let missing = f
+        .http
+        .call("POST", &url, r#"{"model":"kvroute-sim"}"#)
+        .await
+        .unwrap();
+    assert_eq!(missing.status, 400);
+    let unknown = f
+        .http
+        .call("POST", &url, r#"{"model":"other","prompt":"hi"}"#)
+        .await
+        .unwrap();
+    assert_eq!(unknown.status, 400);
+    let huge = format!(
+        r#"{{"model":"kvroute-sim","prompt":"{}"}}"#,
+        "x".repeat(9 << 20)
+    );
+    let too_large = f.http.call("POST", &url, huge).await.unwrap();
+    assert_eq!(too_large.status, 413);
+    let chat = f
+        .http
+        .call(
+            "POST",
+            &format!("{}/v1/chat/completions", f.url),
+            r#"{"model":"kvroute-sim","messages":[{"role":"user","content":"hello"}]}"#,
+        )
+        .await
+        .unwrap();
+    assert_eq!(chat.status, 200, "{}", chat.body);
+    assert_eq!(
+        f.http
+            .call("GET", &format!("{}/health", f.url), "")
+            .await
+            .unwrap()
+            .status,
+        200
+    );
+    assert_eq!(
+        f.http
+            .call("GET", &format!("{}/ready", f.url), "")
+            .await
+            .unwrap()
+            .status,
+        200
+    );
+    assert_eq!(
+        f.http
+            .call("GET", &format!("{}/nope", f.url), "")
+            .await
+            .unwrap()
+            .status,
+        404
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_loses_no_request_that_had_not_started() {
+    let mut f = fleet(3).await;
+    let url = format!("{}/v1/completions", f.url);
+    for g in 0..6 {
+        assert_eq!(
+            f.http
+                .call("POST", &url, completion(g, 0, false))
+                .await
+                .unwrap()
+                .status,
+            200
+        );
+    }
+    // Kill one worker without goodbye; requests routed to it before its lease expires must
+    // be retried on another worker.
+    f.workers[0].1.kill();
+    for g in 0..6 {
+        let r = f
+            .http
+            .call("POST", &url, completion(g, 1, false))
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_ne!(
+            r.header("x-kvroute-worker"),
+            Some(f.workers[0].0.to_string().as_str())
+        );
+    }
+}
