@@ -494,12 +494,16 @@ async fn forward(
         .header("x-kvroute-worker", key.0.to_string())
         .header("x-kvroute-overlap", overlap);
     let booking = decision.booking;
+    let worker = key.0.to_string();
+    let started = Instant::now();
     if !stream {
         let bytes = match response.into_body().collect().await {
             Ok(b) => b.to_bytes(),
             Err(e) => return Err(Forward::Retry(e.to_string())),
         };
         finish(router, booking, true).await;
+        metrics::histogram!("kvroute_e2e_seconds", "worker" => worker)
+            .record(started.elapsed().as_secs_f64());
         return Ok(builder
             .header(header::CONTENT_TYPE, "application/json")
             .body(Full::new(bytes).boxed())
@@ -512,12 +516,22 @@ async fn forward(
     let mut upstream = response.into_body();
     tokio::spawn(async move {
         let mut first = true;
+        let mut last = started;
         loop {
             match upstream.frame().await {
                 Some(Ok(frame)) => {
                     let Ok(data) = frame.into_data() else {
                         continue;
                     };
+                    let now = Instant::now();
+                    let (name, since) = if first {
+                        ("kvroute_ttft_seconds", started)
+                    } else {
+                        ("kvroute_itl_seconds", last)
+                    };
+                    metrics::histogram!(name, "worker" => worker.clone())
+                        .record(now.duration_since(since).as_secs_f64());
+                    last = now;
                     if first {
                         first = false;
                         r.scheduler.lock().first_token(booking);
@@ -544,6 +558,8 @@ async fn forward(
         }
         drop(upstream);
         finish(&r, booking, false).await;
+        metrics::histogram!("kvroute_e2e_seconds", "worker" => worker)
+            .record(started.elapsed().as_secs_f64());
     });
     let body = StreamBody::new(futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv()

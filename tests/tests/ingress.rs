@@ -16,6 +16,10 @@ struct Fleet {
 }
 
 async fn fleet(workers: usize) -> Fleet {
+    fleet_at(workers, 50).await
+}
+
+async fn fleet_at(workers: usize, speedup: u32) -> Fleet {
     let nats = NatsServer::start().unwrap();
     let port = free_port();
     let router = Proc::start(
@@ -44,7 +48,7 @@ async fn fleet(workers: usize) -> Fleet {
             "--id".into(),
             p.to_string(),
             "--speedup".into(),
-            "50".into(),
+            speedup.to_string(),
             "--heartbeat-ms".into(),
             "300".into(),
             "--lease-ttl-ms".into(),
@@ -227,4 +231,84 @@ async fn a_killed_worker_loses_no_request_that_had_not_started() {
             Some(f.workers[0].0.to_string().as_str())
         );
     }
+}
+
+async fn booked_requests(f: &Fleet) -> usize {
+    let admin = f
+        .http
+        .call("GET", &format!("{}/admin/workers", f.url), "")
+        .await
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&admin.body).unwrap();
+    v["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["booked_requests"].as_u64().unwrap() as usize)
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_frees_its_booking() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // Real-time engine: 5,000 tokens would take half a minute.
+    let f = fleet_at(1, 1).await;
+    let body = serde_json::json!({"model": "kvroute-sim", "prompt": prompt(0), "max_tokens": 5000, "stream": true}).to_string();
+    let addr = f.url.trim_start_matches("http://").to_owned();
+    let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = [0u8; 512];
+    let n = s.read(&mut buf).await.unwrap();
+    assert!(n > 0 && String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    assert_eq!(booked_requests(&f).await, 1);
+    drop(s);
+    let mut freed = false;
+    for _ in 0..100 {
+        if booked_requests(&f).await == 0 {
+            freed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(freed, "the booking of a disconnected client must be freed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_first_bytes_are_not_delayed_on_a_reused_connection() {
+    use http_body_util::{BodyExt, Full};
+    use hyper_util::client::legacy::Client;
+    use hyper_util::client::legacy::connect::HttpConnector;
+    use hyper_util::rt::TokioExecutor;
+    // Engine 1000× faster than real time: the first byte is all router and worker overhead.
+    let f = fleet_at(1, 1000).await;
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    let client: Client<_, Full<bytes::Bytes>> = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(1)
+        .build(connector);
+    let body = serde_json::json!({"model": "kvroute-sim", "prompt": prompt(1), "max_tokens": 8, "stream": true}).to_string();
+    let mut first_bytes = Vec::new();
+    for _ in 0..21 {
+        let req = hyper::Request::post(format!("{}/v1/completions", f.url))
+            .body(Full::new(bytes::Bytes::from(body.clone())))
+            .unwrap();
+        let started = std::time::Instant::now();
+        let resp = client.request(req).await.unwrap();
+        let mut body = resp.into_body();
+        let _first = body.frame().await.unwrap().unwrap();
+        first_bytes.push(started.elapsed());
+        while body.frame().await.is_some() {}
+    }
+    first_bytes.sort();
+    let median = first_bytes[first_bytes.len() / 2];
+    // Nagle's algorithm with delayed ACKs stalls a small write on a reused connection by
+    // ~40 ms; the median must stay well below that.
+    assert!(
+        median < Duration::from_millis(30),
+        "median first byte {median:?} ({first_bytes:?})"
+    );
 }
