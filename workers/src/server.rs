@@ -129,15 +129,28 @@ async fn run_engine(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let start = Instant::now();
-    let now_us = || start.elapsed().as_micros() as u64;
+    // The engine's clock: wall time, except that a step due within the timer's resolution
+    // (1 ms) is run at once and the clock jumps to its end, so a fast engine (high speedup)
+    // is not held to one step per timer tick. It never runs more than 1 ms ahead.
+    let mut clock = 0u64;
     let mut waiting: HashMap<RequestId, mpsc::Sender<Output>> = HashMap::new();
     let mut out = Vec::new();
     let mut batches = Vec::new();
     loop {
+        let wall = start.elapsed().as_micros() as u64;
+        clock = clock.max(wall);
+        if let Some(due) = engine.next_wakeup_us().filter(|t| *t <= wall + 1_000) {
+            clock = clock.max(due);
+        }
+        let now_us = || clock.max(start.elapsed().as_micros() as u64);
         let wake = engine
             .next_wakeup_us()
+            .filter(|t| *t > clock)
             .map(|t| start + Duration::from_micros(t));
+        let due_now = engine.next_wakeup_us().is_some_and(|t| t <= clock);
         tokio::select! {
+            biased;
+            _ = tokio::task::yield_now(), if due_now => {}
             job = jobs.recv() => {
                 let Some(job) = job else { return };
                 let id = job.request.id;
@@ -152,7 +165,8 @@ async fn run_engine(
             _ = async { tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)).await }, if wake.is_some() => {}
             _ = shutdown.changed() => return,
         }
-        if let Err(e) = engine.advance(now_us(), &mut out) {
+        clock = now_us();
+        if let Err(e) = engine.advance(clock, &mut out) {
             tracing::error!(error = %e, "engine failed");
             return;
         }
