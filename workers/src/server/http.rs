@@ -7,10 +7,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited, StreamBody, combinators::BoxBody};
+use http_body_util::{BodyExt, Full, Limited, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::{Method, Response, StatusCode, header};
-use hyper_util::rt::TokioIo;
 use kvroute::protocol::Salt;
 use serde::Deserialize;
 use tokio::sync::{mpsc, watch};
@@ -18,7 +17,7 @@ use tokio::sync::{mpsc, watch};
 use super::Job;
 use crate::engine::{Output, OutputKind, Request, RequestId};
 
-pub(crate) type Body = BoxBody<Bytes, Infallible>;
+pub(crate) use kvroute::ingress::Body;
 
 /// Largest request body accepted, bytes.
 const MAX_BODY: usize = 16 << 20;
@@ -49,24 +48,9 @@ fn default_max_tokens() -> u32 {
 pub(crate) async fn serve(
     listener: tokio::net::TcpListener,
     state: State,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) {
-    loop {
-        let accepted = tokio::select! {
-            a = listener.accept() => a,
-            _ = shutdown.changed() => return,
-        };
-        let Ok((stream, _)) = accepted else { continue };
-        // Stream chunks must leave as soon as they are written, not after Nagle's delay.
-        let _ = stream.set_nodelay(true);
-        let state = state.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req| handle(state.clone(), req));
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
-    }
+    kvroute::ingress::serve_http(listener, move |req| handle(state.clone(), req), shutdown).await;
 }
 
 fn full(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Response<Body> {
@@ -83,8 +67,8 @@ pub(crate) fn error(status: StatusCode, kind: &str, message: &str) -> Response<B
     full(status, "application/json", body.to_string())
 }
 
-async fn handle(state: State, req: hyper::Request<Incoming>) -> Result<Response<Body>, Infallible> {
-    Ok(match (req.method(), req.uri().path()) {
+async fn handle(state: State, req: hyper::Request<Incoming>) -> Response<Body> {
+    match (req.method(), req.uri().path()) {
         (&Method::GET, "/health") => full(StatusCode::OK, "application/json", r#"{"status":"ok"}"#),
         (&Method::POST, "/internal/generate") => generate(state, req).await,
         _ => error(
@@ -92,7 +76,7 @@ async fn handle(state: State, req: hyper::Request<Incoming>) -> Result<Response<
             "invalid_request_error",
             "no such endpoint",
         ),
-    })
+    }
 }
 
 async fn generate(state: State, req: hyper::Request<Incoming>) -> Response<Body> {
