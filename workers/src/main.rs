@@ -118,6 +118,9 @@ async fn main() -> anyhow::Result<()> {
         engine,
         lease,
         epoch: epoch(),
+        metrics: metrics_exporter_prometheus::PrometheusBuilder::new()
+            .install_recorder()
+            .ok(),
     };
     let worker = Worker::start(config, transport, registry).await?;
     tracing::info!(%id, addr = %worker.addr, "worker serving");

@@ -40,6 +40,8 @@ pub struct ServerConfig {
     pub lease: LeaseConfig,
     /// Epoch of this incarnation.
     pub epoch: u64,
+    /// Renders `/metrics` (the process's Prometheus recorder), if installed.
+    pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
 }
 
 /// A job for the engine task.
@@ -97,6 +99,7 @@ impl Worker {
             listener,
             http::State {
                 jobs: jobs_tx,
+                metrics: config.metrics.clone(),
                 model: config.model.clone(),
                 next_id: Arc::default(),
             },
@@ -170,7 +173,14 @@ async fn run_engine(
             tracing::error!(error = %e, "engine failed");
             return;
         }
+        let load = engine.load();
+        metrics::gauge!("kvroute_worker_requests_waiting").set(load.waiting as f64);
+        metrics::gauge!("kvroute_worker_requests_running").set(load.running as f64);
+        metrics::gauge!("kvroute_worker_g1_blocks_used").set(load.g1_used as f64);
         for o in out.drain(..) {
+            if matches!(o.kind, OutputKind::Token { .. }) {
+                metrics::counter!("kvroute_worker_tokens_total").increment(1);
+            }
             let done = matches!(o.kind, OutputKind::Finished | OutputKind::Rejected(_));
             let cancelled = match waiting.get(&o.request) {
                 Some(tx) => tx.try_send(o).is_err() && tx.is_closed(),

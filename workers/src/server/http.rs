@@ -25,6 +25,7 @@ const MAX_BODY: usize = 16 << 20;
 #[derive(Clone)]
 pub(crate) struct State {
     pub jobs: mpsc::Sender<Job>,
+    pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
     pub model: String,
     pub next_id: Arc<AtomicU64>,
 }
@@ -71,6 +72,16 @@ async fn handle(state: State, req: hyper::Request<Incoming>) -> Response<Body> {
     match (req.method(), req.uri().path()) {
         (&Method::GET, "/health") => full(StatusCode::OK, "application/json", r#"{"status":"ok"}"#),
         (&Method::POST, "/internal/generate") => generate(state, req).await,
+        (&Method::POST, "/v1/completions") => openai(state, req, false).await,
+        (&Method::POST, "/v1/chat/completions") => openai(state, req, true).await,
+        (&Method::GET, "/metrics") => {
+            let text = state
+                .metrics
+                .as_ref()
+                .map(|h| h.render())
+                .unwrap_or_default();
+            full(StatusCode::OK, "text/plain; version=0.0.4", text)
+        }
         _ => error(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
@@ -79,27 +90,84 @@ async fn handle(state: State, req: hyper::Request<Incoming>) -> Response<Body> {
     }
 }
 
-async fn generate(state: State, req: hyper::Request<Incoming>) -> Response<Body> {
+/// Reads and parses a JSON body, or answers 413 / 400.
+async fn read_json<T: serde::de::DeserializeOwned>(
+    req: hyper::Request<Incoming>,
+) -> Result<T, Response<Body>> {
     let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
         Ok(b) => b.to_bytes(),
         Err(_) => {
-            return error(
+            return Err(error(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "invalid_request_error",
                 "request body too large",
-            );
+            ));
         }
     };
-    let g: Generate = match serde_json::from_slice(&body) {
-        Ok(g) => g,
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                &format!("bad generate request: {e}"),
-            );
+    serde_json::from_slice(&body).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            &format!("invalid request body: {e}"),
+        )
+    })
+}
+
+async fn generate(state: State, req: hyper::Request<Incoming>) -> Response<Body> {
+    match read_json::<Generate>(req).await {
+        Ok(g) => run(state, g).await,
+        Err(response) => response,
+    }
+}
+
+/// `/v1/completions` and `/v1/chat/completions` with text, tokenized as the router does
+/// (one token per UTF-8 byte), so any OpenAI client or other router can drive the worker.
+async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Response<Body> {
+    use kvroute::ingress::openai::{
+        ChatRequest, CompletionRequest, Prompt, byte_tokens, render_chat,
+    };
+    let (model, token_ids, max_tokens, stream) = if chat {
+        match read_json::<ChatRequest>(req).await {
+            Ok(r) => (
+                r.model,
+                byte_tokens(&render_chat(&r.messages)),
+                r.max_tokens,
+                r.stream,
+            ),
+            Err(response) => return response,
+        }
+    } else {
+        match read_json::<CompletionRequest>(req).await {
+            Ok(r) => {
+                let tokens = match r.prompt {
+                    Prompt::Text(t) => byte_tokens(&t),
+                    Prompt::Tokens(t) => t,
+                };
+                (r.model, tokens, r.max_tokens, r.stream)
+            }
+            Err(response) => return response,
         }
     };
+    if model != state.model {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            &format!("model {model:?} is not served here"),
+        );
+    }
+    run(
+        state,
+        Generate {
+            token_ids,
+            max_tokens,
+            stream,
+            salt: 0,
+        },
+    )
+    .await
+}
+
+async fn run(state: State, g: Generate) -> Response<Body> {
     let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
     let prompt_tokens = g.token_ids.len();
     let request = Request {

@@ -19,6 +19,7 @@ async fn worker(bus: &LocalBus) -> Worker {
         },
         lease: LeaseConfig::default(),
         epoch: 1 << 20,
+        metrics: None,
     };
     Worker::start(
         config,
@@ -89,5 +90,27 @@ async fn generate_without_stream_returns_one_body_and_bad_input_is_400() {
     assert!(bad.contains("invalid_request_error"));
     let empty = post(w.addr, "/internal/generate", r#"{"token_ids": []}"#).await;
     assert!(empty.starts_with("HTTP/1.1 400"), "{empty}");
+    // The OpenAI endpoints take text.
+    let text = post(
+        w.addr,
+        "/v1/completions",
+        r#"{"model": "sim", "prompt": "hello", "max_tokens": 2}"#,
+    )
+    .await;
+    assert!(text.contains("\"completion_tokens\":2"), "{text}");
+    let chat = post(
+        w.addr,
+        "/v1/chat/completions",
+        r#"{"model": "sim", "messages": [{"role": "user", "content": "hi"}]}"#,
+    )
+    .await;
+    assert!(chat.starts_with("HTTP/1.1 200"), "{chat}");
+    let other = post(
+        w.addr,
+        "/v1/completions",
+        r#"{"model": "x", "prompt": "hello"}"#,
+    )
+    .await;
+    assert!(other.starts_with("HTTP/1.1 400"), "{other}");
     w.stop().await;
 }
