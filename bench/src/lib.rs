@@ -7,6 +7,7 @@
 //! - [`events_load`]: `kvroute-bench events`, the event plane over loopback NATS.
 //! - [`indexer_load`]: `kvroute-bench indexer`, the index under a real event stream.
 //! - [`replay`]: `kvroute-bench replay`, routing policies compared on a trace.
+//! - [`online`]: `kvroute-bench replay --online`, the trace against a live endpoint.
 //! - [`plot`]: the SVG of a replay report.
 //! - [`stats`]: percentiles and process facts.
 #![forbid(unsafe_code)]
@@ -14,6 +15,7 @@
 pub mod events_load;
 pub mod fleet;
 pub mod indexer_load;
+pub mod online;
 pub mod plot;
 pub mod replay;
 pub mod stats;

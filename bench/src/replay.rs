@@ -84,6 +84,18 @@ pub struct Args {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// Send the trace to a running endpoint over HTTP instead of simulating (needs --url).
+    #[arg(long, requires = "url")]
+    pub online: bool,
+    /// OpenAI-compatible base URL for --online (e.g. http://127.0.0.1:8080).
+    #[arg(long)]
+    pub url: Option<String>,
+    /// Model name sent with --online.
+    #[arg(long, default_value = "kvroute-sim")]
+    pub model: String,
+    /// With --online, send prompts as text (one word per token) instead of token ids.
+    #[arg(long)]
+    pub text: bool,
 }
 
 /// Requests each worker received, relative to the mean.
@@ -289,6 +301,7 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         .map(|r| prompt(r, args, block_size))
         .collect();
     let bound_reuse_ratio = infinite_cache_reuse(&prompts, args.block_size, |_| 0);
+    let online = args.online.then_some(args.url.as_deref()).flatten();
     let mut report = Report {
         trace_sha256,
         bound_reuse_ratio,
@@ -300,6 +313,26 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         seed: args.seed,
         policies: Vec::new(),
     };
+    if let Some(url) = online {
+        let requests = prompts
+            .iter()
+            .map(|p| crate::online::OnlineRequest {
+                arrival_us: p.arrival_us,
+                tokens: p.tokens.clone(),
+                output: p.output,
+            })
+            .collect();
+        let runtime = tokio::runtime::Runtime::new()?;
+        let result = runtime.block_on(crate::online::run(
+            url,
+            &args.model,
+            args.text,
+            args.block_size,
+            requests,
+        ))?;
+        report.policies.push(result);
+        return Ok(report);
+    }
     for policy in policies {
         report
             .policies
@@ -561,6 +594,10 @@ mod tests {
             prefill_scale: None,
             decode_weight: None,
             seed: 7,
+            online: false,
+            url: None,
+            model: "kvroute-sim".into(),
+            text: false,
             json: None,
             plot: None,
             quiet: true,

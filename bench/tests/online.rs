@@ -1,0 +1,77 @@
+//! `kvroute-bench replay --online` against a live fleet: nats-server, `kvroute serve`, two
+//! `kvroute-worker` processes.
+#![allow(missing_docs, clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_bench::online::{OnlineRequest, run};
+use kvroute_e2e::nats::NatsServer;
+use kvroute_e2e::procs::{Http, Proc, free_port};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn online_replay_measures_a_live_router() {
+    let nats = NatsServer::start().unwrap();
+    let port = free_port();
+    let _router = Proc::start(
+        "kvroute",
+        &[
+            "serve".into(),
+            "--nats".into(),
+            nats.url(),
+            "--port".into(),
+            port.to_string(),
+            "--host".into(),
+            "127.0.0.1".into(),
+        ],
+    )
+    .unwrap();
+    let _workers: Vec<Proc> = (0..2)
+        .map(|_| {
+            let args = [
+                "--nats".into(),
+                nats.url(),
+                "--port".into(),
+                free_port().to_string(),
+                "--speedup".into(),
+                "100".into(),
+            ];
+            Proc::start("kvroute-worker", &args).unwrap()
+        })
+        .collect();
+    let url = format!("http://127.0.0.1:{port}");
+    let http = Http::default();
+    let mut ready = false;
+    for _ in 0..200 {
+        if http
+            .call("GET", &format!("{url}/admin/workers"), "")
+            .await
+            .is_ok_and(|r| r.body.matches("\"synced\":true").count() == 2)
+        {
+            ready = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(ready, "fleet not ready");
+    // Ten conversations of three turns, each turn extending the last.
+    let requests: Vec<OnlineRequest> = (0..30u64)
+        .map(|i| {
+            let (conversation, turn) = (i % 10, i / 10);
+            let tokens: Arc<[u32]> = (0..(64 * (turn + 1)) as u32)
+                .map(|t| conversation as u32 * 10_000 + t)
+                .collect();
+            OnlineRequest {
+                arrival_us: i * 20_000,
+                tokens,
+                output: 4,
+            }
+        })
+        .collect();
+    let result = run(&url, "kvroute-sim", false, 16, requests).await.unwrap();
+    assert_eq!((result.requests, result.rejected), (30, 0));
+    assert!(result.ttft_ms.p50 > 0.0 && result.e2e_ms.p50 >= result.ttft_ms.p50);
+    // Later turns are served from the cache the earlier ones left.
+    assert!(result.reuse_ratio > 0.3, "reuse {}", result.reuse_ratio);
+    assert_eq!(result.worker_load_spread.requests.iter().sum::<u64>(), 30);
+}
