@@ -412,12 +412,13 @@ fn explain(router: &Router, r: CompletionRequest) -> Response<Body> {
     )
 }
 
-/// Releases an in-flight slot on drop.
-struct InFlight<'a>(&'a AtomicUsize);
+/// An in-flight slot, released on drop: when the answer is complete, which for a stream is
+/// when its relay ends, not when its headers go out.
+struct InFlight(Arc<Router>);
 
-impl Drop for InFlight<'_> {
+impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.0.inflight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -435,7 +436,7 @@ async fn complete(
         router.inflight.fetch_sub(1, Ordering::Relaxed);
         return api_error(&ApiError::overloaded(router.config.max_inflight));
     }
-    let guard = InFlight(&router.inflight);
+    let mut guard = Some(InFlight(Arc::clone(router)));
     let prepared = match Prepared::new(router, &model, tokens) {
         Ok(p) => p,
         Err(e) => return api_error(&e),
@@ -453,7 +454,7 @@ async fn complete(
             .route_excluding(router.now_ms(), &request, &failed);
         let Some(decision) = decision else { break };
         let key = decision.chosen.key;
-        match forward(router, &decision, body.clone(), stream).await {
+        match forward(router, &decision, body.clone(), stream, &mut guard).await {
             Ok(response) => {
                 drop(guard);
                 return response;
@@ -488,6 +489,7 @@ async fn forward(
     decision: &Decision,
     body: Bytes,
     stream: bool,
+    inflight: &mut Option<InFlight>,
 ) -> Result<Response<Body>, Forward> {
     let key = decision.chosen.key;
     let Some(info) = router.plane.workers().into_iter().find(|w| w.id == key.0) else {
@@ -551,6 +553,7 @@ async fn forward(
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     let r = Arc::clone(router);
     let mut upstream = response.into_body();
+    let inflight = inflight.take();
     tokio::spawn(async move {
         let mut first = true;
         let mut last = started;
@@ -594,6 +597,7 @@ async fn forward(
             }
         }
         drop(upstream);
+        drop(inflight);
         finish(&r, booking, false).await;
         metrics::histogram!("kvroute_e2e_seconds", "worker" => worker)
             .record(started.elapsed().as_secs_f64());

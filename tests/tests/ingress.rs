@@ -20,23 +20,19 @@ async fn fleet(workers: usize) -> Fleet {
 }
 
 async fn fleet_at(workers: usize, speedup: u32) -> Fleet {
+    fleet_with(workers, speedup, &[]).await
+}
+
+async fn fleet_with(workers: usize, speedup: u32, router_args: &[&str]) -> Fleet {
     let nats = NatsServer::start().unwrap();
     let port = free_port();
-    let router = Proc::start(
-        "kvroute",
-        &[
-            "serve".into(),
-            "--nats".into(),
-            nats.url(),
-            "--port".into(),
-            port.to_string(),
-            "--host".into(),
-            "127.0.0.1".into(),
-            "--lease-ttl-ms".into(),
-            "1500".into(),
-        ],
-    )
-    .unwrap();
+    let mut args: Vec<String> = ["serve", "--nats", &nats.url(), "--port", &port.to_string()]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.extend(["--host", "127.0.0.1", "--lease-ttl-ms", "1500"].map(String::from));
+    args.extend(router_args.iter().map(|s| s.to_string()));
+    let router = Proc::start("kvroute", &args).unwrap();
     let mut procs = Vec::new();
     for _ in 0..workers {
         let p = free_port();
@@ -316,4 +312,70 @@ async fn streamed_first_bytes_are_not_delayed_on_a_reused_connection() {
         median < Duration::from_millis(30),
         "median first byte {median:?} ({first_bytes:?})"
     );
+}
+
+/// Starts a streaming request on a raw connection and returns it after the response head.
+async fn open_stream(f: &Fleet, max_tokens: u32) -> tokio::net::TcpStream {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let body = serde_json::json!({"model": "kvroute-sim", "prompt": prompt(7), "max_tokens": max_tokens, "stream": true}).to_string();
+    let mut s = tokio::net::TcpStream::connect(f.url.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = [0u8; 256];
+    let n = s.read(&mut buf).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_over_the_in_flight_limit_get_429() {
+    let f = fleet_with(1, 1, &["--max-inflight", "1"]).await;
+    let _long = open_stream(&f, 5000).await;
+    let r = f
+        .http
+        .call(
+            "POST",
+            &format!("{}/v1/completions", f.url),
+            completion(1, 0, false),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.header("retry-after"), Some("1"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
+    use tokio::io::AsyncReadExt;
+    let mut f = fleet_at(1, 1).await;
+    let mut s = open_stream(&f, 5000).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    f.workers[0].1.kill();
+    let mut rest = String::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+            .await
+            .unwrap()
+        {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                rest.push_str(&String::from_utf8_lossy(&buf[..n]));
+                if rest.contains("data: [DONE]") {
+                    break;
+                }
+            }
+        }
+    }
+    assert!(
+        rest.contains("worker failed mid-stream"),
+        "stream ended without an error event: {}",
+        &rest[rest.len().saturating_sub(400)..]
+    );
+    assert!(rest.contains("data: [DONE]"));
 }
