@@ -3,6 +3,7 @@
 //! back as they stream; plus health, readiness, models, metrics and the admin views.
 
 pub mod openai;
+pub mod tokenizer;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -27,7 +28,8 @@ use crate::events::load::LoadShare;
 use crate::events::plane::EventPlane;
 use crate::protocol::{DpRank, Salt, SeqHash, hash_blocks};
 use crate::scheduler::{Decision, RouteRequest, Scheduler, WorkerKey};
-use openai::{ApiError, ChatRequest, CompletionRequest, Prompt, byte_tokens, render_chat};
+use openai::{ApiError, ChatRequest, CompletionRequest, Prompt};
+use tokenizer::Tokenizer;
 
 /// The response body of every kvroute HTTP endpoint.
 pub type Body = BoxBody<Bytes, Infallible>;
@@ -69,6 +71,8 @@ pub struct Router {
     pub config: IngressConfig,
     /// Renders `/metrics`.
     pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+    /// Text to token ids.
+    pub tokenizer: Tokenizer,
     client: Client<HttpConnector, Full<Bytes>>,
     inflight: AtomicUsize,
     started: Instant,
@@ -83,6 +87,7 @@ impl Router {
         load: Option<LoadShare>,
         config: IngressConfig,
         metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+        tokenizer: Tokenizer,
     ) -> Arc<Router> {
         let mut connector = HttpConnector::new();
         // Streamed chunks must not wait for Nagle's algorithm (40 ms stalls per first byte).
@@ -94,6 +99,7 @@ impl Router {
             load,
             config,
             metrics,
+            tokenizer,
             client,
             inflight: AtomicUsize::new(0),
             started: Instant::now(),
@@ -224,16 +230,10 @@ async fn handle(router: Arc<Router>, req: hyper::Request<Incoming>) -> Response<
         }
         (Method::POST, "/v1/completions") => {
             match read_json::<CompletionRequest>(&router, req).await {
-                Ok(r) => {
-                    complete(
-                        &router,
-                        r.model,
-                        tokens_of(r.prompt),
-                        r.max_tokens,
-                        r.stream,
-                    )
-                    .await
-                }
+                Ok(r) => match tokens_of(&router, r.prompt) {
+                    Ok(tokens) => complete(&router, r.model, tokens, r.max_tokens, r.stream).await,
+                    Err(e) => api_error(&e),
+                },
                 Err(e) => api_error(&e),
             }
         }
@@ -242,16 +242,10 @@ async fn handle(router: Arc<Router>, req: hyper::Request<Incoming>) -> Response<
                 Ok(r) if r.messages.is_empty() => {
                     api_error(&ApiError::bad_request("messages must not be empty"))
                 }
-                Ok(r) => {
-                    complete(
-                        &router,
-                        r.model,
-                        byte_tokens(&render_chat(&r.messages)),
-                        r.max_tokens,
-                        r.stream,
-                    )
-                    .await
-                }
+                Ok(r) => match router.tokenizer.encode_chat(&r.messages) {
+                    Ok(tokens) => complete(&router, r.model, tokens, r.max_tokens, r.stream).await,
+                    Err(e) => api_error(&ApiError::bad_request(e.to_string())),
+                },
                 Err(e) => api_error(&e),
             }
         }
@@ -259,10 +253,14 @@ async fn handle(router: Arc<Router>, req: hyper::Request<Incoming>) -> Response<
     }
 }
 
-fn tokens_of(prompt: Prompt) -> Vec<u32> {
+/// Token ids of a prompt: text goes through the tokenizer, token ids are used as they are.
+fn tokens_of(router: &Router, prompt: Prompt) -> Result<Vec<u32>, ApiError> {
     match prompt {
-        Prompt::Text(t) => byte_tokens(&t),
-        Prompt::Tokens(t) => t,
+        Prompt::Text(t) => router
+            .tokenizer
+            .encode(&t)
+            .map_err(|e| ApiError::bad_request(e.to_string())),
+        Prompt::Tokens(t) => Ok(t),
     }
 }
 
@@ -390,7 +388,11 @@ impl Prepared {
 }
 
 fn explain(router: &Router, r: CompletionRequest) -> Response<Body> {
-    let prepared = match Prepared::new(router, &r.model, tokens_of(r.prompt)) {
+    let tokens = match tokens_of(router, r.prompt) {
+        Ok(t) => t,
+        Err(e) => return api_error(&e),
+    };
+    let prepared = match Prepared::new(router, &r.model, tokens) {
         Ok(p) => p,
         Err(e) => return api_error(&e),
     };

@@ -61,6 +61,10 @@ struct ServeArgs {
     /// Requests in flight beyond which new ones get 429.
     #[arg(long, env = "KVROUTE_MAX_INFLIGHT", default_value_t = 4096)]
     max_inflight: usize,
+    /// Hugging Face `tokenizer.json` (its `tokenizer_config.json` beside it supplies the chat
+    /// template). Without it, one token per UTF-8 byte.
+    #[arg(long, env = "KVROUTE_TOKENIZER")]
+    tokenizer: Option<std::path::PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -125,6 +129,10 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         }),
         ..defaults
     };
+    let tokenizer = match &args.tokenizer {
+        Some(path) => kvroute::ingress::tokenizer::Tokenizer::load(path)?,
+        None => kvroute::ingress::tokenizer::Tokenizer::Bytes,
+    };
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
@@ -164,7 +172,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             max_inflight: args.max_inflight,
             ..IngressConfig::default()
         };
-        let router = Router::new(scheduler, plane, Some(load), ingress, metrics);
+        let router = Router::new(scheduler, plane, Some(load), ingress, metrics, tokenizer);
         let listener = tokio::net::TcpListener::bind((args.host, args.port)).await?;
         let addr = listener.local_addr()?;
         println!("kvroute serving on http://{addr}");

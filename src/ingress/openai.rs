@@ -29,7 +29,7 @@ pub struct CompletionRequest {
 }
 
 /// One chat message.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, serde::Serialize)]
 pub struct ChatMessage {
     /// `system`, `user`, `assistant`, …
     pub role: String,
