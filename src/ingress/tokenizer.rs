@@ -41,6 +41,15 @@ pub enum Tokenizer {
     Hf(Box<HfTokenizer>),
 }
 
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Tokenizer::Bytes => f.write_str("Tokenizer::Bytes"),
+            Tokenizer::Hf(hf) => write!(f, "Tokenizer::Hf(chat template: {})", hf.chat.is_some()),
+        }
+    }
+}
+
 /// A loaded Hugging Face tokenizer.
 pub struct HfTokenizer {
     tokenizer: tokenizers::Tokenizer,

@@ -60,6 +60,10 @@ struct Args {
     /// Most sequences running at once.
     #[arg(long, env = "KVROUTE_MAX_NUM_SEQS", default_value_t = EngineConfig::default().max_num_seqs)]
     max_num_seqs: usize,
+    /// Hugging Face `tokenizer.json` for the text endpoints (chat template from the
+    /// `tokenizer_config.json` beside it); without it, one token per UTF-8 byte, as the router.
+    #[arg(long, env = "KVROUTE_TOKENIZER")]
+    tokenizer: Option<std::path::PathBuf>,
     /// Registration heartbeat, ms.
     #[arg(long, env = "KVROUTE_HEARTBEAT_MS", default_value_t = LeaseConfig::default().heartbeat_ms)]
     heartbeat_ms: u64,
@@ -121,6 +125,10 @@ async fn main() -> anyhow::Result<()> {
         metrics: metrics_exporter_prometheus::PrometheusBuilder::new()
             .install_recorder()
             .ok(),
+        tokenizer: std::sync::Arc::new(match &args.tokenizer {
+            Some(path) => kvroute::ingress::tokenizer::Tokenizer::load(path)?,
+            None => kvroute::ingress::tokenizer::Tokenizer::Bytes,
+        }),
     };
     let worker = Worker::start(config, transport, registry).await?;
     tracing::info!(%id, addr = %worker.addr, "worker serving");

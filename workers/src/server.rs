@@ -42,6 +42,8 @@ pub struct ServerConfig {
     pub epoch: u64,
     /// Renders `/metrics` (the process's Prometheus recorder), if installed.
     pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+    /// Tokenizes text prompts of the OpenAI endpoints.
+    pub tokenizer: Arc<kvroute::ingress::tokenizer::Tokenizer>,
 }
 
 /// A job for the engine task.
@@ -100,6 +102,7 @@ impl Worker {
             http::State {
                 jobs: jobs_tx,
                 metrics: config.metrics.clone(),
+                tokenizer: Arc::clone(&config.tokenizer),
                 model: config.model.clone(),
                 next_id: Arc::default(),
             },

@@ -26,6 +26,7 @@ const MAX_BODY: usize = 16 << 20;
 pub(crate) struct State {
     pub jobs: mpsc::Sender<Job>,
     pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+    pub tokenizer: Arc<kvroute::ingress::tokenizer::Tokenizer>,
     pub model: String,
     pub next_id: Arc<AtomicU64>,
 }
@@ -121,26 +122,32 @@ async fn generate(state: State, req: hyper::Request<Incoming>) -> Response<Body>
 }
 
 /// `/v1/completions` and `/v1/chat/completions` with text, tokenized as the router does
-/// (one token per UTF-8 byte), so any OpenAI client or other router can drive the worker.
+/// (same tokenizer options), so any OpenAI client or other router can drive the worker.
 async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Response<Body> {
-    use kvroute::ingress::openai::{
-        ChatRequest, CompletionRequest, Prompt, byte_tokens, render_chat,
+    use kvroute::ingress::openai::{ChatRequest, CompletionRequest, Prompt};
+    let bad = |e: kvroute::ingress::tokenizer::TokenizerError| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            &e.to_string(),
+        )
     };
     let (model, token_ids, max_tokens, stream) = if chat {
         match read_json::<ChatRequest>(req).await {
-            Ok(r) => (
-                r.model,
-                byte_tokens(&render_chat(&r.messages)),
-                r.max_tokens,
-                r.stream,
-            ),
+            Ok(r) => match state.tokenizer.encode_chat(&r.messages) {
+                Ok(tokens) => (r.model, tokens, r.max_tokens, r.stream),
+                Err(e) => return bad(e),
+            },
             Err(response) => return response,
         }
     } else {
         match read_json::<CompletionRequest>(req).await {
             Ok(r) => {
                 let tokens = match r.prompt {
-                    Prompt::Text(t) => byte_tokens(&t),
+                    Prompt::Text(t) => match state.tokenizer.encode(&t) {
+                        Ok(tokens) => tokens,
+                        Err(e) => return bad(e),
+                    },
                     Prompt::Tokens(t) => t,
                 };
                 (r.model, tokens, r.max_tokens, r.stream)

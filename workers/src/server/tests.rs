@@ -20,6 +20,7 @@ async fn worker(bus: &LocalBus) -> Worker {
         lease: LeaseConfig::default(),
         epoch: 1 << 20,
         metrics: None,
+        tokenizer: std::sync::Arc::new(kvroute::ingress::tokenizer::Tokenizer::Bytes),
     };
     Worker::start(
         config,
