@@ -351,8 +351,8 @@ async fn replicas_see_each_others_bookings_and_drop_a_dead_replicas() {
 
     let server = NatsServer::start().unwrap();
     let config = LoadShareConfig {
-        heartbeat_ms: 100,
-        replica_ttl_ms: 500,
+        heartbeat_ms: 200,
+        replica_ttl_ms: 2_000,
     };
     let mut replicas = Vec::new();
     let mut shutdowns = Vec::new();
