@@ -135,6 +135,22 @@ impl Router {
     fn now_ms(&self) -> u64 {
         self.started.elapsed().as_millis() as u64
     }
+
+    /// Makes sure the scheduler knows every worker the plane has registered. The fleet
+    /// broadcast keeps them in step, but a request can arrive between a registration and
+    /// its broadcast being handled: it must not find "no worker".
+    fn sync_workers(&self) {
+        let workers = self.plane.workers();
+        let mut scheduler = self.scheduler.lock();
+        let known: Vec<WorkerKey> = scheduler.workers().map(|(k, _)| k).collect();
+        for info in workers {
+            for rank in 0..info.dp_size.max(1) {
+                if !known.contains(&(info.id, DpRank(rank))) {
+                    scheduler.add_worker((info.id, DpRank(rank)), info.g1_blocks);
+                }
+            }
+        }
+    }
 }
 
 /// Serves HTTP on `listener` until `shutdown` turns true.
@@ -366,6 +382,7 @@ struct Prepared {
 impl Prepared {
     fn new(router: &Router, model: &str, tokens: Vec<u32>) -> Result<Prepared, ApiError> {
         let block_size = fleet_for(router, model)?;
+        router.sync_workers();
         let blocks = hash_blocks(&tokens, block_size, Salt::NONE);
         let seqs: Vec<SeqHash> = blocks.iter().map(|b| b.seq).collect();
         let overlaps = router.plane.indexer().find_matches_seq(&seqs);

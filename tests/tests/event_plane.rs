@@ -230,15 +230,25 @@ async fn a_restart_in_place_and_a_crash_leave_no_stale_entries() {
         "crashed worker still indexed after {:?}",
         started.elapsed()
     );
-    assert!(r.plane.counters().workers_expired.load(Ordering::Relaxed) >= 1);
+    // Normally the router's own TTL check expires it; on a starved machine the bucket's
+    // max-age deletion may be seen first. Either way it is gone, and said so once.
+    let counters = r.plane.counters();
+    let removed = counters.workers_expired.load(Ordering::Relaxed)
+        + counters.workers_left.load(Ordering::Relaxed);
+    assert!(
+        removed >= 2,
+        "restart goodbye + crash: {removed} removals counted"
+    );
     // The scheduler hears of it from the same place, at the same time.
     let mut down = false;
     while let Ok(change) = changes.try_recv() {
-        down |= change
-            == kvroute::discovery::FleetEvent::Down {
+        down |= matches!(
+            change,
+            kvroute::discovery::FleetEvent::Down {
                 id: WorkerId(2),
-                expired: true,
-            };
+                ..
+            }
+        );
     }
     assert!(down, "the expiry must be broadcast to the scheduler's side");
     assert_exact(&r, &sims).await;
@@ -352,7 +362,7 @@ async fn replicas_see_each_others_bookings_and_drop_a_dead_replicas() {
     let server = NatsServer::start().unwrap();
     let config = LoadShareConfig {
         heartbeat_ms: 200,
-        replica_ttl_ms: 2_000,
+        replica_ttl_ms: 3_000,
     };
     let mut replicas = Vec::new();
     let mut shutdowns = Vec::new();
@@ -436,7 +446,7 @@ async fn replicas_see_each_others_bookings_and_drop_a_dead_replicas() {
         .await
     );
     let _ = shutdowns[0].send(true);
-    let dropped = eventually(Duration::from_secs(5), || {
+    let dropped = eventually(Duration::from_secs(10), || {
         b.lock()
             .load(worker)
             .is_some_and(|l| l.decode_blocks() == 0)
