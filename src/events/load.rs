@@ -70,7 +70,7 @@ impl LoadShare {
     ) -> Result<LoadShare, TransportError> {
         let subject = load_subject(cluster);
         let mut subscription = transport.subscribe(&subject).await?;
-        transport.flush().await;
+        transport.synced().await;
         let me = scheduler.lock().config().replica_id;
         let share = LoadShare {
             transport,

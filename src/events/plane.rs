@@ -173,7 +173,7 @@ impl EventPlane {
             .subscribe(&format!("kvroute.{}.events.>", config.cluster))
             .await?;
         // Started means subscribed: the server has our interest before we return.
-        transport.flush().await;
+        transport.synced().await;
         let limits = Limits {
             max_payload_bytes: transport.max_payload().max(1 << 20),
             ..Limits::default()

@@ -191,6 +191,17 @@ impl Transport {
         }
     }
 
+    /// Waits (up to 10 s) until the server has processed everything sent so far,
+    /// subscriptions included, retrying while the connection is still being established.
+    pub async fn synced(&self) {
+        if let Transport::Nats(NatsTransport { client, .. }) = self {
+            let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+            while client.flush().await.is_err() && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        }
+    }
+
     /// The NATS client, if this is NATS.
     pub fn nats_client(&self) -> Option<&async_nats::Client> {
         match self {
