@@ -412,7 +412,9 @@ async fn replicas_see_each_others_bookings_and_drop_a_dead_replicas() {
     assert!(
         seen,
         "replica 2 should see replica 1's booking: load {:?}, open {}",
-        b.lock().load(worker).map(|l| (l.decode_blocks(), l.requests)),
+        b.lock()
+            .load(worker)
+            .map(|l| (l.decode_blocks(), l.requests)),
         b.lock().open_bookings()
     );
     // Replica 2 now prefers the other worker for an unrelated request.
