@@ -6,7 +6,6 @@ pub mod openai;
 pub mod tokenizer;
 
 use std::convert::Infallible;
-use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -139,8 +138,7 @@ impl Router {
     /// Makes sure the scheduler knows every worker the plane has registered. The fleet
     /// broadcast keeps them in step, but a request can arrive between a registration and
     /// its broadcast being handled: it must not find "no worker".
-    fn sync_workers(&self) {
-        let workers = self.plane.workers();
+    fn sync_workers(&self, workers: &[crate::discovery::WorkerInfo]) {
         let mut scheduler = self.scheduler.lock();
         let known: Vec<WorkerKey> = scheduler.workers().map(|(k, _)| k).collect();
         for info in workers {
@@ -358,6 +356,7 @@ fn admin_workers(router: &Router) -> Response<Body> {
 /// The fleet's block size (workers of one cluster share it) and the model check.
 fn fleet_for(router: &Router, model: &str) -> Result<NonZeroUsize, ApiError> {
     let workers = router.plane.workers();
+    router.sync_workers(&workers);
     if workers.is_empty() {
         return Err(ApiError::unavailable("no worker registered"));
     }
@@ -382,7 +381,6 @@ struct Prepared {
 impl Prepared {
     fn new(router: &Router, model: &str, tokens: Vec<u32>) -> Result<Prepared, ApiError> {
         let block_size = fleet_for(router, model)?;
-        router.sync_workers();
         let blocks = hash_blocks(&tokens, block_size, Salt::NONE);
         let seqs: Vec<SeqHash> = blocks.iter().map(|b| b.seq).collect();
         let overlaps = router.plane.indexer().find_matches_seq(&seqs);
@@ -474,10 +472,7 @@ async fn complete(
         let Some(decision) = decision else { break };
         let key = decision.chosen.key;
         match forward(router, &decision, body.clone(), stream, &mut guard).await {
-            Ok(response) => {
-                drop(guard);
-                return response;
-            }
+            Ok(response) => return response,
             Err(Forward::Retry(reason)) => {
                 tracing::warn!(worker = %key.0, %reason, "worker failed before its first byte; trying another");
                 router.scheduler.lock().complete(decision.booking);
@@ -511,7 +506,7 @@ async fn forward(
     inflight: &mut Option<InFlight>,
 ) -> Result<Response<Body>, Forward> {
     let key = decision.chosen.key;
-    let Some(info) = router.plane.workers().into_iter().find(|w| w.id == key.0) else {
+    let Some(info) = router.plane.worker(key.0) else {
         return Err(Forward::Retry("worker left".into()));
     };
     router.plane.note_routed(key.0);
@@ -644,9 +639,4 @@ async fn finish(router: &Router, booking: crate::scheduler::BookingId, first_tok
     if let Some(load) = &router.load {
         load.completed(booking).await;
     }
-}
-
-/// The address a router listens on, for logs.
-pub fn describe(addr: SocketAddr) -> String {
-    format!("http://{addr}")
 }

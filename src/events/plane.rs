@@ -261,6 +261,11 @@ impl EventPlane {
         v
     }
 
+    /// One registered worker.
+    pub fn worker(&self, id: WorkerId) -> Option<crate::discovery::WorkerInfo> {
+        self.fleet.lock().get(&id).cloned()
+    }
+
     /// The index the plane feeds.
     pub fn indexer(&self) -> &Arc<Indexer> {
         &self.indexer

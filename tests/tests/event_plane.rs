@@ -299,7 +299,11 @@ async fn a_malformed_payload_is_counted_and_ignored() {
     while r.plane.counters().malformed.load(Ordering::Relaxed) == 0 && sent < 100 {
         for g in garbage {
             transport
-                .publish(&events_subject(CLUSTER, WorkerId(99)), None, bytes_of(g))
+                .publish(
+                    &events_subject(CLUSTER, WorkerId(99)),
+                    None,
+                    bytes::Bytes::from_static(g),
+                )
                 .await
                 .unwrap();
         }
@@ -323,14 +327,6 @@ async fn a_malformed_payload_is_counted_and_ignored() {
     let sims = workers(&transport, &registry, 0..2, Faults::default()).await;
     run_workload(&sims, 10, 30).await;
     assert_exact(&r, &sims).await;
-}
-
-fn bytes_of(b: &'static [u8]) -> kvroute_e2e_bytes::Bytes {
-    kvroute_e2e_bytes::Bytes::from_static(b)
-}
-
-mod kvroute_e2e_bytes {
-    pub use ::bytes::Bytes;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
