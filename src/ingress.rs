@@ -8,7 +8,7 @@ pub mod tokenizer;
 use std::convert::Infallible;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -74,6 +74,7 @@ pub struct Router {
     pub tokenizer: Tokenizer,
     client: Client<HttpConnector, Full<Bytes>>,
     inflight: AtomicUsize,
+    draining: AtomicBool,
     started: Instant,
 }
 
@@ -101,6 +102,7 @@ impl Router {
             tokenizer,
             client,
             inflight: AtomicUsize::new(0),
+            draining: AtomicBool::new(false),
             started: Instant::now(),
         });
         let mut changes = router.plane.fleet_changes();
@@ -129,6 +131,27 @@ impl Router {
             }
         });
         router
+    }
+
+    /// Starts a graceful shutdown: `/ready` fails from now on (the load balancer stops
+    /// sending), requests in flight go on.
+    pub fn begin_drain(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Requests in flight (accepted, not yet finished streaming).
+    pub fn inflight(&self) -> usize {
+        self.inflight.load(Ordering::Relaxed)
+    }
+
+    /// Waits until no request is in flight or `timeout` has passed; returns how many were
+    /// still in flight.
+    pub async fn drained(&self, timeout: Duration) -> usize {
+        let deadline = Instant::now() + timeout;
+        while self.inflight() > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.inflight()
     }
 
     fn now_ms(&self) -> u64 {
@@ -245,7 +268,9 @@ async fn handle(router: Arc<Router>, req: hyper::Request<Incoming>) -> Response<
         (Method::POST, "/v1/completions") => {
             match read_json::<CompletionRequest>(&router, req).await {
                 Ok(r) => match tokens_of(&router, r.prompt) {
-                    Ok(tokens) => complete(&router, r.model, tokens, r.max_tokens, r.stream).await,
+                    Ok(tokens) => {
+                        complete(&router, r.model, tokens, r.max_tokens, r.stream, false).await
+                    }
                     Err(e) => api_error(&e),
                 },
                 Err(e) => api_error(&e),
@@ -257,7 +282,9 @@ async fn handle(router: Arc<Router>, req: hyper::Request<Incoming>) -> Response<
                     api_error(&ApiError::bad_request("messages must not be empty"))
                 }
                 Ok(r) => match router.tokenizer.encode_chat(&r.messages) {
-                    Ok(tokens) => complete(&router, r.model, tokens, r.max_tokens, r.stream).await,
+                    Ok(tokens) => {
+                        complete(&router, r.model, tokens, r.max_tokens, r.stream, true).await
+                    }
                     Err(e) => api_error(&ApiError::bad_request(e.to_string())),
                 },
                 Err(e) => api_error(&e),
@@ -295,14 +322,15 @@ async fn read_json<T: serde::de::DeserializeOwned>(
 fn ready(router: &Router) -> Response<Body> {
     let live = router.plane.streams().iter().any(|(_, s)| s.live);
     let workers = router.plane.workers().len();
-    let status = if live && workers > 0 {
+    let draining = router.draining.load(Ordering::Relaxed);
+    let status = if live && workers > 0 && !draining {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
     json(
         status,
-        serde_json::json!({"workers": workers, "synced": live}).to_string(),
+        serde_json::json!({"workers": workers, "synced": live, "draining": draining}).to_string(),
     )
 }
 
@@ -445,6 +473,7 @@ async fn complete(
     tokens: Vec<u32>,
     max_tokens: u32,
     stream: bool,
+    chat: bool,
 ) -> Response<Body> {
     if tokens.is_empty() {
         return api_error(&ApiError::bad_request("prompt must not be empty"));
@@ -460,7 +489,7 @@ async fn complete(
     };
     let request = prepared.request();
     let body = Bytes::from(
-        serde_json::json!({"token_ids": prepared.tokens, "max_tokens": max_tokens, "stream": stream})
+        serde_json::json!({"token_ids": prepared.tokens, "max_tokens": max_tokens, "stream": stream, "chat": chat})
             .to_string(),
     );
     let mut failed: Vec<WorkerKey> = Vec::new();

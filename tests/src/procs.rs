@@ -45,6 +45,29 @@ impl Proc {
         Ok(Proc { child })
     }
 
+    /// Sends SIGTERM (what Kubernetes sends before killing a pod).
+    pub fn terminate(&self) -> anyhow::Result<()> {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()?;
+        if !status.success() {
+            bail!("kill -TERM {} failed", self.child.id());
+        }
+        Ok(())
+    }
+
+    /// Waits up to `timeout` for it to exit on its own.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = std::time::Instant::now() + timeout;
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
     /// Kills it (no goodbye).
     pub fn kill(&mut self) {
         let _ = self.child.kill();

@@ -177,6 +177,9 @@ async fn bad_inputs_get_their_status_codes() {
         .await
         .unwrap();
     assert_eq!(chat.status, 200, "{}", chat.body);
+    let answer: serde_json::Value = serde_json::from_str(&chat.body).unwrap();
+    assert_eq!(answer["object"], "chat.completion", "{}", chat.body);
+    assert_eq!(answer["choices"][0]["message"]["role"], "assistant");
     assert_eq!(
         f.http
             .call("GET", &format!("{}/health", f.url), "")

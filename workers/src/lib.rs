@@ -26,4 +26,4 @@ pub mod plane;
 pub mod publisher;
 pub mod server;
 
-pub use config::EngineConfig;
+pub use config::{Device, EngineConfig};

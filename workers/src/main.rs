@@ -3,19 +3,18 @@
 #![forbid(unsafe_code)]
 
 use std::net::{IpAddr, SocketAddr};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
 use clap::Parser;
 use kvroute::discovery::{LeaseConfig, Registry};
 use kvroute::events::transport::Transport;
 use kvroute::protocol::WorkerId;
-use kvroute_worker::EngineConfig;
-use kvroute_worker::server::{ServerConfig, Worker};
+use kvroute_worker::server::{ServerConfig, Worker, new_epoch};
+use kvroute_worker::{Device, EngineConfig};
 
 /// A kvroute worker: continuous-batching engine (timing model, no model weights), HTTP
 /// generate endpoint, KV events over NATS.
-#[derive(Parser, Debug)]
+#[derive(Parser, Debug, serde::Serialize)]
 #[command(name = "kvroute-worker", version, about)]
 struct Args {
     /// NATS server URL.
@@ -39,9 +38,10 @@ struct Args {
     /// Model name served.
     #[arg(long, env = "KVROUTE_MODEL", default_value = "kvroute-sim")]
     model: String,
-    /// Where the KV cache lives: `cpu` (host memory). `cuda[:N]` needs the GPU build.
+    /// Where the KV cache lives: `cpu` (host memory, byte mode) or `cuda[:N]` (G1 on GPU N,
+    /// G2 in pinned host memory).
     #[arg(long, env = "KVROUTE_DEVICE", default_value = "cpu")]
-    device: String,
+    device: Device,
     /// Tokens per KV block.
     #[arg(long, env = "KVROUTE_BLOCK_SIZE", default_value_t = EngineConfig::default().block_size)]
     block_size: usize,
@@ -70,14 +70,10 @@ struct Args {
     /// Registration TTL, ms.
     #[arg(long, env = "KVROUTE_LEASE_TTL_MS", default_value_t = LeaseConfig::default().ttl_ms)]
     lease_ttl_ms: u64,
-}
-
-fn epoch() -> u64 {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default();
-    // Start time (ms) in the high bits: later incarnations compare larger (EventBatch docs).
-    (now.as_millis() as u64) << 16 | u64::from(now.subsec_nanos() & 0xffff)
+    /// Check the flags and variables, print the resolved settings as JSON, and exit.
+    #[arg(long)]
+    #[serde(skip)]
+    dry_run: bool,
 }
 
 #[tokio::main]
@@ -89,12 +85,6 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
-    if args.device != "cpu" {
-        bail!(
-            "--device {}: this build runs the KV cache in host memory only (--device cpu)",
-            args.device
-        );
-    }
     let engine = EngineConfig {
         block_size: args.block_size,
         g1_blocks: args.g1_blocks,
@@ -105,6 +95,20 @@ async fn main() -> anyhow::Result<()> {
         ..EngineConfig::default()
     };
     engine.validate().context("engine configuration")?;
+    if args.heartbeat_ms == 0 || args.lease_ttl_ms < 2 * args.heartbeat_ms {
+        bail!(
+            "--lease-ttl-ms must be at least twice --heartbeat-ms (a lease survives one lost heartbeat)"
+        );
+    }
+    if args.dry_run {
+        println!("{}", serde_json::to_string_pretty(&args)?);
+        return Ok(());
+    }
+    if let Device::Cuda(ordinal) = args.device {
+        bail!(
+            "--device cuda:{ordinal}: this build runs the KV cache in host memory only (--device cpu)"
+        );
+    }
     let lease = LeaseConfig {
         heartbeat_ms: args.heartbeat_ms,
         ttl_ms: args.lease_ttl_ms,
@@ -112,7 +116,7 @@ async fn main() -> anyhow::Result<()> {
     let transport = Transport::connect_nats(&args.nats, "kvroute-worker").await?;
     let client = transport.nats_client().context("NATS transport")?.clone();
     let registry = Registry::nats(client, &args.cluster, &lease).await?;
-    let id = WorkerId(args.id.unwrap_or_else(|| epoch() & 0xffff_ffff_ffff));
+    let id = WorkerId(args.id.unwrap_or_else(|| new_epoch() & 0xffff_ffff_ffff));
     let config = ServerConfig {
         id,
         listen: SocketAddr::new(args.host, args.port),
@@ -121,7 +125,7 @@ async fn main() -> anyhow::Result<()> {
         model: args.model,
         engine,
         lease,
-        epoch: epoch(),
+        epoch: new_epoch(),
         metrics: metrics_exporter_prometheus::PrometheusBuilder::new()
             .install_recorder()
             .ok(),

@@ -21,6 +21,15 @@ use crate::EngineConfig;
 use crate::engine::{Engine, Output, OutputKind, Request, RequestId};
 use crate::plane::{SnapshotRequest, WorkerPlane};
 
+/// The epoch of an incarnation starting now: start time in ms in the high bits, so later
+/// incarnations compare larger (`EventBatch` docs), and 16 low bits against ties.
+pub fn new_epoch() -> u64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    ((now.as_millis() as u64) << 16) | u64::from(now.subsec_nanos() & 0xffff)
+}
+
 /// How a worker process runs.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {

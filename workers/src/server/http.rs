@@ -41,6 +41,9 @@ struct Generate {
     stream: bool,
     #[serde(default)]
     salt: u64,
+    /// Answer in the chat completion shape (`chat.completion[.chunk]`, `message`/`delta`).
+    #[serde(default)]
+    chat: bool,
 }
 
 fn default_max_tokens() -> u32 {
@@ -169,6 +172,7 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
             max_tokens,
             stream,
             salt: 0,
+            chat,
         },
     )
     .await
@@ -216,15 +220,25 @@ async fn run(state: State, g: Generate) -> Response<Body> {
                 _ => {}
             }
         }
-        let body = serde_json::json!({
-            "id": completion_id, "object": "text_completion", "model": state.model,
-            "choices": [{"index": 0, "text": render(&tokens), "token_ids": tokens, "finish_reason": "length"}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens.len(), "total_tokens": prompt_tokens + tokens.len()},
-        });
+        let usage = serde_json::json!({"prompt_tokens": prompt_tokens, "completion_tokens": tokens.len(), "total_tokens": prompt_tokens + tokens.len()});
+        let body = if g.chat {
+            serde_json::json!({
+                "id": completion_id, "object": "chat.completion", "model": state.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": render(&tokens)}, "token_ids": tokens, "finish_reason": "length"}],
+                "usage": usage,
+            })
+        } else {
+            serde_json::json!({
+                "id": completion_id, "object": "text_completion", "model": state.model,
+                "choices": [{"index": 0, "text": render(&tokens), "token_ids": tokens, "finish_reason": "length"}],
+                "usage": usage,
+            })
+        };
         return full(StatusCode::OK, "application/json", body.to_string());
     }
     let model = state.model.clone();
-    let stream = futures_util::stream::unfold((rx, false), move |(mut rx, done)| {
+    let shape = if g.chat { Shape::Chat } else { Shape::Text };
+    let stream = futures_util::stream::unfold((rx, false, true), move |(mut rx, done, first)| {
         let (completion_id, model) = (completion_id.clone(), model.clone());
         async move {
             if done {
@@ -234,10 +248,10 @@ async fn run(state: State, g: Generate) -> Response<Body> {
                 let Some(o) = rx.recv().await else {
                     return Some((
                         Ok(Frame::data(Bytes::from_static(b"data: [DONE]\n\n"))),
-                        (rx, true),
+                        (rx, true, false),
                     ));
                 };
-                if let Some(chunk) = sse_chunk(&completion_id, &model, &o) {
+                if let Some(chunk) = sse_chunk(&completion_id, &model, shape, first, &o) {
                     let last = matches!(o.kind, OutputKind::Finished | OutputKind::Rejected(_));
                     let mut bytes = chunk.into_bytes();
                     if last {
@@ -245,7 +259,7 @@ async fn run(state: State, g: Generate) -> Response<Body> {
                     }
                     return Some((
                         Ok::<_, Infallible>(Frame::data(Bytes::from(bytes))),
-                        (rx, last),
+                        (rx, last, false),
                     ));
                 }
             }
@@ -259,8 +273,17 @@ async fn run(state: State, g: Generate) -> Response<Body> {
         .expect("invariant: static response parts are valid")
 }
 
+/// Which OpenAI response shape a stream uses.
+#[derive(Clone, Copy)]
+enum Shape {
+    /// `text_completion` chunks with `text`.
+    Text,
+    /// `chat.completion.chunk` with `delta` (the first one names the role).
+    Chat,
+}
+
 /// One SSE event for an output, if it is one the client sees.
-fn sse_chunk(id: &str, model: &str, o: &Output) -> Option<String> {
+fn sse_chunk(id: &str, model: &str, shape: Shape, first: bool, o: &Output) -> Option<String> {
     let (text, token_ids, finish) = match o.kind {
         OutputKind::Token { token, .. } => (render(&[token]), vec![token], None),
         OutputKind::Finished => (String::new(), Vec::new(), Some("length")),
@@ -270,10 +293,25 @@ fn sse_chunk(id: &str, model: &str, o: &Output) -> Option<String> {
         }
         _ => return None,
     };
-    let chunk = serde_json::json!({
-        "id": id, "object": "text_completion", "model": model,
-        "choices": [{"index": 0, "text": text, "token_ids": token_ids, "finish_reason": finish}],
-    });
+    let chunk = match shape {
+        Shape::Text => serde_json::json!({
+            "id": id, "object": "text_completion", "model": model,
+            "choices": [{"index": 0, "text": text, "token_ids": token_ids, "finish_reason": finish}],
+        }),
+        Shape::Chat => {
+            let mut delta = serde_json::json!({});
+            if first {
+                delta["role"] = "assistant".into();
+            }
+            if finish.is_none() {
+                delta["content"] = text.into();
+            }
+            serde_json::json!({
+                "id": id, "object": "chat.completion.chunk", "model": model,
+                "choices": [{"index": 0, "delta": delta, "token_ids": token_ids, "finish_reason": finish}],
+            })
+        }
+    };
     Some(format!("data: {chunk}\n\n"))
 }
 

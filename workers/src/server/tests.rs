@@ -106,6 +106,26 @@ async fn generate_without_stream_returns_one_body_and_bad_input_is_400() {
     )
     .await;
     assert!(chat.starts_with("HTTP/1.1 200"), "{chat}");
+    assert!(chat.contains("\"object\":\"chat.completion\""), "{chat}");
+    assert!(chat.contains("\"role\":\"assistant\""), "{chat}");
+    let chunks = post(
+        w.addr,
+        "/v1/chat/completions",
+        r#"{"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": true}"#,
+    )
+    .await;
+    assert_eq!(
+        chunks.matches("chat.completion.chunk").count(),
+        3,
+        "{chunks}"
+    );
+    assert_eq!(
+        chunks.matches("\"role\":\"assistant\"").count(),
+        1,
+        "{chunks}"
+    );
+    assert_eq!(chunks.matches("\"content\":").count(), 2, "{chunks}");
+    assert!(chunks.contains("\"finish_reason\":\"length\""), "{chunks}");
     let other = post(
         w.addr,
         "/v1/completions",

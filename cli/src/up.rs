@@ -1,0 +1,142 @@
+//! `kvroute up`: a router and its workers in one process on the in-process event plane — the
+//! demo that needs neither NATS nor a GPU.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use kvroute::discovery::{LeaseConfig, LocalRegistry, Registry};
+use kvroute::events::transport::{LocalBus, Transport};
+use kvroute::protocol::WorkerId;
+use kvroute_worker::EngineConfig;
+use kvroute_worker::server::{ServerConfig, Worker};
+use tokio::sync::watch;
+
+use crate::serve::{load_tokenizer, serve_until_signal, start_router};
+use crate::settings::{self, ServeFlags};
+
+/// Flags of `kvroute up`.
+#[derive(clap::Args, Debug)]
+pub struct UpArgs {
+    /// Router HTTP port.
+    #[arg(long, env = "KVROUTE_PORT", default_value_t = 8080)]
+    pub port: u16,
+    /// Address the router listens on (workers listen on 127.0.0.1, any free port).
+    #[arg(long, env = "KVROUTE_HOST", default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// Workers to run in this process (1–64).
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// Routing policy: kv, round_robin, random, least_loaded, approx_prefix.
+    #[arg(long, default_value = "kv")]
+    pub policy: String,
+    /// Model name the workers serve.
+    #[arg(long, default_value = "kvroute-sim")]
+    pub model: String,
+    /// Divides the workers' step times (timing model).
+    #[arg(long, default_value_t = EngineConfig::default().speedup)]
+    pub speedup: f64,
+    /// G1 blocks per worker.
+    #[arg(long, default_value_t = EngineConfig::default().g1_blocks)]
+    pub g1_blocks: usize,
+    /// G2 blocks per worker; 0 disables offload.
+    #[arg(long, default_value_t = EngineConfig::default().g2_blocks)]
+    pub g2_blocks: usize,
+    /// Hugging Face `tokenizer.json` for router and workers [default: one token per byte].
+    #[arg(long, env = "KVROUTE_TOKENIZER")]
+    pub tokenizer: Option<PathBuf>,
+}
+
+/// Runs the embedded fleet until SIGINT or SIGTERM.
+pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
+    if !(1..=64).contains(&args.workers) {
+        bail!("--workers {}: between 1 and 64", args.workers);
+    }
+    let engine = EngineConfig {
+        speedup: args.speedup,
+        g1_blocks: args.g1_blocks,
+        g2_blocks: args.g2_blocks,
+        ..EngineConfig::default()
+    };
+    engine.validate().context("worker engine")?;
+    let settings = settings::resolve(
+        ServeFlags {
+            port: Some(args.port),
+            host: Some(args.host),
+            policy: Some(args.policy.clone()),
+            cluster: Some("up".into()),
+            drain_timeout_ms: Some(5_000),
+            ..ServeFlags::default()
+        },
+        ServeFlags::default(),
+    )?;
+    crate::init_logging();
+    let tokenizer = load_tokenizer(args.tokenizer.as_deref())?;
+    let worker_tokenizer = Arc::new(load_tokenizer(args.tokenizer.as_deref())?);
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async move {
+        let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+            .install_recorder()
+            .ok();
+        let bus = Transport::Local(LocalBus::new());
+        let registry = Registry::Local(LocalRegistry::default());
+        let mut workers = Vec::with_capacity(args.workers);
+        for i in 0..args.workers {
+            let config = ServerConfig {
+                id: WorkerId(i as u64 + 1),
+                listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+                url: None,
+                cluster: settings.cluster.clone(),
+                model: args.model.clone(),
+                engine: engine.clone(),
+                lease: LeaseConfig::default(),
+                epoch: kvroute_worker::server::new_epoch(),
+                metrics: None,
+                tokenizer: Arc::clone(&worker_tokenizer),
+            };
+            workers.push(Worker::start(config, bus.clone(), registry.clone()).await?);
+        }
+        let (stop, stop_rx) = watch::channel(false);
+        let router =
+            start_router(&settings, bus, registry, false, metrics, tokenizer, stop_rx).await?;
+        let listener = tokio::net::TcpListener::bind((settings.host, settings.port))
+            .await
+            .with_context(|| format!("listening on {}:{}", settings.host, settings.port))?;
+        let addr = listener.local_addr()?;
+        // Ready when the router follows every worker's event stream.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while tokio::time::Instant::now() < deadline
+            && (router.plane.workers().len() < args.workers
+                || router.plane.streams().iter().any(|(_, s)| !s.live))
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let shown = if addr.ip().is_unspecified() {
+            SocketAddr::from(([127, 0, 0, 1], addr.port()))
+        } else {
+            addr
+        };
+        println!(
+            "kvroute up: router on http://{shown} with {} in-process workers (no NATS); Ctrl-C stops",
+            args.workers
+        );
+        println!(
+            "try:\n  curl -sN http://{shown}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"{}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello there\"}}],\"max_tokens\":16,\"stream\":true}}'",
+            args.model
+        );
+        println!("  curl -s http://{shown}/admin/workers");
+        serve_until_signal(
+            router,
+            listener,
+            Duration::from_millis(settings.drain_timeout_ms),
+        )
+        .await;
+        for worker in workers {
+            worker.stop().await;
+        }
+        let _ = stop.send(true);
+        Ok(())
+    })
+}

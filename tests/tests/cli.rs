@@ -1,0 +1,170 @@
+//! The `kvroute` command beyond `serve`'s routing: the embedded fleet (`kvroute up`), the
+//! drain on SIGTERM, and settings from `--config` checked by `--dry-run`.
+#![allow(missing_docs, clippy::unwrap_used)]
+
+use std::process::Command;
+use std::time::Duration;
+
+use kvroute_e2e::procs::{Http, Proc, binary, free_port};
+
+/// `kvroute up` on a free port, once `/ready` answers 200.
+async fn up(args: &[&str]) -> (Proc, String, Http) {
+    let port = free_port();
+    let mut all = vec!["up".to_string(), "--port".into(), port.to_string()];
+    all.extend(args.iter().map(|s| s.to_string()));
+    let proc = Proc::start("kvroute", &all).unwrap();
+    let url = format!("http://127.0.0.1:{port}");
+    let http = Http::default();
+    for _ in 0..200 {
+        if let Ok(r) = http.call("GET", &format!("{url}/ready"), "").await
+            && r.status == 200
+        {
+            return (proc, url, http);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("kvroute up not ready");
+}
+
+#[tokio::test]
+async fn up_serves_openai_requests_without_nats() {
+    let (_up, url, http) = up(&["--workers", "2", "--speedup", "20"]).await;
+    let workers = http
+        .call("GET", &format!("{url}/admin/workers"), "")
+        .await
+        .unwrap();
+    assert_eq!(
+        workers.body.matches("\"synced\":true").count(),
+        2,
+        "{}",
+        workers.body
+    );
+    let chat = r#"{"model":"kvroute-sim","messages":[{"role":"user","content":"Hello there"}],"max_tokens":8,"stream":true}"#;
+    let streamed = http
+        .call("POST", &format!("{url}/v1/chat/completions"), chat)
+        .await
+        .unwrap();
+    assert_eq!(streamed.status, 200, "{}", streamed.body);
+    assert!(streamed.header("x-kvroute-worker").is_some());
+    assert_eq!(
+        streamed.body.matches("chat.completion.chunk").count(),
+        9,
+        "{}",
+        streamed.body
+    );
+    assert!(
+        streamed.body.ends_with("data: [DONE]\n\n"),
+        "{}",
+        streamed.body
+    );
+    let plain = http
+        .call(
+            "POST",
+            &format!("{url}/v1/completions"),
+            r#"{"model":"kvroute-sim","prompt":"Hello there","max_tokens":4}"#,
+        )
+        .await
+        .unwrap();
+    assert_eq!(plain.status, 200, "{}", plain.body);
+    let v: serde_json::Value = serde_json::from_str(&plain.body).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+}
+
+#[tokio::test]
+async fn sigterm_lets_streams_in_flight_finish_then_exits() {
+    // Speed 1: 200 decode steps take the timing model's real time (hundreds of ms).
+    let (mut up, url, http) = up(&["--workers", "1"]).await;
+    let body =
+        r#"{"model":"kvroute-sim","prompt":"a long answer please","max_tokens":200,"stream":true}"#;
+    let request = {
+        let (http, url) = (http.clone(), url.clone());
+        tokio::spawn(async move {
+            http.call("POST", &format!("{url}/v1/completions"), body)
+                .await
+                .unwrap()
+        })
+    };
+    // Until the request is in flight.
+    let mut in_flight = false;
+    for _ in 0..200 {
+        let w = http
+            .call("GET", &format!("{url}/admin/workers"), "")
+            .await
+            .unwrap();
+        if w.body.contains("\"booked_requests\":1") {
+            in_flight = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(in_flight, "the request never showed in /admin/workers");
+    up.terminate().unwrap();
+    let reply = request.await.unwrap();
+    assert_eq!(reply.status, 200);
+    assert_eq!(
+        reply.body.matches("text_completion").count(),
+        201,
+        "{}",
+        reply.body
+    );
+    assert!(reply.body.ends_with("data: [DONE]\n\n"));
+    let status = up
+        .wait_timeout(Duration::from_secs(10))
+        .expect("exits after the drain");
+    assert!(status.success(), "{status:?}");
+    assert!(
+        Http::default()
+            .call("GET", &format!("{url}/health"), "")
+            .await
+            .is_err()
+    );
+}
+
+#[test]
+fn serve_dry_run_merges_flags_over_the_config_file_and_names_bad_keys() {
+    let dir = std::env::temp_dir().join(format!("kvroute-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join("router.toml");
+    std::fs::write(
+        &good,
+        "port = 9100\npolicy = \"least_loaded\"\nmax_inflight = 7\n",
+    )
+    .unwrap();
+    let out = Command::new(binary("kvroute").unwrap())
+        .args([
+            "serve",
+            "--config",
+            good.to_str().unwrap(),
+            "--port",
+            "9200",
+            "--dry-run",
+        ])
+        .env_remove("KVROUTE_PORT")
+        .env("KVROUTE_RETRIES", "5")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["port"], 9200);
+    assert_eq!(v["scheduler"]["policy"], "least_loaded");
+    assert_eq!(v["ingress"]["max_inflight"], 7);
+    assert_eq!(v["ingress"]["retries"], 5);
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "port = 9100\nmax_in_flight = 7\n").unwrap();
+    let out = Command::new(binary("kvroute").unwrap())
+        .args(["serve", "--config", bad.to_str().unwrap(), "--dry-run"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("line 2") && err.contains("max_in_flight"),
+        "{err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
