@@ -506,7 +506,7 @@ async fn complete(
                 tracing::warn!(worker = %key.0, %reason, "worker failed before its first byte; trying another");
                 router.scheduler.lock().complete(decision.booking);
                 if let Some(load) = &router.load {
-                    load.completed(decision.booking).await;
+                    load.completed(decision.booking);
                 }
                 failed.push(key);
             }
@@ -540,7 +540,7 @@ async fn forward(
     };
     router.plane.note_routed(key.0);
     if let Some(load) = &router.load {
-        load.booked(decision.booking).await;
+        load.booked(decision.booking);
     }
     let request = hyper::Request::post(format!(
         "{}/internal/generate",
@@ -619,7 +619,7 @@ async fn forward(
                         first = false;
                         r.scheduler.lock().first_token(booking);
                         if let Some(load) = &r.load {
-                            load.first_token(booking).await;
+                            load.first_token(booking);
                         }
                     }
                     if tx.send(data).await.is_err() {
@@ -666,6 +666,6 @@ async fn finish(router: &Router, booking: crate::scheduler::BookingId, first_tok
         s.complete(booking);
     }
     if let Some(load) = &router.load {
-        load.completed(booking).await;
+        load.completed(booking);
     }
 }

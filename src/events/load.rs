@@ -2,6 +2,11 @@
 //! replica's scheduler sees the whole fleet's load, not just what it routed itself. Each
 //! replica announces itself every heartbeat; the bookings of a replica that falls silent are
 //! dropped after `replica_ttl_ms` (and every booking also has the scheduler's own TTL).
+//!
+//! A replica's updates are coalesced: the first one after a quiet spell starts a `flush_ms`
+//! window, and everything booked, started or completed in it goes out as one message (a JSON
+//! array of operations). Peers see load at most that much later, and a busy router publishes
+//! (and receives its own echo) a few hundred times a second instead of twice per request.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -29,6 +34,8 @@ pub struct LoadShareConfig {
     pub heartbeat_ms: u64,
     /// A replica silent this long is gone: its bookings are dropped, ms.
     pub replica_ttl_ms: u64,
+    /// Updates are gathered this long into one message, ms (0: one message per update).
+    pub flush_ms: u64,
 }
 
 impl Default for LoadShareConfig {
@@ -36,11 +43,12 @@ impl Default for LoadShareConfig {
         LoadShareConfig {
             heartbeat_ms: 1_000,
             replica_ttl_ms: 5_000,
+            flush_ms: 2,
         }
     }
 }
 
-/// One message on the load subject.
+/// One operation; a message on the load subject is a JSON array of them.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 enum LoadMessage {
@@ -56,6 +64,10 @@ pub struct LoadShare {
     transport: Transport,
     subject: String,
     scheduler: Arc<Mutex<Scheduler>>,
+    /// Updates not yet published.
+    pending: Arc<Mutex<Vec<LoadMessage>>>,
+    /// Wakes the flusher when `pending` stops being empty.
+    wake: Arc<tokio::sync::Notify>,
 }
 
 impl LoadShare {
@@ -76,7 +88,23 @@ impl LoadShare {
             transport,
             subject,
             scheduler,
+            pending: Arc::default(),
+            wake: Arc::default(),
         };
+        let flusher = share.clone();
+        let mut stop = shutdown.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = flusher.wake.notified() => {}
+                    _ = stop.changed() => return,
+                }
+                if config.flush_ms > 0 {
+                    tokio::time::sleep(Duration::from_millis(config.flush_ms)).await;
+                }
+                flusher.flush().await;
+            }
+        });
         let s = share.clone();
         tokio::spawn(async move {
             let start = Instant::now();
@@ -87,30 +115,32 @@ impl LoadShare {
                 tokio::select! {
                     message = subscription.next() => {
                         let Some(message) = message else { return };
-                        let Ok(m) = serde_json::from_slice::<LoadMessage>(&message.payload) else {
+                        let Ok(ops) = serde_json::from_slice::<Vec<LoadMessage>>(&message.payload) else {
                             tracing::warn!("ignoring malformed load message");
                             continue;
                         };
-                        let origin = match &m {
-                            LoadMessage::Book { booking } => booking.id.origin,
-                            LoadMessage::FirstToken { id } | LoadMessage::Complete { id } => id.origin,
-                            LoadMessage::Heartbeat { replica } => *replica,
-                        };
-                        if origin == me {
-                            continue;
-                        }
-                        seen.insert(origin, Instant::now());
                         let now_ms = start.elapsed().as_millis() as u64;
                         let mut scheduler = s.scheduler.lock();
-                        match m {
-                            LoadMessage::Book { booking } => scheduler.book_shared(now_ms, booking),
-                            LoadMessage::FirstToken { id } => scheduler.first_token(id),
-                            LoadMessage::Complete { id } => scheduler.complete(id),
-                            LoadMessage::Heartbeat { .. } => {}
+                        for m in ops {
+                            let origin = match &m {
+                                LoadMessage::Book { booking } => booking.id.origin,
+                                LoadMessage::FirstToken { id } | LoadMessage::Complete { id } => id.origin,
+                                LoadMessage::Heartbeat { replica } => *replica,
+                            };
+                            if origin == me {
+                                continue;
+                            }
+                            seen.insert(origin, Instant::now());
+                            match m {
+                                LoadMessage::Book { booking } => scheduler.book_shared(now_ms, booking),
+                                LoadMessage::FirstToken { id } => scheduler.first_token(id),
+                                LoadMessage::Complete { id } => scheduler.complete(id),
+                                LoadMessage::Heartbeat { .. } => {}
+                            }
                         }
                     }
                     _ = beat.tick() => {
-                        s.send(&LoadMessage::Heartbeat { replica: me }).await;
+                        s.send(LoadMessage::Heartbeat { replica: me });
                         let ttl = Duration::from_millis(config.replica_ttl_ms);
                         let gone: Vec<u64> = seen.iter().filter(|(_, at)| at.elapsed() > ttl).map(|(r, _)| *r).collect();
                         for replica in gone {
@@ -126,29 +156,43 @@ impl LoadShare {
         Ok(share)
     }
 
-    async fn send(&self, message: &LoadMessage) {
+    /// Queues an update for the next flush.
+    fn send(&self, message: LoadMessage) {
+        let mut pending = self.pending.lock();
+        pending.push(message);
+        if pending.len() == 1 {
+            self.wake.notify_one();
+        }
+    }
+
+    /// Publishes what is pending as one message.
+    async fn flush(&self) {
+        let ops = std::mem::take(&mut *self.pending.lock());
+        if ops.is_empty() {
+            return;
+        }
         let payload =
-            Bytes::from(serde_json::to_vec(message).expect("invariant: load messages serialize"));
+            Bytes::from(serde_json::to_vec(&ops).expect("invariant: load messages serialize"));
         if let Err(e) = self.transport.publish(&self.subject, None, payload).await {
-            tracing::warn!(error = %e, "cannot share load");
+            tracing::warn!(error = %e, ops = ops.len(), "cannot share load");
         }
     }
 
     /// Announces a booking this replica made.
-    pub async fn booked(&self, id: BookingId) {
+    pub fn booked(&self, id: BookingId) {
         let booking = self.scheduler.lock().shared(id);
         if let Some(booking) = booking {
-            self.send(&LoadMessage::Book { booking }).await;
+            self.send(LoadMessage::Book { booking });
         }
     }
 
     /// Announces a booking's first token.
-    pub async fn first_token(&self, id: BookingId) {
-        self.send(&LoadMessage::FirstToken { id }).await;
+    pub fn first_token(&self, id: BookingId) {
+        self.send(LoadMessage::FirstToken { id });
     }
 
     /// Announces a booking's completion.
-    pub async fn completed(&self, id: BookingId) {
-        self.send(&LoadMessage::Complete { id }).await;
+    pub fn completed(&self, id: BookingId) {
+        self.send(LoadMessage::Complete { id });
     }
 }

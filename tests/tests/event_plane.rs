@@ -359,6 +359,7 @@ async fn replicas_see_each_others_bookings_and_drop_a_dead_replicas() {
     let config = LoadShareConfig {
         heartbeat_ms: 200,
         replica_ttl_ms: 3_000,
+        ..LoadShareConfig::default()
     };
     let mut replicas = Vec::new();
     let mut shutdowns = Vec::new();
@@ -396,7 +397,7 @@ async fn replicas_see_each_others_bookings_and_drop_a_dead_replicas() {
         overlaps: &none,
     };
     let decision = replicas[0].0.lock().route(0, &request).unwrap();
-    replicas[0].1.booked(decision.booking).await;
+    replicas[0].1.booked(decision.booking);
     let worker = decision.chosen.key;
     let b = Arc::clone(&replicas[1].0);
     let seen = eventually(Duration::from_secs(5), || {
@@ -429,7 +430,7 @@ async fn replicas_see_each_others_bookings_and_drop_a_dead_replicas() {
     b.lock().complete(d2.booking);
     // Completion is shared too.
     replicas[0].0.lock().complete(decision.booking);
-    replicas[0].1.completed(decision.booking).await;
+    replicas[0].1.completed(decision.booking);
     let freed = eventually(Duration::from_secs(5), || {
         b.lock()
             .load(worker)
@@ -439,7 +440,7 @@ async fn replicas_see_each_others_bookings_and_drop_a_dead_replicas() {
     assert!(freed);
     // A booking left open by a replica that dies expires with the replica.
     let decision = replicas[0].0.lock().route(0, &request).unwrap();
-    replicas[0].1.booked(decision.booking).await;
+    replicas[0].1.booked(decision.booking);
     let worker = decision.chosen.key;
     assert!(
         eventually(Duration::from_secs(5), || b
