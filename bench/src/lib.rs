@@ -15,6 +15,7 @@
 pub mod events_load;
 pub mod fleet;
 pub mod indexer_load;
+pub mod kernels_load;
 pub mod online;
 pub mod plot;
 pub mod replay;

@@ -4,7 +4,7 @@
 use std::alloc::System;
 
 use clap::{Parser, Subcommand};
-use kvroute_bench::{events_load, indexer_load, plot, replay};
+use kvroute_bench::{events_load, indexer_load, kernels_load, plot, replay};
 use stats_alloc::{INSTRUMENTED_SYSTEM, StatsAlloc};
 
 // Counting allocator: the indexer bench reports the index's heap per block.
@@ -27,6 +27,8 @@ enum Command {
     Events(events_load::Args),
     /// Offline replay of a trace: routing policies compared on TTFT, reuse and load.
     Replay(replay::Args),
+    /// GPU KV block copies: gather+D2H and H2D+scatter GB/s against one contiguous copy.
+    Kernels(kernels_load::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -49,6 +51,13 @@ fn main() -> anyhow::Result<()> {
             let runtime = tokio::runtime::Runtime::new()?;
             let report = runtime.block_on(events_load::run(&args))?;
             events_load::print(&report);
+            if let Some(path) = &args.json {
+                std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+            }
+        }
+        Command::Kernels(args) => {
+            let report = kernels_load::run(&args)?;
+            kernels_load::print(&report);
             if let Some(path) = &args.json {
                 std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
             }

@@ -26,7 +26,9 @@ pub use eviction::{EvictionKind, EvictionPolicy, LineageLru, Lru};
 use pool::{Pool, State};
 
 use crate::EngineConfig;
-use crate::offload::{KvStore, Link, TransferId};
+use crate::config::{ConfigError, Device};
+use crate::offload::{DeviceError, KvBytes, KvLayout, KvStore, Link, TransferId};
+use kvroute_kernels::cuda::GpuKv;
 
 /// A block slot within one tier's pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -120,6 +122,9 @@ pub enum OffloadError {
         /// The block.
         seq: SeqHash,
     },
+    /// The GPU failed a copy.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
 }
 
 #[derive(Debug)]
@@ -139,7 +144,7 @@ struct Inner {
     block_bytes: u64,
     offload_min_hits: u32,
     offload_parents: bool,
-    bytes: Option<KvStore>,
+    bytes: Option<KvBytes>,
     stats: CacheStats,
 }
 
@@ -164,11 +169,47 @@ pub struct Lease {
 pub struct OnboardTicket(pub u64);
 
 impl BlockManager {
-    /// Empty pools sized by `config`.
+    /// Empty pools sized by `config`, with host byte mode when `config.kv_bytes` is set
+    /// (whatever `config.device` says; [`BlockManager::on_device`] honours it).
     pub fn new(config: &EngineConfig) -> Self {
         let bytes = config
             .kv_bytes
-            .map(|layout| KvStore::new(layout, config.g1_blocks, config.g2_blocks));
+            .map(|layout| KvBytes::Host(KvStore::new(layout, config.g1_blocks, config.g2_blocks)));
+        Self::with_bytes(config, bytes)
+    }
+
+    /// Empty pools sized by `config`, their bytes where `config.device` says: on `cuda:N`, G1
+    /// in device memory and G2 in pinned host memory, in `kv_bytes`' geometry (default: a
+    /// Llama-8B-like one with the engine's block size).
+    pub fn on_device(config: &EngineConfig) -> Result<Self, ConfigError> {
+        let Device::Cuda(ordinal) = config.device else {
+            return Ok(Self::new(config));
+        };
+        let layout = config.kv_bytes.unwrap_or(KvLayout {
+            block_size: config.block_size,
+            ..KvLayout::llama_8b()
+        });
+        // Enough staging for a few hundred blocks per launch, at most 512 MiB of it.
+        let staging = (512 << 20) / layout.block_bytes().max(1);
+        let kv = GpuKv::new(
+            ordinal,
+            layout,
+            config.g1_blocks,
+            config.g2_blocks,
+            staging.clamp(1, 256),
+        )
+        .map_err(|e| ConfigError::Device {
+            device: config.device.to_string(),
+            message: e.to_string(),
+        })?;
+        let bytes = KvBytes::Cuda {
+            kv: Box::new(kv),
+            in_flight: FxHashMap::default(),
+        };
+        Ok(Self::with_bytes(config, Some(bytes)))
+    }
+
+    fn with_bytes(config: &EngineConfig, bytes: Option<KvBytes>) -> Self {
         BlockManager {
             inner: Arc::new(Mutex::new(Inner {
                 g1: Pool::new(Tier::Device, config.g1_blocks, config.eviction.policy()),
@@ -257,6 +298,16 @@ impl BlockManager {
             .h2d
             .start(now_us, inner.block_bytes * pairs.len() as u64);
         inner.stats.onboarded += pairs.len() as u64;
+        if let Some(bytes) = &mut inner.bytes {
+            let slots: Vec<(usize, usize)> = pairs
+                .iter()
+                .map(|(g2, g1)| (g2.index(), g1.index()))
+                .collect();
+            if let Err(e) = bytes.start_onboard(id.0, &slots) {
+                // The onboard's verification will report the blocks as corrupt.
+                tracing::error!(error = %e, "onboard copy not started");
+            }
+        }
         inner.onboards.insert(id, pairs);
         OnboardTicket(id.0)
     }
@@ -275,8 +326,11 @@ impl BlockManager {
         let inner = &mut *inner;
         let id = lease.blocks[index];
         inner.tick += 1;
-        if let Some(bytes) = &mut inner.bytes {
-            bytes.fill(id.index(), block.seq);
+        if let Some(bytes) = &mut inner.bytes
+            && let Err(e) = bytes.fill(id.index(), block.seq)
+        {
+            // Its bytes will not verify when it comes back from G2.
+            tracing::error!(error = %e, "block bytes not written");
         }
         inner
             .g1
@@ -369,7 +423,7 @@ impl BlockManager {
     fn corrupt_host_block(&self, seq: SeqHash) {
         let mut inner = self.inner.lock();
         let id = inner.g2.lookup(seq).expect("block in G2");
-        if let Some(bytes) = &mut inner.bytes {
+        if let Some(KvBytes::Host(bytes)) = &mut inner.bytes {
             bytes.corrupt_g2(id.index());
         }
     }
@@ -424,6 +478,15 @@ impl Inner {
             let id = self
                 .d2h
                 .start(now_us, self.block_bytes * copies.len() as u64);
+            if let Some(bytes) = &mut self.bytes {
+                let slots: Vec<(usize, usize)> = copies
+                    .iter()
+                    .map(|(g1, g2)| (g1.index(), g2.index()))
+                    .collect();
+                if let Err(e) = bytes.start_offload(id.0, &slots) {
+                    tracing::error!(error = %e, "offload copy not started");
+                }
+            }
             self.offloads.insert(id, copies);
         }
         if self.g1.free_count() >= n {
@@ -448,17 +511,19 @@ impl Inner {
 
     fn advance(&mut self, now_us: u64, ready: &mut Vec<OnboardTicket>) -> Result<(), OffloadError> {
         let mut done = Vec::new();
+        let mut result = Ok(());
         self.d2h.advance(now_us, &mut done);
         for (id, _) in done.drain(..) {
-            if let Some(pairs) = self.offloads.remove(&id) {
-                self.finish_offload(pairs);
+            if let Some(pairs) = self.offloads.remove(&id)
+                && let Err(e) = self.finish_offload(id, pairs)
+            {
+                result = Err(e);
             }
         }
         self.h2d.advance(now_us, &mut done);
-        let mut result = Ok(());
         for (id, _) in done {
             if let Some(pairs) = self.onboards.remove(&id)
-                && let Err(e) = self.finish_onboard(pairs)
+                && let Err(e) = self.finish_onboard(id, pairs)
             {
                 result = Err(e);
             }
@@ -467,13 +532,25 @@ impl Inner {
         result
     }
 
-    fn finish_offload(&mut self, pairs: Vec<(BlockId, BlockId)>) {
+    fn finish_offload(
+        &mut self,
+        id: TransferId,
+        pairs: Vec<(BlockId, BlockId)>,
+    ) -> Result<(), OffloadError> {
         self.tick += 1;
         let tick = self.tick;
+        let mut result = Ok(());
+        if let Some(bytes) = &mut self.bytes {
+            let slots: Vec<(usize, usize)> = pairs
+                .iter()
+                .map(|(g1, g2)| (g1.index(), g2.index()))
+                .collect();
+            // The G1 slots stay held (detached) until the copy is done.
+            result = bytes
+                .finish_offload(id.0, &slots)
+                .map_err(OffloadError::from);
+        }
         for (g1, g2) in pairs {
-            if let Some(bytes) = &mut self.bytes {
-                bytes.gather(g1.index(), g2.index());
-            }
             let slot = self.g1.slot(g1);
             let block = StoredBlock {
                 seq: slot.seq,
@@ -489,12 +566,26 @@ impl Inner {
             self.offloading -= 1;
             self.g1.release_detached(g1);
         }
+        result
     }
 
-    fn finish_onboard(&mut self, pairs: Vec<(BlockId, BlockId)>) -> Result<(), OffloadError> {
+    fn finish_onboard(
+        &mut self,
+        id: TransferId,
+        pairs: Vec<(BlockId, BlockId)>,
+    ) -> Result<(), OffloadError> {
         self.tick += 1;
         let tick = self.tick;
         let mut result = Ok(());
+        if let Some(bytes) = &mut self.bytes {
+            let slots: Vec<(usize, usize)> = pairs
+                .iter()
+                .map(|(g2, g1)| (g2.index(), g1.index()))
+                .collect();
+            result = bytes
+                .finish_onboard(id.0, &slots)
+                .map_err(OffloadError::from);
+        }
         for (g2, g1) in pairs {
             let source = self.g2.slot(g2);
             let block = StoredBlock {
@@ -502,11 +593,10 @@ impl Inner {
                 local: source.local,
             };
             let parent = source.parent;
-            if let Some(bytes) = &mut self.bytes {
-                bytes.scatter(g2.index(), g1.index());
-                if !bytes.verify(g1.index(), block.seq) {
-                    result = Err(OffloadError::Corrupt { seq: block.seq });
-                }
+            if let Some(bytes) = &self.bytes
+                && !bytes.verify(g1.index(), block.seq)
+            {
+                result = Err(OffloadError::Corrupt { seq: block.seq });
             }
             self.g2.release(g2, tick);
             let slot = self.g1.slot_mut(g1);

@@ -41,6 +41,9 @@ pub struct EngineConfig {
     pub timing: TimingModel,
     /// Size of the token vocabulary synthesised decode tokens are drawn from.
     pub vocab_size: u32,
+    /// Where the KV bytes live: `cpu` (with `kv_bytes`, host byte mode) or `cuda:N` (G1 on
+    /// the GPU, G2 pinned; `kv_bytes` defaults to a Llama-8B geometry).
+    pub device: Device,
 }
 
 impl Default for EngineConfig {
@@ -60,6 +63,7 @@ impl Default for EngineConfig {
             kv_bytes: None,
             timing: TimingModel::default(),
             vocab_size: 128_000,
+            device: Device::Cpu,
         }
     }
 }
@@ -80,6 +84,14 @@ pub enum ConfigError {
         layout: usize,
         /// The engine's block size.
         block_size: usize,
+    },
+    /// The KV device cannot be used.
+    #[error("--device {device}: {message}")]
+    Device {
+        /// The device asked for.
+        device: String,
+        /// What is missing or failed.
+        message: String,
     },
 }
 
@@ -106,7 +118,9 @@ impl EngineConfig {
                     block_size: self.block_size,
                 });
             }
-            layout.validate()?;
+            layout
+                .validate()
+                .map_err(|e| ConfigError::NotPositive { field: e.field })?;
         }
         Ok(())
     }
@@ -122,8 +136,8 @@ impl EngineConfig {
 }
 
 /// Where a worker keeps its KV cache.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-#[serde(into = "String")]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
 pub enum Device {
     /// Host memory (byte mode): G1 and G2 are both host buffers.
     #[default]
@@ -160,5 +174,13 @@ impl std::fmt::Display for Device {
 impl From<Device> for String {
     fn from(d: Device) -> String {
         d.to_string()
+    }
+}
+
+impl TryFrom<String> for Device {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Device, String> {
+        s.parse()
     }
 }

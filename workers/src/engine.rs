@@ -237,7 +237,7 @@ impl Engine {
             field: "block_size",
         })?;
         Ok(Engine {
-            blocks: BlockManager::new(&config),
+            blocks: BlockManager::on_device(&config)?,
             publisher: Publisher::new(worker, dp_rank, epoch),
             config,
             block_size,

@@ -76,8 +76,21 @@ struct Args {
     dry_run: bool,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    let result = tokio::runtime::Runtime::new()
+        .map_err(anyhow::Error::from)
+        .and_then(|runtime| runtime.block_on(run()));
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            // One line: what failed and why (e.g. which CUDA library is missing).
+            eprintln!("kvroute-worker: {err:#}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}
+
+async fn run() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -92,6 +105,7 @@ async fn main() -> anyhow::Result<()> {
         speedup: args.speedup,
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_num_seqs: args.max_num_seqs,
+        device: args.device,
         ..EngineConfig::default()
     };
     engine.validate().context("engine configuration")?;
@@ -105,9 +119,10 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     if let Device::Cuda(ordinal) = args.device {
-        bail!(
-            "--device cuda:{ordinal}: this build runs the KV cache in host memory only (--device cpu)"
-        );
+        // Fail before touching NATS, naming what is missing (driver, NVRTC, device).
+        let gpu = kvroute_kernels::cuda::Gpu::new(ordinal)
+            .with_context(|| format!("--device {}", args.device))?;
+        tracing::info!(device = %gpu.name, arch = ?gpu.arch, "KV cache on the GPU");
     }
     let lease = LeaseConfig {
         heartbeat_ms: args.heartbeat_ms,

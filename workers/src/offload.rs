@@ -4,5 +4,5 @@
 mod layout;
 mod link;
 
-pub use layout::{Dtype, KvLayout, KvStore, pattern_byte};
+pub use layout::{DeviceError, Dtype, KvBytes, KvLayout, KvStore, pattern_byte};
 pub use link::{Link, TransferId};

@@ -3,108 +3,17 @@
 //! block contiguously, as the offload staging buffer does. Offload gathers a block's
 //! `layers × 2` pieces into one G2 block; onboard scatters them back.
 
-use serde::{Deserialize, Serialize};
-
-use crate::config::ConfigError;
 use kvroute::protocol::SeqHash;
+use kvroute_kernels::cuda::{GpuKv, Transfer};
+use kvroute_kernels::{plan, reference};
+use rustc_hash::FxHashMap;
 
-/// Element type of the KV tensors.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Dtype {
-    /// bfloat16.
-    Bf16,
-    /// IEEE half.
-    Fp16,
-    /// IEEE single.
-    Fp32,
-}
+pub use kvroute_kernels::{Dtype, KvLayout};
 
-impl Dtype {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            Dtype::Bf16 | Dtype::Fp16 => 2,
-            Dtype::Fp32 => 4,
-        }
-    }
-}
-
-/// Geometry of one worker's KV cache.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct KvLayout {
-    /// Transformer layers.
-    pub layers: usize,
-    /// KV heads per layer.
-    pub kv_heads: usize,
-    /// Dimensions per head.
-    pub head_dim: usize,
-    /// Tokens per block.
-    pub block_size: usize,
-    /// Element type.
-    pub dtype: Dtype,
-}
-
-impl Default for KvLayout {
-    /// A small synthetic geometry for byte mode on a CPU: 2 KiB per 16-token block.
-    fn default() -> Self {
-        KvLayout {
-            layers: 2,
-            kv_heads: 2,
-            head_dim: 8,
-            block_size: 16,
-            dtype: Dtype::Fp16,
-        }
-    }
-}
-
-impl KvLayout {
-    /// Bytes of one (block, layer, K or V) piece.
-    pub fn piece_bytes(&self) -> usize {
-        self.block_size * self.kv_heads * self.head_dim * self.dtype.size()
-    }
-
-    /// Pieces per block: a K and a V per layer.
-    pub fn pieces(&self) -> usize {
-        self.layers * 2
-    }
-
-    /// Bytes of one whole block.
-    pub fn block_bytes(&self) -> usize {
-        self.pieces() * self.piece_bytes()
-    }
-
-    /// Checks that every dimension is positive.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        for (field, value) in [
-            ("kv_bytes.layers", self.layers),
-            ("kv_bytes.kv_heads", self.kv_heads),
-            ("kv_bytes.head_dim", self.head_dim),
-            ("kv_bytes.block_size", self.block_size),
-        ] {
-            if value == 0 {
-                return Err(ConfigError::NotPositive { field });
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Byte `i` of piece `piece` (= layer × 2 + {0: K, 1: V}) of the block `seq`: the piece is
-/// a stream of little-endian u64 words `splitmix64(seq ^ piece << 40 ^ word)`. The GPU
-/// `fill` kernel writes the same bytes.
+/// Byte `i` of piece `piece` (= layer × 2 + {0: K, 1: V}) of the block `seq`
+/// ([`kvroute_kernels::pattern_byte`]; the GPU `fill` kernel writes the same bytes).
 pub fn pattern_byte(seq: SeqHash, piece: usize, i: usize) -> u8 {
-    let word = splitmix64(seq.0 ^ ((piece as u64) << 40) ^ (i / 8) as u64);
-    (word >> ((i % 8) * 8)) as u8
-}
-
-fn splitmix64(x: u64) -> u64 {
-    // Steele, Lea, Flood: "Fast splittable pseudorandom number generators", OOPSLA 2014.
-    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+    kvroute_kernels::pattern_byte(seq.0, piece, i)
 }
 
 /// The bytes of G1 and G2.
@@ -132,60 +41,138 @@ impl KvStore {
         &self.layout
     }
 
-    fn g1_piece(&self, slot: usize, piece: usize) -> std::ops::Range<usize> {
-        let bytes = self.layout.piece_bytes();
-        let start = (piece * self.g1_blocks + slot) * bytes;
-        start..start + bytes
-    }
-
-    fn g2_piece(&self, slot: usize, piece: usize) -> std::ops::Range<usize> {
-        let bytes = self.layout.piece_bytes();
-        let start = slot * self.layout.block_bytes() + piece * bytes;
-        start..start + bytes
-    }
-
     /// Writes the pattern of `seq` into G1 slot `slot` (stands in for prefill's KV writes).
     pub fn fill(&mut self, slot: usize, seq: SeqHash) {
-        for piece in 0..self.layout.pieces() {
-            let range = self.g1_piece(slot, piece);
-            for (i, byte) in self.g1[range].iter_mut().enumerate() {
-                *byte = pattern_byte(seq, piece, i);
-            }
-        }
+        let pieces = plan::g1_blocks(&self.layout, self.g1_blocks, &[(slot, seq.0)]);
+        reference::fill(&mut self.g1, &pieces).expect("invariant: slots come from the pools");
     }
 
     /// Gathers G1 slot `g1` into G2 slot `g2` (offload).
     pub fn gather(&mut self, g1: usize, g2: usize) {
-        for piece in 0..self.layout.pieces() {
-            let src = self.g1_piece(g1, piece);
-            let dst = self.g2_piece(g2, piece);
-            self.g2[dst].copy_from_slice(&self.g1[src]);
-        }
+        let pieces = plan::gather(&self.layout, self.g1_blocks, &[(g1, g2)]);
+        reference::copy(&self.g1, &mut self.g2, &pieces)
+            .expect("invariant: slots come from the pools");
     }
 
     /// Scatters G2 slot `g2` into G1 slot `g1` (onboard).
     pub fn scatter(&mut self, g2: usize, g1: usize) {
-        for piece in 0..self.layout.pieces() {
-            let src = self.g2_piece(g2, piece);
-            let dst = self.g1_piece(g1, piece);
-            self.g1[dst].copy_from_slice(&self.g2[src]);
-        }
+        let pieces = plan::scatter(&self.layout, self.g1_blocks, &[(g2, g1)]);
+        reference::copy(&self.g2, &mut self.g1, &pieces)
+            .expect("invariant: slots come from the pools");
     }
 
     /// Whether G1 slot `slot` holds exactly the pattern of `seq`.
     pub fn verify(&self, slot: usize, seq: SeqHash) -> bool {
-        (0..self.layout.pieces()).all(|piece| {
-            self.g1[self.g1_piece(slot, piece)]
-                .iter()
-                .enumerate()
-                .all(|(i, &b)| b == pattern_byte(seq, piece, i))
-        })
+        let pieces = plan::g1_blocks(&self.layout, self.g1_blocks, &[(slot, seq.0)]);
+        reference::verify(&self.g1, &pieces, 1).is_ok_and(|bad| bad[0] == 0)
     }
 
     /// Flips one byte of G2 slot `slot` (tests of the corruption check).
     #[cfg(test)]
     pub fn corrupt_g2(&mut self, slot: usize) {
-        let range = self.g2_piece(slot, 0);
-        self.g2[range.start] ^= 0xff;
+        self.g2[self.layout.packed_offset(slot, 0)] ^= 0xff;
+    }
+}
+
+/// Where a worker's KV bytes live: host memory (byte mode, the CPU reference) or a GPU (G1 in
+/// device memory, G2 pinned). Transfers start when the copy engine starts them and finish
+/// when the link model says they end; on a GPU the copy is queued at the start on the copy
+/// stream and its event is waited for at the end, so the slots stay held until it is done.
+#[derive(Debug)]
+pub enum KvBytes {
+    /// Host memory.
+    Host(KvStore),
+    /// A CUDA device, with the copies in flight by transfer id.
+    Cuda {
+        /// Device buffers and streams.
+        kv: Box<GpuKv>,
+        /// Copies queued and not yet waited for.
+        in_flight: FxHashMap<u64, Transfer>,
+    },
+}
+
+/// A device operation failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("KV {op} on the GPU: {message}")]
+pub struct DeviceError {
+    /// What was being done.
+    pub op: &'static str,
+    /// The driver's words.
+    pub message: String,
+}
+
+fn device(op: &'static str) -> impl Fn(kvroute_kernels::cuda::GpuError) -> DeviceError {
+    move |e| DeviceError {
+        op,
+        message: e.to_string(),
+    }
+}
+
+impl KvBytes {
+    /// Writes the pattern of `seq` into G1 slot `slot`.
+    pub fn fill(&mut self, slot: usize, seq: SeqHash) -> Result<(), DeviceError> {
+        match self {
+            KvBytes::Host(store) => {
+                store.fill(slot, seq);
+                Ok(())
+            }
+            KvBytes::Cuda { kv, .. } => kv.fill(&[(slot, seq.0)]).map_err(device("fill")),
+        }
+    }
+
+    /// Starts copying `(g1, g2)` pairs to G2 (transfer `id`).
+    pub fn start_offload(&mut self, id: u64, pairs: &[(usize, usize)]) -> Result<(), DeviceError> {
+        if let KvBytes::Cuda { kv, in_flight } = self {
+            in_flight.insert(id, kv.offload(pairs).map_err(device("offload"))?);
+        }
+        Ok(())
+    }
+
+    /// Starts copying `(g2, g1)` pairs to G1 (transfer `id`).
+    pub fn start_onboard(&mut self, id: u64, pairs: &[(usize, usize)]) -> Result<(), DeviceError> {
+        if let KvBytes::Cuda { kv, in_flight } = self {
+            in_flight.insert(id, kv.onboard(pairs).map_err(device("onboard"))?);
+        }
+        Ok(())
+    }
+
+    /// Ends offload `id` of `(g1, g2)` pairs: the bytes are in G2 when this returns.
+    pub fn finish_offload(&mut self, id: u64, pairs: &[(usize, usize)]) -> Result<(), DeviceError> {
+        match self {
+            KvBytes::Host(store) => {
+                for &(g1, g2) in pairs {
+                    store.gather(g1, g2);
+                }
+                Ok(())
+            }
+            KvBytes::Cuda { in_flight, .. } => match in_flight.remove(&id) {
+                Some(t) => t.wait().map_err(device("offload")),
+                None => Ok(()),
+            },
+        }
+    }
+
+    /// Ends onboard `id` of `(g2, g1)` pairs: the bytes are in G1 when this returns.
+    pub fn finish_onboard(&mut self, id: u64, pairs: &[(usize, usize)]) -> Result<(), DeviceError> {
+        match self {
+            KvBytes::Host(store) => {
+                for &(g2, g1) in pairs {
+                    store.scatter(g2, g1);
+                }
+                Ok(())
+            }
+            KvBytes::Cuda { in_flight, .. } => match in_flight.remove(&id) {
+                Some(t) => t.wait().map_err(device("onboard")),
+                None => Ok(()),
+            },
+        }
+    }
+
+    /// Whether G1 slot `slot` holds exactly the pattern of `seq`.
+    pub fn verify(&self, slot: usize, seq: SeqHash) -> bool {
+        match self {
+            KvBytes::Host(store) => store.verify(slot, seq),
+            KvBytes::Cuda { kv, .. } => kv.verify_g1(&[(slot, seq.0)]).is_ok_and(|bad| bad[0] == 0),
+        }
     }
 }

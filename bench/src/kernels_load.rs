@@ -1,0 +1,181 @@
+//! `kvroute-bench kernels`: GB/s of offload (gather + D2H) and onboard (H2D + scatter) of
+//! 32, 256 and 2,048 random blocks on a GPU, next to one contiguous copy of the same bytes,
+//! and the fixed cost of a transfer (a one-block transfer less its bytes at the contiguous
+//! rate). Needs a CUDA device; says what is missing otherwise.
+
+use std::time::Instant;
+
+use anyhow::Context;
+use kvroute_kernels::cuda::{GpuKv, Transfer};
+use kvroute_kernels::{Dtype, KvLayout};
+use serde::Serialize;
+
+/// Flags of `kvroute-bench kernels`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// Timed repetitions per figure (the median is reported).
+    #[arg(long, default_value_t = 20)]
+    pub reps: usize,
+    /// Write the report here as JSON.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+}
+
+/// One row: a transfer size.
+#[derive(Debug, Serialize)]
+pub struct Row {
+    /// Blocks moved.
+    pub blocks: usize,
+    /// Bytes moved.
+    pub bytes: usize,
+    /// Offload (gather + D2H), median µs and GB/s.
+    pub offload_us: f64,
+    /// GB/s of the offload.
+    pub offload_gbps: f64,
+    /// One contiguous D2H of the same bytes, GB/s.
+    pub d2h_contiguous_gbps: f64,
+    /// Onboard (H2D + scatter), median µs.
+    pub onboard_us: f64,
+    /// GB/s of the onboard.
+    pub onboard_gbps: f64,
+    /// One contiguous H2D of the same bytes, GB/s.
+    pub h2d_contiguous_gbps: f64,
+}
+
+/// The report.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    /// Device name and compute capability.
+    pub device: String,
+    /// Geometry.
+    pub layout: KvLayout,
+    /// Fixed cost of an offload / onboard, µs.
+    pub fixed_offload_us: f64,
+    /// Fixed cost of an onboard, µs.
+    pub fixed_onboard_us: f64,
+    /// Per size.
+    pub rows: Vec<Row>,
+}
+
+fn median_us(
+    reps: usize,
+    mut run: impl FnMut() -> anyhow::Result<Transfer>,
+) -> anyhow::Result<f64> {
+    for _ in 0..3 {
+        run()?.wait()?;
+    }
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let start = Instant::now();
+        run()?.wait()?;
+        times.push(start.elapsed().as_secs_f64() * 1e6);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// Runs the benchmark on `args.device`.
+pub fn run(args: &Args) -> anyhow::Result<Report> {
+    // Llama-3-8B-like geometry (the issue's): 32 layers, 8 KV heads of 128, 16 tokens, bf16.
+    let layout = KvLayout {
+        dtype: Dtype::Bf16,
+        ..KvLayout::llama_8b()
+    };
+    let (g1_blocks, g2_blocks) = (4096, 2048);
+    let mut kv = GpuKv::new(args.device, layout, g1_blocks, g2_blocks, 256)
+        .context("kvroute-bench kernels needs a CUDA device")?;
+    let device = format!(
+        "{} (sm_{}{})",
+        kv.gpu().name,
+        kv.gpu().arch.0,
+        kv.gpu().arch.1
+    );
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    let mut shuffled = |n: usize| {
+        let mut v: Vec<usize> = (0..n).collect();
+        for i in (1..n).rev() {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            v.swap(i, (seed % (i as u64 + 1)) as usize);
+        }
+        v
+    };
+    let g1 = shuffled(g1_blocks);
+    let g2 = shuffled(g2_blocks);
+    let block = layout.block_bytes();
+    let mut rows = Vec::new();
+    let mut one = (0.0, 0.0);
+    for n in [1usize, 32, 256, 2048] {
+        let out: Vec<(usize, usize)> = g1[..n]
+            .iter()
+            .copied()
+            .zip(g2[..n].iter().copied())
+            .collect();
+        let back: Vec<(usize, usize)> = out.iter().map(|&(a, b)| (b, a)).collect();
+        let offload_us = median_us(args.reps, || Ok(kv.offload(&out)?))?;
+        let onboard_us = median_us(args.reps, || Ok(kv.onboard(&back)?))?;
+        let d2h_us = median_us(args.reps, || Ok(kv.contiguous_copy(true, n * block)?))?;
+        let h2d_us = median_us(args.reps, || Ok(kv.contiguous_copy(false, n * block)?))?;
+        let gbps = |us: f64| (n * block) as f64 / us / 1e3;
+        if n == 1 {
+            one = (offload_us, onboard_us);
+            continue;
+        }
+        rows.push(Row {
+            blocks: n,
+            bytes: n * block,
+            offload_us,
+            offload_gbps: gbps(offload_us),
+            d2h_contiguous_gbps: gbps(d2h_us),
+            onboard_us,
+            onboard_gbps: gbps(onboard_us),
+            h2d_contiguous_gbps: gbps(h2d_us),
+        });
+    }
+    // Fixed cost: a one-block transfer less its bytes at the best contiguous rate seen.
+    let best = |f: fn(&Row) -> f64| rows.iter().map(f).fold(0.0, f64::max);
+    let d2h = best(|r| r.d2h_contiguous_gbps);
+    let h2d = best(|r| r.h2d_contiguous_gbps);
+    Ok(Report {
+        device,
+        layout,
+        fixed_offload_us: one.0 - block as f64 / (d2h * 1e3),
+        fixed_onboard_us: one.1 - block as f64 / (h2d * 1e3),
+        rows,
+    })
+}
+
+/// Prints the table.
+pub fn print(r: &Report) {
+    println!(
+        "device: {}  layout: {:?}  ({} B per block)",
+        r.device,
+        r.layout,
+        r.layout.block_bytes()
+    );
+    println!(
+        "{:>7} {:>10} | {:>12} {:>10} {:>8} | {:>12} {:>10} {:>8}",
+        "blocks", "MiB", "offload GB/s", "D2H GB/s", "ratio", "onboard GB/s", "H2D GB/s", "ratio"
+    );
+    for row in &r.rows {
+        println!(
+            "{:>7} {:>10.1} | {:>12.2} {:>10.2} {:>7.1}% | {:>12.2} {:>10.2} {:>7.1}%",
+            row.blocks,
+            row.bytes as f64 / (1 << 20) as f64,
+            row.offload_gbps,
+            row.d2h_contiguous_gbps,
+            100.0 * row.offload_gbps / row.d2h_contiguous_gbps,
+            row.onboard_gbps,
+            row.h2d_contiguous_gbps,
+            100.0 * row.onboard_gbps / row.h2d_contiguous_gbps,
+        );
+    }
+    println!(
+        "fixed cost per transfer: offload {:.1} µs, onboard {:.1} µs",
+        r.fixed_offload_us, r.fixed_onboard_us
+    );
+}

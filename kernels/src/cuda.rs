@@ -1,0 +1,599 @@
+//! The kernels on a CUDA device: [`Gpu`] (a context, the compiled module, one launch per
+//! operation over a piece list) and [`GpuKv`] (a worker's G1 on the device, G2 in pinned host
+//! memory, offload and onboard on a dedicated copy stream that signal completion by event).
+//!
+//! Nothing here links CUDA at build time: cudarc opens `libcuda` and `libnvrtc` when
+//! [`Gpu::new`] first runs, which checks for them first and names what is missing. Kernels
+//! are compiled from `kernels.cu` once per device architecture per process.
+//!
+//! Safety: the only `unsafe` blocks are kernel launches and raw async copies. Every piece
+//! list is checked against its buffers' sizes before a launch ([`crate::plan`]), so kernels
+//! only touch memory the buffers own, and buffers outlive the work queued on them because
+//! [`GpuKv`] owns them and synchronises its streams before they drop.
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError,
+    LaunchConfig, PinnedHostSlice, PushKernelArg,
+};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+use parking_lot::Mutex;
+
+use crate::layout::KvLayout;
+use crate::plan::{self, PatternPiece, Piece, PieceError};
+use crate::reference;
+
+/// The CUDA source of every kernel.
+pub const SOURCE: &str = include_str!("kernels.cu");
+
+/// Threads per CUDA block (a multiple of the warp, for the shuffles in the reductions).
+const THREADS: u32 = 256;
+
+/// Why the GPU path cannot run or an operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    /// No driver library.
+    #[error(
+        "no CUDA driver: libcuda.so was not found (install the NVIDIA driver, or run the worker with --device cpu)"
+    )]
+    NoDriver,
+    /// No NVRTC library.
+    #[error(
+        "no NVRTC: libnvrtc.so was not found (use a CUDA runtime image or add the CUDA toolkit's lib64 to LD_LIBRARY_PATH)"
+    )]
+    NoNvrtc,
+    /// No such device.
+    #[error("no CUDA device {ordinal}: {count} visible")]
+    NoDevice {
+        /// Requested ordinal.
+        ordinal: usize,
+        /// Devices visible.
+        count: i32,
+    },
+    /// NVRTC rejected the source (a bug, or an architecture NVRTC does not know).
+    #[error("compiling the KV kernels for {arch}: {message}")]
+    Compile {
+        /// Target architecture.
+        arch: String,
+        /// NVRTC's log.
+        message: String,
+    },
+    /// A driver call failed.
+    #[error("CUDA: {0}")]
+    Driver(#[from] DriverError),
+    /// A piece outside its buffer.
+    #[error(transparent)]
+    Piece(#[from] PieceError),
+}
+
+/// PTX per compute capability, compiled once per process.
+fn ptx_for(major: i32, minor: i32) -> Result<Ptx, GpuError> {
+    static CACHE: OnceLock<Mutex<HashMap<(i32, i32), Ptx>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Mutex::default);
+    let mut cache = cache.lock();
+    if let Some(ptx) = cache.get(&(major, minor)) {
+        return Ok(ptx.clone());
+    }
+    // One string per architecture seen, for NVRTC's `&'static str` option.
+    let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
+    let options = CompileOptions {
+        arch: Some(arch),
+        name: Some("kvroute_kernels.cu".into()),
+        ..CompileOptions::default()
+    };
+    let ptx =
+        cudarc::nvrtc::compile_ptx_with_opts(SOURCE, options).map_err(|e| GpuError::Compile {
+            arch: arch.into(),
+            message: format!("{e:?}"),
+        })?;
+    cache.insert((major, minor), ptx.clone());
+    Ok(ptx)
+}
+
+/// A device with the kernels loaded.
+#[derive(Debug)]
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    copy: CudaFunction,
+    fill: CudaFunction,
+    checksum: CudaFunction,
+    verify: CudaFunction,
+    /// Device name.
+    pub name: String,
+    /// Compute capability.
+    pub arch: (i32, i32),
+}
+
+fn launch_config(pieces: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (pieces.clamp(1, 65_535) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Piece descriptors as the kernels read them (`struct Piece` in `kernels.cu`).
+fn copy_words(pieces: &[Piece], src: u64, dst: u64) -> Vec<u64> {
+    pieces
+        .iter()
+        .flat_map(|p| [src + p.src, dst + p.dst, u64::from(p.len)])
+        .collect()
+}
+
+/// `struct PatternPiece` in `kernels.cu`.
+fn pattern_words(pieces: &[PatternPiece], base: u64) -> Vec<u64> {
+    pieces
+        .iter()
+        .flat_map(|p| {
+            [
+                base + p.addr,
+                p.seq,
+                u64::from(p.piece) | (u64::from(p.len) << 32),
+                u64::from(p.block),
+            ]
+        })
+        .collect()
+}
+
+impl Gpu {
+    /// Opens device `ordinal` and loads the kernels (compiling them on first use per
+    /// architecture).
+    pub fn new(ordinal: usize) -> Result<Gpu, GpuError> {
+        // SAFETY: only probes whether the shared library can be opened.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(GpuError::NoDriver);
+        }
+        // SAFETY: as above.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(GpuError::NoNvrtc);
+        }
+        let count = CudaContext::device_count()?;
+        if ordinal as i64 >= i64::from(count) {
+            return Err(GpuError::NoDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        let arch = ctx.compute_capability()?;
+        let module = ctx.load_module(ptx_for(arch.0, arch.1)?)?;
+        Ok(Gpu {
+            copy: module.load_function("copy_pieces")?,
+            fill: module.load_function("fill_pieces")?,
+            checksum: module.load_function("checksum_pieces")?,
+            verify: module.load_function("verify_pieces")?,
+            name: ctx.name()?,
+            arch,
+            ctx,
+        })
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// A new stream.
+    pub fn stream(&self) -> Result<Arc<CudaStream>, GpuError> {
+        Ok(self.ctx.new_stream()?)
+    }
+
+    /// A zeroed device buffer.
+    pub fn alloc(&self, stream: &Arc<CudaStream>, bytes: usize) -> Result<CudaSlice<u8>, GpuError> {
+        Ok(stream.alloc_zeros::<u8>(bytes.max(1))?)
+    }
+
+    /// Queues the copy of every piece from `src` to `dst` (device buffers) on `stream`.
+    pub fn copy(
+        &self,
+        stream: &Arc<CudaStream>,
+        src: &CudaSlice<u8>,
+        dst: &mut CudaSlice<u8>,
+        pieces: &[Piece],
+    ) -> Result<(), GpuError> {
+        plan::check_copy(pieces, src.len(), dst.len())?;
+        if pieces.is_empty() {
+            return Ok(());
+        }
+        let (s, _s) = src.device_ptr(stream);
+        let (d, _d) = dst.device_ptr(stream);
+        let words = stream.clone_htod(&copy_words(pieces, s, d))?;
+        let n = pieces.len() as u32;
+        let mut launch = stream.launch_builder(&self.copy);
+        launch.arg(&words).arg(&n);
+        // SAFETY: `copy_pieces(const Piece*, u32)`; every piece was checked to lie inside
+        // `src` and `dst`, which are borrowed until the launch is queued and stay allocated
+        // until the stream has run it (cudarc's per-buffer events).
+        unsafe { launch.launch(launch_config(pieces.len())) }?;
+        Ok(())
+    }
+
+    /// Queues writing each piece's pattern into `buf`.
+    pub fn fill(
+        &self,
+        stream: &Arc<CudaStream>,
+        buf: &mut CudaSlice<u8>,
+        pieces: &[PatternPiece],
+    ) -> Result<(), GpuError> {
+        plan::check_pattern(pieces, buf.len(), usize::MAX)?;
+        if pieces.is_empty() {
+            return Ok(());
+        }
+        let (base, _b) = buf.device_ptr(stream);
+        let words = stream.clone_htod(&pattern_words(pieces, base))?;
+        let n = pieces.len() as u32;
+        let mut launch = stream.launch_builder(&self.fill);
+        launch.arg(&words).arg(&n);
+        // SAFETY: `fill_pieces(const PatternPiece*, u32)`; pieces checked inside `buf`.
+        unsafe { launch.launch(launch_config(pieces.len())) }?;
+        Ok(())
+    }
+
+    /// Per result `0..blocks`, the checksum of its pieces of `buf` (waits for `stream`).
+    pub fn checksum(
+        &self,
+        stream: &Arc<CudaStream>,
+        buf: &CudaSlice<u8>,
+        pieces: &[PatternPiece],
+        blocks: usize,
+    ) -> Result<Vec<u64>, GpuError> {
+        plan::check_pattern(pieces, buf.len(), blocks)?;
+        let mut out = stream.alloc_zeros::<u64>(blocks.max(1))?;
+        if !pieces.is_empty() {
+            let (base, _b) = buf.device_ptr(stream);
+            let words = stream.clone_htod(&pattern_words(pieces, base))?;
+            let n = pieces.len() as u32;
+            let mut launch = stream.launch_builder(&self.checksum);
+            launch.arg(&words).arg(&n).arg(&mut out);
+            // SAFETY: `checksum_pieces(const PatternPiece*, u32, u64*)`; pieces checked
+            // inside `buf`, every `block` below `blocks` = the length of `out`.
+            unsafe { launch.launch(launch_config(pieces.len())) }?;
+        }
+        let mut sums = stream.clone_dtoh(&out)?;
+        sums.truncate(blocks);
+        Ok(sums)
+    }
+
+    /// Per result `0..blocks`, how many words of its pieces differ from their pattern.
+    pub fn verify(
+        &self,
+        stream: &Arc<CudaStream>,
+        buf: &CudaSlice<u8>,
+        pieces: &[PatternPiece],
+        blocks: usize,
+    ) -> Result<Vec<u32>, GpuError> {
+        plan::check_pattern(pieces, buf.len(), blocks)?;
+        let mut out = stream.alloc_zeros::<u32>(blocks.max(1))?;
+        if !pieces.is_empty() {
+            let (base, _b) = buf.device_ptr(stream);
+            let words = stream.clone_htod(&pattern_words(pieces, base))?;
+            let n = pieces.len() as u32;
+            let mut launch = stream.launch_builder(&self.verify);
+            launch.arg(&words).arg(&n).arg(&mut out);
+            // SAFETY: `verify_pieces(const PatternPiece*, u32, u32*)`; as in `checksum`.
+            unsafe { launch.launch(launch_config(pieces.len())) }?;
+        }
+        let mut bad = stream.clone_dtoh(&out)?;
+        bad.truncate(blocks);
+        Ok(bad)
+    }
+}
+
+/// A worker's KV bytes on a GPU: G1 in device memory in the paged layout, G2 in pinned host
+/// memory, a device staging area for transfers, and a copy stream separate from the stream
+/// that fills blocks (the engine's).
+pub struct GpuKv {
+    gpu: Gpu,
+    layout: KvLayout,
+    g1_blocks: usize,
+    main: Arc<CudaStream>,
+    copies: Arc<CudaStream>,
+    g1: CudaSlice<u8>,
+    staging: CudaSlice<u8>,
+    staging_blocks: usize,
+    g2: PinnedHostSlice<u8>,
+}
+
+impl std::fmt::Debug for GpuKv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuKv")
+            .field("device", &self.gpu.name)
+            .field("layout", &self.layout)
+            .field("g1_blocks", &self.g1_blocks)
+            .field(
+                "g2_blocks",
+                &(self.g2.len() / self.layout.block_bytes().max(1)),
+            )
+            .finish()
+    }
+}
+
+/// A queued transfer; [`Transfer::wait`] blocks until the copy stream has finished it.
+#[derive(Debug)]
+pub struct Transfer {
+    done: CudaEvent,
+}
+
+impl Transfer {
+    /// Whether the copy has finished.
+    pub fn is_done(&self) -> bool {
+        self.done.is_complete()
+    }
+
+    /// Waits for the copy to finish.
+    pub fn wait(&self) -> Result<(), GpuError> {
+        Ok(self.done.synchronize()?)
+    }
+}
+
+impl GpuKv {
+    /// Allocates G1 (`g1_blocks`) on device `ordinal`, G2 (`g2_blocks`) in pinned host memory
+    /// and a staging area of `staging_blocks` blocks.
+    pub fn new(
+        ordinal: usize,
+        layout: KvLayout,
+        g1_blocks: usize,
+        g2_blocks: usize,
+        staging_blocks: usize,
+    ) -> Result<GpuKv, GpuError> {
+        let gpu = Gpu::new(ordinal)?;
+        let main = gpu.stream()?;
+        let copies = gpu.stream()?;
+        let block = layout.block_bytes();
+        let g1 = gpu.alloc(&main, g1_blocks * block)?;
+        let staging_blocks = staging_blocks.max(1);
+        let staging = gpu.alloc(&copies, staging_blocks * block)?;
+        // SAFETY: zeroed below before any use. Flags 0: plain page-locked memory (not
+        // write-combined: the host reads G2 back when verifying).
+        let mut g2 = unsafe {
+            gpu.ctx
+                .alloc_pinned_with_flags::<u8>((g2_blocks * block).max(1), 0)
+        }?;
+        g2.as_mut_slice()?.fill(0);
+        main.synchronize()?;
+        copies.synchronize()?;
+        Ok(GpuKv {
+            gpu,
+            layout,
+            g1_blocks,
+            main,
+            copies,
+            g1,
+            staging,
+            staging_blocks,
+            g2,
+        })
+    }
+
+    /// The device.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// The geometry.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// Queues writing the pattern of `seq` into each G1 slot (prefill's KV writes).
+    pub fn fill(&mut self, blocks: &[(usize, u64)]) -> Result<(), GpuError> {
+        let pieces = plan::g1_blocks(&self.layout, self.g1_blocks, blocks);
+        self.gpu.fill(&self.main, &mut self.g1, &pieces)
+    }
+
+    /// Mismatching words per G1 slot against the pattern of its `seq` (waits).
+    pub fn verify_g1(&self, blocks: &[(usize, u64)]) -> Result<Vec<u32>, GpuError> {
+        let pieces = plan::g1_blocks(&self.layout, self.g1_blocks, blocks);
+        self.gpu.verify(&self.main, &self.g1, &pieces, blocks.len())
+    }
+
+    /// Checksums of G1 slots (waits).
+    pub fn checksum_g1(&self, slots: &[usize]) -> Result<Vec<u64>, GpuError> {
+        let blocks: Vec<(usize, u64)> = slots.iter().map(|&s| (s, 0)).collect();
+        let pieces = plan::g1_blocks(&self.layout, self.g1_blocks, &blocks);
+        self.gpu
+            .checksum(&self.main, &self.g1, &pieces, blocks.len())
+    }
+
+    /// Checksums of G2 slots, computed on the host (waits for queued copies).
+    pub fn checksum_g2(&self, slots: &[usize]) -> Result<Vec<u64>, GpuError> {
+        self.copies.synchronize()?;
+        let blocks: Vec<(usize, u64)> = slots.iter().map(|&s| (s, 0)).collect();
+        let pieces = plan::packed_blocks(&self.layout, &blocks);
+        Ok(reference::checksum(
+            self.g2.as_slice()?,
+            &pieces,
+            blocks.len(),
+        )?)
+    }
+
+    fn check_slots(&self, g1: usize, g2: usize) -> Result<(), GpuError> {
+        let block = self.layout.block_bytes();
+        let g2_blocks = self.g2.len() / block.max(1);
+        if g1 >= self.g1_blocks || g2 >= g2_blocks {
+            return Err(PieceError {
+                index: 0,
+                buffer: if g1 >= self.g1_blocks { "g1" } else { "g2" },
+                start: (g1.max(g2) * block) as u64,
+                end: ((g1.max(g2) + 1) * block) as u64,
+                len: if g1 >= self.g1_blocks {
+                    self.g1.len()
+                } else {
+                    self.g2.len()
+                },
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// Queues offload of `(g1, g2)` slot pairs: gather into staging, then D2H into pinned G2,
+    /// on the copy stream after what the main stream has queued so far (the blocks' fills).
+    pub fn offload(&mut self, pairs: &[(usize, usize)]) -> Result<Transfer, GpuError> {
+        for &(g1, g2) in pairs {
+            self.check_slots(g1, g2)?;
+        }
+        let after = self.main.record_event(None)?;
+        self.copies.wait(&after)?;
+        let block = self.layout.block_bytes();
+        for chunk in pairs.chunks(self.staging_blocks) {
+            let staged: Vec<(usize, usize)> = chunk
+                .iter()
+                .enumerate()
+                .map(|(j, &(g1, _))| (g1, j))
+                .collect();
+            let pieces = plan::gather(&self.layout, self.g1_blocks, &staged);
+            self.gpu
+                .copy(&self.copies, &self.g1, &mut self.staging, &pieces)?;
+            let (staging, _s) = self.staging.device_ptr(&self.copies);
+            let host = self.g2.as_mut_slice()?;
+            for run in runs(chunk.iter().map(|&(_, g2)| g2)) {
+                let (first_j, first_g2, len) = run;
+                let dst = &mut host[first_g2 * block..(first_g2 + len) * block];
+                // SAFETY: `dst` is inside pinned G2 (slots checked above), the source run
+                // inside staging (`first_j + len <= staging_blocks`); both stay allocated
+                // until the copy stream is synchronised (on drop of `self` at the latest).
+                unsafe {
+                    cudarc::driver::result::memcpy_dtoh_async(
+                        dst,
+                        staging + (first_j * block) as u64,
+                        self.copies.cu_stream(),
+                    )
+                }?;
+            }
+        }
+        Ok(Transfer {
+            done: self.copies.record_event(None)?,
+        })
+    }
+
+    /// Queues onboard of `(g2, g1)` slot pairs: H2D from pinned G2 into staging, then scatter
+    /// into G1, on the copy stream; the main stream waits for it before its next work.
+    pub fn onboard(&mut self, pairs: &[(usize, usize)]) -> Result<Transfer, GpuError> {
+        for &(g2, g1) in pairs {
+            self.check_slots(g1, g2)?;
+        }
+        let after = self.main.record_event(None)?;
+        self.copies.wait(&after)?;
+        let block = self.layout.block_bytes();
+        for chunk in pairs.chunks(self.staging_blocks) {
+            {
+                let (staging, _s) = self.staging.device_ptr(&self.copies);
+                let host = self.g2.as_slice()?;
+                for (first_j, first_g2, len) in runs(chunk.iter().map(|&(g2, _)| g2)) {
+                    let src = &host[first_g2 * block..(first_g2 + len) * block];
+                    // SAFETY: as in `offload`, in the other direction.
+                    unsafe {
+                        cudarc::driver::result::memcpy_htod_async(
+                            staging + (first_j * block) as u64,
+                            src,
+                            self.copies.cu_stream(),
+                        )
+                    }?;
+                }
+            }
+            let staged: Vec<(usize, usize)> = chunk
+                .iter()
+                .enumerate()
+                .map(|(j, &(_, g1))| (j, g1))
+                .collect();
+            let pieces = plan::scatter(&self.layout, self.g1_blocks, &staged);
+            self.gpu
+                .copy(&self.copies, &self.staging, &mut self.g1, &pieces)?;
+        }
+        let done = self.copies.record_event(None)?;
+        self.main.wait(&done)?;
+        Ok(Transfer { done })
+    }
+
+    /// Queues one contiguous copy of the first `bytes` of G1 to the start of G2 (`to_host`)
+    /// or back: the baseline the benchmark compares gather+D2H and H2D+scatter with.
+    pub fn contiguous_copy(&mut self, to_host: bool, bytes: usize) -> Result<Transfer, GpuError> {
+        let bytes = bytes.min(self.g1.len()).min(self.g2.len());
+        let (g1, _g) = self.g1.device_ptr(&self.copies);
+        // SAFETY: both ranges are within their buffers (clamped above), which live until the
+        // copy stream is synchronised.
+        unsafe {
+            if to_host {
+                let host = &mut self.g2.as_mut_slice()?[..bytes];
+                cudarc::driver::result::memcpy_dtoh_async(host, g1, self.copies.cu_stream())?;
+            } else {
+                let host = &self.g2.as_slice()?[..bytes];
+                cudarc::driver::result::memcpy_htod_async(g1, host, self.copies.cu_stream())?;
+            }
+        }
+        Ok(Transfer {
+            done: self.copies.record_event(None)?,
+        })
+    }
+
+    /// Waits for everything queued.
+    pub fn synchronize(&self) -> Result<(), GpuError> {
+        self.main.synchronize()?;
+        self.copies.synchronize()?;
+        Ok(())
+    }
+}
+
+impl Drop for GpuKv {
+    fn drop(&mut self) {
+        // Queued copies read and write G2 and staging: finish them before freeing.
+        let _ = self.synchronize();
+    }
+}
+
+/// Runs of consecutive slots: `(position of the first in the list, first slot, length)`.
+fn runs(slots: impl Iterator<Item = usize>) -> Vec<(usize, usize, usize)> {
+    let mut out: Vec<(usize, usize, usize)> = Vec::new();
+    for (j, slot) in slots.enumerate() {
+        match out.last_mut() {
+            Some((first_j, first, len)) if *first + *len == slot && *first_j + *len == j => {
+                *len += 1;
+            }
+            _ => out.push((j, slot, 1)),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_join_consecutive_slots_only() {
+        assert_eq!(
+            runs([4, 5, 6, 9, 10, 2].into_iter()),
+            vec![(0, 4, 3), (3, 9, 2), (5, 2, 1)]
+        );
+        assert!(runs(std::iter::empty()).is_empty());
+    }
+
+    #[test]
+    fn descriptors_match_the_c_structs() {
+        let p = Piece {
+            src: 8,
+            dst: 16,
+            len: 24,
+        };
+        assert_eq!(copy_words(&[p], 1000, 2000), vec![1008, 2016, 24]);
+        let q = PatternPiece {
+            addr: 4,
+            seq: 7,
+            piece: 3,
+            len: 10,
+            block: 2,
+        };
+        assert_eq!(pattern_words(&[q], 100), vec![104, 7, 3 | (10 << 32), 2]);
+    }
+
+    #[test]
+    fn without_a_driver_new_is_an_error_not_a_panic() {
+        // On a GPU machine this opens device 0; elsewhere it must say what is missing.
+        match Gpu::new(0) {
+            Ok(gpu) => assert!(gpu.arch.0 >= 5),
+            Err(e) => assert!(!e.to_string().is_empty()),
+        }
+        assert!(Gpu::new(10_000).is_err());
+    }
+}

@@ -1,0 +1,108 @@
+// KV block kernels of kvroute, compiled at run time with NVRTC (kvroute-kernels, cuda.rs).
+// Every kernel walks a list of pieces (one CUDA block per piece, grid-stride over the list);
+// src/dst are absolute device addresses checked against their buffers by the Rust caller.
+// The CPU reference of each kernel is in reference.rs and must stay byte-identical.
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+
+struct Piece { u64 src; u64 dst; u32 len; u32 pad; };
+struct PatternPiece { u64 addr; u64 seq; u32 piece; u32 len; u32 block; u32 pad; };
+
+// Steele, Lea, Flood: "Fast splittable pseudorandom number generators", OOPSLA 2014.
+__device__ __forceinline__ u64 splitmix64(u64 x) {
+    u64 z = x + 0x9e3779b97f4a7c15ULL;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+// Word w of the pattern of piece `piece` of block `seq` (reference.rs: pattern_word).
+__device__ __forceinline__ u64 pattern_word(u64 seq, u32 piece, u64 w) {
+    return splitmix64(seq ^ ((u64)piece << 40) ^ w);
+}
+
+// Little-endian word w of a piece of `len` bytes at `p`, zero-padded past the end.
+__device__ __forceinline__ u64 load_word(const unsigned char* p, u32 len, u64 w, bool aligned) {
+    if (aligned) return ((const u64*)p)[w];
+    u64 word = 0;
+    for (u32 b = 0; b < 8; b++) {
+        u64 i = w * 8 + b;
+        if (i < len) word |= (u64)p[i] << (8 * b);
+    }
+    return word;
+}
+
+// Copies every piece: 16-byte vector loads and stores where source, destination and length
+// are 16-byte aligned, bytes otherwise (decided per piece).
+extern "C" __global__ void copy_pieces(const Piece* pieces, u32 n) {
+    for (u32 p = blockIdx.x; p < n; p += gridDim.x) {
+        const Piece pc = pieces[p];
+        if (((pc.src | pc.dst | (u64)pc.len) & 15) == 0) {
+            const uint4* s = (const uint4*)pc.src;
+            uint4* d = (uint4*)pc.dst;
+            for (u32 i = threadIdx.x; i < pc.len / 16; i += blockDim.x) d[i] = s[i];
+        } else {
+            const unsigned char* s = (const unsigned char*)pc.src;
+            unsigned char* d = (unsigned char*)pc.dst;
+            for (u32 i = threadIdx.x; i < pc.len; i += blockDim.x) d[i] = s[i];
+        }
+    }
+}
+
+// Writes each piece's deterministic pattern (stands in for a prefill's KV writes).
+extern "C" __global__ void fill_pieces(const PatternPiece* pieces, u32 n) {
+    for (u32 p = blockIdx.x; p < n; p += gridDim.x) {
+        const PatternPiece pc = pieces[p];
+        unsigned char* d = (unsigned char*)pc.addr;
+        u64 words = ((u64)pc.len + 7) / 8;
+        bool aligned = ((pc.addr | (u64)pc.len) & 7) == 0;
+        for (u64 w = threadIdx.x; w < words; w += blockDim.x) {
+            u64 word = pattern_word(pc.seq, pc.piece, w);
+            if (aligned) {
+                ((u64*)d)[w] = word;
+            } else {
+                for (u32 b = 0; b < 8; b++) {
+                    u64 i = w * 8 + b;
+                    if (i < pc.len) d[i] = (unsigned char)(word >> (8 * b));
+                }
+            }
+        }
+    }
+}
+
+// Adds each piece's checksum into out[piece.block]: the wrapping sum over its words of
+// splitmix64(word ^ piece << 48 ^ w). Order-free, so the reduction is deterministic.
+extern "C" __global__ void checksum_pieces(const PatternPiece* pieces, u32 n, u64* out) {
+    for (u32 p = blockIdx.x; p < n; p += gridDim.x) {
+        const PatternPiece pc = pieces[p];
+        const unsigned char* s = (const unsigned char*)pc.addr;
+        u64 words = ((u64)pc.len + 7) / 8;
+        bool aligned = ((pc.addr | (u64)pc.len) & 7) == 0;
+        u64 acc = 0;
+        for (u64 w = threadIdx.x; w < words; w += blockDim.x) {
+            acc += splitmix64(load_word(s, pc.len, w, aligned) ^ ((u64)pc.piece << 48) ^ w);
+        }
+        for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_down_sync(0xffffffffu, acc, offset);
+        if ((threadIdx.x & 31) == 0) atomicAdd(&out[pc.block], acc);
+    }
+}
+
+// Counts, into out[piece.block], the words of each piece that differ from its pattern.
+extern "C" __global__ void verify_pieces(const PatternPiece* pieces, u32 n, u32* out) {
+    for (u32 p = blockIdx.x; p < n; p += gridDim.x) {
+        const PatternPiece pc = pieces[p];
+        const unsigned char* s = (const unsigned char*)pc.addr;
+        u64 words = ((u64)pc.len + 7) / 8;
+        bool aligned = ((pc.addr | (u64)pc.len) & 7) == 0;
+        u32 bad = 0;
+        for (u64 w = threadIdx.x; w < words; w += blockDim.x) {
+            u64 want = pattern_word(pc.seq, pc.piece, w);
+            u32 tail = (u32)min((u64)8, (u64)pc.len - w * 8);
+            if (tail < 8) want &= (1ULL << (8 * tail)) - 1;
+            bad += load_word(s, pc.len, w, aligned) != want;
+        }
+        for (int offset = 16; offset > 0; offset /= 2) bad += __shfl_down_sync(0xffffffffu, bad, offset);
+        if ((threadIdx.x & 31) == 0 && bad) atomicAdd(&out[pc.block], bad);
+    }
+}

@@ -1,0 +1,194 @@
+//! The kernels on a real device against the CPU reference. Needs a CUDA GPU, driver and
+//! NVRTC: `cargo test -p kvroute-kernels --test gpu -- --ignored`.
+#![allow(missing_docs, clippy::unwrap_used)]
+
+use kvroute_kernels::cuda::{Gpu, GpuKv};
+use kvroute_kernels::plan::{self, PatternPiece, Piece};
+use kvroute_kernels::{Dtype, KvLayout, reference};
+
+/// xorshift64: reproducible "random" without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    fn permutation(&mut self, n: usize) -> Vec<usize> {
+        let mut v: Vec<usize> = (0..n).collect();
+        for i in (1..n).rev() {
+            v.swap(i, self.below(i + 1));
+        }
+        v
+    }
+}
+
+fn gpu() -> Gpu {
+    Gpu::new(0).unwrap_or_else(|e| panic!("needs a CUDA device: {e}"))
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn every_operation_equals_the_reference_for_every_dtype() {
+    let gpu = gpu();
+    let stream = gpu.stream().unwrap();
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    for dtype in Dtype::ALL {
+        for _ in 0..8 {
+            let layout = KvLayout {
+                layers: 1 + rng.below(4),
+                kv_heads: 1 + rng.below(8),
+                head_dim: [3, 8, 64, 128][rng.below(4)],
+                block_size: 1 + rng.below(16),
+                dtype,
+            };
+            let g1_blocks = 32;
+            let n = 1 + rng.below(16);
+            let slots = rng.permutation(g1_blocks);
+            let blocks: Vec<(usize, u64)> = slots[..n].iter().map(|&s| (s, rng.next())).collect();
+            // fill
+            let mut host_g1 = vec![0u8; g1_blocks * layout.block_bytes()];
+            let pieces = plan::g1_blocks(&layout, g1_blocks, &blocks);
+            reference::fill(&mut host_g1, &pieces).unwrap();
+            let mut g1 = gpu.alloc(&stream, host_g1.len()).unwrap();
+            gpu.fill(&stream, &mut g1, &pieces).unwrap();
+            assert_eq!(stream.clone_dtoh(&g1).unwrap(), host_g1, "fill {layout:?}");
+            // checksum and verify
+            assert_eq!(
+                gpu.checksum(&stream, &g1, &pieces, n).unwrap(),
+                reference::checksum(&host_g1, &pieces, n).unwrap()
+            );
+            assert!(
+                gpu.verify(&stream, &g1, &pieces, n)
+                    .unwrap()
+                    .iter()
+                    .all(|&b| b == 0)
+            );
+            // gather into a permutation of packed slots
+            let packed = rng.permutation(n);
+            let pairs: Vec<(usize, usize)> = blocks
+                .iter()
+                .zip(&packed)
+                .map(|(&(s, _), &p)| (s, p))
+                .collect();
+            let gather = plan::gather(&layout, g1_blocks, &pairs);
+            let mut host_staging = vec![0u8; n * layout.block_bytes()];
+            reference::copy(&host_g1, &mut host_staging, &gather).unwrap();
+            let mut staging = gpu.alloc(&stream, host_staging.len()).unwrap();
+            gpu.copy(&stream, &g1, &mut staging, &gather).unwrap();
+            assert_eq!(
+                stream.clone_dtoh(&staging).unwrap(),
+                host_staging,
+                "gather {layout:?}"
+            );
+            // scatter back into other slots
+            let back: Vec<(usize, usize)> = packed
+                .iter()
+                .zip(&slots[n..])
+                .map(|(&p, &t)| (p, t))
+                .collect();
+            let scatter = plan::scatter(&layout, g1_blocks, &back);
+            let mut host_out = vec![0u8; host_g1.len()];
+            reference::copy(&host_staging, &mut host_out, &scatter).unwrap();
+            let mut out = gpu.alloc(&stream, host_out.len()).unwrap();
+            gpu.copy(&stream, &staging, &mut out, &scatter).unwrap();
+            assert_eq!(
+                stream.clone_dtoh(&out).unwrap(),
+                host_out,
+                "scatter {layout:?}"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn misaligned_pieces_take_the_byte_path_and_match() {
+    let gpu = gpu();
+    let stream = gpu.stream().unwrap();
+    let mut rng = Rng(42);
+    for _ in 0..50 {
+        let mut at = 0u64;
+        let mut copies = Vec::new();
+        let mut patterns = Vec::new();
+        for j in 0..1 + rng.below(20) {
+            at += rng.below(40) as u64;
+            let len = 1 + rng.below(300) as u32;
+            copies.push(Piece {
+                src: at,
+                dst: at + rng.below(17) as u64,
+                len,
+            });
+            patterns.push(PatternPiece {
+                addr: at,
+                seq: rng.next(),
+                piece: rng.below(64) as u32,
+                len,
+                block: j as u32,
+            });
+            at += u64::from(len) + 17;
+        }
+        let size = at as usize + 32;
+        let mut host = vec![0u8; size];
+        reference::fill(&mut host, &patterns).unwrap();
+        let mut buf = gpu.alloc(&stream, size).unwrap();
+        gpu.fill(&stream, &mut buf, &patterns).unwrap();
+        assert_eq!(stream.clone_dtoh(&buf).unwrap(), host);
+        let blocks = patterns.len();
+        assert_eq!(
+            gpu.checksum(&stream, &buf, &patterns, blocks).unwrap(),
+            reference::checksum(&host, &patterns, blocks).unwrap()
+        );
+        let mut host_dst = vec![0u8; size];
+        reference::copy(&host, &mut host_dst, &copies).unwrap();
+        let mut dst = gpu.alloc(&stream, size).unwrap();
+        gpu.copy(&stream, &buf, &mut dst, &copies).unwrap();
+        assert_eq!(stream.clone_dtoh(&dst).unwrap(), host_dst);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn offload_then_onboard_roundtrips_10000_random_blocks() {
+    let layout = KvLayout {
+        layers: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        block_size: 16,
+        dtype: Dtype::Bf16,
+    };
+    let (g1_blocks, g2_blocks) = (12_000, 10_000);
+    let mut kv = GpuKv::new(0, layout, g1_blocks, g2_blocks, 256).unwrap();
+    let mut rng = Rng(7);
+    let sources = rng.permutation(g1_blocks);
+    let blocks: Vec<(usize, u64)> = sources[..10_000].iter().map(|&s| (s, rng.next())).collect();
+    kv.fill(&blocks).unwrap();
+    let slots: Vec<usize> = blocks.iter().map(|&(s, _)| s).collect();
+    let sums = kv.checksum_g1(&slots).unwrap();
+    let g2 = rng.permutation(g2_blocks);
+    let pairs: Vec<(usize, usize)> = slots.iter().zip(&g2).map(|(&s, &h)| (s, h)).collect();
+    kv.offload(&pairs).unwrap().wait().unwrap();
+    assert_eq!(kv.checksum_g2(&g2).unwrap(), sums, "G2 after offload");
+    // Onboard into a different permutation of G1 slots (some reused, some fresh).
+    let targets = rng.permutation(g1_blocks);
+    let back: Vec<(usize, usize)> = g2.iter().zip(&targets).map(|(&h, &t)| (h, t)).collect();
+    kv.onboard(&back).unwrap().wait().unwrap();
+    assert_eq!(
+        kv.checksum_g1(&targets[..10_000]).unwrap(),
+        sums,
+        "G1 after onboard"
+    );
+    let moved: Vec<(usize, u64)> = blocks
+        .iter()
+        .zip(&targets)
+        .map(|(&(_, seq), &t)| (t, seq))
+        .collect();
+    assert!(kv.verify_g1(&moved).unwrap().iter().all(|&b| b == 0));
+}
