@@ -16,8 +16,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError,
-    LaunchConfig, PinnedHostSlice, PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    DriverError, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use parking_lot::Mutex;
@@ -237,21 +237,7 @@ impl Gpu {
         pieces: &[PatternPiece],
         blocks: usize,
     ) -> Result<Vec<u64>, GpuError> {
-        plan::check_pattern(pieces, buf.len(), blocks)?;
-        let mut out = stream.alloc_zeros::<u64>(blocks.max(1))?;
-        if !pieces.is_empty() {
-            let (base, _b) = buf.device_ptr(stream);
-            let words = stream.clone_htod(&pattern_words(pieces, base))?;
-            let n = pieces.len() as u32;
-            let mut launch = stream.launch_builder(&self.checksum);
-            launch.arg(&words).arg(&n).arg(&mut out);
-            // SAFETY: `checksum_pieces(const PatternPiece*, u32, u64*)`; pieces checked
-            // inside `buf`, every `block` below `blocks` = the length of `out`.
-            unsafe { launch.launch(launch_config(pieces.len())) }?;
-        }
-        let mut sums = stream.clone_dtoh(&out)?;
-        sums.truncate(blocks);
-        Ok(sums)
+        self.per_block(&self.checksum, stream, buf, pieces, blocks)
     }
 
     /// Per result `0..blocks`, how many words of its pieces differ from their pattern.
@@ -262,20 +248,35 @@ impl Gpu {
         pieces: &[PatternPiece],
         blocks: usize,
     ) -> Result<Vec<u32>, GpuError> {
+        self.per_block(&self.verify, stream, buf, pieces, blocks)
+    }
+
+    /// Runs a `(const PatternPiece*, u32, T*)` kernel that adds each piece's figure into
+    /// `out[piece.block]`, and reads the `blocks` results back.
+    fn per_block<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        kernel: &CudaFunction,
+        stream: &Arc<CudaStream>,
+        buf: &CudaSlice<u8>,
+        pieces: &[PatternPiece],
+        blocks: usize,
+    ) -> Result<Vec<T>, GpuError> {
         plan::check_pattern(pieces, buf.len(), blocks)?;
-        let mut out = stream.alloc_zeros::<u32>(blocks.max(1))?;
+        let mut out = stream.alloc_zeros::<T>(blocks.max(1))?;
         if !pieces.is_empty() {
             let (base, _b) = buf.device_ptr(stream);
             let words = stream.clone_htod(&pattern_words(pieces, base))?;
             let n = pieces.len() as u32;
-            let mut launch = stream.launch_builder(&self.verify);
+            let mut launch = stream.launch_builder(kernel);
             launch.arg(&words).arg(&n).arg(&mut out);
-            // SAFETY: `verify_pieces(const PatternPiece*, u32, u32*)`; as in `checksum`.
+            // SAFETY: `checksum_pieces` / `verify_pieces(const PatternPiece*, u32, T*)` with
+            // T their result type; pieces checked inside `buf`, every `block` below `blocks`
+            // = the length of `out`.
             unsafe { launch.launch(launch_config(pieces.len())) }?;
         }
-        let mut bad = stream.clone_dtoh(&out)?;
-        bad.truncate(blocks);
-        Ok(bad)
+        let mut results = stream.clone_dtoh(&out)?;
+        results.truncate(blocks);
+        Ok(results)
     }
 }
 
