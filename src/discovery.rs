@@ -1,8 +1,8 @@
 //! Which workers exist: registration with a lease in the JetStream KV bucket
 //! `kvroute-<cluster>-workers` (DESIGN §5), an in-process registry for `kvroute up` and tests,
-//! or a static list for setups without JetStream. The router side enforces the lease TTL
-//! itself: the server does not announce max-age expiry on older versions, and a worker killed
-//! without goodbye must leave the index within TTL + 1 s.
+//! or a static list for setups without JetStream. This module reports what the registry says
+//! (validated registrations and goodbyes); the router's fleet state machine
+//! ([`crate::events::fleet`]) owns the leases and decides when a silent worker has expired.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -12,9 +12,21 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, mpsc};
-use tokio::time::Instant;
 
 use crate::protocol::WorkerId;
+
+/// Most data-parallel ranks one registration may declare (each becomes an event stream and a
+/// scheduler entry; the largest wide-EP deployments run a few hundred).
+pub const MAX_DP_SIZE: u32 = 1024;
+/// Largest registration accepted, bytes of JSON.
+pub const MAX_INFO_BYTES: usize = 64 << 10;
+/// Longest URL and model name accepted, bytes.
+const MAX_URL_BYTES: usize = 2048;
+const MAX_MODEL_BYTES: usize = 256;
+/// Largest block size accepted, tokens.
+const MAX_BLOCK_SIZE: usize = 1 << 16;
+/// Largest pool accepted, blocks (2⁴⁰: far beyond any GPU or host memory).
+const MAX_POOL_BLOCKS: usize = 1 << 40;
 
 /// What a worker registers, refreshed every heartbeat.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -41,6 +53,101 @@ pub struct WorkerInfo {
     pub last_event_ids: Vec<u64>,
 }
 
+/// Why a registration was refused at decode.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum InfoError {
+    /// Not JSON of a `WorkerInfo`.
+    #[error("registration is not a WorkerInfo: {0}")]
+    Json(String),
+    /// Over [`MAX_INFO_BYTES`].
+    #[error("registration of {bytes} bytes is over the {MAX_INFO_BYTES}-byte limit")]
+    TooLarge {
+        /// Its size.
+        bytes: usize,
+    },
+    /// A field outside its range.
+    #[error("registration of worker {id}: {field} {problem}")]
+    Field {
+        /// The worker.
+        id: WorkerId,
+        /// The field.
+        field: &'static str,
+        /// What is wrong with it.
+        problem: String,
+    },
+}
+
+impl WorkerInfo {
+    /// Decodes and validates a registration as it arrives from the registry.
+    pub fn decode(bytes: &[u8]) -> Result<WorkerInfo, InfoError> {
+        if bytes.len() > MAX_INFO_BYTES {
+            return Err(InfoError::TooLarge { bytes: bytes.len() });
+        }
+        let info: WorkerInfo =
+            serde_json::from_slice(bytes).map_err(|e| InfoError::Json(e.to_string()))?;
+        info.validate()?;
+        Ok(info)
+    }
+
+    /// Checks every field against what a real worker can register: a registration decides
+    /// how many streams and scheduler entries the router keeps, so it is bounded before use.
+    pub fn validate(&self) -> Result<(), InfoError> {
+        let bad = |field: &'static str, problem: String| {
+            Err(InfoError::Field {
+                id: self.id,
+                field,
+                problem,
+            })
+        };
+        if !(1..=MAX_DP_SIZE).contains(&self.dp_size) {
+            return bad(
+                "dp_size",
+                format!("{} is outside 1..={MAX_DP_SIZE}", self.dp_size),
+            );
+        }
+        if self.last_event_ids.len() > self.dp_size as usize {
+            return bad(
+                "last_event_ids",
+                format!(
+                    "has {} entries for {} ranks",
+                    self.last_event_ids.len(),
+                    self.dp_size
+                ),
+            );
+        }
+        if !(1..=MAX_BLOCK_SIZE).contains(&self.block_size) {
+            return bad(
+                "block_size",
+                format!("{} is outside 1..={MAX_BLOCK_SIZE}", self.block_size),
+            );
+        }
+        if self.g1_blocks == 0 || self.g1_blocks > MAX_POOL_BLOCKS {
+            return bad(
+                "g1_blocks",
+                format!("{} is outside 1..=2^40", self.g1_blocks),
+            );
+        }
+        if self.g2_blocks > MAX_POOL_BLOCKS {
+            return bad("g2_blocks", format!("{} is over 2^40", self.g2_blocks));
+        }
+        let printable = |s: &str| !s.chars().any(|c| c.is_control() || c.is_whitespace());
+        if self.model.is_empty() || self.model.len() > MAX_MODEL_BYTES || !printable(&self.model) {
+            return bad(
+                "model",
+                format!("must be 1..={MAX_MODEL_BYTES} bytes without spaces or control characters"),
+            );
+        }
+        let scheme_ok = self.url.starts_with("http://") || self.url.starts_with("https://");
+        if !scheme_ok || self.url.len() > MAX_URL_BYTES || !printable(&self.url) {
+            return bad(
+                "url",
+                format!("must be an http(s) URL of at most {MAX_URL_BYTES} bytes"),
+            );
+        }
+        Ok(())
+    }
+}
+
 /// Lease timing.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -60,18 +167,22 @@ impl Default for LeaseConfig {
     }
 }
 
-/// A change in the fleet.
+/// What the registry reports.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum FleetEvent {
-    /// A worker registered or refreshed its registration.
-    Up(WorkerInfo),
-    /// A worker left (goodbye) or its lease expired.
-    Down {
-        /// The worker.
-        id: WorkerId,
-        /// True if it expired rather than said goodbye.
-        expired: bool,
-    },
+pub enum RegistryEvent {
+    /// A worker registered or refreshed its registration (validated).
+    Put(WorkerInfo),
+    /// A worker said goodbye.
+    Delete(WorkerId),
+}
+
+/// The registry's reports, and whether its registrations lapse.
+#[derive(Debug)]
+pub struct Watch {
+    /// Registrations and goodbyes, in order; every current registration comes first.
+    pub events: mpsc::Receiver<RegistryEvent>,
+    /// A registration not refreshed for this long has expired, ms (`None`: a static list).
+    pub lease_ttl_ms: Option<u64>,
 }
 
 /// A registry failure.
@@ -112,29 +223,25 @@ pub fn bucket_name(cluster: &str) -> String {
 }
 
 impl Registry {
-    /// Opens (creating if needed) the cluster's KV bucket.
+    /// Opens the cluster's KV bucket, creating it if needed with up to `replicas` copies
+    /// (fewer if the JetStream cluster has fewer servers), and raising the replicas of an
+    /// existing bucket that has fewer than the cluster allows.
     pub async fn nats(
         client: async_nats::Client,
         cluster: &str,
         lease: &LeaseConfig,
+        replicas: usize,
     ) -> Result<Registry, DiscoveryError> {
         let js = async_nats::jetstream::new(client);
         let bucket = bucket_name(cluster);
-        let config = async_nats::jetstream::kv::Config {
-            bucket: bucket.clone(),
-            history: 1,
-            max_age: Duration::from_millis(lease.ttl_ms.max(1000) * 2),
-            ..Default::default()
-        };
+        let wanted = replicas.clamp(1, 5);
         let store = match js.get_key_value(&bucket).await {
-            Ok(store) => store,
-            Err(_) => js
-                .create_key_value(config)
-                .await
-                .map_err(|e| DiscoveryError::Bucket {
-                    bucket: bucket.clone(),
-                    reason: e.to_string(),
-                })?,
+            Ok(store) => {
+                raise_replicas(&js, &bucket, wanted).await;
+                store
+            }
+            // Not there, or JetStream not ready yet: creating retries either way.
+            Err(_) => create_bucket(&js, &bucket, lease, wanted).await?,
         };
         Ok(Registry::Nats(Box::new(store)))
     }
@@ -180,79 +287,164 @@ impl Registry {
         }
     }
 
-    /// Watches the fleet: every current registration as `Up`, then changes, with expiry
-    /// enforced here by `lease.ttl_ms`. Runs until the receiver is dropped.
-    pub fn watch(&self, lease: LeaseConfig) -> mpsc::Receiver<FleetEvent> {
-        let (tx, rx) = mpsc::channel(1024);
-        let (raw_tx, raw_rx) = mpsc::channel(1024);
-        match self.clone() {
+    /// Watches the registry: every current registration as `Put`, then changes, until the
+    /// receiver is dropped. `lease` says how long a silent registration lives.
+    pub fn watch(&self, lease: LeaseConfig) -> Watch {
+        let (tx, events) = mpsc::channel(1024);
+        let lease_ttl_ms = match self.clone() {
             Registry::Nats(store) => {
-                tokio::spawn(watch_bucket(*store, raw_tx));
+                tokio::spawn(watch_bucket(*store, tx));
+                Some(lease.ttl_ms)
             }
             Registry::Local(local) => {
-                let mut changes = local.changes.subscribe();
-                let current: Vec<WorkerInfo> = local.workers.lock().values().cloned().collect();
-                tokio::spawn(async move {
-                    for info in current {
-                        if raw_tx.send(Raw::Put(info)).await.is_err() {
-                            return;
-                        }
-                    }
-                    while let Ok(change) = changes.recv().await {
-                        if raw_tx.send(change).await.is_err() {
-                            return;
-                        }
-                    }
-                });
+                tokio::spawn(watch_local(local, tx));
+                Some(lease.ttl_ms)
             }
             Registry::Static(list) => {
                 tokio::spawn(async move {
                     for info in list {
-                        let _ = tx.send(FleetEvent::Up(info)).await;
+                        if tx.send(RegistryEvent::Put(info)).await.is_err() {
+                            return;
+                        }
                     }
                     // Static workers never expire: keep the channel open until the router
                     // drops it.
                     tx.closed().await;
                 });
-                return rx;
+                None
             }
+        };
+        Watch {
+            events,
+            lease_ttl_ms,
         }
-        tokio::spawn(enforce_ttl(raw_rx, tx, lease));
-        rx
     }
 }
 
-/// A registration change as the backend reports it.
-#[derive(Clone, Debug)]
-enum Raw {
-    Put(WorkerInfo),
-    Delete(WorkerId),
+/// How long to keep trying for the bucket while JetStream is still electing its leaders
+/// (a cluster starting beside us), before giving up.
+const BUCKET_PATIENCE: Duration = Duration::from_secs(60);
+/// How long to insist on all `wanted` replicas before settling for fewer (a cluster whose
+/// last server is still joining refuses them for a second or two).
+const REPLICA_PATIENCE: Duration = Duration::from_secs(10);
+
+/// Creates the bucket with as many replicas as the JetStream cluster allows, up to `wanted`:
+/// a server without clustering refuses more than one at once; a cluster short of servers
+/// gets `wanted` for a while, then fewer.
+async fn create_bucket(
+    js: &async_nats::jetstream::Context,
+    bucket: &str,
+    lease: &LeaseConfig,
+    wanted: usize,
+) -> Result<async_nats::jetstream::kv::Store, DiscoveryError> {
+    let started = tokio::time::Instant::now();
+    let mut replicas = wanted;
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let config = async_nats::jetstream::kv::Config {
+            bucket: bucket.to_owned(),
+            history: 1,
+            max_age: Duration::from_millis(lease.ttl_ms.max(1000) * 2),
+            num_replicas: replicas,
+            ..Default::default()
+        };
+        let error = match js.create_key_value(config).await {
+            Ok(store) => {
+                tracing::info!(bucket, replicas, "created the worker registry bucket");
+                return Ok(store);
+            }
+            Err(e) => e.to_string(),
+        };
+        // Another process may have created it meanwhile.
+        if let Ok(store) = js.get_key_value(bucket).await {
+            return Ok(store);
+        }
+        if started.elapsed() > BUCKET_PATIENCE {
+            return Err(DiscoveryError::Bucket {
+                bucket: bucket.to_owned(),
+                reason: error,
+            });
+        }
+        if error.contains("non-clustered") {
+            replicas = 1;
+            continue;
+        }
+        if replicas > 1 && started.elapsed() > REPLICA_PATIENCE {
+            replicas -= 1;
+        }
+        tracing::warn!(bucket, replicas, %error, "cannot create the registry bucket yet; retrying");
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
 }
 
-async fn watch_bucket(store: async_nats::jetstream::kv::Store, tx: mpsc::Sender<Raw>) {
+/// Raises an existing bucket's replicas towards `wanted`, as far as the cluster allows (a
+/// bucket created on one server keeps one copy after the cluster grows).
+async fn raise_replicas(js: &async_nats::jetstream::Context, bucket: &str, wanted: usize) {
+    let name = format!("KV_{bucket}");
+    let Ok(mut stream) = js.get_stream(&name).await else {
+        return;
+    };
+    let Ok(info) = stream.info().await else {
+        return;
+    };
+    let mut config = info.config.clone();
+    let current = config.num_replicas.max(1);
+    for replicas in ((current + 1)..=wanted).rev() {
+        config.num_replicas = replicas;
+        match js.update_stream(&config).await {
+            Ok(_) => {
+                tracing::info!(
+                    bucket,
+                    from = current,
+                    to = replicas,
+                    "raised the worker registry's replicas"
+                );
+                return;
+            }
+            Err(e) => {
+                tracing::debug!(bucket, replicas, error = %e, "cannot raise the registry's replicas")
+            }
+        }
+    }
+}
+
+async fn watch_bucket(store: async_nats::jetstream::kv::Store, tx: mpsc::Sender<RegistryEvent>) {
     use async_nats::jetstream::kv::Operation;
     use futures_util::StreamExt;
+    let mut backoff = Duration::from_millis(200);
     loop {
         let mut watch = match store.watch_with_history(">").await {
             Ok(w) => w,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot watch the worker registry; retrying");
-                tokio::time::sleep(Duration::from_secs(1)).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = tx.closed() => return,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
                 continue;
             }
         };
-        while let Some(entry) = watch.next().await {
-            let raw = match entry {
+        backoff = Duration::from_millis(200);
+        loop {
+            let entry = tokio::select! {
+                entry = watch.next() => entry,
+                _ = tx.closed() => return,
+            };
+            let Some(entry) = entry else { break };
+            let event = match entry {
                 Ok(entry) => match entry.operation {
-                    Operation::Put => match serde_json::from_slice::<WorkerInfo>(&entry.value) {
-                        Ok(info) => Raw::Put(info),
+                    Operation::Put => match WorkerInfo::decode(&entry.value) {
+                        Ok(info) => RegistryEvent::Put(info),
                         Err(e) => {
-                            tracing::warn!(key = %entry.key, error = %e, "ignoring malformed worker registration");
+                            metrics::counter!("kvroute_registry_invalid_total").increment(1);
+                            tracing::warn!(key = %entry.key, error = %e, "ignoring invalid worker registration");
                             continue;
                         }
                     },
                     Operation::Delete | Operation::Purge => match entry.key.parse::<u64>() {
-                        Ok(id) => Raw::Delete(WorkerId(id)),
+                        Ok(id) => RegistryEvent::Delete(WorkerId(id)),
                         Err(_) => continue,
                     },
                 },
@@ -261,59 +453,47 @@ async fn watch_bucket(store: async_nats::jetstream::kv::Store, tx: mpsc::Sender<
                     break;
                 }
             };
-            if tx.send(raw).await.is_err() {
+            if tx.send(event).await.is_err() {
                 return;
             }
         }
-        if tx.is_closed() {
-            return;
+        // The watch ended (server restart, leader change): watch again; current entries
+        // come back as puts, and goodbyes missed meanwhile lapse with their leases.
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+            _ = tx.closed() => return,
         }
-        // The watch ended (server restart): watch again; current entries come back as puts.
-        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
-/// Forwards registrations, and declares a worker down once its lease lapses.
-async fn enforce_ttl(
-    mut raw: mpsc::Receiver<Raw>,
-    tx: mpsc::Sender<FleetEvent>,
-    lease: LeaseConfig,
-) {
-    let ttl = Duration::from_millis(lease.ttl_ms);
-    let mut seen: HashMap<WorkerId, Instant> = HashMap::new();
-    let mut check =
-        tokio::time::interval(Duration::from_millis((lease.ttl_ms / 10).clamp(10, 250)));
+/// Forwards an in-process registry's changes. A subscriber that falls behind the broadcast
+/// (`Lagged`) resyncs from the registry's current contents instead of stopping: goodbyes it
+/// missed lapse with their leases.
+async fn watch_local(local: LocalRegistry, tx: mpsc::Sender<RegistryEvent>) {
+    use tokio::sync::broadcast::error::RecvError;
     loop {
-        tokio::select! {
-            change = raw.recv() => {
-                let event = match change {
-                    Some(Raw::Put(info)) => {
-                        seen.insert(info.id, Instant::now());
-                        FleetEvent::Up(info)
-                    }
-                    Some(Raw::Delete(id)) => {
-                        if seen.remove(&id).is_none() {
-                            continue;
-                        }
-                        FleetEvent::Down { id, expired: false }
-                    }
-                    None => return,
-                };
-                if tx.send(event).await.is_err() {
-                    return;
-                }
+        let mut changes = local.changes.subscribe();
+        let current: Vec<WorkerInfo> = local.workers.lock().values().cloned().collect();
+        for info in current {
+            if tx.send(RegistryEvent::Put(info)).await.is_err() {
+                return;
             }
-            _ = check.tick() => {
-                let now = Instant::now();
-                let expired: Vec<WorkerId> =
-                    seen.iter().filter(|(_, at)| now.duration_since(**at) > ttl).map(|(id, _)| *id).collect();
-                for id in expired {
-                    seen.remove(&id);
-                    tracing::warn!(worker = %id, ttl_ms = lease.ttl_ms, "worker lease expired");
-                    if tx.send(FleetEvent::Down { id, expired: true }).await.is_err() {
+        }
+        loop {
+            match changes.recv().await {
+                Ok(event) => {
+                    if tx.send(event).await.is_err() {
                         return;
                     }
                 }
+                Err(RecvError::Lagged(missed)) => {
+                    tracing::warn!(
+                        missed,
+                        "registry watch fell behind; resyncing from the registry"
+                    );
+                    break;
+                }
+                Err(RecvError::Closed) => return,
             }
         }
     }
@@ -323,7 +503,7 @@ async fn enforce_ttl(
 #[derive(Clone, Debug)]
 pub struct LocalRegistry {
     workers: Arc<Mutex<HashMap<WorkerId, WorkerInfo>>>,
-    changes: broadcast::Sender<Raw>,
+    changes: broadcast::Sender<RegistryEvent>,
 }
 
 impl Default for LocalRegistry {
@@ -336,16 +516,21 @@ impl Default for LocalRegistry {
 }
 
 impl LocalRegistry {
-    fn put(&self, info: WorkerInfo) {
+    /// Writes a registration (as a worker's heartbeat does).
+    pub fn put(&self, info: WorkerInfo) {
         self.workers.lock().insert(info.id, info.clone());
-        let _ = self.changes.send(Raw::Put(info));
+        let _ = self.changes.send(RegistryEvent::Put(info));
     }
 
-    fn delete(&self, id: WorkerId) {
+    /// Removes a registration (a goodbye).
+    pub fn delete(&self, id: WorkerId) {
         self.workers.lock().remove(&id);
-        let _ = self.changes.send(Raw::Delete(id));
+        let _ = self.changes.send(RegistryEvent::Delete(id));
     }
 }
+
+/// How long a worker keeps trying to write its first registration before giving up.
+const REGISTER_PATIENCE: Duration = Duration::from_secs(30);
 
 /// A worker's registration: refreshed every heartbeat from `info` (which the worker keeps
 /// current, e.g. its last event ids), removed on [`Registration::goodbye`].
@@ -364,7 +549,18 @@ impl Registration {
         lease: &LeaseConfig,
     ) -> Result<Registration, DiscoveryError> {
         let first = info.lock().clone();
-        registry.put(&first).await?;
+        // The registry may be briefly unavailable (a JetStream cluster electing the
+        // bucket's leader, or a bucket just created elsewhere): keep trying for a while.
+        let started = tokio::time::Instant::now();
+        let mut backoff = Duration::from_millis(100);
+        while let Err(e) = registry.put(&first).await {
+            if started.elapsed() > REGISTER_PATIENCE {
+                return Err(e);
+            }
+            tracing::warn!(error = %e, "cannot register yet; retrying");
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
         let (r, i) = (registry.clone(), Arc::clone(&info));
         let period = Duration::from_millis(lease.heartbeat_ms.max(10));
         let task = tokio::spawn(async move {

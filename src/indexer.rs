@@ -492,6 +492,11 @@ impl Indexer {
         removed
     }
 
+    /// Every (worker, rank) with a lane (for the fleet's sweep of orphans).
+    pub fn ranks(&self) -> Vec<(WorkerId, DpRank)> {
+        self.lanes.all().into_iter().map(|(k, _)| k).collect()
+    }
+
     /// Per worker, how much of the request (its blocks' `LocalHash`es, unsalted) it holds.
     pub fn find_matches(&self, locals: &[LocalHash]) -> OverlapScores {
         let mut parent = None;

@@ -1,37 +1,38 @@
 //! The HTTP front door (hyper 1): OpenAI completions and chat completions, routed by KV
-//! overlap and load, proxied to the chosen worker's internal generate endpoint and relayed
-//! back as they stream; plus health, readiness, models, metrics and the admin views.
+//! overlap and load among the workers serving the requested model, proxied to the chosen
+//! worker's internal generate endpoint and relayed back as they stream; health, readiness,
+//! models and metrics; and, on their own listener, the admin views.
 
 pub mod openai;
+pub mod proxy;
 pub mod tokenizer;
 
-use std::convert::Infallible;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited, StreamBody, combinators::BoxBody};
-use hyper::body::{Frame, Incoming};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
 use hyper::{Method, Response, StatusCode, header};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioExecutor;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Semaphore, watch};
 use tokio::time::Instant;
 
+use crate::auth::{Secret, bearer_ok};
 use crate::events::load::LoadShare;
 use crate::events::plane::EventPlane;
-use crate::protocol::{DpRank, Salt, SeqHash, hash_blocks};
-use crate::scheduler::{Decision, RouteRequest, Scheduler, WorkerKey};
+use crate::http::{Body, BodyError, HttpConfig, collect_body, serve_http};
+use crate::protocol::{Salt, SeqHash, hash_blocks};
+use crate::scheduler::{RouteRequest, Scheduler, WorkerKey};
 use openai::{ApiError, ChatRequest, CompletionRequest, Prompt};
+use proxy::{Booking, ProxyError, forward};
 use tokenizer::Tokenizer;
-
-/// The response body of every kvroute HTTP endpoint.
-pub type Body = BoxBody<Bytes, Infallible>;
 
 /// Settings of the HTTP front door.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -45,6 +46,23 @@ pub struct IngressConfig {
     pub retries: usize,
     /// How long a worker may take to answer with headers, ms.
     pub worker_timeout_ms: u64,
+    /// Longest silence mid-stream, ms: a worker that sends nothing this long (or a client
+    /// that reads nothing this long) ends the stream and frees its slot and booking.
+    pub relay_idle_timeout_ms: u64,
+    /// Deadline for a whole non-streamed worker answer (or error body), ms.
+    pub upstream_body_timeout_ms: u64,
+    /// Largest non-streamed worker answer, bytes.
+    pub max_upstream_body_bytes: usize,
+    /// Threads that parse, template and tokenize request bodies (0: one per core), off the
+    /// async runtime's threads.
+    pub tokenizer_threads: usize,
+    /// The HTTP servers' limits (connections, header and body deadlines).
+    pub http: HttpConfig,
+    /// Keys accepted on the OpenAI endpoints (`Authorization: Bearer KEY`); empty: open.
+    pub api_keys: Vec<Secret>,
+    /// Token required on the admin listener (`Authorization: Bearer TOKEN`); `None`: open
+    /// (bind it to loopback, the default).
+    pub admin_token: Option<Secret>,
 }
 
 impl Default for IngressConfig {
@@ -54,13 +72,59 @@ impl Default for IngressConfig {
             max_inflight: 4096,
             retries: 2,
             worker_timeout_ms: 10_000,
+            relay_idle_timeout_ms: 30_000,
+            upstream_body_timeout_ms: 600_000,
+            max_upstream_body_bytes: 64 << 20,
+            tokenizer_threads: 0,
+            http: HttpConfig::default(),
+            api_keys: Vec::new(),
+            admin_token: None,
         }
+    }
+}
+
+/// Why the front door's settings cannot work.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum IngressConfigError {
+    /// A limit that must be positive is zero (or too small to be useful).
+    #[error("{field} must be at least {min}")]
+    TooSmall {
+        /// The setting.
+        field: &'static str,
+        /// Its smallest useful value.
+        min: u64,
+    },
+    /// The HTTP server limits.
+    #[error(transparent)]
+    Http(#[from] crate::http::HttpConfigError),
+}
+
+impl IngressConfig {
+    /// Checks every limit.
+    pub fn validate(&self) -> Result<(), IngressConfigError> {
+        let checks = [
+            ("max_body_bytes", self.max_body_bytes as u64, 1024),
+            ("max_inflight", self.max_inflight as u64, 1),
+            ("worker_timeout_ms", self.worker_timeout_ms, 1),
+            ("relay_idle_timeout_ms", self.relay_idle_timeout_ms, 1),
+            ("upstream_body_timeout_ms", self.upstream_body_timeout_ms, 1),
+            (
+                "max_upstream_body_bytes",
+                self.max_upstream_body_bytes as u64,
+                1024,
+            ),
+        ];
+        if let Some((field, _, min)) = checks.into_iter().find(|(_, v, min)| v < min) {
+            return Err(IngressConfigError::TooSmall { field, min });
+        }
+        self.http.validate()?;
+        Ok(())
     }
 }
 
 /// Everything a request handler needs.
 pub struct Router {
-    /// The scheduler (shared with load sharing).
+    /// The scheduler (the plane adds and removes its workers; load sharing books peers').
     pub scheduler: Arc<Mutex<Scheduler>>,
     /// The event plane (index, fleet).
     pub plane: EventPlane,
@@ -71,7 +135,9 @@ pub struct Router {
     /// Renders `/metrics`.
     pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
     /// Text to token ids.
-    pub tokenizer: Tokenizer,
+    pub tokenizer: Arc<Tokenizer>,
+    /// Bounds the threads parsing and tokenizing at once.
+    tokenize_permits: Arc<Semaphore>,
     client: Client<HttpConnector, Full<Bytes>>,
     inflight: AtomicUsize,
     draining: AtomicBool,
@@ -79,8 +145,8 @@ pub struct Router {
 }
 
 impl Router {
-    /// A router over a running plane. Keeps the scheduler's worker list in step with the
-    /// fleet the plane follows.
+    /// A router over a running plane (which keeps the scheduler's workers in step with the
+    /// fleet).
     pub fn new(
         scheduler: Arc<Mutex<Scheduler>>,
         plane: EventPlane,
@@ -92,45 +158,25 @@ impl Router {
         let mut connector = HttpConnector::new();
         // Streamed chunks must not wait for Nagle's algorithm (40 ms stalls per first byte).
         connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(Duration::from_millis(config.worker_timeout_ms)));
         let client = Client::builder(TokioExecutor::new()).build(connector);
-        let router = Arc::new(Router {
+        let threads = match config.tokenizer_threads {
+            0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
+            n => n,
+        };
+        Arc::new(Router {
             scheduler,
             plane,
             load,
             config,
             metrics,
-            tokenizer,
+            tokenizer: Arc::new(tokenizer),
+            tokenize_permits: Arc::new(Semaphore::new(threads)),
             client,
             inflight: AtomicUsize::new(0),
             draining: AtomicBool::new(false),
             started: Instant::now(),
-        });
-        let mut changes = router.plane.fleet_changes();
-        let r = Arc::clone(&router);
-        tokio::spawn(async move {
-            use crate::discovery::FleetEvent;
-            loop {
-                match changes.recv().await {
-                    Ok(FleetEvent::Up(info)) => {
-                        let mut s = r.scheduler.lock();
-                        for rank in 0..info.dp_size.max(1) {
-                            s.add_worker((info.id, DpRank(rank)), info.g1_blocks);
-                        }
-                    }
-                    Ok(FleetEvent::Down { id, .. }) => {
-                        let mut s = r.scheduler.lock();
-                        let keys: Vec<WorkerKey> =
-                            s.workers().map(|(k, _)| k).filter(|k| k.0 == id).collect();
-                        for k in keys {
-                            s.remove_worker(k);
-                        }
-                    }
-                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
-                    Err(_) => return,
-                }
-            }
-        });
-        router
+        })
     }
 
     /// Starts a graceful shutdown: `/ready` fails from now on (the load balancer stops
@@ -158,66 +204,68 @@ impl Router {
         self.started.elapsed().as_millis() as u64
     }
 
-    /// Makes sure the scheduler knows every worker the plane has registered. The fleet
-    /// broadcast keeps them in step, but a request can arrive between a registration and
-    /// its broadcast being handled: it must not find "no worker".
-    fn sync_workers(&self, workers: &[crate::discovery::WorkerInfo]) {
-        let mut scheduler = self.scheduler.lock();
-        let known: Vec<WorkerKey> = scheduler.workers().map(|(k, _)| k).collect();
-        for info in workers {
-            for rank in 0..info.dp_size.max(1) {
-                if !known.contains(&(info.id, DpRank(rank))) {
-                    scheduler.add_worker((info.id, DpRank(rank)), info.g1_blocks);
-                }
-            }
-        }
+    /// Runs `f` (parsing, templating, tokenizing: up to `max_body_bytes` of CPU work) on the
+    /// blocking pool, at most `tokenizer_threads` at a time, so it never stalls the async
+    /// threads that relay streams.
+    async fn off_runtime<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let _permit = Arc::clone(&self.tokenize_permits)
+            .acquire_owned()
+            .await
+            .expect("invariant: the semaphore is never closed");
+        tokio::task::spawn_blocking(f)
+            .await
+            .map_err(|_| ApiError::unavailable("tokenizer failed"))
+    }
+
+    /// Sets the gauges that are read off the router's state at scrape time.
+    fn refresh_gauges(&self) {
+        let (open, expired) = {
+            let s = self.scheduler.lock();
+            (s.open_bookings(), s.expired_bookings())
+        };
+        metrics::gauge!("kvroute_scheduler_bookings_open").set(open as f64);
+        metrics::counter!("kvroute_scheduler_bookings_expired_total").absolute(expired);
+        metrics::gauge!("kvroute_requests_inflight").set(self.inflight() as f64);
     }
 }
 
-/// Serves HTTP on `listener` until `shutdown` turns true.
+/// Serves the OpenAI API, health, readiness and metrics on `listener` until `shutdown`.
 pub async fn serve(
     router: Arc<Router>,
     listener: tokio::net::TcpListener,
     shutdown: watch::Receiver<bool>,
 ) {
+    let http = router.config.http.clone();
     serve_http(
         listener,
+        http,
         move |req| handle(Arc::clone(&router), req),
         shutdown,
     )
     .await;
 }
 
-/// An HTTP/1.1 accept loop (router and workers share it): every connection gets
-/// TCP_NODELAY, so streamed chunks leave as they are written instead of after Nagle's
-/// delay (≈ 40 ms per first byte on a reused connection), and is served by `handler`
-/// until `shutdown` turns true.
-pub async fn serve_http<F, Fut>(
+/// Serves the admin views (`/admin/workers`, `/admin/explain`), behind the admin token if
+/// one is set, plus health and metrics, on `listener` until `shutdown`.
+pub async fn serve_admin(
+    router: Arc<Router>,
     listener: tokio::net::TcpListener,
-    handler: F,
-    mut shutdown: watch::Receiver<bool>,
-) where
-    F: Fn(hyper::Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
-    Fut: std::future::Future<Output = Response<Body>> + Send + 'static,
-{
-    loop {
-        let accepted = tokio::select! {
-            a = listener.accept() => a,
-            _ = shutdown.changed() => return,
-        };
-        let Ok((stream, _)) = accepted else { continue };
-        let _ = stream.set_nodelay(true);
-        let handler = handler.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req| {
-                let response = handler(req);
-                async move { Ok::<_, Infallible>(response.await) }
-            });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
-    }
+    shutdown: watch::Receiver<bool>,
+) {
+    let http = HttpConfig {
+        max_connections: 64,
+        ..router.config.http.clone()
+    };
+    serve_http(
+        listener,
+        http,
+        move |req| handle_admin(Arc::clone(&router), req),
+        shutdown,
+    )
+    .await;
 }
 
 fn json(status: StatusCode, body: String) -> Response<Body> {
@@ -234,94 +282,87 @@ fn api_error(e: &ApiError) -> Response<Body> {
         StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
         e.body(),
     );
-    if e.status == 429 {
+    if e.retryable {
         r.headers_mut()
             .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+    }
+    if e.status == 401 {
+        r.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            header::HeaderValue::from_static("Bearer"),
+        );
     }
     r
 }
 
+fn metrics_text(router: &Router) -> Response<Body> {
+    router.refresh_gauges();
+    let text = router
+        .metrics
+        .as_ref()
+        .map(|h| h.render())
+        .unwrap_or_default();
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/plain; version=0.0.4")
+        .body(Full::new(Bytes::from(text)).boxed())
+        .expect("invariant: static response parts are valid")
+}
+
 async fn handle(router: Arc<Router>, req: hyper::Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_owned();
-    match (req.method().clone(), path.as_str()) {
-        (Method::GET, "/health") => json(StatusCode::OK, r#"{"status":"ok"}"#.into()),
-        (Method::GET, "/ready") => ready(&router),
-        (Method::GET, "/v1/models") => models(&router),
-        (Method::GET, "/metrics") => {
-            let text = router
-                .metrics
-                .as_ref()
-                .map(|h| h.render())
-                .unwrap_or_default();
-            Response::builder()
-                .header(header::CONTENT_TYPE, "text/plain; version=0.0.4")
-                .body(Full::new(Bytes::from(text)).boxed())
-                .expect("invariant: static response parts are valid")
-        }
-        (Method::GET, "/admin/workers") => admin_workers(&router),
-        (Method::POST, "/admin/explain") => {
-            match read_json::<CompletionRequest>(&router, req).await {
-                Ok(r) => explain(&router, r),
-                Err(e) => api_error(&e),
-            }
-        }
-        (Method::POST, "/v1/completions") => {
-            match read_json::<CompletionRequest>(&router, req).await {
-                Ok(r) => match tokens_of(&router, r.prompt) {
-                    Ok(tokens) => {
-                        complete(&router, r.model, tokens, r.max_tokens, r.stream, false).await
-                    }
-                    Err(e) => api_error(&e),
-                },
-                Err(e) => api_error(&e),
-            }
-        }
-        (Method::POST, "/v1/chat/completions") => {
-            match read_json::<ChatRequest>(&router, req).await {
-                Ok(r) if r.messages.is_empty() => {
-                    api_error(&ApiError::bad_request("messages must not be empty"))
-                }
-                Ok(r) => match router.tokenizer.encode_chat(&r.messages) {
-                    Ok(tokens) => {
-                        complete(&router, r.model, tokens, r.max_tokens, r.stream, true).await
-                    }
-                    Err(e) => api_error(&ApiError::bad_request(e.to_string())),
-                },
-                Err(e) => api_error(&e),
-            }
-        }
-        _ => api_error(&ApiError::not_found()),
+    let api = path.starts_with("/v1/");
+    if api
+        && !router.config.api_keys.is_empty()
+        && !bearer_ok(req.headers(), &router.config.api_keys)
+    {
+        return api_error(&ApiError::unauthorized());
     }
+    let result = match (req.method().clone(), path.as_str()) {
+        (Method::GET, "/health") => Ok(json(StatusCode::OK, r#"{"status":"ok"}"#.into())),
+        (Method::GET, "/ready") => Ok(ready(&router)),
+        (Method::GET, "/metrics") => Ok(metrics_text(&router)),
+        (Method::GET, "/v1/models") => Ok(models(&router)),
+        (Method::POST, "/v1/completions") => completions(&router, req, false).await,
+        (Method::POST, "/v1/chat/completions") => completions(&router, req, true).await,
+        _ => Err(ApiError::not_found()),
+    };
+    result.unwrap_or_else(|e| api_error(&e))
 }
 
-/// Token ids of a prompt: text goes through the tokenizer, token ids are used as they are.
-fn tokens_of(router: &Router, prompt: Prompt) -> Result<Vec<u32>, ApiError> {
-    match prompt {
-        Prompt::Text(t) => router
-            .tokenizer
-            .encode(&t)
-            .map_err(|e| ApiError::bad_request(e.to_string())),
-        Prompt::Tokens(t) => Ok(t),
+async fn handle_admin(router: Arc<Router>, req: hyper::Request<Incoming>) -> Response<Body> {
+    if let Some(token) = &router.config.admin_token
+        && !bearer_ok(req.headers(), std::slice::from_ref(token))
+    {
+        return api_error(&ApiError::unauthorized());
     }
+    let path = req.uri().path().to_owned();
+    let result = match (req.method().clone(), path.as_str()) {
+        (Method::GET, "/health") => Ok(json(StatusCode::OK, r#"{"status":"ok"}"#.into())),
+        (Method::GET, "/metrics") => Ok(metrics_text(&router)),
+        (Method::GET, "/admin/workers") => Ok(admin_workers(&router)),
+        (Method::GET, "/admin/index") => Ok(admin_index(&router)),
+        (Method::POST, "/admin/explain") => explain(&router, req).await,
+        _ => Err(ApiError::not_found()),
+    };
+    result.unwrap_or_else(|e| api_error(&e))
 }
 
-async fn read_json<T: serde::de::DeserializeOwned>(
-    router: &Router,
-    req: hyper::Request<Incoming>,
-) -> Result<T, ApiError> {
+/// Reads a request body under the size cap and the body deadline.
+async fn read_body(router: &Router, req: hyper::Request<Incoming>) -> Result<Bytes, ApiError> {
     let limit = router.config.max_body_bytes;
-    let body = Limited::new(req.into_body(), limit)
-        .collect()
+    let deadline = Duration::from_millis(router.config.http.body_read_timeout_ms);
+    collect_body(req.into_body(), limit, deadline)
         .await
-        .map_err(|_| ApiError::too_large(limit))?
-        .to_bytes();
-    serde_json::from_slice(&body)
-        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+        .map_err(|e| match e {
+            BodyError::TooLarge { limit } => ApiError::too_large(limit),
+            BodyError::TimedOut { ms } => ApiError::body_timeout(ms),
+            BodyError::Io(e) => ApiError::bad_request(format!("reading the request body: {e}")),
+        })
 }
 
 fn ready(router: &Router) -> Response<Body> {
     let live = router.plane.streams().iter().any(|(_, s)| s.live);
-    let workers = router.plane.workers().len();
+    let workers = router.plane.view().workers.len();
     let draining = router.draining.load(Ordering::Relaxed);
     let status = if live && workers > 0 && !draining {
         StatusCode::OK
@@ -335,17 +376,11 @@ fn ready(router: &Router) -> Response<Body> {
 }
 
 fn models(router: &Router) -> Response<Body> {
-    let mut names: Vec<String> = router
-        .plane
-        .workers()
-        .into_iter()
-        .map(|w| w.model)
-        .collect();
-    names.sort();
-    names.dedup();
-    let data: Vec<_> = names
+    let view = router.plane.view();
+    let data: Vec<_> = view
+        .models()
         .iter()
-        .map(|m| serde_json::json!({"id": m, "object": "model", "owned_by": "kvroute"}))
+        .map(|m| serde_json::json!({"id": m, "object": "model", "created": 0, "owned_by": "kvroute"}))
         .collect();
     json(
         StatusCode::OK,
@@ -355,90 +390,193 @@ fn models(router: &Router) -> Response<Body> {
 
 fn admin_workers(router: &Router) -> Response<Body> {
     let streams = router.plane.streams();
+    let view = router.plane.view();
     let scheduler = router.scheduler.lock();
-    let workers: Vec<_> = router
-        .plane
-        .workers()
-        .into_iter()
+    let workers: Vec<_> = view
+        .workers
+        .values()
         .map(|w| {
-            let stream = streams.iter().find(|((id, _), _)| *id == w.id).map(|(_, s)| s.clone()).unwrap_or_default();
-            let load = scheduler.load((w.id, DpRank(0)));
+            let ranks: Vec<_> = streams.iter().filter(|((id, _), _)| *id == w.id).collect();
+            let synced = !ranks.is_empty() && ranks.iter().all(|(_, s)| s.live);
+            let (mut prefill, mut held, mut requests) = (0.0, 0, 0);
+            for ((_, rank), _) in &ranks {
+                if let Some(l) = scheduler.load((w.id, *rank)) {
+                    prefill += l.prefill_blocks;
+                    held += l.decode_blocks();
+                    requests += l.requests;
+                }
+            }
             serde_json::json!({
-                "id": w.id, "url": w.url, "model": w.model, "epoch": w.epoch,
+                "id": w.id, "url": w.url, "model": w.model, "epoch": w.epoch, "dp_size": w.dp_size,
                 "block_size": w.block_size, "g1_blocks": w.g1_blocks, "g2_blocks": w.g2_blocks,
-                "synced": stream.live, "event_lag_ms": stream.last_lag_ms, "resyncs": stream.stats.resyncs,
-                "booked_prefill_blocks": load.map_or(0.0, |l| l.prefill_blocks),
-                "booked_blocks": load.map_or(0, |l| l.decode_blocks()),
-                "booked_requests": load.map_or(0, |l| l.requests),
+                "synced": synced,
+                "event_lag_ms": ranks.iter().map(|(_, s)| s.last_lag_ms).fold(0.0, f64::max),
+                "resyncs": ranks.iter().map(|(_, s)| s.stats.resyncs).sum::<u64>(),
+                "booked_prefill_blocks": prefill, "booked_blocks": held, "booked_requests": requests,
             })
         })
         .collect();
     let sizes = router.plane.indexer().sizes();
+    let c = router.plane.counters();
     json(
         StatusCode::OK,
-        serde_json::json!({"workers": workers, "index": {"blocks": sizes.blocks, "entries": sizes.entries}, "silent": router.plane.silent_workers()})
-            .to_string(),
+        serde_json::json!({
+            "workers": workers,
+            "index": {"blocks": sizes.blocks, "entries": sizes.entries},
+            "silent": router.plane.silent_workers(),
+            "bookings": {"open": scheduler.open_bookings(), "expired": scheduler.expired_bookings()},
+            "fleet": {
+                "batches_dropped": c.batches_dropped.load(Ordering::Relaxed),
+                "registrations_refused": c.registrations_refused.load(Ordering::Relaxed),
+                "orphans_swept": c.orphans_swept.load(Ordering::Relaxed),
+            },
+        })
+        .to_string(),
     )
 }
 
-/// The fleet's block size (workers of one cluster share it) and the model check.
-fn fleet_for(router: &Router, model: &str) -> Result<NonZeroUsize, ApiError> {
-    let workers = router.plane.workers();
-    router.sync_workers(&workers);
-    if workers.is_empty() {
-        return Err(ApiError::unavailable("no worker registered"));
+/// Per worker and tier, how many blocks the index holds and an order-independent digest of
+/// them (xor of their hashes), to compare with the workers' own (`kvroute-bench soak`).
+fn admin_index(router: &Router) -> Response<Body> {
+    let mut rows = std::collections::BTreeMap::new();
+    for batch in router.plane.indexer().dump(None) {
+        for event in &batch.events {
+            if let crate::protocol::KvEventData::Stored { blocks, .. } = &event.data {
+                let row = rows
+                    .entry((batch.worker, batch.dp_rank, event.tier))
+                    .or_insert((0u64, 0u64));
+                for b in blocks {
+                    row.0 += 1;
+                    row.1 ^= b.seq.0;
+                }
+            }
+        }
     }
-    let Some(w) = workers.iter().find(|w| w.model == model) else {
-        return Err(ApiError::bad_request(format!(
-            "model {model:?} is not served here"
-        )));
-    };
-    NonZeroUsize::new(w.block_size)
-        .ok_or_else(|| ApiError::unavailable("worker registered block size 0"))
+    let rows: Vec<_> = rows
+        .into_iter()
+        .map(|((w, r, t), (n, x))| serde_json::json!({"worker": w, "dp_rank": r.0, "tier": format!("{t:?}"), "blocks": n, "digest": format!("{x:016x}")}))
+        .collect();
+    json(
+        StatusCode::OK,
+        serde_json::json!({"ranks": rows}).to_string(),
+    )
 }
 
-/// A prompt ready for the scheduler: its block hashes at the fleet's block size and every
+/// A parsed request, ready to route.
+#[derive(Debug)]
+struct Parsed {
+    model: String,
+    tokens: Vec<u32>,
+    max_tokens: u32,
+    stream: bool,
+}
+
+/// Parses and tokenizes a completion or chat body (on the tokenizer pool).
+fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
+    let invalid =
+        |e: serde_json::Error| ApiError::bad_request(format!("invalid request body: {e}"));
+    let parsed = if chat {
+        let r: ChatRequest = serde_json::from_slice(body).map_err(invalid)?;
+        if r.messages.is_empty() {
+            return Err(ApiError::bad_request("messages must not be empty"));
+        }
+        let tokens = tokenizer
+            .encode_chat(&r.messages)
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        Parsed {
+            model: r.model,
+            tokens,
+            max_tokens: r.max_tokens,
+            stream: r.stream,
+        }
+    } else {
+        let r: CompletionRequest = serde_json::from_slice(body).map_err(invalid)?;
+        let tokens = match r.prompt {
+            Prompt::Text(t) => tokenizer
+                .encode(&t)
+                .map_err(|e| ApiError::bad_request(e.to_string()))?,
+            Prompt::Tokens(t) => t,
+        };
+        Parsed {
+            model: r.model,
+            tokens,
+            max_tokens: r.max_tokens,
+            stream: r.stream,
+        }
+    };
+    if parsed.tokens.is_empty() {
+        return Err(ApiError::bad_request("prompt must not be empty"));
+    }
+    Ok(parsed)
+}
+
+/// Parses and tokenizes a completion (`chat = false`) or chat completion body exactly as the
+/// handlers do: the prompt's token count, or the client's error (`kvroute-bench fuzz` feeds
+/// it arbitrary bytes).
+pub fn decode_request(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<usize, ApiError> {
+    parse(tokenizer, body, chat).map(|p| p.tokens.len())
+}
+
+/// A prompt ready for the scheduler: its block hashes at its model's block size and every
 /// worker's cached prefix of it.
 struct Prepared {
-    tokens: Vec<u32>,
+    parsed: Parsed,
     blocks: Vec<crate::protocol::BlockHash>,
     overlaps: crate::indexer::OverlapScores,
     block_size: usize,
 }
 
 impl Prepared {
-    fn new(router: &Router, model: &str, tokens: Vec<u32>) -> Result<Prepared, ApiError> {
-        let block_size = fleet_for(router, model)?;
-        let blocks = hash_blocks(&tokens, block_size, Salt::NONE);
+    /// Reads, parses, tokenizes and hashes a request; `/admin/explain` and the completion
+    /// endpoints share it.
+    async fn read(
+        router: &Router,
+        req: hyper::Request<Incoming>,
+        chat: bool,
+    ) -> Result<Prepared, ApiError> {
+        let body = read_body(router, req).await?;
+        let tokenizer = Arc::clone(&router.tokenizer);
+        let view = router.plane.view();
+        let (parsed, block_size, blocks) = router
+            .off_runtime(move || {
+                let parsed = parse(&tokenizer, &body, chat)?;
+                if view.workers.is_empty() {
+                    return Err(ApiError::no_workers());
+                }
+                let block_size = view
+                    .block_size(&parsed.model)
+                    .and_then(NonZeroUsize::new)
+                    .ok_or_else(|| ApiError::model_not_found(&parsed.model))?;
+                let blocks = hash_blocks(&parsed.tokens, block_size, Salt::NONE);
+                Ok((parsed, block_size.get(), blocks))
+            })
+            .await??;
         let seqs: Vec<SeqHash> = blocks.iter().map(|b| b.seq).collect();
         let overlaps = router.plane.indexer().find_matches_seq(&seqs);
         Ok(Prepared {
-            tokens,
+            parsed,
             blocks,
             overlaps,
-            block_size: block_size.get(),
+            block_size,
         })
     }
 
     fn request(&self) -> RouteRequest<'_> {
         RouteRequest {
+            model: &self.parsed.model,
             blocks: &self.blocks,
-            prompt_tokens: self.tokens.len(),
+            prompt_tokens: self.parsed.tokens.len(),
             block_size: self.block_size,
             overlaps: &self.overlaps,
         }
     }
 }
 
-fn explain(router: &Router, r: CompletionRequest) -> Response<Body> {
-    let tokens = match tokens_of(router, r.prompt) {
-        Ok(t) => t,
-        Err(e) => return api_error(&e),
-    };
-    let prepared = match Prepared::new(router, &r.model, tokens) {
-        Ok(p) => p,
-        Err(e) => return api_error(&e),
-    };
+async fn explain(
+    router: &Router,
+    req: hyper::Request<Incoming>,
+) -> Result<Response<Body>, ApiError> {
+    let prepared = Prepared::read(router, req, false).await?;
     let request = prepared.request();
     let mut candidates = router.scheduler.lock().candidates(&request);
     candidates.sort_by(|a, b| a.cost.total_cmp(&b.cost));
@@ -450,16 +588,27 @@ fn explain(router: &Router, r: CompletionRequest) -> Response<Body> {
         }))
         .collect();
     let pick = candidates.first().map(|c| c.key.0);
-    json(
+    Ok(json(
         StatusCode::OK,
-        serde_json::json!({"prompt_blocks": prepared.blocks.len(), "would_pick": pick, "candidates": rows})
+        serde_json::json!({"model": prepared.parsed.model, "prompt_blocks": prepared.blocks.len(), "would_pick": pick, "candidates": rows})
             .to_string(),
-    )
+    ))
 }
 
 /// An in-flight slot, released on drop: when the answer is complete, which for a stream is
 /// when its relay ends, not when its headers go out.
-struct InFlight(Arc<Router>);
+pub(crate) struct InFlight(Arc<Router>);
+
+impl InFlight {
+    fn take(router: &Arc<Router>) -> Result<InFlight, ApiError> {
+        let limit = router.config.max_inflight;
+        if router.inflight.fetch_add(1, Ordering::Relaxed) >= limit {
+            router.inflight.fetch_sub(1, Ordering::Relaxed);
+            return Err(ApiError::overloaded(limit));
+        }
+        Ok(InFlight(Arc::clone(router)))
+    }
+}
 
 impl Drop for InFlight {
     fn drop(&mut self) {
@@ -467,205 +616,64 @@ impl Drop for InFlight {
     }
 }
 
-async fn complete(
+async fn completions(
     router: &Arc<Router>,
-    model: String,
-    tokens: Vec<u32>,
-    max_tokens: u32,
-    stream: bool,
+    req: hyper::Request<Incoming>,
     chat: bool,
-) -> Response<Body> {
-    if tokens.is_empty() {
-        return api_error(&ApiError::bad_request("prompt must not be empty"));
-    }
-    if router.inflight.fetch_add(1, Ordering::Relaxed) >= router.config.max_inflight {
-        router.inflight.fetch_sub(1, Ordering::Relaxed);
-        return api_error(&ApiError::overloaded(router.config.max_inflight));
-    }
-    let mut guard = Some(InFlight(Arc::clone(router)));
-    let prepared = match Prepared::new(router, &model, tokens) {
-        Ok(p) => p,
-        Err(e) => return api_error(&e),
-    };
+) -> Result<Response<Body>, ApiError> {
+    let mut inflight = Some(InFlight::take(router)?);
+    let prepared = Prepared::read(router, req, chat).await?;
     let request = prepared.request();
+    let p = &prepared.parsed;
     let body = Bytes::from(
-        serde_json::json!({"token_ids": prepared.tokens, "max_tokens": max_tokens, "stream": stream, "chat": chat})
+        serde_json::json!({"model": p.model, "token_ids": p.tokens, "max_tokens": p.max_tokens, "stream": p.stream, "chat": chat})
             .to_string(),
     );
     let mut failed: Vec<WorkerKey> = Vec::new();
+    let mut last_error: Option<ProxyError> = None;
     for _ in 0..=router.config.retries {
         let decision = router
             .scheduler
             .lock()
             .route_excluding(router.now_ms(), &request, &failed);
         let Some(decision) = decision else { break };
-        let key = decision.chosen.key;
-        match forward(router, &decision, body.clone(), stream, &mut guard).await {
-            Ok(response) => return response,
-            Err(Forward::Retry(reason)) => {
-                tracing::warn!(worker = %key.0, %reason, "worker failed before its first byte; trying another");
-                router.scheduler.lock().complete(decision.booking);
-                if let Some(load) = &router.load {
-                    load.completed(decision.booking);
+        let booking = Booking::new(router, decision.booking);
+        match forward(
+            router,
+            &decision,
+            booking,
+            body.clone(),
+            p.stream,
+            &mut inflight,
+        )
+        .await
+        {
+            Ok(response) => return Ok(response),
+            Err(e) => {
+                metrics::counter!("kvroute_proxy_errors_total", "kind" => e.label(), "fault" => fault_label(&e)).increment(1);
+                if !e.retry_elsewhere() {
+                    return Err(e.to_api());
                 }
-                failed.push(key);
-            }
-            Err(Forward::Client(e)) => {
-                router.scheduler.lock().complete(decision.booking);
-                return api_error(&e);
-            }
-        }
-    }
-    api_error(&ApiError::unavailable("no worker could take the request"))
-}
-
-enum Forward {
-    /// Nothing reached the client; another worker may serve it.
-    Retry(String),
-    /// The worker refused the request itself (a client error).
-    Client(ApiError),
-}
-
-/// Sends the request to the decision's worker; relays its answer.
-async fn forward(
-    router: &Arc<Router>,
-    decision: &Decision,
-    body: Bytes,
-    stream: bool,
-    inflight: &mut Option<InFlight>,
-) -> Result<Response<Body>, Forward> {
-    let key = decision.chosen.key;
-    let Some(info) = router.plane.worker(key.0) else {
-        return Err(Forward::Retry("worker left".into()));
-    };
-    router.plane.note_routed(key.0);
-    if let Some(load) = &router.load {
-        load.booked(decision.booking);
-    }
-    let request = hyper::Request::post(format!(
-        "{}/internal/generate",
-        info.url.trim_end_matches('/')
-    ))
-    .header(header::CONTENT_TYPE, "application/json")
-    .body(Full::new(body))
-    .map_err(|e| Forward::Retry(e.to_string()))?;
-    let timeout = Duration::from_millis(router.config.worker_timeout_ms);
-    let response = match tokio::time::timeout(timeout, router.client.request(request)).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => return Err(Forward::Retry(e.to_string())),
-        Err(_) => return Err(Forward::Retry("timed out".into())),
-    };
-    let status = response.status();
-    if status.is_client_error() {
-        let bytes = response
-            .into_body()
-            .collect()
-            .await
-            .map(|b| b.to_bytes())
-            .unwrap_or_default();
-        let message = String::from_utf8_lossy(&bytes).into_owned();
-        return Err(Forward::Client(ApiError::bad_request(message)));
-    }
-    if !status.is_success() {
-        return Err(Forward::Retry(format!("worker answered {status}")));
-    }
-    let o = decision.chosen.overlap;
-    let overlap = format!("device={};host={};disk={}", o.device, o.host, o.disk);
-    let builder = Response::builder()
-        .status(StatusCode::OK)
-        .header("x-kvroute-worker", key.0.to_string())
-        .header("x-kvroute-overlap", overlap);
-    let booking = decision.booking;
-    let worker = key.0.to_string();
-    let started = Instant::now();
-    if !stream {
-        let bytes = match response.into_body().collect().await {
-            Ok(b) => b.to_bytes(),
-            Err(e) => return Err(Forward::Retry(e.to_string())),
-        };
-        finish(router, booking, true).await;
-        metrics::histogram!("kvroute_e2e_seconds", "worker" => worker)
-            .record(started.elapsed().as_secs_f64());
-        return Ok(builder
-            .header(header::CONTENT_TYPE, "application/json")
-            .body(Full::new(bytes).boxed())
-            .expect("invariant: static response parts are valid"));
-    }
-    // Relay frames as they arrive; the relay task owns the worker's body, so a client that
-    // goes away drops it (the worker sees the connection close and cancels the request).
-    let (tx, rx) = mpsc::channel::<Bytes>(64);
-    let r = Arc::clone(router);
-    let mut upstream = response.into_body();
-    let inflight = inflight.take();
-    tokio::spawn(async move {
-        let mut first = true;
-        let mut last = started;
-        loop {
-            match upstream.frame().await {
-                Some(Ok(frame)) => {
-                    let Ok(data) = frame.into_data() else {
-                        continue;
-                    };
-                    let now = Instant::now();
-                    let (name, since) = if first {
-                        ("kvroute_ttft_seconds", started)
-                    } else {
-                        ("kvroute_itl_seconds", last)
-                    };
-                    metrics::histogram!(name, "worker" => worker.clone())
-                        .record(now.duration_since(since).as_secs_f64());
-                    last = now;
-                    if first {
-                        first = false;
-                        r.scheduler.lock().first_token(booking);
-                        if let Some(load) = &r.load {
-                            load.first_token(booking);
-                        }
-                    }
-                    if tx.send(data).await.is_err() {
-                        break; // client gone
-                    }
-                }
-                Some(Err(e)) => {
-                    let err = ApiError::unavailable(format!("worker failed mid-stream: {e}"));
-                    let _ = tx
-                        .send(Bytes::from(format!(
-                            "data: {}\n\ndata: [DONE]\n\n",
-                            err.body()
-                        )))
-                        .await;
-                    break;
-                }
-                None => break,
+                tracing::warn!(worker = %decision.chosen.key.0, error = %e, "worker failed before its first byte; trying another");
+                failed.push(decision.chosen.key);
+                last_error = Some(e);
             }
         }
-        drop(upstream);
-        drop(inflight);
-        finish(&r, booking, false).await;
-        metrics::histogram!("kvroute_e2e_seconds", "worker" => worker)
-            .record(started.elapsed().as_secs_f64());
-    });
-    let body = StreamBody::new(futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
-    }));
-    Ok(builder
-        .header(header::CONTENT_TYPE, "text/event-stream")
-        .header(header::CACHE_CONTROL, "no-cache")
-        .body(BodyExt::boxed(body))
-        .expect("invariant: static response parts are valid"))
+    }
+    Err(match last_error {
+        Some(e) => e.to_api(),
+        // Workers of the model were registered when the request was read, none now.
+        None => ApiError::model_not_found(&p.model),
+    })
 }
 
-async fn finish(router: &Router, booking: crate::scheduler::BookingId, first_token: bool) {
-    {
-        let mut s = router.scheduler.lock();
-        if first_token {
-            s.first_token(booking);
-        }
-        s.complete(booking);
-    }
-    if let Some(load) = &router.load {
-        load.completed(booking);
+fn fault_label(e: &ProxyError) -> &'static str {
+    match e.fault() {
+        openai::Fault::Client => "client",
+        openai::Fault::Worker => "worker",
+        openai::Fault::Router => "router",
     }
 }
+
+#[cfg(test)]
+mod tests;

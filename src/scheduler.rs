@@ -89,8 +89,8 @@ impl Default for Config {
 /// A scheduler configuration that cannot work.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum ConfigError {
-    /// A weight outside its range.
-    #[error("scheduler.{field} = {value} is outside {range}")]
+    /// A weight outside its range, or not a finite number.
+    #[error("scheduler.{field} = {value} is not a finite number in {range}")]
     OutOfRange {
         /// The field.
         field: &'static str,
@@ -102,53 +102,42 @@ pub enum ConfigError {
 }
 
 impl Config {
-    /// Checks every weight's range.
+    /// Checks every weight's range: each float finite (NaN and infinities are rejected, a
+    /// NaN weight would make every cost NaN) and inside its documented range.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let checks = [
-            (
-                "prefill_scale",
-                self.prefill_scale,
-                self.prefill_scale >= 0.0,
-                ">= 0",
-            ),
-            (
-                "device_weight",
-                self.device_weight,
-                (0.0..=1.0).contains(&self.device_weight),
-                "0..=1",
-            ),
-            (
-                "host_weight",
-                self.host_weight,
-                (0.0..=1.0).contains(&self.host_weight),
-                "0..=1",
-            ),
-            (
-                "disk_weight",
-                self.disk_weight,
-                (0.0..=1.0).contains(&self.disk_weight),
-                "0..=1",
-            ),
-            (
-                "temperature",
-                self.temperature,
-                self.temperature >= 0.0,
-                ">= 0",
-            ),
+        let unit = |v: f64| (0.0..=1.0).contains(&v);
+        let non_negative = |v: f64| v >= 0.0;
+        type Check = (&'static str, f64, fn(f64) -> bool, &'static str);
+        let checks: [Check; 9] = [
+            ("prefill_scale", self.prefill_scale, non_negative, ">= 0"),
+            ("decode_weight", self.decode_weight, non_negative, ">= 0"),
+            ("device_weight", self.device_weight, unit, "0..=1"),
+            ("host_weight", self.host_weight, unit, "0..=1"),
+            ("disk_weight", self.disk_weight, unit, "0..=1"),
+            ("temperature", self.temperature, non_negative, ">= 0"),
             (
                 "busy_decode_fraction",
                 self.busy_decode_fraction,
-                self.busy_decode_fraction > 0.0,
+                |v| v > 0.0,
                 "> 0",
             ),
             (
                 "busy_prefill_blocks",
                 self.busy_prefill_blocks,
-                self.busy_prefill_blocks >= 0.0,
+                non_negative,
                 ">= 0",
             ),
+            (
+                "approx.match_threshold",
+                self.approx.match_threshold,
+                unit,
+                "0..=1",
+            ),
         ];
-        match checks.into_iter().find(|(_, v, ok, _)| !ok || v.is_nan()) {
+        match checks
+            .into_iter()
+            .find(|(_, v, ok, _)| !v.is_finite() || !ok(*v))
+        {
             Some((field, value, _, range)) => Err(ConfigError::OutOfRange {
                 field,
                 value,
@@ -162,6 +151,8 @@ impl Config {
 /// What the scheduler needs to know of a request.
 #[derive(Clone, Copy, Debug)]
 pub struct RouteRequest<'a> {
+    /// The model asked for: only workers serving it are candidates.
+    pub model: &'a str,
     /// Hashes of the prompt's full blocks.
     pub blocks: &'a [BlockHash],
     /// Prompt length, tokens.
@@ -219,6 +210,32 @@ pub struct SharedBooking {
     pub tail: bool,
 }
 
+/// Most blocks a peer's booking may hold (a 16 M-token prompt at block size 16).
+pub const MAX_SHARED_BLOCKS: usize = 1 << 20;
+
+/// Why a peer's booking was refused.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum SharedBookingError {
+    /// More blocks than any prompt has.
+    #[error("booking holds {blocks} blocks, over {MAX_SHARED_BLOCKS}")]
+    TooLarge {
+        /// Its block count.
+        blocks: usize,
+    },
+    /// Prefill that is not a finite number between 0 and its block count.
+    #[error("booking's prefill {prefill_blocks} is not in 0..=blocks+1")]
+    Prefill {
+        /// The value sent.
+        prefill_blocks: f64,
+    },
+    /// A worker this router does not know (not registered, or not yet).
+    #[error("booking for unknown worker {worker}")]
+    UnknownWorker {
+        /// The worker.
+        worker: WorkerId,
+    },
+}
+
 /// The scheduler's answer.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Decision {
@@ -241,6 +258,7 @@ struct Booking {
 #[derive(Debug)]
 struct WorkerState {
     capacity_blocks: usize,
+    model: String,
     load: ActiveLoad,
 }
 
@@ -284,15 +302,17 @@ impl Scheduler {
         self.policy.name()
     }
 
-    /// Adds (or updates the capacity of) a worker.
-    pub fn add_worker(&mut self, key: WorkerKey, capacity_blocks: usize) {
-        self.workers
-            .entry(key)
-            .or_insert_with(|| WorkerState {
-                capacity_blocks,
-                load: ActiveLoad::default(),
-            })
-            .capacity_blocks = capacity_blocks;
+    /// Adds a worker serving `model`, or updates its capacity and model.
+    pub fn add_worker(&mut self, key: WorkerKey, capacity_blocks: usize, model: &str) {
+        let state = self.workers.entry(key).or_insert_with(|| WorkerState {
+            capacity_blocks,
+            model: model.to_owned(),
+            load: ActiveLoad::default(),
+        });
+        state.capacity_blocks = capacity_blocks;
+        if state.model != model {
+            state.model = model.to_owned();
+        }
     }
 
     /// Removes a worker and drops its bookings.
@@ -311,12 +331,14 @@ impl Scheduler {
         self.expired
     }
 
-    /// Every worker's cost for `request`, without booking anything (`/admin/explain`).
+    /// The cost for `request` of every worker serving its model, without booking anything
+    /// (`/admin/explain`).
     pub fn candidates(&self, request: &RouteRequest<'_>) -> Vec<Candidate> {
         let c = &self.config;
         let prompt_blocks = request.prompt_tokens as f64 / request.block_size.max(1) as f64;
         self.workers
             .iter()
+            .filter(|(_, state)| state.model == request.model)
             .map(|(key, state)| {
                 let overlap = request.overlaps.get(key.0, key.1);
                 // Blocks of requests this router sent there are being computed or held: by
@@ -425,14 +447,26 @@ impl Scheduler {
         })
     }
 
-    /// Books load another replica routed (idempotent; ignored for unknown workers).
-    pub fn book_shared(&mut self, now_ms: u64, b: SharedBooking) {
+    /// Books load another replica routed (idempotent), after checking it: a peer's message
+    /// is input from the network like any other.
+    pub fn book_shared(&mut self, now_ms: u64, b: SharedBooking) -> Result<(), SharedBookingError> {
+        if b.blocks.len() > MAX_SHARED_BLOCKS {
+            return Err(SharedBookingError::TooLarge {
+                blocks: b.blocks.len(),
+            });
+        }
+        let most = b.blocks.len() as f64 + 1.0;
+        if !b.prefill_blocks.is_finite() || !(0.0..=most).contains(&b.prefill_blocks) {
+            return Err(SharedBookingError::Prefill {
+                prefill_blocks: b.prefill_blocks,
+            });
+        }
         let key = (b.worker, b.dp_rank);
         let Some(state) = self.workers.get_mut(&key) else {
-            return;
+            return Err(SharedBookingError::UnknownWorker { worker: b.worker });
         };
         if self.bookings.contains_key(&b.id) {
-            return;
+            return Ok(());
         }
         state.load.book(b.prefill_blocks, &b.blocks, b.tail);
         self.bookings.insert(
@@ -447,6 +481,43 @@ impl Scheduler {
             },
         );
         self.by_age.push_back((now_ms, b.id));
+        Ok(())
+    }
+
+    /// The numbers of the open bookings `origin` made, ascending.
+    pub fn open_seqs(&self, origin: u64) -> Vec<u64> {
+        let mut v: Vec<u64> = self
+            .bookings
+            .keys()
+            .filter(|id| id.origin == origin)
+            .map(|id| id.seq)
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// The number this scheduler's next booking will get.
+    pub fn next_seq(&self) -> u64 {
+        self.next_booking + 1
+    }
+
+    /// A peer says which of its bookings numbered below `next` it still holds (`open`,
+    /// inclusive ranges): the others are completed here. Returns how many.
+    pub fn reconcile_origin(&mut self, origin: u64, open: &[(u64, u64)], next: u64) -> usize {
+        let stale: Vec<BookingId> = self
+            .bookings
+            .keys()
+            .filter(|id| {
+                id.origin == origin
+                    && id.seq < next
+                    && !open.iter().any(|(a, b)| (*a..=*b).contains(&id.seq))
+            })
+            .copied()
+            .collect();
+        for id in &stale {
+            self.complete(*id);
+        }
+        stale.len()
     }
 
     /// Drops every booking a replica made (it stopped announcing itself). Returns how many.
@@ -499,8 +570,11 @@ impl Scheduler {
                 break;
             }
             self.by_age.pop_front();
-            if let Some(b) = self.bookings.remove(&id) {
-                debug_assert_eq!(b.booked_ms, at);
+            // The id may have been completed and booked again since (a peer's booking sent
+            // twice): only the entry of this age expires.
+            if self.bookings.get(&id).is_some_and(|b| b.booked_ms == at)
+                && let Some(b) = self.bookings.remove(&id)
+            {
                 self.expired += 1;
                 self.release(b);
             }

@@ -3,8 +3,9 @@
 
 mod hash;
 mod serve;
-mod settings;
 mod up;
+
+use kvroute_cli::settings;
 
 use std::process::ExitCode;
 
@@ -21,7 +22,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the router: OpenAI API on --port, KV events and workers from NATS.
-    Serve(settings::ServeArgs),
+    Serve(Box<settings::ServeArgs>),
     /// Run a router and simulated workers in this process (no NATS, no GPU): the demo.
     Up(up::UpArgs),
     /// Print the block hashes of a token sequence, as workers and the router compute them
@@ -33,7 +34,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Hash(args) => hash::run_hash(&args),
-        Command::Serve(args) => serve::run_serve(args),
+        Command::Serve(args) => serve::run_serve(*args),
         Command::Up(args) => up::run_up(args),
     };
     match result {
@@ -43,15 +44,4 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
-}
-
-/// Logs to stderr, `RUST_LOG` or `info`.
-fn init_logging() {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
 }

@@ -10,12 +10,12 @@ use kvroute::events::plane::{EventPlane, PlaneConfig};
 use kvroute::events::transport::Transport;
 use kvroute::indexer::{self, Indexer};
 use kvroute::ingress::tokenizer::Tokenizer;
-use kvroute::ingress::{Router, serve};
+use kvroute::ingress::{Router, serve, serve_admin};
 use kvroute::scheduler::Scheduler;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::watch;
 
-use crate::settings::{self, ServeArgs, ServeFlags, Settings};
+use kvroute_cli::settings::{self, ServeArgs, ServeFlags, Settings};
 
 /// Runs `kvroute serve` to completion (SIGINT or SIGTERM, then a drain).
 pub fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -28,40 +28,79 @@ pub fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&settings)?);
         return Ok(());
     }
-    crate::init_logging();
+    kvroute::process::init_logging(settings.log_format);
     let tokenizer = load_tokenizer(settings.tokenizer.as_deref())?;
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
-        let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
-            .install_recorder()
-            .ok();
-        let transport = Transport::connect_nats(&settings.nats, "kvroute-router").await?;
+        let metrics = kvroute::process::install_metrics();
+        let transport =
+            Transport::connect_nats(&settings.nats, "kvroute-router", &settings.nats_auth).await?;
         let client = transport.nats_client().context("NATS transport")?.clone();
         let lease = LeaseConfig {
             ttl_ms: settings.lease_ttl_ms,
             ..LeaseConfig::default()
         };
-        let registry = Registry::nats(client, &settings.cluster, &lease).await?;
+        let registry =
+            Registry::nats(client, &settings.cluster, &lease, settings.registry_replicas).await?;
         let (stop, stop_rx) = watch::channel(false);
         let router = start_router(
             &settings, transport, registry, true, metrics, tokenizer, stop_rx,
         )
         .await?;
-        let listener = tokio::net::TcpListener::bind((settings.host, settings.port))
-            .await
-            .with_context(|| format!("listening on {}:{}", settings.host, settings.port))?;
-        let addr = listener.local_addr()?;
-        println!("kvroute serving on http://{addr}");
-        tracing::info!(%addr, nats = %settings.nats, cluster = %settings.cluster, "router serving");
-        serve_until_signal(
+        let listeners = Listeners::bind(&settings).await?;
+        println!("kvroute serving on http://{}", listeners.api_addr);
+        println!("kvroute admin on http://{}", listeners.admin_addr);
+        tracing::info!(addr = %listeners.api_addr, admin = %listeners.admin_addr, nats = %settings.nats, cluster = %settings.cluster, "router serving");
+        let outcome = serve_until_signal(
             router,
-            listener,
+            listeners,
             Duration::from_millis(settings.drain_timeout_ms),
         )
         .await;
         let _ = stop.send(true);
-        Ok(())
+        outcome
     })
+}
+
+/// The router's two listeners: the API (OpenAI endpoints, health, metrics) and the admin
+/// views.
+pub struct Listeners {
+    api: tokio::net::TcpListener,
+    admin: tokio::net::TcpListener,
+    /// Where the API listens.
+    pub api_addr: std::net::SocketAddr,
+    /// Where the admin views listen.
+    pub admin_addr: std::net::SocketAddr,
+}
+
+impl Listeners {
+    /// Binds both, as the settings say.
+    pub async fn bind(settings: &Settings) -> anyhow::Result<Listeners> {
+        let api = tokio::net::TcpListener::bind((settings.host, settings.port))
+            .await
+            .with_context(|| format!("listening on {}:{}", settings.host, settings.port))?;
+        let admin = tokio::net::TcpListener::bind((settings.admin_host, settings.admin_port))
+            .await
+            .with_context(|| {
+                format!(
+                    "admin listener on {}:{}",
+                    settings.admin_host, settings.admin_port
+                )
+            })?;
+        let shown = |a: std::net::SocketAddr| {
+            if a.ip().is_unspecified() {
+                std::net::SocketAddr::from(([127, 0, 0, 1], a.port()))
+            } else {
+                a
+            }
+        };
+        Ok(Listeners {
+            api_addr: shown(api.local_addr()?),
+            admin_addr: shown(admin.local_addr()?),
+            api,
+            admin,
+        })
+    }
 }
 
 /// The tokenizer file, or bytes.
@@ -92,17 +131,18 @@ pub async fn start_router(
         cluster: settings.cluster.clone(),
         ..PlaneConfig::default()
     };
+    let scheduler = Arc::new(parking_lot::Mutex::new(Scheduler::new(
+        settings.scheduler.clone(),
+    )?));
     let plane = EventPlane::start(
         transport.clone(),
         indexer,
         registry.watch(lease),
         plane_config,
+        Some(Arc::clone(&scheduler)),
         stop.clone(),
     )
     .await?;
-    let scheduler = Arc::new(parking_lot::Mutex::new(Scheduler::new(
-        settings.scheduler.clone(),
-    )?));
     let load = if share_load {
         Some(
             LoadShare::start(
@@ -127,19 +167,27 @@ pub async fn start_router(
     ))
 }
 
-/// Serves until SIGINT or SIGTERM, then drains: `/ready` fails, the listener closes, and
-/// requests in flight get up to `drain` to finish.
+/// Serves until SIGINT or SIGTERM, then drains: `/ready` fails, the listeners close, and
+/// requests in flight get up to `drain` to finish. If the event plane fails for good (its
+/// subscription or the registry watch ended), the router can no longer follow the fleet: it
+/// drains the same way and returns the failure.
 pub async fn serve_until_signal(
     router: Arc<Router>,
-    listener: tokio::net::TcpListener,
+    listeners: Listeners,
     drain: Duration,
-) {
+) -> anyhow::Result<()> {
     let (stop_accepting, accepting) = watch::channel(false);
-    let server = tokio::spawn(serve(Arc::clone(&router), listener, accepting));
-    terminated().await;
+    let api = tokio::spawn(serve(Arc::clone(&router), listeners.api, accepting.clone()));
+    let admin = tokio::spawn(serve_admin(Arc::clone(&router), listeners.admin, accepting));
+    let mut failed = router.plane.failed();
+    let failure = tokio::select! {
+        _ = kvroute::process::terminated() => None,
+        reason = failed.wait_for(Option::is_some) => reason.ok().and_then(|r| r.clone()),
+    };
     router.begin_drain();
     let _ = stop_accepting.send(true);
-    let _ = server.await;
+    let _ = api.await;
+    let _ = admin.await;
     tracing::info!(inflight = router.inflight(), "draining");
     let left = router.drained(drain).await;
     if left > 0 {
@@ -147,20 +195,8 @@ pub async fn serve_until_signal(
     } else {
         tracing::info!("drained");
     }
-}
-
-/// Resolves on SIGINT (Ctrl-C) or SIGTERM (what Kubernetes sends).
-pub async fn terminated() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        if let Ok(mut term) = signal(SignalKind::terminate()) {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-            return;
-        }
+    match failure {
+        Some(reason) => anyhow::bail!("the event plane failed: {reason}"),
+        None => Ok(()),
     }
-    let _ = tokio::signal::ctrl_c().await;
 }

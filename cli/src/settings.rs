@@ -9,7 +9,10 @@ use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
+use kvroute::auth::{NatsAuth, Secret};
+use kvroute::http::HttpConfig;
 use kvroute::ingress::IngressConfig;
+use kvroute::process::LogFormat;
 use kvroute::scheduler::{self, PolicyKind};
 use serde::{Deserialize, Serialize};
 
@@ -20,36 +23,69 @@ pub struct ServeArgs {
     /// (`max_inflight = 512`); flags and KVROUTE_* variables override it.
     #[arg(long, env = "KVROUTE_CONFIG")]
     pub config: Option<PathBuf>,
-    /// Check flags, variables and --config, print the resolved settings as JSON, and exit.
+    /// Check flags, variables and --config, print the resolved settings as JSON (secrets
+    /// redacted), and exit.
     #[arg(long)]
     pub dry_run: bool,
+    /// Every setting.
     #[command(flatten)]
     pub flags: ServeFlags,
 }
 
 /// Every router setting, optional: as flags (and variables) and as the `--config` file.
 #[derive(clap::Args, Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct ServeFlags {
-    /// NATS server URL [default: nats://127.0.0.1:4222].
+    /// NATS server URL; several servers of one cluster comma-separated
+    /// [default: nats://127.0.0.1:4222].
     #[arg(long, env = "KVROUTE_NATS")]
     pub nats: Option<String>,
-    /// HTTP port [default: 8080].
+    /// NATS credentials and TLS.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub nats_auth: NatsAuth,
+    /// Copies of the worker registry kept by a JetStream cluster (fewer if it has fewer
+    /// servers) [default: 3].
+    #[arg(long, env = "KVROUTE_REGISTRY_REPLICAS")]
+    pub registry_replicas: Option<usize>,
+    /// HTTP port of the OpenAI API, health and metrics [default: 8080].
     #[arg(long, env = "KVROUTE_PORT")]
     pub port: Option<u16>,
     /// Address to listen on [default: 0.0.0.0].
     #[arg(long, env = "KVROUTE_HOST")]
     pub host: Option<IpAddr>,
+    /// Port of the admin listener (/admin/workers, /admin/explain, /admin/index; 0: any
+    /// free port) [default: 8081].
+    #[arg(long, env = "KVROUTE_ADMIN_PORT")]
+    pub admin_port: Option<u16>,
+    /// Address of the admin listener; keep it private, or set an admin token
+    /// [default: 127.0.0.1].
+    #[arg(long, env = "KVROUTE_ADMIN_HOST")]
+    pub admin_host: Option<IpAddr>,
+    /// Bearer token the admin listener requires [default: none].
+    #[arg(long, env = "KVROUTE_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<Secret>,
+    /// API keys the OpenAI endpoints accept as `Authorization: Bearer KEY`, comma-separated
+    /// [default: none, the endpoints are open].
+    #[arg(
+        long,
+        env = "KVROUTE_API_KEYS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub api_keys: Option<Vec<Secret>>,
+    /// File of API keys, one per line (added to --api-keys).
+    #[arg(long, env = "KVROUTE_API_KEYS_FILE")]
+    pub api_keys_file: Option<PathBuf>,
     /// Cluster name in NATS subjects and the registry bucket [default: default].
     #[arg(long, env = "KVROUTE_CLUSTER")]
     pub cluster: Option<String>,
     /// Routing policy: kv, round_robin, random, least_loaded, approx_prefix [default: kv].
     #[arg(long, env = "KVROUTE_POLICY")]
     pub policy: Option<String>,
-    /// Weight of uncached prefill blocks against load [default: 8].
+    /// Weight of uncached prefill blocks against load, finite, >= 0 [default: 8].
     #[arg(long, env = "KVROUTE_PREFILL_SCALE")]
     pub prefill_scale: Option<f64>,
-    /// Weight of blocks held by running decodes [default: 0.1].
+    /// Weight of blocks held by running decodes, finite, >= 0 [default: 0.1].
     #[arg(long, env = "KVROUTE_DECODE_WEIGHT")]
     pub decode_weight: Option<f64>,
     /// Softmax temperature over costs; 0 picks the cheapest [default: 0].
@@ -73,6 +109,29 @@ pub struct ServeFlags {
     /// How long a worker may take to answer with headers, ms [default: 10000].
     #[arg(long, env = "KVROUTE_WORKER_TIMEOUT_MS")]
     pub worker_timeout_ms: Option<u64>,
+    /// Longest silence mid-stream, from the worker or towards the client, ms
+    /// [default: 30000].
+    #[arg(long, env = "KVROUTE_RELAY_IDLE_TIMEOUT_MS")]
+    pub relay_idle_timeout_ms: Option<u64>,
+    /// Deadline for a whole non-streamed worker answer, ms [default: 600000].
+    #[arg(long, env = "KVROUTE_UPSTREAM_BODY_TIMEOUT_MS")]
+    pub upstream_body_timeout_ms: Option<u64>,
+    /// Largest non-streamed worker answer, bytes [default: 67108864].
+    #[arg(long, env = "KVROUTE_MAX_UPSTREAM_BODY_BYTES")]
+    pub max_upstream_body_bytes: Option<usize>,
+    /// Client connections served at once [default: 10000].
+    #[arg(long, env = "KVROUTE_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// A client must send a request's headers within this long (also the keep-alive idle
+    /// limit), ms [default: 30000].
+    #[arg(long, env = "KVROUTE_HEADER_READ_TIMEOUT_MS")]
+    pub header_read_timeout_ms: Option<u64>,
+    /// A client must send a request's body within this long, ms [default: 30000].
+    #[arg(long, env = "KVROUTE_BODY_READ_TIMEOUT_MS")]
+    pub body_read_timeout_ms: Option<u64>,
+    /// Threads that parse and tokenize request bodies (0: one per core) [default: 0].
+    #[arg(long, env = "KVROUTE_TOKENIZER_THREADS")]
+    pub tokenizer_threads: Option<usize>,
     /// On SIGTERM: /ready fails, no new connections, and requests in flight get this long
     /// to finish, ms [default: 30000].
     #[arg(long, env = "KVROUTE_DRAIN_TIMEOUT_MS")]
@@ -81,29 +140,42 @@ pub struct ServeFlags {
     /// template) [default: one token per UTF-8 byte].
     #[arg(long, env = "KVROUTE_TOKENIZER")]
     pub tokenizer: Option<PathBuf>,
+    /// Log lines as `text` (colour only on a terminal) or `json` [default: text].
+    #[arg(long, env = "KVROUTE_LOG_FORMAT")]
+    pub log_format: Option<LogFormat>,
 }
 
 /// The router's resolved settings.
 #[derive(Clone, Debug, Serialize)]
 pub struct Settings {
-    /// NATS server URL.
+    /// NATS server URL(s).
     pub nats: String,
+    /// NATS credentials and TLS.
+    pub nats_auth: NatsAuth,
+    /// Copies of the registry bucket wanted.
+    pub registry_replicas: usize,
     /// HTTP port.
     pub port: u16,
     /// Listen address.
     pub host: IpAddr,
+    /// Admin listener port.
+    pub admin_port: u16,
+    /// Admin listener address.
+    pub admin_host: IpAddr,
     /// Cluster name.
     pub cluster: String,
     /// Scheduler: policy, weights, replica id.
     pub scheduler: scheduler::Config,
     /// Worker lease TTL, ms.
     pub lease_ttl_ms: u64,
-    /// HTTP front door limits.
+    /// HTTP front door limits and keys.
     pub ingress: IngressConfig,
     /// Drain budget on SIGTERM, ms.
     pub drain_timeout_ms: u64,
     /// Tokenizer file; `None`: bytes.
     pub tokenizer: Option<PathBuf>,
+    /// Log format.
+    pub log_format: LogFormat,
 }
 
 /// Reads a `--config` file.
@@ -115,14 +187,37 @@ pub fn read_file(path: &Path) -> anyhow::Result<ServeFlags> {
 
 /// Parses the TOML of a `--config` file (unknown keys and wrong types are errors).
 pub fn parse_file(text: &str) -> anyhow::Result<ServeFlags> {
-    toml::from_str(text).map_err(|e| {
-        // One line, naming the line and its text (so the key), then what is wrong.
-        let Some(span) = e.span() else {
-            return anyhow::anyhow!("{}", e.message());
-        };
-        let line = text[..span.start.min(text.len())].matches('\n').count();
+    // One line, naming the line and its text (so the key), then what is wrong.
+    let located = |offset: usize, message: &str| {
+        let line = text[..offset.min(text.len())].matches('\n').count();
         let source = text.lines().nth(line).unwrap_or("").trim();
-        anyhow::anyhow!("line {} `{source}`: {}", line + 1, e.message())
+        anyhow::anyhow!("line {} `{source}`: {message}", line + 1)
+    };
+    let table: toml::Table = toml::from_str(text).map_err(|e| match e.span() {
+        Some(span) => located(span.start, e.message()),
+        None => anyhow::anyhow!("{}", e.message()),
+    })?;
+    // The flags are the schema: a key that names no flag is a typo.
+    let command = <ServeFlags as clap::Args>::augment_args(clap::Command::new("serve"));
+    let known: Vec<&str> = command
+        .get_arguments()
+        .map(|a| a.get_id().as_str())
+        .collect();
+    if let Some(key) = table.keys().find(|k| !known.contains(&k.as_str())) {
+        let offset = text
+            .lines()
+            .scan(0, |at, line| {
+                let start = *at;
+                *at += line.len() + 1;
+                Some((start, line))
+            })
+            .find(|(_, line)| line.trim_start().starts_with(key.as_str()))
+            .map_or(0, |(start, _)| start);
+        return Err(located(offset, &format!("unknown setting `{key}`")));
+    }
+    toml::from_str(text).map_err(|e| match e.span() {
+        Some(span) => located(span.start, e.message()),
+        None => anyhow::anyhow!("{}", e.message()),
     })
 }
 
@@ -155,7 +250,22 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
         ..defaults
     };
     scheduler.validate()?;
+    let mut api_keys: Vec<Secret> = flags.api_keys.or(file.api_keys).unwrap_or_default();
+    if let Some(path) = flags.api_keys_file.or(file.api_keys_file) {
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("api_keys_file {}", path.display()))?;
+        api_keys.extend(
+            text.lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .map(Secret::new),
+        );
+    }
+    if api_keys.iter().any(|k| k.expose().is_empty()) {
+        bail!("api_keys: a key must not be empty");
+    }
     let d = IngressConfig::default();
+    let h = HttpConfig::default();
     let ingress = IngressConfig {
         max_inflight: flags
             .max_inflight
@@ -170,12 +280,46 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
             .worker_timeout_ms
             .or(file.worker_timeout_ms)
             .unwrap_or(d.worker_timeout_ms),
+        relay_idle_timeout_ms: flags
+            .relay_idle_timeout_ms
+            .or(file.relay_idle_timeout_ms)
+            .unwrap_or(d.relay_idle_timeout_ms),
+        upstream_body_timeout_ms: flags
+            .upstream_body_timeout_ms
+            .or(file.upstream_body_timeout_ms)
+            .unwrap_or(d.upstream_body_timeout_ms),
+        max_upstream_body_bytes: flags
+            .max_upstream_body_bytes
+            .or(file.max_upstream_body_bytes)
+            .unwrap_or(d.max_upstream_body_bytes),
+        tokenizer_threads: flags
+            .tokenizer_threads
+            .or(file.tokenizer_threads)
+            .unwrap_or(d.tokenizer_threads),
+        http: HttpConfig {
+            max_connections: flags
+                .max_connections
+                .or(file.max_connections)
+                .unwrap_or(h.max_connections),
+            header_read_timeout_ms: flags
+                .header_read_timeout_ms
+                .or(file.header_read_timeout_ms)
+                .unwrap_or(h.header_read_timeout_ms),
+            body_read_timeout_ms: flags
+                .body_read_timeout_ms
+                .or(file.body_read_timeout_ms)
+                .unwrap_or(h.body_read_timeout_ms),
+        },
+        api_keys,
+        admin_token: flags.admin_token.or(file.admin_token),
     };
-    if ingress.max_inflight == 0 {
-        bail!("max_inflight must be at least 1");
-    }
-    if ingress.max_body_bytes < 1024 {
-        bail!("max_body_bytes must be at least 1024");
+    ingress.validate()?;
+    if ingress
+        .admin_token
+        .as_ref()
+        .is_some_and(|t| t.expose().is_empty())
+    {
+        bail!("admin_token must not be empty");
     }
     let lease_ttl_ms = flags.lease_ttl_ms.or(file.lease_ttl_ms).unwrap_or(5_000);
     if lease_ttl_ms < 1_000 {
@@ -185,8 +329,17 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
         .nats
         .or(file.nats)
         .unwrap_or_else(|| "nats://127.0.0.1:4222".into());
-    if !nats.contains("://") && nats.contains(char::is_whitespace) {
-        bail!("nats {nats:?} is not a URL");
+    if nats.trim().is_empty() || nats.contains(char::is_whitespace) {
+        bail!("nats {nats:?} is not a URL (several servers: comma-separated, no spaces)");
+    }
+    let nats_auth = flags.nats_auth.or(file.nats_auth);
+    nats_auth.validate()?;
+    let registry_replicas = flags
+        .registry_replicas
+        .or(file.registry_replicas)
+        .unwrap_or(3);
+    if !(1..=5).contains(&registry_replicas) {
+        bail!("registry_replicas must be 1..=5 (JetStream's limit)");
     }
     let cluster = flags
         .cluster
@@ -201,11 +354,18 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
     }
     Ok(Settings {
         nats,
+        nats_auth,
+        registry_replicas,
         port: flags.port.or(file.port).unwrap_or(8080),
         host: flags
             .host
             .or(file.host)
             .unwrap_or(IpAddr::from([0, 0, 0, 0])),
+        admin_port: flags.admin_port.or(file.admin_port).unwrap_or(8081),
+        admin_host: flags
+            .admin_host
+            .or(file.admin_host)
+            .unwrap_or(IpAddr::from([127, 0, 0, 1])),
         cluster,
         scheduler,
         lease_ttl_ms,
@@ -215,6 +375,7 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
             .or(file.drain_timeout_ms)
             .unwrap_or(30_000),
         tokenizer: flags.tokenizer.or(file.tokenizer),
+        log_format: flags.log_format.or(file.log_format).unwrap_or_default(),
     })
 }
 
@@ -246,6 +407,22 @@ mod tests {
     }
 
     #[test]
+    fn secrets_are_redacted_and_nats_auth_comes_from_the_file() {
+        let file = parse_file(
+            "nats_user = \"router\"\nnats_password = \"s3cret\"\napi_keys = [\"k1\"]\nadmin_token = \"t0k\"\n",
+        )
+        .unwrap();
+        let s = resolve(ServeFlags::default(), file).unwrap();
+        assert_eq!(s.nats_auth.nats_user.as_deref(), Some("router"));
+        let printed = serde_json::to_string(&s).unwrap();
+        assert!(
+            !printed.contains("s3cret") && !printed.contains("k1") && !printed.contains("t0k"),
+            "{printed}"
+        );
+        assert!(printed.contains("<redacted>"));
+    }
+
+    #[test]
     fn file_errors_name_the_key() {
         let unknown = parse_file("max_in_flight = 3\n").unwrap_err().to_string();
         assert!(unknown.contains("max_in_flight"), "{unknown}");
@@ -267,6 +444,12 @@ mod tests {
         assert!(bad("max_inflight = 0").is_err());
         assert!(bad("cluster = \"a.b\"").is_err());
         assert!(bad("lease_ttl_ms = 10").is_err());
+        // Every float must be finite: NaN once passed and then panicked on every request.
+        assert!(bad("decode_weight = nan").is_err());
+        assert!(bad("prefill_scale = inf").is_err());
+        assert!(bad("relay_idle_timeout_ms = 0").is_err());
+        assert!(bad("max_connections = 0").is_err());
+        assert!(bad("nats_user = \"u\"").is_err());
         assert!(bad("").is_ok());
     }
 }

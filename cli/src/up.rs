@@ -14,8 +14,8 @@ use kvroute_worker::EngineConfig;
 use kvroute_worker::server::{ServerConfig, Worker};
 use tokio::sync::watch;
 
-use crate::serve::{load_tokenizer, serve_until_signal, start_router};
-use crate::settings::{self, ServeFlags};
+use crate::serve::{Listeners, load_tokenizer, serve_until_signal, start_router};
+use kvroute_cli::settings::{self, ServeFlags};
 
 /// Flags of `kvroute up`.
 #[derive(clap::Args, Debug)]
@@ -26,6 +26,10 @@ pub struct UpArgs {
     /// Address the router listens on (workers listen on 127.0.0.1, any free port).
     #[arg(long, env = "KVROUTE_HOST", default_value = "127.0.0.1")]
     pub host: IpAddr,
+    /// Port of the admin views (/admin/workers, /admin/explain) on 127.0.0.1 (0: any free
+    /// port).
+    #[arg(long, env = "KVROUTE_ADMIN_PORT", default_value_t = 8081)]
+    pub admin_port: u16,
     /// Workers to run in this process (1–64).
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
@@ -68,18 +72,17 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             policy: Some(args.policy.clone()),
             cluster: Some("up".into()),
             drain_timeout_ms: Some(5_000),
+            admin_port: Some(args.admin_port),
             ..ServeFlags::default()
         },
         ServeFlags::default(),
     )?;
-    crate::init_logging();
+    kvroute::process::init_logging(settings.log_format);
     let tokenizer = load_tokenizer(args.tokenizer.as_deref())?;
     let worker_tokenizer = Arc::new(load_tokenizer(args.tokenizer.as_deref())?);
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
-        let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
-            .install_recorder()
-            .ok();
+        let metrics = kvroute::process::install_metrics();
         let bus = Transport::Local(LocalBus::new());
         let registry = Registry::Local(LocalRegistry::default());
         let mut workers = Vec::with_capacity(args.workers);
@@ -95,16 +98,15 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
                 epoch: kvroute_worker::server::new_epoch(),
                 metrics: None,
                 tokenizer: Arc::clone(&worker_tokenizer),
+                http: settings.ingress.http.clone(),
+                fault_injection: false,
             };
             workers.push(Worker::start(config, bus.clone(), registry.clone()).await?);
         }
         let (stop, stop_rx) = watch::channel(false);
         let router =
             start_router(&settings, bus, registry, false, metrics, tokenizer, stop_rx).await?;
-        let listener = tokio::net::TcpListener::bind((settings.host, settings.port))
-            .await
-            .with_context(|| format!("listening on {}:{}", settings.host, settings.port))?;
-        let addr = listener.local_addr()?;
+        let listeners = Listeners::bind(&settings).await?;
         // Ready when the router follows every worker's event stream.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         while tokio::time::Instant::now() < deadline
@@ -113,11 +115,8 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let shown = if addr.ip().is_unspecified() {
-            SocketAddr::from(([127, 0, 0, 1], addr.port()))
-        } else {
-            addr
-        };
+        let shown = listeners.api_addr;
+        let admin = listeners.admin_addr;
         println!(
             "kvroute up: router on http://{shown} with {} in-process workers (no NATS); Ctrl-C stops",
             args.workers
@@ -126,10 +125,10 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             "try:\n  curl -sN http://{shown}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\":\"{}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello there\"}}],\"max_tokens\":16,\"stream\":true}}'",
             args.model
         );
-        println!("  curl -s http://{shown}/admin/workers");
-        serve_until_signal(
+        println!("  curl -s http://{admin}/admin/workers");
+        let outcome = serve_until_signal(
             router,
-            listener,
+            listeners,
             Duration::from_millis(settings.drain_timeout_ms),
         )
         .await;
@@ -137,6 +136,6 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             worker.stop().await;
         }
         let _ = stop.send(true);
-        Ok(())
+        outcome
     })
 }

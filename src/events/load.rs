@@ -1,14 +1,16 @@
 //! Router replicas share their bookings on `kvroute.<cluster>.load` (DESIGN §5), so each
-//! replica's scheduler sees the whole fleet's load, not just what it routed itself. Each
-//! replica announces itself every heartbeat; the bookings of a replica that falls silent are
-//! dropped after `replica_ttl_ms` (and every booking also has the scheduler's own TTL).
+//! replica's scheduler sees the whole fleet's load, not just what it routed itself.
 //!
 //! A replica's updates are coalesced: the first one after a quiet spell starts a `flush_ms`
-//! window, and everything booked, started or completed in it goes out as one message (a JSON
-//! array of operations). Peers see load at most that much later, and a busy router publishes
-//! (and receives its own echo) a few hundred times a second instead of twice per request.
+//! window, and everything booked, started or completed in it goes out as JSON arrays of
+//! operations, each message under the server's `max_payload`. The outbox is bounded: past
+//! `max_pending` operations it sheds bookings and first tokens first and completions last
+//! (counted). Every heartbeat names the replica's open bookings, so peers drop whatever it no
+//! longer holds, however the completion was lost; a replica silent for `replica_ttl_ms` loses
+//! all its bookings; and every booking also has the scheduler's own TTL. Peers' bookings are
+//! validated before they are booked.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,16 +28,19 @@ pub fn load_subject(cluster: &str) -> String {
     format!("kvroute.{cluster}.load")
 }
 
-/// Timing of load sharing.
+/// Timing and bounds of load sharing.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LoadShareConfig {
-    /// A replica announces itself this often, ms.
+    /// A replica announces itself (and its open bookings) this often, ms.
     pub heartbeat_ms: u64,
     /// A replica silent this long is gone: its bookings are dropped, ms.
     pub replica_ttl_ms: u64,
     /// Updates are gathered this long into one message, ms (0: one message per update).
     pub flush_ms: u64,
+    /// Most operations waiting to be published; beyond, the oldest are shed (completions
+    /// last: peers also learn of them from the next heartbeat).
+    pub max_pending: usize,
 }
 
 impl Default for LoadShareConfig {
@@ -44,6 +49,7 @@ impl Default for LoadShareConfig {
             heartbeat_ms: 1_000,
             replica_ttl_ms: 5_000,
             flush_ms: 2,
+            max_pending: 16_384,
         }
     }
 }
@@ -51,11 +57,246 @@ impl Default for LoadShareConfig {
 /// One operation; a message on the load subject is a JSON array of them.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
-enum LoadMessage {
-    Book { booking: SharedBooking },
-    FirstToken { id: BookingId },
-    Complete { id: BookingId },
-    Heartbeat { replica: u64 },
+pub enum LoadMessage {
+    /// A booking a replica made.
+    Book {
+        /// The booking.
+        booking: SharedBooking,
+    },
+    /// A booking's first token.
+    FirstToken {
+        /// The booking.
+        id: BookingId,
+    },
+    /// A booking's completion.
+    Complete {
+        /// The booking.
+        id: BookingId,
+    },
+    /// A replica is alive, and holds exactly these bookings among those numbered below `next`.
+    Heartbeat {
+        /// The replica.
+        replica: u64,
+        /// Its open bookings' numbers, as inclusive ranges (sorted).
+        #[serde(default)]
+        open: Vec<(u64, u64)>,
+        /// Bookings numbered from here on are newer than this heartbeat.
+        #[serde(default)]
+        next: u64,
+    },
+}
+
+impl LoadMessage {
+    fn origin(&self) -> u64 {
+        match self {
+            LoadMessage::Book { booking } => booking.id.origin,
+            LoadMessage::FirstToken { id } | LoadMessage::Complete { id } => id.origin,
+            LoadMessage::Heartbeat { replica, .. } => *replica,
+        }
+    }
+}
+
+/// Largest load message accepted, bytes (a flush never exceeds the server's max_payload).
+pub const MAX_LOAD_MESSAGE_BYTES: usize = 8 << 20;
+
+/// Decodes one load message (a JSON array of operations).
+pub fn decode_load(payload: &[u8]) -> Result<Vec<LoadMessage>, serde_json::Error> {
+    if payload.len() > MAX_LOAD_MESSAGE_BYTES {
+        return Err(serde::de::Error::custom(format!(
+            "load message of {} bytes is over {MAX_LOAD_MESSAGE_BYTES}",
+            payload.len()
+        )));
+    }
+    serde_json::from_slice(payload)
+}
+
+/// Operations waiting to be published: bounded, shedding the least harmful first.
+#[derive(Debug)]
+pub struct Outbox {
+    ops: VecDeque<LoadMessage>,
+    max: usize,
+    shed: u64,
+}
+
+impl Outbox {
+    /// An empty outbox for at most `max` operations.
+    pub fn new(max: usize) -> Self {
+        Outbox {
+            ops: VecDeque::new(),
+            max: max.max(1),
+            shed: 0,
+        }
+    }
+
+    /// Queues an operation. At the bound, the oldest booking or first token goes (a peer
+    /// that misses it under-counts one request for a while); only if there is none does the
+    /// oldest completion go (the next heartbeat carries it anyway). Returns whether it was
+    /// the first one pending (the flusher must be woken).
+    pub fn push(&mut self, op: LoadMessage) -> bool {
+        if self.ops.len() >= self.max {
+            let victim = self
+                .ops
+                .iter()
+                .position(|m| {
+                    !matches!(
+                        m,
+                        LoadMessage::Complete { .. } | LoadMessage::Heartbeat { .. }
+                    )
+                })
+                .unwrap_or(0);
+            self.ops.remove(victim);
+            self.shed += 1;
+            metrics::counter!("kvroute_load_shed_total").increment(1);
+        }
+        self.ops.push_back(op);
+        self.ops.len() == 1
+    }
+
+    /// Operations shed so far.
+    pub fn shed(&self) -> u64 {
+        self.shed
+    }
+
+    /// Operations pending.
+    pub fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// Whether nothing is pending.
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+
+    /// Takes everything pending as payloads of at most `max_payload` bytes each, in order.
+    /// An operation too large for any message alone (a booking of a huge prompt) is shed.
+    pub fn drain_payloads(&mut self, max_payload: usize) -> Vec<Bytes> {
+        let mut payloads = Vec::new();
+        let mut current: Vec<u8> = Vec::new();
+        for op in self.ops.drain(..) {
+            let encoded = serde_json::to_vec(&op).expect("invariant: load messages serialize");
+            // `[` + op + `]` must fit alone.
+            if encoded.len() + 2 > max_payload {
+                self.shed += 1;
+                metrics::counter!("kvroute_load_shed_total").increment(1);
+                continue;
+            }
+            if !current.is_empty() && current.len() + 1 + encoded.len() + 1 > max_payload {
+                current.push(b']');
+                payloads.push(Bytes::from(std::mem::take(&mut current)));
+            }
+            current.push(if current.is_empty() { b'[' } else { b',' });
+            current.extend_from_slice(&encoded);
+        }
+        if !current.is_empty() {
+            current.push(b']');
+            payloads.push(Bytes::from(current));
+        }
+        payloads
+    }
+}
+
+/// The other replicas, as one replica sees them (no I/O: `now_ms` is given).
+#[derive(Debug, Default)]
+pub struct Peers {
+    seen: HashMap<u64, u64>,
+}
+
+impl Peers {
+    /// Applies one message's operations from peers (this replica's own echoes are skipped).
+    pub fn on_message(
+        &mut self,
+        now_ms: u64,
+        me: u64,
+        ops: Vec<LoadMessage>,
+        scheduler: &mut Scheduler,
+    ) {
+        for op in ops {
+            let origin = op.origin();
+            if origin == me {
+                continue;
+            }
+            self.seen.insert(origin, now_ms);
+            match op {
+                LoadMessage::Book { booking } => {
+                    if let Err(e) = scheduler.book_shared(now_ms, booking) {
+                        metrics::counter!("kvroute_load_rejected_total").increment(1);
+                        tracing::debug!(replica = origin, error = %e, "refusing a peer's booking");
+                    }
+                }
+                LoadMessage::FirstToken { id } => scheduler.first_token(id),
+                LoadMessage::Complete { id } => scheduler.complete(id),
+                LoadMessage::Heartbeat { open, next, .. } => {
+                    let dropped = scheduler.reconcile_origin(origin, &open, next);
+                    if dropped > 0 {
+                        metrics::counter!("kvroute_load_reconciled_total")
+                            .increment(dropped as u64);
+                        tracing::debug!(
+                            replica = origin,
+                            dropped,
+                            "dropped peer bookings it no longer holds"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Replicas silent for longer than `ttl_ms` are forgotten with their bookings.
+    pub fn on_tick(&mut self, now_ms: u64, ttl_ms: u64, scheduler: &mut Scheduler) {
+        let gone: Vec<u64> = self
+            .seen
+            .iter()
+            .filter(|(_, at)| now_ms.saturating_sub(**at) > ttl_ms)
+            .map(|(r, _)| *r)
+            .collect();
+        for replica in gone {
+            self.seen.remove(&replica);
+            let dropped = scheduler.drop_origin(replica);
+            tracing::warn!(
+                replica,
+                dropped,
+                "router replica went silent; its bookings are dropped"
+            );
+        }
+    }
+
+    /// Replicas heard from recently.
+    pub fn len(&self) -> usize {
+        self.seen.len()
+    }
+
+    /// Whether no peer is known.
+    pub fn is_empty(&self) -> bool {
+        self.seen.is_empty()
+    }
+}
+
+/// Open booking numbers as inclusive ranges.
+fn ranges(seqs: &[u64]) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for &s in seqs {
+        match out.last_mut() {
+            Some((_, end)) if *end + 1 == s => *end = s,
+            _ => out.push((s, s)),
+        }
+    }
+    out
+}
+
+/// Merges the closest ranges until at most `max` remain: the heartbeat then claims a few
+/// closed bookings as open (peers keep them until their completion or TTL), never the
+/// reverse.
+fn coarsen(mut r: Vec<(u64, u64)>, max: usize) -> Vec<(u64, u64)> {
+    while r.len() > max.max(1) {
+        let (i, _) = r
+            .windows(2)
+            .enumerate()
+            .min_by_key(|(_, w)| w[1].0 - w[0].1)
+            .expect("invariant: more than one range");
+        r[i].1 = r[i + 1].1;
+        r.remove(i + 1);
+    }
+    r
 }
 
 /// A replica's side of load sharing.
@@ -64,9 +305,8 @@ pub struct LoadShare {
     transport: Transport,
     subject: String,
     scheduler: Arc<Mutex<Scheduler>>,
-    /// Updates not yet published.
-    pending: Arc<Mutex<Vec<LoadMessage>>>,
-    /// Wakes the flusher when `pending` stops being empty.
+    outbox: Arc<Mutex<Outbox>>,
+    /// Wakes the flusher when the outbox stops being empty.
     wake: Arc<tokio::sync::Notify>,
 }
 
@@ -88,7 +328,7 @@ impl LoadShare {
             transport,
             subject,
             scheduler,
-            pending: Arc::default(),
+            outbox: Arc::new(Mutex::new(Outbox::new(config.max_pending))),
             wake: Arc::default(),
         };
         let flusher = share.clone();
@@ -108,46 +348,30 @@ impl LoadShare {
         let s = share.clone();
         tokio::spawn(async move {
             let start = Instant::now();
-            let mut seen: HashMap<u64, Instant> = HashMap::new();
+            let now_ms = || start.elapsed().as_millis() as u64;
+            let mut peers = Peers::default();
             let mut beat =
                 tokio::time::interval(Duration::from_millis(config.heartbeat_ms.max(10)));
             loop {
                 tokio::select! {
                     message = subscription.next() => {
-                        let Some(message) = message else { return };
-                        let Ok(ops) = serde_json::from_slice::<Vec<LoadMessage>>(&message.payload) else {
-                            tracing::warn!("ignoring malformed load message");
-                            continue;
+                        let Some(message) = message else {
+                            tracing::error!("the load subscription ended: peers' load is no longer seen");
+                            return;
                         };
-                        let now_ms = start.elapsed().as_millis() as u64;
-                        let mut scheduler = s.scheduler.lock();
-                        for m in ops {
-                            let origin = match &m {
-                                LoadMessage::Book { booking } => booking.id.origin,
-                                LoadMessage::FirstToken { id } | LoadMessage::Complete { id } => id.origin,
-                                LoadMessage::Heartbeat { replica } => *replica,
-                            };
-                            if origin == me {
+                        let ops = match decode_load(&message.payload) {
+                            Ok(ops) => ops,
+                            Err(e) => {
+                                metrics::counter!("kvroute_load_malformed_total").increment(1);
+                                tracing::warn!(error = %e, "ignoring malformed load message");
                                 continue;
                             }
-                            seen.insert(origin, Instant::now());
-                            match m {
-                                LoadMessage::Book { booking } => scheduler.book_shared(now_ms, booking),
-                                LoadMessage::FirstToken { id } => scheduler.first_token(id),
-                                LoadMessage::Complete { id } => scheduler.complete(id),
-                                LoadMessage::Heartbeat { .. } => {}
-                            }
-                        }
+                        };
+                        peers.on_message(now_ms(), me, ops, &mut s.scheduler.lock());
                     }
                     _ = beat.tick() => {
-                        s.send(LoadMessage::Heartbeat { replica: me });
-                        let ttl = Duration::from_millis(config.replica_ttl_ms);
-                        let gone: Vec<u64> = seen.iter().filter(|(_, at)| at.elapsed() > ttl).map(|(r, _)| *r).collect();
-                        for replica in gone {
-                            seen.remove(&replica);
-                            let dropped = s.scheduler.lock().drop_origin(replica);
-                            tracing::warn!(replica, dropped, "router replica went silent; its bookings are dropped");
-                        }
+                        s.heartbeat(me);
+                        peers.on_tick(now_ms(), config.replica_ttl_ms, &mut s.scheduler.lock());
                     }
                     _ = shutdown.changed() => return,
                 }
@@ -156,25 +380,36 @@ impl LoadShare {
         Ok(share)
     }
 
+    /// Queues this replica's heartbeat with its open bookings.
+    fn heartbeat(&self, me: u64) {
+        let (open, next) = {
+            let s = self.scheduler.lock();
+            (ranges(&s.open_seqs(me)), s.next_seq())
+        };
+        // Keep the heartbeat well inside one message (≈ 30 bytes a range).
+        let max_ranges = (self.transport.max_payload() / 2 / 48).max(16);
+        self.send(LoadMessage::Heartbeat {
+            replica: me,
+            open: coarsen(open, max_ranges),
+            next,
+        });
+    }
+
     /// Queues an update for the next flush.
     fn send(&self, message: LoadMessage) {
-        let mut pending = self.pending.lock();
-        pending.push(message);
-        if pending.len() == 1 {
+        if self.outbox.lock().push(message) {
             self.wake.notify_one();
         }
     }
 
-    /// Publishes what is pending as one message.
+    /// Publishes what is pending, in messages under the server's payload limit.
     async fn flush(&self) {
-        let ops = std::mem::take(&mut *self.pending.lock());
-        if ops.is_empty() {
-            return;
-        }
-        let payload =
-            Bytes::from(serde_json::to_vec(&ops).expect("invariant: load messages serialize"));
-        if let Err(e) = self.transport.publish(&self.subject, None, payload).await {
-            tracing::warn!(error = %e, ops = ops.len(), "cannot share load");
+        let max = self.transport.max_payload();
+        let payloads = self.outbox.lock().drain_payloads(max);
+        for payload in payloads {
+            if let Err(e) = self.transport.publish(&self.subject, None, payload).await {
+                tracing::warn!(error = %e, "cannot share load");
+            }
         }
     }
 
@@ -196,3 +431,6 @@ impl LoadShare {
         self.send(LoadMessage::Complete { id });
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,27 +1,29 @@
-//! The router's event plane: subscribes to every worker's event subject, runs one task per
-//! (worker, rank) stream ([`WorkerStream`]) that applies its batches to the index in order,
-//! fetches snapshots when a stream must resync, and follows the fleet registry (heartbeat
-//! watermarks, restarts, leaves and lease expiries).
+//! The router's event plane: one task owns the fleet ([`Fleet`]): it takes the registry's
+//! reports, the workers' event payloads and the clock, and alone opens and closes the
+//! per-(worker, rank) stream tasks ([`WorkerStream`], each the only writer of its index
+//! lane), and adds and removes the scheduler's entries. Stream tasks apply their batches in
+//! order and fetch snapshots when they must resync.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
-use tokio::sync::{broadcast, mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
+use super::fleet::{BatchVerdict, Departure, Fleet, FleetCommand, FleetConfig, StreamKey};
 use super::stream::{Command, StreamConfig, StreamStats, WorkerStream};
 use super::transport::Transport;
-use crate::discovery::FleetEvent;
+use crate::discovery::{RegistryEvent, Watch, WorkerInfo};
 use crate::indexer::Indexer;
 use crate::protocol::{
-    DpRank, EventBatch, Limits, Snapshot, SnapshotAssembler, WorkerId, decode,
-    decode_snapshot_chunk,
+    EventBatch, Limits, Snapshot, SnapshotAssembler, WorkerId, decode, decode_snapshot_chunk,
 };
+use crate::scheduler::Scheduler;
 
 /// Subject of one worker's events.
 pub fn events_subject(cluster: &str, worker: WorkerId) -> String {
@@ -43,10 +45,15 @@ pub struct PlaneConfig {
     pub stream: StreamConfig,
     /// Batches queued per stream task; a full queue drops the batch and forces a resync.
     pub queue_batches: usize,
-    /// How often stream tasks check their timers, ms.
+    /// How often the fleet and the stream tasks check their timers, ms.
     pub tick_ms: u64,
     /// How long one snapshot fetch may take, ms.
     pub snapshot_fetch_ms: u64,
+    /// How long a departed worker's late batches are recognised and dropped, ms.
+    pub tombstone_ttl_ms: u64,
+    /// How often the fleet owner checks that no stream, lane or scheduler entry outlived
+    /// its worker, ms.
+    pub sweep_ms: u64,
 }
 
 impl Default for PlaneConfig {
@@ -57,6 +64,8 @@ impl Default for PlaneConfig {
             queue_batches: 4096,
             tick_ms: 50,
             snapshot_fetch_ms: 2_000,
+            tombstone_ttl_ms: 60_000,
+            sweep_ms: 1_000,
         }
     }
 }
@@ -72,6 +81,13 @@ pub struct PlaneCounters {
     pub workers_left: AtomicU64,
     /// Workers removed after their lease expired.
     pub workers_expired: AtomicU64,
+    /// Batches dropped because their worker is not registered (never was, or left).
+    pub batches_dropped: AtomicU64,
+    /// Registrations refused (a block size conflicting with the model's workers).
+    pub registrations_refused: AtomicU64,
+    /// Streams, lanes or scheduler entries found without a registered worker and removed
+    /// (0 unless something is wrong).
+    pub orphans_swept: AtomicU64,
 }
 
 /// What the plane reports of one stream.
@@ -89,31 +105,54 @@ pub struct StreamStatus {
     pub applied: u64,
 }
 
+/// The registered workers, as of the fleet owner's last change (readers take a snapshot).
+#[derive(Clone, Debug, Default)]
+pub struct FleetView {
+    /// Registered workers by id.
+    pub workers: BTreeMap<WorkerId, WorkerInfo>,
+}
+
+impl FleetView {
+    /// The block size a model's prompts are hashed at: its workers' (the fleet refuses
+    /// registrations that disagree), `None` if no registered worker serves it.
+    pub fn block_size(&self, model: &str) -> Option<usize> {
+        self.workers
+            .values()
+            .find(|w| w.model == model)
+            .map(|w| w.block_size)
+    }
+
+    /// The models served, sorted, each once.
+    pub fn models(&self) -> Vec<&str> {
+        let set: BTreeSet<&str> = self.workers.values().map(|w| w.model.as_str()).collect();
+        set.into_iter().collect()
+    }
+}
+
 enum Input {
     Batch(EventBatch),
     Watermark { epoch: u64, last_id: u64 },
     Snapshot(Snapshot),
 }
 
+/// Requests routed to a stream since its last event: a worker that serves traffic but
+/// publishes nothing gives zero overlap forever (the field's most common KV-router failure).
+#[derive(Debug, Default)]
+struct Silence {
+    routed_since_event: AtomicU64,
+    flagged: AtomicBool,
+}
+
+/// Requests routed to a worker with no event since, before it is flagged as silent.
+const SILENT_AFTER_REQUESTS: u64 = 8;
+
 struct StreamHandle {
     tx: mpsc::Sender<Input>,
     overflowed: Arc<AtomicBool>,
     status: Arc<Mutex<StreamStatus>>,
+    silence: Arc<Silence>,
+    close: oneshot::Sender<()>,
     task: tokio::task::JoinHandle<()>,
-}
-
-type Streams = Arc<Mutex<HashMap<(WorkerId, DpRank), StreamHandle>>>;
-
-/// The running plane.
-#[derive(Clone)]
-pub struct EventPlane {
-    streams: Streams,
-    counters: Arc<PlaneCounters>,
-    indexer: Arc<Indexer>,
-    fleet: Arc<Mutex<HashMap<WorkerId, crate::discovery::WorkerInfo>>>,
-    lags: Arc<Mutex<LagSamples>>,
-    silence: Arc<Mutex<HashMap<WorkerId, Silence>>>,
-    changes: broadcast::Sender<FleetEvent>,
 }
 
 /// Publish → apply lag samples (ms), the most recent ones, for reports.
@@ -136,40 +175,40 @@ impl LagSamples {
     }
 }
 
-/// Requests routed to a worker since its last event: a worker that serves traffic but
-/// publishes nothing gives zero overlap forever (the field's most common KV-router failure).
-#[derive(Debug, Default)]
-struct Silence {
-    routed_since_event: u64,
-    flagged: bool,
-}
-
-/// Requests routed to a worker with no event since, before it is flagged as silent.
-const SILENT_AFTER_REQUESTS: u64 = 8;
-
 struct Shared {
     transport: Transport,
     indexer: Arc<Indexer>,
     config: PlaneConfig,
-    streams: Streams,
-    counters: Arc<PlaneCounters>,
     limits: Limits,
-    lags: Arc<Mutex<LagSamples>>,
-    silence: Arc<Mutex<HashMap<WorkerId, Silence>>>,
-    changes: broadcast::Sender<FleetEvent>,
+    /// Open streams. Only the fleet owner inserts and removes; others read.
+    streams: Mutex<HashMap<StreamKey, StreamHandle>>,
+    view: RwLock<Arc<FleetView>>,
+    counters: PlaneCounters,
+    lags: Mutex<LagSamples>,
+    scheduler: Option<Arc<Mutex<Scheduler>>>,
+    failure: watch::Sender<Option<String>>,
+}
+
+/// The running plane (a cheap handle).
+#[derive(Clone)]
+pub struct EventPlane {
+    shared: Arc<Shared>,
 }
 
 impl EventPlane {
-    /// Starts the plane: event subscription, fleet watch, stream tasks. Runs until
-    /// `shutdown` turns true.
+    /// Starts the plane: event subscription, the fleet owner, stream tasks. Workers join and
+    /// leave `scheduler` (if given) as the fleet decides. Runs until `shutdown` turns true,
+    /// or until its subscription or the registry watch ends, which is fatal (see
+    /// [`EventPlane::failed`]).
     pub async fn start(
         transport: Transport,
         indexer: Arc<Indexer>,
-        mut fleet_events: mpsc::Receiver<FleetEvent>,
+        watch: Watch,
         config: PlaneConfig,
-        mut shutdown: watch::Receiver<bool>,
+        scheduler: Option<Arc<Mutex<Scheduler>>>,
+        shutdown: watch::Receiver<bool>,
     ) -> Result<EventPlane, super::transport::TransportError> {
-        let mut subscription = transport
+        let subscription = transport
             .subscribe(&format!("kvroute.{}.events.>", config.cluster))
             .await?;
         // Started means subscribed: the server has our interest before we return.
@@ -178,73 +217,42 @@ impl EventPlane {
             max_payload_bytes: transport.max_payload().max(1 << 20),
             ..Limits::default()
         };
+        let fleet = Fleet::new(FleetConfig {
+            lease_ttl_ms: watch.lease_ttl_ms,
+            tombstone_ttl_ms: config.tombstone_ttl_ms,
+        });
         let shared = Arc::new(Shared {
             transport,
-            indexer: Arc::clone(&indexer),
-            config,
-            streams: Arc::default(),
-            counters: Arc::default(),
-            limits,
-            lags: Arc::default(),
-            silence: Arc::default(),
-            changes: broadcast::channel(1024).0,
-        });
-        let plane = EventPlane {
-            streams: Arc::clone(&shared.streams),
-            counters: Arc::clone(&shared.counters),
             indexer,
-            fleet: Arc::default(),
-            lags: Arc::clone(&shared.lags),
-            silence: Arc::clone(&shared.silence),
-            changes: shared.changes.clone(),
-        };
-        if let Some(mut reconnects) = shared.transport.reconnects() {
-            let (plane, mut shutdown) = (plane.clone(), shutdown.clone());
-            tokio::spawn(async move {
-                loop {
-                    tokio::select! {
-                        changed = reconnects.changed() => {
-                            if changed.is_err() {
-                                return;
-                            }
-                            tracing::warn!("reconnected to NATS: resyncing every worker stream");
-                            plane.resync_all();
-                        }
-                        _ = shutdown.changed() => return,
-                    }
-                }
-            });
-        }
-        let fleet = Arc::clone(&plane.fleet);
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    message = subscription.next() => {
-                        let Some(message) = message else { break };
-                        shared.on_payload(&message.subject, &message.payload);
-                    }
-                    event = fleet_events.recv() => {
-                        let Some(event) = event else { continue };
-                        shared.on_fleet(event, &fleet);
-                    }
-                    _ = shutdown.changed() => break,
-                }
-            }
-            for (_, handle) in shared.streams.lock().drain() {
-                handle.task.abort();
-            }
+            config,
+            limits,
+            streams: Mutex::default(),
+            view: RwLock::default(),
+            counters: PlaneCounters::default(),
+            lags: Mutex::default(),
+            scheduler,
+            failure: watch::channel(None).0,
         });
-        Ok(plane)
+        let owner = FleetOwner {
+            shared: Arc::clone(&shared),
+            fleet,
+            start: Instant::now(),
+            closing: Vec::new(),
+            commands: Vec::new(),
+        };
+        tokio::spawn(owner.run(subscription, watch.events, shutdown));
+        Ok(EventPlane { shared })
     }
 
     /// Plane-wide counters.
     pub fn counters(&self) -> &PlaneCounters {
-        &self.counters
+        &self.shared.counters
     }
 
-    /// Status of every stream.
-    pub fn streams(&self) -> Vec<((WorkerId, DpRank), StreamStatus)> {
+    /// Status of every open stream, by key.
+    pub fn streams(&self) -> Vec<(StreamKey, StreamStatus)> {
         let mut v: Vec<_> = self
+            .shared
             .streams
             .lock()
             .iter()
@@ -254,46 +262,51 @@ impl EventPlane {
         v
     }
 
+    /// The registered workers (a snapshot; cheap).
+    pub fn view(&self) -> Arc<FleetView> {
+        Arc::clone(&self.shared.view.read())
+    }
+
     /// The workers registered now.
-    pub fn workers(&self) -> Vec<crate::discovery::WorkerInfo> {
-        let mut v: Vec<_> = self.fleet.lock().values().cloned().collect();
-        v.sort_by_key(|w| w.id);
-        v
+    pub fn workers(&self) -> Vec<WorkerInfo> {
+        self.view().workers.values().cloned().collect()
     }
 
     /// One registered worker.
-    pub fn worker(&self, id: WorkerId) -> Option<crate::discovery::WorkerInfo> {
-        self.fleet.lock().get(&id).cloned()
+    pub fn worker(&self, id: WorkerId) -> Option<WorkerInfo> {
+        self.view().workers.get(&id).cloned()
     }
 
     /// The index the plane feeds.
     pub fn indexer(&self) -> &Arc<Indexer> {
-        &self.indexer
+        &self.shared.indexer
     }
 
-    /// Fleet changes, after the index has applied them: the scheduler adds and removes
-    /// workers from these, so a worker that leaves or expires is gone from both at once.
-    pub fn fleet_changes(&self) -> broadcast::Receiver<FleetEvent> {
-        self.changes.subscribe()
+    /// Changes to `Some(reason)` if the plane stopped for good (its event subscription or
+    /// the registry watch ended): the router can no longer follow the fleet and must exit.
+    pub fn failed(&self) -> watch::Receiver<Option<String>> {
+        self.shared.failure.subscribe()
     }
 
     /// The recent publish → apply lags, ms (up to the last 100,000 batches).
     pub fn lag_samples(&self) -> Vec<f64> {
-        self.lags.lock().samples.clone()
+        self.shared.lags.lock().samples.clone()
     }
 
-    /// The ingress routed a request to `worker`. A worker that keeps receiving requests but
+    /// The ingress routed a request to `key`. A worker that keeps receiving requests but
     /// publishes no events is flagged (`kvroute_worker_silent`, and a warning).
-    pub fn note_routed(&self, worker: WorkerId) {
-        let mut silence = self.silence.lock();
-        let s = silence.entry(worker).or_default();
-        s.routed_since_event += 1;
-        if s.routed_since_event >= SILENT_AFTER_REQUESTS && !s.flagged {
-            s.flagged = true;
-            metrics::gauge!("kvroute_worker_silent", "worker" => worker.to_string()).set(1.0);
+    pub fn note_routed(&self, key: StreamKey) {
+        let streams = self.shared.streams.lock();
+        let Some(handle) = streams.get(&key) else {
+            return;
+        };
+        let s = &handle.silence;
+        let routed = s.routed_since_event.fetch_add(1, Ordering::Relaxed) + 1;
+        if routed >= SILENT_AFTER_REQUESTS && !s.flagged.swap(true, Ordering::Relaxed) {
+            metrics::gauge!("kvroute_worker_silent", "worker" => key.0.to_string()).set(1.0);
             tracing::warn!(
-                %worker,
-                requests = s.routed_since_event,
+                worker = %key.0,
+                requests = routed,
                 "worker serves traffic but publishes no KV events: its overlap will read zero (check its event publisher and NATS subject)"
             );
         }
@@ -301,54 +314,36 @@ impl EventPlane {
 
     /// Workers flagged as serving traffic without publishing events.
     pub fn silent_workers(&self) -> Vec<WorkerId> {
-        let mut v: Vec<_> = self
-            .silence
+        let set: BTreeSet<WorkerId> = self
+            .shared
+            .streams
             .lock()
             .iter()
-            .filter(|(_, s)| s.flagged)
-            .map(|(w, _)| *w)
+            .filter(|(_, h)| h.silence.flagged.load(Ordering::Relaxed))
+            .map(|((w, _), _)| *w)
             .collect();
-        v.sort();
-        v
+        set.into_iter().collect()
     }
 
     /// Asks every stream to resync (after a transport outage, when events may have been
     /// lost unseen).
     pub fn resync_all(&self) {
-        for handle in self.streams.lock().values() {
-            handle.overflowed.store(true, Ordering::Relaxed);
-        }
+        self.shared.resync_all();
     }
 }
 
 impl Shared {
-    fn on_payload(self: &Arc<Self>, subject: &str, payload: &Bytes) {
-        let batch = match decode(payload, &self.limits) {
-            Ok(batch) => batch,
-            Err(e) => {
-                self.counters.malformed.fetch_add(1, Ordering::Relaxed);
-                metrics::counter!("kvroute_event_malformed_total").increment(1);
-                tracing::warn!(subject, error = %e, "dropping malformed event payload");
-                return;
-            }
-        };
-        let key = (batch.worker, batch.dp_rank);
-        self.send(key, Input::Batch(batch));
-    }
-
-    fn note_event(&self, worker: WorkerId) {
-        let mut silence = self.silence.lock();
-        if let Some(s) = silence.get_mut(&worker) {
-            if s.flagged {
-                metrics::gauge!("kvroute_worker_silent", "worker" => worker.to_string()).set(0.0);
-            }
-            *s = Silence::default();
+    fn resync_all(&self) {
+        for handle in self.streams.lock().values() {
+            handle.overflowed.store(true, Ordering::Relaxed);
         }
     }
 
-    fn send(self: &Arc<Self>, key: (WorkerId, DpRank), input: Input) {
-        let mut streams = self.streams.lock();
-        let handle = streams.entry(key).or_insert_with(|| self.spawn_stream(key));
+    fn send(&self, key: StreamKey, input: Input) {
+        let streams = self.streams.lock();
+        let Some(handle) = streams.get(&key) else {
+            return;
+        };
         if handle.tx.try_send(input).is_err() {
             self.counters
                 .queue_overflows
@@ -359,83 +354,326 @@ impl Shared {
         }
     }
 
-    fn on_fleet(
-        self: &Arc<Self>,
-        event: FleetEvent,
-        fleet: &Mutex<HashMap<WorkerId, crate::discovery::WorkerInfo>>,
+    fn fail(&self, reason: &str) {
+        tracing::error!(
+            reason,
+            "the event plane stopped: the router can no longer follow its fleet"
+        );
+        self.failure.send_replace(Some(reason.to_owned()));
+    }
+}
+
+/// The one task that owns the fleet: registrations, leases, which streams exist.
+struct FleetOwner {
+    shared: Arc<Shared>,
+    fleet: Fleet,
+    start: Instant,
+    /// Streams told to close whose tasks have not finished removing their lanes yet.
+    closing: Vec<(StreamKey, tokio::task::JoinHandle<()>)>,
+    commands: Vec<FleetCommand>,
+}
+
+impl FleetOwner {
+    async fn run(
+        mut self,
+        mut subscription: super::transport::Subscription,
+        mut registry: mpsc::Receiver<RegistryEvent>,
+        mut shutdown: watch::Receiver<bool>,
     ) {
-        let change = event.clone();
-        match event {
-            FleetEvent::Up(info) => {
-                for (rank, last_id) in info.last_event_ids.iter().enumerate() {
-                    let key = (info.id, DpRank(rank as u32));
-                    self.send(
-                        key,
-                        Input::Watermark {
-                            epoch: info.epoch,
-                            last_id: *last_id,
-                        },
-                    );
+        let mut tick =
+            tokio::time::interval(Duration::from_millis(self.shared.config.tick_ms.max(1)));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let sweep_every = self.shared.config.sweep_ms.max(1);
+        let mut last_sweep = 0u64;
+        let mut reconnects = self.shared.transport.reconnects();
+        loop {
+            tokio::select! {
+                message = subscription.next() => {
+                    let Some(message) = message else {
+                        if !*shutdown.borrow() {
+                            self.shared.fail("the event subscription ended");
+                        }
+                        break;
+                    };
+                    self.on_payload(&message.subject, &message.payload);
                 }
-                let mut fleet = fleet.lock();
-                fleet.insert(info.id, info);
-                metrics::gauge!("kvroute_workers_registered").set(fleet.len() as f64);
+                event = registry.recv() => {
+                    let Some(event) = event else {
+                        // At shutdown the watch goes first; only an unasked end is a failure.
+                        if !*shutdown.borrow() {
+                            self.shared.fail("the worker registry watch ended");
+                        }
+                        break;
+                    };
+                    self.on_registry(event);
+                }
+                _ = tick.tick() => {
+                    let now = self.now_ms();
+                    self.fleet.on_tick(now, &mut self.commands);
+                    self.execute();
+                    if now.saturating_sub(last_sweep) >= sweep_every {
+                        last_sweep = now;
+                        self.sweep();
+                    }
+                }
+                changed = async { reconnects.as_mut().expect("guarded by the branch condition").changed().await }, if reconnects.is_some() => {
+                    if changed.is_err() {
+                        reconnects = None;
+                        continue;
+                    }
+                    tracing::warn!("reconnected to NATS: resyncing every worker stream");
+                    self.shared.resync_all();
+                }
+                _ = shutdown.changed() => break,
             }
-            FleetEvent::Down { id, expired } => {
-                {
-                    let mut fleet = fleet.lock();
-                    fleet.remove(&id);
-                    metrics::gauge!("kvroute_workers_registered").set(fleet.len() as f64);
+        }
+        let streams: Vec<StreamHandle> =
+            self.shared.streams.lock().drain().map(|(_, h)| h).collect();
+        for handle in streams {
+            handle.task.abort();
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64
+    }
+
+    fn on_payload(&mut self, subject: &str, payload: &Bytes) {
+        let batch = match decode(payload, &self.shared.limits) {
+            Ok(batch) => batch,
+            Err(e) => {
+                self.shared
+                    .counters
+                    .malformed
+                    .fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("kvroute_event_malformed_total").increment(1);
+                tracing::warn!(subject, error = %e, "dropping malformed event payload");
+                return;
+            }
+        };
+        let key = (batch.worker, batch.dp_rank);
+        let verdict = self.fleet.on_batch(key);
+        let reason = match verdict {
+            BatchVerdict::Deliver => return self.shared.send(key, Input::Batch(batch)),
+            BatchVerdict::Unregistered => "unregistered",
+            BatchVerdict::Departed => "departed",
+            BatchVerdict::NoSuchRank => "no_such_rank",
+        };
+        self.shared
+            .counters
+            .batches_dropped
+            .fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("kvroute_fleet_batches_dropped_total", "reason" => reason).increment(1);
+        tracing::debug!(worker = %key.0, rank = %key.1, reason, "dropping a batch of a worker not in the fleet");
+    }
+
+    fn on_registry(&mut self, event: RegistryEvent) {
+        let now = self.now_ms();
+        match event {
+            RegistryEvent::Put(info) => {
+                // Every registry's reports pass here: bound them before they cost anything.
+                if let Err(e) = info.validate() {
+                    metrics::counter!("kvroute_registry_invalid_total").increment(1);
+                    tracing::warn!(error = %e, "ignoring invalid worker registration");
+                    return;
                 }
-                self.silence.lock().remove(&id);
-                let removed: Vec<StreamHandle> = {
-                    let mut streams = self.streams.lock();
-                    let keys: Vec<_> = streams.keys().filter(|(w, _)| *w == id).copied().collect();
-                    keys.iter().filter_map(|k| streams.remove(k)).collect()
-                };
-                for handle in removed {
-                    handle.task.abort();
+                let changed = self
+                    .fleet
+                    .worker(info.id)
+                    .is_none_or(|old| !same_shape(old, &info));
+                if let Err(refusal) = self.fleet.on_registration(now, info, &mut self.commands) {
+                    self.shared
+                        .counters
+                        .registrations_refused
+                        .fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!("kvroute_fleet_registrations_refused_total").increment(1);
+                    tracing::error!(%refusal, "refusing a worker registration");
                 }
-                self.indexer.remove_worker(id);
-                let counter = if expired {
-                    &self.counters.workers_expired
-                } else {
-                    &self.counters.workers_left
-                };
-                counter.fetch_add(1, Ordering::Relaxed);
-                if expired {
-                    metrics::counter!("kvroute_workers_expired_total").increment(1);
-                } else {
-                    metrics::counter!("kvroute_workers_left_total").increment(1);
+                self.execute();
+                if changed {
+                    self.publish_view();
+                }
+            }
+            RegistryEvent::Delete(id) => {
+                self.fleet.on_goodbye(now, id, &mut self.commands);
+                self.execute();
+            }
+        }
+    }
+
+    /// Carries out the fleet's commands.
+    fn execute(&mut self) {
+        if self.commands.is_empty() {
+            return;
+        }
+        let mut membership = false;
+        for command in std::mem::take(&mut self.commands) {
+            match command {
+                FleetCommand::OpenStream(key) => {
+                    let handle = spawn_stream(&self.shared, key);
+                    let old = self.shared.streams.lock().insert(key, handle);
+                    if let Some(old) = old {
+                        // Cannot happen (the fleet opens a key once); close it properly anyway.
+                        self.close(key, old);
+                    }
+                }
+                FleetCommand::Watermark {
+                    key,
+                    epoch,
+                    last_id,
+                } => {
+                    self.shared.send(key, Input::Watermark { epoch, last_id });
+                }
+                FleetCommand::CloseStream(key) => {
+                    let handle = self.shared.streams.lock().remove(&key);
+                    if let Some(handle) = handle {
+                        self.close(key, handle);
+                    }
+                }
+                FleetCommand::Routable {
+                    key,
+                    model,
+                    capacity_blocks,
+                } => {
+                    if let Some(s) = &self.shared.scheduler {
+                        s.lock().add_worker(key, capacity_blocks, &model);
+                    }
+                }
+                FleetCommand::Unroutable(key) => {
+                    if let Some(s) = &self.shared.scheduler {
+                        s.lock().remove_worker(key);
+                    }
+                }
+                FleetCommand::Departed { id, reason } => {
+                    membership = true;
+                    let c = &self.shared.counters;
+                    match reason {
+                        Departure::Left => {
+                            c.workers_left.fetch_add(1, Ordering::Relaxed);
+                            metrics::counter!("kvroute_workers_left_total").increment(1);
+                        }
+                        Departure::Expired => {
+                            c.workers_expired.fetch_add(1, Ordering::Relaxed);
+                            metrics::counter!("kvroute_workers_expired_total").increment(1);
+                            tracing::warn!(worker = %id, "worker lease expired");
+                        }
+                        Departure::Refused => {}
+                    }
                 }
             }
         }
-        let _ = self.changes.send(change);
+        if membership {
+            self.publish_view();
+        }
     }
 
-    fn spawn_stream(self: &Arc<Self>, key: (WorkerId, DpRank)) -> StreamHandle {
-        let (tx, rx) = mpsc::channel(self.config.queue_batches);
-        let overflowed = Arc::new(AtomicBool::new(false));
-        let status = Arc::new(Mutex::new(StreamStatus::default()));
-        let task = tokio::spawn(run_stream(
-            Arc::clone(self),
-            key,
-            rx,
-            tx.clone(),
-            Arc::clone(&overflowed),
-            Arc::clone(&status),
-        ));
-        StreamHandle {
-            tx,
-            overflowed,
-            status,
-            task,
+    /// Tells a stream task to stop; it removes its index lane and ends.
+    fn close(&mut self, key: StreamKey, handle: StreamHandle) {
+        if handle.silence.flagged.load(Ordering::Relaxed) {
+            metrics::gauge!("kvroute_worker_silent", "worker" => key.0.to_string()).set(0.0);
+        }
+        let _ = handle.close.send(());
+        self.closing.push((key, handle.task));
+    }
+
+    fn publish_view(&self) {
+        let view = FleetView {
+            workers: self.fleet.workers().map(|w| (w.id, w.clone())).collect(),
+        };
+        metrics::gauge!("kvroute_workers_registered").set(view.workers.len() as f64);
+        *self.shared.view.write() = Arc::new(view);
+    }
+
+    /// Removes any stream, index lane or scheduler entry whose worker is not registered
+    /// (they should not exist; each one found is counted and logged).
+    fn sweep(&mut self) {
+        self.closing.retain(|(_, task)| !task.is_finished());
+        let closing: BTreeSet<StreamKey> = self.closing.iter().map(|(k, _)| *k).collect();
+        let streams: Vec<StreamKey> = self.shared.streams.lock().keys().copied().collect();
+        let mut found = 0u64;
+        for key in self.fleet.orphans(streams) {
+            found += 1;
+            let handle = self.shared.streams.lock().remove(&key);
+            if let Some(handle) = handle {
+                self.close(key, handle);
+            }
+        }
+        let lanes = self
+            .shared
+            .indexer
+            .ranks()
+            .into_iter()
+            .filter(|k| !closing.contains(k));
+        for key in self.fleet.orphans(lanes) {
+            found += 1;
+            self.shared.indexer.remove_rank(key.0, key.1);
+        }
+        if let Some(scheduler) = &self.shared.scheduler {
+            let mut s = scheduler.lock();
+            let keys: Vec<StreamKey> = s.workers().map(|(k, _)| k).collect();
+            for key in self.fleet.orphans(keys) {
+                found += 1;
+                s.remove_worker(key);
+            }
+        }
+        if found > 0 {
+            self.shared
+                .counters
+                .orphans_swept
+                .fetch_add(found, Ordering::Relaxed);
+            metrics::counter!("kvroute_fleet_orphans_swept_total").increment(found);
+            tracing::warn!(found, "removed state of workers that are not registered");
         }
     }
 }
 
-fn now_ms(start: Instant) -> u64 {
-    start.elapsed().as_millis() as u64
+/// Whether two registrations of a worker differ only in what changes every heartbeat.
+fn same_shape(a: &WorkerInfo, b: &WorkerInfo) -> bool {
+    (
+        a.epoch,
+        &a.url,
+        &a.model,
+        a.block_size,
+        a.g1_blocks,
+        a.g2_blocks,
+        a.dp_size,
+    ) == (
+        b.epoch,
+        &b.url,
+        &b.model,
+        b.block_size,
+        b.g1_blocks,
+        b.g2_blocks,
+        b.dp_size,
+    )
+}
+
+fn spawn_stream(shared: &Arc<Shared>, key: StreamKey) -> StreamHandle {
+    let (tx, rx) = mpsc::channel(shared.config.queue_batches.max(1));
+    let (close, closed) = oneshot::channel();
+    let overflowed = Arc::new(AtomicBool::new(false));
+    let status = Arc::new(Mutex::new(StreamStatus::default()));
+    let silence = Arc::new(Silence::default());
+    let task = tokio::spawn(run_stream(
+        StreamTask {
+            shared: Arc::clone(shared),
+            key,
+            tx: tx.clone(),
+            overflowed: Arc::clone(&overflowed),
+            status: Arc::clone(&status),
+            silence: Arc::clone(&silence),
+        },
+        rx,
+        closed,
+    ));
+    StreamHandle {
+        tx,
+        overflowed,
+        status,
+        silence,
+        close,
+        task,
+    }
 }
 
 fn unix_us() -> u64 {
@@ -444,23 +682,46 @@ fn unix_us() -> u64 {
         .map_or(0, |d| d.as_micros() as u64)
 }
 
-async fn run_stream(
+struct StreamTask {
     shared: Arc<Shared>,
-    key: (WorkerId, DpRank),
-    mut rx: mpsc::Receiver<Input>,
+    key: StreamKey,
+    /// For snapshot fetches to deliver into.
     tx: mpsc::Sender<Input>,
     overflowed: Arc<AtomicBool>,
     status: Arc<Mutex<StreamStatus>>,
+    silence: Arc<Silence>,
+}
+
+/// One stream: applies its batches to its index lane in order until told to close, then
+/// removes the lane (it is the lane's only writer, so nothing can re-create it after).
+async fn run_stream(
+    task: StreamTask,
+    mut rx: mpsc::Receiver<Input>,
+    mut closed: oneshot::Receiver<()>,
 ) {
+    let StreamTask {
+        shared,
+        key,
+        tx,
+        overflowed,
+        status,
+        silence,
+    } = task;
     let start = Instant::now();
+    let now_ms = || start.elapsed().as_millis() as u64;
     let mut stream = WorkerStream::new(shared.config.stream.clone());
     let mut tick = tokio::time::interval(Duration::from_millis(shared.config.tick_ms.max(1)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut commands = Vec::new();
+    let worker = key.0.to_string();
     loop {
         tokio::select! {
+            biased;
+            _ = &mut closed => break,
             input = rx.recv() => {
-                let Some(input) = input else { return };
-                let now = now_ms(start);
+                // Every sender gone means the plane dropped this stream.
+                let Some(input) = input else { break };
+                let now = now_ms();
                 match input {
                     Input::Batch(batch) => {
                         let lag_ms = (batch.sent_unix_us > 0)
@@ -471,14 +732,17 @@ async fn run_stream(
                             shared.lags.lock().record(lag);
                             metrics::histogram!("kvroute_event_lag_seconds").record(lag / 1e3);
                         }
-                        shared.note_event(key.0);
+                        silence.routed_since_event.store(0, Ordering::Relaxed);
+                        if silence.flagged.swap(false, Ordering::Relaxed) {
+                            metrics::gauge!("kvroute_worker_silent", "worker" => worker.clone()).set(0.0);
+                        }
                     }
                     Input::Watermark { epoch, last_id } => stream.on_watermark(now, epoch, last_id, &mut commands),
                     Input::Snapshot(snapshot) => stream.on_snapshot(now, snapshot, &mut commands),
                 }
             }
             _ = tick.tick() => {
-                let now = now_ms(start);
+                let now = now_ms();
                 if overflowed.swap(false, Ordering::Relaxed) {
                     stream.resync(now, &mut commands);
                 }
@@ -486,7 +750,6 @@ async fn run_stream(
             }
         }
         let mut applied = 0;
-        let worker = key.0.to_string();
         for command in commands.drain(..) {
             match command {
                 Command::Reset => {
@@ -510,6 +773,7 @@ async fn run_stream(
         s.stats = after;
         s.applied += applied;
     }
+    shared.indexer.remove_rank(key.0, key.1);
 }
 
 fn record_apply_metrics(worker: &str, outcome: &crate::indexer::ApplyOutcome) {
@@ -558,11 +822,22 @@ fn record_stream_metrics(worker: &str, before: &StreamStats, after: &StreamStats
 /// Asks the worker for a snapshot of `key`'s rank and feeds the assembled result back to
 /// the stream task. A fetch that times out or fails is simply not delivered: the stream
 /// asks again after its snapshot timeout.
-async fn fetch_snapshot(shared: Arc<Shared>, key: (WorkerId, DpRank), tx: mpsc::Sender<Input>) {
+async fn fetch_snapshot(shared: Arc<Shared>, key: StreamKey, tx: mpsc::Sender<Input>) {
+    let deadline = Duration::from_millis(shared.config.snapshot_fetch_ms);
+    let fetched = tokio::time::timeout(deadline, fetch(&shared, key)).await;
+    match fetched {
+        Ok(Some(snapshot)) => {
+            // The stream may have closed meanwhile; then nobody wants it.
+            let _ = tx.try_send(Input::Snapshot(snapshot));
+        }
+        Ok(None) => {}
+        Err(_) => tracing::warn!(worker = %key.0, rank = %key.1, "snapshot fetch timed out"),
+    }
+}
+
+async fn fetch(shared: &Shared, key: StreamKey) -> Option<Snapshot> {
     let inbox = shared.transport.new_inbox();
-    let Ok(mut replies) = shared.transport.subscribe(&inbox).await else {
-        return;
-    };
+    let mut replies = shared.transport.subscribe(&inbox).await.ok()?;
     let subject = snapshot_subject(&shared.config.cluster, key.0);
     let request = Bytes::copy_from_slice(&key.1.0.to_le_bytes());
     if let Err(e) = shared
@@ -571,39 +846,32 @@ async fn fetch_snapshot(shared: Arc<Shared>, key: (WorkerId, DpRank), tx: mpsc::
         .await
     {
         tracing::warn!(worker = %key.0, error = %e, "snapshot request failed");
-        return;
+        return None;
     }
-    let deadline = Duration::from_millis(shared.config.snapshot_fetch_ms);
     let mut assembler = SnapshotAssembler::default();
-    let result = tokio::time::timeout(deadline, async {
-        while let Some(message) = replies.next().await {
-            if message.payload.is_empty() {
-                // NATS' "no responders" status: nobody serves this worker's snapshots.
-                tracing::warn!(worker = %key.0, "no snapshot responder for worker");
-                return None;
-            }
-            match decode_snapshot_chunk(&message.payload, &shared.limits) {
-                Ok(chunk) if (chunk.worker, chunk.dp_rank) == key => match assembler.add(chunk) {
-                    Ok(Some(snapshot)) => return Some(snapshot),
-                    Ok(None) => {}
-                    Err(e) => {
-                        tracing::warn!(worker = %key.0, error = %e, "inconsistent snapshot chunks")
-                    }
-                },
-                Ok(_) => tracing::warn!(worker = %key.0, "snapshot chunk for another worker"),
+    while let Some(message) = replies.next().await {
+        if message.payload.is_empty() {
+            // NATS' "no responders" status: nobody serves this worker's snapshots.
+            tracing::warn!(worker = %key.0, "no snapshot responder for worker");
+            return None;
+        }
+        match decode_snapshot_chunk(&message.payload, &shared.limits) {
+            Ok(chunk) if (chunk.worker, chunk.dp_rank) == key => match assembler.add(chunk) {
+                Ok(Some(snapshot)) => return Some(snapshot),
+                Ok(None) => {}
                 Err(e) => {
-                    shared.counters.malformed.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(worker = %key.0, error = %e, "malformed snapshot chunk");
+                    tracing::warn!(worker = %key.0, error = %e, "inconsistent snapshot chunks")
                 }
+            },
+            Ok(_) => tracing::warn!(worker = %key.0, "snapshot chunk for another worker"),
+            Err(e) => {
+                shared.counters.malformed.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(worker = %key.0, error = %e, "malformed snapshot chunk");
             }
         }
-        None
-    })
-    .await;
-    match result {
-        Ok(Some(snapshot)) => {
-            let _ = tx.send(Input::Snapshot(snapshot)).await;
-        }
-        _ => tracing::warn!(worker = %key.0, rank = %key.1, "snapshot fetch timed out"),
     }
+    None
 }
+
+#[cfg(test)]
+mod tests;

@@ -75,12 +75,57 @@ pub enum Subscription {
 }
 
 impl Transport {
-    /// Connects to NATS at `url`; the client reconnects by itself after outages.
-    pub async fn connect_nats(url: &str, name: &str) -> Result<Transport, TransportError> {
+    /// Connects to NATS at `url` (several servers: comma-separated) with `auth`; the client
+    /// reconnects by itself after outages, to any of the servers.
+    pub async fn connect_nats(
+        url: &str,
+        name: &str,
+        auth: &crate::auth::NatsAuth,
+    ) -> Result<Transport, TransportError> {
         let (tx, reconnects) = watch::channel(0u64);
         let tx = Arc::new(tx);
         let connects = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let client = async_nats::ConnectOptions::new()
+        let connect_error = |reason: String| TransportError::Connect {
+            url: url.to_owned(),
+            reason,
+        };
+        let mut options = match (&auth.nats_user, &auth.nats_password, &auth.nats_token) {
+            (Some(user), Some(password), _) => async_nats::ConnectOptions::with_user_and_password(
+                user.clone(),
+                password.expose().to_owned(),
+            ),
+            (_, _, Some(token)) => {
+                async_nats::ConnectOptions::with_token(token.expose().to_owned())
+            }
+            _ => async_nats::ConnectOptions::new(),
+        };
+        if let Some(path) = &auth.nats_nkey_seed_file {
+            let seed = std::fs::read_to_string(path)
+                .map_err(|e| connect_error(format!("nkey seed file {}: {e}", path.display())))?;
+            options = options.nkey(seed.trim().to_owned());
+        }
+        if let Some(path) = &auth.nats_creds_file {
+            let creds = std::fs::read_to_string(path)
+                .map_err(|e| connect_error(format!("creds file {}: {e}", path.display())))?;
+            options = options
+                .credentials(&creds)
+                .map_err(|e| connect_error(format!("creds file {}: {e}", path.display())))?;
+        }
+        if auth.tls() {
+            options = options.require_tls(true);
+        }
+        if let Some(ca) = &auth.nats_tls_ca_file {
+            options = options.add_root_certificates(ca.clone());
+        }
+        if let (Some(cert), Some(key)) = (&auth.nats_tls_cert_file, &auth.nats_tls_key_file) {
+            options = options.add_client_certificate(cert.clone(), key.clone());
+        }
+        let servers: Vec<async_nats::ServerAddr> = url
+            .split(',')
+            .map(|u| u.trim().parse::<async_nats::ServerAddr>())
+            .collect::<Result<_, _>>()
+            .map_err(|e| connect_error(format!("not a NATS URL: {e}")))?;
+        let options = options
             .name(name)
             .event_callback(move |event| {
                 let (tx, connects) = (Arc::clone(&tx), Arc::clone(&connects));
@@ -95,26 +140,38 @@ impl Transport {
                         async_nats::Event::Disconnected => {
                             tracing::warn!("NATS connection lost; reconnecting")
                         }
+                        async_nats::Event::ServerError(e) => {
+                            tracing::warn!(error = %e, "NATS server error")
+                        }
                         other => tracing::debug!(event = %other, "NATS event"),
                     }
                 }
             })
-            .retry_on_initial_connect()
-            .connection_timeout(std::time::Duration::from_secs(5))
-            .connect(url)
-            .await
-            .map_err(|e| TransportError::Connect {
-                url: url.to_owned(),
-                reason: e.to_string(),
-            })?;
-        // `retry_on_initial_connect` returns at once; give the first connection a moment so
-        // that subscriptions made next are live when this returns (it keeps retrying after).
-        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
-        while client.connection_state() != async_nats::connection::State::Connected
-            && tokio::time::Instant::now() < deadline
-        {
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
+            .connection_timeout(std::time::Duration::from_secs(5));
+        // Retry while the server is unreachable (it may be starting beside us); give up at
+        // once on what retrying cannot fix: refused credentials, TLS, a malformed URL.
+        let mut backoff = std::time::Duration::from_millis(100);
+        let client = loop {
+            match options.clone().connect(servers.clone()).await {
+                Ok(client) => break client,
+                Err(e) => {
+                    use async_nats::ConnectErrorKind as K;
+                    match e.kind() {
+                        // A TLS handshake refused either way (no client certificate, an
+                        // unknown issuer) surfaces as an I/O error: retrying cannot fix it.
+                        K::Io if tls_refused(&e) => {
+                            return Err(connect_error(format!("TLS: {e}")));
+                        }
+                        K::Io | K::TimedOut | K::Dns => {
+                            tracing::warn!(error = %e, url, "cannot reach NATS yet; retrying");
+                            tokio::time::sleep(backoff).await;
+                            backoff = (backoff * 2).min(std::time::Duration::from_secs(5));
+                        }
+                        _ => return Err(connect_error(e.to_string())),
+                    }
+                }
+            }
+        };
         Ok(Transport::Nats(NatsTransport { client, reconnects }))
     }
 
@@ -235,6 +292,24 @@ impl Subscription {
             Subscription::Local(rx) => rx.recv().await,
         }
     }
+}
+
+/// Whether a connection error is a TLS handshake failure (rustls reports those as I/O
+/// errors of kind `InvalidData`), as opposed to a server that is not reachable yet.
+fn tls_refused(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(c) = cause {
+        if let Some(io) = c.downcast_ref::<std::io::Error>()
+            && io.kind() == std::io::ErrorKind::InvalidData
+        {
+            return true;
+        }
+        cause = c.source();
+    }
+    let text = e.to_string();
+    ["certificate", "fatal alert", "handshake"]
+        .iter()
+        .any(|w| text.contains(w))
 }
 
 /// Messages queued per local subscriber before the bus drops (like a NATS slow consumer).

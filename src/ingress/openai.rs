@@ -96,6 +96,8 @@ pub struct ApiError {
     pub status: u16,
     /// OpenAI error type.
     pub kind: &'static str,
+    /// OpenAI error code, where OpenAI has one (`model_not_found`, `invalid_api_key`).
+    pub code: Option<&'static str>,
     /// Human-readable message.
     pub message: String,
     /// Whose fault.
@@ -105,64 +107,112 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    fn new(status: u16, kind: &'static str, fault: Fault, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            kind,
+            code: None,
+            message: message.into(),
+            fault,
+            retryable: matches!(status, 429 | 503 | 504),
+        }
+    }
+
     /// 400: the request is malformed.
     pub fn bad_request(message: impl Into<String>) -> Self {
+        ApiError::new(400, "invalid_request_error", Fault::Client, message)
+    }
+
+    /// 401: no valid API key (or admin token).
+    pub fn unauthorized() -> Self {
         ApiError {
-            status: 400,
-            kind: "invalid_request_error",
-            message: message.into(),
-            fault: Fault::Client,
-            retryable: false,
+            code: Some("invalid_api_key"),
+            ..ApiError::new(
+                401,
+                "invalid_request_error",
+                Fault::Client,
+                "missing or incorrect API key: send it as 'Authorization: Bearer KEY'",
+            )
         }
+    }
+
+    /// 404: no registered worker serves this model.
+    pub fn model_not_found(model: &str) -> Self {
+        ApiError {
+            code: Some("model_not_found"),
+            ..ApiError::new(
+                404,
+                "invalid_request_error",
+                Fault::Client,
+                format!("the model {model:?} does not exist or is not served here"),
+            )
+        }
+    }
+
+    /// 408: the request body did not arrive in time.
+    pub fn body_timeout(ms: u64) -> Self {
+        ApiError::new(
+            408,
+            "invalid_request_error",
+            Fault::Client,
+            format!("request body not received within {ms} ms"),
+        )
     }
 
     /// 413: the body is over the limit.
     pub fn too_large(limit: usize) -> Self {
-        ApiError {
-            status: 413,
-            kind: "invalid_request_error",
-            message: format!("request body over {limit} bytes"),
-            fault: Fault::Client,
-            retryable: false,
-        }
+        ApiError::new(
+            413,
+            "invalid_request_error",
+            Fault::Client,
+            format!("request body over {limit} bytes"),
+        )
     }
 
     /// 429: too many requests in flight.
     pub fn overloaded(limit: usize) -> Self {
-        ApiError {
-            status: 429,
-            kind: "rate_limit_error",
-            message: format!("{limit} requests in flight; retry shortly"),
-            fault: Fault::Router,
-            retryable: true,
-        }
+        ApiError::new(
+            429,
+            "rate_limit_error",
+            Fault::Router,
+            format!("{limit} requests in flight; retry shortly"),
+        )
     }
 
-    /// 503: no worker could take the request.
+    /// 503: the router has no worker to send anything to.
+    pub fn no_workers() -> Self {
+        ApiError::new(503, "server_error", Fault::Router, "no worker registered")
+    }
+
+    /// 503: no worker could take the request (after retries).
     pub fn unavailable(message: impl Into<String>) -> Self {
-        ApiError {
-            status: 503,
-            kind: "server_error",
-            message: message.into(),
-            fault: Fault::Worker,
-            retryable: true,
-        }
+        ApiError::new(503, "server_error", Fault::Worker, message)
+    }
+
+    /// 504: a worker did not answer in time.
+    pub fn worker_timeout(message: impl Into<String>) -> Self {
+        ApiError::new(504, "server_error", Fault::Worker, message)
     }
 
     /// 404: no such endpoint.
     pub fn not_found() -> Self {
-        ApiError {
-            status: 404,
-            kind: "invalid_request_error",
-            message: "no such endpoint".into(),
-            fault: Fault::Client,
-            retryable: false,
-        }
+        ApiError::new(
+            404,
+            "invalid_request_error",
+            Fault::Client,
+            "no such endpoint",
+        )
+    }
+
+    /// A worker refused the request itself (a 4xx that another worker would refuse too):
+    /// its status and message, the client's fault.
+    pub fn refused_by_worker(status: u16, message: impl Into<String>) -> Self {
+        ApiError::new(status, "invalid_request_error", Fault::Client, message)
     }
 
     /// The JSON body, in OpenAI's shape.
     pub fn body(&self) -> String {
-        serde_json::json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": null}}).to_string()
+        serde_json::json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": self.code}}).to_string()
     }
 
     /// Metric label of the fault.
@@ -173,4 +223,27 @@ impl ApiError {
             Fault::Router => "router",
         }
     }
+}
+
+/// A fresh response id: `prefix` and 24 hex digits (96 random bits), so ids do not repeat
+/// across requests, workers or restarts.
+pub fn response_id(prefix: &str) -> String {
+    use std::hash::{BuildHasher, Hasher};
+    // RandomState is seeded per process from the OS; a counter makes ids within a process
+    // distinct even if two hashers were seeded alike.
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(n);
+    let high = h.finish();
+    h.write_u64(high);
+    let low = h.finish() as u32;
+    format!("{prefix}{high:016x}{low:08x}")
+}
+
+/// Seconds since the Unix epoch (OpenAI's `created`).
+pub fn unix_seconds() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }

@@ -21,7 +21,7 @@ fn scheduler(policy: PolicyKind, workers: u64) -> Scheduler {
     })
     .unwrap();
     for w in 0..workers {
-        s.add_worker(key(w), 1000);
+        s.add_worker(key(w), 1000, "m");
     }
     s
 }
@@ -52,6 +52,7 @@ fn scores(entries: &[(u64, u32, u32, u32)]) -> OverlapScores {
 
 fn request<'a>(b: &'a [BlockHash], tokens: usize, overlaps: &'a OverlapScores) -> RouteRequest<'a> {
     RouteRequest {
+        model: "m",
         blocks: b,
         prompt_tokens: tokens,
         block_size: 16,
@@ -67,7 +68,7 @@ fn weights_scale_their_terms() {
         ..Config::default()
     };
     let mut s = Scheduler::new(config).unwrap();
-    s.add_worker(key(0), 1000);
+    s.add_worker(key(0), 1000, "m");
     let b = blocks(10, 0);
     let none = scores(&[]);
     let d = s.route(0, &request(&b, 160, &none)).unwrap();
@@ -81,8 +82,8 @@ fn weights_scale_their_terms() {
 #[test]
 fn blocks_booked_but_not_yet_announced_count_as_cached() {
     let mut s = Scheduler::new(Config::default()).unwrap();
-    s.add_worker(key(0), 1000);
-    s.add_worker(key(1), 1000);
+    s.add_worker(key(0), 1000, "m");
+    s.add_worker(key(1), 1000, "m");
     let b = blocks(10, 0);
     let none = scores(&[]);
     let first = s.route(0, &request(&b, 160, &none)).unwrap();
@@ -160,7 +161,7 @@ fn unreleased_bookings_expire() {
         ..unit_weights()
     })
     .unwrap();
-    s.add_worker(key(0), 100);
+    s.add_worker(key(0), 100, "m");
     let b = blocks(4, 0);
     let none = scores(&[]);
     s.route(0, &request(&b, 64, &none)).unwrap();
@@ -181,7 +182,7 @@ fn ties_break_at_random_and_deterministically() {
         })
         .unwrap();
         for w in 0..4 {
-            s.add_worker(key(w), 1_000_000);
+            s.add_worker(key(w), 1_000_000, "m");
         }
         let none = scores(&[]);
         (0..40u32)
@@ -202,8 +203,8 @@ fn ties_break_at_random_and_deterministically() {
 #[test]
 fn busy_workers_sit_out_unless_all_are_busy() {
     let mut s = Scheduler::new(unit_weights()).unwrap();
-    s.add_worker(key(0), 10);
-    s.add_worker(key(1), 1000);
+    s.add_worker(key(0), 10, "m");
+    s.add_worker(key(1), 1000, "m");
     let b = blocks(10, 0);
     let cached_on_0 = scores(&[(0, 10, 0, 0)]);
     let d = s.route(0, &request(&b, 160, &cached_on_0)).unwrap();
@@ -225,8 +226,8 @@ fn temperature_samples_mostly_the_cheapest() {
         ..unit_weights()
     })
     .unwrap();
-    s.add_worker(key(0), 1_000_000);
-    s.add_worker(key(1), 1_000_000);
+    s.add_worker(key(0), 1_000_000, "m");
+    s.add_worker(key(1), 1_000_000, "m");
     let b = blocks(10, 0);
     let o = scores(&[(1, 10, 0, 0)]);
     let mut hits = 0;
@@ -315,4 +316,223 @@ fn config_validation_names_the_field() {
         Some(PolicyKind::LeastLoaded)
     );
     assert_eq!(PolicyKind::parse("nope"), None);
+}
+
+#[test]
+fn every_float_setting_must_be_finite() {
+    // `--decode-weight NaN` once passed validation and made every cost NaN.
+    type Set = fn(&mut Config, f64);
+    let setters: [(&str, Set); 9] = [
+        ("prefill_scale", |c, v| c.prefill_scale = v),
+        ("decode_weight", |c, v| c.decode_weight = v),
+        ("device_weight", |c, v| c.device_weight = v),
+        ("host_weight", |c, v| c.host_weight = v),
+        ("disk_weight", |c, v| c.disk_weight = v),
+        ("temperature", |c, v| c.temperature = v),
+        ("busy_decode_fraction", |c, v| c.busy_decode_fraction = v),
+        ("busy_prefill_blocks", |c, v| c.busy_prefill_blocks = v),
+        ("approx.match_threshold", |c, v| {
+            c.approx.match_threshold = v
+        }),
+    ];
+    for (name, set) in setters {
+        for value in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, -1.0] {
+            let mut c = Config::default();
+            set(&mut c, value);
+            match c.validate() {
+                Err(ConfigError::OutOfRange { field, .. }) => assert_eq!(field, name),
+                other => panic!("{name} = {value} accepted: {other:?}"),
+            }
+        }
+    }
+    assert_eq!(Config::default().validate(), Ok(()));
+}
+
+#[test]
+fn two_models_never_cross() {
+    let mut s = Scheduler::new(Config::default()).unwrap();
+    s.add_worker(key(0), 1000, "llama");
+    s.add_worker(key(1), 1000, "qwen");
+    let b = blocks(4, 0);
+    // The index says worker 1 holds the whole prompt: it still serves only qwen.
+    let overlaps = scores(&[(1, 4, 0, 0)]);
+    for _ in 0..20 {
+        let r = RouteRequest {
+            model: "llama",
+            ..request(&b, 64, &overlaps)
+        };
+        let d = s.route(0, &r).unwrap();
+        assert_eq!(d.chosen.key, key(0));
+        s.complete(d.booking);
+    }
+    let none = RouteRequest {
+        model: "mistral",
+        ..request(&b, 64, &overlaps)
+    };
+    assert!(s.route(0, &none).is_none());
+    assert!(s.candidates(&none).is_empty());
+}
+
+mod ledger {
+    //! The booking ledger against a model: any sequence of bookings, first tokens,
+    //! completions, expiries, peers' bookings, dropped origins and removed workers leaves
+    //! the open bookings and every worker's load equal to the model's.
+
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Route {
+            prompt: u32,
+            len: u32,
+        },
+        FirstToken(usize),
+        Complete(usize),
+        Advance(u64),
+        Peer {
+            origin: u64,
+            seq: u64,
+            worker: u64,
+            prompt: u32,
+            len: u32,
+        },
+        DropOrigin(u64),
+        RemoveWorker(u64),
+        AddWorker(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0u32..4, 1u32..6).prop_map(|(prompt, len)| Op::Route { prompt, len }),
+            2 => (0usize..64).prop_map(Op::FirstToken),
+            3 => (0usize..64).prop_map(Op::Complete),
+            1 => (1u64..400).prop_map(Op::Advance),
+            2 => (1u64..3, 0u64..8, 0u64..4, 0u32..4, 1u32..6)
+                .prop_map(|(origin, seq, worker, prompt, len)| Op::Peer { origin, seq, worker, prompt, len }),
+            1 => (1u64..3).prop_map(Op::DropOrigin),
+            1 => (0u64..3).prop_map(Op::RemoveWorker),
+            1 => (0u64..3).prop_map(Op::AddWorker),
+        ]
+    }
+
+    #[derive(Clone, Debug)]
+    struct Entry {
+        worker: WorkerKey,
+        prefill: f64,
+        blocks: Vec<SeqHash>,
+        prefill_open: bool,
+        at: u64,
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(
+            std::env::var("KVROUTE_PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256)
+        ))]
+
+        #[test]
+        fn open_bookings_and_loads_match_the_model(ops in proptest::collection::vec(op(), 1..150)) {
+            const TTL: u64 = 1_000;
+            let mut s = Scheduler::new(Config { booking_ttl_ms: TTL, ..Config::default() }).unwrap();
+            let mut workers: BTreeSet<WorkerKey> = BTreeSet::new();
+            for w in 0..3 {
+                s.add_worker(key(w), 1000, "m");
+                workers.insert(key(w));
+            }
+            let mut model: BTreeMap<BookingId, Entry> = BTreeMap::new();
+            let mut mine: Vec<BookingId> = Vec::new();
+            let mut now = 0u64;
+            for op in ops {
+                match op {
+                    Op::Route { prompt, len } => {
+                        let b = blocks(len, prompt * 1000);
+                        let o = OverlapScores { workers: Vec::new() };
+                        if let Some(d) = s.route(now, &request(&b, (len * 16) as usize, &o)) {
+                            let shared = s.shared(d.booking).expect("just booked");
+                            model.insert(d.booking, Entry {
+                                worker: d.chosen.key,
+                                prefill: shared.prefill_blocks,
+                                blocks: shared.blocks,
+                                prefill_open: true,
+                                at: now,
+                            });
+                            mine.push(d.booking);
+                        } else {
+                            prop_assert!(workers.is_empty());
+                        }
+                    }
+                    Op::FirstToken(i) => {
+                        if let Some(id) = mine.get(i).copied() {
+                            s.first_token(id);
+                            if let Some(e) = model.get_mut(&id) {
+                                e.prefill_open = false;
+                            }
+                        }
+                    }
+                    Op::Complete(i) => {
+                        if let Some(id) = mine.get(i).copied() {
+                            s.complete(id);
+                            model.remove(&id);
+                        }
+                    }
+                    Op::Advance(ms) => {
+                        now += ms;
+                        s.expire(now);
+                        model.retain(|_, e| now - e.at <= TTL);
+                    }
+                    Op::Peer { origin, seq, worker, prompt, len } => {
+                        let b = blocks(len, prompt * 1000);
+                        let booking = SharedBooking {
+                            id: BookingId { origin, seq },
+                            worker: WorkerId(worker),
+                            dp_rank: DpRank(0),
+                            prefill_blocks: f64::from(len),
+                            blocks: b.iter().map(|x| x.seq).collect(),
+                            tail: false,
+                        };
+                        let known = workers.contains(&key(worker));
+                        let result = s.book_shared(now, booking.clone());
+                        prop_assert_eq!(result.is_ok(), known);
+                        if known {
+                            model.entry(booking.id).or_insert(Entry {
+                                worker: key(worker),
+                                prefill: booking.prefill_blocks,
+                                blocks: booking.blocks,
+                                prefill_open: true,
+                                at: now,
+                            });
+                        }
+                    }
+                    Op::DropOrigin(origin) => {
+                        s.drop_origin(origin);
+                        model.retain(|id, _| id.origin != origin);
+                    }
+                    Op::RemoveWorker(w) => {
+                        s.remove_worker(key(w));
+                        workers.remove(&key(w));
+                        model.retain(|_, e| e.worker != key(w));
+                    }
+                    Op::AddWorker(w) => {
+                        s.add_worker(key(w), 1000, "m");
+                        workers.insert(key(w));
+                    }
+                }
+                prop_assert_eq!(s.open_bookings(), model.len());
+                for w in &workers {
+                    let load = s.load(*w).expect("known worker");
+                    let entries: Vec<&Entry> = model.values().filter(|e| e.worker == *w).collect();
+                    prop_assert_eq!(load.requests, entries.len(), "requests of {:?}", w);
+                    let distinct: BTreeSet<SeqHash> =
+                        entries.iter().flat_map(|e| e.blocks.iter().copied()).collect();
+                    prop_assert_eq!(load.decode_blocks(), distinct.len(), "held blocks of {:?}", w);
+                    let prefill: f64 = entries.iter().filter(|e| e.prefill_open).map(|e| e.prefill).sum();
+                    prop_assert!((load.prefill_blocks - prefill).abs() < 1e-6,
+                        "prefill of {:?}: {} vs model {}", w, load.prefill_blocks, prefill);
+                }
+            }
+        }
+    }
 }

@@ -71,8 +71,8 @@ impl Default for EngineConfig {
 /// A configuration that cannot run.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum ConfigError {
-    /// A field that must be positive is not.
-    #[error("{field} must be positive")]
+    /// A field that must be positive (and finite) is not.
+    #[error("{field} must be a positive finite number")]
     NotPositive {
         /// The field's name.
         field: &'static str,
@@ -102,14 +102,21 @@ impl EngineConfig {
             ("block_size", self.block_size > 0),
             ("g1_blocks", self.g1_blocks > 0),
             ("kv_bytes_per_token", self.kv_bytes_per_token > 0),
-            ("link_gbps", self.link_gbps > 0.0),
+            ("link_gbps", positive_finite(self.link_gbps)),
             ("max_num_batched_tokens", self.max_num_batched_tokens > 0),
             ("max_num_seqs", self.max_num_seqs > 0),
-            ("speedup", self.speedup > 0.0),
+            ("speedup", positive_finite(self.speedup)),
             ("vocab_size", self.vocab_size > 0),
         ];
         if let Some((field, _)) = positive.iter().find(|(_, ok)| !ok) {
             return Err(ConfigError::NotPositive { field });
+        }
+        let t = &self.timing;
+        if !t.prefill.iter().chain(&t.decode).all(|c| c.is_finite()) || !t.decode_min_ms.is_finite()
+        {
+            return Err(ConfigError::NotPositive {
+                field: "timing (every coefficient must be finite)",
+            });
         }
         if let Some(layout) = &self.kv_bytes {
             if layout.block_size != self.block_size {
@@ -133,6 +140,10 @@ impl EngineConfig {
             None => self.block_size as u64 * self.kv_bytes_per_token,
         }
     }
+}
+
+fn positive_finite(v: f64) -> bool {
+    v.is_finite() && v > 0.0
 }
 
 /// Where a worker keeps its KV cache.
@@ -182,5 +193,29 @@ impl TryFrom<String> for Device {
 
     fn try_from(s: String) -> Result<Device, String> {
         s.parse()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn floats_must_be_finite() {
+        for speedup in [f64::NAN, f64::INFINITY, 0.0, -1.0] {
+            let c = EngineConfig {
+                speedup,
+                ..EngineConfig::default()
+            };
+            assert_eq!(
+                c.validate(),
+                Err(ConfigError::NotPositive { field: "speedup" }),
+                "{speedup}"
+            );
+        }
+        let mut c = EngineConfig::default();
+        c.timing.decode[1] = f64::NAN;
+        assert!(c.validate().is_err());
+        assert_eq!(EngineConfig::default().validate(), Ok(()));
     }
 }

@@ -4,12 +4,17 @@
 
 use std::net::{IpAddr, SocketAddr};
 
+use std::time::Duration;
+
 use anyhow::{Context, bail};
 use clap::Parser;
+use kvroute::auth::NatsAuth;
 use kvroute::discovery::{LeaseConfig, Registry};
 use kvroute::events::transport::Transport;
+use kvroute::http::HttpConfig;
+use kvroute::process::LogFormat;
 use kvroute::protocol::WorkerId;
-use kvroute_worker::server::{ServerConfig, Worker, new_epoch};
+use kvroute_worker::server::{ServerConfig, Worker, host_name, new_epoch, stable_id};
 use kvroute_worker::{Device, EngineConfig};
 
 /// A kvroute worker: continuous-batching engine (timing model, no model weights), HTTP
@@ -17,16 +22,23 @@ use kvroute_worker::{Device, EngineConfig};
 #[derive(Parser, Debug, serde::Serialize)]
 #[command(name = "kvroute-worker", version, about)]
 struct Args {
-    /// NATS server URL.
+    /// NATS server URL; several servers of one cluster comma-separated.
     #[arg(long, env = "KVROUTE_NATS", default_value = "nats://127.0.0.1:4222")]
     nats: String,
+    #[command(flatten)]
+    nats_auth: NatsAuth,
+    /// Copies of the worker registry kept by a JetStream cluster (fewer if it has fewer
+    /// servers).
+    #[arg(long, env = "KVROUTE_REGISTRY_REPLICAS", default_value_t = 3)]
+    registry_replicas: usize,
     /// HTTP port (0: any free port).
     #[arg(long, env = "KVROUTE_PORT", default_value_t = 9000)]
     port: u16,
     /// Address to listen on.
     #[arg(long, env = "KVROUTE_HOST", default_value = "127.0.0.1")]
     host: IpAddr,
-    /// Worker id (default: random).
+    /// Worker id (default: derived from the host name and the port, so it survives
+    /// restarts; random if there is no host name or the port is 0).
     #[arg(long, env = "KVROUTE_WORKER_ID")]
     id: Option<u64>,
     /// URL the router reaches this worker at (default: http://HOST:PORT).
@@ -70,6 +82,27 @@ struct Args {
     /// Registration TTL, ms.
     #[arg(long, env = "KVROUTE_LEASE_TTL_MS", default_value_t = LeaseConfig::default().ttl_ms)]
     lease_ttl_ms: u64,
+    /// Client connections served at once.
+    #[arg(long, env = "KVROUTE_MAX_CONNECTIONS", default_value_t = HttpConfig::default().max_connections)]
+    max_connections: usize,
+    /// A client must send a request's headers within this long (also the keep-alive idle
+    /// limit), ms.
+    #[arg(long, env = "KVROUTE_HEADER_READ_TIMEOUT_MS", default_value_t = HttpConfig::default().header_read_timeout_ms)]
+    header_read_timeout_ms: u64,
+    /// A client must send a request's body within this long, ms.
+    #[arg(long, env = "KVROUTE_BODY_READ_TIMEOUT_MS", default_value_t = HttpConfig::default().body_read_timeout_ms)]
+    body_read_timeout_ms: u64,
+    /// On SIGTERM: deregister, stop accepting, and give requests in flight this long to
+    /// finish, ms.
+    #[arg(long, env = "KVROUTE_DRAIN_TIMEOUT_MS", default_value_t = 30_000)]
+    drain_timeout_ms: u64,
+    /// Log lines as `text` (colour only on a terminal) or `json`.
+    #[arg(long, env = "KVROUTE_LOG_FORMAT", default_value = "text")]
+    log_format: LogFormat,
+    /// Serve `POST /admin/faults` (pause the publisher, stall after headers, fail the
+    /// engine). For chaos tests only.
+    #[arg(long)]
+    fault_injection: bool,
     /// Check the flags and variables, print the resolved settings as JSON, and exit.
     #[arg(long)]
     #[serde(skip)]
@@ -91,12 +124,6 @@ fn main() -> std::process::ExitCode {
 }
 
 async fn run() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
     let args = Args::parse();
     let engine = EngineConfig {
         block_size: args.block_size,
@@ -114,10 +141,21 @@ async fn run() -> anyhow::Result<()> {
             "--lease-ttl-ms must be at least twice --heartbeat-ms (a lease survives one lost heartbeat)"
         );
     }
+    let http = HttpConfig {
+        max_connections: args.max_connections,
+        header_read_timeout_ms: args.header_read_timeout_ms,
+        body_read_timeout_ms: args.body_read_timeout_ms,
+    };
+    http.validate()?;
+    args.nats_auth.validate()?;
+    if !(1..=5).contains(&args.registry_replicas) {
+        bail!("--registry-replicas must be 1..=5 (JetStream's limit)");
+    }
     if args.dry_run {
         println!("{}", serde_json::to_string_pretty(&args)?);
         return Ok(());
     }
+    kvroute::process::init_logging(args.log_format);
     if let Device::Cuda(ordinal) = args.device {
         // Fail before touching NATS, naming what is missing (driver, NVRTC, device).
         let gpu = kvroute_kernels::cuda::Gpu::new(ordinal)
@@ -128,10 +166,14 @@ async fn run() -> anyhow::Result<()> {
         heartbeat_ms: args.heartbeat_ms,
         ttl_ms: args.lease_ttl_ms,
     };
-    let transport = Transport::connect_nats(&args.nats, "kvroute-worker").await?;
+    let transport = Transport::connect_nats(&args.nats, "kvroute-worker", &args.nats_auth).await?;
     let client = transport.nats_client().context("NATS transport")?.clone();
-    let registry = Registry::nats(client, &args.cluster, &lease).await?;
-    let id = WorkerId(args.id.unwrap_or_else(|| new_epoch() & 0xffff_ffff_ffff));
+    let registry = Registry::nats(client, &args.cluster, &lease, args.registry_replicas).await?;
+    let id = match (args.id, host_name()) {
+        (Some(id), _) => WorkerId(id),
+        (None, Some(host)) if args.port != 0 => stable_id(&host, args.port),
+        _ => WorkerId(new_epoch() & 0xffff_ffff_ffff),
+    };
     let config = ServerConfig {
         id,
         listen: SocketAddr::new(args.host, args.port),
@@ -141,18 +183,32 @@ async fn run() -> anyhow::Result<()> {
         engine,
         lease,
         epoch: new_epoch(),
-        metrics: metrics_exporter_prometheus::PrometheusBuilder::new()
-            .install_recorder()
-            .ok(),
+        metrics: kvroute::process::install_metrics(),
         tokenizer: std::sync::Arc::new(match &args.tokenizer {
             Some(path) => kvroute::ingress::tokenizer::Tokenizer::load(path)?,
             None => kvroute::ingress::tokenizer::Tokenizer::Bytes,
         }),
+        http,
+        fault_injection: args.fault_injection,
     };
     let worker = Worker::start(config, transport, registry).await?;
     tracing::info!(%id, addr = %worker.addr, "worker serving");
     println!("kvroute-worker {id} listening on http://{}", worker.addr);
-    tokio::signal::ctrl_c().await?;
-    worker.stop().await;
-    Ok(())
+    let mut failed = worker.failed();
+    tokio::select! {
+        _ = kvroute::process::terminated() => {
+            tracing::info!(active = worker.active(), "terminating: deregistered, draining");
+            let left = worker.shutdown(Duration::from_millis(args.drain_timeout_ms)).await;
+            if left > 0 {
+                tracing::warn!(left, "drain timeout: requests still running are cut off");
+            }
+            Ok(())
+        }
+        reason = failed.wait_for(Option::is_some) => {
+            let reason = reason.ok().and_then(|r| r.clone()).unwrap_or_default();
+            // Never a registered zombie: leave the fleet, then fail loudly.
+            worker.stop().await;
+            bail!("engine failed: {reason}")
+        }
+    }
 }

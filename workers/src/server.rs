@@ -1,25 +1,35 @@
-//! The worker process (I/O): the engine on wall time in one task, an HTTP/1.1 server
-//! (hyper) whose internal generate endpoint takes token ids and streams OpenAI-shaped SSE
-//! chunks as the engine produces tokens, and the event plane (publishing, snapshots,
-//! registration).
+//! The worker process (I/O): the engine on its own thread ([`engine_thread`]), an HTTP/1.1
+//! server (hyper) whose internal generate endpoint takes token ids and streams OpenAI-shaped
+//! SSE chunks as the engine produces tokens, and the event plane: a publisher task fed by a
+//! bounded channel (overflow drops batches, which the router detects as a gap and resyncs),
+//! snapshot replies and the registration.
+//!
+//! What blocks what: the engine thread blocks only on its input channel (until its next
+//! step is due); it never waits for a client, for NATS or for the HTTP server. Handlers
+//! reach it through a bounded channel (full: 503). Each request's outputs go through a
+//! bounded channel too: a client that falls that far behind is cut off with an error event,
+//! counted, never silently short of tokens.
 
+mod engine_thread;
 mod http;
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use kvroute::discovery::{LeaseConfig, Registration, Registry, WorkerInfo};
 use kvroute::events::transport::Transport;
-use kvroute::protocol::{DpRank, WorkerId};
+use kvroute::http::HttpConfig;
+use kvroute::protocol::{DpRank, EventBatch, WorkerId};
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch};
-use tokio::time::Instant;
 
 use crate::EngineConfig;
-use crate::engine::{Engine, Output, OutputKind, Request, RequestId};
+use crate::engine::Engine;
 use crate::plane::{SnapshotRequest, WorkerPlane};
+use engine_thread::{EngineHandle, EngineInput};
+pub use http::decode_generate;
 
 /// The epoch of an incarnation starting now: start time in ms in the high bits, so later
 /// incarnations compare larger (`EventBatch` docs), and 16 low bits against ties.
@@ -28,6 +38,23 @@ pub fn new_epoch() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();
     ((now.as_millis() as u64) << 16) | u64::from(now.subsec_nanos() & 0xffff)
+}
+
+/// A worker id that survives restarts: derived from the host name and the port, so a pod
+/// (whose host name is its name) or a process on a fixed port keeps its metric series and
+/// its registry key. 48 bits, so it stays exact in JSON numbers.
+pub fn stable_id(host_name: &str, port: u16) -> WorkerId {
+    let h = xxhash_rust::xxh3::xxh3_64(format!("{host_name}:{port}").as_bytes());
+    WorkerId((h & 0xffff_ffff_ffff).max(1))
+}
+
+/// This machine's host name (`HOSTNAME`, else the kernel's), if it has one.
+pub fn host_name() -> Option<String> {
+    std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
 }
 
 /// How a worker process runs.
@@ -53,14 +80,30 @@ pub struct ServerConfig {
     pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
     /// Tokenizes text prompts of the OpenAI endpoints.
     pub tokenizer: Arc<kvroute::ingress::tokenizer::Tokenizer>,
+    /// The HTTP server's limits.
+    pub http: HttpConfig,
+    /// Serve `POST /admin/faults` (pause the publisher, stall after headers, fail the
+    /// engine): for chaos tests only.
+    pub fault_injection: bool,
 }
 
-/// A job for the engine task.
-pub(crate) struct Job {
-    pub request: Request,
-    /// Outputs of the request; dropping the receiver cancels it.
-    pub outputs: mpsc::Sender<Output>,
+/// Faults a worker can be told to inject (`--fault-injection`), for chaos tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Faults {
+    /// Publish no KV events (they queue, then overflow: the router resyncs after).
+    pub pause_publisher: bool,
+    /// Answer generate requests with headers, then nothing.
+    pub stall_after_headers: bool,
+    /// Answer generate requests with nothing at all (not even headers).
+    pub stall_before_headers: bool,
+    /// Answer generate requests with this error status (e.g. 429, 503, 400).
+    pub status: Option<u16>,
 }
+
+/// Events queued for the publisher; beyond, batches are dropped (the heartbeat still
+/// announces their ids, so the router sees the gap and resyncs from a snapshot).
+const EVENT_QUEUE_BATCHES: usize = 1024;
 
 /// A running worker.
 pub struct Worker {
@@ -68,10 +111,12 @@ pub struct Worker {
     pub addr: SocketAddr,
     shutdown: watch::Sender<bool>,
     registration: Option<Registration>,
+    engine: EngineHandle,
+    active: Arc<AtomicUsize>,
 }
 
 impl Worker {
-    /// Starts the engine task, the event plane and the HTTP server.
+    /// Starts the engine thread, the event plane and the HTTP server, then registers.
     pub async fn start(
         config: ServerConfig,
         transport: Transport,
@@ -94,26 +139,41 @@ impl Worker {
             epoch: config.epoch,
             last_event_ids: vec![0],
         }));
+        info.lock().validate()?;
         let plane = WorkerPlane::new(transport.clone(), &config.cluster, Arc::clone(&info));
-        let (snapshots_tx, snapshots) = mpsc::channel(16);
-        WorkerPlane::serve_snapshots(transport, &config.cluster, config.id, snapshots_tx).await?;
-        let (jobs_tx, jobs) = mpsc::channel(4096);
         let (shutdown, shutdown_rx) = watch::channel(false);
-        tokio::spawn(run_engine(
-            engine,
+        let (faults, faults_rx) = watch::channel(Faults::default());
+        let (events_tx, events) = mpsc::channel(EVENT_QUEUE_BATCHES);
+        let engine = EngineHandle::spawn(engine, events_tx, plane.clone())?;
+        tokio::spawn(publish(
             plane,
-            jobs,
-            snapshots,
+            events,
+            faults_rx.clone(),
             shutdown_rx.clone(),
         ));
+        let (snapshots_tx, mut snapshots) = mpsc::channel::<SnapshotRequest>(16);
+        WorkerPlane::serve_snapshots(transport, &config.cluster, config.id, snapshots_tx).await?;
+        let inputs = engine.inputs();
+        tokio::spawn(async move {
+            while let Some(request) = snapshots.recv().await {
+                // A full engine queue drops the request: the router asks again.
+                let _ = inputs.try_send(EngineInput::Snapshot(request));
+            }
+        });
+        let active = Arc::new(AtomicUsize::new(0));
         tokio::spawn(http::serve(
             listener,
+            config.http.clone(),
             http::State {
-                jobs: jobs_tx,
+                engine: engine.inputs(),
                 metrics: config.metrics.clone(),
                 tokenizer: Arc::clone(&config.tokenizer),
                 model: config.model.clone(),
                 next_id: Arc::default(),
+                active: Arc::clone(&active),
+                faults: config.fault_injection.then_some(Arc::new(faults)),
+                fingerprint: format!("fp_{:012x}", config.epoch & 0xffff_ffff_ffff),
+                body_read_timeout: Duration::from_millis(config.http.body_read_timeout_ms),
             },
             shutdown_rx,
         ));
@@ -122,110 +182,78 @@ impl Worker {
             addr,
             shutdown,
             registration: Some(registration),
+            engine,
+            active,
         })
     }
 
-    /// Stops serving and deregisters.
-    pub async fn stop(mut self) {
-        let _ = self.shutdown.send(true);
+    /// Changes to `Some(reason)` when the engine fails; the worker must then leave.
+    pub fn failed(&self) -> watch::Receiver<Option<String>> {
+        self.engine.failed()
+    }
+
+    /// Requests being served.
+    pub fn active(&self) -> usize {
+        self.active.load(Ordering::Relaxed)
+    }
+
+    /// A graceful exit (SIGTERM): deregisters first (routers stop sending), stops accepting
+    /// connections, lets requests in flight finish for up to `drain`, then stops the engine.
+    /// Returns how many requests were still running.
+    pub async fn shutdown(mut self, drain: Duration) -> usize {
         if let Some(r) = self.registration.take() {
             r.goodbye().await;
         }
+        let _ = self.shutdown.send(true);
+        let deadline = tokio::time::Instant::now() + drain;
+        while self.active() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let left = self.active();
+        self.engine.stop();
+        left
+    }
+
+    /// Stops at once: deregisters, stops serving and the engine.
+    pub async fn stop(mut self) {
+        if let Some(r) = self.registration.take() {
+            r.goodbye().await;
+        }
+        let _ = self.shutdown.send(true);
+        self.engine.stop();
     }
 }
 
-/// The engine on wall time: submits jobs as they come, advances at each wake-up, routes
-/// outputs to their requests, publishes KV events, answers snapshots.
-async fn run_engine(
-    mut engine: Engine,
+/// Publishes the engine's batches in order. While `pause_publisher` is on, nothing is sent
+/// and the queue fills (the engine then drops batches, as under real back-pressure).
+async fn publish(
     plane: WorkerPlane,
-    mut jobs: mpsc::Receiver<Job>,
-    mut snapshots: mpsc::Receiver<SnapshotRequest>,
+    mut events: mpsc::Receiver<EventBatch>,
+    mut faults: watch::Receiver<Faults>,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let start = Instant::now();
-    // The engine's clock: wall time, except that a step due within the timer's resolution
-    // (1 ms) is run at once and the clock jumps to its end, so a fast engine (high speedup)
-    // is not held to one step per timer tick. It never runs more than 1 ms ahead.
-    let mut clock = 0u64;
-    let mut waiting: HashMap<RequestId, mpsc::Sender<Output>> = HashMap::new();
-    let mut out = Vec::new();
-    let mut batches = Vec::new();
     loop {
-        let wall = start.elapsed().as_micros() as u64;
-        clock = clock.max(wall);
-        if let Some(due) = engine.next_wakeup_us().filter(|t| *t <= wall + 1_000) {
-            clock = clock.max(due);
+        if faults.borrow().pause_publisher {
+            tokio::select! {
+                _ = faults.wait_for(|f| !f.pause_publisher) => continue,
+                _ = shutdown.changed() => return,
+            }
         }
-        let now_us = || clock.max(start.elapsed().as_micros() as u64);
-        let wake = engine
-            .next_wakeup_us()
-            .filter(|t| *t > clock)
-            .map(|t| start + Duration::from_micros(t));
-        let due_now = engine.next_wakeup_us().is_some_and(|t| t <= clock);
-        tokio::select! {
-            biased;
-            _ = tokio::task::yield_now(), if due_now => {}
-            job = jobs.recv() => {
-                let Some(job) = job else { return };
-                let id = job.request.id;
-                waiting.insert(id, job.outputs);
-                engine.submit(now_us(), job.request, &mut out);
-            }
-            r = snapshots.recv() => {
-                if let Some(r) = r {
-                    let _ = r.reply.send(engine.snapshot());
-                }
-            }
-            _ = async { tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)).await }, if wake.is_some() => {}
+        let mut batch = tokio::select! {
+            b = events.recv() => match b {
+                Some(b) => b,
+                None => return,
+            },
+            _ = faults.changed() => continue,
             _ = shutdown.changed() => return,
-        }
-        clock = now_us();
-        if let Err(e) = engine.advance(clock, &mut out) {
-            tracing::error!(error = %e, "engine failed");
-            return;
-        }
-        let load = engine.load();
-        metrics::gauge!("kvroute_worker_requests_waiting").set(load.waiting as f64);
-        metrics::gauge!("kvroute_worker_requests_running").set(load.running as f64);
-        metrics::gauge!("kvroute_worker_g1_blocks_used").set(load.g1_used as f64);
-        for o in out.drain(..) {
-            if matches!(o.kind, OutputKind::Token { .. }) {
-                metrics::counter!("kvroute_worker_tokens_total").increment(1);
-            }
-            let done = matches!(o.kind, OutputKind::Finished | OutputKind::Rejected(_));
-            let cancelled = match waiting.get(&o.request) {
-                Some(tx) => tx.try_send(o).is_err() && tx.is_closed(),
-                None => false,
-            };
-            if done || cancelled {
-                waiting.remove(&o.request);
-            }
-            if cancelled && !done {
-                engine.cancel(o.request);
-            }
-        }
-        // Clients that went away between outputs: free their blocks now.
-        let gone: Vec<RequestId> = waiting
-            .iter()
-            .filter(|(_, tx)| tx.is_closed())
-            .map(|(id, _)| *id)
-            .collect();
-        for id in gone {
-            waiting.remove(&id);
-            engine.cancel(id);
-        }
-        engine.drain_batches(&mut batches);
-        let sent = std::time::SystemTime::now()
+        };
+        // The engine's clock is process-relative; the router measures lag in Unix time.
+        batch.sent_unix_us = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_micros() as u64);
-        for mut batch in batches.drain(..) {
-            // The engine's clock is process-relative; the router measures lag in Unix time.
-            batch.sent_unix_us = sent;
-            if let Err(e) = plane.publish(&batch).await {
-                tracing::warn!(error = %e, "publishing KV events failed; the router will resync");
-                plane.note_sent(&batch);
-            }
+        if let Err(e) = plane.publish(&batch).await {
+            tracing::warn!(error = %e, "publishing KV events failed; the router will resync");
+            plane.note_sent(&batch);
         }
     }
 }

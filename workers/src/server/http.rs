@@ -1,34 +1,50 @@
 //! The worker's HTTP/1.1 endpoints: `POST /internal/generate` (token ids in; OpenAI
-//! completion chunks out, as SSE while the engine produces them, or one JSON body) and
-//! `GET /health`.
+//! completion chunks out, as SSE while the engine produces them, or one JSON body), the
+//! OpenAI endpoints with text, `GET /health`, `GET /metrics`, `GET /admin/cache` (a digest
+//! of the cache, for consistency checks) and, with fault injection on, `POST /admin/faults`.
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{SyncSender, TrySendError};
+use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited, StreamBody};
+use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::{Method, Response, StatusCode, header};
+use kvroute::http::{Body, BodyError, HttpConfig, collect_body, serve_http};
+use kvroute::ingress::openai::{response_id, unix_seconds};
 use kvroute::protocol::Salt;
 use serde::Deserialize;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 
-use super::Job;
+use super::Faults;
+use super::engine_thread::{EngineInput, Job};
 use crate::engine::{Output, OutputKind, Request, RequestId};
-
-pub(crate) use kvroute::ingress::Body;
+use crate::plane::SnapshotRequest;
 
 /// Largest request body accepted, bytes.
 const MAX_BODY: usize = 16 << 20;
+/// Outputs buffered per request: a client this far behind is cut off (counted).
+const OUTPUT_BUFFER: usize = 1024;
+/// How long the engine may take to accept or refuse a request, or answer a snapshot.
+const ENGINE_DEADLINE: Duration = Duration::from_secs(30);
 
 #[derive(Clone)]
 pub(crate) struct State {
-    pub jobs: mpsc::Sender<Job>,
+    pub engine: SyncSender<EngineInput>,
     pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
     pub tokenizer: Arc<kvroute::ingress::tokenizer::Tokenizer>,
     pub model: String,
     pub next_id: Arc<AtomicU64>,
+    /// Generate requests being served (the drain waits for 0).
+    pub active: Arc<AtomicUsize>,
+    /// With fault injection on: the faults in force.
+    pub faults: Option<Arc<watch::Sender<Faults>>>,
+    /// OpenAI's `system_fingerprint`: names this incarnation.
+    pub fingerprint: String,
+    pub body_read_timeout: Duration,
 }
 
 /// The internal generate request: what the router sends.
@@ -44,18 +60,33 @@ struct Generate {
     /// Answer in the chat completion shape (`chat.completion[.chunk]`, `message`/`delta`).
     #[serde(default)]
     chat: bool,
+    /// The model the router routed for: a worker serving another one refuses (421).
+    #[serde(default)]
+    model: Option<String>,
 }
 
 fn default_max_tokens() -> u32 {
     16
 }
 
+/// Decodes an internal generate body (what a router sends), as the handler does.
+pub fn decode_generate(body: &[u8]) -> Result<(), serde_json::Error> {
+    serde_json::from_slice::<Generate>(body).map(|_| ())
+}
+
 pub(crate) async fn serve(
     listener: tokio::net::TcpListener,
+    config: HttpConfig,
     state: State,
     shutdown: watch::Receiver<bool>,
 ) {
-    kvroute::ingress::serve_http(listener, move |req| handle(state.clone(), req), shutdown).await;
+    serve_http(
+        listener,
+        config,
+        move |req| handle(state.clone(), req),
+        shutdown,
+    )
+    .await;
 }
 
 fn full(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Response<Body> {
@@ -66,10 +97,21 @@ fn full(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Respo
         .expect("invariant: static response parts are valid")
 }
 
+fn error_json(kind: &str, message: &str, code: Option<&str>) -> serde_json::Value {
+    serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
+}
+
 /// An error in OpenAI's shape.
 pub(crate) fn error(status: StatusCode, kind: &str, message: &str) -> Response<Body> {
-    let body = serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": null}});
-    full(status, "application/json", body.to_string())
+    full(
+        status,
+        "application/json",
+        error_json(kind, message, None).to_string(),
+    )
+}
+
+fn bad_request(message: &str) -> Response<Body> {
+    error(StatusCode::BAD_REQUEST, "invalid_request_error", message)
 }
 
 async fn handle(state: State, req: hyper::Request<Incoming>) -> Response<Body> {
@@ -86,6 +128,8 @@ async fn handle(state: State, req: hyper::Request<Incoming>) -> Response<Body> {
                 .unwrap_or_default();
             full(StatusCode::OK, "text/plain; version=0.0.4", text)
         }
+        (&Method::GET, "/admin/cache") => cache_digest(&state).await,
+        (&Method::POST, "/admin/faults") if state.faults.is_some() => set_faults(state, req).await,
         _ => error(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
@@ -94,31 +138,26 @@ async fn handle(state: State, req: hyper::Request<Incoming>) -> Response<Body> {
     }
 }
 
-/// Reads and parses a JSON body, or answers 413 / 400.
+/// Reads and parses a JSON body, or answers 413 / 408 / 400.
 async fn read_json<T: serde::de::DeserializeOwned>(
+    state: &State,
     req: hyper::Request<Incoming>,
 ) -> Result<T, Response<Body>> {
-    let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(_) => {
-            return Err(error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                "request body too large",
-            ));
-        }
-    };
-    serde_json::from_slice(&body).map_err(|e| {
-        error(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            &format!("invalid request body: {e}"),
-        )
-    })
+    let body = collect_body(req.into_body(), MAX_BODY, state.body_read_timeout)
+        .await
+        .map_err(|e| {
+            let status = match e {
+                BodyError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+                BodyError::TimedOut { .. } => StatusCode::REQUEST_TIMEOUT,
+                BodyError::Io(_) => StatusCode::BAD_REQUEST,
+            };
+            error(status, "invalid_request_error", &e.to_string())
+        })?;
+    serde_json::from_slice(&body).map_err(|e| bad_request(&format!("invalid request body: {e}")))
 }
 
 async fn generate(state: State, req: hyper::Request<Incoming>) -> Response<Body> {
-    match read_json::<Generate>(req).await {
+    match read_json::<Generate>(&state, req).await {
         Ok(g) => run(state, g).await,
         Err(response) => response,
     }
@@ -128,15 +167,9 @@ async fn generate(state: State, req: hyper::Request<Incoming>) -> Response<Body>
 /// (same tokenizer options), so any OpenAI client or other router can drive the worker.
 async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Response<Body> {
     use kvroute::ingress::openai::{ChatRequest, CompletionRequest, Prompt};
-    let bad = |e: kvroute::ingress::tokenizer::TokenizerError| {
-        error(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            &e.to_string(),
-        )
-    };
+    let bad = |e: kvroute::ingress::tokenizer::TokenizerError| bad_request(&e.to_string());
     let (model, token_ids, max_tokens, stream) = if chat {
-        match read_json::<ChatRequest>(req).await {
+        match read_json::<ChatRequest>(&state, req).await {
             Ok(r) => match state.tokenizer.encode_chat(&r.messages) {
                 Ok(tokens) => (r.model, tokens, r.max_tokens, r.stream),
                 Err(e) => return bad(e),
@@ -144,7 +177,7 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
             Err(response) => return response,
         }
     } else {
-        match read_json::<CompletionRequest>(req).await {
+        match read_json::<CompletionRequest>(&state, req).await {
             Ok(r) => {
                 let tokens = match r.prompt {
                     Prompt::Text(t) => match state.tokenizer.encode(&t) {
@@ -159,10 +192,15 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
         }
     };
     if model != state.model {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            &format!("model {model:?} is not served here"),
+        return full(
+            StatusCode::NOT_FOUND,
+            "application/json",
+            error_json(
+                "invalid_request_error",
+                &format!("the model {model:?} is not served here"),
+                Some("model_not_found"),
+            )
+            .to_string(),
         );
     }
     run(
@@ -173,12 +211,131 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
             stream,
             salt: 0,
             chat,
+            model: None,
         },
     )
     .await
 }
 
+/// Counts a generate request as active until dropped (with its response body, for streams).
+struct Active(Arc<AtomicUsize>);
+
+impl Active {
+    fn new(counter: &Arc<AtomicUsize>) -> Active {
+        counter.fetch_add(1, Ordering::Relaxed);
+        Active(Arc::clone(counter))
+    }
+}
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The response's framing: ids, model, fingerprint, shape.
+struct Envelope {
+    id: String,
+    created: u64,
+    model: String,
+    fingerprint: String,
+    chat: bool,
+}
+
+impl Envelope {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.chat, chunk) {
+            (true, true) => "chat.completion.chunk",
+            (true, false) => "chat.completion",
+            (false, _) => "text_completion",
+        }
+    }
+
+    /// The whole answer.
+    fn body(&self, tokens: &[u32], prompt_tokens: usize) -> serde_json::Value {
+        let text = render(tokens);
+        let choice = if self.chat {
+            serde_json::json!({"index": 0, "message": {"role": "assistant", "content": text, "refusal": null}, "logprobs": null, "finish_reason": "length", "token_ids": tokens})
+        } else {
+            serde_json::json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length", "token_ids": tokens})
+        };
+        serde_json::json!({
+            "id": self.id, "object": self.object(false), "created": self.created, "model": self.model,
+            "system_fingerprint": self.fingerprint, "choices": [choice],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens.len(), "total_tokens": prompt_tokens + tokens.len()},
+        })
+    }
+
+    /// One SSE event for an output, if it is one the client sees.
+    fn chunk(&self, first: bool, o: &Output) -> Option<String> {
+        let (text, token_ids, finish) = match o.kind {
+            OutputKind::Token { token, .. } => (render(&[token]), vec![token], None),
+            OutputKind::Finished => (String::new(), Vec::new(), Some("length")),
+            OutputKind::Rejected(reason) => {
+                let e = error_json("invalid_request_error", &reason.to_string(), None);
+                return Some(format!("data: {e}\n\n"));
+            }
+            _ => return None,
+        };
+        let choice = if self.chat {
+            let mut delta = serde_json::json!({});
+            if first {
+                delta["role"] = "assistant".into();
+            }
+            if finish.is_none() {
+                delta["content"] = text.into();
+            }
+            serde_json::json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish, "token_ids": token_ids})
+        } else {
+            serde_json::json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish, "token_ids": token_ids})
+        };
+        let chunk = serde_json::json!({
+            "id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
+            "system_fingerprint": self.fingerprint, "choices": [choice],
+        });
+        Some(format!("data: {chunk}\n\n"))
+    }
+}
+
+fn unavailable(message: &str) -> Response<Body> {
+    error(StatusCode::SERVICE_UNAVAILABLE, "server_error", message)
+}
+
 async fn run(state: State, g: Generate) -> Response<Body> {
+    if let Some(model) = &g.model
+        && *model != state.model
+    {
+        // Misdirected: the router believes this worker serves another model.
+        return full(
+            StatusCode::MISDIRECTED_REQUEST,
+            "application/json",
+            error_json(
+                "invalid_request_error",
+                &format!("this worker serves {:?}, not {model:?}", state.model),
+                Some("model_not_found"),
+            )
+            .to_string(),
+        );
+    }
+    let active = Active::new(&state.active);
+    if let Some(faults) = &state.faults {
+        let f = *faults.borrow();
+        if f.stall_before_headers {
+            std::future::pending::<()>().await;
+        }
+        if let Some(code) = f.status {
+            let status = StatusCode::from_u16(code).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+            return error(status, "server_error", "fault injected");
+        }
+        if f.stall_after_headers {
+            let pending = futures_util::stream::pending::<Result<Frame<Bytes>, Infallible>>();
+            return Response::builder()
+                .status(StatusCode::OK)
+                .header(header::CONTENT_TYPE, "text/event-stream")
+                .body(BodyExt::boxed(StreamBody::new(pending)))
+                .expect("invariant: static response parts are valid");
+        }
+    }
     let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
     let prompt_tokens = g.token_ids.len();
     let request = Request {
@@ -187,71 +344,66 @@ async fn run(state: State, g: Generate) -> Response<Body> {
         max_tokens: g.max_tokens,
         salt: Salt(g.salt),
     };
-    let (tx, mut rx) = mpsc::channel(1024);
-    if state
-        .jobs
-        .send(Job {
-            request,
-            outputs: tx,
-        })
-        .await
-        .is_err()
-    {
-        return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "server_error",
-            "engine stopped",
-        );
+    let (tx, mut rx) = mpsc::channel(OUTPUT_BUFFER);
+    match state.engine.try_send(EngineInput::Job(Job {
+        request,
+        outputs: tx,
+    })) {
+        Ok(()) => {}
+        Err(TrySendError::Full(_)) => return unavailable("engine queue full"),
+        Err(TrySendError::Disconnected(_)) => return unavailable("engine stopped"),
     }
-    let completion_id = format!("cmpl-{}", id.0);
+    // The engine accepts (Queued) or refuses at once: refusals get a status, not a stream.
+    let first = match tokio::time::timeout(ENGINE_DEADLINE, rx.recv()).await {
+        Ok(Some(o)) => o,
+        Ok(None) => return unavailable("engine stopped"),
+        Err(_) => return unavailable("engine did not accept the request in time"),
+    };
+    if let OutputKind::Rejected(reason) = first.kind {
+        return bad_request(&reason.to_string());
+    }
+    let envelope = Envelope {
+        id: response_id(if g.chat { "chatcmpl-" } else { "cmpl-" }),
+        created: unix_seconds(),
+        model: g.model.unwrap_or(state.model),
+        fingerprint: state.fingerprint,
+        chat: g.chat,
+    };
     if !g.stream {
         let mut tokens = Vec::new();
-        while let Some(o) = rx.recv().await {
+        loop {
+            let Some(o) = rx.recv().await else {
+                return unavailable("the request was cut off before it finished");
+            };
             match o.kind {
                 OutputKind::Token { token, .. } => tokens.push(token),
                 OutputKind::Finished => break,
-                OutputKind::Rejected(reason) => {
-                    return error(
-                        StatusCode::BAD_REQUEST,
-                        "invalid_request_error",
-                        &reason.to_string(),
-                    );
-                }
+                OutputKind::Rejected(reason) => return bad_request(&reason.to_string()),
                 _ => {}
             }
         }
-        let usage = serde_json::json!({"prompt_tokens": prompt_tokens, "completion_tokens": tokens.len(), "total_tokens": prompt_tokens + tokens.len()});
-        let body = if g.chat {
-            serde_json::json!({
-                "id": completion_id, "object": "chat.completion", "model": state.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": render(&tokens)}, "token_ids": tokens, "finish_reason": "length"}],
-                "usage": usage,
-            })
-        } else {
-            serde_json::json!({
-                "id": completion_id, "object": "text_completion", "model": state.model,
-                "choices": [{"index": 0, "text": render(&tokens), "token_ids": tokens, "finish_reason": "length"}],
-                "usage": usage,
-            })
-        };
+        let body = envelope.body(&tokens, prompt_tokens);
         return full(StatusCode::OK, "application/json", body.to_string());
     }
-    let model = state.model.clone();
-    let shape = if g.chat { Shape::Chat } else { Shape::Text };
-    let stream = futures_util::stream::unfold((rx, false, true), move |(mut rx, done, first)| {
-        let (completion_id, model) = (completion_id.clone(), model.clone());
-        async move {
+    let stream = futures_util::stream::unfold(
+        (rx, envelope, active, false, true),
+        |(mut rx, envelope, active, done, first)| async move {
             if done {
                 return None;
             }
             loop {
                 let Some(o) = rx.recv().await else {
-                    return Some((
-                        Ok(Frame::data(Bytes::from_static(b"data: [DONE]\n\n"))),
-                        (rx, true, false),
-                    ));
+                    // The engine dropped the request before it finished: its client fell
+                    // too far behind (or the engine stopped). Say so; never end silently.
+                    let e = error_json(
+                        "server_error",
+                        "the stream was cut off before it finished (client too slow, or the worker stopped)",
+                        None,
+                    );
+                    let bytes = Bytes::from(format!("data: {e}\n\ndata: [DONE]\n\n"));
+                    return Some((Ok(Frame::data(bytes)), (rx, envelope, active, true, false)));
                 };
-                if let Some(chunk) = sse_chunk(&completion_id, &model, shape, first, &o) {
+                if let Some(chunk) = envelope.chunk(first, &o) {
                     let last = matches!(o.kind, OutputKind::Finished | OutputKind::Rejected(_));
                     let mut bytes = chunk.into_bytes();
                     if last {
@@ -259,12 +411,12 @@ async fn run(state: State, g: Generate) -> Response<Body> {
                     }
                     return Some((
                         Ok::<_, Infallible>(Frame::data(Bytes::from(bytes))),
-                        (rx, last, false),
+                        (rx, envelope, active, last, false),
                     ));
                 }
             }
-        }
-    });
+        },
+    );
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "text/event-stream")
@@ -273,48 +425,68 @@ async fn run(state: State, g: Generate) -> Response<Body> {
         .expect("invariant: static response parts are valid")
 }
 
-/// Which OpenAI response shape a stream uses.
-#[derive(Clone, Copy)]
-enum Shape {
-    /// `text_completion` chunks with `text`.
-    Text,
-    /// `chat.completion.chunk` with `delta` (the first one names the role).
-    Chat,
+/// Per tier, the blocks the cache holds and the xor of their hashes (the router's
+/// `/admin/index` reports the same of its mirror).
+async fn cache_digest(state: &State) -> Response<Body> {
+    let (reply, answer) = oneshot::channel();
+    let request = SnapshotRequest {
+        dp_rank: kvroute::protocol::DpRank(0),
+        reply,
+    };
+    if state
+        .engine
+        .try_send(EngineInput::Snapshot(request))
+        .is_err()
+    {
+        return unavailable("engine busy or stopped");
+    }
+    let Ok(Ok(snapshot)) = tokio::time::timeout(ENGINE_DEADLINE, answer).await else {
+        return unavailable("engine did not answer");
+    };
+    let mut tiers = std::collections::BTreeMap::new();
+    for b in &snapshot.blocks {
+        let row = tiers.entry(format!("{:?}", b.tier)).or_insert((0u64, 0u64));
+        row.0 += 1;
+        row.1 ^= b.block.seq.0;
+    }
+    let rows: Vec<_> = tiers
+        .into_iter()
+        .map(|(t, (n, x))| serde_json::json!({"worker": snapshot.worker, "dp_rank": snapshot.dp_rank.0, "tier": t, "blocks": n, "digest": format!("{x:016x}")}))
+        .collect();
+    full(
+        StatusCode::OK,
+        "application/json",
+        serde_json::json!({"epoch": snapshot.epoch, "watermark": snapshot.watermark, "ranks": rows})
+            .to_string(),
+    )
 }
 
-/// One SSE event for an output, if it is one the client sees.
-fn sse_chunk(id: &str, model: &str, shape: Shape, first: bool, o: &Output) -> Option<String> {
-    let (text, token_ids, finish) = match o.kind {
-        OutputKind::Token { token, .. } => (render(&[token]), vec![token], None),
-        OutputKind::Finished => (String::new(), Vec::new(), Some("length")),
-        OutputKind::Rejected(reason) => {
-            let e = serde_json::json!({"error": {"message": reason.to_string(), "type": "invalid_request_error"}});
-            return Some(format!("data: {e}\n\n"));
-        }
-        _ => return None,
+/// `POST /admin/faults` (fault injection on): `{"pause_publisher": bool,
+/// "stall_after_headers": bool}` replaces the faults in force; `{"fail_engine": true}` makes
+/// the engine fail as a broken one would.
+async fn set_faults(state: State, req: hyper::Request<Incoming>) -> Response<Body> {
+    let mut value = match read_json::<serde_json::Value>(&state, req).await {
+        Ok(v) => v,
+        Err(response) => return response,
     };
-    let chunk = match shape {
-        Shape::Text => serde_json::json!({
-            "id": id, "object": "text_completion", "model": model,
-            "choices": [{"index": 0, "text": text, "token_ids": token_ids, "finish_reason": finish}],
-        }),
-        Shape::Chat => {
-            let mut delta = serde_json::json!({});
-            if first {
-                delta["role"] = "assistant".into();
-            }
-            if finish.is_none() {
-                delta["content"] = text.into();
-            }
-            serde_json::json!({
-                "id": id, "object": "chat.completion.chunk", "model": model,
-                "choices": [{"index": 0, "delta": delta, "token_ids": token_ids, "finish_reason": finish}],
-            })
-        }
+    let fail_engine = value
+        .as_object_mut()
+        .and_then(|m| m.remove("fail_engine"))
+        .and_then(|f| f.as_bool())
+        .unwrap_or(false);
+    let faults = match serde_json::from_value::<Faults>(value) {
+        Ok(faults) => faults,
+        Err(e) => return bad_request(&format!("invalid faults: {e}")),
     };
-    Some(format!("data: {chunk}\n\n"))
+    if fail_engine {
+        let _ = state.engine.try_send(EngineInput::Fail);
+    }
+    if let Some(sender) = &state.faults {
+        sender.send_replace(faults);
+    }
+    tracing::warn!(?faults, fail_engine, "fault injection");
+    full(StatusCode::OK, "application/json", r#"{"ok":true}"#)
 }
-
 /// Text of generated tokens. The engine has no model: its tokens are synthetic ids, shown
 /// as lowercase letters (`a + id mod 26`) so streams are readable.
 pub(crate) fn render(tokens: &[u32]) -> String {

@@ -6,8 +6,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::*;
 
-async fn worker(bus: &LocalBus) -> Worker {
-    let config = ServerConfig {
+fn config() -> ServerConfig {
+    ServerConfig {
         id: WorkerId(7),
         listen: "127.0.0.1:0".parse().unwrap(),
         url: None,
@@ -21,9 +21,14 @@ async fn worker(bus: &LocalBus) -> Worker {
         epoch: 1 << 20,
         metrics: None,
         tokenizer: std::sync::Arc::new(kvroute::ingress::tokenizer::Tokenizer::Bytes),
-    };
+        http: HttpConfig::default(),
+        fault_injection: true,
+    }
+}
+
+async fn worker(bus: &LocalBus) -> Worker {
     Worker::start(
-        config,
+        config(),
         Transport::Local(bus.clone()),
         Registry::Local(LocalRegistry::default()),
     )
@@ -132,6 +137,128 @@ async fn generate_without_stream_returns_one_body_and_bad_input_is_400() {
         r#"{"model": "x", "prompt": "hello"}"#,
     )
     .await;
-    assert!(other.starts_with("HTTP/1.1 400"), "{other}");
+    assert!(other.starts_with("HTTP/1.1 404"), "{other}");
+    assert!(other.contains("model_not_found"), "{other}");
+    w.stop().await;
+}
+
+/// Body of an HTTP response.
+fn body(response: &str) -> &str {
+    response.split("\r\n\r\n").nth(1).unwrap_or("")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_for_another_model_is_misdirected() {
+    let bus = LocalBus::new();
+    let w = worker(&bus).await;
+    let wrong = serde_json::json!({"token_ids": [1, 2, 3], "max_tokens": 2, "model": "other"});
+    let r = post(w.addr, "/internal/generate", &wrong.to_string()).await;
+    assert!(r.starts_with("HTTP/1.1 421"), "{r}");
+    let right = serde_json::json!({"token_ids": [1, 2, 3], "max_tokens": 2, "model": "sim"});
+    let r = post(w.addr, "/internal/generate", &right.to_string()).await;
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    w.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_carry_unique_ids_created_and_openai_fields() {
+    let bus = LocalBus::new();
+    let w = worker(&bus).await;
+    let mut ids = std::collections::BTreeSet::new();
+    for chat in [false, true] {
+        for _ in 0..3 {
+            let g = serde_json::json!({"token_ids": [1, 2, 3], "max_tokens": 2, "chat": chat});
+            let r = post(w.addr, "/internal/generate", &g.to_string()).await;
+            let v: serde_json::Value = serde_json::from_str(body(&r)).unwrap();
+            let id = v["id"].as_str().unwrap().to_owned();
+            assert!(
+                id.starts_with(if chat { "chatcmpl-" } else { "cmpl-" }),
+                "{id}"
+            );
+            assert!(ids.insert(id));
+            assert!(v["created"].as_u64().unwrap() > 1_700_000_000);
+            assert!(v["system_fingerprint"].is_string());
+            assert!(v["choices"][0]["logprobs"].is_null());
+            assert!(
+                v["choices"][0]
+                    .as_object()
+                    .unwrap()
+                    .contains_key("logprobs")
+            );
+            if chat {
+                assert!(
+                    v["choices"][0]["message"]
+                        .as_object()
+                        .unwrap()
+                        .contains_key("refusal")
+                );
+            }
+        }
+    }
+    let g =
+        serde_json::json!({"token_ids": [1, 2, 3], "max_tokens": 3, "stream": true, "chat": true});
+    let r = post(w.addr, "/internal/generate", &g.to_string()).await;
+    let chunks: Vec<serde_json::Value> = body(&r)
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert_eq!(chunks.len(), 4, "{r}");
+    let id = &chunks[0]["id"];
+    for (i, c) in chunks.iter().enumerate() {
+        assert_eq!(&c["id"], id);
+        assert!(c["created"].is_u64());
+        let finish = &c["choices"][0]["finish_reason"];
+        assert_eq!(finish.is_null(), i + 1 < chunks.len(), "{c}");
+    }
+    w.stop().await;
+}
+
+/// A client that reads nothing while the engine writes far more than the request's buffer
+/// is cut off with an error event: tokens are never dropped silently.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_too_slow_for_its_stream_is_cut_off_with_an_error() {
+    let bus = LocalBus::new();
+    let config = ServerConfig {
+        engine: EngineConfig {
+            speedup: 1e6,
+            ..EngineConfig::default()
+        },
+        ..config()
+    };
+    let w = Worker::start(
+        config,
+        Transport::Local(bus.clone()),
+        Registry::Local(LocalRegistry::default()),
+    )
+    .await
+    .unwrap();
+    let max_tokens = 200_000;
+    let g = serde_json::json!({"token_ids": [1, 2, 3], "max_tokens": max_tokens, "stream": true});
+    let body_text = g.to_string();
+    let mut s = tokio::net::TcpStream::connect(w.addr).await.unwrap();
+    let req = format!(
+        "POST /internal/generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body_text}",
+        body_text.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    // Read nothing until the worker has given up on this request.
+    let gave_up = async {
+        while w.active() > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(120), gave_up)
+        .await
+        .expect("the worker kept a stalled client's stream forever");
+    let mut out = String::new();
+    tokio::time::timeout(Duration::from_secs(60), s.read_to_string(&mut out))
+        .await
+        .unwrap()
+        .unwrap();
+    let tokens = out.matches("\"token_ids\":[").count();
+    assert!(tokens < max_tokens as usize, "all {tokens} tokens arrived");
+    assert!(out.contains("cut off"), "no error event at the end");
     w.stop().await;
 }

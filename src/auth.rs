@@ -1,0 +1,250 @@
+//! Who may talk to the router and to the fleet: API keys on the OpenAI endpoints and a token
+//! on the admin endpoints (bearer checks), NATS credentials and TLS for router and workers,
+//! and [`Secret`], a string that never prints.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// A secret (password, token, API key): compared in constant time, printed and serialised
+/// as `"<redacted>"` so `--dry-run` and logs never show it.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a secret value.
+    pub fn new(value: impl Into<String>) -> Secret {
+        Secret(value.into())
+    }
+
+    /// The value, for the one place that must send it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether `candidate` equals the secret, in time independent of where they differ.
+    pub fn matches(&self, candidate: &[u8]) -> bool {
+        let secret = self.0.as_bytes();
+        let mut diff = secret.len() ^ candidate.len();
+        for (i, b) in secret.iter().enumerate() {
+            diff |= usize::from(b ^ candidate.get(i).copied().unwrap_or(0));
+        }
+        diff == 0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str("<redacted>")
+    }
+}
+
+/// Whether a request's `Authorization: Bearer …` header carries one of `keys`.
+pub fn bearer_ok(headers: &hyper::HeaderMap, keys: &[Secret]) -> bool {
+    let Some(value) = headers.get(hyper::header::AUTHORIZATION) else {
+        return false;
+    };
+    let value = value.as_bytes();
+    let Some(token) = value
+        .strip_prefix(b"Bearer ")
+        .or_else(|| value.strip_prefix(b"bearer "))
+    else {
+        return false;
+    };
+    // Check every key, so the time taken does not tell which one matched.
+    keys.iter().fold(false, |ok, k| k.matches(token) | ok)
+}
+
+impl std::str::FromStr for Secret {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Secret::new(s))
+    }
+}
+
+/// How router and workers authenticate to NATS and secure the connection: flags of both
+/// binaries and keys of the router's `--config` file. Prefer the environment variables
+/// (or files) for secrets: a command line is visible to every user of the machine.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::Args)]
+#[serde(default)]
+pub struct NatsAuth {
+    /// NATS user name (with the password).
+    #[arg(long, env = "KVROUTE_NATS_USER")]
+    pub nats_user: Option<String>,
+    /// NATS password of the user.
+    #[arg(long, env = "KVROUTE_NATS_PASSWORD", hide_env_values = true)]
+    pub nats_password: Option<Secret>,
+    /// NATS token.
+    #[arg(long, env = "KVROUTE_NATS_TOKEN", hide_env_values = true)]
+    pub nats_token: Option<Secret>,
+    /// File holding an nkey user seed (`SU…`).
+    #[arg(long, env = "KVROUTE_NATS_NKEY_SEED_FILE")]
+    pub nats_nkey_seed_file: Option<PathBuf>,
+    /// NATS `.creds` file (user JWT and nkey seed, as `nsc` writes it).
+    #[arg(long, env = "KVROUTE_NATS_CREDS_FILE")]
+    pub nats_creds_file: Option<PathBuf>,
+    /// CA certificate(s), PEM, that sign the NATS server's certificate (implies TLS).
+    #[arg(long, env = "KVROUTE_NATS_TLS_CA_FILE")]
+    pub nats_tls_ca_file: Option<PathBuf>,
+    /// Client certificate, PEM, for mutual TLS (with the key).
+    #[arg(long, env = "KVROUTE_NATS_TLS_CERT_FILE")]
+    pub nats_tls_cert_file: Option<PathBuf>,
+    /// Client private key, PEM, for mutual TLS.
+    #[arg(long, env = "KVROUTE_NATS_TLS_KEY_FILE")]
+    pub nats_tls_key_file: Option<PathBuf>,
+    /// Refuse a NATS connection that is not TLS (verified against the system's roots when no
+    /// CA file is given).
+    #[arg(long, env = "KVROUTE_NATS_TLS_REQUIRED")]
+    pub nats_tls_required: bool,
+}
+
+/// A NATS authentication setting that cannot work.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum NatsAuthError {
+    /// More than one way to authenticate.
+    #[error(
+        "NATS authentication: give one of user/password, token, nkey seed or creds file, not several"
+    )]
+    Ambiguous,
+    /// A user without a password or the reverse.
+    #[error("NATS authentication: user and password go together")]
+    UserWithoutPassword,
+    /// A client certificate without its key or the reverse.
+    #[error("NATS TLS: client certificate and key go together")]
+    CertWithoutKey,
+    /// A file that cannot be read.
+    #[error("NATS {what} file {path}: {reason}")]
+    File {
+        /// Which setting.
+        what: &'static str,
+        /// The path.
+        path: PathBuf,
+        /// Why it cannot be used.
+        reason: String,
+    },
+}
+
+impl NatsAuth {
+    /// Each setting from `self`, else from `other` (flags over the file).
+    pub fn or(self, other: NatsAuth) -> NatsAuth {
+        NatsAuth {
+            nats_user: self.nats_user.or(other.nats_user),
+            nats_password: self.nats_password.or(other.nats_password),
+            nats_token: self.nats_token.or(other.nats_token),
+            nats_nkey_seed_file: self.nats_nkey_seed_file.or(other.nats_nkey_seed_file),
+            nats_creds_file: self.nats_creds_file.or(other.nats_creds_file),
+            nats_tls_ca_file: self.nats_tls_ca_file.or(other.nats_tls_ca_file),
+            nats_tls_cert_file: self.nats_tls_cert_file.or(other.nats_tls_cert_file),
+            nats_tls_key_file: self.nats_tls_key_file.or(other.nats_tls_key_file),
+            nats_tls_required: self.nats_tls_required || other.nats_tls_required,
+        }
+    }
+
+    /// Checks that the settings are consistent and their files readable.
+    pub fn validate(&self) -> Result<(), NatsAuthError> {
+        let methods = [
+            self.nats_user.is_some() || self.nats_password.is_some(),
+            self.nats_token.is_some(),
+            self.nats_nkey_seed_file.is_some(),
+            self.nats_creds_file.is_some(),
+        ];
+        if methods.iter().filter(|m| **m).count() > 1 {
+            return Err(NatsAuthError::Ambiguous);
+        }
+        if self.nats_user.is_some() != self.nats_password.is_some() {
+            return Err(NatsAuthError::UserWithoutPassword);
+        }
+        if self.nats_tls_cert_file.is_some() != self.nats_tls_key_file.is_some() {
+            return Err(NatsAuthError::CertWithoutKey);
+        }
+        let files = [
+            ("nkey seed", &self.nats_nkey_seed_file),
+            ("creds", &self.nats_creds_file),
+            ("TLS CA", &self.nats_tls_ca_file),
+            ("TLS certificate", &self.nats_tls_cert_file),
+            ("TLS key", &self.nats_tls_key_file),
+        ];
+        for (what, path) in files {
+            if let Some(path) = path
+                && let Err(e) = std::fs::File::open(path)
+            {
+                return Err(NatsAuthError::File {
+                    what,
+                    path: path.clone(),
+                    reason: e.to_string(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the connection must be TLS.
+    pub fn tls(&self) -> bool {
+        self.nats_tls_required
+            || self.nats_tls_ca_file.is_some()
+            || self.nats_tls_cert_file.is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_compare_and_never_print() {
+        let s = Secret::new("hunter2");
+        assert!(s.matches(b"hunter2"));
+        assert!(!s.matches(b"hunter"));
+        assert!(!s.matches(b"hunter22"));
+        assert!(!s.matches(b""));
+        assert_eq!(format!("{s:?}"), "<redacted>");
+        assert_eq!(serde_json::to_string(&s).unwrap(), "\"<redacted>\"");
+    }
+
+    #[test]
+    fn bearer_checks_the_header() {
+        let keys = [Secret::new("k1"), Secret::new("k2")];
+        let mut h = hyper::HeaderMap::new();
+        assert!(!bearer_ok(&h, &keys));
+        h.insert(hyper::header::AUTHORIZATION, "Bearer k2".parse().unwrap());
+        assert!(bearer_ok(&h, &keys));
+        h.insert(hyper::header::AUTHORIZATION, "Bearer k3".parse().unwrap());
+        assert!(!bearer_ok(&h, &keys));
+        h.insert(hyper::header::AUTHORIZATION, "Basic k1".parse().unwrap());
+        assert!(!bearer_ok(&h, &keys));
+    }
+
+    #[test]
+    fn nats_auth_settings_must_agree() {
+        let both = NatsAuth {
+            nats_token: Some(Secret::new("t")),
+            nats_user: Some("u".into()),
+            nats_password: Some(Secret::new("p")),
+            ..NatsAuth::default()
+        };
+        assert_eq!(both.validate(), Err(NatsAuthError::Ambiguous));
+        let half = NatsAuth {
+            nats_user: Some("u".into()),
+            ..NatsAuth::default()
+        };
+        assert_eq!(half.validate(), Err(NatsAuthError::UserWithoutPassword));
+        let missing = NatsAuth {
+            nats_tls_ca_file: Some("/nonexistent/ca.pem".into()),
+            ..NatsAuth::default()
+        };
+        assert!(matches!(
+            missing.validate(),
+            Err(NatsAuthError::File { what: "TLS CA", .. })
+        ));
+        assert!(missing.tls());
+        assert_eq!(NatsAuth::default().validate(), Ok(()));
+    }
+}

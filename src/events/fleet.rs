@@ -1,0 +1,373 @@
+//! The fleet as one state machine with no I/O: the only place that decides which workers
+//! exist, and so which event streams, index lanes and scheduler entries the router keeps.
+//! Inputs are registrations, goodbyes, batches (by sender) and clock ticks, each with
+//! `now_ms`; outputs are [`FleetCommand`]s the event plane carries out. A worker that left
+//! leaves a tombstone for a while, so its late batches are dropped instead of bringing its
+//! stream back to life; batches from workers never registered are dropped too, and both are
+//! counted.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use crate::discovery::WorkerInfo;
+use crate::protocol::{DpRank, WorkerId};
+
+/// One (worker, dp rank): what an event stream, an index lane and a scheduler entry are of.
+pub type StreamKey = (WorkerId, DpRank);
+
+/// Timing of the fleet.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FleetConfig {
+    /// A registration not refreshed for this long has expired, ms (`None`: registrations
+    /// never expire, as with a static list).
+    pub lease_ttl_ms: Option<u64>,
+    /// How long a worker that left is remembered, so that its stragglers are dropped, ms.
+    pub tombstone_ttl_ms: u64,
+}
+
+impl Default for FleetConfig {
+    fn default() -> Self {
+        FleetConfig {
+            lease_ttl_ms: Some(5_000),
+            tombstone_ttl_ms: 60_000,
+        }
+    }
+}
+
+/// Why a worker left.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Departure {
+    /// It said goodbye.
+    Left,
+    /// Its lease lapsed.
+    Expired,
+    /// It re-registered in a shape the fleet refuses (see [`Refusal`]).
+    Refused,
+}
+
+/// What the driver must do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FleetCommand {
+    /// Start following this stream (its first watermark follows).
+    OpenStream(StreamKey),
+    /// The worker's heartbeat: it has published up to `last_id` in `epoch` on this stream.
+    Watermark {
+        /// The stream.
+        key: StreamKey,
+        /// The worker's incarnation.
+        epoch: u64,
+        /// Its last event id on this rank.
+        last_id: u64,
+    },
+    /// Stop following this stream and forget what the index holds for it.
+    CloseStream(StreamKey),
+    /// The scheduler may route to this rank (or its registration changed: update it).
+    Routable {
+        /// The rank.
+        key: StreamKey,
+        /// The model it serves.
+        model: String,
+        /// Its G1 capacity, blocks.
+        capacity_blocks: usize,
+    },
+    /// The scheduler must stop routing to this rank and drop its bookings.
+    Unroutable(StreamKey),
+    /// A worker left (for counters and logs; its streams and entries are closed by the
+    /// commands before this one).
+    Departed {
+        /// The worker.
+        id: WorkerId,
+        /// Why.
+        reason: Departure,
+    },
+}
+
+/// What to do with a batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BatchVerdict {
+    /// Deliver it to its (open) stream.
+    Deliver,
+    /// Drop it: its worker is not registered (never was, or not yet).
+    Unregistered,
+    /// Drop it: its worker left (a straggler).
+    Departed,
+    /// Drop it: the worker is registered with fewer ranks.
+    NoSuchRank,
+}
+
+/// Counters of the fleet.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FleetStats {
+    /// Workers that joined (first registration of an incarnation-independent id).
+    pub joined: u64,
+    /// Workers that said goodbye.
+    pub left: u64,
+    /// Workers whose lease lapsed.
+    pub expired: u64,
+    /// Batches dropped because their worker was never registered.
+    pub dropped_unregistered: u64,
+    /// Batches dropped because their worker had left.
+    pub dropped_departed: u64,
+    /// Batches dropped for a rank the worker does not have.
+    pub dropped_no_rank: u64,
+    /// Registrations refused (block size conflicting with the model's other workers).
+    pub refused: u64,
+    /// Heartbeats of an incarnation that had already said goodbye, ignored.
+    pub zombie_heartbeats: u64,
+}
+
+/// Why a registration was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// Its block size differs from that of the model's registered workers: the router hashes
+    /// a model's prompts at one block size, so it could never match this worker's blocks.
+    #[error(
+        "worker {id} registers model {model:?} with block size {block_size}, but the model's other workers use {fleet_block_size}"
+    )]
+    BlockSize {
+        /// The worker.
+        id: WorkerId,
+        /// Its model.
+        model: String,
+        /// Its block size.
+        block_size: usize,
+        /// The block size of the model's workers.
+        fleet_block_size: usize,
+    },
+}
+
+#[derive(Clone, Debug)]
+struct Member {
+    info: WorkerInfo,
+    renewed_ms: u64,
+}
+
+/// The fleet.
+#[derive(Debug)]
+pub struct Fleet {
+    config: FleetConfig,
+    members: BTreeMap<WorkerId, Member>,
+    /// Workers that left: (the incarnation that left, when the tombstone goes).
+    tombstones: BTreeMap<WorkerId, (u64, u64)>,
+    stats: FleetStats,
+}
+
+impl Fleet {
+    /// An empty fleet.
+    pub fn new(config: FleetConfig) -> Self {
+        Fleet {
+            config,
+            members: BTreeMap::new(),
+            tombstones: BTreeMap::new(),
+            stats: FleetStats::default(),
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> FleetStats {
+        self.stats
+    }
+
+    /// The registered workers.
+    pub fn workers(&self) -> impl Iterator<Item = &WorkerInfo> {
+        self.members.values().map(|m| &m.info)
+    }
+
+    /// One registered worker.
+    pub fn worker(&self, id: WorkerId) -> Option<&WorkerInfo> {
+        self.members.get(&id).map(|m| &m.info)
+    }
+
+    /// Workers remembered as departed.
+    pub fn tombstones(&self) -> usize {
+        self.tombstones.len()
+    }
+
+    /// Every stream that should exist now: each rank of each registered worker.
+    pub fn expected_streams(&self) -> BTreeSet<StreamKey> {
+        self.members
+            .values()
+            .flat_map(|m| ranks(&m.info).map(move |r| (m.info.id, r)))
+            .collect()
+    }
+
+    /// The block size of a model's registered workers, if any serve it.
+    pub fn block_size(&self, model: &str) -> Option<usize> {
+        self.members
+            .values()
+            .find(|m| m.info.model == model)
+            .map(|m| m.info.block_size)
+    }
+
+    /// A registration or heartbeat (already validated, see [`WorkerInfo::validate`]).
+    pub fn on_registration(
+        &mut self,
+        now_ms: u64,
+        info: WorkerInfo,
+        out: &mut Vec<FleetCommand>,
+    ) -> Result<(), Refusal> {
+        let id = info.id;
+        if let Some(&(epoch, _)) = self.tombstones.get(&id) {
+            if epoch == info.epoch {
+                // A heartbeat that crossed the goodbye of its own incarnation.
+                self.stats.zombie_heartbeats += 1;
+                return Ok(());
+            }
+            self.tombstones.remove(&id);
+        }
+        if let Some(fleet_block_size) = self
+            .members
+            .values()
+            .find(|m| m.info.model == info.model && m.info.id != id)
+            .map(|m| m.info.block_size)
+            .filter(|bs| *bs != info.block_size)
+        {
+            self.stats.refused += 1;
+            let refusal = Refusal::BlockSize {
+                id,
+                model: info.model.clone(),
+                block_size: info.block_size,
+                fleet_block_size,
+            };
+            // A member that re-registers with a conflicting shape stops being routable.
+            if self.members.contains_key(&id) {
+                self.remove(now_ms, id, Departure::Refused, out);
+            }
+            return Err(refusal);
+        }
+        let previous = self.members.insert(
+            id,
+            Member {
+                info: info.clone(),
+                renewed_ms: now_ms,
+            },
+        );
+        let old: BTreeSet<DpRank> = previous
+            .as_ref()
+            .map_or_else(BTreeSet::new, |p| ranks(&p.info).collect());
+        let new: BTreeSet<DpRank> = ranks(&info).collect();
+        if previous.is_none() {
+            self.stats.joined += 1;
+        }
+        for &rank in old.difference(&new) {
+            out.push(FleetCommand::Unroutable((id, rank)));
+            out.push(FleetCommand::CloseStream((id, rank)));
+        }
+        let reshaped = previous.as_ref().is_none_or(|p| {
+            p.info.model != info.model
+                || p.info.g1_blocks != info.g1_blocks
+                || p.info.block_size != info.block_size
+        });
+        for &rank in &new {
+            let key = (id, rank);
+            if !old.contains(&rank) {
+                out.push(FleetCommand::OpenStream(key));
+            }
+            if reshaped || !old.contains(&rank) {
+                out.push(FleetCommand::Routable {
+                    key,
+                    model: info.model.clone(),
+                    capacity_blocks: info.g1_blocks,
+                });
+            }
+            out.push(FleetCommand::Watermark {
+                key,
+                epoch: info.epoch,
+                last_id: info
+                    .last_event_ids
+                    .get(rank.0 as usize)
+                    .copied()
+                    .unwrap_or(0),
+            });
+        }
+        Ok(())
+    }
+
+    /// A worker said goodbye.
+    pub fn on_goodbye(&mut self, now_ms: u64, id: WorkerId, out: &mut Vec<FleetCommand>) {
+        if self.members.contains_key(&id) {
+            self.remove(now_ms, id, Departure::Left, out);
+        }
+        self.sweep_tombstones(now_ms);
+    }
+
+    /// A batch arrived from `key`: deliver it or drop it (counted).
+    pub fn on_batch(&mut self, key: StreamKey) -> BatchVerdict {
+        let verdict = match self.members.get(&key.0) {
+            Some(m) if key.1.0 < m.info.dp_size => BatchVerdict::Deliver,
+            Some(_) => BatchVerdict::NoSuchRank,
+            None if self.tombstones.contains_key(&key.0) => BatchVerdict::Departed,
+            None => BatchVerdict::Unregistered,
+        };
+        match verdict {
+            BatchVerdict::Deliver => {}
+            BatchVerdict::Unregistered => self.stats.dropped_unregistered += 1,
+            BatchVerdict::Departed => self.stats.dropped_departed += 1,
+            BatchVerdict::NoSuchRank => self.stats.dropped_no_rank += 1,
+        }
+        verdict
+    }
+
+    /// The clock: expires lapsed leases and forgets old tombstones.
+    pub fn on_tick(&mut self, now_ms: u64, out: &mut Vec<FleetCommand>) {
+        if let Some(ttl) = self.config.lease_ttl_ms {
+            let lapsed: Vec<WorkerId> = self
+                .members
+                .values()
+                .filter(|m| now_ms.saturating_sub(m.renewed_ms) > ttl)
+                .map(|m| m.info.id)
+                .collect();
+            for id in lapsed {
+                self.remove(now_ms, id, Departure::Expired, out);
+            }
+        }
+        self.sweep_tombstones(now_ms);
+    }
+
+    /// The driver's actual streams (or lanes, or scheduler entries): those the fleet does not
+    /// expect, which must go. Empty unless something went wrong; the driver closes them.
+    pub fn orphans(&self, actual: impl IntoIterator<Item = StreamKey>) -> Vec<StreamKey> {
+        let expected = self.expected_streams();
+        actual
+            .into_iter()
+            .filter(|k| !expected.contains(k))
+            .collect()
+    }
+
+    fn remove(
+        &mut self,
+        now_ms: u64,
+        id: WorkerId,
+        reason: Departure,
+        out: &mut Vec<FleetCommand>,
+    ) {
+        let Some(member) = self.members.remove(&id) else {
+            return;
+        };
+        for rank in ranks(&member.info) {
+            out.push(FleetCommand::Unroutable((id, rank)));
+            out.push(FleetCommand::CloseStream((id, rank)));
+        }
+        match reason {
+            Departure::Left => self.stats.left += 1,
+            Departure::Expired => self.stats.expired += 1,
+            Departure::Refused => {}
+        }
+        let until = now_ms.saturating_add(self.config.tombstone_ttl_ms);
+        self.tombstones.insert(id, (member.info.epoch, until));
+        out.push(FleetCommand::Departed { id, reason });
+    }
+
+    fn sweep_tombstones(&mut self, now_ms: u64) {
+        self.tombstones.retain(|_, (_, until)| now_ms <= *until);
+    }
+}
+
+fn ranks(info: &WorkerInfo) -> impl Iterator<Item = DpRank> + use<> {
+    (0..info.dp_size).map(DpRank)
+}
+
+#[cfg(test)]
+mod tests;

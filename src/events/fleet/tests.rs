@@ -1,0 +1,297 @@
+use std::collections::BTreeSet;
+
+use proptest::prelude::*;
+
+use super::*;
+
+fn info(id: u64, epoch: u64, dp_size: u32, model: &str, block_size: usize) -> WorkerInfo {
+    WorkerInfo {
+        id: WorkerId(id),
+        url: format!("http://127.0.0.1:9/{id}"),
+        block_size,
+        g1_blocks: 100,
+        g2_blocks: 0,
+        model: model.into(),
+        dp_size,
+        epoch,
+        last_event_ids: vec![0; dp_size as usize],
+    }
+}
+
+fn config() -> FleetConfig {
+    FleetConfig {
+        lease_ttl_ms: Some(1_000),
+        tombstone_ttl_ms: 5_000,
+    }
+}
+
+/// What a driver holds after carrying out commands: the streams it runs, the scheduler's
+/// entries, and the index lanes (which only delivered batches create).
+#[derive(Debug, Default)]
+struct Driver {
+    streams: BTreeSet<StreamKey>,
+    routable: BTreeSet<StreamKey>,
+    lanes: BTreeSet<StreamKey>,
+}
+
+impl Driver {
+    fn apply(&mut self, commands: &mut Vec<FleetCommand>) {
+        for c in commands.drain(..) {
+            match c {
+                FleetCommand::OpenStream(k) => {
+                    assert!(self.streams.insert(k), "opened twice: {k:?}")
+                }
+                FleetCommand::CloseStream(k) => {
+                    assert!(
+                        self.streams.remove(&k),
+                        "closed a stream never opened: {k:?}"
+                    );
+                    // The stream task removes its lane as it ends.
+                    self.lanes.remove(&k);
+                }
+                FleetCommand::Watermark { key, .. } => {
+                    assert!(self.streams.contains(&key), "watermark for a closed stream")
+                }
+                FleetCommand::Routable { key, .. } => {
+                    self.routable.insert(key);
+                }
+                FleetCommand::Unroutable(k) => {
+                    self.routable.remove(&k);
+                }
+                FleetCommand::Departed { .. } => {}
+            }
+        }
+    }
+
+    fn batch(&mut self, fleet: &mut Fleet, key: StreamKey) {
+        if fleet.on_batch(key) == BatchVerdict::Deliver {
+            assert!(
+                self.streams.contains(&key),
+                "delivered to a closed stream: {key:?}"
+            );
+            self.lanes.insert(key);
+        }
+    }
+}
+
+#[test]
+fn a_registration_opens_every_rank_and_a_goodbye_closes_them() {
+    let mut fleet = Fleet::new(config());
+    let mut out = Vec::new();
+    let mut d = Driver::default();
+    fleet
+        .on_registration(0, info(1, 7, 3, "m", 16), &mut out)
+        .unwrap();
+    d.apply(&mut out);
+    assert_eq!(d.streams.len(), 3);
+    assert_eq!(d.routable.len(), 3);
+    fleet.on_goodbye(10, WorkerId(1), &mut out);
+    assert!(out.contains(&FleetCommand::Departed {
+        id: WorkerId(1),
+        reason: Departure::Left
+    }));
+    d.apply(&mut out);
+    assert!(d.streams.is_empty() && d.routable.is_empty());
+    assert_eq!(fleet.stats().left, 1);
+}
+
+#[test]
+fn a_batch_after_goodbye_is_dropped_and_does_not_resurrect_the_worker() {
+    let mut fleet = Fleet::new(config());
+    let mut out = Vec::new();
+    let mut d = Driver::default();
+    fleet
+        .on_registration(0, info(1, 7, 1, "m", 16), &mut out)
+        .unwrap();
+    d.apply(&mut out);
+    d.batch(&mut fleet, (WorkerId(1), DpRank(0)));
+    fleet.on_goodbye(10, WorkerId(1), &mut out);
+    d.apply(&mut out);
+    // A straggler of the departed worker, and one of a worker never seen.
+    assert_eq!(
+        fleet.on_batch((WorkerId(1), DpRank(0))),
+        BatchVerdict::Departed
+    );
+    assert_eq!(
+        fleet.on_batch((WorkerId(2), DpRank(0))),
+        BatchVerdict::Unregistered
+    );
+    assert!(d.streams.is_empty() && d.lanes.is_empty());
+    assert_eq!(fleet.stats().dropped_departed, 1);
+    assert_eq!(fleet.stats().dropped_unregistered, 1);
+    // A heartbeat of the incarnation that said goodbye does not bring it back either.
+    fleet
+        .on_registration(20, info(1, 7, 1, "m", 16), &mut out)
+        .unwrap();
+    assert!(out.is_empty());
+    assert_eq!(fleet.stats().zombie_heartbeats, 1);
+    // A new incarnation does.
+    fleet
+        .on_registration(30, info(1, 8, 1, "m", 16), &mut out)
+        .unwrap();
+    d.apply(&mut out);
+    assert_eq!(d.streams.len(), 1);
+    // The tombstone is gone once its time is up.
+    fleet.on_goodbye(40, WorkerId(1), &mut out);
+    d.apply(&mut out);
+    fleet.on_tick(40 + 5_001, &mut out);
+    assert_eq!(fleet.tombstones(), 0);
+}
+
+#[test]
+fn a_lapsed_lease_expires_and_a_renewed_one_does_not() {
+    let mut fleet = Fleet::new(config());
+    let mut out = Vec::new();
+    let mut d = Driver::default();
+    fleet
+        .on_registration(0, info(1, 7, 1, "m", 16), &mut out)
+        .unwrap();
+    fleet
+        .on_registration(0, info(2, 7, 1, "m", 16), &mut out)
+        .unwrap();
+    d.apply(&mut out);
+    fleet
+        .on_registration(900, info(2, 7, 1, "m", 16), &mut out)
+        .unwrap();
+    d.apply(&mut out);
+    fleet.on_tick(1_001, &mut out);
+    assert!(out.contains(&FleetCommand::Departed {
+        id: WorkerId(1),
+        reason: Departure::Expired
+    }));
+    d.apply(&mut out);
+    assert_eq!(d.streams, BTreeSet::from([(WorkerId(2), DpRank(0))]));
+    // Static fleets never expire.
+    let mut fixed = Fleet::new(FleetConfig {
+        lease_ttl_ms: None,
+        ..config()
+    });
+    fixed
+        .on_registration(0, info(1, 7, 1, "m", 16), &mut out)
+        .unwrap();
+    out.clear();
+    fixed.on_tick(u64::MAX / 2, &mut out);
+    assert!(out.is_empty());
+}
+
+#[test]
+fn a_model_keeps_one_block_size() {
+    let mut fleet = Fleet::new(config());
+    let mut out = Vec::new();
+    fleet
+        .on_registration(0, info(1, 7, 1, "a", 16), &mut out)
+        .unwrap();
+    fleet
+        .on_registration(0, info(2, 7, 1, "b", 32), &mut out)
+        .unwrap();
+    let refused = fleet.on_registration(0, info(3, 7, 1, "a", 32), &mut out);
+    assert!(matches!(
+        refused,
+        Err(Refusal::BlockSize {
+            fleet_block_size: 16,
+            ..
+        })
+    ));
+    assert_eq!(fleet.block_size("a"), Some(16));
+    assert_eq!(fleet.block_size("b"), Some(32));
+    assert_eq!(
+        fleet.on_batch((WorkerId(3), DpRank(0))),
+        BatchVerdict::Unregistered
+    );
+}
+
+#[test]
+fn fewer_ranks_close_the_extra_streams() {
+    let mut fleet = Fleet::new(config());
+    let mut out = Vec::new();
+    let mut d = Driver::default();
+    fleet
+        .on_registration(0, info(1, 7, 4, "m", 16), &mut out)
+        .unwrap();
+    d.apply(&mut out);
+    fleet
+        .on_registration(1, info(1, 7, 2, "m", 16), &mut out)
+        .unwrap();
+    d.apply(&mut out);
+    assert_eq!(d.streams.len(), 2);
+    assert_eq!(
+        fleet.on_batch((WorkerId(1), DpRank(3))),
+        BatchVerdict::NoSuchRank
+    );
+    assert_eq!(
+        fleet.orphans([(WorkerId(1), DpRank(3)), (WorkerId(1), DpRank(1))]),
+        vec![(WorkerId(1), DpRank(3))]
+    );
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Register {
+        id: u64,
+        epoch: u64,
+        dp: u32,
+        big_block: bool,
+    },
+    Goodbye(u64),
+    Batch {
+        id: u64,
+        rank: u32,
+    },
+    Tick(u64),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u64..6, 0u64..3, 1u32..4, proptest::bool::weighted(0.1))
+            .prop_map(|(id, epoch, dp, big_block)| Op::Register { id, epoch, dp, big_block }),
+        1 => (0u64..6).prop_map(Op::Goodbye),
+        4 => (0u64..7, 0u32..4).prop_map(|(id, rank)| Op::Batch { id, rank }),
+        2 => (1u64..800).prop_map(Op::Tick),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(
+        std::env::var("KVROUTE_PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256)
+    ))]
+
+    /// Over any interleaving of registrations, goodbyes, batches and time: the driver's
+    /// streams and scheduler entries are exactly the registered workers' ranks at every
+    /// step, lanes exist only for them, and after quiescence (every lease lapsed) nothing
+    /// is left of any worker.
+    #[test]
+    fn no_state_outlives_its_worker(ops in proptest::collection::vec(op(), 1..120)) {
+        let mut fleet = Fleet::new(config());
+        let mut d = Driver::default();
+        let mut out = Vec::new();
+        let mut now = 0u64;
+        for op in ops {
+            match op {
+                Op::Register { id, epoch, dp, big_block } => {
+                    let bs = if big_block { 32 } else { 16 };
+                    let _ = fleet.on_registration(now, info(id, epoch, dp, "m", bs), &mut out);
+                }
+                Op::Goodbye(id) => fleet.on_goodbye(now, WorkerId(id), &mut out),
+                Op::Batch { id, rank } => d.batch(&mut fleet, (WorkerId(id), DpRank(rank))),
+                Op::Tick(ms) => {
+                    now += ms;
+                    fleet.on_tick(now, &mut out);
+                }
+            }
+            d.apply(&mut out);
+            let expected = fleet.expected_streams();
+            prop_assert_eq!(&d.streams, &expected);
+            prop_assert_eq!(&d.routable, &expected);
+            prop_assert!(d.lanes.is_subset(&expected), "lanes {:?} ⊄ {:?}", d.lanes, expected);
+        }
+        // Quiescence: every lease lapses, then every tombstone.
+        for _ in 0..2 {
+            now += 10_000;
+            fleet.on_tick(now, &mut out);
+            d.apply(&mut out);
+        }
+        prop_assert!(d.streams.is_empty() && d.routable.is_empty() && d.lanes.is_empty());
+        prop_assert_eq!(fleet.workers().count(), 0);
+        prop_assert_eq!(fleet.tombstones(), 0);
+    }
+}

@@ -1,0 +1,259 @@
+use std::time::Duration;
+
+use super::*;
+use crate::events::transport::LocalBus;
+use crate::indexer::{Overlap, OverlapScores};
+use crate::protocol::{DpRank, Salt, WorkerId, hash_blocks};
+use crate::scheduler::{Config, RouteRequest};
+
+fn scheduler(replica: u64) -> Scheduler {
+    let mut s = Scheduler::new(Config {
+        replica_id: replica,
+        ..Config::default()
+    })
+    .unwrap();
+    s.add_worker((WorkerId(1), DpRank(0)), 1000, "m");
+    s
+}
+
+fn shared(origin: u64, seq: u64, blocks: usize, prefill: f64) -> SharedBooking {
+    SharedBooking {
+        id: BookingId { origin, seq },
+        worker: WorkerId(1),
+        dp_rank: DpRank(0),
+        prefill_blocks: prefill,
+        blocks: (0..blocks as u64).map(crate::protocol::SeqHash).collect(),
+        tail: false,
+    }
+}
+
+#[test]
+fn the_outbox_sheds_bookings_before_completions() {
+    let mut o = Outbox::new(3);
+    assert!(o.push(LoadMessage::Book {
+        booking: shared(1, 1, 1, 1.0)
+    }));
+    assert!(!o.push(LoadMessage::Complete {
+        id: BookingId { origin: 1, seq: 9 }
+    }));
+    o.push(LoadMessage::FirstToken {
+        id: BookingId { origin: 1, seq: 1 },
+    });
+    o.push(LoadMessage::Complete {
+        id: BookingId { origin: 1, seq: 10 },
+    });
+    o.push(LoadMessage::Complete {
+        id: BookingId { origin: 1, seq: 11 },
+    });
+    assert_eq!(o.len(), 3);
+    assert_eq!(o.shed(), 2);
+    let all: Vec<LoadMessage> = o
+        .drain_payloads(1 << 20)
+        .iter()
+        .flat_map(|p| decode_load(p).unwrap())
+        .collect();
+    assert!(
+        all.iter()
+            .all(|m| matches!(m, LoadMessage::Complete { .. })),
+        "{all:?}"
+    );
+    // With only completions left, the oldest completion goes.
+    let mut o = Outbox::new(1);
+    o.push(LoadMessage::Complete {
+        id: BookingId { origin: 1, seq: 1 },
+    });
+    o.push(LoadMessage::Complete {
+        id: BookingId { origin: 1, seq: 2 },
+    });
+    assert_eq!(o.len(), 1);
+}
+
+#[test]
+fn a_flush_splits_under_the_payload_limit_and_keeps_order() {
+    let mut o = Outbox::new(10_000);
+    for seq in 0..500 {
+        o.push(LoadMessage::Book {
+            booking: shared(1, seq, 20, 1.0),
+        });
+    }
+    let limit = 16 << 10;
+    let payloads = o.drain_payloads(limit);
+    assert!(payloads.len() > 1, "{} payloads", payloads.len());
+    assert!(payloads.iter().all(|p| p.len() <= limit));
+    let seqs: Vec<u64> = payloads
+        .iter()
+        .flat_map(|p| decode_load(p).unwrap())
+        .map(|m| match m {
+            LoadMessage::Book { booking } => booking.id.seq,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(seqs, (0..500).collect::<Vec<_>>());
+    // One operation too large for any message is shed, not sent over the limit.
+    o.push(LoadMessage::Book {
+        booking: shared(1, 1, 10_000, 1.0),
+    });
+    assert!(o.drain_payloads(limit).is_empty());
+    assert_eq!(o.shed(), 1);
+}
+
+#[test]
+fn peers_bookings_are_validated() {
+    let mut s = scheduler(0);
+    let mut peers = Peers::default();
+    let bad = [
+        shared(7, 1, 4, f64::NAN),
+        shared(7, 2, 4, -1.0),
+        shared(7, 3, 4, 1e12),
+        SharedBooking {
+            worker: WorkerId(99),
+            ..shared(7, 4, 4, 1.0)
+        },
+    ];
+    let ops = bad
+        .into_iter()
+        .map(|booking| LoadMessage::Book { booking })
+        .collect();
+    peers.on_message(0, 0, ops, &mut s);
+    assert_eq!(s.open_bookings(), 0);
+    peers.on_message(
+        0,
+        0,
+        vec![LoadMessage::Book {
+            booking: shared(7, 5, 4, 2.0),
+        }],
+        &mut s,
+    );
+    assert_eq!(s.open_bookings(), 1);
+}
+
+#[test]
+fn a_heartbeat_drops_what_its_replica_no_longer_holds() {
+    let mut s = scheduler(0);
+    let mut peers = Peers::default();
+    let ops = (1..=5)
+        .map(|seq| LoadMessage::Book {
+            booking: shared(7, seq, 2, 1.0),
+        })
+        .collect();
+    peers.on_message(0, 0, ops, &mut s);
+    assert_eq!(s.open_bookings(), 5);
+    // Replica 7 holds 2 and 4 of those below 6 (its completions of the others were lost).
+    let beat = LoadMessage::Heartbeat {
+        replica: 7,
+        open: vec![(2, 2), (4, 4)],
+        next: 6,
+    };
+    peers.on_message(1, 0, vec![beat], &mut s);
+    assert_eq!(s.open_seqs(7), vec![2, 4]);
+    // A booking newer than the heartbeat is not touched.
+    peers.on_message(
+        2,
+        0,
+        vec![LoadMessage::Book {
+            booking: shared(7, 6, 2, 1.0),
+        }],
+        &mut s,
+    );
+    let beat = LoadMessage::Heartbeat {
+        replica: 7,
+        open: vec![(2, 2)],
+        next: 6,
+    };
+    peers.on_message(3, 0, vec![beat], &mut s);
+    assert_eq!(s.open_seqs(7), vec![2, 6]);
+}
+
+#[test]
+fn ranges_and_coarsening_never_claim_fewer_open_bookings() {
+    let r = ranges(&[1, 2, 3, 7, 9, 10]);
+    assert_eq!(r, vec![(1, 3), (7, 7), (9, 10)]);
+    let c = coarsen(r.clone(), 2);
+    assert_eq!(c, vec![(1, 3), (7, 10)]);
+    for seq in [1, 2, 3, 7, 9, 10] {
+        assert!(c.iter().any(|(a, b)| (*a..=*b).contains(&seq)));
+    }
+}
+
+/// A replica that stops heartbeating loses its bookings on its peers after the replica
+/// TTL (paused clock: no wall-clock wait), and a live one's survive.
+#[tokio::test(start_paused = true)]
+async fn a_silent_replica_loses_its_bookings_after_the_ttl() {
+    let bus = Transport::Local(LocalBus::new());
+    let config = LoadShareConfig {
+        heartbeat_ms: 100,
+        replica_ttl_ms: 1_000,
+        flush_ms: 2,
+        max_pending: 1024,
+    };
+    let (stop_a, rx_a) = watch::channel(false);
+    let (_stop_b, rx_b) = watch::channel(false);
+    let a = Arc::new(Mutex::new(scheduler(1)));
+    let b = Arc::new(Mutex::new(scheduler(2)));
+    let share_a = LoadShare::start(bus.clone(), "t", Arc::clone(&a), config.clone(), rx_a)
+        .await
+        .unwrap();
+    let _share_b = LoadShare::start(bus.clone(), "t", Arc::clone(&b), config, rx_b)
+        .await
+        .unwrap();
+    let blocks = hash_blocks(
+        &[1; 64],
+        std::num::NonZeroUsize::new(16).unwrap(),
+        Salt::NONE,
+    );
+    let overlaps = OverlapScores {
+        workers: vec![Overlap {
+            worker: WorkerId(1),
+            dp_rank: DpRank(0),
+            device: 0,
+            host: 0,
+            disk: 0,
+        }],
+    };
+    let request = RouteRequest {
+        model: "m",
+        blocks: &blocks,
+        prompt_tokens: 64,
+        block_size: 16,
+        overlaps: &overlaps,
+    };
+    let decision = a.lock().route(0, &request).unwrap();
+    share_a.booked(decision.booking);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(b.lock().open_bookings(), 1, "the booking reached the peer");
+    // A keeps heartbeating: its booking stays on B well past the TTL.
+    tokio::time::sleep(Duration::from_millis(3_000)).await;
+    assert_eq!(b.lock().open_bookings(), 1);
+    // A goes silent: after the TTL its booking is gone from B.
+    stop_a.send(true).unwrap();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert_eq!(b.lock().open_bookings(), 0);
+}
+
+/// Updates made within one flush window leave as one message.
+#[tokio::test(start_paused = true)]
+async fn updates_within_a_flush_window_go_out_as_one_message() {
+    let bus = Transport::Local(LocalBus::new());
+    let mut watch_bus = bus.subscribe(&load_subject("t")).await.unwrap();
+    let config = LoadShareConfig {
+        heartbeat_ms: 60_000,
+        flush_ms: 5,
+        ..LoadShareConfig::default()
+    };
+    let (_stop, rx) = watch::channel(false);
+    let s = Arc::new(Mutex::new(scheduler(1)));
+    let share = LoadShare::start(bus.clone(), "t", s, config, rx)
+        .await
+        .unwrap();
+    // The first heartbeat goes out at start.
+    let first = watch_bus.next().await.unwrap();
+    assert!(matches!(
+        decode_load(&first.payload).unwrap()[0],
+        LoadMessage::Heartbeat { .. }
+    ));
+    for seq in 1..=10 {
+        share.completed(BookingId { origin: 1, seq });
+    }
+    let message = watch_bus.next().await.unwrap();
+    assert_eq!(decode_load(&message.payload).unwrap().len(), 10);
+}

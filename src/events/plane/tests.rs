@@ -1,0 +1,222 @@
+use std::num::NonZeroUsize;
+
+use super::*;
+use crate::discovery::{LeaseConfig, LocalRegistry, Registration, Registry};
+use crate::events::transport::LocalBus;
+use crate::indexer::Config;
+use crate::protocol::{DpRank, KvEvent, KvEventData, Salt, StoredBlock, Tier, encode, hash_blocks};
+
+fn info(id: u64, dp_size: u32) -> WorkerInfo {
+    WorkerInfo {
+        id: WorkerId(id),
+        url: format!("http://127.0.0.1:9/{id}"),
+        block_size: 4,
+        g1_blocks: 100,
+        g2_blocks: 0,
+        model: "m".into(),
+        dp_size,
+        epoch: 7,
+        last_event_ids: vec![0; dp_size as usize],
+    }
+}
+
+/// A batch of `n` stored blocks of worker `id`, ids `first..`.
+fn batch(id: u64, first: u64, tokens: u32) -> bytes::Bytes {
+    let toks: Vec<u32> = (0..tokens).collect();
+    let blocks: Vec<StoredBlock> = hash_blocks(&toks, NonZeroUsize::new(4).unwrap(), Salt::NONE)
+        .iter()
+        .map(|b| StoredBlock {
+            seq: b.seq,
+            local: b.local,
+        })
+        .collect();
+    let b = EventBatch {
+        worker: WorkerId(id),
+        dp_rank: DpRank(0),
+        epoch: 7,
+        sent_unix_us: 0,
+        events: vec![KvEvent {
+            id: first,
+            tier: Tier::Device,
+            data: KvEventData::Stored {
+                parent: None,
+                blocks,
+            },
+        }],
+    };
+    encode(&b).unwrap().into()
+}
+
+struct Setup {
+    bus: Transport,
+    local: LocalRegistry,
+    plane: EventPlane,
+    scheduler: Arc<Mutex<Scheduler>>,
+    _stop: watch::Sender<bool>,
+}
+
+async fn setup(lease: LeaseConfig) -> Setup {
+    let bus = Transport::Local(LocalBus::new());
+    let local = LocalRegistry::default();
+    let scheduler = Arc::new(Mutex::new(Scheduler::new(Default::default()).unwrap()));
+    let (stop, rx) = watch::channel(false);
+    let plane = EventPlane::start(
+        bus.clone(),
+        Arc::new(Indexer::new(Config::default()).unwrap()),
+        Registry::Local(local.clone()).watch(lease),
+        PlaneConfig {
+            cluster: "t".into(),
+            ..PlaneConfig::default()
+        },
+        Some(Arc::clone(&scheduler)),
+        rx,
+    )
+    .await
+    .unwrap();
+    Setup {
+        bus,
+        local,
+        plane,
+        scheduler,
+        _stop: stop,
+    }
+}
+
+/// Waits (virtual time) until `check` holds; false after a virtual minute.
+async fn settle(mut check: impl FnMut() -> bool) -> bool {
+    for _ in 0..1200 {
+        if check() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// A batch that arrives after its worker said goodbye neither brings its stream back nor
+/// creates an index lane: it is dropped and counted.
+#[tokio::test(start_paused = true)]
+async fn a_batch_after_goodbye_is_dropped() {
+    let s = setup(LeaseConfig::default()).await;
+    s.local.put(info(1, 1));
+    assert!(settle(|| s.plane.streams().len() == 1).await);
+    s.bus
+        .publish("kvroute.t.events.1", None, batch(1, 1, 16))
+        .await
+        .unwrap();
+    assert!(settle(|| s.plane.indexer().sizes().blocks == 4).await);
+    s.local.delete(WorkerId(1));
+    assert!(settle(|| s.plane.streams().is_empty() && s.plane.indexer().ranks().is_empty()).await);
+    s.bus
+        .publish("kvroute.t.events.1", None, batch(1, 2, 32))
+        .await
+        .unwrap();
+    s.bus
+        .publish("kvroute.t.events.9", None, batch(9, 1, 16))
+        .await
+        .unwrap();
+    assert!(settle(|| s.plane.counters().batches_dropped.load(Ordering::Relaxed) == 2).await);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(s.plane.streams().is_empty());
+    assert!(
+        s.plane.indexer().ranks().is_empty(),
+        "a late batch re-created a lane"
+    );
+    assert_eq!(s.plane.indexer().sizes().blocks, 0);
+    assert_eq!(s.scheduler.lock().workers().count(), 0);
+}
+
+/// Registrations with absurd shapes are refused before they cost anything: no streams, no
+/// scheduler entries, and the plane keeps serving the rest of the fleet.
+#[tokio::test(start_paused = true)]
+async fn absurd_registrations_are_refused() {
+    let s = setup(LeaseConfig::default()).await;
+    s.local.put(info(1, 1_000_000));
+    let mut many = info(2, 1);
+    many.last_event_ids = vec![1; 100_000];
+    s.local.put(many);
+    s.local.put(info(3, 2));
+    assert!(settle(|| s.plane.streams().len() == 2).await);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(s.plane.workers().len(), 1);
+    assert_eq!(s.scheduler.lock().workers().count(), 2);
+}
+
+/// A worker that stops heartbeating expires after the lease TTL (virtual time), with its
+/// stream, lane and scheduler entry; one that keeps heartbeating stays.
+#[tokio::test(start_paused = true)]
+async fn a_silent_worker_expires_after_its_lease() {
+    let lease = LeaseConfig {
+        heartbeat_ms: 200,
+        ttl_ms: 1_000,
+    };
+    let s = setup(lease.clone()).await;
+    let registry = Registry::Local(s.local.clone());
+    let live = Registration::start(registry.clone(), Arc::new(Mutex::new(info(1, 1))), &lease)
+        .await
+        .unwrap();
+    let dying = Registration::start(registry, Arc::new(Mutex::new(info(2, 1))), &lease)
+        .await
+        .unwrap();
+    assert!(settle(|| s.plane.streams().len() == 2).await);
+    dying.abandon();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert!(settle(|| s.plane.workers().len() == 1).await);
+    assert_eq!(s.plane.workers()[0].id, WorkerId(1));
+    assert_eq!(
+        s.plane.counters().workers_expired.load(Ordering::Relaxed),
+        1
+    );
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(s.plane.workers().len(), 1, "a heartbeating worker expired");
+    drop(live);
+}
+
+/// A stream that must resync asks for a snapshot; with no worker answering, each fetch ends
+/// at its deadline and is asked again (virtual time): nothing waits forever.
+#[tokio::test(start_paused = true)]
+async fn an_unanswered_snapshot_request_is_retried_after_its_deadline() {
+    let s = setup(LeaseConfig::default()).await;
+    let mut registered = info(1, 1);
+    registered.last_event_ids = vec![10];
+    let registry = Registry::Local(s.local.clone());
+    let _beating = Registration::start(
+        registry,
+        Arc::new(Mutex::new(registered)),
+        &LeaseConfig::default(),
+    )
+    .await
+    .unwrap();
+    assert!(settle(|| s.plane.streams().len() == 1).await);
+    // Mid-stream (the heartbeat says 10 events were sent): the stream resyncs.
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let (_, status) = &s.plane.streams()[0];
+    assert!(!status.live);
+    assert!(status.stats.snapshot_retries >= 3, "{:?}", status.stats);
+}
+
+/// A registry that stops reporting leaves the router blind: the plane says so, loudly.
+#[tokio::test(start_paused = true)]
+async fn a_closed_registry_watch_is_fatal() {
+    let bus = Transport::Local(LocalBus::new());
+    let (tx, events) = tokio::sync::mpsc::channel(1);
+    let (_stop, rx) = watch::channel(false);
+    let plane = EventPlane::start(
+        bus,
+        Arc::new(Indexer::new(Config::default()).unwrap()),
+        Watch {
+            events,
+            lease_ttl_ms: Some(1_000),
+        },
+        PlaneConfig::default(),
+        None,
+        rx,
+    )
+    .await
+    .unwrap();
+    let mut failed = plane.failed();
+    assert!(failed.borrow().is_none());
+    drop(tx);
+    let reason = failed.wait_for(Option::is_some).await.unwrap().clone();
+    assert!(reason.unwrap().contains("registry"));
+}

@@ -1,0 +1,153 @@
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::Frame;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::*;
+
+async fn server(config: HttpConfig) -> (std::net::SocketAddr, watch::Sender<bool>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, rx) = watch::channel(false);
+    tokio::spawn(serve_http(
+        listener,
+        config,
+        |_req| async { Response::new(Full::new(Bytes::from_static(b"ok")).boxed()) },
+        rx,
+    ));
+    (addr, stop)
+}
+
+/// Reads until the server closes the connection; what it sent.
+async fn read_to_close(s: &mut TcpStream) -> String {
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// A client that sends half a request and stops (slow-loris) is cut off after the header
+/// timeout. The clock is paused: the timeout elapses without a wall-clock wait.
+#[tokio::test(start_paused = true)]
+async fn a_half_sent_request_is_cut_off_at_the_header_timeout() {
+    let (addr, _stop) = server(HttpConfig {
+        header_read_timeout_ms: 5_000,
+        ..HttpConfig::default()
+    })
+    .await;
+    let mut loris = Vec::new();
+    for _ in 0..20 {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+            .await
+            .unwrap();
+        loris.push(s);
+    }
+    for s in &mut loris {
+        // EOF (or a 408 then EOF): the server hung up on it.
+        let got = tokio::time::timeout(Duration::from_secs(60), read_to_close(s))
+            .await
+            .expect("the server never closed a half-sent request");
+        assert!(got.is_empty() || got.starts_with("HTTP/1.1 408"), "{got}");
+    }
+    // A whole request is still served.
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    assert!(read_to_close(&mut s).await.starts_with("HTTP/1.1 200"));
+}
+
+/// Past `max_connections`, further clients wait in the accept queue until one leaves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_the_cap_wait_for_a_slot() {
+    let (addr, _stop) = server(HttpConfig {
+        max_connections: 2,
+        header_read_timeout_ms: 3_600_000,
+        ..HttpConfig::default()
+    })
+    .await;
+    let mut first = TcpStream::connect(addr).await.unwrap();
+    let mut second = TcpStream::connect(addr).await.unwrap();
+    // Both served: they answer.
+    for s in [&mut first, &mut second] {
+        s.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 12];
+        s.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"HTTP/1.1 200");
+    }
+    let mut third = TcpStream::connect(addr).await.unwrap();
+    third
+        .write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 12];
+    // Not served while two connections hold the slots.
+    let early = tokio::time::timeout(Duration::from_millis(300), third.read_exact(&mut buf)).await;
+    assert!(
+        early.is_err(),
+        "a third connection was served beyond the cap of 2"
+    );
+    drop(first);
+    tokio::time::timeout(Duration::from_secs(30), third.read_exact(&mut buf))
+        .await
+        .expect("the third connection got no slot after one closed")
+        .unwrap();
+    assert_eq!(&buf, b"HTTP/1.1 200");
+}
+
+/// A body that stops arriving fails at the deadline; one over the cap fails at once.
+#[tokio::test(start_paused = true)]
+async fn bodies_have_a_deadline_and_a_size_cap() {
+    let never = StreamBody::new(futures_util::stream::pending::<
+        Result<Frame<Bytes>, std::convert::Infallible>,
+    >());
+    let r = collect_body(never, 1024, Duration::from_secs(5)).await;
+    assert!(matches!(r, Err(BodyError::TimedOut { ms: 5000 })), "{r:?}");
+    let big = Full::new(Bytes::from(vec![0u8; 2048]));
+    let r = collect_body(big, 1024, Duration::from_secs(5)).await;
+    assert!(
+        matches!(r, Err(BodyError::TooLarge { limit: 1024 })),
+        "{r:?}"
+    );
+    let ok = collect_body(
+        Full::new(Bytes::from_static(b"hi")),
+        1024,
+        Duration::from_secs(5),
+    )
+    .await;
+    assert_eq!(ok.unwrap(), Bytes::from_static(b"hi"));
+}
+
+#[test]
+fn zero_limits_are_refused() {
+    let c = HttpConfig {
+        max_connections: 0,
+        ..HttpConfig::default()
+    };
+    assert_eq!(
+        c.validate(),
+        Err(HttpConfigError::Zero {
+            field: "max_connections"
+        })
+    );
+    assert_eq!(HttpConfig::default().validate(), Ok(()));
+}
+
+/// Accepted connections have TCP_NODELAY (the first-byte latency it saves is measured by
+/// the router-overhead bench, not asserted here).
+#[tokio::test]
+async fn accepted_connections_have_nodelay() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let client = TcpStream::connect(listener.local_addr().unwrap())
+        .await
+        .unwrap();
+    let (server, _) = listener.accept().await.unwrap();
+    assert!(!server.nodelay().unwrap());
+    configure(&server);
+    assert!(server.nodelay().unwrap());
+    drop(client);
+}

@@ -1,0 +1,395 @@
+//! Forwarding one routed request to its worker and relaying the answer: the booking guard
+//! that returns the request's load wherever it is dropped, the one error type that decides
+//! retries, the client's status and the metric label, and the relay with its deadlines.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::Frame;
+use hyper::{Response, StatusCode, header};
+use parking_lot::Mutex;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::openai::{ApiError, Fault};
+use super::{InFlight, Router};
+use crate::events::load::LoadShare;
+use crate::http::{Body, BodyError, collect_body};
+use crate::protocol::WorkerId;
+use crate::scheduler::{BookingId, Decision, Scheduler};
+
+/// A request's booked load, owned by whoever holds the request: the handler, then (for a
+/// stream) the relay task. Dropping it, however the request ends (finished, failed, the
+/// client gone before the headers or mid-stream), completes the booking here and on the
+/// peer replicas. The scheduler's TTL stays only as a backstop.
+pub struct Booking {
+    scheduler: Arc<Mutex<Scheduler>>,
+    load: Option<LoadShare>,
+    id: BookingId,
+    prefill_open: bool,
+}
+
+impl Booking {
+    /// Takes charge of a booking the scheduler just made, and announces it to peers.
+    pub fn new(router: &Router, id: BookingId) -> Booking {
+        if let Some(load) = &router.load {
+            load.booked(id);
+        }
+        Booking {
+            scheduler: Arc::clone(&router.scheduler),
+            load: router.load.clone(),
+            id,
+            prefill_open: true,
+        }
+    }
+
+    /// The request produced its first token: its prefill no longer loads the worker.
+    pub fn first_token(&mut self) {
+        if std::mem::take(&mut self.prefill_open) {
+            self.scheduler.lock().first_token(self.id);
+            if let Some(load) = &self.load {
+                load.first_token(self.id);
+            }
+        }
+    }
+}
+
+impl Drop for Booking {
+    fn drop(&mut self) {
+        self.scheduler.lock().complete(self.id);
+        if let Some(load) = &self.load {
+            load.completed(self.id);
+        }
+    }
+}
+
+/// Why a routed request failed. One value decides whether another worker is tried, what
+/// the client sees and which metric counts it.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// The chosen worker left between the decision and the call.
+    #[error("worker {worker} left before the request was sent")]
+    WorkerLeft {
+        /// The worker.
+        worker: WorkerId,
+    },
+    /// The worker could not be reached.
+    #[error("worker {worker} unreachable: {source}")]
+    Connect {
+        /// The worker.
+        worker: WorkerId,
+        /// What the client said.
+        #[source]
+        source: hyper_util::client::legacy::Error,
+    },
+    /// The worker did not answer with headers in time.
+    #[error("worker {worker} sent no response headers within {ms} ms")]
+    HeadersTimeout {
+        /// The worker.
+        worker: WorkerId,
+        /// The deadline.
+        ms: u64,
+    },
+    /// The worker answered with an error status.
+    #[error("worker {worker} answered {status}: {message}")]
+    Status {
+        /// The worker.
+        worker: WorkerId,
+        /// Its status.
+        status: StatusCode,
+        /// Its error message (from its OpenAI-shaped body, else the body's text).
+        message: String,
+    },
+    /// The worker's (non-streamed) body failed, was too large or too slow.
+    #[error("worker {worker}: {source}")]
+    Body {
+        /// The worker.
+        worker: WorkerId,
+        /// What went wrong.
+        #[source]
+        source: BodyError,
+    },
+}
+
+impl ProxyError {
+    /// Whether another worker may be tried: nothing reached the client, and the failure is
+    /// the worker's (unreachable, too slow, overloaded, misdirected, broken), not the request's.
+    pub fn retry_elsewhere(&self) -> bool {
+        match self {
+            ProxyError::Status { status, .. } => worker_side(*status),
+            _ => true,
+        }
+    }
+
+    /// Whose fault it is.
+    pub fn fault(&self) -> Fault {
+        match self {
+            ProxyError::Status { status, .. } if !worker_side(*status) => Fault::Client,
+            _ => Fault::Worker,
+        }
+    }
+
+    /// The metric label of the failure.
+    pub fn label(&self) -> &'static str {
+        match self {
+            ProxyError::WorkerLeft { .. } => "worker_left",
+            ProxyError::Connect { .. } => "connect",
+            ProxyError::HeadersTimeout { .. } => "headers_timeout",
+            ProxyError::Status { status, .. } if worker_side(*status) => "worker_status",
+            ProxyError::Status { .. } => "refused",
+            ProxyError::Body {
+                source: BodyError::TimedOut { .. },
+                ..
+            } => "body_timeout",
+            ProxyError::Body {
+                source: BodyError::TooLarge { .. },
+                ..
+            } => "body_too_large",
+            ProxyError::Body { .. } => "body",
+        }
+    }
+
+    /// What the client is told (when no other worker could serve it).
+    pub fn to_api(&self) -> ApiError {
+        match self {
+            ProxyError::Status {
+                status, message, ..
+            } if !worker_side(*status) => {
+                ApiError::refused_by_worker(status.as_u16(), message.clone())
+            }
+            ProxyError::HeadersTimeout { .. }
+            | ProxyError::Body {
+                source: BodyError::TimedOut { .. },
+                ..
+            } => ApiError::worker_timeout(self.to_string()),
+            _ => ApiError::unavailable(self.to_string()),
+        }
+    }
+}
+
+/// Statuses that say the worker, not the request, is the problem: overloaded (429),
+/// misdirected (421: it does not serve the model it was sent), timed out (408), or any 5xx.
+fn worker_side(status: StatusCode) -> bool {
+    status.is_server_error()
+        || matches!(
+            status,
+            StatusCode::TOO_MANY_REQUESTS
+                | StatusCode::MISDIRECTED_REQUEST
+                | StatusCode::REQUEST_TIMEOUT
+        )
+}
+
+/// The error message of a worker's error body (OpenAI's shape), else its text.
+fn error_message(body: &[u8]) -> String {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
+        .unwrap_or_else(|| String::from_utf8_lossy(&body[..body.len().min(1024)]).into_owned())
+}
+
+/// Sends a routed request to its worker and relays the answer. Streams are relayed by a task
+/// that takes over the booking and the in-flight slot.
+pub(super) async fn forward(
+    router: &Arc<Router>,
+    decision: &Decision,
+    booking: Booking,
+    body: Bytes,
+    stream: bool,
+    inflight: &mut Option<InFlight>,
+) -> Result<Response<Body>, ProxyError> {
+    let key = decision.chosen.key;
+    let worker = key.0;
+    let Some(info) = router.plane.worker(worker) else {
+        return Err(ProxyError::WorkerLeft { worker });
+    };
+    router.plane.note_routed(key);
+    let request = hyper::Request::post(format!(
+        "{}/internal/generate",
+        info.url.trim_end_matches('/')
+    ))
+    .header(header::CONTENT_TYPE, "application/json")
+    .body(Full::new(body))
+    .expect("invariant: a registered URL (validated) and static parts form a request");
+    let config = &router.config;
+    let started = Instant::now();
+    let headers_ms = config.worker_timeout_ms;
+    let response = match tokio::time::timeout(
+        Duration::from_millis(headers_ms),
+        router.client.request(request),
+    )
+    .await
+    {
+        Ok(Ok(r)) => r,
+        Ok(Err(source)) => return Err(ProxyError::Connect { worker, source }),
+        Err(_) => {
+            return Err(ProxyError::HeadersTimeout {
+                worker,
+                ms: headers_ms,
+            });
+        }
+    };
+    let status = response.status();
+    let collect = |body| {
+        collect_body(
+            body,
+            config.max_upstream_body_bytes,
+            Duration::from_millis(config.upstream_body_timeout_ms),
+        )
+    };
+    if !status.is_success() {
+        let bytes = collect(response.into_body())
+            .await
+            .map_err(|source| ProxyError::Body { worker, source })?;
+        return Err(ProxyError::Status {
+            worker,
+            status,
+            message: error_message(&bytes),
+        });
+    }
+    let o = decision.chosen.overlap;
+    let overlap = format!("device={};host={};disk={}", o.device, o.host, o.disk);
+    let builder = Response::builder()
+        .status(StatusCode::OK)
+        .header("x-kvroute-worker", worker.to_string())
+        .header("x-kvroute-overlap", overlap);
+    let label = worker.to_string();
+    if !stream {
+        let bytes = collect(response.into_body())
+            .await
+            .map_err(|source| ProxyError::Body { worker, source })?;
+        drop(booking);
+        metrics::histogram!("kvroute_e2e_seconds", "worker" => label)
+            .record(started.elapsed().as_secs_f64());
+        return Ok(builder
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Full::new(bytes).boxed())
+            .expect("invariant: static response parts are valid"));
+    }
+    let (tx, rx) = mpsc::channel::<Bytes>(64);
+    let relay = Relay {
+        upstream: response.into_body(),
+        booking,
+        inflight: inflight.take(),
+        tx,
+        idle: Duration::from_millis(config.relay_idle_timeout_ms),
+        worker: label,
+        started,
+    };
+    tokio::spawn(relay.run());
+    let body = StreamBody::new(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
+    }));
+    Ok(builder
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(BodyExt::boxed(body))
+        .expect("invariant: static response parts are valid"))
+}
+
+/// A stream being relayed from its worker to its client. It owns the worker's body (a
+/// client that goes away drops it, so the worker sees the connection close and cancels),
+/// the booking and the in-flight slot; all three go when it ends.
+struct Relay {
+    upstream: hyper::body::Incoming,
+    booking: Booking,
+    inflight: Option<InFlight>,
+    tx: mpsc::Sender<Bytes>,
+    /// Longest wait for the worker's next frame, and for the client to take one.
+    idle: Duration,
+    worker: String,
+    started: Instant,
+}
+
+/// How a relay ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RelayEnd {
+    /// The worker finished the stream.
+    Done,
+    /// The client went away.
+    ClientGone,
+    /// The client stopped reading for longer than the idle timeout.
+    ClientStalled,
+    /// The worker sent nothing for longer than the idle timeout.
+    WorkerStalled,
+    /// The worker's connection failed mid-stream.
+    WorkerFailed,
+}
+
+impl RelayEnd {
+    fn label(self) -> &'static str {
+        match self {
+            RelayEnd::Done => "done",
+            RelayEnd::ClientGone => "client_gone",
+            RelayEnd::ClientStalled => "client_stalled",
+            RelayEnd::WorkerStalled => "worker_stalled",
+            RelayEnd::WorkerFailed => "worker_failed",
+        }
+    }
+}
+
+impl Relay {
+    async fn run(mut self) {
+        let end = self.pump().await;
+        if matches!(end, RelayEnd::WorkerStalled | RelayEnd::WorkerFailed) {
+            let err = ApiError::unavailable(match end {
+                RelayEnd::WorkerStalled => format!(
+                    "worker {} sent nothing for {} ms mid-stream",
+                    self.worker,
+                    self.idle.as_millis()
+                ),
+                _ => format!("worker {} failed mid-stream", self.worker),
+            });
+            // Best effort: a client that is not reading does not get it.
+            let _ = self.tx.try_send(Bytes::from(format!(
+                "data: {}\n\ndata: [DONE]\n\n",
+                err.body()
+            )));
+        }
+        metrics::counter!("kvroute_relay_ended_total", "how" => end.label()).increment(1);
+        metrics::histogram!("kvroute_e2e_seconds", "worker" => self.worker.clone())
+            .record(self.started.elapsed().as_secs_f64());
+        drop(self.inflight.take());
+    }
+
+    async fn pump(&mut self) -> RelayEnd {
+        let mut first = true;
+        let mut last = self.started;
+        loop {
+            let frame = match tokio::time::timeout(self.idle, self.upstream.frame()).await {
+                Err(_) => return RelayEnd::WorkerStalled,
+                Ok(None) => return RelayEnd::Done,
+                Ok(Some(Err(e))) => {
+                    tracing::warn!(worker = %self.worker, error = %e, "worker failed mid-stream");
+                    return RelayEnd::WorkerFailed;
+                }
+                Ok(Some(Ok(frame))) => frame,
+            };
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            let now = Instant::now();
+            let (name, since) = if first {
+                ("kvroute_ttft_seconds", self.started)
+            } else {
+                ("kvroute_itl_seconds", last)
+            };
+            metrics::histogram!(name, "worker" => self.worker.clone())
+                .record(now.duration_since(since).as_secs_f64());
+            last = now;
+            if first {
+                first = false;
+                self.booking.first_token();
+            }
+            match tokio::time::timeout(self.idle, self.tx.send(data)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return RelayEnd::ClientGone,
+                Err(_) => return RelayEnd::ClientStalled,
+            }
+        }
+    }
+}

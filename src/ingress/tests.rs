@@ -1,0 +1,101 @@
+use hyper::StatusCode;
+
+use super::openai::Fault;
+use super::proxy::ProxyError;
+use super::*;
+use crate::protocol::WorkerId;
+
+fn status(code: u16) -> ProxyError {
+    ProxyError::Status {
+        worker: WorkerId(1),
+        status: StatusCode::from_u16(code).unwrap(),
+        message: "m".into(),
+    }
+}
+
+#[test]
+fn the_error_decides_retry_fault_and_status() {
+    // Overloaded, misdirected or broken workers: another worker is tried.
+    for code in [429, 421, 408, 500, 502, 503] {
+        let e = status(code);
+        assert!(e.retry_elsewhere(), "{code}");
+        assert_eq!(e.fault(), Fault::Worker, "{code}");
+        assert_eq!(e.to_api().status, 503, "{code}");
+    }
+    // A request the worker refuses on its merits goes back to the client as it is.
+    for code in [400, 404, 413, 422] {
+        let e = status(code);
+        assert!(!e.retry_elsewhere(), "{code}");
+        assert_eq!(e.fault(), Fault::Client);
+        assert_eq!(e.to_api().status, code);
+        assert_eq!(e.label(), "refused");
+    }
+    let timeout = ProxyError::HeadersTimeout {
+        worker: WorkerId(1),
+        ms: 10,
+    };
+    assert!(timeout.retry_elsewhere());
+    assert_eq!(timeout.to_api().status, 504);
+    assert_eq!(timeout.label(), "headers_timeout");
+    // "No worker registered" is the router's state, not a worker's fault.
+    let none = ApiError::no_workers();
+    assert_eq!((none.status, none.fault), (503, Fault::Router));
+}
+
+#[test]
+fn bodies_parse_off_the_runtime_with_clear_errors() {
+    let t = Tokenizer::Bytes;
+    let ok = parse(
+        &t,
+        br#"{"model":"m","prompt":"hi","max_tokens":3,"stream":true}"#,
+        false,
+    )
+    .unwrap();
+    assert_eq!(
+        (ok.model.as_str(), ok.tokens.len(), ok.max_tokens, ok.stream),
+        ("m", 2, 3, true)
+    );
+    let chat = parse(
+        &t,
+        br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+        true,
+    )
+    .unwrap();
+    assert!(chat.tokens.len() > 2);
+    for (body, chat) in [
+        (&b"{not json"[..], false),
+        (br#"{"model":"m","prompt":""}"#, false),
+        (br#"{"model":"m","messages":[]}"#, true),
+        (br#"{"prompt":"x"}"#, false),
+    ] {
+        let e = parse(&t, body, chat).unwrap_err();
+        assert_eq!(e.status, 400, "{}", String::from_utf8_lossy(body));
+    }
+}
+
+#[test]
+fn config_limits_are_checked() {
+    assert_eq!(IngressConfig::default().validate(), Ok(()));
+    let zero = IngressConfig {
+        relay_idle_timeout_ms: 0,
+        ..IngressConfig::default()
+    };
+    assert!(matches!(
+        zero.validate(),
+        Err(IngressConfigError::TooSmall {
+            field: "relay_idle_timeout_ms",
+            ..
+        })
+    ));
+}
+
+#[test]
+fn response_ids_do_not_repeat() {
+    let ids: std::collections::BTreeSet<String> =
+        (0..10_000).map(|_| openai::response_id("cmpl-")).collect();
+    assert_eq!(ids.len(), 10_000);
+    assert!(
+        ids.iter()
+            .all(|i| i.starts_with("cmpl-") && i.len() == 5 + 24)
+    );
+}

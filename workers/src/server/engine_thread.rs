@@ -1,0 +1,183 @@
+//! The engine on its own OS thread, on wall time: it takes jobs and snapshot requests from
+//! a bounded channel, advances at each wake-up, hands each request its outputs and the
+//! publisher its KV event batches. Nothing it sends to can make it wait: outputs and
+//! batches go through `try_send`, and what does not fit is dealt with and counted.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
+use std::time::{Duration, Instant};
+
+use kvroute::protocol::EventBatch;
+use tokio::sync::{mpsc, watch};
+
+use crate::engine::{Engine, Output, OutputKind, RequestId};
+use crate::plane::{SnapshotRequest, WorkerPlane};
+
+/// Jobs and snapshot requests queued for the engine; beyond, generate answers 503.
+pub(crate) const INPUT_QUEUE: usize = 4096;
+
+/// A job for the engine thread.
+pub(crate) struct Job {
+    pub request: crate::engine::Request,
+    /// Outputs of the request; dropping the receiver cancels it, and a sender dropped
+    /// before `Finished` means the request was cut off (its client fell too far behind).
+    pub outputs: mpsc::Sender<Output>,
+}
+
+/// What the engine thread takes.
+pub(crate) enum EngineInput {
+    /// A request to run.
+    Job(Job),
+    /// A snapshot of the cache, for a router's resync.
+    Snapshot(SnapshotRequest),
+    /// Fail as a broken engine would (fault injection).
+    Fail,
+    /// Stop.
+    Stop,
+}
+
+/// The handle on the engine thread.
+pub(crate) struct EngineHandle {
+    inputs: SyncSender<EngineInput>,
+    failed: watch::Receiver<Option<String>>,
+}
+
+impl EngineHandle {
+    /// Starts the thread. Batches go to `events` (full: dropped, the heartbeat announces
+    /// their ids through `plane`, and the router resyncs).
+    pub fn spawn(
+        engine: Engine,
+        events: mpsc::Sender<EventBatch>,
+        plane: WorkerPlane,
+    ) -> std::io::Result<EngineHandle> {
+        let (inputs, rx) = sync_channel(INPUT_QUEUE);
+        let (failure, failed) = watch::channel(None);
+        std::thread::Builder::new()
+            .name("kvroute-engine".into())
+            .spawn(move || {
+                if let Err(reason) = run(engine, rx, events, plane) {
+                    tracing::error!(%reason, "engine failed");
+                    failure.send_replace(Some(reason));
+                }
+            })?;
+        Ok(EngineHandle { inputs, failed })
+    }
+
+    /// Where to send jobs and snapshot requests.
+    pub fn inputs(&self) -> SyncSender<EngineInput> {
+        self.inputs.clone()
+    }
+
+    /// Changes to `Some(reason)` if the engine fails.
+    pub fn failed(&self) -> watch::Receiver<Option<String>> {
+        self.failed.clone()
+    }
+
+    /// Asks the thread to stop (it finishes its current step first).
+    pub fn stop(&self) {
+        // A full queue still stops it: every sender gone ends the thread too, and a
+        // blocking send from async code is not an option.
+        let _ = self.inputs.try_send(EngineInput::Stop);
+    }
+}
+
+fn run(
+    mut engine: Engine,
+    inputs: Receiver<EngineInput>,
+    events: mpsc::Sender<EventBatch>,
+    plane: WorkerPlane,
+) -> Result<(), String> {
+    let start = Instant::now();
+    let wall_us = || start.elapsed().as_micros() as u64;
+    // The engine's clock: wall time, except that a step due within 1 ms is run at once and
+    // the clock jumps to its end, so a fast engine (high speedup) is not held to the
+    // thread's wake-up latency per step. It never runs more than 1 ms ahead.
+    let mut clock = 0u64;
+    let mut waiting: HashMap<RequestId, mpsc::Sender<Output>> = HashMap::new();
+    let mut out = Vec::new();
+    let mut batches = Vec::new();
+    loop {
+        let wall = wall_us();
+        clock = clock.max(wall);
+        if let Some(due) = engine.next_wakeup_us().filter(|t| *t <= wall + 1_000) {
+            clock = clock.max(due);
+        }
+        let input = match engine.next_wakeup_us() {
+            Some(t) if t <= clock => inputs.try_recv().map_err(|e| match e {
+                std::sync::mpsc::TryRecvError::Empty => RecvTimeoutError::Timeout,
+                std::sync::mpsc::TryRecvError::Disconnected => RecvTimeoutError::Disconnected,
+            }),
+            Some(t) => inputs.recv_timeout(Duration::from_micros(t - clock)),
+            None => inputs.recv().map_err(|_| RecvTimeoutError::Disconnected),
+        };
+        clock = clock.max(wall_us());
+        match input {
+            Ok(EngineInput::Job(job)) => {
+                waiting.insert(job.request.id, job.outputs);
+                engine.submit(clock, job.request, &mut out);
+            }
+            Ok(EngineInput::Snapshot(request)) => {
+                let _ = request.reply.send(engine.snapshot());
+            }
+            Ok(EngineInput::Fail) => return Err("fault injected: engine failure".into()),
+            Ok(EngineInput::Stop) | Err(RecvTimeoutError::Disconnected) => return Ok(()),
+            Err(RecvTimeoutError::Timeout) => {}
+        }
+        engine.advance(clock, &mut out).map_err(|e| e.to_string())?;
+        let load = engine.load();
+        metrics::gauge!("kvroute_worker_requests_waiting").set(load.waiting as f64);
+        metrics::gauge!("kvroute_worker_requests_running").set(load.running as f64);
+        metrics::gauge!("kvroute_worker_g1_blocks_used").set(load.g1_used as f64);
+        for o in out.drain(..) {
+            if matches!(o.kind, OutputKind::Token { .. }) {
+                metrics::counter!("kvroute_worker_tokens_total").increment(1);
+            }
+            let done = matches!(o.kind, OutputKind::Finished | OutputKind::Rejected(_));
+            let Some(tx) = waiting.get(&o.request) else {
+                continue;
+            };
+            let cut = match tx.try_send(o) {
+                Ok(()) => false,
+                Err(mpsc::error::TrySendError::Closed(_)) => true,
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    // The client reads slower than the engine writes and the request's
+                    // buffer is full: end it (dropping the sender ends the stream with an
+                    // error), rather than lose a token silently or stall the engine.
+                    metrics::counter!("kvroute_worker_slow_client_total").increment(1);
+                    tracing::warn!(
+                        request = o.request.0,
+                        "client too slow; its stream is cut off"
+                    );
+                    true
+                }
+            };
+            if done || cut {
+                waiting.remove(&o.request);
+            }
+            if cut && !done {
+                engine.cancel(o.request);
+            }
+        }
+        // Clients that went away between outputs: free their blocks now.
+        let gone: Vec<RequestId> = waiting
+            .iter()
+            .filter(|(_, tx)| tx.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            waiting.remove(&id);
+            engine.cancel(id);
+        }
+        engine.drain_batches(&mut batches);
+        for batch in batches.drain(..) {
+            match events.try_send(batch) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(batch))
+                | Err(mpsc::error::TrySendError::Closed(batch)) => {
+                    metrics::counter!("kvroute_worker_event_batches_dropped_total").increment(1);
+                    plane.note_sent(&batch);
+                }
+            }
+        }
+    }
+}
