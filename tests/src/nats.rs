@@ -1,4 +1,5 @@
-//! A `nats-server -js` of the test's own, on a free loopback port, with its own store.
+//! `nats-server -js` processes of the test's own, on free loopback ports, each with its own
+//! store: one server, one with extra configuration (authentication, TLS), or a cluster.
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -11,6 +12,9 @@ use anyhow::{Context, bail};
 pub struct NatsServer {
     port: u16,
     store: PathBuf,
+    /// Flags beyond port and store (configuration file, cluster).
+    extra: Vec<String>,
+    name: String,
     child: Option<Child>,
 }
 
@@ -37,18 +41,64 @@ fn free_port() -> anyhow::Result<u16> {
 impl NatsServer {
     /// Starts a server with JetStream.
     pub fn start() -> anyhow::Result<NatsServer> {
-        let store = std::env::temp_dir().join(format!(
-            "kvroute-nats-{}-{}",
-            std::process::id(),
-            free_port()?
-        ));
-        let mut server = NatsServer {
-            port: free_port()?,
-            store,
-            child: None,
-        };
+        NatsServer::start_with_config("")
+    }
+
+    /// Starts a server with JetStream and `config` (nats-server configuration syntax, e.g.
+    /// an `authorization {}` or `tls {}` block).
+    pub fn start_with_config(config: &str) -> anyhow::Result<NatsServer> {
+        let mut server = NatsServer::new("solo")?;
+        if !config.is_empty() {
+            let path = server.store.with_extension("conf");
+            std::fs::write(&path, config)?;
+            server.extra = vec!["-c".into(), path.display().to_string()];
+        }
         server.spawn()?;
         Ok(server)
+    }
+
+    /// Starts a JetStream cluster of `n` servers routed to each other (its meta leader is
+    /// elected within a second; clients retry until then).
+    pub fn cluster(n: usize) -> anyhow::Result<Vec<NatsServer>> {
+        let routes: Vec<u16> = (0..n).map(|_| free_port()).collect::<anyhow::Result<_>>()?;
+        let cluster = format!("kvroute-test-{}", routes[0]);
+        let mut servers = Vec::new();
+        for (i, route) in routes.iter().enumerate() {
+            let mut s = NatsServer::new(&format!("n{i}-{}", routes[0]))?;
+            let others: Vec<String> = routes
+                .iter()
+                .filter(|r| *r != route)
+                .map(|r| format!("nats-route://127.0.0.1:{r}"))
+                .collect();
+            s.extra = vec![
+                "-n".into(),
+                s.name.clone(),
+                "--cluster_name".into(),
+                cluster.clone(),
+                "--cluster".into(),
+                format!("nats://127.0.0.1:{route}"),
+                "--routes".into(),
+                others.join(","),
+            ];
+            servers.push(s);
+        }
+        for s in &mut servers {
+            s.spawn()?;
+        }
+        Ok(servers)
+    }
+
+    fn new(name: &str) -> anyhow::Result<NatsServer> {
+        let port = free_port()?;
+        let store =
+            std::env::temp_dir().join(format!("kvroute-nats-{}-{port}-{name}", std::process::id()));
+        Ok(NatsServer {
+            port,
+            store,
+            extra: Vec::new(),
+            name: name.to_owned(),
+            child: None,
+        })
     }
 
     fn spawn(&mut self) -> anyhow::Result<()> {
@@ -62,6 +112,7 @@ impl NatsServer {
                 "-sd",
             ])
             .arg(&self.store)
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -90,6 +141,11 @@ impl NatsServer {
         format!("nats://127.0.0.1:{}", self.port)
     }
 
+    /// Its server name (what JetStream calls its leaders by).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// Kills the server (as a crash would).
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -109,5 +165,15 @@ impl Drop for NatsServer {
     fn drop(&mut self) {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.store);
+        let _ = std::fs::remove_file(self.store.with_extension("conf"));
     }
+}
+
+/// The URLs of several servers, comma-separated (as `--nats` takes them).
+pub fn urls(servers: &[NatsServer]) -> String {
+    servers
+        .iter()
+        .map(NatsServer::url)
+        .collect::<Vec<_>>()
+        .join(",")
 }

@@ -11,22 +11,23 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
-/// A binary of the workspace, next to the test executable's directory (`scripts/test`
-/// builds them first).
+/// A binary of the workspace: beside the running executable (a binary such as
+/// `kvroute-bench`) or one directory up (a test executable in `deps/`; `scripts/test`
+/// builds the binaries first).
 pub fn binary(name: &str) -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe()?;
-    let dir = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .context("test binary location")?;
-    let path = dir.join(name);
-    if !path.exists() {
-        bail!(
-            "{} not built: run scripts/test (it builds the binaries first)",
-            path.display()
-        );
+    let dir = exe.parent().context("executable location")?;
+    let candidates = [Some(dir), dir.parent()];
+    for d in candidates.into_iter().flatten() {
+        let path = d.join(name);
+        if path.exists() {
+            return Ok(path);
+        }
     }
-    Ok(path)
+    bail!(
+        "{name} not built beside {}: run scripts/test (it builds the binaries first)",
+        exe.display()
+    )
 }
 
 /// A child process, killed on drop.
@@ -37,12 +38,71 @@ pub struct Proc {
 impl Proc {
     /// Starts `name` with `args`, output discarded.
     pub fn start(name: &str, args: &[String]) -> anyhow::Result<Proc> {
+        Proc::start_env(name, args, &[])
+    }
+
+    /// Starts `name` with `args` and environment variables `env`, output discarded (or,
+    /// with `KVROUTE_E2E_LOGS=DIR`, its logs appended to `DIR/NAME.log`, for debugging).
+    pub fn start_env(
+        name: &str,
+        args: &[String],
+        env: &[(String, String)],
+    ) -> anyhow::Result<Proc> {
+        let stderr = match std::env::var_os("KVROUTE_E2E_LOGS") {
+            Some(dir) => Stdio::from(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(std::path::Path::new(&dir).join(format!("{name}.log")))?,
+            ),
+            None => Stdio::null(),
+        };
+        let child = Command::new(binary(name)?)
+            .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()?;
+        Ok(Proc { child })
+    }
+
+    /// Starts `name` with `args`, its stderr (the logs) appended to `log`.
+    pub fn start_logged(
+        name: &str,
+        args: &[String],
+        log: &std::path::Path,
+    ) -> anyhow::Result<Proc> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)?;
         let child = Command::new(binary(name)?)
             .args(args)
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(file)
             .spawn()?;
         Ok(Proc { child })
+    }
+
+    /// The process id.
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends a signal by name (`STOP`, `CONT`, `TERM`, `KILL`).
+    pub fn signal(&self, name: &str) -> anyhow::Result<()> {
+        let status = Command::new("kill")
+            .args([&format!("-{name}"), &self.child.id().to_string()])
+            .status()?;
+        if !status.success() {
+            bail!("kill -{name} {} failed", self.child.id());
+        }
+        Ok(())
+    }
+
+    /// Whether it has exited, and how.
+    pub fn try_status(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
     }
 
     /// Sends SIGTERM (what Kubernetes sends before killing a pod).
@@ -131,11 +191,25 @@ impl Http {
         url: &str,
         body: impl Into<Bytes>,
     ) -> anyhow::Result<Reply> {
-        let req = hyper::Request::builder()
+        self.call_with(method, url, body, &[]).await
+    }
+
+    /// `method url` with `body` and extra `headers`.
+    pub async fn call_with(
+        &self,
+        method: &str,
+        url: &str,
+        body: impl Into<Bytes>,
+        headers: &[(&str, &str)],
+    ) -> anyhow::Result<Reply> {
+        let mut req = hyper::Request::builder()
             .method(method)
             .uri(url)
-            .header("content-type", "application/json")
-            .body(Full::new(body.into()))?;
+            .header("content-type", "application/json");
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req.body(Full::new(body.into()))?;
         let resp =
             tokio::time::timeout(Duration::from_secs(30), self.client.request(req)).await??;
         let status = resp.status().as_u16();

@@ -7,19 +7,27 @@ use std::time::Duration;
 
 use kvroute_e2e::procs::{Http, Proc, binary, free_port};
 
-/// `kvroute up` on a free port, once `/ready` answers 200.
-async fn up(args: &[&str]) -> (Proc, String, Http) {
-    let port = free_port();
-    let mut all = vec!["up".to_string(), "--port".into(), port.to_string()];
+/// `kvroute up` on free ports, once `/ready` answers 200: the process, the API URL, the
+/// admin URL.
+async fn up(args: &[&str]) -> (Proc, String, String, Http) {
+    let (port, admin_port) = (free_port(), free_port());
+    let mut all = vec![
+        "up".to_string(),
+        "--port".into(),
+        port.to_string(),
+        "--admin-port".into(),
+        admin_port.to_string(),
+    ];
     all.extend(args.iter().map(|s| s.to_string()));
     let proc = Proc::start("kvroute", &all).unwrap();
     let url = format!("http://127.0.0.1:{port}");
+    let admin = format!("http://127.0.0.1:{admin_port}");
     let http = Http::default();
     for _ in 0..200 {
         if let Ok(r) = http.call("GET", &format!("{url}/ready"), "").await
             && r.status == 200
         {
-            return (proc, url, http);
+            return (proc, url, admin, http);
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -28,9 +36,9 @@ async fn up(args: &[&str]) -> (Proc, String, Http) {
 
 #[tokio::test]
 async fn up_serves_openai_requests_without_nats() {
-    let (_up, url, http) = up(&["--workers", "2", "--speedup", "20"]).await;
+    let (_up, url, admin, http) = up(&["--workers", "2", "--speedup", "20"]).await;
     let workers = http
-        .call("GET", &format!("{url}/admin/workers"), "")
+        .call("GET", &format!("{admin}/admin/workers"), "")
         .await
         .unwrap();
     assert_eq!(
@@ -73,7 +81,7 @@ async fn up_serves_openai_requests_without_nats() {
 #[tokio::test]
 async fn sigterm_lets_streams_in_flight_finish_then_exits() {
     // Speed 1: 200 decode steps take the timing model's real time (hundreds of ms).
-    let (mut up, url, http) = up(&["--workers", "1"]).await;
+    let (mut up, url, admin, http) = up(&["--workers", "1"]).await;
     let body =
         r#"{"model":"kvroute-sim","prompt":"a long answer please","max_tokens":200,"stream":true}"#;
     let request = {
@@ -88,7 +96,7 @@ async fn sigterm_lets_streams_in_flight_finish_then_exits() {
     let mut in_flight = false;
     for _ in 0..200 {
         let w = http
-            .call("GET", &format!("{url}/admin/workers"), "")
+            .call("GET", &format!("{admin}/admin/workers"), "")
             .await
             .unwrap();
         if w.body.contains("\"booked_requests\":1") {
@@ -167,4 +175,56 @@ fn serve_dry_run_merges_flags_over_the_config_file_and_names_bad_keys() {
     );
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Every float setting must be a finite number in range: `--decode-weight NaN` once passed
+/// `--dry-run` and then panicked on every request.
+#[test]
+fn dry_run_refuses_non_finite_weights() {
+    for (flag, value) in [
+        ("--decode-weight", "NaN"),
+        ("--prefill-scale", "inf"),
+        ("--temperature=-1", ""),
+    ] {
+        let mut args = vec!["serve", flag];
+        if !value.is_empty() {
+            args.push(value);
+        }
+        args.push("--dry-run");
+        let out = Command::new(binary("kvroute").unwrap())
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{flag} {value} accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("finite"), "{flag} {value}: {err}");
+    }
+    let out = Command::new(binary("kvroute-worker").unwrap())
+        .args(["--speedup", "NaN", "--dry-run"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+}
+
+/// Secrets given in the environment never show in `--dry-run`.
+#[test]
+fn dry_run_redacts_secrets() {
+    let out = Command::new(binary("kvroute").unwrap())
+        .args(["serve", "--dry-run"])
+        .env("KVROUTE_NATS_TOKEN", "tok-123")
+        .env("KVROUTE_API_KEYS", "key-a,key-b")
+        .env("KVROUTE_ADMIN_TOKEN", "adm-456")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    for secret in ["tok-123", "key-a", "key-b", "adm-456"] {
+        assert!(!text.contains(secret), "{secret} printed: {text}");
+    }
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["ingress"]["api_keys"].as_array().unwrap().len(), 2);
 }

@@ -27,6 +27,7 @@ fn lease() -> LeaseConfig {
 
 struct Router {
     plane: EventPlane,
+    scheduler: Arc<parking_lot::Mutex<kvroute::scheduler::Scheduler>>,
     _shutdown: watch::Sender<bool>,
 }
 
@@ -37,19 +38,32 @@ async fn router(transport: Transport, registry: &Registry) -> Router {
         cluster: CLUSTER.into(),
         ..PlaneConfig::default()
     };
-    let plane = EventPlane::start(transport, indexer, registry.watch(lease()), config, rx)
-        .await
-        .unwrap();
+    let scheduler = Arc::new(parking_lot::Mutex::new(
+        kvroute::scheduler::Scheduler::new(Default::default()).unwrap(),
+    ));
+    let plane = EventPlane::start(
+        transport,
+        indexer,
+        registry.watch(lease()),
+        config,
+        Some(Arc::clone(&scheduler)),
+        rx,
+    )
+    .await
+    .unwrap();
     Router {
         plane,
+        scheduler,
         _shutdown: shutdown,
     }
 }
 
 async fn nats(server: &NatsServer, name: &str) -> (Transport, Registry) {
-    let transport = Transport::connect_nats(&server.url(), name).await.unwrap();
+    let transport = Transport::connect_nats(&server.url(), name, &Default::default())
+        .await
+        .unwrap();
     let client = transport.nats_client().unwrap().clone();
-    let registry = Registry::nats(client, CLUSTER, &lease()).await.unwrap();
+    let registry = Registry::nats(client, CLUSTER, &lease(), 1).await.unwrap();
     (transport, registry)
 }
 
@@ -216,7 +230,6 @@ async fn a_restart_in_place_and_a_crash_leave_no_stale_entries() {
     // Worker 2 crashes without goodbye: its lease expires (TTL 1 s) and it is gone within
     // TTL + 1 s.
     let crashed = sims.pop().unwrap();
-    let mut changes = r.plane.fleet_changes();
     let started = tokio::time::Instant::now();
     crashed.stop(false).await;
     let gone = eventually(Duration::from_secs(2), || {
@@ -239,18 +252,15 @@ async fn a_restart_in_place_and_a_crash_leave_no_stale_entries() {
         removed >= 2,
         "restart goodbye + crash: {removed} removals counted"
     );
-    // The scheduler hears of it from the same place, at the same time.
-    let mut down = false;
-    while let Ok(change) = changes.try_recv() {
-        down |= matches!(
-            change,
-            kvroute::discovery::FleetEvent::Down {
-                id: WorkerId(2),
-                ..
-            }
-        );
-    }
-    assert!(down, "the expiry must be broadcast to the scheduler's side");
+    // The scheduler loses it from the same owner, in the same step.
+    assert!(
+        r.scheduler
+            .lock()
+            .workers()
+            .all(|(k, _)| k.0 != WorkerId(2)),
+        "the expired worker must leave the scheduler too"
+    );
+    assert!(r.plane.worker(WorkerId(2)).is_none());
     assert_exact(&r, &sims).await;
 }
 
@@ -335,8 +345,11 @@ async fn a_worker_serving_traffic_without_events_is_flagged_until_it_publishes()
     let registry = Registry::Local(LocalRegistry::default());
     let r = router(transport.clone(), &registry).await;
     let sims = workers(&transport, &registry, 0..1, Faults::default()).await;
+    let open = eventually(Duration::from_secs(5), || !r.plane.streams().is_empty()).await;
+    assert!(open, "the worker's registration never reached the plane");
     for _ in 0..8 {
-        r.plane.note_routed(WorkerId(0));
+        r.plane
+            .note_routed((WorkerId(0), kvroute::protocol::DpRank(0)));
     }
     assert_eq!(r.plane.silent_workers(), vec![WorkerId(0)]);
     run_workload(&sims, 11, 5).await;
@@ -370,12 +383,13 @@ async fn replicas_see_each_others_bookings_and_drop_a_dead_replicas() {
         })
         .unwrap();
         for w in 0..2 {
-            s.add_worker((WorkerId(w), DpRank(0)), 10_000);
+            s.add_worker((WorkerId(w), DpRank(0)), 10_000, "m");
         }
         let s = Arc::new(parking_lot::Mutex::new(s));
-        let transport = Transport::connect_nats(&server.url(), &format!("replica-{id}"))
-            .await
-            .unwrap();
+        let transport =
+            Transport::connect_nats(&server.url(), &format!("replica-{id}"), &Default::default())
+                .await
+                .unwrap();
         let (tx, rx) = watch::channel(false);
         let share = LoadShare::start(transport, CLUSTER, Arc::clone(&s), config.clone(), rx)
             .await
@@ -391,6 +405,7 @@ async fn replicas_see_each_others_bookings_and_drop_a_dead_replicas() {
         .collect();
     let none = OverlapScores::default();
     let request = RouteRequest {
+        model: "m",
         blocks: &blocks,
         prompt_tokens: 160,
         block_size: 16,

@@ -4,74 +4,20 @@
 
 use std::time::Duration;
 
-use kvroute_e2e::nats::NatsServer;
-use kvroute_e2e::procs::{Http, Proc, free_port};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 
-struct Fleet {
-    _nats: NatsServer,
-    _router: Proc,
-    workers: Vec<(u16, Proc)>,
-    url: String,
-    http: Http,
-}
+use kvroute_e2e::fleet::{Fleet, FleetSpec, WorkerSpec, completion};
+use kvroute_e2e::procs::Http;
 
-async fn fleet(workers: usize) -> Fleet {
-    fleet_at(workers, 50).await
-}
+const MODEL: &str = "kvroute-sim";
 
-async fn fleet_at(workers: usize, speedup: u32) -> Fleet {
-    fleet_with(workers, speedup, &[]).await
-}
-
-async fn fleet_with(workers: usize, speedup: u32, router_args: &[&str]) -> Fleet {
-    let nats = NatsServer::start().unwrap();
-    let port = free_port();
-    let mut args: Vec<String> = ["serve", "--nats", &nats.url(), "--port", &port.to_string()]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    args.extend(["--host", "127.0.0.1", "--lease-ttl-ms", "1500"].map(String::from));
-    args.extend(router_args.iter().map(|s| s.to_string()));
-    let router = Proc::start("kvroute", &args).unwrap();
-    let mut procs = Vec::new();
-    for _ in 0..workers {
-        let p = free_port();
-        let args = [
-            "--nats".into(),
-            nats.url(),
-            "--port".into(),
-            p.to_string(),
-            "--id".into(),
-            p.to_string(),
-            "--speedup".into(),
-            speedup.to_string(),
-            "--heartbeat-ms".into(),
-            "300".into(),
-            "--lease-ttl-ms".into(),
-            "1500".into(),
-        ];
-        procs.push((p, Proc::start("kvroute-worker", &args).unwrap()));
+fn spec(workers: usize, speedup: f64) -> FleetSpec {
+    FleetSpec {
+        workers: vec![WorkerSpec::model(MODEL); workers],
+        speedup,
+        ..FleetSpec::default()
     }
-    let f = Fleet {
-        _nats: nats,
-        _router: router,
-        workers: procs,
-        url: format!("http://127.0.0.1:{port}"),
-        http: Http::default(),
-    };
-    // Ready once every worker is registered and synced.
-    for _ in 0..200 {
-        if let Ok(r) = f
-            .http
-            .call("GET", &format!("{}/admin/workers", f.url), "")
-            .await
-            && r.body.matches("\"synced\":true").count() == workers
-        {
-            return f;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("fleet not ready");
 }
 
 fn prompt(group: usize) -> String {
@@ -81,13 +27,69 @@ fn prompt(group: usize) -> String {
     )
 }
 
-fn completion(group: usize, i: usize, stream: bool) -> String {
-    serde_json::json!({"model": "kvroute-sim", "prompt": format!("{} Question {i}.", prompt(group)), "max_tokens": 4, "stream": stream}).to_string()
+fn request(group: usize, i: usize, stream: bool) -> String {
+    completion(
+        MODEL,
+        &format!("{} Question {i}.", prompt(group)),
+        4,
+        stream,
+    )
+}
+
+/// Sends a request on a raw connection; returns the connection (nothing read yet).
+async fn send_raw(base: &str, body: &str) -> TcpStream {
+    let mut s = TcpStream::connect(base.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    s
+}
+
+/// Starts a streaming request and returns the connection after the response head.
+async fn open_stream(f: &Fleet, max_tokens: u32) -> TcpStream {
+    let body = completion(MODEL, &prompt(7), max_tokens, true);
+    let mut s = send_raw(&f.url(), &body).await;
+    let mut buf = [0u8; 256];
+    let n = s.read(&mut buf).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    s
+}
+
+/// Reads until `[DONE]`, EOF, or `limit`.
+async fn read_rest(s: &mut TcpStream, limit: Duration) -> String {
+    let mut rest = String::new();
+    let mut buf = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => break,
+            Ok(Ok(n)) => {
+                rest.push_str(&String::from_utf8_lossy(&buf[..n]));
+                if rest.contains("data: [DONE]") {
+                    break;
+                }
+            }
+        }
+    }
+    rest
+}
+
+async fn all_bookings_closed(f: &Fleet) -> bool {
+    for i in 0..f.routers.len() {
+        if f.open_bookings(i).await.unwrap_or(u64::MAX) != 0 {
+            return false;
+        }
+    }
+    true
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_of_a_group_follow_their_cached_prefix() {
-    let f = fleet(4).await;
+    let f = Fleet::start(spec(4, 50.0)).await.unwrap();
     let mut by_group: Vec<Vec<String>> = vec![Vec::new(); 20];
     for round in 0..10 {
         for (g, seen) in by_group.iter_mut().enumerate() {
@@ -96,8 +98,8 @@ async fn requests_of_a_group_follow_their_cached_prefix() {
                 .http
                 .call(
                     "POST",
-                    &format!("{}/v1/completions", f.url),
-                    completion(g, round, stream),
+                    &format!("{}/v1/completions", f.url()),
+                    request(g, round, stream),
                 )
                 .await
                 .unwrap();
@@ -123,24 +125,13 @@ async fn requests_of_a_group_follow_their_cached_prefix() {
         let same = workers[1..].iter().filter(|w| *w == first).count();
         assert!(same >= 8, "group {g} scattered over workers: {workers:?}");
     }
-    // Every booking was freed.
-    let admin = f
-        .http
-        .call("GET", &format!("{}/admin/workers", f.url), "")
-        .await
-        .unwrap();
-    assert_eq!(
-        admin.body.matches("\"booked_requests\":0").count(),
-        4,
-        "{}",
-        admin.body
-    );
+    assert!(all_bookings_closed(&f).await, "every booking was freed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_inputs_get_their_status_codes() {
-    let f = fleet(1).await;
-    let url = format!("{}/v1/completions", f.url);
+    let f = Fleet::start(spec(1, 50.0)).await.unwrap();
+    let url = format!("{}/v1/completions", f.url());
     let bad_json = f.http.call("POST", &url, "{not json").await.unwrap();
     assert_eq!(bad_json.status, 400);
     assert!(bad_json.body.contains("\"type\":\"invalid_request_error\""));
@@ -155,7 +146,8 @@ async fn bad_inputs_get_their_status_codes() {
         .call("POST", &url, r#"{"model":"other","prompt":"hi"}"#)
         .await
         .unwrap();
-    assert_eq!(unknown.status, 400);
+    assert_eq!(unknown.status, 404, "{}", unknown.body);
+    assert!(unknown.body.contains("model_not_found"), "{}", unknown.body);
     let huge = format!(
         r#"{{"model":"kvroute-sim","prompt":"{}"}}"#,
         "x".repeat(9 << 20)
@@ -163,15 +155,11 @@ async fn bad_inputs_get_their_status_codes() {
     let too_large = f.http.call("POST", &url, huge).await.unwrap();
     assert_eq!(too_large.status, 413);
     // The router closes a connection whose body it refused to read; go on with a fresh one.
-    let f = Fleet {
-        http: Http::default(),
-        ..f
-    };
-    let chat = f
-        .http
+    let http = Http::default();
+    let chat = http
         .call(
             "POST",
-            &format!("{}/v1/chat/completions", f.url),
+            &format!("{}/v1/chat/completions", f.url()),
             r#"{"model":"kvroute-sim","messages":[{"role":"user","content":"hello"}]}"#,
         )
         .await
@@ -180,171 +168,300 @@ async fn bad_inputs_get_their_status_codes() {
     let answer: serde_json::Value = serde_json::from_str(&chat.body).unwrap();
     assert_eq!(answer["object"], "chat.completion", "{}", chat.body);
     assert_eq!(answer["choices"][0]["message"]["role"], "assistant");
-    assert_eq!(
-        f.http
-            .call("GET", &format!("{}/health", f.url), "")
+    for (path, status) in [
+        ("/health", 200),
+        ("/ready", 200),
+        ("/nope", 404),
+        ("/admin/workers", 404),
+    ] {
+        let r = http
+            .call("GET", &format!("{}{path}", f.url()), "")
             .await
-            .unwrap()
-            .status,
-        200
-    );
-    assert_eq!(
-        f.http
-            .call("GET", &format!("{}/ready", f.url), "")
-            .await
-            .unwrap()
-            .status,
-        200
-    );
-    assert_eq!(
-        f.http
-            .call("GET", &format!("{}/nope", f.url), "")
-            .await
-            .unwrap()
-            .status,
-        404
-    );
+            .unwrap();
+        assert_eq!(
+            r.status, status,
+            "{path}: the admin views live on their own listener"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_worker_loses_no_request_that_had_not_started() {
-    let mut f = fleet(3).await;
-    let url = format!("{}/v1/completions", f.url);
-    for g in 0..6 {
-        assert_eq!(
-            f.http
-                .call("POST", &url, completion(g, 0, false))
-                .await
-                .unwrap()
-                .status,
-            200
-        );
-    }
-    // Kill one worker without goodbye; requests routed to it before its lease expires must
-    // be retried on another worker.
-    f.workers[0].1.kill();
+    let mut f = Fleet::start(spec(3, 50.0)).await.unwrap();
+    let url = format!("{}/v1/completions", f.url());
     for g in 0..6 {
         let r = f
             .http
-            .call("POST", &url, completion(g, 1, false))
+            .call("POST", &url, request(g, 0, false))
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200);
+    }
+    // Kill one worker without goodbye; requests routed to it before its lease expires must
+    // be retried on another worker.
+    f.workers[0].proc.kill();
+    for g in 0..6 {
+        let r = f
+            .http
+            .call("POST", &url, request(g, 1, false))
             .await
             .unwrap();
         assert_eq!(r.status, 200, "{}", r.body);
         assert_ne!(
             r.header("x-kvroute-worker"),
-            Some(f.workers[0].0.to_string().as_str())
+            Some(f.workers[0].port.to_string().as_str())
         );
     }
 }
 
-async fn booked_requests(f: &Fleet) -> usize {
-    let admin = f
-        .http
-        .call("GET", &format!("{}/admin/workers", f.url), "")
+/// Clients that go away before the response headers, or during a non-streamed generation,
+/// or mid-stream: every booking returns, on this replica and on its peer, without waiting
+/// for the 600 s TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bookings_return_on_both_replicas_however_the_client_leaves() {
+    let f = Fleet::start(FleetSpec {
+        routers: 2,
+        workers: vec![WorkerSpec {
+            model: MODEL.into(),
+            args: vec!["--fault-injection".into()],
+        }],
+        // Real time: a 5,000-token generation takes minutes.
+        speedup: 1.0,
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    // Before the headers: the worker holds every request without answering.
+    f.faults(0, serde_json::json!({"stall_before_headers": true}))
         .await
         .unwrap();
-    let v: serde_json::Value = serde_json::from_str(&admin.body).unwrap();
-    v["workers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|w| w["booked_requests"].as_u64().unwrap() as usize)
-        .sum()
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_that_disconnects_frees_its_booking() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    // Real-time engine: 5,000 tokens would take half a minute.
-    let f = fleet_at(1, 1).await;
-    let body = serde_json::json!({"model": "kvroute-sim", "prompt": prompt(0), "max_tokens": 5000, "stream": true}).to_string();
-    let addr = f.url.trim_start_matches("http://").to_owned();
-    let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    let req = format!(
-        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut buf = [0u8; 512];
-    let n = s.read(&mut buf).await.unwrap();
-    assert!(n > 0 && String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
-    assert_eq!(booked_requests(&f).await, 1);
-    drop(s);
-    let mut freed = false;
-    for _ in 0..100 {
-        if booked_requests(&f).await == 0 {
-            freed = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut aborted = Vec::new();
+    for i in 0..20 {
+        aborted.push(send_raw(&f.url(), &request(i, 0, i % 2 == 0)).await);
     }
-    assert!(freed, "the booking of a disconnected client must be freed");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn streamed_first_bytes_are_not_delayed_on_a_reused_connection() {
-    use http_body_util::{BodyExt, Full};
-    use hyper_util::client::legacy::Client;
-    use hyper_util::client::legacy::connect::HttpConnector;
-    use hyper_util::rt::TokioExecutor;
-    // Engine 1000× faster than real time: the first byte is all router and worker overhead.
-    let f = fleet_at(1, 1000).await;
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    let client: Client<_, Full<bytes::Bytes>> = Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(1)
-        .build(connector);
-    let body = serde_json::json!({"model": "kvroute-sim", "prompt": prompt(1), "max_tokens": 8, "stream": true}).to_string();
-    let mut first_bytes = Vec::new();
-    for _ in 0..21 {
-        let req = hyper::Request::post(format!("{}/v1/completions", f.url))
-            .body(Full::new(bytes::Bytes::from(body.clone())))
-            .unwrap();
-        let started = std::time::Instant::now();
-        let resp = client.request(req).await.unwrap();
-        let mut body = resp.into_body();
-        let _first = body.frame().await.unwrap().unwrap();
-        first_bytes.push(started.elapsed());
-        while body.frame().await.is_some() {}
-    }
-    first_bytes.sort();
-    let median = first_bytes[first_bytes.len() / 2];
-    // Nagle's algorithm with delayed ACKs stalls a small write on a reused connection by
-    // ~40 ms; the median must stay well below that.
+    let booked = f
+        .until(Duration::from_secs(10), || async {
+            f.open_bookings(1).await.unwrap_or(0) == 20
+        })
+        .await;
     assert!(
-        median < Duration::from_millis(30),
-        "median first byte {median:?} ({first_bytes:?})"
+        booked,
+        "the peer replica saw {} of 20 bookings",
+        f.open_bookings(1).await.unwrap()
+    );
+    assert_eq!(f.open_bookings(0).await.unwrap(), 20);
+    drop(aborted);
+    let freed = f
+        .until(Duration::from_secs(10), || all_bookings_closed(&f))
+        .await;
+    assert!(
+        freed,
+        "bookings left after 20 clients left before their headers: {} and {}",
+        f.open_bookings(0).await.unwrap(),
+        f.open_bookings(1).await.unwrap()
+    );
+    // During a non-streamed generation (5,000 tokens at real time) and mid-stream.
+    f.faults(0, serde_json::json!({})).await.unwrap();
+    let long = completion(MODEL, &prompt(3), 5000, false);
+    let waiting = send_raw(&f.url(), &long).await;
+    let mut streaming = open_stream(&f, 5000).await;
+    let mut buf = [0u8; 64];
+    let _ = streaming.read(&mut buf).await;
+    assert!(
+        f.until(Duration::from_secs(10), || async {
+            f.open_bookings(1).await.unwrap_or(0) == 2
+        })
+        .await
+    );
+    drop(waiting);
+    drop(streaming);
+    let freed = f
+        .until(Duration::from_secs(10), || all_bookings_closed(&f))
+        .await;
+    assert!(freed, "bookings left after clients left mid-generation");
+}
+
+/// A worker that answers 429 is skipped for another; one that refuses the request (400)
+/// sends the client its error, and the booking is released on the peer replica too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_errors_decide_retries_and_release_bookings_everywhere() {
+    let injectable = WorkerSpec {
+        model: MODEL.into(),
+        args: vec!["--fault-injection".into()],
+    };
+    let f = Fleet::start(FleetSpec {
+        routers: 2,
+        workers: vec![injectable.clone(), injectable],
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    f.faults(0, serde_json::json!({"status": 429}))
+        .await
+        .unwrap();
+    let url = format!("{}/v1/completions", f.url());
+    for i in 0..10 {
+        let r = f
+            .http
+            .call("POST", &url, request(i, 0, i % 2 == 0))
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(
+            r.header("x-kvroute-worker"),
+            Some(f.workers[1].port.to_string().as_str())
+        );
+    }
+    for w in 0..2 {
+        f.faults(w, serde_json::json!({"status": 400}))
+            .await
+            .unwrap();
+    }
+    for i in 0..10 {
+        let r = f
+            .http
+            .call("POST", &url, request(i, 1, false))
+            .await
+            .unwrap();
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert!(r.body.contains("\"error\""), "{}", r.body);
+    }
+    let freed = f
+        .until(Duration::from_secs(10), || all_bookings_closed(&f))
+        .await;
+    assert!(
+        freed,
+        "bookings left on the peer after worker errors: {}",
+        f.open_bookings(1).await.unwrap()
     );
 }
 
-/// Starts a streaming request on a raw connection and returns it after the response head.
-async fn open_stream(f: &Fleet, max_tokens: u32) -> tokio::net::TcpStream {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let body = serde_json::json!({"model": "kvroute-sim", "prompt": prompt(7), "max_tokens": max_tokens, "stream": true}).to_string();
-    let mut s = tokio::net::TcpStream::connect(f.url.trim_start_matches("http://"))
+/// A worker that sends its headers and then nothing must not hold the client's stream or
+/// the router's in-flight slot: the relay gives up after its idle timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_stalled_after_its_headers_does_not_hold_the_stream() {
+    let f = Fleet::start(FleetSpec {
+        router_args: vec!["--relay-idle-timeout-ms".into(), "1000".into()],
+        workers: vec![WorkerSpec {
+            model: MODEL.into(),
+            args: vec!["--fault-injection".into()],
+        }],
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    f.faults(0, serde_json::json!({"stall_after_headers": true}))
         .await
         .unwrap();
-    let req = format!(
-        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
+    let mut s = open_stream(&f, 8).await;
+    let rest = read_rest(&mut s, Duration::from_secs(30)).await;
+    assert!(rest.contains("sent nothing for 1000 ms"), "{rest}");
+    assert!(rest.contains("data: [DONE]"));
+    assert!(
+        f.until(Duration::from_secs(5), || all_bookings_closed(&f))
+            .await
     );
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut buf = [0u8; 256];
-    let n = s.read(&mut buf).await.unwrap();
-    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
-    s
+}
+
+/// Half-sent requests (slow-loris) are cut off at the header timeout instead of piling up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_sent_requests_are_cut_off() {
+    let f = Fleet::start(FleetSpec {
+        router_args: vec!["--header-read-timeout-ms".into(), "1000".into()],
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    let addr = f.url().trim_start_matches("http://").to_owned();
+    let mut loris = Vec::new();
+    for _ in 0..300 {
+        let mut s = TcpStream::connect(&addr).await.unwrap();
+        s.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+            .await
+            .unwrap();
+        loris.push(s);
+    }
+    let mut closed = 0;
+    for s in &mut loris {
+        let mut buf = Vec::new();
+        // EOF, or the 408 hyper sends before closing.
+        if tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut buf))
+            .await
+            .is_ok()
+        {
+            closed += 1;
+        }
+    }
+    assert_eq!(closed, 300, "half-sent requests still open");
+    let r = Http::default()
+        .call(
+            "POST",
+            &format!("{}/v1/completions", f.url()),
+            request(0, 0, false),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+}
+
+/// Two models in one cluster: each request goes to a worker serving its model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_models_never_cross() {
+    let f = Fleet::start(FleetSpec {
+        workers: vec![
+            WorkerSpec::model("model-a"),
+            WorkerSpec::model("model-b"),
+            WorkerSpec::model("model-a"),
+            WorkerSpec::model("model-b"),
+        ],
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    let port = |i: usize| f.workers[i].port.to_string();
+    let a = [port(0), port(2)];
+    let b = [port(1), port(3)];
+    let url = format!("{}/v1/completions", f.url());
+    // The same prompts for both models: the index holds them on both, which must not matter.
+    for i in 0..80 {
+        let (model, allowed) = if i % 2 == 0 {
+            ("model-a", &a)
+        } else {
+            ("model-b", &b)
+        };
+        let body = completion(
+            model,
+            &format!("{} Question {}.", prompt(i % 5), i / 2),
+            4,
+            i % 3 == 0,
+        );
+        let r = f.http.call("POST", &url, body).await.unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        let worker = r.header("x-kvroute-worker").unwrap().to_owned();
+        assert!(allowed.contains(&worker), "{model} went to worker {worker}");
+        if i % 3 != 0 {
+            let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+            assert_eq!(v["model"], model);
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_over_the_in_flight_limit_get_429() {
-    let f = fleet_with(1, 1, &["--max-inflight", "1"]).await;
+    let f = Fleet::start(FleetSpec {
+        router_args: vec!["--max-inflight".into(), "1".into()],
+        speedup: 1.0,
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
     let _long = open_stream(&f, 5000).await;
     let r = f
         .http
         .call(
             "POST",
-            &format!("{}/v1/completions", f.url),
-            completion(1, 0, false),
+            &format!("{}/v1/completions", f.url()),
+            request(1, 0, false),
         )
         .await
         .unwrap();
@@ -354,31 +471,84 @@ async fn requests_over_the_in_flight_limit_get_429() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
-    use tokio::io::AsyncReadExt;
-    let mut f = fleet_at(1, 1).await;
+    let mut f = Fleet::start(spec(1, 1.0)).await.unwrap();
     let mut s = open_stream(&f, 5000).await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    f.workers[0].1.kill();
-    let mut rest = String::new();
-    let mut buf = [0u8; 4096];
-    loop {
-        match tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
-            .await
-            .unwrap()
-        {
-            Ok(0) | Err(_) => break,
-            Ok(n) => {
-                rest.push_str(&String::from_utf8_lossy(&buf[..n]));
-                if rest.contains("data: [DONE]") {
-                    break;
-                }
-            }
-        }
-    }
+    let mut buf = [0u8; 64];
+    let _ = s.read(&mut buf).await;
+    f.workers[0].proc.kill();
+    let rest = read_rest(&mut s, Duration::from_secs(30)).await;
     assert!(
-        rest.contains("worker failed mid-stream"),
+        rest.contains("failed mid-stream"),
         "stream ended without an error event: {}",
         &rest[rest.len().saturating_sub(400)..]
     );
     assert!(rest.contains("data: [DONE]"));
+}
+
+/// With API keys set, the OpenAI endpoints want one; with an admin token, the admin
+/// listener wants it; health and readiness stay open for probes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_keys_and_the_admin_token_are_enforced() {
+    let f = Fleet::start(FleetSpec {
+        env: vec![
+            ("KVROUTE_API_KEYS".into(), "key-one,key-two".into()),
+            ("KVROUTE_ADMIN_TOKEN".into(), "admin-secret".into()),
+        ],
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    let url = format!("{}/v1/completions", f.url());
+    let open = f
+        .http
+        .call("POST", &url, request(0, 0, false))
+        .await
+        .unwrap();
+    assert_eq!(open.status, 401, "{}", open.body);
+    assert!(open.body.contains("invalid_api_key"));
+    for (key, status) in [
+        ("Bearer key-two", 200),
+        ("Bearer key-three", 401),
+        ("key-one", 401),
+    ] {
+        let r = f
+            .http
+            .call_with(
+                "POST",
+                &url,
+                request(1, 1, false),
+                &[("authorization", key)],
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, status, "{key}: {}", r.body);
+    }
+    for path in ["/health", "/ready"] {
+        let r = f
+            .http
+            .call("GET", &format!("{}{path}", f.url()), "")
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{path}");
+    }
+    let admin = format!("{}/admin/workers", f.routers[0].admin());
+    assert_eq!(f.http.call("GET", &admin, "").await.unwrap().status, 401);
+    let wrong = [("authorization", "Bearer nope")];
+    assert_eq!(
+        f.http
+            .call_with("GET", &admin, "", &wrong)
+            .await
+            .unwrap()
+            .status,
+        401
+    );
+    let right = [("authorization", "Bearer admin-secret")];
+    assert_eq!(
+        f.http
+            .call_with("GET", &admin, "", &right)
+            .await
+            .unwrap()
+            .status,
+        200
+    );
 }

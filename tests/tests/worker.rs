@@ -1,0 +1,230 @@
+//! The worker process's life: SIGTERM (deregister, drain, exit 0), an engine failure
+//! (deregister, exit non-zero), a stable id, and logs a collector can read.
+#![allow(missing_docs, clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use kvroute_e2e::fleet::{Fleet, FleetSpec, WorkerSpec, completion};
+use kvroute_e2e::procs::Proc;
+
+fn injectable(n: usize) -> Vec<WorkerSpec> {
+    vec![
+        WorkerSpec {
+            model: "kvroute-sim".into(),
+            args: vec!["--fault-injection".into()],
+        };
+        n
+    ]
+}
+
+async fn registered(f: &Fleet, port: u16) -> bool {
+    let v = f.admin_workers(0).await.unwrap();
+    v["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|w| w["id"] == port)
+}
+
+/// SIGTERM: the worker leaves the fleet at once (no waiting for its lease), finishes the
+/// stream it is serving, and exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_deregisters_drains_and_exits_zero() {
+    let mut f = Fleet::start(FleetSpec {
+        workers: vec![WorkerSpec::model("kvroute-sim"); 2],
+        speedup: 1.0,
+        // A lease long enough that only a goodbye can explain a quick removal.
+        lease_ttl_ms: 60_000,
+        heartbeat_ms: 1_000,
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    // A stream in flight on worker 0 (sent to it directly: the router would pick either).
+    let body = serde_json::json!({"token_ids": (0..64).collect::<Vec<u32>>(), "max_tokens": 40, "stream": true});
+    let stream = {
+        let (http, url) = (f.http.clone(), f.workers[0].url());
+        tokio::spawn(async move {
+            http.call(
+                "POST",
+                &format!("{url}/internal/generate"),
+                body.to_string(),
+            )
+            .await
+            .unwrap()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let port = f.workers[0].port;
+    f.workers[0].proc.terminate().unwrap();
+    let gone = f
+        .until(Duration::from_secs(10), || async {
+            !registered(&f, port).await
+        })
+        .await;
+    assert!(
+        gone,
+        "a terminated worker stays registered until its 60 s lease lapses"
+    );
+    let status = f.workers[0]
+        .proc
+        .wait_timeout(Duration::from_secs(30))
+        .expect("the worker did not exit after SIGTERM");
+    assert!(status.success(), "{status:?}");
+    let reply = stream.await.unwrap();
+    assert_eq!(reply.status, 200);
+    assert!(
+        reply.body.contains("data: [DONE]"),
+        "the stream in flight was cut"
+    );
+    assert!(!reply.body.contains("cut off"), "{}", reply.body);
+    // Requests keep working on the other worker.
+    for i in 0..5 {
+        let r = f
+            .http
+            .call(
+                "POST",
+                &format!("{}/v1/completions", f.url()),
+                completion("kvroute-sim", &format!("after {i}"), 2, false),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+}
+
+/// An engine that fails takes its worker out of the fleet and the process exits non-zero:
+/// never a registered zombie.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_failure_deregisters_and_exits_non_zero() {
+    let mut f = Fleet::start(FleetSpec {
+        workers: injectable(1),
+        lease_ttl_ms: 60_000,
+        heartbeat_ms: 1_000,
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    let port = f.workers[0].port;
+    f.faults(0, serde_json::json!({"fail_engine": true}))
+        .await
+        .unwrap();
+    let status = f.workers[0]
+        .proc
+        .wait_timeout(Duration::from_secs(30))
+        .expect("the worker kept running with a failed engine");
+    assert!(!status.success(), "{status:?}");
+    assert!(
+        f.until(Duration::from_secs(10), || async {
+            !registered(&f, port).await
+        })
+        .await,
+        "the failed worker is still registered"
+    );
+}
+
+/// Without `--id`, a worker's id comes from its host name and port: a restart keeps it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_id_survives_a_restart() {
+    let f = Fleet::start(FleetSpec {
+        workers: Vec::new(),
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    let port = kvroute_e2e::procs::free_port();
+    let args: Vec<String> = [
+        "--nats",
+        &f.nats_url(),
+        "--port",
+        &port.to_string(),
+        "--registry-replicas",
+        "1",
+        "--heartbeat-ms",
+        "300",
+        "--lease-ttl-ms",
+        "1500",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let mut w = Proc::start("kvroute-worker", &args).unwrap();
+        let found = f
+            .until(Duration::from_secs(10), || async {
+                f.admin_workers(0).await.unwrap()["workers"]
+                    .as_array()
+                    .is_some_and(|a| a.len() == 1)
+            })
+            .await;
+        assert!(found);
+        let v = f.admin_workers(0).await.unwrap();
+        ids.push(v["workers"][0]["id"].as_u64().unwrap());
+        w.terminate().unwrap();
+        assert!(w.wait_timeout(Duration::from_secs(30)).is_some());
+        assert!(
+            f.until(Duration::from_secs(10), || async {
+                f.admin_workers(0).await.unwrap()["workers"]
+                    .as_array()
+                    .is_some_and(|a| a.is_empty())
+            })
+            .await
+        );
+    }
+    assert_eq!(ids[0], ids[1], "the id changed across a restart");
+}
+
+/// Logs written to a file carry no terminal colour codes; `--log-format json` writes one
+/// JSON object a line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_are_plain_text_or_json_off_a_terminal() {
+    let dir = std::env::temp_dir().join(format!("kvroute-logs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = Fleet::start(FleetSpec {
+        workers: Vec::new(),
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    for format in ["text", "json"] {
+        let log = dir.join(format!("worker-{format}.log"));
+        let port = kvroute_e2e::procs::free_port();
+        let args: Vec<String> = [
+            "--nats",
+            &f.nats_url(),
+            "--port",
+            &port.to_string(),
+            "--registry-replicas",
+            "1",
+            "--log-format",
+            format,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let mut w = Proc::start_logged("kvroute-worker", &args, &log).unwrap();
+        assert!(
+            f.until(Duration::from_secs(10), || async {
+                std::fs::read_to_string(&log).is_ok_and(|t| t.contains("worker serving"))
+            })
+            .await,
+            "no log line"
+        );
+        w.terminate().unwrap();
+        w.wait_timeout(Duration::from_secs(30));
+        let text = std::fs::read_to_string(&log).unwrap();
+        assert!(
+            !text.contains('\u{1b}'),
+            "escape codes in a {format} log file: {text:?}"
+        );
+        if format == "json" {
+            for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                let v: serde_json::Value =
+                    serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+                assert!(v["level"].is_string() && v["fields"].is_object(), "{line}");
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
