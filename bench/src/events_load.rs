@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use kvroute::discovery::Registry;
+use kvroute::auth::NatsAuth;
+use kvroute::discovery::{Registry, WorkerInfo};
 use kvroute::events::plane::{EventPlane, PlaneConfig, events_subject};
 use kvroute::events::transport::Transport;
 use kvroute::indexer::{Config, Indexer};
@@ -117,7 +118,9 @@ async fn publishers(
 ) -> anyhow::Result<()> {
     let mut tasks = Vec::new();
     for w in 0..args.workers {
-        let transport = Transport::connect_nats(&server.url(), &format!("pub-{w}")).await?;
+        let transport =
+            Transport::connect_nats(&server.url(), &format!("pub-{w}"), &NatsAuth::default())
+                .await?;
         let subject = events_subject("bench", WorkerId(w));
         let epb = args.events_per_batch;
         // Per worker, batches per second at the paced rate.
@@ -166,7 +169,7 @@ async fn wait_applied(plane: &EventPlane, batches: u64, limit: Duration) -> bool
 /// Runs the bench.
 pub async fn run(args: &Args) -> anyhow::Result<Report> {
     let server = NatsServer::start()?;
-    let transport = Transport::connect_nats(&server.url(), "router").await?;
+    let transport = Transport::connect_nats(&server.url(), "router", &NatsAuth::default()).await?;
     let indexer = Arc::new(Indexer::new(Config::default())?);
     let (_shutdown, rx) = watch::channel(false);
     let config = PlaneConfig {
@@ -177,8 +180,25 @@ pub async fn run(args: &Args) -> anyhow::Result<Report> {
     let plane = EventPlane::start(
         transport,
         indexer,
-        Registry::Static(Vec::new()).watch(Default::default()),
+        // The publishers, registered (the plane drops batches of unregistered workers).
+        Registry::Static(
+            (0..args.workers)
+                .map(|w| WorkerInfo {
+                    id: WorkerId(w),
+                    url: format!("http://127.0.0.1:1/{w}"),
+                    block_size: 16,
+                    g1_blocks: 1 << 20,
+                    g2_blocks: 0,
+                    model: "bench".into(),
+                    dp_size: 1,
+                    epoch: 1,
+                    last_event_ids: Vec::new(),
+                })
+                .collect(),
+        )
+        .watch(Default::default()),
         config,
+        None,
         rx,
     )
     .await?;

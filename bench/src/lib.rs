@@ -8,16 +8,20 @@
 //! - [`indexer_load`]: `kvroute-bench indexer`, the index under a real event stream.
 //! - [`replay`]: `kvroute-bench replay`, routing policies compared on a trace.
 //! - [`online`]: `kvroute-bench replay --online`, the trace against a live endpoint.
+//! - [`fuzz`]: `kvroute-bench fuzz`, every decoder of network and file input.
 //! - [`plot`]: the SVG of a replay report.
+//! - [`soak`]: `kvroute-bench soak`, a chaos soak over real processes.
 //! - [`stats`]: percentiles and process facts.
 #![forbid(unsafe_code)]
 
 pub mod events_load;
 pub mod fleet;
+pub mod fuzz;
 pub mod indexer_load;
 pub mod kernels_load;
 pub mod online;
 pub mod plot;
 pub mod replay;
+pub mod soak;
 pub mod stats;
 pub mod trace;

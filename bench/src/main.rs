@@ -4,7 +4,7 @@
 use std::alloc::System;
 
 use clap::{Parser, Subcommand};
-use kvroute_bench::{events_load, indexer_load, kernels_load, plot, replay};
+use kvroute_bench::{events_load, fuzz, indexer_load, kernels_load, plot, replay, soak};
 use stats_alloc::{INSTRUMENTED_SYSTEM, StatsAlloc};
 
 // Counting allocator: the indexer bench reports the index's heap per block.
@@ -29,6 +29,12 @@ enum Command {
     Replay(replay::Args),
     /// GPU KV block copies: gather+D2H and H2D+scatter GB/s against one contiguous copy.
     Kernels(kernels_load::Args),
+    /// Every decoder of network and file input, fed structure-aware and raw inputs: zero
+    /// panics or a non-zero exit.
+    Fuzz(fuzz::Args),
+    /// A chaos soak: NATS, 2 routers, 8 workers, steady traffic and a random fault every
+    /// 10–30 s; quiet checkpoints check the index, the bookings, memory and failures.
+    Soak(soak::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -60,6 +66,27 @@ fn main() -> anyhow::Result<()> {
             kernels_load::print(&report);
             if let Some(path) = &args.json {
                 std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+            }
+        }
+        Command::Fuzz(args) => {
+            let report = fuzz::run(&args)?;
+            fuzz::print(&report);
+            if let Some(path) = &args.json {
+                std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+            }
+            if report.panics > 0 {
+                anyhow::bail!("{} inputs panicked", report.panics);
+            }
+        }
+        Command::Soak(args) => {
+            let runtime = tokio::runtime::Runtime::new()?;
+            let report = runtime.block_on(soak::run(&args))?;
+            soak::print(&report);
+            if let Some(path) = &args.json {
+                std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+            }
+            if !report.passed {
+                anyhow::bail!("the soak failed its checks");
             }
         }
         Command::Replay(args) => {

@@ -23,6 +23,9 @@ use crate::fleet::{Fleet, FleetSink};
 use crate::stats::Summary;
 use crate::trace::{self, TraceRecord};
 
+/// The one model every replayed worker serves.
+const REPLAY_MODEL: &str = "replay";
+
 /// Flags of `kvroute-bench replay`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
@@ -406,7 +409,11 @@ fn run_policy(
         ..defaults
     })?;
     for w in 0..args.workers {
-        scheduler.add_worker((WorkerId(w as u64), DpRank(0)), config.g1_blocks);
+        scheduler.add_worker(
+            (WorkerId(w as u64), DpRank(0)),
+            config.g1_blocks,
+            REPLAY_MODEL,
+        );
     }
     let mut router = Router {
         indexer: Indexer::new(indexer::Config::default())?,
@@ -434,6 +441,7 @@ fn run_policy(
         seqs.extend(p.blocks.iter().map(|b| b.seq));
         let overlaps = router.indexer.find_matches_seq(&seqs);
         let request = RouteRequest {
+            model: REPLAY_MODEL,
             blocks: &p.blocks,
             prompt_tokens: p.tokens.len(),
             block_size: args.block_size,

@@ -3,57 +3,20 @@
 #![allow(missing_docs, clippy::unwrap_used)]
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use kvroute_bench::online::{OnlineRequest, run};
-use kvroute_e2e::nats::NatsServer;
-use kvroute_e2e::procs::{Http, Proc, free_port};
+use kvroute_e2e::fleet::{Fleet, FleetSpec, WorkerSpec};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn online_replay_measures_a_live_router() {
-    let nats = NatsServer::start().unwrap();
-    let port = free_port();
-    let _router = Proc::start(
-        "kvroute",
-        &[
-            "serve".into(),
-            "--nats".into(),
-            nats.url(),
-            "--port".into(),
-            port.to_string(),
-            "--host".into(),
-            "127.0.0.1".into(),
-        ],
-    )
+    let f = Fleet::start(FleetSpec {
+        workers: vec![WorkerSpec::model("kvroute-sim"); 2],
+        speedup: 100.0,
+        ..FleetSpec::default()
+    })
+    .await
     .unwrap();
-    let _workers: Vec<Proc> = (0..2)
-        .map(|_| {
-            let args = [
-                "--nats".into(),
-                nats.url(),
-                "--port".into(),
-                free_port().to_string(),
-                "--speedup".into(),
-                "100".into(),
-            ];
-            Proc::start("kvroute-worker", &args).unwrap()
-        })
-        .collect();
-    let url = format!("http://127.0.0.1:{port}");
-    let http = Http::default();
-    let mut ready = false;
-    for _ in 0..200 {
-        if http
-            .call("GET", &format!("{url}/admin/workers"), "")
-            .await
-            .is_ok_and(|r| r.body.matches("\"synced\":true").count() == 2)
-        {
-            ready = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(ready, "fleet not ready");
+    let url = f.url();
     // Ten conversations of three turns, each turn extending the last.
     let requests: Vec<OnlineRequest> = (0..30u64)
         .map(|i| {
