@@ -32,6 +32,10 @@ pub struct Args {
     /// Concurrent clients.
     #[arg(long, default_value_t = 4)]
     pub clients: usize,
+    /// Draw the timed faults only from these (comma-separated names as printed, e.g.
+    /// `--faults "restart nats-server,kill worker"`); the warm-up still meets every kind.
+    #[arg(long, value_delimiter = ',')]
+    pub faults: Vec<String>,
     /// Write the report here as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -346,6 +350,12 @@ impl Soak {
 
 /// Runs the soak.
 pub async fn run(args: &Args) -> anyhow::Result<Report> {
+    if let Some(unknown) = args.faults.iter().find(|f| !FAULTS.contains(&f.trim())) {
+        bail!(
+            "unknown fault {unknown:?}; the faults are: {}",
+            FAULTS.join(", ")
+        );
+    }
     let injectable = WorkerSpec {
         model: MODEL.into(),
         args: [
@@ -441,6 +451,10 @@ async fn drive(soak: &mut Soak, args: &Args) -> anyhow::Result<Report> {
         tokio::time::sleep(Duration::from_secs(3)).await;
     }
     let warm_until = soak.t();
+    let drawn: Vec<&str> = FAULTS
+        .into_iter()
+        .filter(|f| args.faults.is_empty() || args.faults.iter().any(|a| a.trim() == *f))
+        .collect();
     checkpoints.push(soak.checkpoint("warm-up", 0.0).await?);
     let total = warm_until + args.minutes * 60.0;
     loop {
@@ -449,7 +463,7 @@ async fn drive(soak: &mut Soak, args: &Args) -> anyhow::Result<Report> {
             break;
         }
         tokio::time::sleep(Duration::from_secs_f64(wait)).await;
-        let name = FAULTS[soak.rng.below(FAULTS.len())];
+        let name = drawn[soak.rng.below(drawn.len())];
         let began = soak.t();
         eprintln!("soak {began:>6.1} s: {name}");
         soak.fault(name).await?;

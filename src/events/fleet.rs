@@ -149,8 +149,8 @@ struct Member {
 pub struct Fleet {
     config: FleetConfig,
     members: BTreeMap<WorkerId, Member>,
-    /// Workers that left: (the incarnation that left, when the tombstone goes).
-    tombstones: BTreeMap<WorkerId, (u64, u64)>,
+    /// Workers that left: (the incarnation that left, when the tombstone goes, why it left).
+    tombstones: BTreeMap<WorkerId, (u64, u64, Departure)>,
     stats: FleetStats,
 }
 
@@ -209,12 +209,14 @@ impl Fleet {
         out: &mut Vec<FleetCommand>,
     ) -> Result<(), Refusal> {
         let id = info.id;
-        if let Some(&(epoch, _)) = self.tombstones.get(&id) {
-            if epoch == info.epoch {
+        if let Some(&(epoch, _, reason)) = self.tombstones.get(&id) {
+            if epoch == info.epoch && reason == Departure::Left {
                 // A heartbeat that crossed the goodbye of its own incarnation.
                 self.stats.zombie_heartbeats += 1;
                 return Ok(());
             }
+            // A new incarnation, or one that was only out of earshot (its lease lapsed, as
+            // in a NATS outage) or refused: it is back, and its stream starts from a snapshot.
             self.tombstones.remove(&id);
         }
         if let Some(fleet_block_size) = self
@@ -310,6 +312,14 @@ impl Fleet {
         verdict
     }
 
+    /// The router was out of earshot (its NATS connection dropped) until `now_ms`: silence
+    /// in that time says nothing of the workers, so every lease runs afresh from now.
+    pub fn renew_all(&mut self, now_ms: u64) {
+        for member in self.members.values_mut() {
+            member.renewed_ms = member.renewed_ms.max(now_ms);
+        }
+    }
+
     /// The clock: expires lapsed leases and forgets old tombstones.
     pub fn on_tick(&mut self, now_ms: u64, out: &mut Vec<FleetCommand>) {
         if let Some(ttl) = self.config.lease_ttl_ms {
@@ -356,12 +366,13 @@ impl Fleet {
             Departure::Refused => {}
         }
         let until = now_ms.saturating_add(self.config.tombstone_ttl_ms);
-        self.tombstones.insert(id, (member.info.epoch, until));
+        self.tombstones
+            .insert(id, (member.info.epoch, until, reason));
         out.push(FleetCommand::Departed { id, reason });
     }
 
     fn sweep_tombstones(&mut self, now_ms: u64) {
-        self.tombstones.retain(|_, (_, until)| now_ms <= *until);
+        self.tombstones.retain(|_, (_, until, _)| now_ms <= *until);
     }
 }
 

@@ -135,15 +135,29 @@ enum Input {
     Snapshot(Snapshot),
 }
 
-/// Requests routed to a stream since its last event: a worker that serves traffic but
-/// publishes nothing gives zero overlap forever (the field's most common KV-router failure).
+/// Requests routed to a stream that never published an event: a worker that serves traffic
+/// but publishes nothing gives zero overlap forever (the field's most common KV-router
+/// failure). A worker that has published is not silent when its requests store nothing new
+/// (a full prefix hit publishes no event), so only a stream never heard from is flagged.
 #[derive(Debug, Default)]
 struct Silence {
     routed_since_event: AtomicU64,
+    /// A batch arrived, or a heartbeat announced events published (`last_id > 0`).
+    heard: AtomicBool,
     flagged: AtomicBool,
 }
 
-/// Requests routed to a worker with no event since, before it is flagged as silent.
+impl Silence {
+    fn heard(&self, worker: &str) {
+        self.heard.store(true, Ordering::Relaxed);
+        self.routed_since_event.store(0, Ordering::Relaxed);
+        if self.flagged.swap(false, Ordering::Relaxed) {
+            metrics::gauge!("kvroute_worker_silent", "worker" => worker.to_owned()).set(0.0);
+        }
+    }
+}
+
+/// Requests routed to a worker never heard from, before it is flagged as silent.
 const SILENT_AFTER_REQUESTS: u64 = 8;
 
 struct StreamHandle {
@@ -301,13 +315,16 @@ impl EventPlane {
             return;
         };
         let s = &handle.silence;
+        if s.heard.load(Ordering::Relaxed) {
+            return;
+        }
         let routed = s.routed_since_event.fetch_add(1, Ordering::Relaxed) + 1;
         if routed >= SILENT_AFTER_REQUESTS && !s.flagged.swap(true, Ordering::Relaxed) {
             metrics::gauge!("kvroute_worker_silent", "worker" => key.0.to_string()).set(1.0);
             tracing::warn!(
                 worker = %key.0,
                 requests = routed,
-                "worker serves traffic but publishes no KV events: its overlap will read zero (check its event publisher and NATS subject)"
+                "worker serves traffic but has never published a KV event: its overlap will read zero (check its event publisher and NATS subject)"
             );
         }
     }
@@ -409,6 +426,11 @@ impl FleetOwner {
                 }
                 _ = tick.tick() => {
                     let now = self.now_ms();
+                    if !self.shared.transport.is_connected() {
+                        // Deaf, not abandoned: no lease lapses while NATS is out of reach
+                        // (the workers' HTTP may well be fine; routing to them goes on).
+                        self.fleet.renew_all(now);
+                    }
                     self.fleet.on_tick(now, &mut self.commands);
                     self.execute();
                     if now.saturating_sub(last_sweep) >= sweep_every {
@@ -422,6 +444,9 @@ impl FleetOwner {
                         continue;
                     }
                     tracing::warn!("reconnected to NATS: resyncing every worker stream");
+                    // Out of earshot, the router heard no heartbeat: that says nothing of
+                    // the workers, so their leases run from now.
+                    self.fleet.renew_all(self.now_ms());
                     self.shared.resync_all();
                 }
                 _ = shutdown.changed() => break,
@@ -732,12 +757,14 @@ async fn run_stream(
                             shared.lags.lock().record(lag);
                             metrics::histogram!("kvroute_event_lag_seconds").record(lag / 1e3);
                         }
-                        silence.routed_since_event.store(0, Ordering::Relaxed);
-                        if silence.flagged.swap(false, Ordering::Relaxed) {
-                            metrics::gauge!("kvroute_worker_silent", "worker" => worker.clone()).set(0.0);
-                        }
+                        silence.heard(&worker);
                     }
-                    Input::Watermark { epoch, last_id } => stream.on_watermark(now, epoch, last_id, &mut commands),
+                    Input::Watermark { epoch, last_id } => {
+                        if last_id > 0 {
+                            silence.heard(&worker);
+                        }
+                        stream.on_watermark(now, epoch, last_id, &mut commands);
+                    }
                     Input::Snapshot(snapshot) => stream.on_snapshot(now, snapshot, &mut commands),
                 }
             }

@@ -57,12 +57,13 @@ pub enum Transport {
     Local(LocalBus),
 }
 
-/// A NATS client and the count of its reconnections.
+/// A NATS client, the count of its reconnections and whether it is connected now.
 #[derive(Clone, Debug)]
 pub struct NatsTransport {
     /// The client.
     pub client: async_nats::Client,
     reconnects: watch::Receiver<u64>,
+    connected: watch::Receiver<bool>,
 }
 
 /// A subscription; `next` yields messages until the transport closes.
@@ -84,6 +85,8 @@ impl Transport {
     ) -> Result<Transport, TransportError> {
         let (tx, reconnects) = watch::channel(0u64);
         let tx = Arc::new(tx);
+        let (link, connected) = watch::channel(true);
+        let link = Arc::new(link);
         let connects = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let connect_error = |reason: String| TransportError::Connect {
             url: url.to_owned(),
@@ -128,16 +131,19 @@ impl Transport {
         let options = options
             .name(name)
             .event_callback(move |event| {
-                let (tx, connects) = (Arc::clone(&tx), Arc::clone(&connects));
+                let (tx, connects, link) =
+                    (Arc::clone(&tx), Arc::clone(&connects), Arc::clone(&link));
                 async move {
                     match event {
                         async_nats::Event::Connected => {
+                            link.send_replace(true);
                             // The first connect is not a reconnect.
                             if connects.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 0 {
                                 tx.send_modify(|n| *n += 1);
                             }
                         }
                         async_nats::Event::Disconnected => {
+                            link.send_replace(false);
                             tracing::warn!("NATS connection lost; reconnecting")
                         }
                         async_nats::Event::ServerError(e) => {
@@ -172,7 +178,11 @@ impl Transport {
                 }
             }
         };
-        Ok(Transport::Nats(NatsTransport { client, reconnects }))
+        Ok(Transport::Nats(NatsTransport {
+            client,
+            reconnects,
+            connected,
+        }))
     }
 
     /// Publishes `payload` on `subject`, with a reply subject if given.
@@ -273,6 +283,15 @@ impl Transport {
         match self {
             Transport::Nats(n) => Some(n.reconnects.clone()),
             Transport::Local(_) => None,
+        }
+    }
+
+    /// Whether the connection is up now (an in-process bus always is). While it is down the
+    /// router hears nobody, so silence then is no sign of a worker's death.
+    pub fn is_connected(&self) -> bool {
+        match self {
+            Transport::Nats(n) => *n.connected.borrow(),
+            Transport::Local(_) => true,
         }
     }
 }

@@ -283,6 +283,38 @@ async fn nats_server_restart_mid_run() {
     );
 }
 
+/// A NATS outage longer than the lease is the router's deafness, not the workers' death:
+/// every worker stays routable through it, and the index is exact after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_outage_longer_than_the_lease_keeps_every_worker_routable() {
+    let mut server = NatsServer::start().unwrap();
+    let (transport, registry) = nats(&server, "workers").await;
+    let (rt, rreg) = nats(&server, "router").await;
+    let r = router(rt, &rreg).await;
+    let sims = workers(&transport, &registry, 0..4, Faults::default()).await;
+    run_workload(&sims, 7, 20).await;
+    let all = eventually(Duration::from_secs(10), || {
+        r.scheduler.lock().workers().count() == 4
+    })
+    .await;
+    assert!(all, "the workers never became routable");
+    server.kill();
+    // The outage lasts 2.5 leases (the fault's length, not a wait for a condition).
+    let outage = std::time::Instant::now() + Duration::from_millis(2_500);
+    while std::time::Instant::now() < outage {
+        assert_eq!(
+            r.scheduler.lock().workers().count(),
+            4,
+            "a worker was dropped while the router could not hear it"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    server.restart().unwrap();
+    run_workload(&sims, 8, 20).await;
+    assert_exact(&r, &sims).await;
+    assert_eq!(r.scheduler.lock().workers().count(), 4);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_router_replicas_build_the_same_index() {
     let server = NatsServer::start().unwrap();

@@ -139,7 +139,7 @@ fn a_batch_after_goodbye_is_dropped_and_does_not_resurrect_the_worker() {
 }
 
 #[test]
-fn a_lapsed_lease_expires_and_a_renewed_one_does_not() {
+fn a_lapsed_lease_expires_a_renewed_one_does_not_and_a_lapsed_worker_can_return() {
     let mut fleet = Fleet::new(config());
     let mut out = Vec::new();
     let mut d = Driver::default();
@@ -161,6 +161,20 @@ fn a_lapsed_lease_expires_and_a_renewed_one_does_not() {
     }));
     d.apply(&mut out);
     assert_eq!(d.streams, BTreeSet::from([(WorkerId(2), DpRank(0))]));
+    // An incarnation that was only out of earshot comes back with its next heartbeat.
+    fleet
+        .on_registration(1_500, info(1, 7, 1, "m", 16), &mut out)
+        .unwrap();
+    d.apply(&mut out);
+    assert_eq!(d.streams.len(), 2);
+    assert_eq!(fleet.stats().zombie_heartbeats, 0);
+    // After the router's own outage every lease runs from its reconnection.
+    fleet.renew_all(2_400);
+    fleet.on_tick(3_000, &mut out);
+    assert!(out.is_empty());
+    fleet.on_tick(3_401, &mut out);
+    d.apply(&mut out);
+    assert!(d.streams.is_empty());
     // Static fleets never expire.
     let mut fixed = Fleet::new(FleetConfig {
         lease_ttl_ms: None,

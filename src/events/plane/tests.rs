@@ -220,3 +220,29 @@ async fn a_closed_registry_watch_is_fatal() {
     let reason = failed.wait_for(Option::is_some).await.unwrap().clone();
     assert!(reason.unwrap().contains("registry"));
 }
+
+/// A worker routed to that has never published an event is flagged silent; one that has
+/// published is not, however many of its requests store nothing new (full prefix hits).
+#[tokio::test(start_paused = true)]
+async fn only_a_worker_never_heard_from_is_flagged_silent() {
+    let s = setup(LeaseConfig::default()).await;
+    s.local.put(info(1, 1));
+    s.local.put(info(2, 1));
+    assert!(settle(|| s.plane.streams().len() == 2).await);
+    s.bus
+        .publish("kvroute.t.events.2", None, batch(2, 1, 16))
+        .await
+        .unwrap();
+    assert!(settle(|| s.plane.indexer().sizes().blocks == 4).await);
+    for _ in 0..2 * SILENT_AFTER_REQUESTS {
+        s.plane.note_routed((WorkerId(1), DpRank(0)));
+        s.plane.note_routed((WorkerId(2), DpRank(0)));
+    }
+    assert_eq!(s.plane.silent_workers(), vec![WorkerId(1)]);
+    // Its first batch clears the flag.
+    s.bus
+        .publish("kvroute.t.events.1", None, batch(1, 1, 16))
+        .await
+        .unwrap();
+    assert!(settle(|| s.plane.silent_workers().is_empty()).await);
+}
