@@ -175,6 +175,7 @@ pub async fn run(args: &Args) -> anyhow::Result<Report> {
     let config = PlaneConfig {
         cluster: "bench".into(),
         queue_batches: 1 << 20,
+        lag_samples: 100_000,
         ..PlaneConfig::default()
     };
     let plane = EventPlane::start(

@@ -54,6 +54,9 @@ pub struct PlaneConfig {
     /// How often the fleet owner checks that no stream, lane or scheduler entry outlived
     /// its worker, ms.
     pub sweep_ms: u64,
+    /// Publish → apply lags kept for [`EventPlane::lag_samples`] (the newest ones; the
+    /// `kvroute_event_lag_seconds` histogram sees every batch). Benchmarks raise it.
+    pub lag_samples: usize,
 }
 
 impl Default for PlaneConfig {
@@ -66,6 +69,7 @@ impl Default for PlaneConfig {
             snapshot_fetch_ms: 2_000,
             tombstone_ttl_ms: 60_000,
             sweep_ms: 1_000,
+            lag_samples: 1_024,
         }
     }
 }
@@ -174,17 +178,16 @@ struct StreamHandle {
 pub struct LagSamples {
     samples: Vec<f64>,
     next: usize,
+    capacity: usize,
 }
-
-const LAG_SAMPLES: usize = 100_000;
 
 impl LagSamples {
     fn record(&mut self, ms: f64) {
-        if self.samples.len() < LAG_SAMPLES {
+        if self.samples.len() < self.capacity {
             self.samples.push(ms);
-        } else {
+        } else if self.capacity > 0 {
             self.samples[self.next] = ms;
-            self.next = (self.next + 1) % LAG_SAMPLES;
+            self.next = (self.next + 1) % self.capacity;
         }
     }
 }
@@ -235,6 +238,10 @@ impl EventPlane {
             lease_ttl_ms: watch.lease_ttl_ms,
             tombstone_ttl_ms: config.tombstone_ttl_ms,
         });
+        let lags = Mutex::new(LagSamples {
+            capacity: config.lag_samples,
+            ..LagSamples::default()
+        });
         let shared = Arc::new(Shared {
             transport,
             indexer,
@@ -243,7 +250,7 @@ impl EventPlane {
             streams: Mutex::default(),
             view: RwLock::default(),
             counters: PlaneCounters::default(),
-            lags: Mutex::default(),
+            lags,
             scheduler,
             failure: watch::channel(None).0,
         });
@@ -302,7 +309,7 @@ impl EventPlane {
         self.shared.failure.subscribe()
     }
 
-    /// The recent publish → apply lags, ms (up to the last 100,000 batches).
+    /// The recent publish → apply lags, ms (up to the last `lag_samples` batches).
     pub fn lag_samples(&self) -> Vec<f64> {
         self.shared.lags.lock().samples.clone()
     }
