@@ -69,6 +69,30 @@ pub enum GpuError {
     Piece(#[from] PieceError),
 }
 
+/// The kernels' entry points in `kernels.cu`.
+pub const KERNELS: [&str; 4] = [
+    "copy_pieces",
+    "fill_pieces",
+    "checksum_pieces",
+    "verify_pieces",
+];
+
+/// Whether NVRTC (`libnvrtc.so`) can be opened; it needs no GPU.
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only probes whether the shared library can be opened.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Compiles every kernel for compute capability `major.minor` with NVRTC, as [`Gpu::new`]
+/// does for its device (no GPU needed): a check that the source builds for an
+/// architecture before any device of it is met.
+pub fn compile(major: i32, minor: i32) -> Result<Ptx, GpuError> {
+    if !nvrtc_present() {
+        return Err(GpuError::NoNvrtc);
+    }
+    ptx_for(major, minor)
+}
+
 /// PTX per compute capability, compiled once per process.
 fn ptx_for(major: i32, minor: i32) -> Result<Ptx, GpuError> {
     static CACHE: OnceLock<Mutex<HashMap<(i32, i32), Ptx>>> = OnceLock::new();
@@ -146,8 +170,7 @@ impl Gpu {
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(GpuError::NoDriver);
         }
-        // SAFETY: as above.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        if !nvrtc_present() {
             return Err(GpuError::NoNvrtc);
         }
         let count = CudaContext::device_count()?;
@@ -157,11 +180,12 @@ impl Gpu {
         let ctx = CudaContext::new(ordinal)?;
         let arch = ctx.compute_capability()?;
         let module = ctx.load_module(ptx_for(arch.0, arch.1)?)?;
+        let [copy, fill, checksum, verify] = KERNELS;
         Ok(Gpu {
-            copy: module.load_function("copy_pieces")?,
-            fill: module.load_function("fill_pieces")?,
-            checksum: module.load_function("checksum_pieces")?,
-            verify: module.load_function("verify_pieces")?,
+            copy: module.load_function(copy)?,
+            fill: module.load_function(fill)?,
+            checksum: module.load_function(checksum)?,
+            verify: module.load_function(verify)?,
             name: ctx.name()?,
             arch,
             ctx,
