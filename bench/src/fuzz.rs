@@ -569,10 +569,15 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
     };
     // Panics are expected to be caught; keep their messages off the terminal.
     std::panic::set_hook(Box::new(|_| {}));
-    let per = args.inputs / targets.len() as u64;
+    // Split `--inputs` exactly: the first `inputs % targets` decoders get one more.
+    let n = targets.len() as u64;
     let reports: Vec<TargetReport> = targets
         .iter()
-        .map(|t| fuzz_target(t, per, args.seed, args.crashes.as_deref()))
+        .zip(0u64..)
+        .map(|(t, i)| {
+            let share = args.inputs / n + u64::from(i < args.inputs % n);
+            fuzz_target(t, share, args.seed, args.crashes.as_deref())
+        })
         .collect();
     let _ = std::panic::take_hook();
     Ok(Report {
