@@ -138,7 +138,13 @@ impl WorkerInfo {
             );
         }
         let scheme_ok = self.url.starts_with("http://") || self.url.starts_with("https://");
-        if !scheme_ok || self.url.len() > MAX_URL_BYTES || !printable(&self.url) {
+        // The router builds `{url}/internal/generate` from it: it must parse as a URI.
+        let parses = || {
+            format!("{}/internal/generate", self.url.trim_end_matches('/'))
+                .parse::<hyper::Uri>()
+                .is_ok_and(|u| u.authority().is_some())
+        };
+        if !scheme_ok || self.url.len() > MAX_URL_BYTES || !printable(&self.url) || !parses() {
             return bad(
                 "url",
                 format!("must be an http(s) URL of at most {MAX_URL_BYTES} bytes"),
@@ -601,5 +607,30 @@ impl Registration {
 impl Drop for Registration {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_url_the_router_cannot_build_a_request_from_is_refused() {
+        let mut info = WorkerInfo {
+            id: WorkerId(1),
+            url: "http://127.0.0.1:9000".into(),
+            block_size: 16,
+            g1_blocks: 100,
+            g2_blocks: 0,
+            model: "m".into(),
+            dp_size: 1,
+            epoch: 1,
+            last_event_ids: vec![0],
+        };
+        assert!(info.validate().is_ok());
+        for bad in ["http://", "http://host<x>", "http://a\\b", "ftp://host"] {
+            info.url = bad.into();
+            assert!(info.validate().is_err(), "{bad:?} accepted");
+        }
     }
 }
