@@ -10,6 +10,8 @@
 //! - [`events`]: the fleet state machine (which workers exist, leases, tombstones) and the
 //!   per-worker event streams: ordering, gaps, epochs and the snapshot resync that keep the
 //!   index an exact mirror of every worker's cache; replicas sharing their load.
+//! - [`engines`]: vLLM's and SGLang's KV events (ZMQ, msgpack) turned into kvroute's, for the
+//!   sidecar beside an engine and the router's direct mode.
 //! - [`ingress`]: the HTTP front door: OpenAI API, routing, proxying with streamed relay,
 //!   admin views and metrics; [`http`] is the server it runs on (shared with workers).
 //! - [`auth`]: API keys, the admin token, NATS credentials and TLS.
@@ -25,6 +27,7 @@
 
 pub mod auth;
 pub mod discovery;
+pub mod engines;
 pub mod events;
 pub mod http;
 pub mod indexer;

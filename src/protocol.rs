@@ -11,7 +11,7 @@ pub use codec::{
     DecodeError, EncodeError, FORMAT_VERSION, HEADER_LEN, Limits, MAGIC, decode, encode,
     encode_split, split_batch,
 };
-pub use events::{EventBatch, KvEvent, KvEventData, StoredBlock, parents_first};
+pub use events::{BlockChange, EventBatch, KvEvent, KvEventData, StoredBlock, parents_first};
 pub use hashing::{BlockHash, HASH_SEED, Salt, extend_blocks, hash_blocks, local_hash, seq_hash};
 pub use ids::{DpRank, LocalHash, SeqHash, Tier, WorkerId};
 pub use snapshot::{

@@ -126,3 +126,25 @@ pub fn parents_first(
     }
     out
 }
+
+/// A change to the resident set of a tier, in the order it happened; a publisher turns
+/// these into KV events (the worker's block manager and an engine mirror both produce them).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BlockChange {
+    /// A block became resident in `tier`.
+    Stored {
+        /// The tier.
+        tier: Tier,
+        /// `SeqHash` of the block it extends.
+        parent: Option<SeqHash>,
+        /// The block.
+        block: StoredBlock,
+    },
+    /// A block left `tier`.
+    Removed {
+        /// The tier.
+        tier: Tier,
+        /// The block.
+        seq: SeqHash,
+    },
+}

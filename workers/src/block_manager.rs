@@ -40,27 +40,8 @@ impl BlockId {
     }
 }
 
-/// A change to the resident set of a tier, in the order it happened; the publisher turns
-/// these into KV events.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Change {
-    /// A block became resident in `tier`.
-    Stored {
-        /// The tier.
-        tier: Tier,
-        /// `SeqHash` of the block it extends.
-        parent: Option<SeqHash>,
-        /// The block.
-        block: StoredBlock,
-    },
-    /// A block left `tier`.
-    Removed {
-        /// The tier.
-        tier: Tier,
-        /// The block.
-        seq: SeqHash,
-    },
-}
+/// A change to the resident set of a tier (the protocol's [`BlockChange`]).
+pub use kvroute::protocol::BlockChange as Change;
 
 /// How far a request's blocks are cached.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -1,0 +1,392 @@
+//! One engine's cache as its events describe it, in kvroute's terms: turns decoded engine
+//! batches into [`BlockChange`]s with kvroute's own hashes (computed from the events' token
+//! ids, as the router hashes prompts), and keeps the engine's hash → kvroute's map that
+//! removals and token-less stores need. Also the seq check that finds lost and repeated
+//! batches. No I/O.
+
+use std::collections::VecDeque;
+use std::num::NonZeroUsize;
+
+use rustc_hash::FxHashMap;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use super::wire::{EngineBatch, EngineEvent, EngineHash, ExtraKey, MAX_GROUP, Stored};
+use crate::protocol::{
+    BlockChange, HASH_SEED, LocalHash, Salt, SeqHash, StoredBlock, Tier, local_hash, seq_hash,
+};
+
+/// Blocks whose every tier has gone are remembered this long (in blocks) so that a later
+/// token-less store of the same block (an offload tier reporting its copy after the GPU
+/// evicted it) still resolves.
+const GHOSTS: usize = 1 << 16;
+
+/// The salt of a sequence computed with a LoRA adapter and a cache salt: how the router
+/// hashes a request for adapter `lora` with `cache_salt`, and how a mirror hashes an engine's
+/// blocks carrying them. No adapter and no salt is [`Salt::NONE`].
+pub fn engine_salt(lora: Option<&str>, cache_salt: Option<&str>) -> Salt {
+    if lora.is_none() && cache_salt.is_none() {
+        return Salt::NONE;
+    }
+    let mut bytes = Vec::new();
+    for part in [lora, cache_salt] {
+        let part = part.unwrap_or("");
+        bytes.extend_from_slice(&(part.len() as u64).to_le_bytes());
+        bytes.extend_from_slice(part.as_bytes());
+    }
+    // Never zero: zero means no salt.
+    Salt(xxh3_64_with_seed(&bytes, HASH_SEED).max(1))
+}
+
+/// Whether a KV-cache group holds the whole prefix (full attention, in any of its forms):
+/// only such groups may count as prefix residency. A sliding-window or linear-attention
+/// group keeps a suffix, and a request cannot reuse a prefix from it alone.
+fn full_prefix(kind: &str) -> bool {
+    matches!(
+        kind,
+        "full_attention" | "mla_attention" | "sink_full_attention"
+    )
+}
+
+/// What a mirror skipped or could not resolve, by cause.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MirrorStats {
+    /// Batches applied.
+    pub batches: u64,
+    /// Blocks stored (in any tier).
+    pub stored: u64,
+    /// Blocks removed (from any tier).
+    pub removed: u64,
+    /// Stores whose `block_size` differs from the configured one: not indexed.
+    pub block_size_mismatch: u64,
+    /// Stores whose token count is not `block_size` per block: not indexed.
+    pub malformed: u64,
+    /// Blocks whose parent the mirror does not know (stored before it started, or lost):
+    /// their kvroute hash cannot be computed, so they are not indexed.
+    pub orphans: u64,
+    /// Token-less stores and removals of blocks the mirror does not know.
+    pub unresolved: u64,
+    /// Events of groups that do not hold the whole prefix (sliding window, Mamba).
+    pub other_groups: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    block: StoredBlock,
+    parent: Option<SeqHash>,
+    /// Stores minus removes per tier (an engine may store a block twice).
+    refs: [u32; 4],
+}
+
+fn tier_index(t: Tier) -> usize {
+    t as usize
+}
+
+const TIERS: [Tier; 4] = Tier::ALL;
+
+/// One engine (one data-parallel rank) as its events describe it.
+#[derive(Debug)]
+pub struct EngineMirror {
+    block_size: NonZeroUsize,
+    blocks: FxHashMap<EngineHash, Entry>,
+    /// Released entries, oldest first, kept for token-less stores (bounded by [`GHOSTS`]).
+    ghosts: FxHashMap<EngineHash, Entry>,
+    ghost_order: VecDeque<EngineHash>,
+    /// Per group index, whether it holds the whole prefix (learned from stores' kinds).
+    groups: [Option<bool>; MAX_GROUP as usize + 1],
+    stats: MirrorStats,
+    /// The last block size an engine sent that differs from the configured one.
+    wrong_block_size: Option<u32>,
+}
+
+impl EngineMirror {
+    /// An empty mirror of an engine whose blocks hold `block_size` tokens.
+    pub fn new(block_size: NonZeroUsize) -> Self {
+        EngineMirror {
+            block_size,
+            blocks: FxHashMap::default(),
+            ghosts: FxHashMap::default(),
+            ghost_order: VecDeque::new(),
+            groups: [None; MAX_GROUP as usize + 1],
+            stats: MirrorStats::default(),
+            wrong_block_size: None,
+        }
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> MirrorStats {
+        self.stats
+    }
+
+    /// The block size the engine used where it differed from the configured one.
+    pub fn wrong_block_size(&self) -> Option<u32> {
+        self.wrong_block_size
+    }
+
+    /// Blocks held in at least one tier.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Whether no block is held.
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// Applies one batch, appending what changed.
+    pub fn apply(&mut self, batch: &EngineBatch, out: &mut Vec<BlockChange>) {
+        self.stats.batches += 1;
+        for event in &batch.events {
+            match event {
+                EngineEvent::Stored(s) => self.stored(s, out),
+                EngineEvent::Removed {
+                    hashes,
+                    medium,
+                    group,
+                } => {
+                    if group.is_some_and(|g| self.groups[g as usize] == Some(false)) {
+                        self.stats.other_groups += hashes.len() as u64;
+                        continue;
+                    }
+                    for h in hashes {
+                        self.release(*h, medium.tier(), out);
+                    }
+                }
+                EngineEvent::Cleared => self.clear(out),
+            }
+        }
+    }
+
+    /// Everything held is gone (the engine cleared its cache, restarted, or events were lost
+    /// with no way to replay them).
+    pub fn clear(&mut self, out: &mut Vec<BlockChange>) {
+        for (_, e) in self.blocks.drain() {
+            for (i, tier) in TIERS.iter().enumerate() {
+                if e.refs[i] > 0 {
+                    self.stats.removed += 1;
+                    out.push(BlockChange::Removed {
+                        tier: *tier,
+                        seq: e.block.seq,
+                    });
+                }
+            }
+        }
+        self.ghosts.clear();
+        self.ghost_order.clear();
+    }
+
+    fn stored(&mut self, s: &Stored, out: &mut Vec<BlockChange>) {
+        let n = s.hashes.len() as u64;
+        if let Some(kind) = &s.spec_kind {
+            let full = full_prefix(kind);
+            if let Some(g) = s.group {
+                self.groups[g as usize] = Some(full);
+            }
+            if !full {
+                self.stats.other_groups += n;
+                return;
+            }
+        } else if s
+            .group
+            .is_some_and(|g| self.groups[g as usize] == Some(false))
+        {
+            self.stats.other_groups += n;
+            return;
+        }
+        let tier = s.medium.tier();
+        if s.token_ids.is_empty() {
+            // An offload tier's copy of blocks the engine named before.
+            for h in &s.hashes {
+                match self.lookup(*h) {
+                    Some(e) => self.hold(*h, e, tier, out),
+                    None => self.stats.unresolved += 1,
+                }
+            }
+            return;
+        }
+        let bs = self.block_size.get();
+        if s.block_size as usize != bs {
+            self.stats.block_size_mismatch += n;
+            self.wrong_block_size = Some(s.block_size);
+            return;
+        }
+        if s.token_ids.len() != s.hashes.len() * bs {
+            self.stats.malformed += n;
+            return;
+        }
+        let mut parent = match s.parent {
+            None => None,
+            Some(p) => match self.lookup(p) {
+                Some(e) => Some(e.block.seq),
+                None => {
+                    self.stats.orphans += n;
+                    return;
+                }
+            },
+        };
+        let lora = s.lora_name.as_deref();
+        for (i, (h, tokens)) in s
+            .hashes
+            .iter()
+            .zip(s.token_ids.chunks_exact(bs))
+            .enumerate()
+        {
+            let keys = s.extra_keys.get(i).map(Vec::as_slice).unwrap_or(&[]);
+            let mut local = local_hash(tokens);
+            let mut cache_salt = s.cache_salt.as_deref();
+            for key in keys {
+                match key {
+                    // The adapter's name is in the salt already.
+                    ExtraKey::Str(k) if Some(k.as_str()) == lora => {}
+                    // vLLM puts the request's cache salt on the first block's keys.
+                    ExtraKey::Str(k) if parent.is_none() && cache_salt.is_none() => {
+                        cache_salt = Some(k);
+                    }
+                    other => local = mix(local, other),
+                }
+            }
+            let salt = engine_salt(lora, cache_salt);
+            let seq = seq_hash(parent, local, salt);
+            let entry = Entry {
+                block: StoredBlock { seq, local },
+                parent,
+                refs: [0; 4],
+            };
+            let entry = match self.lookup(*h) {
+                Some(e) if e.block == entry.block => e,
+                _ => entry,
+            };
+            self.hold(*h, entry, tier, out);
+            parent = Some(seq);
+        }
+    }
+
+    /// The entry for `h`, live or remembered.
+    fn lookup(&self, h: EngineHash) -> Option<Entry> {
+        self.blocks.get(&h).or_else(|| self.ghosts.get(&h)).copied()
+    }
+
+    fn hold(&mut self, h: EngineHash, entry: Entry, tier: Tier, out: &mut Vec<BlockChange>) {
+        let e = self.blocks.entry(h).or_insert(entry);
+        if e.block != entry.block {
+            // The engine reused a hash for other content: the old block is gone.
+            for (i, t) in TIERS.iter().enumerate() {
+                if e.refs[i] > 0 {
+                    out.push(BlockChange::Removed {
+                        tier: *t,
+                        seq: e.block.seq,
+                    });
+                }
+            }
+            *e = entry;
+        }
+        let refs = &mut e.refs[tier_index(tier)];
+        *refs = refs.saturating_add(1);
+        if *refs == 1 {
+            self.stats.stored += 1;
+            out.push(BlockChange::Stored {
+                tier,
+                parent: e.parent,
+                block: e.block,
+            });
+        }
+    }
+
+    fn release(&mut self, h: EngineHash, tier: Tier, out: &mut Vec<BlockChange>) {
+        let Some(e) = self.blocks.get_mut(&h) else {
+            self.stats.unresolved += 1;
+            return;
+        };
+        let refs = &mut e.refs[tier_index(tier)];
+        if *refs == 0 {
+            self.stats.unresolved += 1;
+            return;
+        }
+        *refs -= 1;
+        if *refs == 0 {
+            self.stats.removed += 1;
+            out.push(BlockChange::Removed {
+                tier,
+                seq: e.block.seq,
+            });
+        }
+        if e.refs == [0; 4] {
+            let e = self.blocks.remove(&h).expect("invariant: just found");
+            self.remember(h, e);
+        }
+    }
+
+    fn remember(&mut self, h: EngineHash, e: Entry) {
+        if self.ghosts.insert(h, e).is_none() {
+            self.ghost_order.push_back(h);
+        }
+        while self.ghost_order.len() > GHOSTS {
+            if let Some(old) = self.ghost_order.pop_front() {
+                self.ghosts.remove(&old);
+            }
+        }
+    }
+}
+
+/// A block's local hash with one of its per-block extra keys mixed in (a multimodal input):
+/// a request the router hashes from text alone never matches such a block, which is right,
+/// since the engine would not reuse it for that request either.
+fn mix(local: LocalHash, key: &ExtraKey) -> LocalHash {
+    let mut bytes = local.0.to_le_bytes().to_vec();
+    match key {
+        ExtraKey::Str(s) => bytes.extend_from_slice(s.as_bytes()),
+        ExtraKey::Other(b) => bytes.extend_from_slice(b),
+    }
+    LocalHash(xxh3_64_with_seed(&bytes, HASH_SEED))
+}
+
+/// What a batch's sequence number says about the stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SeqCheck {
+    /// The first batch seen: nothing older is known.
+    First,
+    /// The next one.
+    Next,
+    /// Batches `expected..seq` were lost.
+    Gap {
+        /// The first missing seq.
+        expected: u64,
+    },
+    /// Seq went back: the engine restarted (its publisher counts from 0 again).
+    Restarted,
+}
+
+/// The publisher's sequence as seen so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SeqTracker {
+    next: Option<u64>,
+}
+
+impl SeqTracker {
+    /// What `seq` means; does not advance.
+    pub fn check(&self, seq: u64) -> SeqCheck {
+        match self.next {
+            None => SeqCheck::First,
+            Some(n) if seq == n => SeqCheck::Next,
+            Some(n) if seq > n => SeqCheck::Gap { expected: n },
+            Some(_) => SeqCheck::Restarted,
+        }
+    }
+
+    /// The seq expected next, if any batch was seen.
+    pub fn expected(&self) -> Option<u64> {
+        self.next
+    }
+
+    /// `seq` was applied.
+    pub fn advance(&mut self, seq: u64) {
+        self.next = Some(seq.saturating_add(1));
+    }
+
+    /// Forget the stream (a reconnect to a publisher that may have restarted).
+    pub fn reset(&mut self) {
+        self.next = None;
+    }
+}
+
+#[cfg(test)]
+mod tests;

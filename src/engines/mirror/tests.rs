@@ -1,0 +1,297 @@
+use std::num::NonZeroUsize;
+
+use super::*;
+use crate::engines::wire::{Medium, Stored};
+use crate::protocol::hash_blocks;
+
+const BS: usize = 4;
+
+fn bs() -> NonZeroUsize {
+    NonZeroUsize::new(BS).unwrap()
+}
+
+fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], medium: Medium) -> EngineEvent {
+    EngineEvent::Stored(Stored {
+        hashes: hashes.iter().map(|h| EngineHash(*h)).collect(),
+        parent: parent.map(EngineHash),
+        token_ids: tokens.to_vec(),
+        block_size: if tokens.is_empty() { 0 } else { BS as u32 },
+        medium,
+        lora_name: None,
+        extra_keys: Vec::new(),
+        cache_salt: None,
+        group: None,
+        spec_kind: None,
+    })
+}
+
+fn removed(hashes: &[u64], medium: Medium) -> EngineEvent {
+    EngineEvent::Removed {
+        hashes: hashes.iter().map(|h| EngineHash(*h)).collect(),
+        medium,
+        group: None,
+    }
+}
+
+fn apply(m: &mut EngineMirror, events: Vec<EngineEvent>) -> Vec<BlockChange> {
+    let mut out = Vec::new();
+    m.apply(
+        &EngineBatch {
+            ts: 0.0,
+            events,
+            dp_rank: None,
+        },
+        &mut out,
+    );
+    out
+}
+
+fn tokens(n: usize) -> Vec<u32> {
+    (0..n as u32).map(|t| t * 7 + 1).collect()
+}
+
+#[test]
+fn stores_get_the_hashes_the_router_computes_for_the_prompt() {
+    let toks = tokens(3 * BS);
+    let want = hash_blocks(&toks, bs(), Salt::NONE);
+    let mut m = EngineMirror::new(bs());
+    // Two events: the engine names blocks its own way; the second continues the first.
+    let mut out = apply(
+        &mut m,
+        vec![stored(&[100, 101], None, &toks[..2 * BS], Medium::Gpu)],
+    );
+    out.extend(apply(
+        &mut m,
+        vec![stored(&[102], Some(101), &toks[2 * BS..], Medium::Gpu)],
+    ));
+    let got: Vec<(Option<SeqHash>, SeqHash, LocalHash)> = out
+        .iter()
+        .map(|c| match c {
+            BlockChange::Stored {
+                tier: Tier::Device,
+                parent,
+                block,
+            } => (*parent, block.seq, block.local),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    let expect: Vec<_> = want
+        .iter()
+        .enumerate()
+        .map(|(i, b)| (i.checked_sub(1).map(|p| want[p].seq), b.seq, b.local))
+        .collect();
+    assert_eq!(got, expect);
+    // Removal by the engine's name.
+    assert_eq!(
+        apply(&mut m, vec![removed(&[101], Medium::Gpu)]),
+        vec![BlockChange::Removed {
+            tier: Tier::Device,
+            seq: want[1].seq
+        }]
+    );
+    assert_eq!(m.len(), 2);
+}
+
+#[test]
+fn token_less_offload_stores_resolve_through_the_engine_hash() {
+    let toks = tokens(BS);
+    let seq = hash_blocks(&toks, bs(), Salt::NONE)[0].seq;
+    let mut m = EngineMirror::new(bs());
+    apply(&mut m, vec![stored(&[9], None, &toks, Medium::Gpu)]);
+    let out = apply(
+        &mut m,
+        vec![
+            stored(&[9], None, &[], Medium::Cpu),
+            removed(&[9], Medium::Gpu),
+            stored(&[77], None, &[], Medium::Cpu),
+        ],
+    );
+    assert!(
+        matches!(out[0], BlockChange::Stored { tier: Tier::Host, block, .. } if block.seq == seq)
+    );
+    assert_eq!(
+        out[1],
+        BlockChange::Removed {
+            tier: Tier::Device,
+            seq
+        }
+    );
+    assert_eq!(out.len(), 2, "the unknown 77 resolves to nothing");
+    assert_eq!(m.stats().unresolved, 1);
+    // Gone from every tier, then offloaded again: still resolved (remembered).
+    apply(&mut m, vec![removed(&[9], Medium::Cpu)]);
+    assert!(m.is_empty());
+    let out = apply(
+        &mut m,
+        vec![stored(&[9], None, &[], Medium::Other("STORAGE".into()))],
+    );
+    assert!(
+        matches!(out[0], BlockChange::Stored { tier: Tier::Disk, block, .. } if block.seq == seq)
+    );
+}
+
+#[test]
+fn a_block_stored_twice_stays_until_removed_twice() {
+    let toks = tokens(BS);
+    let mut m = EngineMirror::new(bs());
+    let once = apply(&mut m, vec![stored(&[1], None, &toks, Medium::Gpu)]);
+    assert_eq!(once.len(), 1);
+    assert!(apply(&mut m, vec![stored(&[1], None, &toks, Medium::Gpu)]).is_empty());
+    assert!(apply(&mut m, vec![removed(&[1], Medium::Gpu)]).is_empty());
+    assert_eq!(apply(&mut m, vec![removed(&[1], Medium::Gpu)]).len(), 1);
+    assert!(apply(&mut m, vec![removed(&[1], Medium::Gpu)]).is_empty());
+    assert_eq!(m.stats().unresolved, 1);
+}
+
+#[test]
+fn a_wrong_block_size_or_token_count_or_unknown_parent_is_counted_not_indexed() {
+    let mut m = EngineMirror::new(bs());
+    let mut e = stored(&[1], None, &tokens(8), Medium::Gpu);
+    if let EngineEvent::Stored(s) = &mut e {
+        s.block_size = 8;
+    }
+    assert!(apply(&mut m, vec![e]).is_empty());
+    assert_eq!(
+        (m.stats().block_size_mismatch, m.wrong_block_size()),
+        (1, Some(8))
+    );
+    assert!(
+        apply(
+            &mut m,
+            vec![stored(&[1, 2], None, &tokens(BS), Medium::Gpu)]
+        )
+        .is_empty()
+    );
+    assert_eq!(m.stats().malformed, 2);
+    assert!(
+        apply(
+            &mut m,
+            vec![stored(&[3], Some(404), &tokens(BS), Medium::Gpu)]
+        )
+        .is_empty()
+    );
+    assert_eq!(m.stats().orphans, 1);
+}
+
+#[test]
+fn lora_and_cache_salt_name_their_own_blocks() {
+    let toks = tokens(2 * BS);
+    let mut base = EngineMirror::new(bs());
+    let mut adapter = EngineMirror::new(bs());
+    let plain = apply(&mut base, vec![stored(&[1, 2], None, &toks, Medium::Gpu)]);
+    let mut e = stored(&[1, 2], None, &toks, Medium::Gpu);
+    if let EngineEvent::Stored(s) = &mut e {
+        s.lora_name = Some("a".into());
+        // vLLM: the adapter's name on every block, the cache salt on the first.
+        s.extra_keys = vec![
+            vec![ExtraKey::Str("a".into()), ExtraKey::Str("s1".into())],
+            vec![ExtraKey::Str("a".into())],
+        ];
+    }
+    let salted = apply(&mut adapter, vec![e]);
+    let want = hash_blocks(&toks, bs(), engine_salt(Some("a"), Some("s1")));
+    let seqs = |c: &[BlockChange]| {
+        c.iter()
+            .map(|c| match c {
+                BlockChange::Stored { block, .. } => block.seq,
+                BlockChange::Removed { seq, .. } => *seq,
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        seqs(&salted),
+        want.iter().map(|b| b.seq).collect::<Vec<_>>()
+    );
+    assert_ne!(seqs(&salted), seqs(&plain));
+    assert_ne!(engine_salt(Some("a"), None), engine_salt(None, Some("a")));
+    assert_eq!(engine_salt(None, None), Salt::NONE);
+}
+
+#[test]
+fn multimodal_keys_make_blocks_no_text_prompt_matches() {
+    let toks = tokens(BS);
+    let mut m = EngineMirror::new(bs());
+    let mut e = stored(&[1], None, &toks, Medium::Gpu);
+    if let EngineEvent::Stored(s) = &mut e {
+        s.extra_keys = vec![vec![ExtraKey::Other(vec![0x92, 0xa3, b'i', b'm', b'g', 0])]];
+    }
+    let out = apply(&mut m, vec![e]);
+    let BlockChange::Stored { block, .. } = out[0] else {
+        panic!()
+    };
+    assert_ne!(block.seq, hash_blocks(&toks, bs(), Salt::NONE)[0].seq);
+}
+
+#[test]
+fn only_groups_that_hold_the_whole_prefix_count() {
+    let toks = tokens(BS);
+    let mut m = EngineMirror::new(bs());
+    let in_group = |e: EngineEvent, g: u32, kind: Option<&str>| match e {
+        EngineEvent::Stored(mut s) => {
+            s.group = Some(g);
+            s.spec_kind = kind.map(str::to_owned);
+            EngineEvent::Stored(s)
+        }
+        EngineEvent::Removed { hashes, medium, .. } => EngineEvent::Removed {
+            hashes,
+            medium,
+            group: Some(g),
+        },
+        e => e,
+    };
+    let out = apply(
+        &mut m,
+        vec![
+            in_group(
+                stored(&[1], None, &toks, Medium::Gpu),
+                0,
+                Some("full_attention"),
+            ),
+            in_group(
+                stored(&[1], None, &toks, Medium::Gpu),
+                1,
+                Some("sliding_window"),
+            ),
+        ],
+    );
+    assert_eq!(out.len(), 1);
+    assert_eq!(m.stats().other_groups, 1);
+    // The sliding-window group drops the block: the full-attention group still holds it.
+    assert!(apply(&mut m, vec![in_group(removed(&[1], Medium::Gpu), 1, None)]).is_empty());
+    assert_eq!(
+        apply(&mut m, vec![in_group(removed(&[1], Medium::Gpu), 0, None)]).len(),
+        1
+    );
+}
+
+#[test]
+fn cleared_removes_every_tier_of_every_block() {
+    let toks = tokens(2 * BS);
+    let mut m = EngineMirror::new(bs());
+    apply(
+        &mut m,
+        vec![
+            stored(&[1, 2], None, &toks, Medium::Gpu),
+            stored(&[1], None, &[], Medium::Cpu),
+        ],
+    );
+    let mut out = apply(&mut m, vec![EngineEvent::Cleared]);
+    out.sort_by_key(|c| format!("{c:?}"));
+    assert_eq!(out.len(), 3);
+    assert!(m.is_empty());
+    // Forgotten entirely: a later token-less store does not resolve.
+    assert!(apply(&mut m, vec![stored(&[1], None, &[], Medium::Cpu)]).is_empty());
+}
+
+#[test]
+fn seq_tracker_tells_next_gap_and_restart() {
+    let mut t = SeqTracker::default();
+    assert_eq!(t.check(5), SeqCheck::First);
+    t.advance(5);
+    assert_eq!(t.check(6), SeqCheck::Next);
+    assert_eq!(t.check(9), SeqCheck::Gap { expected: 6 });
+    assert_eq!(t.check(0), SeqCheck::Restarted);
+    assert_eq!(t.check(5), SeqCheck::Restarted);
+    t.reset();
+    assert_eq!(t.check(0), SeqCheck::First);
+}

@@ -1,0 +1,564 @@
+//! The engines' KV-event payloads (msgpack), decoded as they are, in every shape vLLM and
+//! SGLang have published, and encoded in those shapes for the test engine. No I/O.
+//!
+//! Sources (read, not copied): vLLM `vllm/distributed/kv_events.py` and
+//! `tests/v1/core/test_kv_events_contract.py`; SGLang `python/sglang/srt/disaggregation/
+//! kv_events.py`. The batch is a positional array `[ts, events, data_parallel_rank?, …]`
+//! (`msgspec.Struct(array_like=True, omit_defaults=True)`). An event is either a tagged map
+//! (`{"type": "BlockStored", …}`: vLLM since PR #42892, SGLang since PR #37482) or a
+//! positional array with the tag first (older releases), where `omit_defaults` drops trailing
+//! fields equal to their default:
+//! - `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+//!   medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind, sliding_window]` (vLLM);
+//!   SGLang ends at `medium` or puts a `{cache_salt}` map at position 7;
+//! - `["BlockRemoved", block_hashes, medium, group_idx]`;
+//! - `["AllBlocksCleared"]`.
+//!
+//! Hashes are msgpack ints (vLLM: the digest's last 8 bytes as an unsigned 64-bit value, so
+//! values above `i64::MAX` occur; SGLang: signed) or bytes (vLLM with
+//! `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`: the 32-byte digest). Either becomes an
+//! [`EngineHash`]: the engine's name for a block, used only to resolve removals.
+
+use rmpv::ValueRef;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::protocol::Tier;
+
+/// Largest payload accepted (a batch is one engine step's events; a 128 k-token prefill at
+/// 16 tokens a block is about 0.5 MiB).
+pub const MAX_PAYLOAD_BYTES: usize = 16 << 20;
+/// Deepest nesting accepted (events nest four levels; extra keys a few more).
+const MAX_DEPTH: usize = 16;
+/// Highest `group_idx` accepted (a hybrid model has a handful of KV-cache groups).
+pub const MAX_GROUP: u32 = 63;
+
+/// An engine's name for a block: its int hash, or a 64-bit digest of its bytes hash.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EngineHash(pub u64);
+
+/// Which memory an engine says a block is in.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Medium {
+    /// GPU memory (`GPU`, or no medium: engines before the field existed).
+    Gpu,
+    /// Host memory (vLLM `CPU`, SGLang `CPU_PINNED`, `CPU_TIER1`, `CPU_TIER2`, Mooncake `cpu`).
+    Cpu,
+    /// Anything else (vLLM `STORAGE`, SGLang `DISK`, `EXTERNAL`, connectors' own names).
+    Other(String),
+}
+
+impl Medium {
+    fn parse(name: Option<&str>) -> Medium {
+        match name {
+            None => Medium::Gpu,
+            Some(n) if n.eq_ignore_ascii_case("gpu") => Medium::Gpu,
+            Some(n) if n.to_ascii_uppercase().starts_with("CPU") => Medium::Cpu,
+            Some(n) => Medium::Other(n.to_owned()),
+        }
+    }
+
+    /// The kvroute tier: GPU → device, CPU → host, anything else → disk.
+    pub fn tier(&self) -> Tier {
+        match self {
+            Medium::Gpu => Tier::Device,
+            Medium::Cpu => Tier::Host,
+            Medium::Other(_) => Tier::Disk,
+        }
+    }
+
+    fn name(&self) -> &str {
+        match self {
+            Medium::Gpu => "GPU",
+            Medium::Cpu => "CPU",
+            Medium::Other(n) => n,
+        }
+    }
+}
+
+/// One of a block's extra hash keys.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ExtraKey {
+    /// A string (vLLM: the LoRA name, or the request's cache salt on a sequence's first block).
+    Str(String),
+    /// Anything else (a multimodal `[identifier, offset]`, a prompt-embeds digest), re-encoded
+    /// as msgpack so that equal keys give equal bytes.
+    Other(Vec<u8>),
+}
+
+impl ExtraKey {
+    fn decode(v: &ValueRef<'_>) -> ExtraKey {
+        match as_str(v) {
+            Some(s) => ExtraKey::Str(s.to_owned()),
+            None => {
+                let mut bytes = Vec::new();
+                rmpv::encode::write_value_ref(&mut bytes, v)
+                    .expect("invariant: writing msgpack to a Vec cannot fail");
+                ExtraKey::Other(bytes)
+            }
+        }
+    }
+}
+
+/// A `BlockStored` event.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Stored {
+    /// The engine's hashes of the stored blocks, in sequence order.
+    pub hashes: Vec<EngineHash>,
+    /// The engine's hash of the block before the first one; `None` at a sequence's root.
+    pub parent: Option<EngineHash>,
+    /// The blocks' tokens, `block_size` each; empty when an offload tier reports a copy.
+    pub token_ids: Vec<u32>,
+    /// Tokens per block as the engine says (0 with empty `token_ids`).
+    pub block_size: u32,
+    /// Where the blocks are.
+    pub medium: Medium,
+    /// LoRA adapter the blocks were computed with.
+    pub lora_name: Option<String>,
+    /// Per block, the engine's extra hash keys (LoRA name, cache salt, multimodal ids);
+    /// empty when the event has none.
+    pub extra_keys: Vec<Vec<ExtraKey>>,
+    /// SGLang's per-request cache salt.
+    pub cache_salt: Option<String>,
+    /// KV-cache group of a hybrid model.
+    pub group: Option<u32>,
+    /// The group's attention kind (`full_attention`, `sliding_window`, `mamba`, …).
+    pub spec_kind: Option<String>,
+}
+
+/// One engine KV event.
+#[derive(Clone, Debug, PartialEq)]
+pub enum EngineEvent {
+    /// Blocks became resident.
+    Stored(Stored),
+    /// Blocks left a medium.
+    Removed {
+        /// The engine's hashes.
+        hashes: Vec<EngineHash>,
+        /// Where they were.
+        medium: Medium,
+        /// KV-cache group of a hybrid model.
+        group: Option<u32>,
+    },
+    /// The engine's whole cache is gone.
+    Cleared,
+}
+
+/// One engine step's events.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineBatch {
+    /// The engine's clock, seconds.
+    pub ts: f64,
+    /// The events, in order.
+    pub events: Vec<EngineEvent>,
+    /// The data-parallel rank that published them.
+    pub dp_rank: Option<u32>,
+}
+
+/// Why a payload was refused. Nothing of a refused batch is applied.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum WireError {
+    /// Over [`MAX_PAYLOAD_BYTES`].
+    #[error("payload of {0} bytes is over the {MAX_PAYLOAD_BYTES}-byte limit")]
+    TooLarge(usize),
+    /// Not msgpack, nested too deeply, or bytes left after the value.
+    #[error("not a msgpack value: {0}")]
+    Msgpack(String),
+    /// Msgpack, but not the shape of an engine batch.
+    #[error("{0}")]
+    Shape(String),
+}
+
+fn shape<T>(what: impl Into<String>) -> Result<T, WireError> {
+    Err(WireError::Shape(what.into()))
+}
+
+/// Decodes one batch payload (the last frame of a ZMQ message).
+pub fn decode_batch(payload: &[u8]) -> Result<EngineBatch, WireError> {
+    if payload.len() > MAX_PAYLOAD_BYTES {
+        return Err(WireError::TooLarge(payload.len()));
+    }
+    let mut rest = payload;
+    let value = rmpv::decode::read_value_ref_with_max_depth(&mut rest, MAX_DEPTH)
+        .map_err(|e| WireError::Msgpack(e.to_string()))?;
+    if !rest.is_empty() {
+        return Err(WireError::Msgpack(format!(
+            "{} bytes after the batch",
+            rest.len()
+        )));
+    }
+    let (ts, events, rank) = match &value {
+        ValueRef::Array(fields) => (fields.first(), fields.get(1), fields.get(2)),
+        ValueRef::Map(_) => (
+            field(&value, "ts"),
+            field(&value, "events"),
+            field(&value, "data_parallel_rank").or_else(|| field(&value, "attn_dp_rank")),
+        ),
+        _ => return shape("a batch is an array [ts, events, dp_rank?]"),
+    };
+    let ts = match ts {
+        Some(ValueRef::F64(t)) => *t,
+        Some(ValueRef::F32(t)) => f64::from(*t),
+        Some(v) => match as_u64(v) {
+            Some(t) => t as f64,
+            None => return shape("batch ts is not a number"),
+        },
+        None => return shape("batch has no ts"),
+    };
+    let Some(ValueRef::Array(list)) = events else {
+        return shape("batch events are not an array");
+    };
+    let dp_rank = match rank {
+        None | Some(ValueRef::Nil) => None,
+        Some(v) => match as_u64(v).and_then(|r| u32::try_from(r).ok()) {
+            Some(r) => Some(r),
+            None => return shape("batch data_parallel_rank is not a small unsigned int"),
+        },
+    };
+    let events = list
+        .iter()
+        .enumerate()
+        .map(|(i, e)| decode_event(e).map_err(|e| WireError::Shape(format!("event {i}: {e}"))))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(EngineBatch {
+        ts,
+        events,
+        dp_rank,
+    })
+}
+
+/// An event's fields by name, whichever shape it came in.
+struct Fields<'v, 'a> {
+    value: &'v ValueRef<'a>,
+    /// Positional names after the tag, for the array shape.
+    positions: &'static [&'static str],
+}
+
+impl<'v, 'a> Fields<'v, 'a> {
+    fn get(&self, name: &str) -> Option<&'v ValueRef<'a>> {
+        match self.value {
+            ValueRef::Array(items) => {
+                let at = self.positions.iter().position(|p| *p == name)?;
+                items.get(at + 1).filter(|v| !matches!(v, ValueRef::Nil))
+            }
+            _ => field(self.value, name).filter(|v| !matches!(v, ValueRef::Nil)),
+        }
+    }
+}
+
+const STORED_POSITIONS: &[&str] = &[
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+];
+const REMOVED_POSITIONS: &[&str] = &["block_hashes", "medium", "group_idx"];
+
+fn decode_event(value: &ValueRef<'_>) -> Result<EngineEvent, String> {
+    let tag = match value {
+        ValueRef::Array(items) => items.first().and_then(as_str),
+        ValueRef::Map(_) => field(value, "type").and_then(as_str),
+        _ => None,
+    }
+    .ok_or("an event is a tagged map or an array with its tag first")?;
+    match tag {
+        "BlockStored" => decode_stored(value).map(EngineEvent::Stored),
+        "BlockRemoved" => {
+            let f = Fields {
+                value,
+                positions: REMOVED_POSITIONS,
+            };
+            Ok(EngineEvent::Removed {
+                hashes: hashes(f.get("block_hashes"))?,
+                medium: Medium::parse(opt_str(f.get("medium"), "medium")?),
+                group: group(f.get("group_idx"))?,
+            })
+        }
+        "AllBlocksCleared" => Ok(EngineEvent::Cleared),
+        other => Err(format!("unknown event type {other:?}")),
+    }
+}
+
+fn decode_stored(value: &ValueRef<'_>) -> Result<Stored, String> {
+    let f = Fields {
+        value,
+        positions: STORED_POSITIONS,
+    };
+    let token_ids = match f.get("token_ids") {
+        None => Vec::new(),
+        Some(ValueRef::Array(ts)) => ts
+            .iter()
+            .map(|t| as_u64(t).and_then(|t| u32::try_from(t).ok()))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or("token_ids holds a value that is not a u32")?,
+        Some(_) => return Err("token_ids is not an array".into()),
+    };
+    let block_size = match f.get("block_size") {
+        None => 0,
+        Some(v) => as_u64(v)
+            .and_then(|b| u32::try_from(b).ok())
+            .ok_or("block_size is not a u32")?,
+    };
+    // SGLang (0.5.18 to PR #37482) put a metadata map where vLLM has lora_name.
+    let (lora_name, mut cache_salt) = match f.get("lora_name") {
+        Some(meta @ ValueRef::Map(_)) => (None, field(meta, "cache_salt").and_then(as_str)),
+        v => (opt_str(v, "lora_name")?, None),
+    };
+    if let Some(salt) = field(value, "cache_salt").and_then(as_str) {
+        cache_salt = Some(salt);
+    }
+    let extra_keys = match f.get("extra_keys") {
+        None => Vec::new(),
+        Some(ValueRef::Array(keys)) => keys
+            .iter()
+            .map(|k| match k {
+                ValueRef::Nil => Vec::new(),
+                ValueRef::Array(items) => items.iter().map(ExtraKey::decode).collect(),
+                one => vec![ExtraKey::decode(one)],
+            })
+            .collect(),
+        Some(_) => return Err("extra_keys is not an array".into()),
+    };
+    Ok(Stored {
+        hashes: hashes(f.get("block_hashes"))?,
+        parent: f.get("parent_block_hash").map(hash).transpose()?,
+        token_ids,
+        block_size,
+        medium: Medium::parse(opt_str(f.get("medium"), "medium")?),
+        lora_name: lora_name.map(str::to_owned),
+        extra_keys,
+        cache_salt: cache_salt.map(str::to_owned),
+        group: group(f.get("group_idx"))?,
+        spec_kind: opt_str(f.get("kv_cache_spec_kind"), "kv_cache_spec_kind")?.map(str::to_owned),
+    })
+}
+
+fn field<'v, 'a>(map: &'v ValueRef<'a>, name: &str) -> Option<&'v ValueRef<'a>> {
+    let ValueRef::Map(entries) = map else {
+        return None;
+    };
+    entries
+        .iter()
+        .find(|(k, _)| as_str(k) == Some(name))
+        .map(|(_, v)| v)
+}
+
+fn as_str<'a>(v: &ValueRef<'a>) -> Option<&'a str> {
+    match v {
+        ValueRef::String(s) => s.into_str(),
+        _ => None,
+    }
+}
+
+fn opt_str<'a>(v: Option<&ValueRef<'a>>, what: &str) -> Result<Option<&'a str>, String> {
+    match v {
+        None => Ok(None),
+        Some(v) => as_str(v)
+            .map(Some)
+            .ok_or_else(|| format!("{what} is not a string")),
+    }
+}
+
+fn as_u64(v: &ValueRef<'_>) -> Option<u64> {
+    match v {
+        ValueRef::Integer(i) => i.as_u64(),
+        _ => None,
+    }
+}
+
+fn group(v: Option<&ValueRef<'_>>) -> Result<Option<u32>, String> {
+    match v {
+        None => Ok(None),
+        Some(v) => match as_u64(v).and_then(|g| u32::try_from(g).ok()) {
+            Some(g) if g <= MAX_GROUP => Ok(Some(g)),
+            _ => Err(format!("group_idx is not an int in 0..={MAX_GROUP}")),
+        },
+    }
+}
+
+fn hash(v: &ValueRef<'_>) -> Result<EngineHash, String> {
+    match v {
+        // Signed (SGLang) and unsigned (vLLM) 64-bit ints, as their bit pattern.
+        ValueRef::Integer(i) => i
+            .as_u64()
+            .or_else(|| i.as_i64().map(|i| i as u64))
+            .map(EngineHash)
+            .ok_or_else(|| "a block hash is out of 64-bit range".into()),
+        ValueRef::Binary(b) if !b.is_empty() => Ok(EngineHash(xxh3_64(b))),
+        _ => Err("a block hash is neither an int nor bytes".into()),
+    }
+}
+
+fn hashes(v: Option<&ValueRef<'_>>) -> Result<Vec<EngineHash>, String> {
+    match v {
+        Some(ValueRef::Array(hs)) => hs.iter().map(hash).collect(),
+        _ => Err("block_hashes is not an array".into()),
+    }
+}
+
+// ---- encoding (the test engine, and tests) ------------------------------------------------
+
+/// How an encoder writes events and hashes: the variations engines in the field use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Encoding {
+    /// Tagged maps (vLLM ≥ 0.26) rather than positional arrays.
+    pub tagged_maps: bool,
+    /// Hashes as 32-byte strings rather than ints.
+    pub bytes_hashes: bool,
+}
+
+/// A hash in an engine's form: `raw` is the engine's 64-bit value (unsigned ints above
+/// `i64::MAX` are written as msgpack uint64, as vLLM does); bytes hashes spread it over 32
+/// bytes. [`decode_batch`] maps both back to the same [`EngineHash`] for the same `raw`
+/// only in the int form; use [`engine_hash`] for the value a decoder will produce.
+fn write_hash(out: &mut Vec<u8>, raw: u64, encoding: Encoding) {
+    if encoding.bytes_hashes {
+        rmp::encode::write_bin(out, &hash_bytes(raw))
+    } else {
+        rmp_write_u64(out, raw)
+    }
+    .expect("invariant: writing msgpack to a Vec cannot fail");
+}
+
+fn hash_bytes(raw: u64) -> [u8; 32] {
+    let mut b = [0u8; 32];
+    for (i, chunk) in b.chunks_exact_mut(8).enumerate() {
+        chunk.copy_from_slice(&raw.rotate_left(i as u32 * 16).to_be_bytes());
+    }
+    b
+}
+
+/// The [`EngineHash`] a decoder gives for a hash an encoder wrote from `raw`.
+pub fn engine_hash(raw: u64, encoding: Encoding) -> EngineHash {
+    if encoding.bytes_hashes {
+        EngineHash(xxh3_64(&hash_bytes(raw)))
+    } else {
+        EngineHash(raw)
+    }
+}
+
+/// Writes `v` in msgpack's smallest int form, as msgspec does (uint64 above `i64::MAX`).
+fn rmp_write_u64(out: &mut Vec<u8>, v: u64) -> Result<(), rmp::encode::ValueWriteError> {
+    rmp::encode::write_uint(out, v).map(|_| ())
+}
+
+fn ok<T, E: std::fmt::Debug>(r: Result<T, E>) {
+    r.expect("invariant: writing msgpack to a Vec cannot fail");
+}
+
+/// An event to encode, with raw 64-bit hashes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RawEvent {
+    /// `BlockStored`.
+    Stored {
+        /// Raw hashes of the blocks.
+        hashes: Vec<u64>,
+        /// Raw hash of the parent.
+        parent: Option<u64>,
+        /// Tokens (empty for an offload-tier copy).
+        token_ids: Vec<u32>,
+        /// Tokens per block (0 with empty tokens).
+        block_size: u32,
+        /// `GPU`, `CPU`, …
+        medium: Medium,
+        /// LoRA adapter.
+        lora_name: Option<String>,
+    },
+    /// `BlockRemoved`.
+    Removed {
+        /// Raw hashes.
+        hashes: Vec<u64>,
+        /// Where from.
+        medium: Medium,
+    },
+    /// `AllBlocksCleared`.
+    Cleared,
+}
+
+/// Encodes a batch as an engine would: `[ts, events, dp_rank]`, events in `encoding`'s
+/// shape with every field present (positional events carry defaults too, as msgspec writes
+/// them when a later field is set).
+pub fn encode_batch(ts: f64, events: &[RawEvent], dp_rank: u32, encoding: Encoding) -> Vec<u8> {
+    use rmp::encode as w;
+    let mut out = Vec::new();
+    ok(w::write_array_len(&mut out, 3));
+    ok(w::write_f64(&mut out, ts));
+    ok(w::write_array_len(&mut out, events.len() as u32));
+    for e in events {
+        let (tag, fields): (&str, usize) = match e {
+            RawEvent::Stored { .. } => ("BlockStored", 7),
+            RawEvent::Removed { .. } => ("BlockRemoved", 2),
+            RawEvent::Cleared => ("AllBlocksCleared", 0),
+        };
+        let key = |out: &mut Vec<u8>, name: &str| {
+            if encoding.tagged_maps {
+                ok(w::write_str(out, name));
+            }
+        };
+        if encoding.tagged_maps {
+            ok(w::write_map_len(&mut out, fields as u32 + 1));
+            ok(w::write_str(&mut out, "type"));
+        } else {
+            ok(w::write_array_len(&mut out, fields as u32 + 1));
+        }
+        ok(w::write_str(&mut out, tag));
+        let hash_list = |out: &mut Vec<u8>, hs: &[u64]| {
+            ok(w::write_array_len(out, hs.len() as u32));
+            for h in hs {
+                write_hash(out, *h, encoding);
+            }
+        };
+        match e {
+            RawEvent::Stored {
+                hashes,
+                parent,
+                token_ids,
+                block_size,
+                medium,
+                lora_name,
+            } => {
+                key(&mut out, "block_hashes");
+                hash_list(&mut out, hashes);
+                key(&mut out, "parent_block_hash");
+                match parent {
+                    Some(p) => write_hash(&mut out, *p, encoding),
+                    None => ok(w::write_nil(&mut out)),
+                }
+                key(&mut out, "token_ids");
+                ok(w::write_array_len(&mut out, token_ids.len() as u32));
+                for t in token_ids {
+                    ok(rmp_write_u64(&mut out, u64::from(*t)));
+                }
+                key(&mut out, "block_size");
+                ok(rmp_write_u64(&mut out, u64::from(*block_size)));
+                key(&mut out, "lora_id");
+                ok(w::write_nil(&mut out));
+                key(&mut out, "medium");
+                ok(w::write_str(&mut out, medium.name()));
+                key(&mut out, "lora_name");
+                match lora_name {
+                    Some(n) => ok(w::write_str(&mut out, n)),
+                    None => ok(w::write_nil(&mut out)),
+                }
+            }
+            RawEvent::Removed { hashes, medium } => {
+                key(&mut out, "block_hashes");
+                hash_list(&mut out, hashes);
+                key(&mut out, "medium");
+                ok(w::write_str(&mut out, medium.name()));
+            }
+            RawEvent::Cleared => {}
+        }
+    }
+    ok(rmp_write_u64(&mut out, u64::from(dp_rank)));
+    out
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,284 @@
+use rmpv::Value;
+
+use super::*;
+
+fn encode(v: &Value) -> Vec<u8> {
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, v).unwrap();
+    out
+}
+
+fn s(x: &str) -> Value {
+    Value::from(x)
+}
+
+fn map(entries: Vec<(&str, Value)>) -> Value {
+    Value::Map(entries.into_iter().map(|(k, v)| (s(k), v)).collect())
+}
+
+fn ints(xs: &[u64]) -> Value {
+    Value::Array(xs.iter().map(|x| Value::from(*x)).collect())
+}
+
+#[test]
+fn every_encoding_round_trips() {
+    let events = vec![
+        RawEvent::Stored {
+            hashes: vec![u64::MAX - 3, 7],
+            parent: Some(1 << 63),
+            token_ids: (0..8).collect(),
+            block_size: 4,
+            medium: Medium::Gpu,
+            lora_name: Some("adapter-a".into()),
+        },
+        RawEvent::Stored {
+            hashes: vec![7],
+            parent: None,
+            token_ids: vec![],
+            block_size: 0,
+            medium: Medium::Cpu,
+            lora_name: None,
+        },
+        RawEvent::Removed {
+            hashes: vec![u64::MAX - 3],
+            medium: Medium::Other("STORAGE".into()),
+        },
+        RawEvent::Cleared,
+    ];
+    for tagged_maps in [false, true] {
+        for bytes_hashes in [false, true] {
+            let enc = Encoding {
+                tagged_maps,
+                bytes_hashes,
+            };
+            let b = decode_batch(&encode_batch(12.5, &events, 3, enc)).unwrap();
+            assert_eq!(
+                (b.ts, b.dp_rank, b.events.len()),
+                (12.5, Some(3), 4),
+                "{enc:?}"
+            );
+            let h = |raw| engine_hash(raw, enc);
+            let EngineEvent::Stored(st) = &b.events[0] else {
+                panic!("{enc:?}: {:?}", b.events[0])
+            };
+            assert_eq!(st.hashes, vec![h(u64::MAX - 3), h(7)]);
+            assert_eq!(st.parent, Some(h(1 << 63)));
+            assert_eq!((st.token_ids.len(), st.block_size), (8, 4));
+            assert_eq!(st.lora_name.as_deref(), Some("adapter-a"));
+            assert_eq!(st.medium.tier(), Tier::Device);
+            let EngineEvent::Stored(cpu) = &b.events[1] else {
+                panic!()
+            };
+            assert_eq!((cpu.token_ids.len(), cpu.medium.tier()), (0, Tier::Host));
+            assert_eq!(
+                b.events[2],
+                EngineEvent::Removed {
+                    hashes: vec![h(u64::MAX - 3)],
+                    medium: Medium::Other("STORAGE".into()),
+                    group: None
+                }
+            );
+            assert_eq!(b.events[3], EngineEvent::Cleared);
+        }
+    }
+}
+
+/// The shape of a vLLM 0.26 batch as captured off the wire (kthena issue #1535): tagged
+/// maps, an unsigned hash above `i64::MAX`, the hybrid-model fields, a positional batch.
+#[test]
+fn a_vllm_tagged_map_batch_with_hybrid_fields() {
+    let stored = map(vec![
+        ("type", s("BlockStored")),
+        ("block_hashes", ints(&[15760518052499183552])),
+        ("parent_block_hash", Value::Nil),
+        ("token_ids", ints(&(0..16).collect::<Vec<_>>())),
+        ("block_size", Value::from(16)),
+        ("lora_id", Value::Nil),
+        ("medium", s("GPU")),
+        ("lora_name", Value::Nil),
+        ("extra_keys", Value::Array(vec![Value::Nil])),
+        ("group_idx", Value::from(1)),
+        ("kv_cache_spec_kind", s("sliding_window")),
+        ("kv_cache_spec_sliding_window", Value::from(128)),
+        ("locality", s("LOCAL")),
+    ]);
+    let batch = Value::Array(vec![
+        Value::F64(1789095808.83),
+        Value::Array(vec![stored]),
+        Value::from(0),
+    ]);
+    let b = decode_batch(&encode(&batch)).unwrap();
+    let EngineEvent::Stored(st) = &b.events[0] else {
+        panic!()
+    };
+    assert_eq!(st.hashes, vec![EngineHash(15760518052499183552)]);
+    assert_eq!(
+        (st.group, st.spec_kind.as_deref()),
+        (Some(1), Some("sliding_window"))
+    );
+    assert_eq!(st.extra_keys, vec![Vec::<ExtraKey>::new()]);
+    assert_eq!(b.dp_rank, Some(0));
+}
+
+/// Older vLLM: positional events whose trailing defaults were omitted, and a batch with no
+/// rank; SGLang: signed hashes, `CPU_PINNED`, and a metadata map at position 7.
+#[test]
+fn positional_events_old_vllm_and_sglang() {
+    let old = Value::Array(vec![
+        s("BlockStored"),
+        ints(&[5]),
+        Value::Nil,
+        ints(&[1, 2]),
+        Value::from(2),
+        Value::Nil,
+    ]);
+    let removed = Value::Array(vec![s("BlockRemoved"), ints(&[5])]);
+    let sglang = Value::Array(vec![
+        s("BlockStored"),
+        Value::Array(vec![Value::from(-42i64)]),
+        Value::from(-7i64),
+        ints(&[3, 4]),
+        Value::from(2),
+        Value::Nil,
+        s("CPU_PINNED"),
+        map(vec![("cache_salt", s("tenant-9"))]),
+    ]);
+    let batch = Value::Array(vec![
+        Value::F64(1.0),
+        Value::Array(vec![
+            old,
+            removed,
+            sglang,
+            Value::Array(vec![s("AllBlocksCleared")]),
+        ]),
+    ]);
+    let b = decode_batch(&encode(&batch)).unwrap();
+    assert_eq!(b.dp_rank, None);
+    let EngineEvent::Stored(old) = &b.events[0] else {
+        panic!()
+    };
+    assert_eq!(
+        (old.medium.clone(), old.lora_name.clone()),
+        (Medium::Gpu, None)
+    );
+    assert!(matches!(
+        &b.events[1],
+        EngineEvent::Removed {
+            medium: Medium::Gpu,
+            ..
+        }
+    ));
+    let EngineEvent::Stored(sg) = &b.events[2] else {
+        panic!()
+    };
+    assert_eq!(sg.hashes, vec![EngineHash(-42i64 as u64)]);
+    assert_eq!(sg.parent, Some(EngineHash(-7i64 as u64)));
+    assert_eq!(sg.medium.tier(), Tier::Host);
+    assert_eq!(sg.cache_salt.as_deref(), Some("tenant-9"));
+    assert_eq!(b.events[3], EngineEvent::Cleared);
+}
+
+#[test]
+fn extra_keys_keep_strings_apart_from_other_keys() {
+    let stored = map(vec![
+        ("type", s("BlockStored")),
+        ("block_hashes", ints(&[1, 2])),
+        ("parent_block_hash", Value::Nil),
+        ("token_ids", ints(&[1, 2, 3, 4])),
+        ("block_size", Value::from(2)),
+        ("lora_id", Value::Nil),
+        ("medium", s("GPU")),
+        ("lora_name", s("a")),
+        (
+            "extra_keys",
+            Value::Array(vec![
+                Value::Array(vec![s("a"), s("salt")]),
+                Value::Array(vec![Value::Array(vec![s("img"), Value::from(0)])]),
+            ]),
+        ),
+    ]);
+    let batch = Value::Array(vec![Value::F64(0.0), Value::Array(vec![stored])]);
+    let b = decode_batch(&encode(&batch)).unwrap();
+    let EngineEvent::Stored(st) = &b.events[0] else {
+        panic!()
+    };
+    assert_eq!(
+        st.extra_keys[0],
+        vec![ExtraKey::Str("a".into()), ExtraKey::Str("salt".into())]
+    );
+    assert!(matches!(st.extra_keys[1].as_slice(), [ExtraKey::Other(_)]));
+}
+
+#[test]
+fn bad_payloads_are_refused_with_a_reason() {
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        (vec![0x92, 0xcb], "msgpack"),
+        (encode(&Value::from(1)), "batch is an array"),
+        (
+            [
+                encode(&Value::Array(vec![Value::F64(0.0), Value::Array(vec![])])),
+                vec![0],
+            ]
+            .concat(),
+            "after the batch",
+        ),
+        (
+            encode(&Value::Array(vec![
+                Value::F64(0.0),
+                Value::Array(vec![Value::Array(vec![s("Nope")])]),
+            ])),
+            "unknown event type",
+        ),
+        (
+            encode(&Value::Array(vec![
+                Value::F64(0.0),
+                Value::Array(vec![Value::Array(vec![
+                    s("BlockStored"),
+                    ints(&[1]),
+                    Value::Nil,
+                    ints(&[1 << 40]),
+                    Value::from(1),
+                ])]),
+            ])),
+            "token_ids",
+        ),
+        (
+            encode(&Value::Array(vec![
+                Value::F64(0.0),
+                Value::Array(vec![Value::Array(vec![
+                    s("BlockRemoved"),
+                    Value::Array(vec![Value::F64(1.0)]),
+                ])]),
+            ])),
+            "neither an int nor bytes",
+        ),
+        (
+            encode(&Value::Array(vec![
+                Value::F64(0.0),
+                Value::Array(vec![map(vec![
+                    ("type", s("BlockRemoved")),
+                    ("block_hashes", ints(&[1])),
+                    ("group_idx", Value::from(1000)),
+                ])]),
+            ])),
+            "group_idx",
+        ),
+    ];
+    for (payload, why) in cases {
+        let err = decode_batch(&payload).unwrap_err().to_string();
+        assert!(err.contains(why), "{err:?} should say {why:?}");
+    }
+    assert_eq!(
+        decode_batch(&vec![0; MAX_PAYLOAD_BYTES + 1]),
+        Err(WireError::TooLarge(MAX_PAYLOAD_BYTES + 1))
+    );
+    // Nesting deeper than any engine writes.
+    let mut deep = Value::Nil;
+    for _ in 0..100 {
+        deep = Value::Array(vec![deep]);
+    }
+    assert!(matches!(
+        decode_batch(&encode(&deep)),
+        Err(WireError::Msgpack(_))
+    ));
+}
