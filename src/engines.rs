@@ -3,8 +3,11 @@
 //! read from the engine over ZMTP ([`zmtp`]) by the ingest task ([`ingest`]) that the sidecar
 //! and the router's direct mode share.
 
+pub mod ingest;
 pub mod mirror;
+pub mod publisher;
 pub mod wire;
+pub mod zmtp;
 
 pub use mirror::{EngineMirror, MirrorStats, SeqCheck, SeqTracker, engine_salt};
 pub use wire::{EngineBatch, EngineEvent, EngineHash, Medium, WireError, decode_batch};

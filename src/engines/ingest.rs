@@ -1,0 +1,377 @@
+//! The task that follows one engine's KV events (one data-parallel rank): subscribes to its
+//! ZMQ PUB, catches up through its replay ROUTER (at start, after a reconnect, and on a
+//! gap), notices restarts, and hands the mirror's block changes to its owner. Shared by the
+//! sidecar (`kvroute-worker --engine`) and the router's direct mode (`--backend`).
+
+use std::num::NonZeroUsize;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+
+use super::mirror::{EngineMirror, MirrorStats, SeqCheck, SeqTracker};
+use super::wire::decode_batch;
+use super::zmtp::{Connection, ZmtpError};
+use crate::protocol::BlockChange;
+
+/// Where an engine (one rank) publishes its events.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineEndpoint {
+    /// The PUB socket, `tcp://HOST:PORT`.
+    pub events: String,
+    /// The replay ROUTER socket, if the engine has one.
+    pub replay: Option<String>,
+    /// The topic prefix to subscribe to (engines default to "").
+    pub topic: String,
+}
+
+impl EngineEndpoint {
+    /// The endpoints of data-parallel rank `rank` of an engine whose rank 0 publishes at
+    /// `self`: vLLM and SGLang offset the TCP port by the rank
+    /// (`ZmqEventPublisher.offset_endpoint_port` in vLLM's `kv_events.py`).
+    pub fn for_rank(&self, rank: u32) -> Result<EngineEndpoint, ZmtpError> {
+        let offset = |e: &str| -> Result<String, ZmtpError> {
+            super::zmtp::tcp_address(e)?;
+            let (head, port) = e.rsplit_once(':').expect("invariant: checked above");
+            let port: u16 = port.parse().expect("invariant: checked above");
+            let port = port
+                .checked_add(u16::try_from(rank).unwrap_or(u16::MAX))
+                .ok_or_else(|| ZmtpError::Endpoint(format!("{e} offset by rank {rank}")))?;
+            Ok(format!("{head}:{port}"))
+        };
+        Ok(EngineEndpoint {
+            events: offset(&self.events)?,
+            replay: self.replay.as_deref().map(offset).transpose()?,
+            topic: self.topic.clone(),
+        })
+    }
+}
+
+/// How the ingest waits.
+#[derive(Clone, Copy, Debug)]
+pub struct IngestTimeouts {
+    /// Connecting and the ZMTP handshake.
+    pub connect: Duration,
+    /// Each reply of a replay.
+    pub replay: Duration,
+    /// Silence after which the subscription is re-established (an engine that died without
+    /// closing its socket), catching up through replay.
+    pub idle: Duration,
+    /// Longest wait between reconnection attempts.
+    pub max_backoff: Duration,
+}
+
+impl Default for IngestTimeouts {
+    fn default() -> Self {
+        IngestTimeouts {
+            connect: Duration::from_secs(5),
+            replay: Duration::from_secs(5),
+            idle: Duration::from_secs(30),
+            max_backoff: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Counters of one engine stream.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IngestStats {
+    /// The mirror's counters.
+    pub mirror: MirrorStats,
+    /// Whether the subscription is up.
+    pub connected: bool,
+    /// Sequence gaps seen.
+    pub gaps: u64,
+    /// Batches recovered through replay.
+    pub replayed: u64,
+    /// Gaps replay could not fill (the engine's buffer no longer reached back): the mirror
+    /// was cleared and rebuilt from what followed.
+    pub unrepaired: u64,
+    /// Engine restarts seen (seq went back).
+    pub restarts: u64,
+    /// Payloads that did not decode (the mirror was cleared: it could no longer be exact).
+    pub decode_errors: u64,
+    /// The block size the engine used where it differed from the configured one.
+    pub wrong_block_size: Option<u32>,
+}
+
+/// What the ingest hands its owner after each batch (or change of connection).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Update {
+    /// The engine's cache changes, in order.
+    pub changes: Vec<BlockChange>,
+    /// Counters so far.
+    pub stats: IngestStats,
+}
+
+/// Follows one engine rank until `tx` closes.
+pub async fn run(
+    endpoint: EngineEndpoint,
+    block_size: NonZeroUsize,
+    timeouts: IngestTimeouts,
+    tx: mpsc::Sender<Update>,
+) {
+    let mut ingest = Ingest {
+        mirror: EngineMirror::new(block_size),
+        seq: SeqTracker::default(),
+        replayed_from: None,
+        stats: IngestStats::default(),
+        changes: Vec::new(),
+        endpoint,
+        timeouts,
+    };
+    let mut backoff = Duration::from_millis(100);
+    let mut warned = false;
+    let mut failed = false;
+    while !tx.is_closed() {
+        let sub = match ingest.subscribe(failed).await {
+            Ok(sub) => sub,
+            Err(e) => {
+                if !warned {
+                    tracing::warn!(endpoint = %ingest.endpoint.events, error = %e, "cannot follow the engine's KV events; retrying");
+                    warned = true;
+                }
+                failed = true;
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(timeouts.max_backoff);
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(100);
+        warned = false;
+        tracing::info!(endpoint = %ingest.endpoint.events, "following the engine's KV events");
+        ingest.stats.connected = true;
+        match ingest.follow(sub, &tx).await {
+            Ok(f) => failed = f,
+            Err(Closed) => return,
+        }
+        ingest.stats.connected = false;
+        if ingest.flush(&tx).await.is_err() {
+            return;
+        }
+    }
+}
+
+struct Ingest {
+    mirror: EngineMirror,
+    seq: SeqTracker,
+    /// Where the last replay started: live batches from there up to the expected seq were
+    /// covered by it and are skipped, not taken for a restart.
+    replayed_from: Option<u64>,
+    stats: IngestStats,
+    changes: Vec<BlockChange>,
+    endpoint: EngineEndpoint,
+    timeouts: IngestTimeouts,
+}
+
+/// The owner went away.
+struct Closed;
+
+impl Ingest {
+    /// Subscribes, then catches up with what was published before: the engine's whole
+    /// buffer at first, what was missed after an idle re-subscription. After the connection
+    /// failed the engine may have restarted, which its numbering alone does not always show
+    /// (a restarted engine may already count past where the old one stopped), so the whole
+    /// buffer is asked for: one that starts at seq 0 holds the engine's whole life and
+    /// rebuilds the mirror exactly; one that ends before the expected seq proves a restart.
+    async fn subscribe(&mut self, after_failure: bool) -> Result<Connection, ZmtpError> {
+        let mut sub =
+            Connection::connect(&self.endpoint.events, "SUB", self.timeouts.connect).await?;
+        sub.subscribe(self.endpoint.topic.as_bytes()).await?;
+        if self.endpoint.replay.is_some() {
+            let caught_up = match (after_failure, self.seq.expected()) {
+                (true, Some(expected)) => self.resync(expected).await,
+                (_, expected) => self.replay(expected.unwrap_or(0), false).await.map(|_| ()),
+            };
+            if let Err(e) = caught_up {
+                tracing::warn!(endpoint = ?self.endpoint.replay, error = %e, "replay failed; going on with live events");
+            }
+        }
+        Ok(sub)
+    }
+
+    async fn resync(&mut self, expected: u64) -> Result<(), ZmtpError> {
+        let last = self.replay(0, true).await?;
+        if last.is_none_or(|last| last.saturating_add(1) < expected) {
+            // The engine's newest batch is older than what was seen: it restarted.
+            self.restarted(0);
+            self.replay(0, false).await?;
+        }
+        Ok(())
+    }
+
+    /// Reads live batches until the connection fails (true) or goes idle (false).
+    async fn follow(
+        &mut self,
+        mut sub: Connection,
+        tx: &mpsc::Sender<Update>,
+    ) -> Result<bool, Closed> {
+        self.flush(tx).await?;
+        loop {
+            let message = tokio::select! {
+                m = tokio::time::timeout(self.timeouts.idle, sub.recv()) => m,
+                _ = tx.closed() => return Err(Closed),
+            };
+            let frames = match message {
+                Ok(Ok(frames)) => frames,
+                Ok(Err(e)) => {
+                    tracing::warn!(endpoint = %self.endpoint.events, error = %e, "engine event stream failed; reconnecting");
+                    return Ok(true);
+                }
+                // Idle: re-subscribe and catch up (cheap when nothing was missed).
+                Err(_) => return Ok(false),
+            };
+            let Some((seq, payload)) = live_message(&frames) else {
+                self.stats.decode_errors += 1;
+                continue;
+            };
+            self.live(seq, &payload).await;
+            self.flush(tx).await?;
+        }
+    }
+
+    async fn live(&mut self, seq: u64, payload: &[u8]) {
+        match self.seq.check(seq) {
+            SeqCheck::First | SeqCheck::Next => self.apply(seq, payload),
+            SeqCheck::Gap { expected } => {
+                self.stats.gaps += 1;
+                if self.endpoint.replay.is_some()
+                    && let Err(e) = self.replay(expected, false).await
+                {
+                    tracing::warn!(endpoint = ?self.endpoint.replay, error = %e, "replay failed");
+                }
+                match self.seq.check(seq) {
+                    SeqCheck::Next => self.apply(seq, payload),
+                    SeqCheck::Gap { .. } => {
+                        // Lost for good: rebuild from what follows.
+                        self.stats.unrepaired += 1;
+                        self.mirror.clear(&mut self.changes);
+                        self.apply(seq, payload);
+                    }
+                    // Replay brought it already.
+                    _ => {}
+                }
+            }
+            SeqCheck::Restarted => {
+                let expected = self.seq.expected().unwrap_or(0);
+                if self.replayed_from.is_some_and(|f| f <= seq) && seq < expected {
+                    // Sent live while a replay brought it too.
+                    return;
+                }
+                self.restarted(seq);
+                self.apply(seq, payload);
+            }
+        }
+    }
+
+    /// The engine's seq went back to `seq`: it restarted, and what it held is gone.
+    fn restarted(&mut self, seq: u64) {
+        self.stats.restarts += 1;
+        tracing::info!(endpoint = %self.endpoint.events, seq, expected = ?self.seq.expected(), "engine restarted: dropping what it held");
+        self.mirror.clear(&mut self.changes);
+        self.seq.reset();
+        self.replayed_from = None;
+    }
+
+    fn apply(&mut self, seq: u64, payload: &[u8]) {
+        self.seq.advance(seq);
+        match decode_batch(payload) {
+            Ok(batch) => self.mirror.apply(&batch, &mut self.changes),
+            Err(e) => {
+                self.stats.decode_errors += 1;
+                tracing::warn!(endpoint = %self.endpoint.events, seq, error = %e, "undecodable engine batch; dropping the engine's blocks until they are stored again");
+                self.mirror.clear(&mut self.changes);
+            }
+        }
+    }
+
+    /// Asks the replay socket for every batch from `from` on and applies those not seen;
+    /// with `rebuild`, a buffer that starts at seq 0 replaces the mirror. Returns the last seq
+    /// the engine sent.
+    async fn replay(&mut self, from: u64, rebuild: bool) -> Result<Option<u64>, ZmtpError> {
+        let Some(endpoint) = self.endpoint.replay.clone() else {
+            return Ok(None);
+        };
+        let deadline = self.timeouts.replay;
+        let mut dealer = Connection::connect(&endpoint, "DEALER", self.timeouts.connect).await?;
+        dealer.send(&[b"", &from.to_be_bytes()]).await?;
+        self.replayed_from = Some(from);
+        let mut last = None;
+        loop {
+            let frames = tokio::time::timeout(deadline, dealer.recv())
+                .await
+                .map_err(|_| ZmtpError::Timeout(deadline))??;
+            let Some((seq, payload)) = replay_message(&frames) else {
+                return Err(ZmtpError::Protocol(format!(
+                    "a replay reply of {} frames",
+                    frames.len()
+                )));
+            };
+            if seq == u64::MAX {
+                return Ok(last);
+            }
+            if (last.is_none() && rebuild && seq == 0) || seq < from {
+                // The engine's whole life is in the buffer, or it was asked for `from` on and
+                // gave less (it numbers from 0 again): start over from what it sends.
+                if seq < from {
+                    self.restarted(seq);
+                } else {
+                    self.mirror.clear(&mut self.changes);
+                    self.seq.reset();
+                }
+                self.replayed_from = Some(seq);
+            }
+            last = Some(seq);
+            match self.seq.check(seq) {
+                SeqCheck::First | SeqCheck::Next => {}
+                SeqCheck::Gap { .. } => {
+                    // The engine's buffer does not reach back to what was lost.
+                    self.stats.unrepaired += 1;
+                    self.mirror.clear(&mut self.changes);
+                }
+                SeqCheck::Restarted => continue,
+            }
+            self.stats.replayed += 1;
+            self.apply(seq, &payload);
+        }
+    }
+
+    async fn flush(&mut self, tx: &mpsc::Sender<Update>) -> Result<(), Closed> {
+        let mut stats = self.stats;
+        stats.mirror = self.mirror.stats();
+        stats.wrong_block_size = self.mirror.wrong_block_size();
+        let update = Update {
+            changes: std::mem::take(&mut self.changes),
+            stats,
+        };
+        tx.send(update).await.map_err(|_| Closed)
+    }
+}
+
+fn seq_of(frame: &[u8]) -> Option<u64> {
+    Some(u64::from_be_bytes(frame.try_into().ok()?))
+}
+
+/// A live message: `(topic, seq, payload)`.
+fn live_message(frames: &[Bytes]) -> Option<(u64, Bytes)> {
+    match frames {
+        [_topic, seq, payload] => Some((seq_of(seq)?, payload.clone())),
+        _ => None,
+    }
+}
+
+/// A replay reply after the empty delimiter: `(topic, seq, payload)` (vLLM ≥ 0.26) or
+/// `(seq, payload)` (SGLang, older vLLM); the end is seq `0xFF…FF` (-1 as a signed int).
+fn replay_message(frames: &[Bytes]) -> Option<(u64, Bytes)> {
+    let frames = match frames.first() {
+        Some(f) if f.is_empty() => &frames[1..],
+        _ => frames,
+    };
+    match frames {
+        [_topic, seq, payload] => Some((seq_of(seq)?, payload.clone())),
+        [seq, payload] => Some((seq_of(seq)?, payload.clone())),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests;

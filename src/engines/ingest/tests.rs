@@ -1,0 +1,269 @@
+use std::collections::BTreeSet;
+use std::num::NonZeroUsize;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+
+use super::*;
+use crate::engines::publisher::{EnginePublisher, ReplayForm};
+use crate::engines::wire::{Encoding, Medium, RawEvent, encode_batch};
+use crate::protocol::{SeqHash, Tier};
+
+const BS: usize = 2;
+
+/// What the owner of an ingest sees: the device blocks held, by kvroute hash.
+struct Owner {
+    rx: mpsc::Receiver<Update>,
+    held: BTreeSet<SeqHash>,
+    stats: IngestStats,
+}
+
+impl Owner {
+    /// Applies updates until `done` holds (or fails after a generous wait).
+    async fn until(&mut self, what: &str, done: impl Fn(&Owner) -> bool) {
+        let wait = async {
+            while !done(self) {
+                let u = self.rx.recv().await.expect("ingest alive");
+                for c in u.changes {
+                    match c {
+                        BlockChange::Stored {
+                            tier: Tier::Device,
+                            block,
+                            ..
+                        } => {
+                            assert!(self.held.insert(block.seq), "stored twice: {block:?}");
+                        }
+                        BlockChange::Removed {
+                            tier: Tier::Device,
+                            seq,
+                        } => {
+                            assert!(self.held.remove(&seq), "removed unknown {seq:?}");
+                        }
+                        _ => {}
+                    }
+                }
+                self.stats = u.stats;
+            }
+        };
+        if tokio::time::timeout(Duration::from_secs(30), wait)
+            .await
+            .is_err()
+        {
+            panic!(
+                "timed out waiting until {what}; held {}, stats {:?}",
+                self.held.len(),
+                self.stats
+            );
+        }
+    }
+}
+
+fn store(hash: u64, parent: Option<u64>) -> Bytes {
+    let e = RawEvent::Stored {
+        hashes: vec![hash],
+        parent,
+        token_ids: vec![hash as u32, parent.unwrap_or(0) as u32],
+        block_size: BS as u32,
+        medium: Medium::Gpu,
+        lora_name: None,
+    };
+    let enc = Encoding {
+        tagged_maps: hash.is_multiple_of(2),
+        bytes_hashes: false,
+    };
+    Bytes::from(encode_batch(0.0, &[e], 0, enc))
+}
+
+fn remove(hash: u64) -> Bytes {
+    let e = RawEvent::Removed {
+        hashes: vec![hash],
+        medium: Medium::Gpu,
+    };
+    Bytes::from(encode_batch(
+        0.0,
+        &[e],
+        0,
+        Encoding {
+            tagged_maps: true,
+            bytes_hashes: false,
+        },
+    ))
+}
+
+async fn start(engine: &EnginePublisher, replay: bool) -> Owner {
+    let endpoint = EngineEndpoint {
+        events: format!("tcp://127.0.0.1:{}", engine.pub_port()),
+        replay: replay.then(|| format!("tcp://127.0.0.1:{}", engine.replay_port().unwrap())),
+        topic: String::new(),
+    };
+    let timeouts = IngestTimeouts {
+        idle: Duration::from_millis(300),
+        ..IngestTimeouts::default()
+    };
+    let (tx, rx) = mpsc::channel(16);
+    tokio::spawn(run(endpoint, NonZeroUsize::new(BS).unwrap(), timeouts, tx));
+    let mut owner = Owner {
+        rx,
+        held: BTreeSet::new(),
+        stats: IngestStats::default(),
+    };
+    owner.until("connected", |o| o.stats.connected).await;
+    owner
+}
+
+fn hashes_of(chain: &[(u64, Option<u64>)]) -> BTreeSet<SeqHash> {
+    // The kvroute hash of each stored block, as the mirror computes it.
+    let mut mirror = crate::engines::EngineMirror::new(NonZeroUsize::new(BS).unwrap());
+    let mut out = Vec::new();
+    for (h, p) in chain {
+        mirror.apply(
+            &crate::engines::decode_batch(&store(*h, *p)).unwrap(),
+            &mut out,
+        );
+    }
+    out.iter()
+        .map(|c| match c {
+            BlockChange::Stored { block, .. } => block.seq,
+            BlockChange::Removed { seq, .. } => *seq,
+        })
+        .collect()
+}
+
+async fn engine_at(port: u16, replay: u16) -> EnginePublisher {
+    {
+        // A port a dropped publisher held is free once its accept task has ended.
+        for _ in 0..100 {
+            match EnginePublisher::bind(
+                "127.0.0.1",
+                port,
+                Some((replay, ReplayForm::WithTopic)),
+                "",
+                100,
+            )
+            .await
+            {
+                Ok(e) => return e,
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+        panic!("ports {port}, {replay} stay taken")
+    }
+}
+
+#[tokio::test]
+async fn a_late_follower_catches_up_through_replay_and_lost_batches_are_repaired() {
+    let engine = engine_at(0, 0).await;
+    for b in [
+        store(1, None),
+        store(2, Some(1)),
+        store(3, Some(2)),
+        remove(3),
+    ] {
+        engine.publish(b);
+    }
+    let mut owner = start(&engine, true).await;
+    let want = hashes_of(&[(1, None), (2, Some(1))]);
+    owner
+        .until("the buffer is replayed", |o| o.held == want)
+        .await;
+    assert_eq!(owner.stats.replayed, 4);
+    // Two batches lost on the way: the next one shows the gap and replay fills it. (A live
+    // batch sent before the subscription took effect is lost the same way.)
+    engine.drop_next(2);
+    for b in [store(10, Some(2)), store(11, Some(10)), store(12, Some(11))] {
+        engine.publish(b);
+    }
+    let want = hashes_of(&[
+        (1, None),
+        (2, Some(1)),
+        (10, Some(2)),
+        (11, Some(10)),
+        (12, Some(11)),
+    ]);
+    owner.until("the gap is repaired", |o| o.held == want).await;
+    assert!(owner.stats.replayed >= 6, "{:?}", owner.stats);
+    assert_eq!((owner.stats.unrepaired, owner.stats.restarts), (0, 0));
+}
+
+#[tokio::test]
+async fn a_restarted_engine_s_old_blocks_vanish() {
+    let engine = engine_at(0, 0).await;
+    let (pub_port, replay_port) = (engine.pub_port(), engine.replay_port().unwrap());
+    for b in [store(1, None), store(2, Some(1)), store(3, Some(2))] {
+        engine.publish(b);
+    }
+    let mut owner = start(&engine, true).await;
+    owner.until("replayed", |o| o.held.len() == 3).await;
+    drop(engine);
+    // The same ports, a new process: seq counts from 0 again.
+    let engine = engine_at(pub_port, replay_port).await;
+    engine.publish(store(7, None));
+    let want = hashes_of(&[(7, None)]);
+    owner
+        .until("only the new engine's block is left", |o| o.held == want)
+        .await;
+    assert_eq!(owner.stats.restarts, 1);
+}
+
+#[tokio::test]
+async fn without_replay_a_gap_clears_and_rebuilds_from_what_follows() {
+    let engine = engine_at(0, 0).await;
+    let mut owner = start(&engine, false).await;
+    // Live only: publish until the subscription carries a batch.
+    let mut seen = false;
+    for _ in 0..200 {
+        engine.publish(store(1, None));
+        engine.publish(remove(1));
+        if tokio::time::timeout(
+            Duration::from_millis(20),
+            owner.until("live", |o| o.stats.mirror.batches > 0),
+        )
+        .await
+        .is_ok()
+        {
+            seen = true;
+            break;
+        }
+    }
+    assert!(seen, "no live batch arrived");
+    owner
+        .until("settled", |o| {
+            o.held.is_empty() && o.stats.mirror.batches % 2 == 0
+        })
+        .await;
+    engine.publish(store(5, None));
+    owner.until("5 held", |o| o.held.len() == 1).await;
+    engine.drop_next(1);
+    engine.publish(store(6, Some(5)));
+    engine.publish(store(8, None));
+    let want = hashes_of(&[(8, None)]);
+    owner
+        .until("rebuilt from what followed the gap", |o| o.held == want)
+        .await;
+    assert_eq!((owner.stats.gaps, owner.stats.unrepaired), (1, 1));
+}
+
+#[test]
+fn data_parallel_ranks_offset_the_port() {
+    let e = EngineEndpoint {
+        events: "tcp://10.1.2.3:5557".into(),
+        replay: Some("tcp://10.1.2.3:5600".into()),
+        topic: "kv".into(),
+    };
+    let r2 = e.for_rank(2).unwrap();
+    assert_eq!(
+        (r2.events.as_str(), r2.replay.as_deref()),
+        ("tcp://10.1.2.3:5559", Some("tcp://10.1.2.3:5602"))
+    );
+    assert_eq!(e.for_rank(0).unwrap(), e);
+    assert!(
+        EngineEndpoint {
+            events: "tcp://h:65535".into(),
+            replay: None,
+            topic: String::new()
+        }
+        .for_rank(1)
+        .is_err()
+    );
+}
