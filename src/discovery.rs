@@ -51,6 +51,21 @@ pub struct WorkerInfo {
     /// batch, and a restart whose events it never saw.
     #[serde(default)]
     pub last_event_ids: Vec<u64>,
+    /// What the router sends it (absent in registrations of older workers: kvroute's).
+    #[serde(default)]
+    pub api: WorkerApi,
+}
+
+/// How the router talks to a worker.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerApi {
+    /// `kvroute-worker`'s internal generate endpoint, with the router's token ids.
+    #[default]
+    Kvroute,
+    /// An engine's own OpenAI endpoints (vLLM, SGLang, any OpenAI server): the client's body
+    /// as it came, to `/v1/completions` or `/v1/chat/completions`.
+    Openai,
 }
 
 /// Why a registration was refused at decode.
@@ -626,6 +641,7 @@ mod tests {
             dp_size: 1,
             epoch: 1,
             last_event_ids: vec![0],
+            api: crate::discovery::WorkerApi::Kvroute,
         };
         assert!(info.validate().is_ok());
         for bad in ["http://", "http://host<x>", "http://a\\b", "ftp://host"] {

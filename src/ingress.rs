@@ -521,6 +521,8 @@ pub fn decode_request(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<
 /// worker's cached prefix of it.
 struct Prepared {
     parsed: Parsed,
+    /// The client's body as it came (what an engine's own OpenAI endpoint is sent).
+    raw: Bytes,
     blocks: Vec<crate::protocol::BlockHash>,
     overlaps: crate::indexer::OverlapScores,
     block_size: usize,
@@ -535,6 +537,7 @@ impl Prepared {
         chat: bool,
     ) -> Result<Prepared, ApiError> {
         let body = read_body(router, req).await?;
+        let raw = body.clone();
         let tokenizer = Arc::clone(&router.tokenizer);
         let view = router.plane.view();
         let (parsed, block_size, blocks) = router
@@ -555,6 +558,7 @@ impl Prepared {
         let overlaps = router.plane.indexer().find_matches_seq(&seqs);
         Ok(Prepared {
             parsed,
+            raw,
             blocks,
             overlaps,
             block_size,
@@ -625,10 +629,14 @@ async fn completions(
     let prepared = Prepared::read(router, req, chat).await?;
     let request = prepared.request();
     let p = &prepared.parsed;
-    let body = Bytes::from(
-        serde_json::json!({"model": p.model, "token_ids": p.tokens, "max_tokens": p.max_tokens, "stream": p.stream, "chat": chat})
-            .to_string(),
-    );
+    let body = proxy::Upstream {
+        generate: Bytes::from(
+            serde_json::json!({"model": p.model, "token_ids": p.tokens, "max_tokens": p.max_tokens, "stream": p.stream, "chat": chat})
+                .to_string(),
+        ),
+        raw: prepared.raw.clone(),
+        chat,
+    };
     let mut failed: Vec<WorkerKey> = Vec::new();
     let mut last_error: Option<ProxyError> = None;
     for _ in 0..=router.config.retries {
@@ -638,16 +646,7 @@ async fn completions(
             .route_excluding(router.now_ms(), &request, &failed);
         let Some(decision) = decision else { break };
         let booking = Booking::new(router, decision.booking);
-        match forward(
-            router,
-            &decision,
-            booking,
-            body.clone(),
-            p.stream,
-            &mut inflight,
-        )
-        .await
-        {
+        match forward(router, &decision, booking, &body, p.stream, &mut inflight).await {
             Ok(response) => return Ok(response),
             Err(e) => {
                 metrics::counter!("kvroute_proxy_errors_total", "kind" => e.label(), "fault" => fault_label(&e)).increment(1);

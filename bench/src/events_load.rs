@@ -194,6 +194,7 @@ pub async fn run(args: &Args) -> anyhow::Result<Report> {
                     dp_size: 1,
                     epoch: 1,
                     last_event_ids: Vec::new(),
+                    api: kvroute::discovery::WorkerApi::Kvroute,
                 })
                 .collect(),
         )

@@ -33,6 +33,9 @@ pub fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         let metrics = kvroute::process::install_metrics();
+        if !settings.backends.is_empty() {
+            return serve_direct(settings, metrics, tokenizer).await;
+        }
         let transport =
             Transport::connect_nats(&settings.nats, "kvroute-router", &settings.nats_auth).await?;
         let client = transport.nats_client().context("NATS transport")?.clone();
@@ -60,6 +63,81 @@ pub fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         let _ = stop.send(true);
         outcome
     })
+}
+
+/// Direct mode: no NATS; each `--backend` engine is followed by a bridge in this process,
+/// on the in-process event plane, as a sidecar would over NATS.
+async fn serve_direct(
+    settings: Settings,
+    metrics: Option<PrometheusHandle>,
+    tokenizer: Tokenizer,
+) -> anyhow::Result<()> {
+    use kvroute::discovery::LocalRegistry;
+    use kvroute::engines::ingest::EngineEndpoint;
+    use kvroute::events::transport::LocalBus;
+    use kvroute_worker::bridge::{self, BridgeConfig, BridgeStatus, EngineKind};
+    let transport = Transport::Local(LocalBus::new());
+    let registry = Registry::Local(LocalRegistry::default());
+    let (stop, stop_rx) = watch::channel(false);
+    let mut bridges = Vec::new();
+    for b in &settings.backends {
+        let id = kvroute::protocol::WorkerId(
+            (xxhash_rust::xxh3::xxh3_64(b.url.as_bytes()) & 0xffff_ffff_ffff).max(1),
+        );
+        let config = BridgeConfig {
+            id,
+            kind: if b.events.is_some() {
+                EngineKind::Vllm
+            } else {
+                EngineKind::Openai
+            },
+            engine_url: b.url.clone(),
+            events: b.events.clone().map(|events| EngineEndpoint {
+                events,
+                replay: b.replay.clone(),
+                topic: b.topic.clone(),
+            }),
+            dp_size: b.dp,
+            model: b.model.clone().unwrap_or_default(),
+            block_size: std::num::NonZeroUsize::new(b.block_size)
+                .context("backend block_size 0")?,
+            cluster: settings.cluster.clone(),
+            lease: LeaseConfig::default(),
+            health_every: Duration::from_secs(2),
+            health_failures: 2,
+            timeouts: Default::default(),
+        };
+        let status = Arc::new(parking_lot::Mutex::new(BridgeStatus::default()));
+        bridges.push(tokio::spawn(bridge::run(
+            config,
+            transport.clone(),
+            registry.clone(),
+            stop_rx.clone(),
+            status,
+        )));
+    }
+    let router = start_router(
+        &settings, transport, registry, false, metrics, tokenizer, stop_rx,
+    )
+    .await?;
+    let listeners = Listeners::bind(&settings).await?;
+    println!(
+        "kvroute serving on http://{} in front of {} engine(s), no NATS",
+        listeners.api_addr,
+        settings.backends.len()
+    );
+    println!("kvroute admin on http://{}", listeners.admin_addr);
+    let outcome = serve_until_signal(
+        router,
+        listeners,
+        Duration::from_millis(settings.drain_timeout_ms),
+    )
+    .await;
+    let _ = stop.send(true);
+    for b in bridges {
+        let _ = b.await;
+    }
+    outcome
 }
 
 /// The router's two listeners: the API (OpenAI endpoints, health, metrics) and the admin

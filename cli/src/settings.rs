@@ -143,6 +143,12 @@ pub struct ServeFlags {
     /// Log lines as `text` (colour only on a terminal) or `json` [default: text].
     #[arg(long, env = "KVROUTE_LOG_FORMAT")]
     pub log_format: Option<LogFormat>,
+    /// Direct mode, no NATS: route to this engine (vLLM, SGLang, any OpenAI server).
+    /// `URL[,events=ZMQ_ENDPOINT[,replay=ZMQ_ENDPOINT][,topic=T]][,model=M][,block_size=B][,dp=N]`;
+    /// repeat for each engine. With `events` the router follows the engine's KV events
+    /// itself; without, it routes on load and its own in-flight requests.
+    #[arg(long = "backend", env = "KVROUTE_BACKENDS", value_delimiter = ';')]
+    pub backends: Option<Vec<String>>,
 }
 
 /// The router's resolved settings.
@@ -176,6 +182,84 @@ pub struct Settings {
     pub tokenizer: Option<PathBuf>,
     /// Log format.
     pub log_format: LogFormat,
+    /// Direct mode's engines (empty: workers register over NATS).
+    pub backends: Vec<Backend>,
+}
+
+/// One engine of direct mode (`--backend`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Backend {
+    /// Its HTTP URL.
+    pub url: String,
+    /// Its KV-event PUB socket.
+    pub events: Option<String>,
+    /// Its replay ROUTER socket.
+    pub replay: Option<String>,
+    /// Its event topic.
+    pub topic: String,
+    /// The model it serves (`None`: the first of its `/v1/models`).
+    pub model: Option<String>,
+    /// Tokens per KV block (vLLM's default: 16).
+    pub block_size: usize,
+    /// Data-parallel ranks behind the URL.
+    pub dp: u32,
+}
+
+/// Parses one `--backend` value.
+pub fn parse_backend(spec: &str) -> anyhow::Result<Backend> {
+    let mut parts = spec.split(',');
+    let url = parts.next().unwrap_or("").trim().to_owned();
+    if !(url.starts_with("http://") || url.starts_with("https://"))
+        || url.parse::<hyper::Uri>().is_err()
+    {
+        bail!("--backend {spec:?}: starts with the engine's http(s) URL");
+    }
+    let mut b = Backend {
+        url,
+        events: None,
+        replay: None,
+        topic: String::new(),
+        model: None,
+        block_size: 16,
+        dp: 1,
+    };
+    for part in parts {
+        let (key, value) = part
+            .split_once('=')
+            .with_context(|| format!("--backend {spec:?}: {part:?} is not key=value"))?;
+        let zmq = |v: &str| -> anyhow::Result<String> {
+            kvroute::engines::zmtp::tcp_address(v)
+                .with_context(|| format!("--backend {spec:?}"))?;
+            Ok(v.to_owned())
+        };
+        match key.trim() {
+            "events" => b.events = Some(zmq(value)?),
+            "replay" => b.replay = Some(zmq(value)?),
+            "topic" => b.topic = value.to_owned(),
+            "model" if !value.is_empty() => b.model = Some(value.to_owned()),
+            "block_size" => {
+                b.block_size = value
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=4096).contains(n))
+                    .with_context(|| format!("--backend {spec:?}: block_size is 1..=4096"))?
+            }
+            "dp" => {
+                b.dp = value
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=1024).contains(n))
+                    .with_context(|| format!("--backend {spec:?}: dp is 1..=1024"))?
+            }
+            other => bail!(
+                "--backend {spec:?}: unknown key {other:?} (events, replay, topic, model, block_size, dp)"
+            ),
+        }
+    }
+    if b.replay.is_some() && b.events.is_none() {
+        bail!("--backend {spec:?}: replay= needs events=");
+    }
+    Ok(b)
 }
 
 /// Reads a `--config` file.
@@ -376,6 +460,13 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
             .unwrap_or(30_000),
         tokenizer: flags.tokenizer.or(file.tokenizer),
         log_format: flags.log_format.or(file.log_format).unwrap_or_default(),
+        backends: flags
+            .backends
+            .or(file.backends)
+            .unwrap_or_default()
+            .iter()
+            .map(|b| parse_backend(b))
+            .collect::<anyhow::Result<_>>()?,
     })
 }
 

@@ -65,14 +65,6 @@ impl Medium {
             Medium::Other(_) => Tier::Disk,
         }
     }
-
-    fn name(&self) -> &str {
-        match self {
-            Medium::Gpu => "GPU",
-            Medium::Cpu => "CPU",
-            Medium::Other(n) => n,
-        }
-    }
 }
 
 /// One of a block's extra hash keys.
@@ -411,6 +403,8 @@ pub struct Encoding {
     pub tagged_maps: bool,
     /// Hashes as 32-byte strings rather than ints.
     pub bytes_hashes: bool,
+    /// Int hashes as signed 64-bit (SGLang) rather than unsigned (vLLM).
+    pub signed_hashes: bool,
 }
 
 /// A hash in an engine's form: `raw` is the engine's 64-bit value (unsigned ints above
@@ -420,6 +414,8 @@ pub struct Encoding {
 fn write_hash(out: &mut Vec<u8>, raw: u64, encoding: Encoding) {
     if encoding.bytes_hashes {
         rmp::encode::write_bin(out, &hash_bytes(raw))
+    } else if encoding.signed_hashes {
+        rmp::encode::write_sint(out, raw as i64).map(|_| ())
     } else {
         rmp_write_u64(out, raw)
     }
@@ -465,8 +461,8 @@ pub enum RawEvent {
         token_ids: Vec<u32>,
         /// Tokens per block (0 with empty tokens).
         block_size: u32,
-        /// `GPU`, `CPU`, …
-        medium: Medium,
+        /// `GPU`, `CPU`, `CPU_PINNED`, …
+        medium: String,
         /// LoRA adapter.
         lora_name: Option<String>,
     },
@@ -475,7 +471,7 @@ pub enum RawEvent {
         /// Raw hashes.
         hashes: Vec<u64>,
         /// Where from.
-        medium: Medium,
+        medium: String,
     },
     /// `AllBlocksCleared`.
     Cleared,
@@ -540,7 +536,7 @@ pub fn encode_batch(ts: f64, events: &[RawEvent], dp_rank: u32, encoding: Encodi
                 key(&mut out, "lora_id");
                 ok(w::write_nil(&mut out));
                 key(&mut out, "medium");
-                ok(w::write_str(&mut out, medium.name()));
+                ok(w::write_str(&mut out, medium));
                 key(&mut out, "lora_name");
                 match lora_name {
                     Some(n) => ok(w::write_str(&mut out, n)),
@@ -551,7 +547,7 @@ pub fn encode_batch(ts: f64, events: &[RawEvent], dp_rank: u32, encoding: Encodi
                 key(&mut out, "block_hashes");
                 hash_list(&mut out, hashes);
                 key(&mut out, "medium");
-                ok(w::write_str(&mut out, medium.name()));
+                ok(w::write_str(&mut out, medium));
             }
             RawEvent::Cleared => {}
         }

@@ -16,6 +16,7 @@ use tokio::time::Instant;
 
 use super::openai::{ApiError, Fault};
 use super::{InFlight, Router};
+use crate::discovery::{WorkerApi, WorkerInfo};
 use crate::events::load::LoadShare;
 use crate::http::{Body, BodyError, collect_body};
 use crate::protocol::WorkerId;
@@ -190,13 +191,47 @@ fn error_message(body: &[u8]) -> String {
         .unwrap_or_else(|| String::from_utf8_lossy(&body[..body.len().min(1024)]).into_owned())
 }
 
+/// A request as each kind of worker takes it.
+pub(super) struct Upstream {
+    /// For a kvroute worker: the internal generate body (the router's token ids).
+    pub generate: Bytes,
+    /// For an engine: the client's body as it came.
+    pub raw: Bytes,
+    /// A chat completion (else a completion).
+    pub chat: bool,
+}
+
+impl Upstream {
+    /// The HTTP request for worker `info` (rank `rank` of it).
+    fn request(&self, info: &WorkerInfo, rank: u32) -> hyper::Request<Full<Bytes>> {
+        let base = info.url.trim_end_matches('/');
+        let (path, body) = match info.api {
+            WorkerApi::Kvroute => ("/internal/generate", self.generate.clone()),
+            WorkerApi::Openai if self.chat => ("/v1/chat/completions", self.raw.clone()),
+            WorkerApi::Openai => ("/v1/completions", self.raw.clone()),
+        };
+        let mut request = hyper::Request::post(format!("{base}{path}"))
+            .header(header::CONTENT_TYPE, "application/json");
+        if info.api == WorkerApi::Openai && info.dp_size > 1 {
+            // One endpoint fronting several data-parallel ranks: pin the rank the router
+            // chose. vLLM reads `X-data-parallel-rank` (OpenAIServing._get_data_parallel_rank
+            // in vllm/entrypoints/openai/engine/serving.py); SGLang reads the same header,
+            // case-insensitively (serving_base.extract_routed_dp_rank_from_header).
+            request = request.header("x-data-parallel-rank", rank.to_string());
+        }
+        request
+            .body(Full::new(body))
+            .expect("invariant: a registered URL (validated) and static parts form a request")
+    }
+}
+
 /// Sends a routed request to its worker and relays the answer. Streams are relayed by a task
 /// that takes over the booking and the in-flight slot.
 pub(super) async fn forward(
     router: &Arc<Router>,
     decision: &Decision,
     booking: Booking,
-    body: Bytes,
+    body: &Upstream,
     stream: bool,
     inflight: &mut Option<InFlight>,
 ) -> Result<Response<Body>, ProxyError> {
@@ -206,13 +241,7 @@ pub(super) async fn forward(
         return Err(ProxyError::WorkerLeft { worker });
     };
     router.plane.note_routed(key);
-    let request = hyper::Request::post(format!(
-        "{}/internal/generate",
-        info.url.trim_end_matches('/')
-    ))
-    .header(header::CONTENT_TYPE, "application/json")
-    .body(Full::new(body))
-    .expect("invariant: a registered URL (validated) and static parts form a request");
+    let request = body.request(&info, key.1.0);
     let config = &router.config;
     let started = Instant::now();
     let headers_ms = config.worker_timeout_ms;

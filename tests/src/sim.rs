@@ -109,6 +109,7 @@ impl SimWorker {
             dp_size: 1,
             epoch,
             last_event_ids: vec![0],
+            api: kvroute::discovery::WorkerApi::Kvroute,
         }));
         let lease = LeaseConfig {
             heartbeat_ms: 200,

@@ -13,13 +13,19 @@
 //!
 //! - [`server`] (I/O): the worker process: engine on wall time, HTTP generate endpoint,
 //!   event plane.
+//! - [`bridge`] (I/O): a real engine (vLLM, SGLang) as a worker: its ZMQ KV events
+//!   republished with epochs, ids and snapshots, its registration tied to its health.
+//! - [`emulate`] (I/O): the test engine: the simulated engine speaking vLLM's or SGLang's
+//!   wire formats.
 //!
-//! All of it but `plane` and `server` is sans-I/O: the replay bench drives it on a virtual clock, the
+//! All of it but `plane`, `server` and `bridge` is sans-I/O: the replay bench drives it on a virtual clock, the
 //! worker server on wall time.
 #![forbid(unsafe_code)]
 
 pub mod block_manager;
+pub mod bridge;
 pub mod config;
+pub mod emulate;
 pub mod engine;
 pub mod offload;
 pub mod plane;

@@ -103,6 +103,50 @@ struct Args {
     /// engine). For chaos tests only.
     #[arg(long)]
     fault_injection: bool,
+    /// Be the sidecar of a real engine instead of a simulated one: `vllm`, `sglang`, or
+    /// `openai` (any OpenAI server, no KV events). Starts no engine: follows the engine's
+    /// KV events (--kv-events), republishes them over NATS with epochs, ids and snapshots,
+    /// and registers --engine-url while the engine's /health answers.
+    #[arg(long, env = "KVROUTE_ENGINE")]
+    engine: Option<kvroute_worker::bridge::EngineKind>,
+    /// The engine's HTTP URL (OpenAI endpoints, /health, /metrics).
+    #[arg(long, env = "KVROUTE_ENGINE_URL", requires = "engine")]
+    engine_url: Option<String>,
+    /// The engine's KV-event PUB socket, tcp://HOST:PORT (vLLM and SGLang: port 5557 unless
+    /// configured).
+    #[arg(long, env = "KVROUTE_KV_EVENTS", requires = "engine")]
+    kv_events: Option<String>,
+    /// The engine's replay ROUTER socket, tcp://HOST:PORT (lost batches are asked again).
+    #[arg(long, env = "KVROUTE_KV_REPLAY", requires = "kv_events")]
+    kv_replay: Option<String>,
+    /// The topic the engine publishes under.
+    #[arg(long, env = "KVROUTE_KV_TOPIC", default_value = "")]
+    kv_topic: String,
+    /// Data-parallel ranks behind --engine-url, each publishing on the event ports offset by
+    /// its rank (as vLLM and SGLang do).
+    #[arg(long, env = "KVROUTE_ENGINE_DP_SIZE", default_value_t = 1)]
+    engine_dp_size: u32,
+    /// How often the engine's /health is asked, ms (two failures in a row withdraw the
+    /// registration).
+    #[arg(long, env = "KVROUTE_ENGINE_HEALTH_MS", default_value_t = 2_000)]
+    engine_health_ms: u64,
+    /// Be a test engine instead: the simulated engine, speaking `vllm`, `vllm-legacy` or
+    /// `sglang` wire formats (KV events on ZMQ, no NATS, no registration).
+    #[arg(long, env = "KVROUTE_EMULATE", conflicts_with = "engine")]
+    emulate: Option<kvroute_worker::emulate::Flavor>,
+    /// The test engine's KV-event PUB port (0: any free port).
+    #[arg(long, default_value_t = 5557, requires = "emulate")]
+    emulate_events_port: u16,
+    /// The test engine's replay ROUTER port (none without it; 0: any free port).
+    #[arg(long, requires = "emulate")]
+    emulate_replay_port: Option<u16>,
+    /// The test engine's event topic.
+    #[arg(long, default_value = "", requires = "emulate")]
+    emulate_topic: String,
+    /// The test engine names blocks with 32-byte hashes (vLLM with
+    /// VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) instead of ints.
+    #[arg(long, requires = "emulate")]
+    emulate_bytes_hashes: bool,
     /// Check the flags and variables, print the resolved settings as JSON, and exit.
     #[arg(long)]
     #[serde(skip)]
@@ -166,13 +210,31 @@ async fn run() -> anyhow::Result<()> {
         heartbeat_ms: args.heartbeat_ms,
         ttl_ms: args.lease_ttl_ms,
     };
-    let transport = Transport::connect_nats(&args.nats, "kvroute-worker", &args.nats_auth).await?;
-    let client = transport.nats_client().context("NATS transport")?.clone();
-    let registry = Registry::nats(client, &args.cluster, &lease, args.registry_replicas).await?;
     let id = match (args.id, host_name()) {
         (Some(id), _) => WorkerId(id),
         (None, Some(host)) if args.port != 0 => stable_id(&host, args.port),
         _ => WorkerId(new_epoch() & 0xffff_ffff_ffff),
+    };
+    if let Some(kind) = args.engine {
+        return sidecar(&args, kind, id, lease).await;
+    }
+    let emulate = match args.emulate {
+        Some(flavor) => Some(std::sync::Arc::new(
+            emulation(&args, flavor, &engine).await?,
+        )),
+        None => None,
+    };
+    let (transport, registry) = if emulate.is_some() {
+        // An engine talks to nobody's NATS: its events leave on ZMQ.
+        let bus = kvroute::events::transport::LocalBus::new();
+        (Transport::Local(bus), Registry::Local(Default::default()))
+    } else {
+        let transport =
+            Transport::connect_nats(&args.nats, "kvroute-worker", &args.nats_auth).await?;
+        let client = transport.nats_client().context("NATS transport")?.clone();
+        let registry =
+            Registry::nats(client, &args.cluster, &lease, args.registry_replicas).await?;
+        (transport, registry)
     };
     let config = ServerConfig {
         id,
@@ -190,10 +252,24 @@ async fn run() -> anyhow::Result<()> {
         }),
         http,
         fault_injection: args.fault_injection,
+        emulate: emulate.clone(),
     };
     let worker = Worker::start(config, transport, registry).await?;
     tracing::info!(%id, addr = %worker.addr, "worker serving");
     println!("kvroute-worker {id} listening on http://{}", worker.addr);
+    if let Some(e) = &emulate {
+        let replay = e
+            .publisher
+            .replay_port()
+            .map(|p| format!(", replay on tcp://{}:{p}", args.host))
+            .unwrap_or_default();
+        println!(
+            "test engine ({:?}) publishing KV events on tcp://{}:{}{replay}",
+            e.flavor,
+            args.host,
+            e.publisher.pub_port()
+        );
+    }
     let mut failed = worker.failed();
     tokio::select! {
         _ = kvroute::process::terminated() => {
@@ -210,5 +286,99 @@ async fn run() -> anyhow::Result<()> {
             worker.stop().await;
             bail!("engine failed: {reason}")
         }
+    }
+}
+
+/// The test engine's event sockets.
+async fn emulation(
+    args: &Args,
+    flavor: kvroute_worker::emulate::Flavor,
+    engine: &EngineConfig,
+) -> anyhow::Result<kvroute_worker::emulate::Emulation> {
+    use kvroute::engines::publisher::EnginePublisher;
+    let host = args.host.to_string();
+    let publisher = EnginePublisher::bind(
+        &host,
+        args.emulate_events_port,
+        args.emulate_replay_port.map(|p| (p, flavor.replay_form())),
+        &args.emulate_topic,
+        // vLLM's default `buffer_steps`.
+        10_000,
+    )
+    .await
+    .context("binding the test engine's event sockets")?;
+    let block_size = std::num::NonZeroUsize::new(engine.block_size).context("--block-size 0")?;
+    Ok(kvroute_worker::emulate::Emulation {
+        flavor,
+        bytes_hashes: args.emulate_bytes_hashes,
+        publisher,
+        book: kvroute_worker::emulate::TokenBook::new(
+            block_size,
+            4 * (engine.g1_blocks + engine.g2_blocks),
+        ),
+        block_size,
+        vocab: engine.vocab_size,
+    })
+}
+
+/// Runs as a real engine's sidecar until SIGINT or SIGTERM.
+async fn sidecar(
+    args: &Args,
+    kind: kvroute_worker::bridge::EngineKind,
+    id: WorkerId,
+    lease: LeaseConfig,
+) -> anyhow::Result<()> {
+    use kvroute_worker::bridge::{BridgeConfig, BridgeStatus, EngineKind};
+    let engine_url = args
+        .engine_url
+        .clone()
+        .context("--engine needs --engine-url")?;
+    if kind != EngineKind::Openai && args.kv_events.is_none() {
+        bail!("--engine {kind:?} needs --kv-events (the engine's ZMQ KV-event endpoint)");
+    }
+    let events = match &args.kv_events {
+        Some(e) => {
+            kvroute::engines::zmtp::tcp_address(e)?;
+            Some(kvroute::engines::ingest::EngineEndpoint {
+                events: e.clone(),
+                replay: args.kv_replay.clone(),
+                topic: args.kv_topic.clone(),
+            })
+        }
+        None => None,
+    };
+    let config = BridgeConfig {
+        id,
+        kind,
+        engine_url,
+        events,
+        dp_size: args.engine_dp_size,
+        model: args.model.clone(),
+        block_size: std::num::NonZeroUsize::new(args.block_size).context("--block-size 0")?,
+        cluster: args.cluster.clone(),
+        lease: lease.clone(),
+        health_every: Duration::from_millis(args.engine_health_ms.max(100)),
+        health_failures: 2,
+        timeouts: Default::default(),
+    };
+    let transport = Transport::connect_nats(&args.nats, "kvroute-sidecar", &args.nats_auth).await?;
+    let client = transport.nats_client().context("NATS transport")?.clone();
+    let registry = Registry::nats(client, &args.cluster, &lease, args.registry_replicas).await?;
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    let status = std::sync::Arc::new(parking_lot::Mutex::new(BridgeStatus::default()));
+    println!(
+        "kvroute-worker {id}: sidecar of {kind:?} engine at {}",
+        config.engine_url
+    );
+    let mut bridge = tokio::spawn(kvroute_worker::bridge::run(
+        config, transport, registry, stop_rx, status,
+    ));
+    tokio::select! {
+        _ = kvroute::process::terminated() => {
+            let _ = stop.send(true);
+            bridge.await??;
+            Ok(())
+        }
+        outcome = &mut bridge => outcome?,
     }
 }

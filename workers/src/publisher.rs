@@ -165,6 +165,23 @@ impl Publisher {
         self.stats.events += 1;
     }
 
+    /// A stream for the next incarnation `epoch` of the same worker that has announced what
+    /// this one had (its snapshot is the same set), ids from 1 again: how a worker that
+    /// left the fleet comes back without losing its cache. Pending events must be flushed.
+    pub fn renumbered(&self, epoch: u64) -> Publisher {
+        debug_assert!(self.pending.is_empty(), "flush before renumbering");
+        Publisher {
+            worker: self.worker,
+            dp_rank: self.dp_rank,
+            epoch,
+            next_id: 1,
+            pending: Vec::new(),
+            pending_blocks: 0,
+            announced: self.announced.clone(),
+            stats: PublisherStats::default(),
+        }
+    }
+
     /// The pending events as one batch, if there are any.
     pub fn flush(&mut self, sent_unix_us: u64) -> Option<EventBatch> {
         if self.pending.is_empty() {

@@ -85,6 +85,9 @@ pub struct ServerConfig {
     /// Serve `POST /admin/faults` (pause the publisher, stall after headers, fail the
     /// engine): for chaos tests only.
     pub fault_injection: bool,
+    /// Look like a real engine (`--emulate`): KV events on ZMQ in its wire format, no NATS
+    /// and no registration (a sidecar or a router in direct mode does that).
+    pub emulate: Option<Arc<crate::emulate::Emulation>>,
 }
 
 /// Faults a worker can be told to inject (`--fault-injection`), for chaos tests.
@@ -138,6 +141,7 @@ impl Worker {
             dp_size: 1,
             epoch: config.epoch,
             last_event_ids: vec![0],
+            api: kvroute::discovery::WorkerApi::Kvroute,
         }));
         info.lock().validate()?;
         let plane = WorkerPlane::new(transport.clone(), &config.cluster, Arc::clone(&info));
@@ -145,12 +149,19 @@ impl Worker {
         let (faults, faults_rx) = watch::channel(Faults::default());
         let (events_tx, events) = mpsc::channel(EVENT_QUEUE_BATCHES);
         let engine = EngineHandle::spawn(engine, events_tx, plane.clone())?;
-        tokio::spawn(publish(
-            plane,
-            events,
-            faults_rx.clone(),
-            shutdown_rx.clone(),
-        ));
+        match &config.emulate {
+            Some(emulation) => {
+                tokio::spawn(Arc::clone(emulation).publish(events, shutdown_rx.clone()));
+            }
+            None => {
+                tokio::spawn(publish(
+                    plane,
+                    events,
+                    faults_rx.clone(),
+                    shutdown_rx.clone(),
+                ));
+            }
+        }
         let (snapshots_tx, mut snapshots) = mpsc::channel::<SnapshotRequest>(16);
         WorkerPlane::serve_snapshots(transport, &config.cluster, config.id, snapshots_tx).await?;
         let inputs = engine.inputs();
@@ -174,14 +185,18 @@ impl Worker {
                 faults: config.fault_injection.then_some(Arc::new(faults)),
                 fingerprint: format!("fp_{:012x}", config.epoch & 0xffff_ffff_ffff),
                 body_read_timeout: Duration::from_millis(config.http.body_read_timeout_ms),
+                emulate: config.emulate.clone(),
             },
             shutdown_rx,
         ));
-        let registration = Registration::start(registry, info, &config.lease).await?;
+        let registration = match config.emulate {
+            Some(_) => None,
+            None => Some(Registration::start(registry, info, &config.lease).await?),
+        };
         Ok(Worker {
             addr,
             shutdown,
-            registration: Some(registration),
+            registration,
             engine,
             active,
         })

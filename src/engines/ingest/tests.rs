@@ -7,7 +7,7 @@ use tokio::sync::mpsc;
 
 use super::*;
 use crate::engines::publisher::{EnginePublisher, ReplayForm};
-use crate::engines::wire::{Encoding, Medium, RawEvent, encode_batch};
+use crate::engines::wire::{Encoding, RawEvent, encode_batch};
 use crate::protocol::{SeqHash, Tier};
 
 const BS: usize = 2;
@@ -65,12 +65,13 @@ fn store(hash: u64, parent: Option<u64>) -> Bytes {
         parent,
         token_ids: vec![hash as u32, parent.unwrap_or(0) as u32],
         block_size: BS as u32,
-        medium: Medium::Gpu,
+        medium: "GPU".into(),
         lora_name: None,
     };
     let enc = Encoding {
         tagged_maps: hash.is_multiple_of(2),
         bytes_hashes: false,
+        signed_hashes: false,
     };
     Bytes::from(encode_batch(0.0, &[e], 0, enc))
 }
@@ -78,7 +79,7 @@ fn store(hash: u64, parent: Option<u64>) -> Bytes {
 fn remove(hash: u64) -> Bytes {
     let e = RawEvent::Removed {
         hashes: vec![hash],
-        medium: Medium::Gpu,
+        medium: "GPU".into(),
     };
     Bytes::from(encode_batch(
         0.0,
@@ -87,6 +88,7 @@ fn remove(hash: u64) -> Bytes {
         Encoding {
             tagged_maps: true,
             bytes_hashes: false,
+            signed_hashes: false,
         },
     ))
 }

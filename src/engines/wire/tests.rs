@@ -28,7 +28,7 @@ fn every_encoding_round_trips() {
             parent: Some(1 << 63),
             token_ids: (0..8).collect(),
             block_size: 4,
-            medium: Medium::Gpu,
+            medium: "GPU".into(),
             lora_name: Some("adapter-a".into()),
         },
         RawEvent::Stored {
@@ -36,20 +36,21 @@ fn every_encoding_round_trips() {
             parent: None,
             token_ids: vec![],
             block_size: 0,
-            medium: Medium::Cpu,
+            medium: "CPU".into(),
             lora_name: None,
         },
         RawEvent::Removed {
             hashes: vec![u64::MAX - 3],
-            medium: Medium::Other("STORAGE".into()),
+            medium: "STORAGE".into(),
         },
         RawEvent::Cleared,
     ];
     for tagged_maps in [false, true] {
-        for bytes_hashes in [false, true] {
+        for (bytes_hashes, signed_hashes) in [(false, false), (true, false), (false, true)] {
             let enc = Encoding {
                 tagged_maps,
                 bytes_hashes,
+                signed_hashes,
             };
             let b = decode_batch(&encode_batch(12.5, &events, 3, enc)).unwrap();
             assert_eq!(

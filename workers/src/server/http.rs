@@ -36,6 +36,8 @@ pub(crate) struct State {
     pub engine: SyncSender<EngineInput>,
     pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
     pub tokenizer: Arc<kvroute::ingress::tokenizer::Tokenizer>,
+    /// The engine being emulated, which must learn the tokens of every prompt.
+    pub emulate: Option<Arc<crate::emulate::Emulation>>,
     pub model: String,
     pub next_id: Arc<AtomicU64>,
     /// Generate requests being served (the drain waits for 0).
@@ -116,6 +118,11 @@ fn bad_request(message: &str) -> Response<Body> {
 
 async fn handle(state: State, req: hyper::Request<Incoming>) -> Response<Body> {
     match (req.method(), req.uri().path()) {
+        (&Method::GET, "/v1/models") => full(
+            StatusCode::OK,
+            "application/json",
+            serde_json::json!({"object": "list", "data": [{"id": state.model, "object": "model", "created": 0, "owned_by": "kvroute"}]}).to_string(),
+        ),
         (&Method::GET, "/health") => full(StatusCode::OK, "application/json", r#"{"status":"ok"}"#),
         (&Method::POST, "/internal/generate") => generate(state, req).await,
         (&Method::POST, "/v1/completions") => openai(state, req, false).await,
@@ -252,7 +259,12 @@ impl Envelope {
     }
 
     /// The whole answer.
-    fn body(&self, tokens: &[u32], prompt_tokens: usize) -> serde_json::Value {
+    fn body(
+        &self,
+        tokens: &[u32],
+        prompt_tokens: usize,
+        cached_tokens: usize,
+    ) -> serde_json::Value {
         let text = render(tokens);
         let choice = if self.chat {
             serde_json::json!({"index": 0, "message": {"role": "assistant", "content": text, "refusal": null}, "logprobs": null, "finish_reason": "length", "token_ids": tokens})
@@ -262,7 +274,8 @@ impl Envelope {
         serde_json::json!({
             "id": self.id, "object": self.object(false), "created": self.created, "model": self.model,
             "system_fingerprint": self.fingerprint, "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens.len(), "total_tokens": prompt_tokens + tokens.len()},
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens.len(), "total_tokens": prompt_tokens + tokens.len(),
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}},
         })
     }
 
@@ -338,6 +351,13 @@ async fn run(state: State, g: Generate) -> Response<Body> {
     }
     let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
     let prompt_tokens = g.token_ids.len();
+    if let Some(e) = &state.emulate {
+        // Events describe blocks by their tokens: learn every block this request can fill,
+        // its output included (decode tokens are a function of the request id).
+        let mut all = g.token_ids.clone();
+        all.extend((0..g.max_tokens).map(|i| crate::engine::output_token(id, i, e.vocab)));
+        e.book.learn(&all);
+    }
     let request = Request {
         id,
         prompt: g.token_ids.into(),
@@ -371,18 +391,25 @@ async fn run(state: State, g: Generate) -> Response<Body> {
     };
     if !g.stream {
         let mut tokens = Vec::new();
+        let mut cached = 0;
         loop {
             let Some(o) = rx.recv().await else {
                 return unavailable("the request was cut off before it finished");
             };
             match o.kind {
+                // Prompt tokens served from the cache (G1, or onboarded from G2), as vLLM
+                // reports them in `usage.prompt_tokens_details.cached_tokens`.
+                OutputKind::Admitted {
+                    device_tokens,
+                    host_tokens,
+                } => cached = device_tokens + host_tokens,
                 OutputKind::Token { token, .. } => tokens.push(token),
                 OutputKind::Finished => break,
                 OutputKind::Rejected(reason) => return bad_request(&reason.to_string()),
                 _ => {}
             }
         }
-        let body = envelope.body(&tokens, prompt_tokens);
+        let body = envelope.body(&tokens, prompt_tokens, cached);
         return full(StatusCode::OK, "application/json", body.to_string());
     }
     let stream = futures_util::stream::unfold(

@@ -1,0 +1,296 @@
+//! A real engine (vLLM, SGLang, any OpenAI server) as a kvroute worker: follows the engine's
+//! ZMQ KV events per data-parallel rank, publishes them as kvroute `EventBatch`es (epochs,
+//! gap-free ids, snapshots from the mirror, so a router that starts later gets the whole
+//! cache), registers the engine's URL while its `/health` answers, and reports the load its
+//! `/metrics` shows. The sidecar (`kvroute-worker --engine`) runs it over NATS; the router's
+//! direct mode (`kvroute serve --backend`) runs one per backend on the in-process plane.
+
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use kvroute::discovery::{LeaseConfig, Registration, Registry, WorkerApi, WorkerInfo};
+use kvroute::engines::ingest::{self, EngineEndpoint, IngestStats, IngestTimeouts, Update};
+use kvroute::events::transport::Transport;
+use kvroute::protocol::{DpRank, WorkerId};
+use parking_lot::Mutex;
+use tokio::sync::{mpsc, watch};
+
+use crate::plane::{SnapshotRequest, WorkerPlane};
+use crate::publisher::Publisher;
+use crate::server::new_epoch;
+
+/// Which engine is behind the bridge (it decides the metric names read for load).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineKind {
+    /// vLLM.
+    Vllm,
+    /// SGLang.
+    Sglang,
+    /// Any other OpenAI-compatible server (no KV events of its own).
+    Openai,
+}
+
+impl std::str::FromStr for EngineKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "vllm" => Ok(EngineKind::Vllm),
+            "sglang" => Ok(EngineKind::Sglang),
+            "openai" => Ok(EngineKind::Openai),
+            other => Err(format!("unknown engine {other:?}: vllm, sglang or openai")),
+        }
+    }
+}
+
+/// One engine behind a bridge.
+#[derive(Clone, Debug)]
+pub struct BridgeConfig {
+    /// The worker id it registers as.
+    pub id: WorkerId,
+    /// Which engine.
+    pub kind: EngineKind,
+    /// Where the engine serves HTTP (its OpenAI endpoints, `/health`, `/metrics`).
+    pub engine_url: String,
+    /// Rank 0's event sockets; `None`: no events (routing on load alone).
+    pub events: Option<EngineEndpoint>,
+    /// Data-parallel ranks behind the endpoint (each publishing on its own ports).
+    pub dp_size: u32,
+    /// The model the engine serves.
+    pub model: String,
+    /// Tokens per KV block (the engine's).
+    pub block_size: NonZeroUsize,
+    /// Cluster name (NATS subjects).
+    pub cluster: String,
+    /// Registration lease.
+    pub lease: LeaseConfig,
+    /// How often `/health` is asked, and how long an answer may take.
+    pub health_every: Duration,
+    /// Consecutive failed health checks before the registration is withdrawn.
+    pub health_failures: u32,
+    /// Timeouts of the event sockets.
+    pub timeouts: IngestTimeouts,
+}
+
+/// What a bridge shows about its engine (for the admin views).
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct BridgeStatus {
+    /// Whether the engine is registered (its `/health` answers).
+    pub registered: bool,
+    /// Per rank: the event streams' counters.
+    #[serde(skip)]
+    pub ranks: Vec<IngestStats>,
+}
+
+/// G1 capacity reported when the engine's metrics do not say (scheduler load is relative
+/// to it).
+const DEFAULT_G1_BLOCKS: usize = 1 << 16;
+
+/// Runs a bridge until `stop` turns true; then says goodbye.
+pub async fn run(
+    config: BridgeConfig,
+    transport: Transport,
+    registry: Registry,
+    mut stop: watch::Receiver<bool>,
+    status: Arc<Mutex<BridgeStatus>>,
+) -> anyhow::Result<()> {
+    let mut connector = HttpConnector::new();
+    connector.set_connect_timeout(Some(config.health_every));
+    let client: Client<HttpConnector, Empty<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(connector);
+    let epoch = new_epoch();
+    let info = Arc::new(Mutex::new(WorkerInfo {
+        id: config.id,
+        url: config.engine_url.clone(),
+        block_size: config.block_size.get(),
+        g1_blocks: DEFAULT_G1_BLOCKS,
+        g2_blocks: 0,
+        model: config.model.clone(),
+        dp_size: config.dp_size,
+        epoch,
+        last_event_ids: vec![0; config.dp_size as usize],
+        api: WorkerApi::Openai,
+    }));
+    if !config.model.is_empty() {
+        info.lock().validate()?;
+    }
+    let plane = WorkerPlane::new(transport.clone(), &config.cluster, Arc::clone(&info));
+    let (snap_tx, mut snapshots) = mpsc::channel::<SnapshotRequest>(16);
+    let snapshot_task =
+        WorkerPlane::serve_snapshots(transport.clone(), &config.cluster, config.id, snap_tx)
+            .await?;
+    let mut publishers: Vec<Publisher> = (0..config.dp_size)
+        .map(|r| Publisher::new(config.id, DpRank(r), epoch))
+        .collect();
+    let (updates_tx, mut updates) = mpsc::channel::<(u32, Update)>(64);
+    let mut ingests = Vec::new();
+    if let Some(endpoint) = &config.events {
+        for rank in 0..config.dp_size {
+            let endpoint = endpoint.for_rank(rank)?;
+            let (tx, mut rx) = mpsc::channel(16);
+            ingests.push(tokio::spawn(ingest::run(
+                endpoint,
+                config.block_size,
+                config.timeouts,
+                tx,
+            )));
+            let out = updates_tx.clone();
+            ingests.push(tokio::spawn(async move {
+                while let Some(u) = rx.recv().await {
+                    if out.send((rank, u)).await.is_err() {
+                        return;
+                    }
+                }
+            }));
+        }
+    }
+    drop(updates_tx);
+    status.lock().ranks = vec![IngestStats::default(); config.dp_size as usize];
+    let mut registration: Option<Registration> = None;
+    let mut failures = 0u32;
+    let mut health = tokio::time::interval(config.health_every);
+    health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.changed() => break,
+            Some((rank, update)) = updates.recv() => {
+                let publisher = &mut publishers[rank as usize];
+                publisher.record(&update.changes);
+                if let Some(batch) = publisher.flush(unix_us()) {
+                    if registration.is_some() {
+                        if let Err(e) = plane.publish(&batch).await {
+                            // The router sees the gap and asks for a snapshot.
+                            tracing::warn!(worker = %config.id, error = %e, "publishing failed");
+                        }
+                    } else {
+                        // Not registered: nobody follows this stream; the next incarnation's
+                        // snapshot carries it.
+                        plane.note_sent(&batch);
+                    }
+                }
+                status.lock().ranks[rank as usize] = update.stats;
+            }
+            Some(request) = snapshots.recv() => {
+                if let Some(p) = publishers.get(request.dp_rank.0 as usize) {
+                    let _ = request.reply.send(p.snapshot());
+                }
+            }
+            _ = health.tick() => {
+                let healthy = get(&client, &config.engine_url, "/health", config.health_every).await.is_ok();
+                failures = if healthy { 0 } else { failures + 1 };
+                match (&registration, healthy) {
+                    (None, true) => {
+                        if info.lock().model.is_empty() {
+                            match served_model(&client, &config.engine_url, config.health_every).await {
+                                Some(model) => info.lock().model = model,
+                                None => continue,
+                            }
+                        }
+                        if let Err(e) = info.lock().validate() {
+                            tracing::warn!(worker = %config.id, error = %e, "cannot register the engine");
+                            continue;
+                        }
+                        if let Ok(metrics) = get(&client, &config.engine_url, "/metrics", config.health_every).await {
+                            if let Some(blocks) = g1_blocks(&metrics) {
+                                info.lock().g1_blocks = blocks;
+                            }
+                        }
+                        match Registration::start(registry.clone(), Arc::clone(&info), &config.lease).await {
+                            Ok(r) => {
+                                tracing::info!(worker = %config.id, url = %config.engine_url, model = %config.model, "engine healthy: registered");
+                                registration = Some(r);
+                                status.lock().registered = true;
+                            }
+                            Err(e) => tracing::warn!(worker = %config.id, error = %e, "cannot register the engine"),
+                        }
+                    }
+                    (Some(_), false) if failures >= config.health_failures => {
+                        tracing::warn!(worker = %config.id, url = %config.engine_url, "engine unhealthy: registration withdrawn");
+                        if let Some(r) = registration.take() {
+                            r.goodbye().await;
+                        }
+                        status.lock().registered = false;
+                        // Back as a new incarnation, with what the engine held then.
+                        let epoch = new_epoch();
+                        publishers = publishers.iter().map(|p| p.renumbered(epoch)).collect();
+                        let mut i = info.lock();
+                        i.epoch = epoch;
+                        i.last_event_ids = vec![0; config.dp_size as usize];
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    if let Some(r) = registration.take() {
+        r.goodbye().await;
+    }
+    snapshot_task.abort();
+    for t in ingests {
+        t.abort();
+    }
+    Ok(())
+}
+
+fn unix_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
+
+/// Largest body read from `/health` or `/metrics`.
+const MAX_BODY: usize = 4 << 20;
+
+/// GETs `path` of `base`, 2xx or an error, within `deadline` (body included).
+async fn get(
+    client: &Client<HttpConnector, Empty<Bytes>>,
+    base: &str,
+    path: &str,
+    deadline: Duration,
+) -> anyhow::Result<Bytes> {
+    let uri: hyper::Uri = format!("{}{path}", base.trim_end_matches('/')).parse()?;
+    let fetch = async {
+        let response = client.get(uri).await?;
+        let status = response.status();
+        let body = http_body_util::Limited::new(response.into_body(), MAX_BODY)
+            .collect()
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .to_bytes();
+        anyhow::ensure!(status.is_success(), "{path}: {status}");
+        Ok(body)
+    };
+    tokio::time::timeout(deadline, fetch)
+        .await
+        .map_err(|_| anyhow::anyhow!("{path}: no answer within {deadline:?}"))?
+}
+
+/// The first model of the engine's `/v1/models`.
+async fn served_model(
+    client: &Client<HttpConnector, Empty<Bytes>>,
+    base: &str,
+    deadline: Duration,
+) -> Option<String> {
+    let body = get(client, base, "/v1/models", deadline).await.ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+    v["data"][0]["id"].as_str().map(str::to_owned)
+}
+
+/// The engine's G1 capacity in blocks, from its Prometheus text: vLLM's
+/// `vllm:cache_config_info{…,num_gpu_blocks="N",…}`.
+pub fn g1_blocks(metrics: &[u8]) -> Option<usize> {
+    let text = std::str::from_utf8(metrics).ok()?;
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("vllm:cache_config_info{"))?;
+    let at = line.find("num_gpu_blocks=\"")? + "num_gpu_blocks=\"".len();
+    let end = line[at..].find('"')?;
+    line[at..at + end].parse().ok().filter(|n| *n > 0)
+}

@@ -1,0 +1,240 @@
+//! The test engine (`kvroute-worker --emulate vllm|sglang`): the simulated engine speaking a
+//! real engine's wire formats instead of kvroute's, so that the sidecar and the router's
+//! direct mode can be tested end to end without a GPU. Its KV events leave on a ZMQ PUB (and
+//! a replay ROUTER) in vLLM's or SGLang's msgpack shape, named by the engine's own hashes
+//! (not kvroute's: the consumer must recompute them from the token ids); its G2 stores come
+//! as vLLM's CPU tier reports them (no tokens, block size 0) or as SGLang's (`CPU_PINNED`,
+//! with tokens and a parent); its OpenAI answers carry `usage.prompt_tokens_details`.
+
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use kvroute::engines::publisher::{EnginePublisher, ReplayForm};
+use kvroute::engines::wire::{Encoding, RawEvent, encode_batch};
+use kvroute::protocol::{EventBatch, KvEventData, Salt, SeqHash, Tier, hash_blocks};
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+use tokio::sync::{mpsc, watch};
+
+/// Which engine to look like.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Flavor {
+    /// vLLM ≥ 0.26: tagged-map events, unsigned int hashes, `CPU` stores without tokens,
+    /// replay replies with the topic.
+    Vllm,
+    /// vLLM before 0.26: positional events, otherwise as [`Flavor::Vllm`], replay without
+    /// the topic.
+    VllmLegacy,
+    /// SGLang: positional events, signed int hashes, `CPU_PINNED` stores with tokens,
+    /// replay replies without the topic.
+    Sglang,
+}
+
+impl std::str::FromStr for Flavor {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "vllm" => Ok(Flavor::Vllm),
+            "vllm-legacy" => Ok(Flavor::VllmLegacy),
+            "sglang" => Ok(Flavor::Sglang),
+            other => Err(format!(
+                "unknown engine {other:?}: vllm, vllm-legacy or sglang"
+            )),
+        }
+    }
+}
+
+impl Flavor {
+    fn encoding(self, bytes_hashes: bool) -> Encoding {
+        Encoding {
+            tagged_maps: self == Flavor::Vllm,
+            bytes_hashes,
+            signed_hashes: self == Flavor::Sglang,
+        }
+    }
+
+    /// How its replay socket answers.
+    pub fn replay_form(self) -> ReplayForm {
+        match self {
+            Flavor::Vllm => ReplayForm::WithTopic,
+            Flavor::VllmLegacy | Flavor::Sglang => ReplayForm::NoTopic,
+        }
+    }
+
+    fn host_medium(self) -> &'static str {
+        match self {
+            Flavor::Sglang => "CPU_PINNED",
+            _ => "CPU",
+        }
+    }
+}
+
+/// Blocks' tokens, learnt from the prompts the engine was given (events carry tokens; the
+/// block manager knows blocks only by hash). Bounded: beyond `capacity` blocks new ones are
+/// not learnt (their events then carry no tokens and the consumer counts them unresolved).
+#[derive(Debug)]
+pub struct TokenBook {
+    block_size: NonZeroUsize,
+    capacity: usize,
+    blocks: Mutex<FxHashMap<SeqHash, Arc<[u32]>>>,
+}
+
+impl TokenBook {
+    /// A book for blocks of `block_size` tokens, holding at most `capacity` blocks.
+    pub fn new(block_size: NonZeroUsize, capacity: usize) -> Self {
+        TokenBook {
+            block_size,
+            capacity,
+            blocks: Mutex::default(),
+        }
+    }
+
+    /// Learns the full blocks of a prompt (hashed as the engine hashes it, no salt).
+    pub fn learn(&self, prompt: &[u32]) {
+        let hashes = hash_blocks(prompt, self.block_size, Salt::NONE);
+        let mut blocks = self.blocks.lock();
+        for (h, tokens) in hashes
+            .iter()
+            .zip(prompt.chunks_exact(self.block_size.get()))
+        {
+            if blocks.len() >= self.capacity {
+                return;
+            }
+            blocks.entry(h.seq).or_insert_with(|| tokens.into());
+        }
+    }
+
+    fn tokens(&self, seq: SeqHash) -> Option<Arc<[u32]>> {
+        self.blocks.lock().get(&seq).cloned()
+    }
+
+    fn forget(&self, seq: SeqHash) {
+        self.blocks.lock().remove(&seq);
+    }
+
+    /// Blocks known.
+    pub fn len(&self) -> usize {
+        self.blocks.lock().len()
+    }
+
+    /// Whether no block is known.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The engine's own name for a block: not kvroute's hash (a consumer that used it as one
+/// would match nothing), spread over all 64 bits so that values above `i64::MAX` occur.
+pub fn engine_name(seq: SeqHash) -> u64 {
+    seq.0.rotate_left(29) ^ 0x9e37_79b9_7f4a_7c15
+}
+
+/// A running emulation: where its events go and what it knows of its blocks.
+#[derive(Debug)]
+pub struct Emulation {
+    /// The engine flavour.
+    pub flavor: Flavor,
+    /// Bytes hashes (vLLM with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`) instead of ints.
+    pub bytes_hashes: bool,
+    /// The event sockets.
+    pub publisher: EnginePublisher,
+    /// Blocks' tokens.
+    pub book: TokenBook,
+    /// Tokens per block.
+    pub block_size: NonZeroUsize,
+    /// The engine's vocabulary (its decode tokens are drawn from it).
+    pub vocab: u32,
+}
+
+impl Emulation {
+    /// Turns one kvroute batch of the engine into the flavour's payload.
+    fn encode(&self, batch: &EventBatch, tiers: &mut FxHashMap<SeqHash, u8>) -> Vec<u8> {
+        let name = |s: SeqHash| engine_name(s);
+        let mut out = Vec::new();
+        for e in &batch.events {
+            let bit = 1u8 << (e.tier as u8);
+            let medium = match e.tier {
+                Tier::Device => "GPU",
+                Tier::Host => self.flavor.host_medium(),
+                _ => "STORAGE",
+            };
+            match &e.data {
+                KvEventData::Stored { parent, blocks } => {
+                    for b in blocks {
+                        *tiers.entry(b.seq).or_default() |= bit;
+                    }
+                    let tokenless = e.tier != Tier::Device && self.flavor != Flavor::Sglang;
+                    let token_ids: Option<Vec<u32>> = if tokenless {
+                        Some(Vec::new())
+                    } else {
+                        blocks
+                            .iter()
+                            .map(|b| self.book.tokens(b.seq))
+                            .collect::<Option<Vec<_>>>()
+                            .map(|t| t.iter().flat_map(|b| b.iter().copied()).collect())
+                    };
+                    // A block whose tokens were never learnt cannot be described.
+                    let Some(token_ids) = token_ids else { continue };
+                    out.push(RawEvent::Stored {
+                        hashes: blocks.iter().map(|b| name(b.seq)).collect(),
+                        parent: parent.map(name),
+                        block_size: if token_ids.is_empty() {
+                            0
+                        } else {
+                            self.block_size.get() as u32
+                        },
+                        token_ids,
+                        medium: medium.into(),
+                        lora_name: None,
+                    });
+                }
+                KvEventData::Removed { blocks } => {
+                    for s in blocks {
+                        if let Some(t) = tiers.get_mut(s) {
+                            *t &= !bit;
+                            if *t == 0 {
+                                tiers.remove(s);
+                                self.book.forget(*s);
+                            }
+                        }
+                    }
+                    out.push(RawEvent::Removed {
+                        hashes: blocks.iter().map(|s| name(*s)).collect(),
+                        medium: medium.into(),
+                    });
+                }
+                KvEventData::Cleared => {
+                    tiers.clear();
+                    out.push(RawEvent::Cleared);
+                }
+            }
+        }
+        let ts = batch.sent_unix_us as f64 / 1e6;
+        encode_batch(ts, &out, 0, self.flavor.encoding(self.bytes_hashes))
+    }
+
+    /// Publishes the engine's batches on the event sockets until `shutdown`.
+    pub async fn publish(
+        self: Arc<Self>,
+        mut events: mpsc::Receiver<EventBatch>,
+        mut shutdown: watch::Receiver<bool>,
+    ) {
+        let mut tiers = FxHashMap::default();
+        loop {
+            let mut batch = tokio::select! {
+                b = events.recv() => match b {
+                    Some(b) => b,
+                    None => return,
+                },
+                _ = shutdown.changed() => return,
+            };
+            batch.sent_unix_us = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_micros() as u64);
+            let payload = self.encode(&batch, &mut tiers);
+            self.publisher.publish(Bytes::from(payload));
+        }
+    }
+}
