@@ -213,15 +213,11 @@ impl EngineMirror {
             self.stats.malformed += n;
             return;
         }
-        let mut parent = match s.parent {
-            None => None,
-            Some(p) => match self.lookup(p) {
-                Some(e) => Some(e.block.seq),
-                None => {
-                    self.stats.orphans += n;
-                    return;
-                }
-            },
+        // The parent's kvroute hash; unknown (stored before the mirror started, or lost) only
+        // matters for a block the mirror does not know by its engine hash either.
+        let mut parent: Option<Option<SeqHash>> = match s.parent {
+            None => Some(None),
+            Some(p) => self.lookup(p).map(|e| Some(e.block.seq)),
         };
         let lora = s.lora_name.as_deref();
         for (i, (h, tokens)) in s
@@ -230,6 +226,16 @@ impl EngineMirror {
             .zip(s.token_ids.chunks_exact(bs))
             .enumerate()
         {
+            if let Some(known) = self.lookup(*h) {
+                // Named before (another tier, or stored twice): the same block.
+                self.hold(*h, known, tier, out);
+                parent = Some(Some(known.block.seq));
+                continue;
+            }
+            let Some(up) = parent else {
+                self.stats.orphans += 1;
+                continue;
+            };
             let keys = s.extra_keys.get(i).map(Vec::as_slice).unwrap_or(&[]);
             let mut local = local_hash(tokens);
             let mut cache_salt = s.cache_salt.as_deref();
@@ -238,25 +244,21 @@ impl EngineMirror {
                     // The adapter's name is in the salt already.
                     ExtraKey::Str(k) if Some(k.as_str()) == lora => {}
                     // vLLM puts the request's cache salt on the first block's keys.
-                    ExtraKey::Str(k) if parent.is_none() && cache_salt.is_none() => {
+                    ExtraKey::Str(k) if up.is_none() && cache_salt.is_none() => {
                         cache_salt = Some(k);
                     }
                     other => local = mix(local, other),
                 }
             }
             let salt = engine_salt(lora, cache_salt);
-            let seq = seq_hash(parent, local, salt);
+            let seq = seq_hash(up, local, salt);
             let entry = Entry {
                 block: StoredBlock { seq, local },
-                parent,
+                parent: up,
                 refs: [0; 4],
             };
-            let entry = match self.lookup(*h) {
-                Some(e) if e.block == entry.block => e,
-                _ => entry,
-            };
             self.hold(*h, entry, tier, out);
-            parent = Some(seq);
+            parent = Some(Some(seq));
         }
     }
 

@@ -48,7 +48,7 @@ pub enum Medium {
 }
 
 impl Medium {
-    fn parse(name: Option<&str>) -> Medium {
+    pub(crate) fn parse(name: Option<&str>) -> Medium {
         match name {
             None => Medium::Gpu,
             Some(n) if n.eq_ignore_ascii_case("gpu") => Medium::Gpu,

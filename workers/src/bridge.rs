@@ -196,10 +196,10 @@ pub async fn run(
                             tracing::warn!(worker = %config.id, error = %e, "cannot register the engine");
                             continue;
                         }
-                        if let Ok(metrics) = get(&client, &config.engine_url, "/metrics", config.health_every).await {
-                            if let Some(blocks) = g1_blocks(&metrics) {
-                                info.lock().g1_blocks = blocks;
-                            }
+                        if let Ok(metrics) = get(&client, &config.engine_url, "/metrics", config.health_every).await
+                            && let Some(blocks) = g1_blocks(&metrics)
+                        {
+                            info.lock().g1_blocks = blocks;
                         }
                         match Registration::start(registry.clone(), Arc::clone(&info), &config.lease).await {
                             Ok(r) => {

@@ -6,6 +6,7 @@
 //! as vLLM's CPU tier reports them (no tokens, block size 0) or as SGLang's (`CPU_PINNED`,
 //! with tokens and a parent); its OpenAI answers carry `usage.prompt_tokens_details`.
 
+use std::collections::VecDeque;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 
@@ -71,52 +72,58 @@ impl Flavor {
     }
 }
 
-/// Blocks' tokens, learnt from the prompts the engine was given (events carry tokens; the
-/// block manager knows blocks only by hash). Bounded: beyond `capacity` blocks new ones are
-/// not learnt (their events then carry no tokens and the consumer counts them unresolved).
+/// Blocks' tokens, learnt from the requests the engine was given (events carry tokens; the
+/// block manager knows blocks only by hash). Bounded: past `capacity` blocks the oldest
+/// learnt are forgotten (a block still cached by then is described without tokens, and the
+/// consumer counts it unresolved). Kept after a block leaves the cache, since an offload
+/// tier may report its copy later.
 #[derive(Debug)]
 pub struct TokenBook {
     block_size: NonZeroUsize,
     capacity: usize,
-    blocks: Mutex<FxHashMap<SeqHash, Arc<[u32]>>>,
+    blocks: Mutex<Learnt>,
 }
+
+/// Tokens by block, and the order they were learnt in.
+type Learnt = (FxHashMap<SeqHash, Arc<[u32]>>, VecDeque<SeqHash>);
 
 impl TokenBook {
     /// A book for blocks of `block_size` tokens, holding at most `capacity` blocks.
     pub fn new(block_size: NonZeroUsize, capacity: usize) -> Self {
         TokenBook {
             block_size,
-            capacity,
+            capacity: capacity.max(1),
             blocks: Mutex::default(),
         }
     }
 
-    /// Learns the full blocks of a prompt (hashed as the engine hashes it, no salt).
-    pub fn learn(&self, prompt: &[u32]) {
-        let hashes = hash_blocks(prompt, self.block_size, Salt::NONE);
-        let mut blocks = self.blocks.lock();
+    /// Learns the full blocks of a sequence (hashed as the engine hashes it, no salt).
+    pub fn learn(&self, sequence: &[u32]) {
+        let hashes = hash_blocks(sequence, self.block_size, Salt::NONE);
+        let mut guard = self.blocks.lock();
+        let (blocks, order) = &mut *guard;
         for (h, tokens) in hashes
             .iter()
-            .zip(prompt.chunks_exact(self.block_size.get()))
+            .zip(sequence.chunks_exact(self.block_size.get()))
         {
-            if blocks.len() >= self.capacity {
-                return;
+            if blocks.insert(h.seq, tokens.into()).is_none() {
+                order.push_back(h.seq);
             }
-            blocks.entry(h.seq).or_insert_with(|| tokens.into());
+        }
+        while order.len() > self.capacity {
+            if let Some(old) = order.pop_front() {
+                blocks.remove(&old);
+            }
         }
     }
 
     fn tokens(&self, seq: SeqHash) -> Option<Arc<[u32]>> {
-        self.blocks.lock().get(&seq).cloned()
-    }
-
-    fn forget(&self, seq: SeqHash) {
-        self.blocks.lock().remove(&seq);
+        self.blocks.lock().0.get(&seq).cloned()
     }
 
     /// Blocks known.
     pub fn len(&self) -> usize {
-        self.blocks.lock().len()
+        self.blocks.lock().0.len()
     }
 
     /// Whether no block is known.
@@ -150,11 +157,10 @@ pub struct Emulation {
 
 impl Emulation {
     /// Turns one kvroute batch of the engine into the flavour's payload.
-    fn encode(&self, batch: &EventBatch, tiers: &mut FxHashMap<SeqHash, u8>) -> Vec<u8> {
+    fn encode(&self, batch: &EventBatch) -> Vec<u8> {
         let name = |s: SeqHash| engine_name(s);
         let mut out = Vec::new();
         for e in &batch.events {
-            let bit = 1u8 << (e.tier as u8);
             let medium = match e.tier {
                 Tier::Device => "GPU",
                 Tier::Host => self.flavor.host_medium(),
@@ -162,9 +168,6 @@ impl Emulation {
             };
             match &e.data {
                 KvEventData::Stored { parent, blocks } => {
-                    for b in blocks {
-                        *tiers.entry(b.seq).or_default() |= bit;
-                    }
                     let tokenless = e.tier != Tier::Device && self.flavor != Flavor::Sglang;
                     let token_ids: Option<Vec<u32>> = if tokenless {
                         Some(Vec::new())
@@ -191,24 +194,12 @@ impl Emulation {
                     });
                 }
                 KvEventData::Removed { blocks } => {
-                    for s in blocks {
-                        if let Some(t) = tiers.get_mut(s) {
-                            *t &= !bit;
-                            if *t == 0 {
-                                tiers.remove(s);
-                                self.book.forget(*s);
-                            }
-                        }
-                    }
                     out.push(RawEvent::Removed {
                         hashes: blocks.iter().map(|s| name(*s)).collect(),
                         medium: medium.into(),
                     });
                 }
-                KvEventData::Cleared => {
-                    tiers.clear();
-                    out.push(RawEvent::Cleared);
-                }
+                KvEventData::Cleared => out.push(RawEvent::Cleared),
             }
         }
         let ts = batch.sent_unix_us as f64 / 1e6;
@@ -221,7 +212,6 @@ impl Emulation {
         mut events: mpsc::Receiver<EventBatch>,
         mut shutdown: watch::Receiver<bool>,
     ) {
-        let mut tiers = FxHashMap::default();
         loop {
             let mut batch = tokio::select! {
                 b = events.recv() => match b {
@@ -233,7 +223,7 @@ impl Emulation {
             batch.sent_unix_us = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_micros() as u64);
-            let payload = self.encode(&batch, &mut tiers);
+            let payload = self.encode(&batch);
             self.publisher.publish(Bytes::from(payload));
         }
     }

@@ -295,3 +295,23 @@ fn seq_tracker_tells_next_gap_and_restart() {
     t.reset();
     assert_eq!(t.check(0), SeqCheck::First);
 }
+
+#[test]
+fn a_known_block_resolves_by_its_engine_hash_whatever_its_parent() {
+    // SGLang's host stores carry tokens and a parent that may have left every tier.
+    let toks = tokens(2 * BS);
+    let want = hash_blocks(&toks, bs(), Salt::NONE);
+    let mut m = EngineMirror::new(bs());
+    apply(&mut m, vec![stored(&[1, 2], None, &toks, Medium::Gpu)]);
+    apply(&mut m, vec![removed(&[1], Medium::Gpu)]);
+    let mut lost_parent = stored(&[2], Some(999), &toks[BS..], Medium::Cpu);
+    if let EngineEvent::Stored(s) = &mut lost_parent {
+        s.medium = Medium::parse(Some("CPU_PINNED"));
+    }
+    let out = apply(&mut m, vec![lost_parent]);
+    assert!(
+        matches!(out[..], [BlockChange::Stored { tier: Tier::Host, block, .. }] if block.seq == want[1].seq),
+        "{out:?}"
+    );
+    assert_eq!(m.stats().orphans, 0);
+}

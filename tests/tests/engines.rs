@@ -1,0 +1,316 @@
+//! kvroute in front of real engines' wire formats, end to end: test engines
+//! (`kvroute-worker --emulate`, speaking vLLM's or SGLang's ZMQ events and OpenAI HTTP) behind
+//! the router in direct mode (`kvroute serve --backend`) and in fleet mode (a sidecar,
+//! `kvroute-worker --engine`, beside each engine, over a real nats-server).
+#![allow(missing_docs, clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use kvroute_e2e::fleet::{Fleet, FleetSpec, WorkerSpec, completion};
+use kvroute_e2e::procs::{Http, Proc, free_port};
+
+const MODEL: &str = "engine-model";
+const WAIT: Duration = Duration::from_secs(60);
+
+/// A test engine process and its ports.
+struct Engine {
+    proc: Proc,
+    args: Vec<String>,
+    port: u16,
+    events: u16,
+    replay: u16,
+}
+
+impl Engine {
+    fn start(flavor: &str) -> Engine {
+        let (port, events, replay) = (free_port(), free_port(), free_port());
+        let args: Vec<String> = [
+            "--emulate",
+            flavor,
+            "--port",
+            &port.to_string(),
+            "--emulate-events-port",
+            &events.to_string(),
+            "--emulate-replay-port",
+            &replay.to_string(),
+            "--model",
+            MODEL,
+            "--block-size",
+            "16",
+            "--g1-blocks",
+            "96",
+            "--g2-blocks",
+            "128",
+            "--speedup",
+            "200",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let proc = Proc::start("kvroute-worker", &args).unwrap();
+        Engine {
+            proc,
+            args,
+            port,
+            events,
+            replay,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    fn backend(&self) -> String {
+        format!(
+            "{},events=tcp://127.0.0.1:{},replay=tcp://127.0.0.1:{},model={MODEL},block_size=16",
+            self.url(),
+            self.events,
+            self.replay
+        )
+    }
+
+    fn restart(&mut self) {
+        self.proc.kill();
+        self.proc = Proc::start("kvroute-worker", &self.args).unwrap();
+    }
+
+    /// Per tier: (blocks, xor of hashes) of the engine's own cache.
+    async fn cache(&self, http: &Http) -> Option<BTreeMap<String, (u64, String)>> {
+        let r = http
+            .call("GET", &format!("{}/admin/cache", self.url()), "")
+            .await
+            .ok()?;
+        let v: serde_json::Value = serde_json::from_str(&r.body).ok()?;
+        Some(
+            rows(&v["ranks"], None)
+                .into_values()
+                .next()
+                .unwrap_or_default(),
+        )
+    }
+}
+
+/// `(worker → tier → (blocks, digest))` of `/admin/index` or `/admin/cache` rows.
+fn rows(
+    v: &serde_json::Value,
+    only: Option<u64>,
+) -> BTreeMap<u64, BTreeMap<String, (u64, String)>> {
+    let mut out: BTreeMap<u64, BTreeMap<String, (u64, String)>> = BTreeMap::new();
+    for r in v.as_array().into_iter().flatten() {
+        let w = r["worker"].as_u64().unwrap_or(0);
+        if only.is_some_and(|o| o != w) {
+            continue;
+        }
+        out.entry(w).or_default().insert(
+            r["tier"].as_str().unwrap_or("").to_owned(),
+            (
+                r["blocks"].as_u64().unwrap_or(0),
+                r["digest"].as_str().unwrap_or("").to_owned(),
+            ),
+        );
+    }
+    out
+}
+
+/// What router `admin` holds of the worker registered with `url`.
+async fn router_view(
+    http: &Http,
+    admin: &str,
+    url: &str,
+) -> Option<BTreeMap<String, (u64, String)>> {
+    let workers = http
+        .call("GET", &format!("{admin}/admin/workers"), "")
+        .await
+        .ok()?;
+    let workers: serde_json::Value = serde_json::from_str(&workers.body).ok()?;
+    let id = workers["workers"]
+        .as_array()?
+        .iter()
+        .find(|w| w["url"] == url && w["synced"] == true)?["id"]
+        .as_u64()?;
+    let index = http
+        .call("GET", &format!("{admin}/admin/index"), "")
+        .await
+        .ok()?;
+    let index: serde_json::Value = serde_json::from_str(&index.body).ok()?;
+    Some(
+        rows(&index["ranks"], Some(id))
+            .remove(&id)
+            .unwrap_or_default(),
+    )
+}
+
+/// Waits until every router's view of every engine equals the engine's cache (and the
+/// caches are not empty).
+async fn wait_exact(http: &Http, admins: &[String], engines: &[&Engine]) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut last = String::new();
+    loop {
+        let mut all = true;
+        for e in engines {
+            let truth = e.cache(http).await;
+            for admin in admins {
+                let seen = router_view(http, admin, &e.url()).await;
+                let ok = truth.as_ref().is_some_and(|t| !t.is_empty()) && seen == truth;
+                if !ok {
+                    last = format!("engine {}: {truth:?}, router {admin}: {seen:?}", e.url());
+                }
+                all &= ok;
+            }
+        }
+        if all {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never exact: {last}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A multi-turn workload through `router`: conversations whose turns extend the previous
+/// prompt. Returns (prompt tokens, cached tokens) summed over the engines' answers.
+async fn conversations(http: &Http, router: &str, n: usize, turns: usize) -> (u64, u64) {
+    let (mut prompt, mut cached) = (0, 0);
+    for c in 0..n {
+        let mut text = format!(
+            "Conversation {c}: {}",
+            "the system prompt of this chat. ".repeat(8)
+        );
+        for t in 0..turns {
+            text.push_str(&format!(" Turn {t}: a question about item {}.", c * 31 + t));
+            let r = http
+                .call(
+                    "POST",
+                    &format!("{router}/v1/completions"),
+                    completion(MODEL, &text, 4, false),
+                )
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200, "{}", r.body);
+            let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+            prompt += v["usage"]["prompt_tokens"].as_u64().unwrap();
+            cached += v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0);
+        }
+    }
+    (prompt, cached)
+}
+
+fn direct_router(backends: &[String]) -> (Proc, String, String) {
+    let (port, admin) = (free_port(), free_port());
+    let mut args: Vec<String> = [
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        &port.to_string(),
+        "--admin-port",
+        &admin.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    for b in backends {
+        args.push("--backend".into());
+        args.push(b.clone());
+    }
+    let proc = Proc::start("kvroute", &args).unwrap();
+    (
+        proc,
+        format!("http://127.0.0.1:{port}"),
+        format!("http://127.0.0.1:{admin}"),
+    )
+}
+
+async fn wait_routable(http: &Http, router: &str) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let r = http
+            .call(
+                "POST",
+                &format!("{router}/v1/completions"),
+                completion(MODEL, "warm up", 1, false),
+            )
+            .await;
+        if r.is_ok_and(|r| r.status == 200) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "router never routed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Direct mode: the router follows each engine's events itself; its view equals each
+/// engine's cache, both wire formats; the engines report cache reuse; a restarted engine's
+/// old blocks vanish from the router.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_mode_mirrors_each_engine_exactly_and_forgets_a_restarted_one() {
+    let http = Http::default();
+    let mut vllm = Engine::start("vllm");
+    let sglang = Engine::start("sglang");
+    let (_router, url, admin) = direct_router(&[vllm.backend(), sglang.backend()]);
+    wait_routable(&http, &url).await;
+    let (prompt, cached) = conversations(&http, &url, 6, 4).await;
+    eprintln!("engine-reported reuse: {cached} of {prompt} prompt tokens");
+    assert!(
+        cached * 4 > prompt,
+        "reuse {cached}/{prompt}: multi-turn prompts should mostly hit"
+    );
+    wait_exact(&http, std::slice::from_ref(&admin), &[&vllm, &sglang]).await;
+    // The vLLM engine restarts (seq from 0, an empty cache): what the router held of it goes.
+    vllm.restart();
+    conversations(&http, &url, 2, 2).await;
+    wait_exact(&http, std::slice::from_ref(&admin), &[&vllm, &sglang]).await;
+}
+
+/// Fleet mode: a sidecar beside each engine publishes over NATS; a router started after the
+/// traffic gets each engine's whole cache from the sidecar's snapshot, which an engine's
+/// own events (inserts only) could never give it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fleet_mode_gives_a_late_router_the_whole_cache() {
+    let http = Http::default();
+    let engines = [Engine::start("vllm"), Engine::start("vllm-legacy")];
+    let sidecar = |e: &Engine| {
+        let mut w = WorkerSpec::model(MODEL);
+        w.args = [
+            "--engine",
+            "vllm",
+            "--engine-url",
+            &e.url(),
+            "--kv-events",
+            &format!("tcp://127.0.0.1:{}", e.events),
+            "--kv-replay",
+            &format!("tcp://127.0.0.1:{}", e.replay),
+            "--block-size",
+            "16",
+            "--engine-health-ms",
+            "200",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        w
+    };
+    let mut fleet = Fleet::start(FleetSpec {
+        workers: engines.iter().map(sidecar).collect(),
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    fleet.wait_synced(WAIT).await.unwrap();
+    conversations(&http, &fleet.url(), 6, 3).await;
+    let late = fleet.add_router(&[]).unwrap();
+    let admins: Vec<String> = [0, late]
+        .iter()
+        .map(|i| fleet.routers[*i].admin())
+        .collect();
+    wait_exact(&http, &admins, &[&engines[0], &engines[1]]).await;
+}
