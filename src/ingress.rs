@@ -28,7 +28,8 @@ use crate::auth::{Secret, bearer_ok};
 use crate::events::load::LoadShare;
 use crate::events::plane::EventPlane;
 use crate::http::{Body, BodyError, HttpConfig, collect_body, serve_http};
-use crate::protocol::{Salt, SeqHash, hash_blocks};
+use crate::protocol::{Salt, SeqHash, WorkerId, hash_blocks};
+use crate::scheduler::mismatch::{MismatchAlarm, MismatchConfig};
 use crate::scheduler::{RouteRequest, Scheduler, WorkerKey};
 use openai::{ApiError, ChatRequest, CompletionRequest, Prompt};
 use proxy::{Booking, ProxyError, forward};
@@ -142,6 +143,8 @@ pub struct Router {
     inflight: AtomicUsize,
     draining: AtomicBool,
     started: Instant,
+    /// Whether routed prompts' blocks show up in their workers' events.
+    pub(crate) mismatch: Arc<Mutex<MismatchAlarm>>,
 }
 
 impl Router {
@@ -164,7 +167,7 @@ impl Router {
             0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
             n => n,
         };
-        Arc::new(Router {
+        let router = Arc::new(Router {
             scheduler,
             plane,
             load,
@@ -176,7 +179,10 @@ impl Router {
             inflight: AtomicUsize::new(0),
             draining: AtomicBool::new(false),
             started: Instant::now(),
-        })
+            mismatch: Arc::new(Mutex::new(MismatchAlarm::new(MismatchConfig::default()))),
+        });
+        tokio::spawn(watch_hashes(Arc::downgrade(&router)));
+        router
     }
 
     /// Starts a graceful shutdown: `/ready` fails from now on (the load balancer stops
@@ -392,10 +398,12 @@ fn admin_workers(router: &Router) -> Response<Body> {
     let streams = router.plane.streams();
     let view = router.plane.view();
     let scheduler = router.scheduler.lock();
+    let alarm = router.mismatch.lock();
     let workers: Vec<_> = view
         .workers
         .values()
         .map(|w| {
+            let mismatch = alarm.status(w.id);
             let ranks: Vec<_> = streams.iter().filter(|((id, _), _)| *id == w.id).collect();
             let synced = !ranks.is_empty() && ranks.iter().all(|(_, s)| s.live);
             let (mut prefill, mut held, mut requests) = (0.0, 0, 0);
@@ -413,6 +421,7 @@ fn admin_workers(router: &Router) -> Response<Body> {
                 "event_lag_ms": ranks.iter().map(|(_, s)| s.last_lag_ms).fold(0.0, f64::max),
                 "resyncs": ranks.iter().map(|(_, s)| s.stats.resyncs).sum::<u64>(),
                 "booked_prefill_blocks": prefill, "booked_blocks": held, "booked_requests": requests,
+                "hash_mismatch": mismatch.raised, "routed_blocks_seen": mismatch.seen, "routed_blocks_missing": mismatch.missing,
             })
         })
         .collect();
@@ -460,6 +469,46 @@ fn admin_index(router: &Router) -> Response<Body> {
         StatusCode::OK,
         serde_json::json!({"ranks": rows}).to_string(),
     )
+}
+
+/// Once a second, judges the routed prompts whose grace period is over: is their last block
+/// in the chosen worker's index? Raises `kvroute_worker_hash_mismatch` (and logs once, with
+/// the likely causes) for a worker where most are not. Ends with the router.
+async fn watch_hashes(router: std::sync::Weak<Router>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(router) = router.upgrade() else {
+            return;
+        };
+        let indexer = router.plane.indexer();
+        let held = |w: WorkerId, seq: SeqHash| {
+            indexer
+                .find_matches_seq(&[seq])
+                .workers
+                .iter()
+                .any(|o| o.worker == w && o.device + o.host + o.disk > 0)
+        };
+        let mut alarm = router.mismatch.lock();
+        let raised = alarm.check(router.now_ms(), held, |w| router.plane.worker(w).is_some());
+        for w in raised {
+            let info = router.plane.worker(w);
+            tracing::warn!(
+                worker = %w,
+                url = info.as_ref().map(|i| i.url.as_str()).unwrap_or(""),
+                "routed prompts' blocks never show up in this worker's KV events: the router and \
+                 the engine hash prompts differently. Likely: the router's --tokenizer or chat \
+                 template is not the engine's, the block size differs, or the engine salts its \
+                 hashes (LoRA, cache_salt). Its cache overlaps read as zero until fixed"
+            );
+        }
+        for w in router.plane.workers() {
+            let raised = alarm.status(w.id).raised;
+            metrics::gauge!("kvroute_worker_hash_mismatch", "worker" => w.id.to_string())
+                .set(if raised { 1.0 } else { 0.0 });
+        }
+    }
 }
 
 /// A parsed request, ready to route.
@@ -645,7 +694,8 @@ async fn completions(
             .lock()
             .route_excluding(router.now_ms(), &request, &failed);
         let Some(decision) = decision else { break };
-        let booking = Booking::new(router, decision.booking);
+        let booking = Booking::new(router, decision.booking)
+            .expecting(decision.chosen.key.0, prepared.blocks.last().map(|b| b.seq));
         match forward(router, &decision, booking, &body, p.stream, &mut inflight).await {
             Ok(response) => return Ok(response),
             Err(e) => {

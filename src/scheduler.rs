@@ -7,6 +7,7 @@
 //! completion; bookings never released expire after `booking_ttl_ms`.
 
 mod load;
+pub mod mismatch;
 mod policy;
 mod rng;
 

@@ -19,7 +19,8 @@ use super::{InFlight, Router};
 use crate::discovery::{WorkerApi, WorkerInfo};
 use crate::events::load::LoadShare;
 use crate::http::{Body, BodyError, collect_body};
-use crate::protocol::WorkerId;
+use crate::protocol::{SeqHash, WorkerId};
+use crate::scheduler::mismatch::MismatchAlarm;
 use crate::scheduler::{BookingId, Decision, Scheduler};
 
 /// A request's booked load, owned by whoever holds the request: the handler, then (for a
@@ -31,6 +32,12 @@ pub struct Booking {
     load: Option<LoadShare>,
     id: BookingId,
     prefill_open: bool,
+    /// The worker, and the last full block of the prompt it was sent: once the worker has
+    /// answered, that block should show up in its events (the hash-mismatch alarm).
+    expect: Option<(WorkerId, SeqHash)>,
+    answered: bool,
+    alarm: Arc<Mutex<MismatchAlarm>>,
+    clock: Instant,
 }
 
 impl Booking {
@@ -44,7 +51,22 @@ impl Booking {
             load: router.load.clone(),
             id,
             prefill_open: true,
+            expect: None,
+            answered: false,
+            alarm: Arc::clone(&router.mismatch),
+            clock: router.started,
         }
+    }
+
+    /// The request's prompt ends with full block `last` (none: shorter than a block).
+    pub fn expecting(mut self, worker: WorkerId, last: Option<SeqHash>) -> Booking {
+        self.expect = last.map(|l| (worker, l));
+        self
+    }
+
+    /// The worker accepted the request (a success status): its prompt's blocks are cached.
+    pub fn answered(&mut self) {
+        self.answered = true;
     }
 
     /// The request produced its first token: its prefill no longer loads the worker.
@@ -60,6 +82,10 @@ impl Booking {
 
 impl Drop for Booking {
     fn drop(&mut self) {
+        if let (true, Some((worker, last))) = (self.answered, self.expect) {
+            let now_ms = self.clock.elapsed().as_millis() as u64;
+            self.alarm.lock().expect(worker, last, now_ms);
+        }
         self.scheduler.lock().complete(self.id);
         if let Some(load) = &self.load {
             load.completed(self.id);
@@ -230,7 +256,7 @@ impl Upstream {
 pub(super) async fn forward(
     router: &Arc<Router>,
     decision: &Decision,
-    booking: Booking,
+    mut booking: Booking,
     body: &Upstream,
     stream: bool,
     inflight: &mut Option<InFlight>,
@@ -278,6 +304,7 @@ pub(super) async fn forward(
             message: error_message(&bytes),
         });
     }
+    booking.answered();
     let o = decision.chosen.overlap;
     let overlap = format!("device={};host={};disk={}", o.device, o.host, o.disk);
     let builder = Response::builder()

@@ -142,9 +142,9 @@ async fn router_view(
     )
 }
 
-/// Waits until every router's view of every engine equals the engine's cache (and the
-/// caches are not empty).
-async fn wait_exact(http: &Http, admins: &[String], engines: &[&Engine]) {
+/// Waits until every router's view of every engine equals the engine's cache (and, unless
+/// `allow_empty`, the caches are not empty).
+async fn wait_exact(http: &Http, admins: &[String], engines: &[&Engine], allow_empty: bool) {
     let deadline = tokio::time::Instant::now() + WAIT;
     let mut last = String::new();
     loop {
@@ -153,7 +153,8 @@ async fn wait_exact(http: &Http, admins: &[String], engines: &[&Engine]) {
             let truth = e.cache(http).await;
             for admin in admins {
                 let seen = router_view(http, admin, &e.url()).await;
-                let ok = truth.as_ref().is_some_and(|t| !t.is_empty()) && seen == truth;
+                let ok =
+                    truth.as_ref().is_some_and(|t| allow_empty || !t.is_empty()) && seen == truth;
                 if !ok {
                     last = format!("engine {}: {truth:?}, router {admin}: {seen:?}", e.url());
                 }
@@ -264,11 +265,17 @@ async fn direct_mode_mirrors_each_engine_exactly_and_forgets_a_restarted_one() {
         cached * 4 > prompt,
         "reuse {cached}/{prompt}: multi-turn prompts should mostly hit"
     );
-    wait_exact(&http, std::slice::from_ref(&admin), &[&vllm, &sglang]).await;
+    wait_exact(
+        &http,
+        std::slice::from_ref(&admin),
+        &[&vllm, &sglang],
+        false,
+    )
+    .await;
     // The vLLM engine restarts (seq from 0, an empty cache): what the router held of it goes.
     vllm.restart();
     conversations(&http, &url, 2, 2).await;
-    wait_exact(&http, std::slice::from_ref(&admin), &[&vllm, &sglang]).await;
+    wait_exact(&http, std::slice::from_ref(&admin), &[&vllm, &sglang], true).await;
 }
 
 /// Fleet mode: a sidecar beside each engine publishes over NATS; a router started after the
@@ -312,7 +319,7 @@ async fn fleet_mode_gives_a_late_router_the_whole_cache() {
         .iter()
         .map(|i| fleet.routers[*i].admin())
         .collect();
-    wait_exact(&http, &admins, &[&engines[0], &engines[1]]).await;
+    wait_exact(&http, &admins, &[&engines[0], &engines[1]], false).await;
 }
 
 /// The ZMQ and msgpack side against the real libraries: a publisher built the way vLLM's
@@ -399,4 +406,85 @@ async fn the_ingest_follows_a_libzmq_publisher_exactly() {
         stats.replayed >= 1,
         "batch 5 comes only through replay: {stats:?}"
     );
+}
+
+/// The hash-mismatch alarm: a router whose tokenizer is not the engine's routes prompts
+/// whose blocks never show up in the engine's events; `/admin/workers` says so. With the
+/// engine's own tokenizer (bytes, as the test engine uses) it stays down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_tokenizer_unlike_the_engine_s_raises_the_hash_mismatch_alarm() {
+    let http = Http::default();
+    let dir = std::env::temp_dir().join(format!("kvroute-mismatch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tokenizer = dir.join("tokenizer.json");
+    let words: serde_json::Map<String, serde_json::Value> = [
+        "[UNK]", "the", "a", "question", "about", "item", "turn", "chat",
+    ]
+    .iter()
+    .enumerate()
+    .map(|(i, w)| (w.to_string(), serde_json::json!(i)))
+    .collect();
+    let spec = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": words, "unk_token": "[UNK]"}
+    });
+    std::fs::write(&tokenizer, spec.to_string()).unwrap();
+    for wrong in [false, true] {
+        let engine = Engine::start("vllm");
+        let (port, admin) = (free_port(), free_port());
+        let mut args: Vec<String> = [
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "--admin-port",
+            &admin.to_string(),
+            "--backend",
+            &engine.backend(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        if wrong {
+            args.extend(["--tokenizer".to_string(), tokenizer.display().to_string()]);
+        }
+        let _router = Proc::start("kvroute", &args).unwrap();
+        let (url, admin) = (
+            format!("http://127.0.0.1:{port}"),
+            format!("http://127.0.0.1:{admin}"),
+        );
+        wait_routable(&http, &url).await;
+        conversations(&http, &url, 4, 4).await;
+        // Judged two seconds after each answer.
+        let deadline = tokio::time::Instant::now() + WAIT;
+        let status = loop {
+            let r = http
+                .call("GET", &format!("{admin}/admin/workers"), "")
+                .await
+                .unwrap();
+            let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+            let w = v["workers"][0].clone();
+            let judged = w["routed_blocks_seen"].as_u64().unwrap_or(0)
+                + w["routed_blocks_missing"].as_u64().unwrap_or(0);
+            if judged >= 16 {
+                break w;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "not judged: {w}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        assert_eq!(
+            status["hash_mismatch"], wrong,
+            "wrong tokenizer: {wrong}: {status}"
+        );
+        let seen = status["routed_blocks_seen"].as_u64().unwrap();
+        if wrong {
+            assert_eq!(seen, 0, "{status}");
+        } else {
+            // An eviction may take a block before it is looked for; nearly all are there.
+            assert!(seen >= 14, "{status}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,0 +1,224 @@
+//! The hash-mismatch alarm: a request routed to a worker leaves its prompt's blocks in that
+//! worker's cache, so they show up in its KV events. When most recent requests' blocks
+//! never do, the router and the worker hash prompts differently (tokenizer or chat template,
+//! block size, salt) and every overlap the router computes for that worker is zero: the
+//! most common silent failure of KV-aware routing. No I/O: time is an argument.
+
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap;
+
+use crate::protocol::{SeqHash, WorkerId};
+
+/// How the alarm decides.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MismatchConfig {
+    /// How long after a request ends its blocks must be in the index, ms.
+    pub grace_ms: u64,
+    /// Outcomes remembered per worker.
+    pub window: usize,
+    /// Fewest outcomes before the alarm may go off.
+    pub min_outcomes: usize,
+    /// Share of misses in the window that raises the alarm.
+    pub raise_at: f64,
+    /// Share of misses below which a raised alarm clears.
+    pub clear_below: f64,
+    /// Expectations waiting per worker at most (older ones are dropped).
+    pub max_pending: usize,
+}
+
+impl Default for MismatchConfig {
+    fn default() -> Self {
+        MismatchConfig {
+            grace_ms: 2_000,
+            window: 32,
+            min_outcomes: 8,
+            raise_at: 0.75,
+            clear_below: 0.5,
+            max_pending: 256,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Watch {
+    /// (when to look, the block to look for), oldest first.
+    pending: VecDeque<(u64, SeqHash)>,
+    /// Recent outcomes: true when the block was there.
+    outcomes: VecDeque<bool>,
+    raised: bool,
+    seen: u64,
+    missing: u64,
+}
+
+/// What the alarm says of one worker.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MismatchStatus {
+    /// The alarm is up.
+    pub raised: bool,
+    /// Routed prompts whose blocks showed up in the worker's events.
+    pub seen: u64,
+    /// Routed prompts whose blocks never did.
+    pub missing: u64,
+}
+
+/// Per worker, whether routed prompts' blocks show up in its events.
+#[derive(Debug, Default)]
+pub struct MismatchAlarm {
+    config: MismatchConfig,
+    workers: FxHashMap<WorkerId, Watch>,
+}
+
+impl MismatchAlarm {
+    /// An alarm deciding by `config`.
+    pub fn new(config: MismatchConfig) -> Self {
+        MismatchAlarm {
+            config,
+            workers: FxHashMap::default(),
+        }
+    }
+
+    /// A request whose prompt ends with full block `last` was served by `worker` and ended
+    /// at `now_ms`: that block should be in the worker's events by the grace period's end.
+    pub fn expect(&mut self, worker: WorkerId, last: SeqHash, now_ms: u64) {
+        let w = self.workers.entry(worker).or_default();
+        w.pending
+            .push_back((now_ms.saturating_add(self.config.grace_ms), last));
+        while w.pending.len() > self.config.max_pending {
+            w.pending.pop_front();
+        }
+    }
+
+    /// Looks at every expectation due by `now_ms` with `held` (is this block in this
+    /// worker's index, in any tier?); forgets workers `registered` says are gone. Returns
+    /// the workers whose alarm went up now.
+    pub fn check(
+        &mut self,
+        now_ms: u64,
+        held: impl Fn(WorkerId, SeqHash) -> bool,
+        registered: impl Fn(WorkerId) -> bool,
+    ) -> Vec<WorkerId> {
+        self.workers.retain(|w, _| registered(*w));
+        let c = self.config;
+        let mut raised = Vec::new();
+        for (id, w) in &mut self.workers {
+            while let Some(&(due, seq)) = w.pending.front() {
+                if due > now_ms {
+                    break;
+                }
+                w.pending.pop_front();
+                let hit = held(*id, seq);
+                if hit {
+                    w.seen += 1;
+                } else {
+                    w.missing += 1;
+                }
+                w.outcomes.push_back(hit);
+                while w.outcomes.len() > c.window {
+                    w.outcomes.pop_front();
+                }
+            }
+            let n = w.outcomes.len();
+            if n < c.min_outcomes {
+                continue;
+            }
+            let misses = w.outcomes.iter().filter(|h| !**h).count() as f64 / n as f64;
+            if !w.raised && misses >= c.raise_at {
+                w.raised = true;
+                raised.push(*id);
+            } else if w.raised && misses < c.clear_below {
+                w.raised = false;
+            }
+        }
+        raised
+    }
+
+    /// The alarm's state for `worker`.
+    pub fn status(&self, worker: WorkerId) -> MismatchStatus {
+        self.workers
+            .get(&worker)
+            .map(|w| MismatchStatus {
+                raised: w.raised,
+                seen: w.seen,
+                missing: w.missing,
+            })
+            .unwrap_or_default()
+    }
+
+    /// Workers watched.
+    pub fn len(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Whether no worker is watched.
+    pub fn is_empty(&self) -> bool {
+        self.workers.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(
+        alarm: &mut MismatchAlarm,
+        worker: u64,
+        outcomes: &[bool],
+        t: &mut u64,
+    ) -> Vec<WorkerId> {
+        let w = WorkerId(worker);
+        let mut up = Vec::new();
+        for hit in outcomes {
+            let seq = SeqHash(if *hit { 1 } else { 2 });
+            alarm.expect(w, seq, *t);
+            *t += 2_001;
+            up.extend(alarm.check(*t, |_, s| s == SeqHash(1), |_| true));
+        }
+        up
+    }
+
+    #[test]
+    fn most_routed_blocks_missing_raises_the_alarm_and_it_clears_when_they_show() {
+        let mut a = MismatchAlarm::new(MismatchConfig::default());
+        let mut t = 0;
+        // A few misses among hits (evictions under pressure): no alarm.
+        let mixed: Vec<bool> = (0..40).map(|i| i % 3 != 0).collect();
+        assert!(run(&mut a, 1, &mixed, &mut t).is_empty());
+        assert!(!a.status(WorkerId(1)).raised);
+        // Nothing shows up any more: raised once.
+        assert_eq!(run(&mut a, 1, &[false; 40], &mut t), vec![WorkerId(1)]);
+        let s = a.status(WorkerId(1));
+        assert!(s.raised && s.missing >= 40, "{s:?}");
+        // Fixed: clears.
+        run(&mut a, 1, &[true; 32], &mut t);
+        assert!(!a.status(WorkerId(1)).raised);
+    }
+
+    #[test]
+    fn nothing_is_judged_before_its_grace_period_or_on_too_few_requests() {
+        let mut a = MismatchAlarm::new(MismatchConfig::default());
+        for i in 0..100 {
+            a.expect(WorkerId(1), SeqHash(2), i);
+        }
+        assert!(a.check(1_000, |_, _| false, |_| true).is_empty());
+        assert_eq!(a.status(WorkerId(1)).missing, 0);
+        let mut fresh = MismatchAlarm::new(MismatchConfig::default());
+        let mut t = 0;
+        assert!(
+            run(&mut fresh, 2, &[false; 7], &mut t).is_empty(),
+            "7 < min_outcomes"
+        );
+        assert_eq!(run(&mut fresh, 2, &[false], &mut t), vec![WorkerId(2)]);
+    }
+
+    #[test]
+    fn departed_workers_are_forgotten_and_pending_is_bounded() {
+        let mut a = MismatchAlarm::new(MismatchConfig::default());
+        for i in 0..10_000 {
+            a.expect(WorkerId(i % 3), SeqHash(i), 0);
+        }
+        assert!(a.workers.values().all(|w| w.pending.len() <= 256));
+        a.check(0, |_, _| true, |w| w == WorkerId(1));
+        assert_eq!(a.len(), 1);
+    }
+}
