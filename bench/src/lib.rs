@@ -14,6 +14,7 @@
 //! - [`stats`]: percentiles and process facts.
 #![forbid(unsafe_code)]
 
+pub mod engines_load;
 pub mod events_load;
 pub mod fleet;
 pub mod fuzz;

@@ -4,7 +4,9 @@
 use std::alloc::System;
 
 use clap::{Parser, Subcommand};
-use kvroute_bench::{events_load, fuzz, indexer_load, kernels_load, plot, replay, soak};
+use kvroute_bench::{
+    engines_load, events_load, fuzz, indexer_load, kernels_load, plot, replay, soak,
+};
 use stats_alloc::{INSTRUMENTED_SYSTEM, StatsAlloc};
 
 // Counting allocator: the indexer bench reports the index's heap per block.
@@ -25,6 +27,10 @@ enum Command {
     Indexer(indexer_load::Args),
     /// Events/s one router applies from many publishing workers over loopback NATS.
     Events(events_load::Args),
+    /// kvroute in front of engines with real prefix caches (test engines, direct mode): a
+    /// multi-turn workload's TTFT and engine-reported reuse per policy, and the latency the
+    /// router adds.
+    Engines(engines_load::Args),
     /// Offline replay of a trace: routing policies compared on TTFT, reuse and load.
     Replay(replay::Args),
     /// GPU KV block copies: gather+D2H and H2D+scatter GB/s against one contiguous copy.
@@ -57,6 +63,14 @@ fn main() -> anyhow::Result<()> {
             let runtime = tokio::runtime::Runtime::new()?;
             let report = runtime.block_on(events_load::run(&args))?;
             events_load::print(&report);
+            if let Some(path) = &args.json {
+                std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+            }
+        }
+        Command::Engines(args) => {
+            let runtime = tokio::runtime::Runtime::new()?;
+            let report = runtime.block_on(engines_load::run(&args))?;
+            engines_load::print(&report);
             if let Some(path) = &args.json {
                 std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
             }

@@ -26,6 +26,17 @@ pub struct CompletionRequest {
     /// Stream SSE chunks as they are generated.
     #[serde(default)]
     pub stream: bool,
+    /// `include_usage`: a last chunk carries the usage (as OpenAI and vLLM send it).
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+}
+
+/// Options of a streamed answer.
+#[derive(Clone, Copy, Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send the usage in a last chunk (with no choices) before `[DONE]`.
+    #[serde(default)]
+    pub include_usage: bool,
 }
 
 /// One chat message.
@@ -50,6 +61,9 @@ pub struct ChatRequest {
     /// Stream SSE chunks.
     #[serde(default)]
     pub stream: bool,
+    /// `include_usage`: a last chunk carries the usage (as OpenAI and vLLM send it).
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
 }
 
 fn default_max_tokens() -> u32 {

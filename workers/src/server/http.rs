@@ -65,6 +65,9 @@ struct Generate {
     /// The model the router routed for: a worker serving another one refuses (421).
     #[serde(default)]
     model: Option<String>,
+    /// Streamed: end with a chunk carrying the usage (`stream_options.include_usage`).
+    #[serde(default)]
+    include_usage: bool,
 }
 
 fn default_max_tokens() -> u32 {
@@ -175,10 +178,10 @@ async fn generate(state: State, req: hyper::Request<Incoming>) -> Response<Body>
 async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Response<Body> {
     use kvroute::ingress::openai::{ChatRequest, CompletionRequest, Prompt};
     let bad = |e: kvroute::ingress::tokenizer::TokenizerError| bad_request(&e.to_string());
-    let (model, token_ids, max_tokens, stream) = if chat {
+    let (model, token_ids, max_tokens, stream, options) = if chat {
         match read_json::<ChatRequest>(&state, req).await {
             Ok(r) => match state.tokenizer.encode_chat(&r.messages) {
-                Ok(tokens) => (r.model, tokens, r.max_tokens, r.stream),
+                Ok(tokens) => (r.model, tokens, r.max_tokens, r.stream, r.stream_options),
                 Err(e) => return bad(e),
             },
             Err(response) => return response,
@@ -193,7 +196,7 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                     },
                     Prompt::Tokens(t) => t,
                 };
-                (r.model, tokens, r.max_tokens, r.stream)
+                (r.model, tokens, r.max_tokens, r.stream, r.stream_options)
             }
             Err(response) => return response,
         }
@@ -219,6 +222,7 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
             salt: 0,
             chat,
             model: None,
+            include_usage: options.is_some_and(|o| o.include_usage),
         },
     )
     .await
@@ -274,9 +278,27 @@ impl Envelope {
         serde_json::json!({
             "id": self.id, "object": self.object(false), "created": self.created, "model": self.model,
             "system_fingerprint": self.fingerprint, "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens.len(), "total_tokens": prompt_tokens + tokens.len(),
-                "prompt_tokens_details": {"cached_tokens": cached_tokens}},
+            "usage": Envelope::usage(prompt_tokens, tokens.len(), cached_tokens),
         })
+    }
+
+    /// The usage object, as OpenAI and vLLM report it.
+    fn usage(
+        prompt_tokens: usize,
+        completion_tokens: usize,
+        cached_tokens: usize,
+    ) -> serde_json::Value {
+        serde_json::json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}})
+    }
+
+    /// The last chunk of a stream asked for its usage: no choices, the usage.
+    fn usage_chunk(&self, usage: serde_json::Value) -> String {
+        let chunk = serde_json::json!({
+            "id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
+            "system_fingerprint": self.fingerprint, "choices": [], "usage": usage,
+        });
+        format!("data: {chunk}\n\n")
     }
 
     /// One SSE event for an output, if it is one the client sees.
@@ -412,9 +434,12 @@ async fn run(state: State, g: Generate) -> Response<Body> {
         let body = envelope.body(&tokens, prompt_tokens, cached);
         return full(StatusCode::OK, "application/json", body.to_string());
     }
+    let include_usage = g.include_usage;
+    // State: the outputs, the framing, the active count, done, first chunk, and the cached
+    // prompt tokens and tokens generated so far (for the usage chunk).
     let stream = futures_util::stream::unfold(
-        (rx, envelope, active, false, true),
-        |(mut rx, envelope, active, done, first)| async move {
+        (rx, envelope, active, false, true, 0usize, 0usize),
+        move |(mut rx, envelope, active, done, first, mut cached, mut generated)| async move {
             if done {
                 return None;
             }
@@ -428,17 +453,32 @@ async fn run(state: State, g: Generate) -> Response<Body> {
                         None,
                     );
                     let bytes = Bytes::from(format!("data: {e}\n\ndata: [DONE]\n\n"));
-                    return Some((Ok(Frame::data(bytes)), (rx, envelope, active, true, false)));
+                    return Some((
+                        Ok(Frame::data(bytes)),
+                        (rx, envelope, active, true, false, cached, generated),
+                    ));
                 };
+                match o.kind {
+                    OutputKind::Admitted {
+                        device_tokens,
+                        host_tokens,
+                    } => cached = device_tokens + host_tokens,
+                    OutputKind::Token { .. } => generated += 1,
+                    _ => {}
+                }
                 if let Some(chunk) = envelope.chunk(first, &o) {
                     let last = matches!(o.kind, OutputKind::Finished | OutputKind::Rejected(_));
                     let mut bytes = chunk.into_bytes();
                     if last {
+                        if include_usage {
+                            let usage = Envelope::usage(prompt_tokens, generated, cached);
+                            bytes.extend_from_slice(envelope.usage_chunk(usage).as_bytes());
+                        }
                         bytes.extend_from_slice(b"data: [DONE]\n\n");
                     }
                     return Some((
                         Ok::<_, Infallible>(Frame::data(Bytes::from(bytes))),
-                        (rx, envelope, active, last, false),
+                        (rx, envelope, active, last, false, cached, generated),
                     ));
                 }
             }
