@@ -322,6 +322,9 @@ drain_timeout_ms = {{ $r.drainTimeoutMs | int64 }}
 tokenizer = {{ . | toJson }}
 {{- end }}
 log_format = {{ $r.logFormat | toJson }}
+{{- with $r.backends }}
+backends = {{ . | toJson }}
+{{- end }}
 {{- end }}
 
 {{/*
