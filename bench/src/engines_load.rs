@@ -32,6 +32,13 @@ pub struct Args {
     /// Turns per conversation (each turn's prompt extends the previous one).
     #[arg(long, default_value_t = 5)]
     pub turns: usize,
+    /// Distinct system prompts the conversations share.
+    #[arg(long, default_value_t = 8)]
+    pub families: usize,
+    /// Length of each system prompt, in characters (one token each with the engines'
+    /// byte-level tokenizer).
+    #[arg(long, default_value_t = 6000)]
+    pub system_chars: usize,
     /// Conversations in flight at once.
     #[arg(long, default_value_t = 8)]
     pub concurrency: usize,
@@ -44,8 +51,9 @@ pub struct Args {
     /// Divides the engines' step times (1: the timing model's real-time pace).
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
-    /// G1 blocks per engine (16 tokens each).
-    #[arg(long, default_value_t = 512)]
+    /// G1 blocks per engine (16 tokens each): small enough that the engines' caches cannot
+    /// all hold every system prompt, as in a real fleet.
+    #[arg(long, default_value_t = 1024)]
     pub g1_blocks: usize,
     /// Requests for the added-latency measurement (each way).
     #[arg(long, default_value_t = 300)]
@@ -262,12 +270,15 @@ async fn wait_routable(http: &Http, url: &str) -> anyhow::Result<()> {
     bail!("{url} never answered")
 }
 
-/// The system prompts conversations share (four families), each about 1.5 k tokens.
-fn system_prompt(family: usize) -> String {
-    format!(
-        "System {family}: you are assistant number {family}. {}",
-        format!("Rule {family}: answer briefly, cite sources, stay polite. ").repeat(28)
-    )
+/// The system prompt of a family of conversations, `chars` characters.
+fn system_prompt(family: usize, chars: usize) -> String {
+    let rule = format!("Rule {family}: answer briefly, cite sources, stay polite. ");
+    let mut s = format!("System {family}: you are assistant number {family}. ");
+    while s.len() < chars {
+        s.push_str(&rule);
+    }
+    s.truncate(chars);
+    s
 }
 
 async fn run_policy(args: &Args, http: &Http, policy: &str) -> anyhow::Result<PolicyFigures> {
@@ -289,14 +300,19 @@ async fn run_policy(args: &Args, http: &Http, policy: &str) -> anyhow::Result<Po
                 http.clone(),
                 url.clone(),
             );
-            let (conversations, turns) = (args.conversations, args.turns);
+            let (conversations, turns, families, chars) = (
+                args.conversations,
+                args.turns,
+                args.families.max(1),
+                args.system_chars,
+            );
             tokio::spawn(async move {
                 loop {
                     let c = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     if c >= conversations {
                         return;
                     }
-                    let mut history = system_prompt(c % 4);
+                    let mut history = system_prompt(c % families, chars);
                     for t in 0..turns {
                         history.push_str(&format!(
                             "\nUser {c}: question {t}: what about item {} of topic {}?\nAssistant:",
