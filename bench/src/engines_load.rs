@@ -14,7 +14,8 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kvroute_e2e::procs::{Proc, free_port};
+use kvroute_e2e::engines::{EngineSpec, TestEngine, direct_router};
+use kvroute_e2e::procs::Proc;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
@@ -112,83 +113,20 @@ pub struct Report {
 
 const MODEL: &str = "bench-model";
 
-struct Engine {
-    _proc: Proc,
-    port: u16,
-    events: u16,
-    replay: u16,
+fn start_engine(args: &Args, speedup: f64) -> anyhow::Result<TestEngine> {
+    TestEngine::start(EngineSpec {
+        flavor: args.flavor.clone(),
+        model: MODEL.into(),
+        g1_blocks: args.g1_blocks,
+        g2_blocks: 0,
+        speedup,
+    })
 }
 
-impl Engine {
-    fn start(args: &Args, speedup: f64) -> anyhow::Result<Engine> {
-        let (port, events, replay) = (free_port(), free_port(), free_port());
-        let argv: Vec<String> = [
-            "--emulate".to_string(),
-            args.flavor.clone(),
-            "--port".into(),
-            port.to_string(),
-            "--emulate-events-port".into(),
-            events.to_string(),
-            "--emulate-replay-port".into(),
-            replay.to_string(),
-            "--model".into(),
-            MODEL.into(),
-            "--block-size".into(),
-            "16".into(),
-            "--g1-blocks".into(),
-            args.g1_blocks.to_string(),
-            "--g2-blocks".into(),
-            "0".into(),
-            "--speedup".into(),
-            speedup.to_string(),
-        ]
-        .to_vec();
-        Ok(Engine {
-            _proc: Proc::start("kvroute-worker", &argv)?,
-            port,
-            events,
-            replay,
-        })
-    }
-
-    fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    fn backend(&self) -> String {
-        format!(
-            "{},events=tcp://127.0.0.1:{},replay=tcp://127.0.0.1:{},model={MODEL},block_size=16",
-            self.url(),
-            self.events,
-            self.replay
-        )
-    }
-}
-
-fn router(engines: &[Engine], policy: &str) -> anyhow::Result<(Proc, String)> {
-    let port = free_port();
-    let mut argv: Vec<String> = [
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        &port.to_string(),
-        "--admin-port",
-        &free_port().to_string(),
-        "--policy",
-        policy,
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    for e in engines {
-        argv.push("--backend".into());
-        argv.push(e.backend());
-    }
-    Ok((
-        Proc::start("kvroute", &argv)?,
-        format!("http://127.0.0.1:{port}"),
-    ))
+fn router(engines: &[TestEngine], policy: &str) -> anyhow::Result<(Proc, String)> {
+    let backends: Vec<String> = engines.iter().map(TestEngine::backend).collect();
+    let (proc, url, _admin) = direct_router(&backends, &["--policy".into(), policy.into()])?;
+    Ok((proc, url))
 }
 
 type Http = Client<HttpConnector, Full<Bytes>>;
@@ -282,8 +220,8 @@ fn system_prompt(family: usize, chars: usize) -> String {
 }
 
 async fn run_policy(args: &Args, http: &Http, policy: &str) -> anyhow::Result<PolicyFigures> {
-    let engines: Vec<Engine> = (0..args.engines)
-        .map(|_| Engine::start(args, args.speedup))
+    let engines: Vec<TestEngine> = (0..args.engines)
+        .map(|_| start_engine(args, args.speedup))
         .collect::<anyhow::Result<_>>()?;
     let (_router, url) = router(&engines, policy)?;
     wait_routable(http, &url).await?;
@@ -362,7 +300,7 @@ async fn run_policy(args: &Args, http: &Http, policy: &str) -> anyhow::Result<Po
 
 async fn overhead(args: &Args, http: &Http) -> anyhow::Result<Overhead> {
     // A fast engine, so the figure is the router's, not the timing model's.
-    let engine = Engine::start(args, 1000.0)?;
+    let engine = start_engine(args, 1000.0)?;
     let (_router, routed) = router(std::slice::from_ref(&engine), "kv")?;
     wait_routable(http, &routed).await?;
     wait_routable(http, &engine.url()).await?;

@@ -3,6 +3,7 @@
 //! plane) whose true cache contents the tests compare the router's index against.
 #![forbid(unsafe_code)]
 
+pub mod engines;
 pub mod fleet;
 pub mod nats;
 pub mod procs;

@@ -7,89 +7,39 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use kvroute_e2e::engines::{EngineSpec, TestEngine, direct_router};
 use kvroute_e2e::fleet::{Fleet, FleetSpec, WorkerSpec, completion};
-use kvroute_e2e::procs::{Http, Proc, free_port};
+use kvroute_e2e::procs::{Http, free_port};
 
 const MODEL: &str = "engine-model";
 const WAIT: Duration = Duration::from_secs(60);
 
-/// A test engine process and its ports.
-struct Engine {
-    proc: Proc,
-    args: Vec<String>,
-    port: u16,
-    events: u16,
-    replay: u16,
+type Engine = TestEngine;
+
+fn engine(flavor: &str) -> Engine {
+    TestEngine::start(EngineSpec {
+        flavor: flavor.into(),
+        model: MODEL.into(),
+        g1_blocks: 96,
+        g2_blocks: 128,
+        speedup: 200.0,
+    })
+    .unwrap()
 }
 
-impl Engine {
-    fn start(flavor: &str) -> Engine {
-        let (port, events, replay) = (free_port(), free_port(), free_port());
-        let args: Vec<String> = [
-            "--emulate",
-            flavor,
-            "--port",
-            &port.to_string(),
-            "--emulate-events-port",
-            &events.to_string(),
-            "--emulate-replay-port",
-            &replay.to_string(),
-            "--model",
-            MODEL,
-            "--block-size",
-            "16",
-            "--g1-blocks",
-            "96",
-            "--g2-blocks",
-            "128",
-            "--speedup",
-            "200",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        let proc = Proc::start("kvroute-worker", &args).unwrap();
-        Engine {
-            proc,
-            args,
-            port,
-            events,
-            replay,
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    fn backend(&self) -> String {
-        format!(
-            "{},events=tcp://127.0.0.1:{},replay=tcp://127.0.0.1:{},model={MODEL},block_size=16",
-            self.url(),
-            self.events,
-            self.replay
-        )
-    }
-
-    fn restart(&mut self) {
-        self.proc.kill();
-        self.proc = Proc::start("kvroute-worker", &self.args).unwrap();
-    }
-
-    /// Per tier: (blocks, xor of hashes) of the engine's own cache.
-    async fn cache(&self, http: &Http) -> Option<BTreeMap<String, (u64, String)>> {
-        let r = http
-            .call("GET", &format!("{}/admin/cache", self.url()), "")
-            .await
-            .ok()?;
-        let v: serde_json::Value = serde_json::from_str(&r.body).ok()?;
-        Some(
-            rows(&v["ranks"], None)
-                .into_values()
-                .next()
-                .unwrap_or_default(),
-        )
-    }
+/// Per tier: (blocks, xor of hashes) of the engine's own cache.
+async fn cache(http: &Http, e: &Engine) -> Option<BTreeMap<String, (u64, String)>> {
+    let r = http
+        .call("GET", &format!("{}/admin/cache", e.url()), "")
+        .await
+        .ok()?;
+    let v: serde_json::Value = serde_json::from_str(&r.body).ok()?;
+    Some(
+        rows(&v["ranks"], None)
+            .into_values()
+            .next()
+            .unwrap_or_default(),
+    )
 }
 
 /// `(worker → tier → (blocks, digest))` of `/admin/index` or `/admin/cache` rows.
@@ -150,7 +100,7 @@ async fn wait_exact(http: &Http, admins: &[String], engines: &[&Engine], allow_e
     loop {
         let mut all = true;
         for e in engines {
-            let truth = e.cache(http).await;
+            let truth = cache(http, e).await;
             for admin in admins {
                 let seen = router_view(http, admin, &e.url()).await;
                 let ok =
@@ -202,32 +152,6 @@ async fn conversations(http: &Http, router: &str, n: usize, turns: usize) -> (u6
     (prompt, cached)
 }
 
-fn direct_router(backends: &[String]) -> (Proc, String, String) {
-    let (port, admin) = (free_port(), free_port());
-    let mut args: Vec<String> = [
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        &port.to_string(),
-        "--admin-port",
-        &admin.to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    for b in backends {
-        args.push("--backend".into());
-        args.push(b.clone());
-    }
-    let proc = Proc::start("kvroute", &args).unwrap();
-    (
-        proc,
-        format!("http://127.0.0.1:{port}"),
-        format!("http://127.0.0.1:{admin}"),
-    )
-}
-
 async fn wait_routable(http: &Http, router: &str) {
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
@@ -255,9 +179,9 @@ async fn wait_routable(http: &Http, router: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn direct_mode_mirrors_each_engine_exactly_and_forgets_a_restarted_one() {
     let http = Http::default();
-    let mut vllm = Engine::start("vllm");
-    let sglang = Engine::start("sglang");
-    let (_router, url, admin) = direct_router(&[vllm.backend(), sglang.backend()]);
+    let mut vllm = engine("vllm");
+    let sglang = engine("sglang");
+    let (_router, url, admin) = direct_router(&[vllm.backend(), sglang.backend()], &[]).unwrap();
     wait_routable(&http, &url).await;
     let (prompt, cached) = conversations(&http, &url, 6, 4).await;
     eprintln!("engine-reported reuse: {cached} of {prompt} prompt tokens");
@@ -273,7 +197,7 @@ async fn direct_mode_mirrors_each_engine_exactly_and_forgets_a_restarted_one() {
     )
     .await;
     // The vLLM engine restarts (seq from 0, an empty cache): what the router held of it goes.
-    vllm.restart();
+    vllm.restart().unwrap();
     conversations(&http, &url, 2, 2).await;
     wait_exact(&http, std::slice::from_ref(&admin), &[&vllm, &sglang], true).await;
 }
@@ -284,7 +208,7 @@ async fn direct_mode_mirrors_each_engine_exactly_and_forgets_a_restarted_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fleet_mode_gives_a_late_router_the_whole_cache() {
     let http = Http::default();
-    let engines = [Engine::start("vllm"), Engine::start("vllm-legacy")];
+    let engines = [engine("vllm"), engine("vllm-legacy")];
     let sidecar = |e: &Engine| {
         let mut w = WorkerSpec::model(MODEL);
         w.args = [
@@ -431,30 +355,12 @@ async fn a_router_tokenizer_unlike_the_engine_s_raises_the_hash_mismatch_alarm()
     });
     std::fs::write(&tokenizer, spec.to_string()).unwrap();
     for wrong in [false, true] {
-        let engine = Engine::start("vllm");
-        let (port, admin) = (free_port(), free_port());
-        let mut args: Vec<String> = [
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            &port.to_string(),
-            "--admin-port",
-            &admin.to_string(),
-            "--backend",
-            &engine.backend(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        if wrong {
-            args.extend(["--tokenizer".to_string(), tokenizer.display().to_string()]);
-        }
-        let _router = Proc::start("kvroute", &args).unwrap();
-        let (url, admin) = (
-            format!("http://127.0.0.1:{port}"),
-            format!("http://127.0.0.1:{admin}"),
-        );
+        let engine = engine("vllm");
+        let extra = match wrong {
+            true => vec!["--tokenizer".to_string(), tokenizer.display().to_string()],
+            false => Vec::new(),
+        };
+        let (_router, url, admin) = direct_router(&[engine.backend()], &extra).unwrap();
         wait_routable(&http, &url).await;
         conversations(&http, &url, 4, 4).await;
         // Judged two seconds after each answer.

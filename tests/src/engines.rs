@@ -1,0 +1,125 @@
+//! Test engines (`kvroute-worker --emulate`): the simulated engine speaking vLLM's or SGLang's
+//! wire formats, on free loopback ports, for the engine tests and the engines bench.
+
+use crate::procs::{Proc, free_port};
+
+/// How a test engine is started.
+#[derive(Clone, Debug)]
+pub struct EngineSpec {
+    /// `vllm`, `vllm-legacy` or `sglang`.
+    pub flavor: String,
+    /// The model it serves.
+    pub model: String,
+    /// G1 blocks (16 tokens each).
+    pub g1_blocks: usize,
+    /// G2 blocks.
+    pub g2_blocks: usize,
+    /// Divides its step times.
+    pub speedup: f64,
+}
+
+/// A test engine process and its ports.
+pub struct TestEngine {
+    proc: Proc,
+    args: Vec<String>,
+    /// Its spec.
+    pub spec: EngineSpec,
+    /// HTTP port.
+    pub port: u16,
+    /// KV-event PUB port.
+    pub events: u16,
+    /// Replay ROUTER port.
+    pub replay: u16,
+}
+
+impl TestEngine {
+    /// Starts one (block size 16).
+    pub fn start(spec: EngineSpec) -> anyhow::Result<TestEngine> {
+        let (port, events, replay) = (free_port(), free_port(), free_port());
+        let args: Vec<String> = [
+            "--emulate",
+            &spec.flavor,
+            "--port",
+            &port.to_string(),
+            "--emulate-events-port",
+            &events.to_string(),
+            "--emulate-replay-port",
+            &replay.to_string(),
+            "--model",
+            &spec.model,
+            "--block-size",
+            "16",
+            "--g1-blocks",
+            &spec.g1_blocks.to_string(),
+            "--g2-blocks",
+            &spec.g2_blocks.to_string(),
+            "--speedup",
+            &spec.speedup.to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        Ok(TestEngine {
+            proc: Proc::start("kvroute-worker", &args)?,
+            args,
+            spec,
+            port,
+            events,
+            replay,
+        })
+    }
+
+    /// Its HTTP URL.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Its `kvroute serve --backend` value.
+    pub fn backend(&self) -> String {
+        format!(
+            "{},events=tcp://127.0.0.1:{},replay=tcp://127.0.0.1:{},model={},block_size=16",
+            self.url(),
+            self.events,
+            self.replay,
+            self.spec.model
+        )
+    }
+
+    /// Kills it and starts it again on the same ports (its publisher counts from 0 again).
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.proc.kill();
+        self.proc = Proc::start("kvroute-worker", &self.args)?;
+        Ok(())
+    }
+}
+
+/// A router in direct mode in front of `backends`, with `extra` flags: the process, its API
+/// URL and its admin URL.
+pub fn direct_router(
+    backends: &[String],
+    extra: &[String],
+) -> anyhow::Result<(Proc, String, String)> {
+    let (port, admin) = (free_port(), free_port());
+    let mut args: Vec<String> = [
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        &port.to_string(),
+        "--admin-port",
+        &admin.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    for b in backends {
+        args.push("--backend".into());
+        args.push(b.clone());
+    }
+    args.extend(extra.iter().cloned());
+    Ok((
+        Proc::start("kvroute", &args)?,
+        format!("http://127.0.0.1:{port}"),
+        format!("http://127.0.0.1:{admin}"),
+    ))
+}
