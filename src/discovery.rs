@@ -23,6 +23,8 @@ pub const MAX_INFO_BYTES: usize = 64 << 10;
 /// Longest URL and model name accepted, bytes.
 const MAX_URL_BYTES: usize = 2048;
 const MAX_MODEL_BYTES: usize = 256;
+/// Most LoRA adapters one registration names.
+const MAX_ADAPTERS: usize = 256;
 /// Largest block size accepted, tokens.
 const MAX_BLOCK_SIZE: usize = 1 << 16;
 /// Largest pool accepted, blocks (2⁴⁰: far beyond any GPU or host memory).
@@ -54,6 +56,9 @@ pub struct WorkerInfo {
     /// What the router sends it (absent in registrations of older workers: kvroute's).
     #[serde(default)]
     pub api: WorkerApi,
+    /// LoRA adapters it serves on top of `model` (requests name them as their model).
+    #[serde(default)]
+    pub adapters: Vec<String>,
 }
 
 /// How the router talks to a worker.
@@ -150,6 +155,18 @@ impl WorkerInfo {
             return bad(
                 "model",
                 format!("must be 1..={MAX_MODEL_BYTES} bytes without spaces or control characters"),
+            );
+        }
+        if self.adapters.len() > MAX_ADAPTERS
+            || self.adapters.iter().any(|a| {
+                a.is_empty() || a.len() > MAX_MODEL_BYTES || !printable(a) || *a == self.model
+            })
+        {
+            return bad(
+                "adapters",
+                format!(
+                    "at most {MAX_ADAPTERS} names of 1..={MAX_MODEL_BYTES} bytes without spaces, none the base model"
+                ),
             );
         }
         let scheme_ok = self.url.starts_with("http://") || self.url.starts_with("https://");
@@ -642,6 +659,7 @@ mod tests {
             epoch: 1,
             last_event_ids: vec![0],
             api: crate::discovery::WorkerApi::Kvroute,
+            adapters: Vec::new(),
         };
         assert!(info.validate().is_ok());
         for bad in ["http://", "http://host<x>", "http://a\\b", "ftp://host"] {

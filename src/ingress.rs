@@ -28,7 +28,7 @@ use crate::auth::{Secret, bearer_ok};
 use crate::events::load::LoadShare;
 use crate::events::plane::EventPlane;
 use crate::http::{Body, BodyError, HttpConfig, collect_body, serve_http};
-use crate::protocol::{Salt, SeqHash, WorkerId, hash_blocks};
+use crate::protocol::{SeqHash, WorkerId, hash_blocks};
 use crate::scheduler::mismatch::{MismatchAlarm, MismatchConfig};
 use crate::scheduler::{RouteRequest, Scheduler, WorkerKey};
 use openai::{ApiError, ChatRequest, CompletionRequest, Prompt};
@@ -599,7 +599,8 @@ impl Prepared {
                     .block_size(&parsed.model)
                     .and_then(NonZeroUsize::new)
                     .ok_or_else(|| ApiError::model_not_found(&parsed.model))?;
-                let blocks = hash_blocks(&parsed.tokens, block_size, Salt::NONE);
+                // A LoRA adapter's blocks are salted with its name, by the engine as here.
+                let blocks = hash_blocks(&parsed.tokens, block_size, view.salt(&parsed.model));
                 Ok((parsed, block_size.get(), blocks))
             })
             .await??;

@@ -260,7 +260,15 @@ struct Booking {
 struct WorkerState {
     capacity_blocks: usize,
     model: String,
+    /// LoRA adapters served on top of `model`.
+    adapters: Vec<String>,
     load: ActiveLoad,
+}
+
+impl WorkerState {
+    fn serves(&self, model: &str) -> bool {
+        self.model == model || self.adapters.iter().any(|a| a == model)
+    }
 }
 
 /// The scheduler of one router.
@@ -308,11 +316,20 @@ impl Scheduler {
         let state = self.workers.entry(key).or_insert_with(|| WorkerState {
             capacity_blocks,
             model: model.to_owned(),
+            adapters: Vec::new(),
             load: ActiveLoad::default(),
         });
         state.capacity_blocks = capacity_blocks;
         if state.model != model {
             state.model = model.to_owned();
+        }
+    }
+
+    /// The LoRA adapters a worker serves on top of its model (requests for one of them may
+    /// go there).
+    pub fn set_adapters(&mut self, key: WorkerKey, adapters: Vec<String>) {
+        if let Some(state) = self.workers.get_mut(&key) {
+            state.adapters = adapters;
         }
     }
 
@@ -339,7 +356,7 @@ impl Scheduler {
         let prompt_blocks = request.prompt_tokens as f64 / request.block_size.max(1) as f64;
         self.workers
             .iter()
-            .filter(|(_, state)| state.model == request.model)
+            .filter(|(_, state)| state.serves(request.model))
             .map(|(key, state)| {
                 let overlap = request.overlaps.get(key.0, key.1);
                 // Blocks of requests this router sent there are being computed or held: by

@@ -120,6 +120,7 @@ fn start_engine(args: &Args, speedup: f64) -> anyhow::Result<TestEngine> {
         g1_blocks: args.g1_blocks,
         g2_blocks: 0,
         speedup,
+        adapters: Vec::new(),
     })
 }
 

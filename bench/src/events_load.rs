@@ -195,6 +195,7 @@ pub async fn run(args: &Args) -> anyhow::Result<Report> {
                     epoch: 1,
                     last_event_ids: Vec::new(),
                     api: kvroute::discovery::WorkerApi::Kvroute,
+                    adapters: Vec::new(),
                 })
                 .collect(),
         )

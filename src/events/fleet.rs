@@ -69,6 +69,8 @@ pub enum FleetCommand {
         key: StreamKey,
         /// The model it serves.
         model: String,
+        /// LoRA adapters it serves on top of the model.
+        adapters: Vec<String>,
         /// Its G1 capacity, blocks.
         capacity_blocks: usize,
     },
@@ -259,6 +261,7 @@ impl Fleet {
         }
         let reshaped = previous.as_ref().is_none_or(|p| {
             p.info.model != info.model
+                || p.info.adapters != info.adapters
                 || p.info.g1_blocks != info.g1_blocks
                 || p.info.block_size != info.block_size
         });
@@ -271,6 +274,7 @@ impl Fleet {
                 out.push(FleetCommand::Routable {
                     key,
                     model: info.model.clone(),
+                    adapters: info.adapters.clone(),
                     capacity_blocks: info.g1_blocks,
                 });
             }

@@ -122,13 +122,28 @@ impl FleetView {
     pub fn block_size(&self, model: &str) -> Option<usize> {
         self.workers
             .values()
-            .find(|w| w.model == model)
+            .find(|w| w.model == model || w.adapters.iter().any(|a| a == model))
             .map(|w| w.block_size)
+    }
+
+    /// The salt a request for `model` is hashed with: none for a base model, the adapter's
+    /// (as an engine salts the blocks it computes with that LoRA adapter) for an adapter.
+    pub fn salt(&self, model: &str) -> crate::protocol::Salt {
+        if self.workers.values().any(|w| w.model == model) {
+            return crate::protocol::Salt::NONE;
+        }
+        crate::engines::engine_salt(Some(model), None)
     }
 
     /// The models served, sorted, each once.
     pub fn models(&self) -> Vec<&str> {
-        let set: BTreeSet<&str> = self.workers.values().map(|w| w.model.as_str()).collect();
+        let set: BTreeSet<&str> = self
+            .workers
+            .values()
+            .flat_map(|w| {
+                std::iter::once(w.model.as_str()).chain(w.adapters.iter().map(String::as_str))
+            })
+            .collect();
         set.into_iter().collect()
     }
 }
@@ -565,10 +580,13 @@ impl FleetOwner {
                 FleetCommand::Routable {
                     key,
                     model,
+                    adapters,
                     capacity_blocks,
                 } => {
                     if let Some(s) = &self.shared.scheduler {
-                        s.lock().add_worker(key, capacity_blocks, &model);
+                        let mut s = s.lock();
+                        s.add_worker(key, capacity_blocks, &model);
+                        s.set_adapters(key, adapters);
                     }
                 }
                 FleetCommand::Unroutable(key) => {
@@ -669,6 +687,8 @@ fn same_shape(a: &WorkerInfo, b: &WorkerInfo) -> bool {
         a.g1_blocks,
         a.g2_blocks,
         a.dp_size,
+        &a.adapters,
+        a.api,
     ) == (
         b.epoch,
         &b.url,
@@ -677,6 +697,8 @@ fn same_shape(a: &WorkerInfo, b: &WorkerInfo) -> bool {
         b.g1_blocks,
         b.g2_blocks,
         b.dp_size,
+        &b.adapters,
+        b.api,
     )
 }
 

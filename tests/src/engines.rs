@@ -16,6 +16,8 @@ pub struct EngineSpec {
     pub g2_blocks: usize,
     /// Divides its step times.
     pub speedup: f64,
+    /// LoRA adapters it serves on top of `model`.
+    pub adapters: Vec<String>,
 }
 
 /// A test engine process and its ports.
@@ -58,6 +60,12 @@ impl TestEngine {
         ]
         .iter()
         .map(|s| s.to_string())
+        .chain(
+            (!spec.adapters.is_empty())
+                .then(|| ["--emulate-adapters".to_string(), spec.adapters.join(",")])
+                .into_iter()
+                .flatten(),
+        )
         .collect();
         Ok(TestEngine {
             proc: Proc::start("kvroute-worker", &args)?,

@@ -110,6 +110,7 @@ impl SimWorker {
             epoch,
             last_event_ids: vec![0],
             api: kvroute::discovery::WorkerApi::Kvroute,
+            adapters: Vec::new(),
         }));
         let lease = LeaseConfig {
             heartbeat_ms: 200,

@@ -23,6 +23,7 @@ fn engine(flavor: &str) -> Engine {
         g1_blocks: 96,
         g2_blocks: 128,
         speedup: 200.0,
+        adapters: Vec::new(),
     })
     .unwrap()
 }
@@ -393,4 +394,78 @@ async fn a_router_tokenizer_unlike_the_engine_s_raises_the_hash_mismatch_alarm()
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Two models and a LoRA adapter in one fleet: each request goes to an engine serving what it
+/// names; the adapter's blocks are salted with its name (as vLLM salts them), so a prompt the
+/// base model cached gives the adapter's request no overlap, and its own repeat does; the
+/// router's view of both engines stays exact, salted blocks included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_models_and_an_adapter_never_cross() {
+    let http = Http::default();
+    let spec = |flavor: &str, model: &str, adapters: &[&str]| EngineSpec {
+        flavor: flavor.into(),
+        model: model.into(),
+        g1_blocks: 96,
+        g2_blocks: 128,
+        speedup: 200.0,
+        adapters: adapters.iter().map(|a| a.to_string()).collect(),
+    };
+    let a = TestEngine::start(spec("vllm", "base-a", &["tuned-a"])).unwrap();
+    let b = TestEngine::start(spec("sglang", "base-b", &[])).unwrap();
+    let (_router, url, admin) = direct_router(&[a.backend(), b.backend()], &[]).unwrap();
+    let prompt = format!(
+        "A shared prompt for every model: {}",
+        "the same words again. ".repeat(10)
+    );
+    let send = |model: &'static str| {
+        let (http, url, prompt) = (http.clone(), url.clone(), prompt.clone());
+        async move {
+            let deadline = tokio::time::Instant::now() + WAIT;
+            loop {
+                let r = http
+                    .call(
+                        "POST",
+                        &format!("{url}/v1/completions"),
+                        completion(model, &prompt, 2, false),
+                    )
+                    .await;
+                if let Some(r) = r.as_ref().ok().filter(|r| r.status == 200) {
+                    let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+                    assert_eq!(v["model"], model, "{}", r.body);
+                    let overlap = r.header("x-kvroute-overlap").unwrap_or("").to_owned();
+                    let worker = r.header("x-kvroute-worker").unwrap_or("").to_owned();
+                    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                        .as_u64()
+                        .unwrap_or(0);
+                    return (worker, overlap, cached);
+                }
+                // The adapter appears with the engine's registration, a moment after start.
+                assert!(tokio::time::Instant::now() < deadline, "{model}: {r:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    let (wa, _, _) = send("base-a").await;
+    let (wb, _, _) = send("base-b").await;
+    assert_ne!(wa, wb);
+    // The base model's prompt is in engine a's cache, then in the router's index.
+    wait_exact(&http, std::slice::from_ref(&admin), &[&a, &b], false).await;
+    let (w, overlap, cached) = send("tuned-a").await;
+    assert_eq!(w, wa, "the adapter is served by engine a only");
+    assert_eq!(
+        (overlap.as_str(), cached),
+        ("device=0;host=0;disk=0", 0),
+        "the base model's blocks are not the adapter's"
+    );
+    wait_exact(&http, std::slice::from_ref(&admin), &[&a, &b], false).await;
+    let (_, overlap, cached) = send("tuned-a").await;
+    assert!(
+        !overlap.starts_with("device=0;"),
+        "the adapter's own blocks match: {overlap}"
+    );
+    assert!(cached > 0);
+    for _ in 0..4 {
+        assert_eq!(send("base-b").await.0, wb);
+    }
 }

@@ -116,6 +116,7 @@ pub async fn run(
         epoch,
         last_event_ids: vec![0; config.dp_size as usize],
         api: WorkerApi::Openai,
+        adapters: Vec::new(),
     }));
     if !config.model.is_empty() {
         info.lock().validate()?;
@@ -184,6 +185,18 @@ pub async fn run(
             _ = health.tick() => {
                 let healthy = get(&client, &config.engine_url, "/health", config.health_every).await.is_ok();
                 failures = if healthy { 0 } else { failures + 1 };
+                let model = info.lock().model.clone();
+                if healthy && !model.is_empty() {
+                    // LoRA adapters come and go (vLLM's /v1/load_lora_adapter): the next
+                    // heartbeat carries the current list.
+                    if let Some(adapters) = served_adapters(&client, &config.engine_url, &model, config.health_every).await {
+                        let mut i = info.lock();
+                        if i.adapters != adapters {
+                            tracing::info!(worker = %config.id, ?adapters, "engine's LoRA adapters");
+                            i.adapters = adapters;
+                        }
+                    }
+                }
                 match (&registration, healthy) {
                     (None, true) => {
                         if info.lock().model.is_empty() {
@@ -281,6 +294,30 @@ async fn served_model(
     let body = get(client, base, "/v1/models", deadline).await.ok()?;
     let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
     v["data"][0]["id"].as_str().map(str::to_owned)
+}
+
+/// The LoRA adapters the engine serves on top of `model`: the `/v1/models` entries whose
+/// `parent` is the base model (vLLM lists each loaded adapter so).
+async fn served_adapters(
+    client: &Client<HttpConnector, Empty<Bytes>>,
+    base: &str,
+    model: &str,
+    deadline: Duration,
+) -> Option<Vec<String>> {
+    let body = get(client, base, "/v1/models", deadline).await.ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+    let mut adapters: Vec<String> = v["data"]
+        .as_array()?
+        .iter()
+        .filter(|m| m["parent"].as_str() == Some(model))
+        .filter_map(|m| m["id"].as_str())
+        .filter(|id| *id != model)
+        .map(str::to_owned)
+        .collect();
+    adapters.sort();
+    adapters.dedup();
+    adapters.truncate(256);
+    Some(adapters)
 }
 
 /// The engine's G1 capacity in blocks, from its Prometheus text: vLLM's

@@ -84,8 +84,15 @@ pub struct TokenBook {
     blocks: Mutex<Learnt>,
 }
 
-/// Tokens by block, and the order they were learnt in.
-type Learnt = (FxHashMap<SeqHash, Arc<[u32]>>, VecDeque<SeqHash>);
+/// One learnt block: its tokens and the LoRA adapter it was computed with.
+#[derive(Clone, Debug)]
+struct Learnt1 {
+    tokens: Arc<[u32]>,
+    lora: Option<Arc<str>>,
+}
+
+/// Blocks by hash, and the order they were learnt in.
+type Learnt = (FxHashMap<SeqHash, Learnt1>, VecDeque<SeqHash>);
 
 impl TokenBook {
     /// A book for blocks of `block_size` tokens, holding at most `capacity` blocks.
@@ -97,16 +104,22 @@ impl TokenBook {
         }
     }
 
-    /// Learns the full blocks of a sequence (hashed as the engine hashes it, no salt).
-    pub fn learn(&self, sequence: &[u32]) {
-        let hashes = hash_blocks(sequence, self.block_size, Salt::NONE);
+    /// Learns the full blocks of a sequence, hashed as the engine hashes it (`salt`: a LoRA
+    /// adapter's, named `lora`).
+    pub fn learn(&self, sequence: &[u32], salt: Salt, lora: Option<&str>) {
+        let hashes = hash_blocks(sequence, self.block_size, salt);
+        let lora: Option<Arc<str>> = lora.map(Arc::from);
         let mut guard = self.blocks.lock();
         let (blocks, order) = &mut *guard;
         for (h, tokens) in hashes
             .iter()
             .zip(sequence.chunks_exact(self.block_size.get()))
         {
-            if blocks.insert(h.seq, tokens.into()).is_none() {
+            let block = Learnt1 {
+                tokens: tokens.into(),
+                lora: lora.clone(),
+            };
+            if blocks.insert(h.seq, block).is_none() {
                 order.push_back(h.seq);
             }
         }
@@ -117,7 +130,7 @@ impl TokenBook {
         }
     }
 
-    fn tokens(&self, seq: SeqHash) -> Option<Arc<[u32]>> {
+    fn block(&self, seq: SeqHash) -> Option<Learnt1> {
         self.blocks.lock().0.get(&seq).cloned()
     }
 
@@ -153,6 +166,8 @@ pub struct Emulation {
     pub block_size: NonZeroUsize,
     /// The engine's vocabulary (its decode tokens are drawn from it).
     pub vocab: u32,
+    /// LoRA adapters it serves on top of its model (requests name them as their model).
+    pub adapters: Vec<String>,
 }
 
 impl Emulation {
@@ -169,17 +184,21 @@ impl Emulation {
             match &e.data {
                 KvEventData::Stored { parent, blocks } => {
                     let tokenless = e.tier != Tier::Device && self.flavor != Flavor::Sglang;
-                    let token_ids: Option<Vec<u32>> = if tokenless {
-                        Some(Vec::new())
-                    } else {
-                        blocks
-                            .iter()
-                            .map(|b| self.book.tokens(b.seq))
-                            .collect::<Option<Vec<_>>>()
-                            .map(|t| t.iter().flat_map(|b| b.iter().copied()).collect())
-                    };
+                    let learnt: Option<Vec<Learnt1>> =
+                        blocks.iter().map(|b| self.book.block(b.seq)).collect();
                     // A block whose tokens were never learnt cannot be described.
-                    let Some(token_ids) = token_ids else { continue };
+                    let Some(learnt) = learnt else { continue };
+                    let token_ids: Vec<u32> = match tokenless {
+                        true => Vec::new(),
+                        false => learnt
+                            .iter()
+                            .flat_map(|b| b.tokens.iter().copied())
+                            .collect(),
+                    };
+                    let lora_name = learnt
+                        .first()
+                        .and_then(|b| b.lora.as_deref())
+                        .map(str::to_owned);
                     out.push(RawEvent::Stored {
                         hashes: blocks.iter().map(|b| name(b.seq)).collect(),
                         parent: parent.map(name),
@@ -190,7 +209,7 @@ impl Emulation {
                         },
                         token_ids,
                         medium: medium.into(),
-                        lora_name: None,
+                        lora_name,
                     });
                 }
                 KvEventData::Removed { blocks } => {

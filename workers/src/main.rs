@@ -143,6 +143,10 @@ struct Args {
     /// The test engine's event topic.
     #[arg(long, default_value = "", requires = "emulate")]
     emulate_topic: String,
+    /// LoRA adapters the test engine serves on top of --model, comma-separated (its blocks
+    /// for an adapter are salted with the adapter's name, as vLLM's are).
+    #[arg(long, value_delimiter = ',', requires = "emulate")]
+    emulate_adapters: Vec<String>,
     /// The test engine names blocks with 32-byte hashes (vLLM with
     /// VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) instead of ints.
     #[arg(long, requires = "emulate")]
@@ -318,6 +322,7 @@ async fn emulation(
         ),
         block_size,
         vocab: engine.vocab_size,
+        adapters: args.emulate_adapters.clone(),
     })
 }
 

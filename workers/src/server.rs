@@ -142,6 +142,7 @@ impl Worker {
             epoch: config.epoch,
             last_event_ids: vec![0],
             api: kvroute::discovery::WorkerApi::Kvroute,
+            adapters: Vec::new(),
         }));
         info.lock().validate()?;
         let plane = WorkerPlane::new(transport.clone(), &config.cluster, Arc::clone(&info));

@@ -18,6 +18,7 @@ fn info(id: u64, dp_size: u32) -> WorkerInfo {
         epoch: 7,
         last_event_ids: vec![0; dp_size as usize],
         api: crate::discovery::WorkerApi::Kvroute,
+        adapters: Vec::new(),
     }
 }
 

@@ -68,6 +68,9 @@ struct Generate {
     /// Streamed: end with a chunk carrying the usage (`stream_options.include_usage`).
     #[serde(default)]
     include_usage: bool,
+    /// The LoRA adapter asked for (the test engine's), whose name salts the blocks.
+    #[serde(default)]
+    lora: Option<String>,
 }
 
 fn default_max_tokens() -> u32 {
@@ -121,11 +124,20 @@ fn bad_request(message: &str) -> Response<Body> {
 
 async fn handle(state: State, req: hyper::Request<Incoming>) -> Response<Body> {
     match (req.method(), req.uri().path()) {
-        (&Method::GET, "/v1/models") => full(
-            StatusCode::OK,
-            "application/json",
-            serde_json::json!({"object": "list", "data": [{"id": state.model, "object": "model", "created": 0, "owned_by": "kvroute"}]}).to_string(),
-        ),
+        (&Method::GET, "/v1/models") => {
+            // As vLLM lists them: the base model, and each LoRA adapter with it as `parent`.
+            let mut data = vec![
+                serde_json::json!({"id": state.model, "object": "model", "created": 0, "owned_by": "kvroute", "root": state.model, "parent": null}),
+            ];
+            for a in state.emulate.iter().flat_map(|e| e.adapters.iter()) {
+                data.push(serde_json::json!({"id": a, "object": "model", "created": 0, "owned_by": "kvroute", "root": a, "parent": state.model}));
+            }
+            full(
+                StatusCode::OK,
+                "application/json",
+                serde_json::json!({"object": "list", "data": data}).to_string(),
+            )
+        }
         (&Method::GET, "/health") => full(StatusCode::OK, "application/json", r#"{"status":"ok"}"#),
         (&Method::POST, "/internal/generate") => generate(state, req).await,
         (&Method::POST, "/v1/completions") => openai(state, req, false).await,
@@ -201,7 +213,16 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
             Err(response) => return response,
         }
     };
-    if model != state.model {
+    // A LoRA adapter of the test engine: its blocks are salted with its name, as vLLM's are.
+    let adapter = state
+        .emulate
+        .as_ref()
+        .is_some_and(|e| e.adapters.contains(&model));
+    let salt = match adapter {
+        true => kvroute::engines::engine_salt(Some(&model), None).0,
+        false => 0,
+    };
+    if model != state.model && !adapter {
         return full(
             StatusCode::NOT_FOUND,
             "application/json",
@@ -219,9 +240,10 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
             token_ids,
             max_tokens,
             stream,
-            salt: 0,
+            salt,
             chat,
             model: None,
+            lora: adapter.then(|| model.clone()),
             include_usage: options.is_some_and(|o| o.include_usage),
         },
     )
@@ -378,7 +400,8 @@ async fn run(state: State, g: Generate) -> Response<Body> {
         // its output included (decode tokens are a function of the request id).
         let mut all = g.token_ids.clone();
         all.extend((0..g.max_tokens).map(|i| crate::engine::output_token(id, i, e.vocab)));
-        e.book.learn(&all);
+        let lora = g.lora.as_deref();
+        e.book.learn(&all, kvroute::protocol::Salt(g.salt), lora);
     }
     let request = Request {
         id,
@@ -407,7 +430,7 @@ async fn run(state: State, g: Generate) -> Response<Body> {
     let envelope = Envelope {
         id: response_id(if g.chat { "chatcmpl-" } else { "cmpl-" }),
         created: unix_seconds(),
-        model: g.model.unwrap_or(state.model),
+        model: g.lora.or(g.model).unwrap_or(state.model),
         fingerprint: state.fingerprint,
         chat: g.chat,
     };
