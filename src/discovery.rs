@@ -59,6 +59,9 @@ pub struct WorkerInfo {
     /// LoRA adapters it serves on top of `model` (requests name them as their model).
     #[serde(default)]
     pub adapters: Vec<String>,
+    /// A real engine's load as its `/metrics` last showed it (sidecars report it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine_load: Option<crate::engines::metrics::EngineLoad>,
 }
 
 /// How the router talks to a worker.
@@ -167,6 +170,12 @@ impl WorkerInfo {
                 format!(
                     "at most {MAX_ADAPTERS} names of 1..={MAX_MODEL_BYTES} bytes without spaces, none the base model"
                 ),
+            );
+        }
+        if self.engine_load.is_some_and(|l| !l.is_valid()) {
+            return bad(
+                "engine_load",
+                "counts must be finite and non-negative, KV usage within 0..=1".into(),
             );
         }
         let scheme_ok = self.url.starts_with("http://") || self.url.starts_with("https://");
@@ -660,6 +669,7 @@ mod tests {
             last_event_ids: vec![0],
             api: crate::discovery::WorkerApi::Kvroute,
             adapters: Vec::new(),
+            engine_load: None,
         };
         assert!(info.validate().is_ok());
         for bad in ["http://", "http://host<x>", "http://a\\b", "ftp://host"] {

@@ -4,6 +4,7 @@
 //! and the router's direct mode share.
 
 pub mod ingest;
+pub mod metrics;
 pub mod mirror;
 pub mod publisher;
 pub mod wire;

@@ -263,6 +263,9 @@ struct WorkerState {
     /// LoRA adapters served on top of `model`.
     adapters: Vec<String>,
     load: ActiveLoad,
+    /// G1 blocks in use as the engine itself last reported (a real engine's sidecar): load
+    /// this router did not book (other routers, clients that bypass it).
+    engine_used_blocks: f64,
 }
 
 impl WorkerState {
@@ -318,6 +321,7 @@ impl Scheduler {
             model: model.to_owned(),
             adapters: Vec::new(),
             load: ActiveLoad::default(),
+            engine_used_blocks: 0.0,
         });
         state.capacity_blocks = capacity_blocks;
         if state.model != model {
@@ -330,6 +334,16 @@ impl Scheduler {
     pub fn set_adapters(&mut self, key: WorkerKey, adapters: Vec<String>) {
         if let Some(state) = self.workers.get_mut(&key) {
             state.adapters = adapters;
+        }
+    }
+
+    /// A real engine's own report of its load (every rank of `worker`): its KV usage counts
+    /// as held decode blocks where it exceeds what this router booked there.
+    pub fn set_engine_load(&mut self, worker: WorkerId, load: crate::engines::metrics::EngineLoad) {
+        for (key, state) in self.workers.iter_mut() {
+            if key.0 == worker {
+                state.engine_used_blocks = load.kv_usage() * state.capacity_blocks as f64;
+            }
         }
     }
 
@@ -372,7 +386,8 @@ impl Scheduler {
                     + c.disk_weight * f64::from(overlap.disk);
                 let credit = indexed.max(c.device_weight * f64::from(booked_prefix));
                 let prefill_blocks = state.load.prefill_blocks;
-                let decode_blocks = state.load.decode_blocks() as f64;
+                let decode_blocks =
+                    (state.load.decode_blocks() as f64).max(state.engine_used_blocks);
                 let cost = c.prefill_scale * (prompt_blocks - credit).max(0.0)
                     + prefill_blocks
                     + c.decode_weight * decode_blocks;

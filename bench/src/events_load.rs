@@ -196,6 +196,7 @@ pub async fn run(args: &Args) -> anyhow::Result<Report> {
                     last_event_ids: Vec::new(),
                     api: kvroute::discovery::WorkerApi::Kvroute,
                     adapters: Vec::new(),
+                    engine_load: None,
                 })
                 .collect(),
         )

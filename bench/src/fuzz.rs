@@ -79,8 +79,11 @@ pub struct Report {
 pub const MAX_INPUT: usize = 1 << 20;
 
 /// The decoders, by name.
-pub const TARGETS: [&str; 7] = [
+pub const TARGETS: [&str; 10] = [
     "event_batch",
+    "engine_batch",
+    "engine_metrics",
+    "backend_spec",
     "snapshot_chunk",
     "worker_info",
     "load_message",
@@ -98,6 +101,7 @@ struct Harness {
     scheduler: Scheduler,
     peers: Peers,
     tokenizer: Tokenizer,
+    mirror: kvroute::engines::EngineMirror,
     now: u64,
 }
 
@@ -119,6 +123,7 @@ impl Harness {
             scheduler,
             peers: Peers::default(),
             tokenizer: Tokenizer::Bytes,
+            mirror: kvroute::engines::EngineMirror::new(NonZeroUsize::new(4).expect("4")),
             now: 0,
         }
     }
@@ -145,6 +150,22 @@ impl Harness {
                     }
                     true
                 }
+                Err(_) => false,
+            },
+            // vLLM's and SGLang's msgpack batches, applied to a mirror as the ingest does.
+            "engine_batch" => match kvroute::engines::decode_batch(input) {
+                Ok(batch) => {
+                    let mut changes = Vec::new();
+                    self.mirror.apply(&batch, &mut changes);
+                    true
+                }
+                Err(_) => false,
+            },
+            "engine_metrics" => kvroute::engines::metrics::scrape(&String::from_utf8_lossy(input))
+                .load
+                .is_some(),
+            "backend_spec" => match std::str::from_utf8(input) {
+                Ok(spec) => kvroute_cli::settings::parse_backend(spec).is_ok(),
                 Err(_) => false,
             },
             "worker_info" => WorkerInfo::decode(input).is_ok(),
@@ -471,6 +492,90 @@ fn toml_config(rng: &mut Rng) -> Vec<u8> {
         .into_bytes()
 }
 
+/// An engine batch in one of the engines' shapes, with hashes and parents drawn from a small
+/// set so that chains, removals and token-less stores meet.
+fn engine_batch(rng: &mut Rng) -> Vec<u8> {
+    use kvroute::engines::wire::{Encoding, RawEvent, encode_batch};
+    let mediums = ["GPU", "CPU", "CPU_PINNED", "STORAGE", "cpu"];
+    let events: Vec<RawEvent> = (0..rng.below(6))
+        .map(|_| {
+            let hashes: Vec<u64> = (0..rng.below(4))
+                .map(|_| INTERESTING[rng.below(12)] ^ rng.below(8) as u64)
+                .collect();
+            match rng.below(4) {
+                0 | 1 => {
+                    let tokenless = rng.below(3) == 0;
+                    let block_size = [4u32, 4, 4, 0, 16][rng.below(5)];
+                    RawEvent::Stored {
+                        token_ids: if tokenless {
+                            Vec::new()
+                        } else {
+                            (0..hashes.len() as u32 * block_size).collect()
+                        },
+                        hashes,
+                        parent: (rng.below(2) == 0).then(|| INTERESTING[rng.below(12)]),
+                        block_size,
+                        medium: mediums[rng.below(mediums.len())].into(),
+                        lora_name: (rng.below(4) == 0).then(|| "adapter".into()),
+                    }
+                }
+                2 => RawEvent::Removed {
+                    hashes,
+                    medium: mediums[rng.below(mediums.len())].into(),
+                },
+                _ => RawEvent::Cleared,
+            }
+        })
+        .collect();
+    let encoding = Encoding {
+        tagged_maps: rng.below(2) == 0,
+        bytes_hashes: rng.below(3) == 0,
+        signed_hashes: rng.below(2) == 0,
+    };
+    encode_batch(1.5, &events, rng.below(3) as u32, encoding)
+}
+
+fn engine_metrics(rng: &mut Rng) -> Vec<u8> {
+    let lines = [
+        "vllm:num_requests_running{engine=\"0\"} 3",
+        "vllm:num_requests_waiting 1e9",
+        "vllm:kv_cache_usage_perc{engine=\"0\"} 0.5",
+        "vllm:kv_cache_usage_perc{ 2",
+        "vllm:cache_config_info{num_gpu_blocks=\"27000\"} 1",
+        "vllm:cache_config_info{num_gpu_blocks=\"} 1",
+        "sglang:token_usage NaN",
+        "sglang:num_queue_reqs -1",
+        "# HELP x y",
+        "}{ 1",
+    ];
+    (0..rng.below(8))
+        .map(|_| lines[rng.below(lines.len())])
+        .collect::<Vec<_>>()
+        .join("\n")
+        .into_bytes()
+}
+
+fn backend_spec(rng: &mut Rng) -> Vec<u8> {
+    let parts = [
+        "events=tcp://127.0.0.1:5557",
+        "replay=tcp://h:99999",
+        "topic=",
+        "model=m",
+        "block_size=0",
+        "dp=1025",
+        "dp=2",
+        "x=y",
+        "events",
+        "=",
+    ];
+    let mut spec = ["http://127.0.0.1:8000", "ftp://x", "", "http://a b"][rng.below(4)].to_string();
+    for _ in 0..rng.below(5) {
+        spec.push(',');
+        spec.push_str(parts[rng.below(parts.len())]);
+    }
+    spec.into_bytes()
+}
+
 /// A structure-aware input for `target` (a valid encoding of a random value).
 fn structured(rng: &mut Rng, target: &str) -> Vec<u8> {
     match target {
@@ -480,6 +585,9 @@ fn structured(rng: &mut Rng, target: &str) -> Vec<u8> {
             let n = chunks.len().max(1);
             chunks.into_iter().nth(rng.below(n)).unwrap_or_default()
         }
+        "engine_batch" => engine_batch(rng),
+        "engine_metrics" => engine_metrics(rng),
+        "backend_spec" => backend_spec(rng),
         "worker_info" => worker_info(rng),
         "load_message" => load_message(rng),
         "openai_body" => openai_body(rng),

@@ -528,6 +528,7 @@ impl FleetOwner {
                     .fleet
                     .worker(info.id)
                     .is_none_or(|old| !same_shape(old, &info));
+                let reported = (info.id, info.engine_load);
                 if let Err(refusal) = self.fleet.on_registration(now, info, &mut self.commands) {
                     self.shared
                         .counters
@@ -537,6 +538,9 @@ impl FleetOwner {
                     tracing::error!(%refusal, "refusing a worker registration");
                 }
                 self.execute();
+                if let (Some(s), (id, Some(load))) = (&self.shared.scheduler, reported) {
+                    s.lock().set_engine_load(id, load);
+                }
                 if changed {
                     self.publish_view();
                 }

@@ -536,3 +536,34 @@ mod ledger {
         }
     }
 }
+
+#[test]
+fn an_engine_s_own_kv_usage_counts_where_it_exceeds_the_bookings() {
+    use crate::engines::metrics::EngineLoad;
+    let mut s = scheduler(PolicyKind::Kv, 2);
+    let b = blocks(4, 0);
+    let none = scores(&[]);
+    let cost = |s: &Scheduler, w: u64| {
+        s.candidates(&request(&b, 64, &none))
+            .into_iter()
+            .find(|c| c.key == key(w))
+            .unwrap()
+            .cost
+    };
+    assert_eq!(cost(&s, 0), cost(&s, 1));
+    // Engine 1 reports 60 % of its 1,000 blocks in use (other routers' requests).
+    s.set_engine_load(
+        WorkerId(1),
+        EngineLoad {
+            running: 9,
+            waiting: 2,
+            kv_usage_permille: 600,
+        },
+    );
+    assert_eq!(cost(&s, 1) - cost(&s, 0), 600.0);
+    let d = s.route(0, &request(&b, 64, &none)).unwrap();
+    assert_eq!(d.chosen.key, key(0), "the idle engine is cheaper");
+    // Engine 1 idle again, engine 0 holding what this router booked there: 1 is cheaper.
+    s.set_engine_load(WorkerId(1), EngineLoad::default());
+    assert!(cost(&s, 1) < cost(&s, 0));
+}

@@ -111,6 +111,7 @@ impl SimWorker {
             last_event_ids: vec![0],
             api: kvroute::discovery::WorkerApi::Kvroute,
             adapters: Vec::new(),
+            engine_load: None,
         }));
         let lease = LeaseConfig {
             heartbeat_ms: 200,

@@ -16,6 +16,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kvroute::discovery::{LeaseConfig, Registration, Registry, WorkerApi, WorkerInfo};
 use kvroute::engines::ingest::{self, EngineEndpoint, IngestStats, IngestTimeouts, Update};
+use kvroute::engines::metrics;
 use kvroute::events::transport::Transport;
 use kvroute::protocol::{DpRank, WorkerId};
 use parking_lot::Mutex;
@@ -117,6 +118,7 @@ pub async fn run(
         last_event_ids: vec![0; config.dp_size as usize],
         api: WorkerApi::Openai,
         adapters: Vec::new(),
+        engine_load: None,
     }));
     if !config.model.is_empty() {
         info.lock().validate()?;
@@ -185,6 +187,17 @@ pub async fn run(
             _ = health.tick() => {
                 let healthy = get(&client, &config.engine_url, "/health", config.health_every).await.is_ok();
                 failures = if healthy { 0 } else { failures + 1 };
+                if healthy {
+                    // The engine's load (and, once, its G1 size) for the next heartbeat: the
+                    // routers weigh its KV usage beside their own bookings.
+                    let text = get(&client, &config.engine_url, "/metrics", config.health_every).await;
+                    let scraped = text.map(|t| metrics::scrape(&String::from_utf8_lossy(&t))).unwrap_or_default();
+                    let mut i = info.lock();
+                    i.engine_load = scraped.load;
+                    if let (None, Some(blocks)) = (&registration, scraped.g1_blocks) {
+                        i.g1_blocks = blocks;
+                    }
+                }
                 let model = info.lock().model.clone();
                 if healthy && !model.is_empty() {
                     // LoRA adapters come and go (vLLM's /v1/load_lora_adapter): the next
@@ -208,11 +221,6 @@ pub async fn run(
                         if let Err(e) = info.lock().validate() {
                             tracing::warn!(worker = %config.id, error = %e, "cannot register the engine");
                             continue;
-                        }
-                        if let Ok(metrics) = get(&client, &config.engine_url, "/metrics", config.health_every).await
-                            && let Some(blocks) = g1_blocks(&metrics)
-                        {
-                            info.lock().g1_blocks = blocks;
                         }
                         match Registration::start(registry.clone(), Arc::clone(&info), &config.lease).await {
                             Ok(r) => {
@@ -318,16 +326,4 @@ async fn served_adapters(
     adapters.dedup();
     adapters.truncate(256);
     Some(adapters)
-}
-
-/// The engine's G1 capacity in blocks, from its Prometheus text: vLLM's
-/// `vllm:cache_config_info{…,num_gpu_blocks="N",…}`.
-pub fn g1_blocks(metrics: &[u8]) -> Option<usize> {
-    let text = std::str::from_utf8(metrics).ok()?;
-    let line = text
-        .lines()
-        .find(|l| l.starts_with("vllm:cache_config_info{"))?;
-    let at = line.find("num_gpu_blocks=\"")? + "num_gpu_blocks=\"".len();
-    let end = line[at..].find('"')?;
-    line[at..at + end].parse().ok().filter(|n| *n > 0)
 }

@@ -143,6 +143,7 @@ impl Worker {
             last_event_ids: vec![0],
             api: kvroute::discovery::WorkerApi::Kvroute,
             adapters: Vec::new(),
+            engine_load: None,
         }));
         info.lock().validate()?;
         let plane = WorkerPlane::new(transport.clone(), &config.cluster, Arc::clone(&info));

@@ -17,6 +17,7 @@ fn info(id: u64, epoch: u64, dp_size: u32, model: &str, block_size: usize) -> Wo
         last_event_ids: vec![0; dp_size as usize],
         api: crate::discovery::WorkerApi::Kvroute,
         adapters: Vec::new(),
+        engine_load: None,
     }
 }
 

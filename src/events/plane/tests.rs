@@ -19,6 +19,7 @@ fn info(id: u64, dp_size: u32) -> WorkerInfo {
         last_event_ids: vec![0; dp_size as usize],
         api: crate::discovery::WorkerApi::Kvroute,
         adapters: Vec::new(),
+        engine_load: None,
     }
 }
 

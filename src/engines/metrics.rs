@@ -1,0 +1,168 @@
+//! An engine's load as its Prometheus `/metrics` text shows it: running and waiting requests
+//! and the share of its KV cache in use (vLLM `vllm:num_requests_running`,
+//! `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, and its G1 size in
+//! `vllm:cache_config_info{num_gpu_blocks=…}`; SGLang `sglang:num_running_reqs`,
+//! `sglang:num_queue_reqs`, `sglang:token_usage`). No I/O.
+
+use serde::{Deserialize, Serialize};
+
+/// What a sidecar reports of its engine's load in the registration heartbeat.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineLoad {
+    /// Requests running (summed over the engine's label sets: DP ranks, engines).
+    pub running: u32,
+    /// Requests waiting in the engine's queue.
+    pub waiting: u32,
+    /// Share of the KV cache in use, per mille (the mean over label sets).
+    pub kv_usage_permille: u16,
+}
+
+/// Most requests a count may claim.
+const MAX_REQUESTS: u32 = 10_000_000;
+
+impl EngineLoad {
+    /// Whether every figure is in range (a registration is refused otherwise).
+    pub fn is_valid(&self) -> bool {
+        self.running <= MAX_REQUESTS
+            && self.waiting <= MAX_REQUESTS
+            && self.kv_usage_permille <= 1000
+    }
+
+    /// Share of the KV cache in use, 0–1.
+    pub fn kv_usage(&self) -> f64 {
+        f64::from(self.kv_usage_permille) / 1000.0
+    }
+}
+
+/// What one scrape found.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Scraped {
+    /// The load, if the text has any of its metrics.
+    pub load: Option<EngineLoad>,
+    /// G1 blocks (vLLM's `num_gpu_blocks`).
+    pub g1_blocks: Option<usize>,
+}
+
+/// Reads the engine's metrics from Prometheus text (unknown lines are skipped).
+pub fn scrape(text: &str) -> Scraped {
+    let (mut running, mut waiting) = (None::<f64>, None::<f64>);
+    let (mut usage_sum, mut usage_n) = (0.0, 0u32);
+    let mut g1_blocks = None;
+    for line in text.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        let Some((name, labels, value)) = sample(line) else {
+            continue;
+        };
+        match name {
+            "vllm:num_requests_running" | "sglang:num_running_reqs" => {
+                *running.get_or_insert(0.0) += value
+            }
+            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => {
+                *waiting.get_or_insert(0.0) += value
+            }
+            "vllm:kv_cache_usage_perc" | "sglang:token_usage" => {
+                usage_sum += value;
+                usage_n += 1;
+            }
+            "vllm:cache_config_info" => {
+                g1_blocks = label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok());
+            }
+            _ => {}
+        }
+    }
+    let any = running.is_some() || waiting.is_some() || usage_n > 0;
+    let count = |x: Option<f64>| -> Option<u32> {
+        let x = x.unwrap_or(0.0);
+        (0.0..=f64::from(MAX_REQUESTS))
+            .contains(&x)
+            .then(|| x.round() as u32)
+    };
+    let usage = if usage_n > 0 {
+        usage_sum / f64::from(usage_n)
+    } else {
+        0.0
+    };
+    let load = match (count(running), count(waiting), (0.0..=1.0).contains(&usage)) {
+        (Some(running), Some(waiting), true) => Some(EngineLoad {
+            running,
+            waiting,
+            kv_usage_permille: (usage * 1000.0).round() as u16,
+        }),
+        _ => None,
+    };
+    Scraped {
+        load: load.filter(|_| any),
+        g1_blocks: g1_blocks.filter(|n| *n > 0),
+    }
+}
+
+/// `name{labels} value` (labels may be absent); `None` for a malformed or non-finite sample.
+fn sample(line: &str) -> Option<(&str, &str, f64)> {
+    let (head, value) = match line.find('}') {
+        Some(end) => (&line[..=end], line[end + 1..].trim()),
+        None => line.split_once(' ')?,
+    };
+    let (name, labels) = match head.find('{') {
+        Some(start) => (&head[..start], head.get(start + 1..)?.strip_suffix('}')?),
+        None => (head.trim(), ""),
+    };
+    // A timestamp may follow the value.
+    let value: f64 = value.split_whitespace().next()?.parse().ok()?;
+    value.is_finite().then_some((name, labels, value))
+}
+
+fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+    let at = labels.find(&format!("{key}=\""))? + key.len() + 2;
+    let end = labels[at..].find('"')?;
+    Some(&labels[at..at + end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_vllm_and_sglang_load() {
+        let vllm = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="Qwen/Qwen3-8B"} 3.0
+vllm:num_requests_running{engine="1",model_name="Qwen/Qwen3-8B"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="Qwen/Qwen3-8B"} 1.0
+vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen3-8B"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="Qwen/Qwen3-8B"} 0.75
+vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="27000",num_cpu_blocks="None"} 1.0
+vllm:prompt_tokens_total{model_name="Qwen/Qwen3-8B"} 123456.0
+"#;
+        let s = scrape(vllm);
+        assert_eq!(
+            s.load,
+            Some(EngineLoad {
+                running: 5,
+                waiting: 1,
+                kv_usage_permille: 500
+            })
+        );
+        assert_eq!(s.g1_blocks, Some(27000));
+        let sglang = "sglang:num_running_reqs{model_name=\"m\"} 7\nsglang:num_queue_reqs{model_name=\"m\"} 4 1700000000000\nsglang:token_usage{model_name=\"m\"} 0.9\n";
+        let s = scrape(sglang);
+        assert_eq!(
+            s.load,
+            Some(EngineLoad {
+                running: 7,
+                waiting: 4,
+                kv_usage_permille: 900
+            })
+        );
+        assert_eq!(s.g1_blocks, None);
+    }
+
+    #[test]
+    fn garbage_and_other_servers_give_nothing() {
+        assert_eq!(scrape("").load, None);
+        assert_eq!(scrape("kvroute_requests_total 5\n").load, None);
+        let bad = "vllm:num_requests_running NaN\nvllm:kv_cache_usage_perc{ 0.5\nvllm:num_requests_waiting{a=\"b\"} -3\n";
+        assert_eq!(scrape(bad).load, None, "a negative count is refused");
+    }
+}
