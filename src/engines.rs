@@ -3,6 +3,7 @@
 //! read from the engine over ZMTP ([`zmtp`]) by the ingest task ([`ingest`]) that the sidecar
 //! and the router's direct mode share.
 
+pub mod approx;
 pub mod ingest;
 pub mod metrics;
 pub mod mirror;

@@ -145,6 +145,18 @@ pub struct Router {
     started: Instant,
     /// Whether routed prompts' blocks show up in their workers' events.
     pub(crate) mismatch: Arc<Mutex<MismatchAlarm>>,
+    /// Where answered requests' prompts are reported (direct mode: engines without KV events
+    /// learn their likely cache from them).
+    decisions: Mutex<Option<tokio::sync::mpsc::Sender<RoutedPrompt>>>,
+}
+
+/// A prompt the router sent to a worker, which answered.
+#[derive(Clone, Debug)]
+pub struct RoutedPrompt {
+    /// Where it went.
+    pub key: WorkerKey,
+    /// Its full blocks.
+    pub blocks: Vec<crate::protocol::BlockHash>,
 }
 
 impl Router {
@@ -180,9 +192,16 @@ impl Router {
             draining: AtomicBool::new(false),
             started: Instant::now(),
             mismatch: Arc::new(Mutex::new(MismatchAlarm::new(MismatchConfig::default()))),
+            decisions: Mutex::new(None),
         });
         tokio::spawn(watch_hashes(Arc::downgrade(&router)));
         router
+    }
+
+    /// Reports every answered request's prompt to `sink` from now on (dropped when it is
+    /// full: the approximate cache it feeds is a guess anyway).
+    pub fn report_decisions(&self, sink: tokio::sync::mpsc::Sender<RoutedPrompt>) {
+        *self.decisions.lock() = Some(sink);
     }
 
     /// Starts a graceful shutdown: `/ready` fails from now on (the load balancer stops
@@ -698,7 +717,15 @@ async fn completions(
         let booking = Booking::new(router, decision.booking)
             .expecting(decision.chosen.key.0, prepared.blocks.last().map(|b| b.seq));
         match forward(router, &decision, booking, &body, p.stream, &mut inflight).await {
-            Ok(response) => return Ok(response),
+            Ok(response) => {
+                if let Some(sink) = router.decisions.lock().as_ref() {
+                    let _ = sink.try_send(RoutedPrompt {
+                        key: decision.chosen.key,
+                        blocks: prepared.blocks.clone(),
+                    });
+                }
+                return Ok(response);
+            }
             Err(e) => {
                 metrics::counter!("kvroute_proxy_errors_total", "kind" => e.label(), "fault" => fault_label(&e)).increment(1);
                 if !e.retry_elsewhere() {

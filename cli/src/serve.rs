@@ -80,6 +80,8 @@ async fn serve_direct(
     let registry = Registry::Local(LocalRegistry::default());
     let (stop, stop_rx) = watch::channel(false);
     let mut bridges = Vec::new();
+    // Engines without KV events learn their likely cache from the prompts routed to them.
+    let mut learners = std::collections::HashMap::new();
     for b in &settings.backends {
         let id = kvroute::protocol::WorkerId(
             (xxhash_rust::xxh3::xxh3_64(b.url.as_bytes()) & 0xffff_ffff_ffff).max(1),
@@ -108,18 +110,38 @@ async fn serve_direct(
             timeouts: Default::default(),
         };
         let status = Arc::new(parking_lot::Mutex::new(BridgeStatus::default()));
+        let learned = match config.events {
+            Some(_) => None,
+            None => {
+                let (tx, rx) = tokio::sync::mpsc::channel(1024);
+                learners.insert(id, tx);
+                Some(rx)
+            }
+        };
         bridges.push(tokio::spawn(bridge::run(
             config,
             transport.clone(),
             registry.clone(),
             stop_rx.clone(),
             status,
+            learned,
         )));
     }
     let router = start_router(
         &settings, transport, registry, false, metrics, tokenizer, stop_rx,
     )
     .await?;
+    if !learners.is_empty() {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<kvroute::ingress::RoutedPrompt>(1024);
+        router.report_decisions(tx);
+        tokio::spawn(async move {
+            while let Some(routed) = rx.recv().await {
+                if let Some(learner) = learners.get(&routed.key.0) {
+                    let _ = learner.try_send(routed);
+                }
+            }
+        });
+    }
     let listeners = Listeners::bind(&settings).await?;
     println!(
         "kvroute serving on http://{} in front of {} engine(s), no NATS",

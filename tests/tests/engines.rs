@@ -469,3 +469,56 @@ async fn two_models_and_an_adapter_never_cross() {
         assert_eq!(send("base-b").await.0, wb);
     }
 }
+
+/// An engine without KV events (any OpenAI server): the router learns its likely cache from
+/// the prompts it sent there, so a repeated prompt goes back to the same engine and is
+/// credited with the blocks it left there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_events_the_router_learns_from_its_own_decisions() {
+    let http = Http::default();
+    let engines = [engine("vllm"), engine("vllm")];
+    // URL and model only: no events.
+    let backends: Vec<String> = engines
+        .iter()
+        .map(|e| format!("{},model={MODEL}", e.url()))
+        .collect();
+    let (_router, url, _admin) = direct_router(&backends, &[]).unwrap();
+    wait_routable(&http, &url).await;
+    for family in 0..3 {
+        let prompt = format!(
+            "Family {family}: {}",
+            "a long shared prefix of words. ".repeat(12)
+        );
+        let mut seen = Vec::new();
+        for _ in 0..4 {
+            let r = http
+                .call(
+                    "POST",
+                    &format!("{url}/v1/completions"),
+                    completion(MODEL, &prompt, 2, false),
+                )
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200, "{}", r.body);
+            let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+            let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0);
+            seen.push((
+                r.header("x-kvroute-worker").unwrap().to_owned(),
+                r.header("x-kvroute-overlap").unwrap().to_owned(),
+                cached,
+            ));
+        }
+        assert!(
+            seen.iter().all(|s| s.0 == seen[0].0),
+            "family {family} moved: {seen:?}"
+        );
+        assert!(
+            seen[1..]
+                .iter()
+                .all(|s| !s.1.starts_with("device=0;") && s.2 > 0),
+            "{seen:?}"
+        );
+    }
+}

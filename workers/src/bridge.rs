@@ -15,9 +15,11 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kvroute::discovery::{LeaseConfig, Registration, Registry, WorkerApi, WorkerInfo};
+use kvroute::engines::approx::ApproxCache;
 use kvroute::engines::ingest::{self, EngineEndpoint, IngestStats, IngestTimeouts, Update};
 use kvroute::engines::metrics;
 use kvroute::events::transport::Transport;
+use kvroute::ingress::RoutedPrompt;
 use kvroute::protocol::{DpRank, WorkerId};
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch};
@@ -94,12 +96,16 @@ pub struct BridgeStatus {
 const DEFAULT_G1_BLOCKS: usize = 1 << 16;
 
 /// Runs a bridge until `stop` turns true; then says goodbye.
+///
+/// An engine without KV events (`config.events` none) may be given `learned`: the prompts a
+/// router in this process sent it, from which an [`ApproxCache`] guesses its cache.
 pub async fn run(
     config: BridgeConfig,
     transport: Transport,
     registry: Registry,
     mut stop: watch::Receiver<bool>,
     status: Arc<Mutex<BridgeStatus>>,
+    mut learned: Option<mpsc::Receiver<RoutedPrompt>>,
 ) -> anyhow::Result<()> {
     let mut connector = HttpConnector::new();
     connector.set_connect_timeout(Some(config.health_every));
@@ -157,6 +163,13 @@ pub async fn run(
     status.lock().ranks = vec![IngestStats::default(); config.dp_size as usize];
     let mut registration: Option<Registration> = None;
     let mut failures = 0u32;
+    // Engines keep prefixes for minutes when not under pressure; Dynamo's approximate
+    // indexer assumes 120 s.
+    // One per rank, sized to the engine's G1 when first needed.
+    let mut approx: Vec<Option<ApproxCache>> = (0..config.dp_size).map(|_| None).collect();
+    let clock = tokio::time::Instant::now();
+    let mut expiry = tokio::time::interval(Duration::from_secs(1));
+    let mut approx_changes = Vec::new();
     let mut health = tokio::time::interval(config.health_every);
     health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -178,6 +191,26 @@ pub async fn run(
                     }
                 }
                 status.lock().ranks[rank as usize] = update.stats;
+            }
+            Some(routed) = next_learned(&mut learned) => {
+                let now_ms = clock.elapsed().as_millis() as u64;
+                let rank = (routed.key.1.0 as usize).min(publishers.len() - 1);
+                let capacity = info.lock().g1_blocks;
+                approx[rank]
+                    .get_or_insert_with(|| ApproxCache::new(APPROX_TTL_MS, capacity))
+                    .learn(now_ms, &routed.blocks, &mut approx_changes);
+                publish_changes(&mut publishers[rank], &mut approx_changes, &plane, registration.is_some(), config.id).await;
+            }
+            _ = expiry.tick(), if learned.is_some() => {
+                let now_ms = clock.elapsed().as_millis() as u64;
+                for (rank, cache) in approx.iter_mut().enumerate() {
+                    if let Some(cache) = cache {
+                        cache.expire(now_ms, &mut approx_changes);
+                        if !approx_changes.is_empty() {
+                            publish_changes(&mut publishers[rank], &mut approx_changes, &plane, registration.is_some(), config.id).await;
+                        }
+                    }
+                }
             }
             Some(request) = snapshots.recv() => {
                 if let Some(p) = publishers.get(request.dp_rank.0 as usize) {
@@ -257,6 +290,37 @@ pub async fn run(
         t.abort();
     }
     Ok(())
+}
+
+/// How long a block routed to an engine without events is taken as cached.
+const APPROX_TTL_MS: u64 = 120_000;
+
+async fn next_learned(learned: &mut Option<mpsc::Receiver<RoutedPrompt>>) -> Option<RoutedPrompt> {
+    match learned {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Records `changes` (emptied) in `publisher` and publishes the batch, as the event path does.
+async fn publish_changes(
+    publisher: &mut Publisher,
+    changes: &mut Vec<kvroute::protocol::BlockChange>,
+    plane: &WorkerPlane,
+    registered: bool,
+    id: WorkerId,
+) {
+    publisher.record(changes);
+    changes.clear();
+    if let Some(batch) = publisher.flush(unix_us()) {
+        if registered {
+            if let Err(e) = plane.publish(&batch).await {
+                tracing::warn!(worker = %id, error = %e, "publishing failed");
+            }
+        } else {
+            plane.note_sent(&batch);
+        }
+    }
 }
 
 fn unix_us() -> u64 {

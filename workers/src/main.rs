@@ -376,7 +376,7 @@ async fn sidecar(
         config.engine_url
     );
     let mut bridge = tokio::spawn(kvroute_worker::bridge::run(
-        config, transport, registry, stop_rx, status,
+        config, transport, registry, stop_rx, status, None,
     ));
     tokio::select! {
         _ = kvroute::process::terminated() => {
