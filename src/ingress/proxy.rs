@@ -449,3 +449,51 @@ impl Relay {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(api: WorkerApi, dp_size: u32) -> WorkerInfo {
+        WorkerInfo {
+            id: WorkerId(1),
+            url: "http://10.0.0.1:8000/".into(),
+            block_size: 16,
+            g1_blocks: 1,
+            g2_blocks: 0,
+            model: "m".into(),
+            dp_size,
+            epoch: 1,
+            last_event_ids: Vec::new(),
+            api,
+            adapters: Vec::new(),
+            engine_load: None,
+        }
+    }
+
+    #[test]
+    fn each_kind_of_worker_gets_its_own_request() {
+        let up = Upstream {
+            generate: Bytes::from_static(b"{\"token_ids\":[1]}"),
+            raw: Bytes::from_static(b"{\"prompt\":\"hi\"}"),
+            chat: true,
+        };
+        let r = up.request(&info(WorkerApi::Kvroute, 1), 0);
+        assert_eq!(r.uri(), "http://10.0.0.1:8000/internal/generate");
+        // An engine gets the client's body on its own endpoint; a single rank, no pin.
+        let r = up.request(&info(WorkerApi::Openai, 1), 0);
+        assert_eq!(r.uri(), "http://10.0.0.1:8000/v1/chat/completions");
+        assert!(r.headers().get("x-data-parallel-rank").is_none());
+        // Several ranks behind one endpoint: the chosen one is pinned.
+        let r = up.request(&info(WorkerApi::Openai, 4), 3);
+        assert_eq!(r.headers()["x-data-parallel-rank"], "3");
+        let completion = Upstream { chat: false, ..up };
+        assert_eq!(
+            completion
+                .request(&info(WorkerApi::Openai, 4), 0)
+                .uri()
+                .path(),
+            "/v1/completions"
+        );
+    }
+}
