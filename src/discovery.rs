@@ -62,6 +62,9 @@ pub struct WorkerInfo {
     /// A real engine's load as its `/metrics` last showed it (sidecars report it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine_load: Option<crate::engines::metrics::EngineLoad>,
+    /// A real engine's event-stream faults (sidecars report them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event_faults: Option<crate::engines::metrics::EventFaults>,
 }
 
 /// How the router talks to a worker.
@@ -670,6 +673,7 @@ mod tests {
             api: crate::discovery::WorkerApi::Kvroute,
             adapters: Vec::new(),
             engine_load: None,
+            event_faults: None,
         };
         assert!(info.validate().is_ok());
         for bad in ["http://", "http://host<x>", "http://a\\b", "ftp://host"] {

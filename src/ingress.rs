@@ -441,6 +441,7 @@ fn admin_workers(router: &Router) -> Response<Body> {
                 "resyncs": ranks.iter().map(|(_, s)| s.stats.resyncs).sum::<u64>(),
                 "booked_prefill_blocks": prefill, "booked_blocks": held, "booked_requests": requests,
                 "hash_mismatch": mismatch.raised, "routed_blocks_seen": mismatch.seen, "routed_blocks_missing": mismatch.missing,
+                "engine_event_faults": w.event_faults,
             })
         })
         .collect();

@@ -197,6 +197,7 @@ pub async fn run(args: &Args) -> anyhow::Result<Report> {
                     api: kvroute::discovery::WorkerApi::Kvroute,
                     adapters: Vec::new(),
                     engine_load: None,
+                    event_faults: None,
                 })
                 .collect(),
         )

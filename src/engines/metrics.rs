@@ -34,6 +34,23 @@ impl EngineLoad {
     }
 }
 
+/// The rare faults of an engine's event stream, summed over its ranks: what an operator must
+/// see in `/admin/workers` (the sidecar carries them in its heartbeat).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EventFaults {
+    /// The block size the engine's events use where it is not the configured one: nothing
+    /// of those events is indexed.
+    pub wrong_block_size: Option<u32>,
+    /// Blocks not indexed for their block size.
+    pub block_size_mismatch: u64,
+    /// Payloads that did not decode.
+    pub decode_errors: u64,
+    /// Gaps the replay socket could not fill (the engine's blocks were dropped and rebuilt).
+    pub unrepaired_gaps: u64,
+    /// Engine restarts seen.
+    pub restarts: u64,
+}
+
 /// What one scrape found.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Scraped {

@@ -693,6 +693,7 @@ fn same_shape(a: &WorkerInfo, b: &WorkerInfo) -> bool {
         a.dp_size,
         &a.adapters,
         a.api,
+        a.event_faults,
     ) == (
         b.epoch,
         &b.url,
@@ -703,6 +704,7 @@ fn same_shape(a: &WorkerInfo, b: &WorkerInfo) -> bool {
         b.dp_size,
         &b.adapters,
         b.api,
+        b.event_faults,
     )
 }
 

@@ -468,6 +468,7 @@ mod tests {
             api,
             adapters: Vec::new(),
             engine_load: None,
+            event_faults: None,
         }
     }
 

@@ -93,6 +93,11 @@ impl TestEngine {
         )
     }
 
+    /// Kills it (it answers nothing until [`TestEngine::restart`]).
+    pub fn kill(&mut self) {
+        self.proc.kill();
+    }
+
     /// Kills it and starts it again on the same ports (its publisher counts from 0 again).
     pub fn restart(&mut self) -> anyhow::Result<()> {
         self.proc.kill();

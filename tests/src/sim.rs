@@ -112,6 +112,7 @@ impl SimWorker {
             api: kvroute::discovery::WorkerApi::Kvroute,
             adapters: Vec::new(),
             engine_load: None,
+            event_faults: None,
         }));
         let lease = LeaseConfig {
             heartbeat_ms: 200,

@@ -209,7 +209,7 @@ async fn direct_mode_mirrors_each_engine_exactly_and_forgets_a_restarted_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fleet_mode_gives_a_late_router_the_whole_cache() {
     let http = Http::default();
-    let engines = [engine("vllm"), engine("vllm-legacy")];
+    let mut engines = [engine("vllm"), engine("vllm-legacy")];
     let sidecar = |e: &Engine| {
         let mut w = WorkerSpec::model(MODEL);
         w.args = [
@@ -245,6 +245,22 @@ async fn fleet_mode_gives_a_late_router_the_whole_cache() {
         .map(|i| fleet.routers[*i].admin())
         .collect();
     wait_exact(&http, &admins, &[&engines[0], &engines[1]], false).await;
+    // An engine whose /health fails is withdrawn by its sidecar; back, it registers again.
+    let count = |v: serde_json::Value| v["workers"].as_array().map_or(0, Vec::len);
+    engines[0].kill();
+    let gone = fleet
+        .until(WAIT, || async {
+            fleet.admin_workers(0).await.map(count).ok() == Some(1)
+        })
+        .await;
+    assert!(gone, "the dead engine stays registered");
+    engines[0].restart().unwrap();
+    let back = fleet
+        .until(WAIT, || async {
+            fleet.admin_workers(0).await.map(count).ok() == Some(2)
+        })
+        .await;
+    assert!(back, "the engine did not come back");
 }
 
 /// The ZMQ and msgpack side against the real libraries: a publisher built the way vLLM's
@@ -521,4 +537,39 @@ async fn without_events_the_router_learns_from_its_own_decisions() {
             "{seen:?}"
         );
     }
+}
+
+/// An engine whose events use another block size than the router was told: nothing of them
+/// is indexed, and `/admin/workers` says which size the engine uses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_block_size_unlike_the_configured_one_is_shown() {
+    let http = Http::default();
+    let e = engine("vllm");
+    let backend = e.backend().replace("block_size=16", "block_size=32");
+    let (_router, url, admin) = direct_router(&[backend], &[]).unwrap();
+    wait_routable(&http, &url).await;
+    conversations(&http, &url, 1, 2).await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let r = http
+            .call("GET", &format!("{admin}/admin/workers"), "")
+            .await
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+        let faults = &v["workers"][0]["engine_event_faults"];
+        if faults["wrong_block_size"] == 16 {
+            assert!(
+                faults["block_size_mismatch"].as_u64().unwrap() > 0,
+                "{faults}"
+            );
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "not shown: {v}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let index = http
+        .call("GET", &format!("{admin}/admin/index"), "")
+        .await
+        .unwrap();
+    assert_eq!(index.body, r#"{"ranks":[]}"#);
 }

@@ -125,6 +125,7 @@ pub async fn run(
         api: WorkerApi::Openai,
         adapters: Vec::new(),
         engine_load: None,
+        event_faults: None,
     }));
     if !config.model.is_empty() {
         info.lock().validate()?;
@@ -190,7 +191,19 @@ pub async fn run(
                         plane.note_sent(&batch);
                     }
                 }
-                status.lock().ranks[rank as usize] = update.stats;
+                let faults = {
+                    let mut st = status.lock();
+                    st.ranks[rank as usize] = update.stats;
+                    event_faults(&st.ranks)
+                };
+                let mut i = info.lock();
+                if faults != i.event_faults.unwrap_or_default() {
+                    if faults.wrong_block_size.is_some() && i.event_faults.is_none_or(|f| f.wrong_block_size.is_none()) {
+                        tracing::error!(worker = %config.id, engine_block_size = ?faults.wrong_block_size, configured = config.block_size.get(),
+                            "the engine's events use another block size than configured: its blocks are not indexed");
+                    }
+                    i.event_faults = Some(faults);
+                }
             }
             Some(routed) = next_learned(&mut learned) => {
                 let now_ms = clock.elapsed().as_millis() as u64;
@@ -290,6 +303,19 @@ pub async fn run(
         t.abort();
     }
     Ok(())
+}
+
+/// The faults of every rank's stream, summed.
+fn event_faults(ranks: &[IngestStats]) -> metrics::EventFaults {
+    let mut f = metrics::EventFaults::default();
+    for r in ranks {
+        f.wrong_block_size = f.wrong_block_size.or(r.wrong_block_size);
+        f.block_size_mismatch += r.mirror.block_size_mismatch;
+        f.decode_errors += r.decode_errors;
+        f.unrepaired_gaps += r.unrepaired;
+        f.restarts += r.restarts;
+    }
+    f
 }
 
 /// How long a block routed to an engine without events is taken as cached.

@@ -144,6 +144,7 @@ impl Worker {
             api: kvroute::discovery::WorkerApi::Kvroute,
             adapters: Vec::new(),
             engine_load: None,
+            event_faults: None,
         }));
         info.lock().validate()?;
         let plane = WorkerPlane::new(transport.clone(), &config.cluster, Arc::clone(&info));

@@ -18,6 +18,7 @@ fn info(id: u64, epoch: u64, dp_size: u32, model: &str, block_size: usize) -> Wo
         api: crate::discovery::WorkerApi::Kvroute,
         adapters: Vec::new(),
         engine_load: None,
+        event_faults: None,
     }
 }
 

@@ -20,6 +20,7 @@ fn info(id: u64, dp_size: u32) -> WorkerInfo {
         api: crate::discovery::WorkerApi::Kvroute,
         adapters: Vec::new(),
         engine_load: None,
+        event_faults: None,
     }
 }
 
