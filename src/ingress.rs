@@ -145,12 +145,12 @@ pub struct Router {
     started: Instant,
     /// Whether routed prompts' blocks show up in their workers' events.
     pub(crate) mismatch: Arc<Mutex<MismatchAlarm>>,
-    /// Where answered requests' prompts are reported (direct mode: engines without KV events
+    /// Where routed requests' prompts are reported (direct mode: engines without KV events
     /// learn their likely cache from them).
     decisions: Mutex<Option<tokio::sync::mpsc::Sender<RoutedPrompt>>>,
 }
 
-/// A prompt the router sent to a worker, which answered.
+/// A prompt the router sent to a worker.
 #[derive(Clone, Debug)]
 pub struct RoutedPrompt {
     /// Where it went.
@@ -198,8 +198,8 @@ impl Router {
         router
     }
 
-    /// Reports every answered request's prompt to `sink` from now on (dropped when it is
-    /// full: the approximate cache it feeds is a guess anyway).
+    /// Reports every routed request's prompt to `sink` from now on, as it is sent (dropped
+    /// when the sink is full: the approximate cache it feeds is a guess anyway).
     pub fn report_decisions(&self, sink: tokio::sync::mpsc::Sender<RoutedPrompt>) {
         *self.decisions.lock() = Some(sink);
     }
@@ -717,16 +717,16 @@ async fn completions(
         let Some(decision) = decision else { break };
         let booking = Booking::new(router, decision.booking)
             .expecting(decision.chosen.key.0, prepared.blocks.last().map(|b| b.seq));
+        // Reported when sent, not when answered: the engine computes (caches) the prompt from
+        // now on, and the guess should be in the index before the conversation's next turn.
+        if let Some(sink) = router.decisions.lock().as_ref() {
+            let _ = sink.try_send(RoutedPrompt {
+                key: decision.chosen.key,
+                blocks: prepared.blocks.clone(),
+            });
+        }
         match forward(router, &decision, booking, &body, p.stream, &mut inflight).await {
-            Ok(response) => {
-                if let Some(sink) = router.decisions.lock().as_ref() {
-                    let _ = sink.try_send(RoutedPrompt {
-                        key: decision.chosen.key,
-                        blocks: prepared.blocks.clone(),
-                    });
-                }
-                return Ok(response);
-            }
+            Ok(response) => return Ok(response),
             Err(e) => {
                 metrics::counter!("kvroute_proxy_errors_total", "kind" => e.label(), "fault" => fault_label(&e)).increment(1);
                 if !e.retry_elsewhere() {

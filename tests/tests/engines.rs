@@ -486,6 +486,23 @@ async fn two_models_and_an_adapter_never_cross() {
     }
 }
 
+/// Whether router `admin` credits worker `id` with cached blocks for the completion `body`
+/// (`/admin/explain`).
+async fn credited(http: &Http, admin: &str, body: &str, id: &str) -> bool {
+    let Ok(r) = http
+        .call("POST", &format!("{admin}/admin/explain"), body.to_owned())
+        .await
+    else {
+        return false;
+    };
+    let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();
+    let id: u64 = id.parse().unwrap_or(0);
+    v["candidates"].as_array().is_some_and(|cs| {
+        cs.iter()
+            .any(|c| c["worker"] == id && c["device_blocks"].as_u64().unwrap_or(0) > 0)
+    })
+}
+
 /// An engine without KV events (any OpenAI server): the router learns its likely cache from
 /// the prompts it sent there, so a repeated prompt goes back to the same engine and is
 /// credited with the blocks it left there.
@@ -498,7 +515,7 @@ async fn without_events_the_router_learns_from_its_own_decisions() {
         .iter()
         .map(|e| format!("{},model={MODEL}", e.url()))
         .collect();
-    let (_router, url, _admin) = direct_router(&backends, &[]).unwrap();
+    let (_router, url, admin) = direct_router(&backends, &[]).unwrap();
     wait_routable(&http, &url).await;
     for family in 0..3 {
         let prompt = format!(
@@ -520,11 +537,20 @@ async fn without_events_the_router_learns_from_its_own_decisions() {
             let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
                 .as_u64()
                 .unwrap_or(0);
+            let worker = r.header("x-kvroute-worker").unwrap().to_owned();
             seen.push((
-                r.header("x-kvroute-worker").unwrap().to_owned(),
+                worker.clone(),
                 r.header("x-kvroute-overlap").unwrap().to_owned(),
                 cached,
             ));
+            // The guess travels router → bridge → event plane → index; a client's next turn
+            // comes later than that, a test's at once: wait for it.
+            let deadline = tokio::time::Instant::now() + WAIT;
+            let body = completion(MODEL, &prompt, 2, false);
+            while !credited(&http, &admin, &body, &worker).await {
+                assert!(tokio::time::Instant::now() < deadline, "never learnt");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
         }
         assert!(
             seen.iter().all(|s| s.0 == seen[0].0),
