@@ -141,12 +141,23 @@ impl Drop for Proc {
     }
 }
 
-/// A free loopback port.
+/// A free loopback port, never one this process handed out before: tests of one binary run
+/// at once, and the kernel may give a port just released to the next `bind(0)`, so two
+/// processes of two tests could otherwise be told the same port.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap_or(0)
+    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    for _ in 0..1000 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .unwrap_or(0);
+        let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+        if port != 0 && given.insert(port) {
+            return port;
+        }
+    }
+    0
 }
 
 /// A response: status, headers, body.

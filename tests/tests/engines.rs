@@ -153,6 +153,29 @@ async fn conversations(http: &Http, router: &str, n: usize, turns: usize) -> (u6
     (prompt, cached)
 }
 
+/// Waits until router `admin` lists `n` workers, each synced.
+async fn wait_registered(http: &Http, admin: &str, n: usize) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let r = http
+            .call("GET", &format!("{admin}/admin/workers"), "")
+            .await;
+        let v: serde_json::Value = r
+            .ok()
+            .and_then(|r| serde_json::from_str(&r.body).ok())
+            .unwrap_or_default();
+        let ws = v["workers"].as_array().cloned().unwrap_or_default();
+        if ws.len() == n && ws.iter().all(|w| w["synced"] == true) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{n} workers never registered: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 async fn wait_routable(http: &Http, router: &str) {
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
@@ -183,6 +206,7 @@ async fn direct_mode_mirrors_each_engine_exactly_and_forgets_a_restarted_one() {
     let mut vllm = engine("vllm");
     let sglang = engine("sglang");
     let (_router, url, admin) = direct_router(&[vllm.backend(), sglang.backend()], &[]).unwrap();
+    wait_registered(&http, &admin, 2).await;
     wait_routable(&http, &url).await;
     let (prompt, cached) = conversations(&http, &url, 6, 4).await;
     eprintln!("engine-reported reuse: {cached} of {prompt} prompt tokens");
@@ -516,6 +540,7 @@ async fn without_events_the_router_learns_from_its_own_decisions() {
         .map(|e| format!("{},model={MODEL}", e.url()))
         .collect();
     let (_router, url, admin) = direct_router(&backends, &[]).unwrap();
+    wait_registered(&http, &admin, 2).await;
     wait_routable(&http, &url).await;
     for family in 0..3 {
         let prompt = format!(
