@@ -75,7 +75,7 @@ async fn serve_direct(
     use kvroute::discovery::LocalRegistry;
     use kvroute::engines::ingest::EngineEndpoint;
     use kvroute::events::transport::LocalBus;
-    use kvroute_worker::bridge::{self, BridgeConfig, BridgeStatus, EngineKind};
+    use kvroute_worker::bridge::{self, BridgeConfig};
     let transport = Transport::Local(LocalBus::new());
     let registry = Registry::Local(LocalRegistry::default());
     let (stop, stop_rx) = watch::channel(false);
@@ -88,11 +88,6 @@ async fn serve_direct(
         );
         let config = BridgeConfig {
             id,
-            kind: if b.events.is_some() {
-                EngineKind::Vllm
-            } else {
-                EngineKind::Openai
-            },
             engine_url: b.url.clone(),
             events: b.events.clone().map(|events| EngineEndpoint {
                 events,
@@ -109,7 +104,6 @@ async fn serve_direct(
             health_failures: 2,
             timeouts: Default::default(),
         };
-        let status = Arc::new(parking_lot::Mutex::new(BridgeStatus::default()));
         let learned = match config.events {
             Some(_) => None,
             None => {
@@ -123,7 +117,6 @@ async fn serve_direct(
             transport.clone(),
             registry.clone(),
             stop_rx.clone(),
-            status,
             learned,
         )));
     }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Empty};
+use http_body_util::Empty;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -28,8 +28,10 @@ use crate::plane::{SnapshotRequest, WorkerPlane};
 use crate::publisher::Publisher;
 use crate::server::new_epoch;
 
-/// Which engine is behind the bridge (it decides the metric names read for load).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+/// Which engine a sidecar fronts (`kvroute-worker --engine`): vLLM and SGLang need their
+/// KV-event endpoint; any other OpenAI server has none. Both engines' event formats and
+/// metric names are read alike, so the bridge itself does not need to know.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum EngineKind {
     /// vLLM.
@@ -40,25 +42,11 @@ pub enum EngineKind {
     Openai,
 }
 
-impl std::str::FromStr for EngineKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "vllm" => Ok(EngineKind::Vllm),
-            "sglang" => Ok(EngineKind::Sglang),
-            "openai" => Ok(EngineKind::Openai),
-            other => Err(format!("unknown engine {other:?}: vllm, sglang or openai")),
-        }
-    }
-}
-
 /// One engine behind a bridge.
 #[derive(Clone, Debug)]
 pub struct BridgeConfig {
     /// The worker id it registers as.
     pub id: WorkerId,
-    /// Which engine.
-    pub kind: EngineKind,
     /// Where the engine serves HTTP (its OpenAI endpoints, `/health`, `/metrics`).
     pub engine_url: String,
     /// Rank 0's event sockets; `None`: no events (routing on load alone).
@@ -81,16 +69,6 @@ pub struct BridgeConfig {
     pub timeouts: IngestTimeouts,
 }
 
-/// What a bridge shows about its engine (for the admin views).
-#[derive(Clone, Debug, Default, serde::Serialize)]
-pub struct BridgeStatus {
-    /// Whether the engine is registered (its `/health` answers).
-    pub registered: bool,
-    /// Per rank: the event streams' counters.
-    #[serde(skip)]
-    pub ranks: Vec<IngestStats>,
-}
-
 /// G1 capacity reported when the engine's metrics do not say (scheduler load is relative
 /// to it).
 const DEFAULT_G1_BLOCKS: usize = 1 << 16;
@@ -104,7 +82,6 @@ pub async fn run(
     transport: Transport,
     registry: Registry,
     mut stop: watch::Receiver<bool>,
-    status: Arc<Mutex<BridgeStatus>>,
     mut learned: Option<mpsc::Receiver<RoutedPrompt>>,
 ) -> anyhow::Result<()> {
     let mut connector = HttpConnector::new();
@@ -161,11 +138,10 @@ pub async fn run(
         }
     }
     drop(updates_tx);
-    status.lock().ranks = vec![IngestStats::default(); config.dp_size as usize];
+    // Per rank: the event stream's counters (their faults go into the heartbeat).
+    let mut ranks = vec![IngestStats::default(); config.dp_size as usize];
     let mut registration: Option<Registration> = None;
     let mut failures = 0u32;
-    // Engines keep prefixes for minutes when not under pressure; Dynamo's approximate
-    // indexer assumes 120 s.
     // One per rank, sized to the engine's G1 when first needed.
     let mut approx: Vec<Option<ApproxCache>> = (0..config.dp_size).map(|_| None).collect();
     let clock = tokio::time::Instant::now();
@@ -177,25 +153,10 @@ pub async fn run(
         tokio::select! {
             _ = stop.changed() => break,
             Some((rank, update)) = updates.recv() => {
-                let publisher = &mut publishers[rank as usize];
-                publisher.record(&update.changes);
-                if let Some(batch) = publisher.flush(unix_us()) {
-                    if registration.is_some() {
-                        if let Err(e) = plane.publish(&batch).await {
-                            // The router sees the gap and asks for a snapshot.
-                            tracing::warn!(worker = %config.id, error = %e, "publishing failed");
-                        }
-                    } else {
-                        // Not registered: nobody follows this stream; the next incarnation's
-                        // snapshot carries it.
-                        plane.note_sent(&batch);
-                    }
-                }
-                let faults = {
-                    let mut st = status.lock();
-                    st.ranks[rank as usize] = update.stats;
-                    event_faults(&st.ranks)
-                };
+                let mut changes = update.changes;
+                publish_changes(&mut publishers[rank as usize], &mut changes, &plane, registration.is_some(), config.id).await;
+                ranks[rank as usize] = update.stats;
+                let faults = event_faults(&ranks);
                 let mut i = info.lock();
                 if faults != i.event_faults.unwrap_or_default() {
                     if faults.wrong_block_size.is_some() && i.event_faults.is_none_or(|f| f.wrong_block_size.is_none()) {
@@ -272,7 +233,6 @@ pub async fn run(
                             Ok(r) => {
                                 tracing::info!(worker = %config.id, url = %config.engine_url, model = %config.model, "engine healthy: registered");
                                 registration = Some(r);
-                                status.lock().registered = true;
                             }
                             Err(e) => tracing::warn!(worker = %config.id, error = %e, "cannot register the engine"),
                         }
@@ -282,7 +242,6 @@ pub async fn run(
                         if let Some(r) = registration.take() {
                             r.goodbye().await;
                         }
-                        status.lock().registered = false;
                         // Back as a new incarnation, with what the engine held then.
                         let epoch = new_epoch();
                         publishers = publishers.iter().map(|p| p.renumbered(epoch)).collect();
@@ -318,7 +277,8 @@ fn event_faults(ranks: &[IngestStats]) -> metrics::EventFaults {
     f
 }
 
-/// How long a block routed to an engine without events is taken as cached.
+/// How long a block routed to an engine without events is taken as cached: engines keep
+/// prefixes for minutes when not under pressure; Dynamo's approximate indexer assumes 120 s.
 const APPROX_TTL_MS: u64 = 120_000;
 
 async fn next_learned(learned: &mut Option<mpsc::Receiver<RoutedPrompt>>) -> Option<RoutedPrompt> {
@@ -328,7 +288,9 @@ async fn next_learned(learned: &mut Option<mpsc::Receiver<RoutedPrompt>>) -> Opt
     }
 }
 
-/// Records `changes` (emptied) in `publisher` and publishes the batch, as the event path does.
+/// Records `changes` (emptied) in `publisher` and publishes the batch. Unregistered, nobody
+/// follows the stream: the batch only advances the ids, and the next incarnation's snapshot
+/// carries it. A failed publish shows the router a gap, and it asks for a snapshot.
 async fn publish_changes(
     publisher: &mut Publisher,
     changes: &mut Vec<kvroute::protocol::BlockChange>,
@@ -367,20 +329,13 @@ async fn get(
     deadline: Duration,
 ) -> anyhow::Result<Bytes> {
     let uri: hyper::Uri = format!("{}{path}", base.trim_end_matches('/')).parse()?;
-    let fetch = async {
-        let response = client.get(uri).await?;
-        let status = response.status();
-        let body = http_body_util::Limited::new(response.into_body(), MAX_BODY)
-            .collect()
-            .await
-            .map_err(|e| anyhow::anyhow!("{e}"))?
-            .to_bytes();
-        anyhow::ensure!(status.is_success(), "{path}: {status}");
-        Ok(body)
-    };
-    tokio::time::timeout(deadline, fetch)
+    let response = tokio::time::timeout(deadline, client.get(uri))
         .await
-        .map_err(|_| anyhow::anyhow!("{path}: no answer within {deadline:?}"))?
+        .map_err(|_| anyhow::anyhow!("{path}: no answer within {deadline:?}"))??;
+    let status = response.status();
+    let body = kvroute::http::collect_body(response.into_body(), MAX_BODY, deadline).await?;
+    anyhow::ensure!(status.is_success(), "{path}: {status}");
+    Ok(body)
 }
 
 /// The first model of the engine's `/v1/models`.

@@ -19,8 +19,8 @@ use rustc_hash::FxHashMap;
 use tokio::sync::{mpsc, watch};
 
 /// Which engine to look like.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
 pub enum Flavor {
     /// vLLM ≥ 0.26: tagged-map events, unsigned int hashes, `CPU` stores without tokens,
     /// replay replies with the topic.
@@ -31,20 +31,6 @@ pub enum Flavor {
     /// SGLang: positional events, signed int hashes, `CPU_PINNED` stores with tokens,
     /// replay replies without the topic.
     Sglang,
-}
-
-impl std::str::FromStr for Flavor {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "vllm" => Ok(Flavor::Vllm),
-            "vllm-legacy" => Ok(Flavor::VllmLegacy),
-            "sglang" => Ok(Flavor::Sglang),
-            other => Err(format!(
-                "unknown engine {other:?}: vllm, vllm-legacy or sglang"
-            )),
-        }
-    }
 }
 
 impl Flavor {
@@ -173,7 +159,6 @@ pub struct Emulation {
 impl Emulation {
     /// Turns one kvroute batch of the engine into the flavour's payload.
     fn encode(&self, batch: &EventBatch) -> Vec<u8> {
-        let name = |s: SeqHash| engine_name(s);
         let mut out = Vec::new();
         for e in &batch.events {
             let medium = match e.tier {
@@ -200,8 +185,8 @@ impl Emulation {
                         .and_then(|b| b.lora.as_deref())
                         .map(str::to_owned);
                     out.push(RawEvent::Stored {
-                        hashes: blocks.iter().map(|b| name(b.seq)).collect(),
-                        parent: parent.map(name),
+                        hashes: blocks.iter().map(|b| engine_name(b.seq)).collect(),
+                        parent: parent.map(engine_name),
                         block_size: if token_ids.is_empty() {
                             0
                         } else {
@@ -214,7 +199,7 @@ impl Emulation {
                 }
                 KvEventData::Removed { blocks } => {
                     out.push(RawEvent::Removed {
-                        hashes: blocks.iter().map(|s| name(*s)).collect(),
+                        hashes: blocks.iter().map(|s| engine_name(*s)).collect(),
                         medium: medium.into(),
                     });
                 }

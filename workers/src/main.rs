@@ -333,7 +333,7 @@ async fn sidecar(
     id: WorkerId,
     lease: LeaseConfig,
 ) -> anyhow::Result<()> {
-    use kvroute_worker::bridge::{BridgeConfig, BridgeStatus, EngineKind};
+    use kvroute_worker::bridge::{BridgeConfig, EngineKind};
     let engine_url = args
         .engine_url
         .clone()
@@ -354,7 +354,6 @@ async fn sidecar(
     };
     let config = BridgeConfig {
         id,
-        kind,
         engine_url,
         events,
         dp_size: args.engine_dp_size,
@@ -370,13 +369,12 @@ async fn sidecar(
     let client = transport.nats_client().context("NATS transport")?.clone();
     let registry = Registry::nats(client, &args.cluster, &lease, args.registry_replicas).await?;
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
-    let status = std::sync::Arc::new(parking_lot::Mutex::new(BridgeStatus::default()));
     println!(
         "kvroute-worker {id}: sidecar of {kind:?} engine at {}",
         config.engine_url
     );
     let mut bridge = tokio::spawn(kvroute_worker::bridge::run(
-        config, transport, registry, stop_rx, status, None,
+        config, transport, registry, stop_rx, None,
     ));
     tokio::select! {
         _ = kvroute::process::terminated() => {
