@@ -123,6 +123,49 @@ async fn wait_exact(http: &Http, admins: &[String], engines: &[&Engine], allow_e
     }
 }
 
+/// What an engine's answer through the router said.
+#[derive(Debug)]
+struct Answer {
+    /// The answer's `model`.
+    model: String,
+    /// `x-kvroute-worker`.
+    worker: String,
+    /// `x-kvroute-overlap`.
+    overlap: String,
+    prompt_tokens: u64,
+    /// The engine's `usage.prompt_tokens_details.cached_tokens`.
+    cached: u64,
+}
+
+/// A non-streamed completion of `prompt` for `model` through `router`; an error unless 200.
+async fn complete(
+    http: &Http,
+    router: &str,
+    model: &str,
+    prompt: &str,
+    max_tokens: u32,
+) -> anyhow::Result<Answer> {
+    let r = http
+        .call(
+            "POST",
+            &format!("{router}/v1/completions"),
+            completion(model, prompt, max_tokens, false),
+        )
+        .await?;
+    anyhow::ensure!(r.status == 200, "{} {}", r.status, r.body);
+    let v: serde_json::Value = serde_json::from_str(&r.body)?;
+    let header = |name: &str| r.header(name).unwrap_or("").to_owned();
+    Ok(Answer {
+        model: v["model"].as_str().unwrap_or("").to_owned(),
+        worker: header("x-kvroute-worker"),
+        overlap: header("x-kvroute-overlap"),
+        prompt_tokens: v["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
+        cached: v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0),
+    })
+}
+
 /// A multi-turn workload through `router`: conversations whose turns extend the previous
 /// prompt. Returns (prompt tokens, cached tokens) summed over the engines' answers.
 async fn conversations(http: &Http, router: &str, n: usize, turns: usize) -> (u64, u64) {
@@ -134,20 +177,9 @@ async fn conversations(http: &Http, router: &str, n: usize, turns: usize) -> (u6
         );
         for t in 0..turns {
             text.push_str(&format!(" Turn {t}: a question about item {}.", c * 31 + t));
-            let r = http
-                .call(
-                    "POST",
-                    &format!("{router}/v1/completions"),
-                    completion(MODEL, &text, 4, false),
-                )
-                .await
-                .unwrap();
-            assert_eq!(r.status, 200, "{}", r.body);
-            let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
-            prompt += v["usage"]["prompt_tokens"].as_u64().unwrap();
-            cached += v["usage"]["prompt_tokens_details"]["cached_tokens"]
-                .as_u64()
-                .unwrap_or(0);
+            let a = complete(http, router, MODEL, &text, 4).await.unwrap();
+            prompt += a.prompt_tokens;
+            cached += a.cached;
         }
     }
     (prompt, cached)
@@ -463,22 +495,10 @@ async fn two_models_and_an_adapter_never_cross() {
         async move {
             let deadline = tokio::time::Instant::now() + WAIT;
             loop {
-                let r = http
-                    .call(
-                        "POST",
-                        &format!("{url}/v1/completions"),
-                        completion(model, &prompt, 2, false),
-                    )
-                    .await;
-                if let Some(r) = r.as_ref().ok().filter(|r| r.status == 200) {
-                    let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
-                    assert_eq!(v["model"], model, "{}", r.body);
-                    let overlap = r.header("x-kvroute-overlap").unwrap_or("").to_owned();
-                    let worker = r.header("x-kvroute-worker").unwrap_or("").to_owned();
-                    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
-                        .as_u64()
-                        .unwrap_or(0);
-                    return (worker, overlap, cached);
+                let r = complete(&http, &url, model, &prompt, 2).await;
+                if let Ok(a) = r.as_ref() {
+                    assert_eq!(a.model, model, "{a:?}");
+                    return (a.worker.clone(), a.overlap.clone(), a.cached);
                 }
                 // The adapter appears with the engine's registration, a moment after start.
                 assert!(tokio::time::Instant::now() < deadline, "{model}: {r:?}");
@@ -549,25 +569,9 @@ async fn without_events_the_router_learns_from_its_own_decisions() {
         );
         let mut seen = Vec::new();
         for _ in 0..4 {
-            let r = http
-                .call(
-                    "POST",
-                    &format!("{url}/v1/completions"),
-                    completion(MODEL, &prompt, 2, false),
-                )
-                .await
-                .unwrap();
-            assert_eq!(r.status, 200, "{}", r.body);
-            let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
-            let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
-                .as_u64()
-                .unwrap_or(0);
-            let worker = r.header("x-kvroute-worker").unwrap().to_owned();
-            seen.push((
-                worker.clone(),
-                r.header("x-kvroute-overlap").unwrap().to_owned(),
-                cached,
-            ));
+            let a = complete(&http, &url, MODEL, &prompt, 2).await.unwrap();
+            let worker = a.worker.clone();
+            seen.push((a.worker, a.overlap, a.cached));
             // The guess travels router → bridge → event plane → index; a client's next turn
             // comes later than that, a test's at once: wait for it.
             let deadline = tokio::time::Instant::now() + WAIT;
