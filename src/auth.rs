@@ -48,18 +48,21 @@ impl Serialize for Secret {
 
 /// Whether a request's `Authorization: Bearer …` header carries one of `keys`.
 pub fn bearer_ok(headers: &hyper::HeaderMap, keys: &[Secret]) -> bool {
-    let Some(value) = headers.get(hyper::header::AUTHORIZATION) else {
-        return false;
-    };
-    let value = value.as_bytes();
-    let Some(token) = value
+    bearer_key(headers, keys).is_some()
+}
+
+/// Which of `keys` the request's `Authorization: Bearer` names, by index (a tenant when the
+/// client names none).
+pub fn bearer_key(headers: &hyper::HeaderMap, keys: &[Secret]) -> Option<usize> {
+    let value = headers.get(hyper::header::AUTHORIZATION)?.as_bytes();
+    let token = value
         .strip_prefix(b"Bearer ")
-        .or_else(|| value.strip_prefix(b"bearer "))
-    else {
-        return false;
-    };
+        .or_else(|| value.strip_prefix(b"bearer "))?;
     // Check every key, so the time taken does not tell which one matched.
-    keys.iter().fold(false, |ok, k| k.matches(token) | ok)
+    keys.iter().enumerate().fold(None, |found, (i, k)| {
+        let hit = k.matches(token);
+        found.or(hit.then_some(i))
+    })
 }
 
 impl std::str::FromStr for Secret {

@@ -3,6 +3,7 @@
 //! worker's internal generate endpoint and relayed back as they stream; health, readiness,
 //! models and metrics; and, on their own listener, the admin views.
 
+pub mod admission;
 pub mod openai;
 pub mod proxy;
 pub mod tokenizer;
@@ -21,16 +22,17 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::{Notify, Semaphore, oneshot, watch};
 use tokio::time::Instant;
 
-use crate::auth::{Secret, bearer_ok};
+use crate::auth::{Secret, bearer_key, bearer_ok};
 use crate::events::load::LoadShare;
 use crate::events::plane::EventPlane;
 use crate::http::{Body, BodyError, HttpConfig, collect_body, serve_http};
 use crate::protocol::{SeqHash, WorkerId, hash_blocks};
 use crate::scheduler::mismatch::{MismatchAlarm, MismatchConfig};
-use crate::scheduler::{RouteRequest, Scheduler, WorkerKey};
+use crate::scheduler::{self, RouteRequest, Scheduler, WorkerKey};
+use admission::{Class, ClassHeaders, Queued, Refusal, Routable, Waiter};
 use openai::{ApiError, ChatRequest, CompletionRequest, Prompt};
 use proxy::{Booking, ProxyError, forward};
 use tokenizer::Tokenizer;
@@ -41,7 +43,9 @@ use tokenizer::Tokenizer;
 pub struct IngressConfig {
     /// Largest request body, bytes.
     pub max_body_bytes: usize,
-    /// Requests in flight beyond which new ones get 429.
+    /// Requests accepted at once, queued or in flight; beyond it new ones get 429. What
+    /// is routed is decided by the scheduler's work budgets (`scheduler.admission`); this
+    /// bounds the router's own memory and connections.
     pub max_inflight: usize,
     /// Other workers tried when one fails before its first byte.
     pub retries: usize,
@@ -64,6 +68,8 @@ pub struct IngressConfig {
     /// Token required on the admin listener (`Authorization: Bearer TOKEN`); `None`: open
     /// (bind it to loopback, the default).
     pub admin_token: Option<Secret>,
+    /// Names of the tenant, priority, session, affinity and receipt request headers.
+    pub headers: ClassHeaders,
 }
 
 impl Default for IngressConfig {
@@ -80,6 +86,7 @@ impl Default for IngressConfig {
             http: HttpConfig::default(),
             api_keys: Vec::new(),
             admin_token: None,
+            headers: ClassHeaders::default(),
         }
     }
 }
@@ -148,6 +155,10 @@ pub struct Router {
     /// Where routed requests' prompts are reported (direct mode: engines without KV events
     /// learn their likely cache from them).
     decisions: Mutex<Option<tokio::sync::mpsc::Sender<RoutedPrompt>>>,
+    /// Requests waiting for room (lock it before the scheduler, never after).
+    queue: Mutex<admission::Queue>,
+    /// Signalled when booked work is released: the queue is pumped.
+    room: Arc<Notify>,
 }
 
 /// A prompt the router sent to a worker.
@@ -175,6 +186,7 @@ impl Router {
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_millis(config.worker_timeout_ms)));
         let client = Client::builder(TokioExecutor::new()).build(connector);
+        let queue = scheduler::queue::AdmissionQueue::new(scheduler.lock().config().queue.clone());
         let threads = match config.tokenizer_threads {
             0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
             n => n,
@@ -193,8 +205,14 @@ impl Router {
             started: Instant::now(),
             mismatch: Arc::new(Mutex::new(MismatchAlarm::new(MismatchConfig::default()))),
             decisions: Mutex::new(None),
+            queue: Mutex::new(queue),
+            room: Arc::new(Notify::new()),
         });
         tokio::spawn(watch_hashes(Arc::downgrade(&router)));
+        tokio::spawn(admission::drive_queue(
+            Arc::downgrade(&router),
+            Arc::clone(&router.room),
+        ));
         router
     }
 
@@ -254,6 +272,7 @@ impl Router {
         metrics::gauge!("kvroute_scheduler_bookings_open").set(open as f64);
         metrics::counter!("kvroute_scheduler_bookings_expired_total").absolute(expired);
         metrics::gauge!("kvroute_requests_inflight").set(self.inflight() as f64);
+        self.queue_gauges();
     }
 }
 
@@ -308,8 +327,10 @@ fn api_error(e: &ApiError) -> Response<Body> {
         e.body(),
     );
     if e.retryable {
-        r.headers_mut()
-            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        r.headers_mut().insert(
+            header::RETRY_AFTER,
+            header::HeaderValue::from(e.retry_after_s),
+        );
     }
     if e.status == 401 {
         r.headers_mut().insert(
@@ -366,6 +387,9 @@ async fn handle_admin(router: Arc<Router>, req: hyper::Request<Incoming>) -> Res
         (Method::GET, "/metrics") => Ok(metrics_text(&router)),
         (Method::GET, "/admin/workers") => Ok(admin_workers(&router)),
         (Method::GET, "/admin/index") => Ok(admin_index(&router)),
+        (Method::GET, "/admin/queues") => {
+            Ok(json(StatusCode::OK, router.queues_view().to_string()))
+        }
         (Method::POST, "/admin/explain") => explain(&router, req).await,
         _ => Err(ApiError::not_found()),
     };
@@ -538,6 +562,10 @@ struct Parsed {
     tokens: Vec<u32>,
     max_tokens: u32,
     stream: bool,
+    /// vLLM's `priority` (lower first), if sent.
+    priority: Option<i64>,
+    /// OpenAI's `service_tier`, if sent.
+    service_tier: Option<String>,
 }
 
 /// Parses and tokenizes a completion or chat body (on the tokenizer pool).
@@ -557,6 +585,8 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
             tokens,
             max_tokens: r.max_tokens,
             stream: r.stream,
+            priority: r.priority,
+            service_tier: r.service_tier,
         }
     } else {
         let r: CompletionRequest = serde_json::from_slice(body).map_err(invalid)?;
@@ -571,6 +601,8 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
             tokens,
             max_tokens: r.max_tokens,
             stream: r.stream,
+            priority: r.priority,
+            service_tier: r.service_tier,
         }
     };
     if parsed.tokens.is_empty() {
@@ -642,6 +674,8 @@ impl Prepared {
             prompt_tokens: self.parsed.tokens.len(),
             block_size: self.block_size,
             overlaps: &self.overlaps,
+            max_tokens: self.parsed.max_tokens,
+            session: None,
         }
     }
 }
@@ -652,20 +686,41 @@ async fn explain(
 ) -> Result<Response<Body>, ApiError> {
     let prepared = Prepared::read(router, req, false).await?;
     let request = prepared.request();
-    let mut candidates = router.scheduler.lock().candidates(&request);
+    let mut candidates = router
+        .scheduler
+        .lock()
+        .candidates(router.now_ms(), &request);
+    let reachable = candidates
+        .iter()
+        .map(scheduler::Candidate::cached_blocks)
+        .max()
+        .unwrap_or(0);
     candidates.sort_by(|a, b| a.cost.total_cmp(&b.cost));
     let rows: Vec<_> = candidates
         .iter()
         .map(|c| serde_json::json!({
             "worker": c.key.0, "dp_rank": c.key.1.0, "device_blocks": c.overlap.device, "host_blocks": c.overlap.host,
             "disk_blocks": c.overlap.disk, "booked_prefix_blocks": c.booked_prefix, "cost": c.cost, "busy": c.busy,
+            "cached_blocks": c.cached_blocks(), "work_tokens": c.work.total(), "booked_work_tokens": c.booked_work_tokens,
+            "room": c.room,
         }))
         .collect();
-    let pick = candidates.first().map(|c| c.key.0);
+    // What a decision now would report (the lowest cost among those with room).
+    let pick = candidates
+        .iter()
+        .find(|c| c.room && !c.busy)
+        .or(candidates.first());
+    let receipt = pick.map(|c| {
+        serde_json::json!({
+            "worker": c.key.0, "dp_rank": c.key.1.0, "cached_blocks": c.cached_blocks(),
+            "reachable_blocks": reachable, "prompt_blocks": prepared.blocks.len(), "cost": c.cost,
+        })
+    });
     Ok(json(
         StatusCode::OK,
-        serde_json::json!({"model": prepared.parsed.model, "prompt_blocks": prepared.blocks.len(), "would_pick": pick, "candidates": rows})
-            .to_string(),
+        serde_json::json!({"model": prepared.parsed.model, "prompt_blocks": prepared.blocks.len(),
+            "would_pick": pick.map(|c| c.key.0), "receipt": receipt, "candidates": rows})
+        .to_string(),
     ))
 }
 
@@ -696,9 +751,17 @@ async fn completions(
     chat: bool,
 ) -> Result<Response<Body>, ApiError> {
     let mut inflight = Some(InFlight::take(router)?);
+    let api_key = bearer_key(req.headers(), &router.config.api_keys);
+    let headers = req.headers().clone();
     let prepared = Prepared::read(router, req, chat).await?;
-    let request = prepared.request();
     let p = &prepared.parsed;
+    let class = Class::read(
+        &router.config.headers,
+        &headers,
+        api_key,
+        p.priority,
+        p.service_tier.as_deref(),
+    )?;
     let body = proxy::Upstream {
         generate: Bytes::from(
             serde_json::json!({"model": p.model, "token_ids": p.tokens, "max_tokens": p.max_tokens, "stream": p.stream, "chat": chat})
@@ -706,16 +769,33 @@ async fn completions(
         ),
         raw: prepared.raw.clone(),
         chat,
+        receipt: class.receipt,
     };
+    let (mut decision, booking) = admit(router, &prepared, &class).await?;
+    let mut booking = Some(booking);
+    let mut request = prepared.request();
+    request.session = class
+        .session
+        .as_ref()
+        .map(|(id, hard)| scheduler::SessionRef { id, hard: *hard });
     let mut failed: Vec<WorkerKey> = Vec::new();
     let mut last_error: Option<ProxyError> = None;
-    for _ in 0..=router.config.retries {
-        let decision = router
-            .scheduler
-            .lock()
-            .route_excluding(router.now_ms(), &request, &failed);
-        let Some(decision) = decision else { break };
-        let booking = Booking::new(router, decision.booking)
+    for attempt in 0..=router.config.retries {
+        if attempt > 0 {
+            // Retried where it was not tried: the request was admitted, the budgets are
+            // not applied again.
+            let retry = router
+                .scheduler
+                .lock()
+                .route_excluding(router.now_ms(), &request, &failed);
+            let Some(retry) = retry else { break };
+            admission::record_decision(&retry);
+            decision = retry;
+            booking = Some(Booking::new(router, decision.booking));
+        }
+        let booking = booking
+            .take()
+            .expect("invariant: every attempt has its booking")
             .expecting(decision.chosen.key.0, prepared.blocks.last().map(|b| b.seq));
         // Reported when sent, not when answered: the engine computes (caches) the prompt from
         // now on, and the guess should be in the index before the conversation's next turn.
@@ -743,6 +823,70 @@ async fn completions(
         // Workers of the model were registered when the request was read, none now.
         None => ApiError::model_not_found(&p.model),
     })
+}
+
+/// Queues the request and waits for its turn: a worker with room for its work, routed and
+/// booked; or 429 once its band's deadline passes; or 503 if every worker left. If the
+/// client goes away meanwhile, this future is dropped and its ticket leaves the queue.
+async fn admit(
+    router: &Arc<Router>,
+    prepared: &Prepared,
+    class: &Class,
+) -> Result<(scheduler::Decision, Booking), ApiError> {
+    let p = &prepared.parsed;
+    let routable = Arc::new(Routable {
+        model: p.model.clone(),
+        blocks: prepared.blocks.clone(),
+        prompt_tokens: p.tokens.len(),
+        block_size: prepared.block_size,
+        max_tokens: p.max_tokens,
+        session: class.session.clone(),
+    });
+    // Its work for fairness: the prefill left after the best cached prefix, and its decode.
+    let cached = prepared
+        .overlaps
+        .workers
+        .iter()
+        .map(|o| o.device + o.host + o.disk)
+        .max()
+        .unwrap_or(0) as usize;
+    let (decode_cap, ttl_ms) = {
+        let s = router.scheduler.lock();
+        let c = s.config();
+        let band = c.queue.clamp(class.band);
+        (c.admission.decode_cap_tokens, c.queue.band(band).ttl_ms)
+    };
+    let work = p.tokens.len().saturating_sub(cached * prepared.block_size) as u64
+        + u64::from(p.max_tokens.min(decode_cap));
+    let (tx, rx) = oneshot::channel();
+    let (id, band) = router.enqueue(
+        class,
+        work,
+        Waiter {
+            request: routable,
+            tx,
+        },
+    )?;
+    let mut guard = Queued {
+        router,
+        id,
+        band,
+        reason: "cancelled",
+    };
+    router.pump();
+    // The pump answers by the deadline; the extra seconds are a backstop, not the rule.
+    let outcome = tokio::time::timeout(Duration::from_millis(ttl_ms + 5_000), rx).await;
+    guard.reason = "deadline";
+    drop(guard);
+    match outcome {
+        Ok(Ok(Ok(admitted))) => Ok(admitted),
+        Ok(Ok(Err(Refusal::Expired { band, waited_ms }))) => {
+            let retry_after_s = (waited_ms / 1000).clamp(1, 60);
+            Err(ApiError::queue_deadline(band, waited_ms, retry_after_s))
+        }
+        Ok(Ok(Err(Refusal::NoWorkers))) => Err(ApiError::no_workers()),
+        Ok(Err(_)) | Err(_) => Err(ApiError::queue_deadline(band, ttl_ms, 1)),
+    }
 }
 
 fn fault_label(e: &ProxyError) -> &'static str {

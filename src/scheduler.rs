@@ -3,22 +3,37 @@
 //!
 //! cost(worker) = prefill_scale · max(prompt_blocks − (device_weight·device +
 //! host_weight·host + disk_weight·disk), 0) + active_prefill_blocks +
-//! decode_weight · active_decode_blocks (DESIGN §8, with the decode term weighted). Load is booked at routing, prefill released at the first token, the rest at
-//! completion; bookings never released expire after `booking_ttl_ms`.
+//! decode_weight · active_decode_blocks + recent_weight · recent_blocks (DESIGN §8, with the
+//! decode term weighted and the prompt blocks of recently routed requests decayed in). Load is booked at routing,
+//! prefill released at the first token, the rest at completion; bookings never released
+//! expire after `booking_ttl_ms`.
+//!
+//! Admission (DESIGN §13, [`Scheduler::admit`]): each booking also carries its work in
+//! tokens (uncached prefill, expected decode). A request is routed only among the workers
+//! whose booked work leaves room for it under `admission.worker_budget_tokens` (and the
+//! fleet's under `fleet_budget_tokens`); when none has room it waits in the ingress's
+//! [`queue::AdmissionQueue`]. Sessions ([`SessionRef`]) stick to their worker: while it has
+//! room and is not busy (soft, sticky until saturated), or only that worker, waiting for
+//! room there (hard); a new session's first turn weighs the live sessions each worker
+//! already holds; a session whose worker left moves once, to wherever the cost sends it. Every decision carries a [`Receipt`]: the cache it
+//! got against the most any worker of the model had.
 
 mod load;
 pub mod mismatch;
 mod policy;
+pub mod queue;
 mod rng;
+mod sessions;
 
 use std::collections::{BTreeMap, VecDeque};
 
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
-pub use load::ActiveLoad;
+pub use load::{ActiveLoad, Work};
 pub use policy::{ApproxConfig, Policy, PolicyKind};
 pub use rng::Rng;
+pub use sessions::{SessionConfig, SessionStats};
 
 use crate::indexer::{Overlap, OverlapScores};
 use crate::protocol::{BlockHash, DpRank, SeqHash, WorkerId};
@@ -65,6 +80,48 @@ pub struct Config {
     pub replica_id: u64,
     /// Settings of the `approx_prefix` policy.
     pub approx: ApproxConfig,
+    /// Admission by work: the budgets past which requests wait in the queue.
+    pub admission: AdmissionConfig,
+    /// The queue requests wait in: priority bands' limits and deadlines.
+    pub queue: queue::QueueConfig,
+    /// Session affinity.
+    pub sessions: SessionConfig,
+    /// Weight of recently routed requests in a worker's cost, per prompt block they hold
+    /// (decayed with `recent_half_life_ms`: a worker's KV footprint and GPU time follow the
+    /// conversations it serves, not only the requests in flight this instant). Booked load
+    /// vanishes between paced requests (one turn in flight per conversation): without a
+    /// memory of recent work, every new conversation goes to the worker holding the shared
+    /// system prompt while the others idle (AMD-AGI/Infera #103: 448 requests to 0).
+    pub recent_weight: f64,
+    /// Half-life of recently routed requests' weight, ms.
+    pub recent_half_life_ms: u64,
+}
+
+/// Admission by work (DESIGN §13): a request is routed while some worker serving its model
+/// can take its work under the budget, and queued otherwise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdmissionConfig {
+    /// Booked work one worker may hold, tokens: uncached prefill not yet computed plus the
+    /// expected decode of every request routed there and not finished. A worker with nothing
+    /// booked always takes one request, however large. 0: no per-worker budget. The default
+    /// is about 256 running requests of 1k tokens each.
+    pub worker_budget_tokens: u64,
+    /// Booked work the whole fleet may hold, tokens. 0: only the per-worker budgets.
+    pub fleet_budget_tokens: u64,
+    /// A request's expected decode is its `max_tokens`, at most this many tokens (clients
+    /// often ask for far more than they get).
+    pub decode_cap_tokens: u32,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        AdmissionConfig {
+            worker_budget_tokens: 262_144,
+            fleet_budget_tokens: 0,
+            decode_cap_tokens: 1024,
+        }
+    }
 }
 
 impl Default for Config {
@@ -83,6 +140,11 @@ impl Default for Config {
             seed: 0,
             replica_id: 0,
             approx: ApproxConfig::default(),
+            admission: AdmissionConfig::default(),
+            queue: queue::QueueConfig::default(),
+            sessions: SessionConfig::default(),
+            recent_weight: 1.0,
+            recent_half_life_ms: 1_000,
         }
     }
 }
@@ -100,6 +162,15 @@ pub enum ConfigError {
         /// The allowed range.
         range: &'static str,
     },
+    /// The queue's bands.
+    #[error(transparent)]
+    Queue(#[from] queue::QueueConfigError),
+    /// A limit that must be at least 1.
+    #[error("scheduler.{field} must be at least 1")]
+    Zero {
+        /// The field.
+        field: &'static str,
+    },
 }
 
 impl Config {
@@ -109,7 +180,7 @@ impl Config {
         let unit = |v: f64| (0.0..=1.0).contains(&v);
         let non_negative = |v: f64| v >= 0.0;
         type Check = (&'static str, f64, fn(f64) -> bool, &'static str);
-        let checks: [Check; 9] = [
+        let checks: [Check; 11] = [
             ("prefill_scale", self.prefill_scale, non_negative, ">= 0"),
             ("decode_weight", self.decode_weight, non_negative, ">= 0"),
             ("device_weight", self.device_weight, unit, "0..=1"),
@@ -134,18 +205,34 @@ impl Config {
                 unit,
                 "0..=1",
             ),
+            ("recent_weight", self.recent_weight, non_negative, ">= 0"),
+            (
+                "sessions.spread_weight",
+                self.sessions.spread_weight,
+                non_negative,
+                ">= 0",
+            ),
         ];
-        match checks
+        if let Some((field, value, _, range)) = checks
             .into_iter()
             .find(|(_, v, ok, _)| !v.is_finite() || !ok(*v))
         {
-            Some((field, value, _, range)) => Err(ConfigError::OutOfRange {
+            return Err(ConfigError::OutOfRange {
                 field,
                 value,
                 range,
-            }),
-            None => Ok(()),
+            });
         }
+        let positive = [
+            ("recent_half_life_ms", self.recent_half_life_ms),
+            ("sessions.ttl_ms", self.sessions.ttl_ms),
+            ("sessions.max_sessions", self.sessions.max_sessions as u64),
+        ];
+        if let Some((field, _)) = positive.into_iter().find(|(_, v)| *v == 0) {
+            return Err(ConfigError::Zero { field });
+        }
+        self.queue.validate()?;
+        Ok(())
     }
 }
 
@@ -162,6 +249,20 @@ pub struct RouteRequest<'a> {
     pub block_size: usize,
     /// Each worker's cached prefix of the request (from the indexer).
     pub overlaps: &'a OverlapScores,
+    /// Tokens it may generate (`max_tokens`); its expected decode is this, capped.
+    pub max_tokens: u32,
+    /// The conversation it belongs to, if the client named one.
+    pub session: Option<SessionRef<'a>>,
+}
+
+/// A request's session, as the client named it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SessionRef<'a> {
+    /// The session id.
+    pub id: &'a str,
+    /// Hard affinity: only the session's worker, waiting for it when it is saturated. Soft
+    /// (the default): that worker unless it is saturated (no room, or busy).
+    pub hard: bool,
 }
 
 /// One worker as a policy sees it.
@@ -182,6 +283,21 @@ pub struct Candidate {
     pub decode_blocks: f64,
     /// Over a busy threshold.
     pub busy: bool,
+    /// The work the request would bring it, tokens.
+    pub work: Work,
+    /// Work already booked on it, tokens.
+    pub booked_work_tokens: f64,
+    /// Whether the request's work fits its budget (always, when nothing is booked there).
+    pub room: bool,
+}
+
+impl Candidate {
+    /// Leading blocks of the request it would not have to compute: indexed, or being
+    /// computed for a request routed there.
+    pub fn cached_blocks(&self) -> u32 {
+        let o = self.overlap;
+        (o.device + o.host + o.disk).max(self.booked_prefix)
+    }
 }
 
 /// Names a booking, to release it later: the router replica that made it, and its number
@@ -209,6 +325,12 @@ pub struct SharedBooking {
     pub blocks: Vec<SeqHash>,
     /// Whether a partial tail block is held too.
     pub tail: bool,
+    /// Its work, tokens (absent from replicas older than admission by work: 0).
+    #[serde(default)]
+    pub prefill_tokens: f64,
+    /// Its expected decode, tokens.
+    #[serde(default)]
+    pub decode_tokens: u64,
 }
 
 /// Most blocks a peer's booking may hold (a 16 M-token prompt at block size 16).
@@ -229,6 +351,16 @@ pub enum SharedBookingError {
         /// The value sent.
         prefill_blocks: f64,
     },
+    /// Work that is not a finite number of tokens below 2^40.
+    #[error(
+        "booking's work ({prefill_tokens} prefill, {decode_tokens} decode tokens) is out of range"
+    )]
+    Work {
+        /// Prefill sent.
+        prefill_tokens: f64,
+        /// Decode sent.
+        decode_tokens: u64,
+    },
     /// A worker this router does not know (not registered, or not yet).
     #[error("booking for unknown worker {worker}")]
     UnknownWorker {
@@ -244,11 +376,76 @@ pub struct Decision {
     pub chosen: Candidate,
     /// Its booking: call [`Scheduler::first_token`] and [`Scheduler::complete`] with it.
     pub booking: BookingId,
+    /// How good the decision was.
+    pub receipt: Receipt,
+}
+
+/// How good one routing decision was: the cache the request got against the most any
+/// registered worker of its model could have given it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Receipt {
+    /// Full blocks of the prompt.
+    pub prompt_blocks: u32,
+    /// Leading blocks cached (or being computed) on the chosen worker.
+    pub cached_blocks: u32,
+    /// The most leading blocks any worker serving the model had, busy or not.
+    pub reachable_blocks: u32,
+    /// The chosen worker's cost.
+    pub cost: f64,
+}
+
+/// Admission's answer for a request.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Admission {
+    /// Routed and booked.
+    Routed(Decision),
+    /// No worker of its model has room for its work: it waits.
+    Wait,
+    /// No registered worker serves its model.
+    NoWorkers,
+}
+
+/// Totals over every decision since start: how much cache routing found and lost.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct DecisionStats {
+    /// Requests routed.
+    pub decisions: u64,
+    /// Decisions that took the most cache any worker had.
+    pub optimal: u64,
+    /// Blocks cached on the chosen workers.
+    pub cached_blocks: u64,
+    /// Blocks the best workers had.
+    pub reachable_blocks: u64,
+    /// Prompt blocks no worker had.
+    pub novel_blocks: u64,
+}
+
+impl DecisionStats {
+    /// Adds one decision.
+    pub fn record(&mut self, r: &Receipt) {
+        self.decisions += 1;
+        self.optimal += u64::from(r.cached_blocks >= r.reachable_blocks);
+        self.cached_blocks += u64::from(r.cached_blocks);
+        self.reachable_blocks += u64::from(r.reachable_blocks);
+        self.novel_blocks += u64::from(r.prompt_blocks.saturating_sub(r.reachable_blocks));
+    }
+
+    /// Blocks some worker had that the chosen one did not (given up for load).
+    pub fn lost_blocks(&self) -> u64 {
+        self.reachable_blocks.saturating_sub(self.cached_blocks)
+    }
+
+    /// lost / (novel + lost): the share of recomputed blocks another worker had cached.
+    pub fn regret(&self) -> f64 {
+        let lost = self.lost_blocks();
+        lost as f64 / (self.novel_blocks + lost).max(1) as f64
+    }
 }
 
 #[derive(Debug)]
 struct Booking {
     worker: WorkerKey,
+    work: Work,
     prefill_blocks: f64,
     blocks: Vec<SeqHash>,
     tail: bool,
@@ -266,6 +463,10 @@ struct WorkerState {
     /// G1 blocks in use as the engine itself last reported (a real engine's sidecar): load
     /// this router did not book (other routers, clients that bypass it).
     engine_used_blocks: f64,
+    /// KV footprint (prompt blocks) of the requests routed here recently, decayed to
+    /// `recent_at_ms`.
+    recent_blocks: f64,
+    recent_at_ms: u64,
 }
 
 impl WorkerState {
@@ -286,12 +487,15 @@ pub struct Scheduler {
     by_age: VecDeque<(u64, BookingId)>,
     next_booking: u64,
     expired: u64,
+    sessions: sessions::Sessions,
+    stats: DecisionStats,
 }
 
 impl Scheduler {
     /// A scheduler with no workers.
     pub fn new(config: Config) -> Result<Self, ConfigError> {
         config.validate()?;
+        let config_sessions = config.sessions;
         Ok(Scheduler {
             policy: config.policy.build(config.temperature, config.approx),
             rng: Rng::new(config.seed),
@@ -301,6 +505,8 @@ impl Scheduler {
             by_age: VecDeque::new(),
             next_booking: 0,
             expired: 0,
+            sessions: sessions::Sessions::new(config_sessions),
+            stats: DecisionStats::default(),
         })
     }
 
@@ -322,6 +528,8 @@ impl Scheduler {
             adapters: Vec::new(),
             load: ActiveLoad::default(),
             engine_used_blocks: 0.0,
+            recent_blocks: 0.0,
+            recent_at_ms: 0,
         });
         state.capacity_blocks = capacity_blocks;
         if state.model != model {
@@ -347,10 +555,15 @@ impl Scheduler {
         }
     }
 
-    /// Removes a worker and drops its bookings.
+    /// Removes a worker and drops its bookings (its sessions move on their next turn).
     pub fn remove_worker(&mut self, key: WorkerKey) {
         self.workers.remove(&key);
         self.bookings.retain(|_, b| b.worker != key);
+    }
+
+    /// Booked work over every worker, tokens.
+    pub fn booked_work_tokens(&self) -> f64 {
+        self.workers.values().map(|w| w.load.work_tokens).sum()
     }
 
     /// Workers known.
@@ -363,11 +576,14 @@ impl Scheduler {
         self.expired
     }
 
-    /// The cost for `request` of every worker serving its model, without booking anything
-    /// (`/admin/explain`).
-    pub fn candidates(&self, request: &RouteRequest<'_>) -> Vec<Candidate> {
+    /// The cost for `request` of every worker serving its model at `now_ms`, without booking
+    /// anything (`/admin/explain`).
+    pub fn candidates(&self, now_ms: u64, request: &RouteRequest<'_>) -> Vec<Candidate> {
         let c = &self.config;
-        let prompt_blocks = request.prompt_tokens as f64 / request.block_size.max(1) as f64;
+        let bs = request.block_size.max(1) as f64;
+        let prompt_blocks = request.prompt_tokens as f64 / bs;
+        let decode_tokens = u64::from(request.max_tokens.min(c.admission.decode_cap_tokens));
+        let budget = c.admission.worker_budget_tokens as f64;
         self.workers
             .iter()
             .filter(|(_, state)| state.serves(request.model))
@@ -388,11 +604,23 @@ impl Scheduler {
                 let prefill_blocks = state.load.prefill_blocks;
                 let decode_blocks =
                     (state.load.decode_blocks() as f64).max(state.engine_used_blocks);
+                let recent_blocks = self.recent(state, now_ms);
                 let cost = c.prefill_scale * (prompt_blocks - credit).max(0.0)
                     + prefill_blocks
-                    + c.decode_weight * decode_blocks;
+                    + c.decode_weight * decode_blocks
+                    + c.recent_weight * recent_blocks;
                 let busy = decode_blocks > c.busy_decode_fraction * state.capacity_blocks as f64
                     || (c.busy_prefill_blocks > 0.0 && prefill_blocks > c.busy_prefill_blocks);
+                let cached = (overlap.device + overlap.host + overlap.disk).max(booked_prefix);
+                let work = Work {
+                    prefill_tokens: (request.prompt_tokens as f64 - f64::from(cached) * bs)
+                        .max(0.0),
+                    decode_tokens,
+                };
+                let booked_work_tokens = state.load.work_tokens;
+                let room = budget == 0.0
+                    || booked_work_tokens <= 0.0
+                    || booked_work_tokens + work.total() <= budget;
                 Candidate {
                     key: *key,
                     overlap,
@@ -401,58 +629,210 @@ impl Scheduler {
                     prefill_blocks,
                     decode_blocks,
                     busy,
+                    work,
+                    booked_work_tokens,
+                    room,
                 }
             })
             .collect()
     }
 
-    /// Picks a worker for `request` and books its load; `None` when no worker is known.
+    /// The prompt blocks of the requests routed to a worker recently, decayed to `now_ms`.
+    fn recent(&self, state: &WorkerState, now_ms: u64) -> f64 {
+        let age = now_ms.saturating_sub(state.recent_at_ms) as f64;
+        state.recent_blocks * (-age / self.config.recent_half_life_ms as f64).exp2()
+    }
+
+    /// Picks a worker for `request` and books its load, whatever the budgets; `None` when
+    /// no worker serves its model.
     pub fn route(&mut self, now_ms: u64, request: &RouteRequest<'_>) -> Option<Decision> {
         self.route_excluding(now_ms, request, &[])
     }
 
-    /// Like [`Scheduler::route`], leaving out workers that already failed this request.
+    /// Like [`Scheduler::route`], leaving out workers that already failed this request (an
+    /// admitted request being retried: the budgets do not apply again).
     pub fn route_excluding(
         &mut self,
         now_ms: u64,
         request: &RouteRequest<'_>,
         exclude: &[WorkerKey],
     ) -> Option<Decision> {
+        match self.decide(now_ms, request, exclude, None) {
+            Admission::Routed(d) => Some(d),
+            Admission::Wait | Admission::NoWorkers => None,
+        }
+    }
+
+    /// Admission by work: routes and books `request` if a worker of its model has room for
+    /// it under the budgets (and, with hard session affinity, if its session's worker has),
+    /// else says it must wait, or that no worker serves its model.
+    pub fn admit(&mut self, now_ms: u64, request: &RouteRequest<'_>) -> Admission {
+        self.admit_within(now_ms, request, 1.0)
+    }
+
+    /// Like [`Scheduler::admit`], for a request whose band may fill only `share` (0..=1) of
+    /// the budgets.
+    pub fn admit_within(
+        &mut self,
+        now_ms: u64,
+        request: &RouteRequest<'_>,
+        share: f64,
+    ) -> Admission {
+        self.decide(now_ms, request, &[], Some(share.clamp(0.0, 1.0)))
+    }
+
+    fn decide(
+        &mut self,
+        now_ms: u64,
+        request: &RouteRequest<'_>,
+        exclude: &[WorkerKey],
+        budget_share: Option<f64>,
+    ) -> Admission {
         self.expire(now_ms);
-        let mut all = self.candidates(request);
+        let mut all = self.candidates(now_ms, request);
+        let reachable = all.iter().map(Candidate::cached_blocks).max().unwrap_or(0);
         all.retain(|c| !exclude.contains(&c.key));
         if all.is_empty() {
-            return None;
+            return Admission::NoWorkers;
+        }
+        let session = request
+            .session
+            .map(|s| (s, self.sessions.worker(now_ms, s.id)));
+        // The session's worker, if it is still registered for this model.
+        let pinned = session
+            .and_then(|(_, w)| w)
+            .filter(|w| all.iter().any(|c| c.key == *w));
+        if let Some((s, Some(_))) = session
+            && s.hard
+            && let Some(w) = pinned
+        {
+            all.retain(|c| c.key == w);
+        }
+        if let Some(share) = budget_share {
+            let fleet = share * self.config.admission.fleet_budget_tokens as f64;
+            let booked: f64 = self.workers.values().map(|w| w.load.work_tokens).sum();
+            let work = all.iter().map(|c| c.work.total()).fold(f64::MAX, f64::min);
+            if fleet > 0.0 && booked > 0.0 && booked + work > fleet {
+                return Admission::Wait;
+            }
+            let budget = share * self.config.admission.worker_budget_tokens as f64;
+            all.retain(|c| {
+                budget == 0.0
+                    || c.booked_work_tokens <= 0.0
+                    || c.booked_work_tokens + c.work.total() <= budget
+            });
+            if all.is_empty() {
+                return Admission::Wait;
+            }
         }
         // Busy workers sit out unless everyone is busy.
         let idle: Vec<Candidate> = all.iter().filter(|c| !c.busy).copied().collect();
-        let pool = if idle.is_empty() { all } else { idle };
-        let chosen = pool[self.policy.pick(request, &pool, &mut self.rng, now_ms)];
+        let mut pool = if idle.is_empty() { all } else { idle };
+        // A new session: workers holding more live sessions than the least-held one cost
+        // more (their sessions' next turns will come back to them).
+        if let Some((_, None)) = session {
+            let spread = self.config.sessions.spread_weight;
+            let counts: Vec<u32> = pool
+                .iter()
+                .map(|c| self.sessions.on_worker(c.key))
+                .collect();
+            let least = counts.iter().copied().min().unwrap_or(0);
+            for (c, n) in pool.iter_mut().zip(counts) {
+                c.cost += spread * f64::from(n - least);
+            }
+        }
+        // Soft affinity, sticky until saturated: the session's worker while it is in the
+        // pool (room under the budget, not busy); out of it, the session yields to the cost.
+        let stuck = pinned.and_then(|w| pool.iter().position(|c| c.key == w));
+        let chosen = match stuck {
+            Some(i) => pool[i],
+            None => pool[self.policy.pick(request, &pool, &mut self.rng, now_ms)],
+        };
+        if let Some((s, was)) = session {
+            self.sessions
+                .routed(now_ms, s.id, was, chosen.key, pinned.is_some());
+        }
         let booking = self.book(now_ms, chosen, request);
-        Some(Decision { chosen, booking })
+        let receipt = Receipt {
+            prompt_blocks: request.blocks.len() as u32,
+            cached_blocks: chosen.cached_blocks(),
+            reachable_blocks: reachable,
+            cost: chosen.cost,
+        };
+        self.stats.record(&receipt);
+        Admission::Routed(Decision {
+            chosen,
+            booking,
+            receipt,
+        })
+    }
+
+    /// Totals over every decision so far.
+    pub fn decision_stats(&self) -> DecisionStats {
+        self.stats
+    }
+
+    /// What session affinity did so far.
+    pub fn session_stats(&self) -> SessionStats {
+        self.sessions.stats()
+    }
+
+    /// The worker a session sticks to, if it is remembered at `now_ms`.
+    pub fn session_worker(&self, now_ms: u64, id: &str) -> Option<WorkerKey> {
+        self.sessions.peek(now_ms, id)
     }
 
     fn book(&mut self, now_ms: u64, chosen: Candidate, request: &RouteRequest<'_>) -> BookingId {
         let bs = request.block_size.max(1);
-        let o = chosen.overlap;
-        let cached = ((o.device + o.host + o.disk).max(chosen.booked_prefix)) as usize;
-        let prefill_blocks = (request.prompt_tokens as f64 / bs as f64 - cached as f64).max(0.0);
+        let prefill_blocks =
+            (request.prompt_tokens as f64 / bs as f64 - f64::from(chosen.cached_blocks())).max(0.0);
         let blocks: Vec<SeqHash> = request.blocks.iter().map(|b| b.seq).collect();
         let tail = !request.prompt_tokens.is_multiple_of(bs);
-        let state = self
-            .workers
-            .get_mut(&chosen.key)
-            .expect("invariant: candidates are known workers");
-        state.load.book(prefill_blocks, &blocks, tail);
         self.next_booking += 1;
         let id = BookingId {
             origin: self.config.replica_id,
             seq: self.next_booking,
         };
+        self.insert_booking(
+            now_ms,
+            id,
+            chosen.key,
+            prefill_blocks,
+            blocks,
+            tail,
+            chosen.work,
+        );
+        id
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn insert_booking(
+        &mut self,
+        now_ms: u64,
+        id: BookingId,
+        worker: WorkerKey,
+        prefill_blocks: f64,
+        blocks: Vec<SeqHash>,
+        tail: bool,
+        work: Work,
+    ) {
+        let recent = self
+            .workers
+            .get(&worker)
+            .map(|state| self.recent(state, now_ms))
+            .unwrap_or(0.0);
+        let state = self
+            .workers
+            .get_mut(&worker)
+            .expect("invariant: bookings are made on known workers");
+        state.load.book(prefill_blocks, &blocks, tail, work);
+        state.recent_blocks = recent + (blocks.len() + usize::from(tail)) as f64;
+        state.recent_at_ms = now_ms;
         self.bookings.insert(
             id,
             Booking {
-                worker: chosen.key,
+                worker,
+                work,
                 prefill_blocks,
                 blocks,
                 tail,
@@ -461,7 +841,6 @@ impl Scheduler {
             },
         );
         self.by_age.push_back((now_ms, id));
-        id
     }
 
     /// A booking in the form replicas share.
@@ -477,6 +856,12 @@ impl Scheduler {
             },
             blocks: b.blocks.clone(),
             tail: b.tail,
+            prefill_tokens: if b.prefill_open {
+                b.work.prefill_tokens
+            } else {
+                0.0
+            },
+            decode_tokens: b.work.decode_tokens,
         })
     }
 
@@ -494,26 +879,28 @@ impl Scheduler {
                 prefill_blocks: b.prefill_blocks,
             });
         }
+        const MOST_TOKENS: f64 = (1u64 << 40) as f64;
+        if !b.prefill_tokens.is_finite()
+            || !(0.0..MOST_TOKENS).contains(&b.prefill_tokens)
+            || b.decode_tokens as f64 >= MOST_TOKENS
+        {
+            return Err(SharedBookingError::Work {
+                prefill_tokens: b.prefill_tokens,
+                decode_tokens: b.decode_tokens,
+            });
+        }
         let key = (b.worker, b.dp_rank);
-        let Some(state) = self.workers.get_mut(&key) else {
+        if !self.workers.contains_key(&key) {
             return Err(SharedBookingError::UnknownWorker { worker: b.worker });
-        };
+        }
         if self.bookings.contains_key(&b.id) {
             return Ok(());
         }
-        state.load.book(b.prefill_blocks, &b.blocks, b.tail);
-        self.bookings.insert(
-            b.id,
-            Booking {
-                worker: key,
-                prefill_blocks: b.prefill_blocks,
-                blocks: b.blocks,
-                tail: b.tail,
-                booked_ms: now_ms,
-                prefill_open: true,
-            },
-        );
-        self.by_age.push_back((now_ms, b.id));
+        let work = Work {
+            prefill_tokens: b.prefill_tokens,
+            decode_tokens: b.decode_tokens,
+        };
+        self.insert_booking(now_ms, b.id, key, b.prefill_blocks, b.blocks, b.tail, work);
         Ok(())
     }
 
@@ -574,7 +961,7 @@ impl Scheduler {
         {
             b.prefill_open = false;
             if let Some(w) = self.workers.get_mut(&b.worker) {
-                w.load.prefill_done(b.prefill_blocks);
+                w.load.prefill_done(b.prefill_blocks, b.work);
             }
         }
     }
@@ -589,9 +976,9 @@ impl Scheduler {
     fn release(&mut self, b: Booking) {
         if let Some(w) = self.workers.get_mut(&b.worker) {
             if b.prefill_open {
-                w.load.prefill_done(b.prefill_blocks);
+                w.load.prefill_done(b.prefill_blocks, b.work);
             }
-            w.load.release(&b.blocks, b.tail);
+            w.load.release(&b.blocks, b.tail, b.work);
         }
     }
 

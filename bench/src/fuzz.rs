@@ -417,6 +417,8 @@ fn load_message(rng: &mut Rng) -> Vec<u8> {
                         prefill_blocks: [0.0, 1.5, -1.0, 1e300, 3.0][rng.below(5)],
                         blocks: (0..rng.below(40)).map(|_| seq(rng)).collect(),
                         tail: rng.below(2) == 0,
+                        prefill_tokens: 0.0,
+                        decode_tokens: 0,
                     },
                 },
                 1 => LoadMessage::FirstToken { id },

@@ -5,7 +5,7 @@ use std::alloc::System;
 
 use clap::{Parser, Subcommand};
 use kvroute_bench::{
-    engines_load, events_load, fuzz, indexer_load, kernels_load, plot, replay, soak,
+    engines_load, events_load, fuzz, indexer_load, kernels_load, plot, replay, soak, trace,
 };
 use stats_alloc::{INSTRUMENTED_SYSTEM, StatsAlloc};
 
@@ -32,7 +32,10 @@ enum Command {
     /// router adds.
     Engines(engines_load::Args),
     /// Offline replay of a trace: routing policies compared on TTFT, reuse and load.
-    Replay(replay::Args),
+    Replay(Box<replay::Args>),
+    /// Writes a paced agent-style trace: sessions of many turns sharing a system prompt,
+    /// each turn sent a think time after the previous one finished.
+    AgentTrace(trace::AgentArgs),
     /// GPU KV block copies: gather+D2H and H2D+scatter GB/s against one contiguous copy.
     Kernels(kernels_load::Args),
     /// Every decoder of network and file input, fed structure-aware and raw inputs: zero
@@ -102,6 +105,21 @@ fn main() -> anyhow::Result<()> {
             if !report.passed {
                 anyhow::bail!("the soak failed its checks");
             }
+        }
+        Command::AgentTrace(args) => {
+            let records = trace::agent_sessions(&args);
+            let mut out = String::new();
+            for r in &records {
+                out.push_str(&serde_json::to_string(r)?);
+                out.push('\n');
+            }
+            std::fs::write(&args.out, out)?;
+            println!(
+                "{} requests in {} sessions written to {}",
+                records.len(),
+                args.sessions,
+                args.out.display()
+            );
         }
         Command::Replay(args) => {
             let report = replay::run(&args)?;

@@ -1,7 +1,9 @@
 //! `kvroute-bench replay --online --url URL`: the trace's requests sent at their timestamps
 //! (divided by `--speedup`) to any OpenAI-compatible endpoint, streamed, and measured at the
 //! client: TTFT, ITL, E2E, throughput, and (from kvroute's `x-kvroute-worker` /
-//! `x-kvroute-overlap` headers, when present) reuse and load spread.
+//! `x-kvroute-overlap` headers, when present) reuse and load spread, and (from
+//! `x-kvroute-cached-blocks` / `x-kvroute-reachable-blocks`) the decision-quality totals the
+//! offline replay reports.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,6 +41,7 @@ struct Measured {
     failed: u64,
     per_worker: std::collections::BTreeMap<String, u64>,
     last_end: Option<Instant>,
+    decisions: kvroute::scheduler::DecisionStats,
 }
 
 /// Text for routers that want text: one short word per token, deterministic.
@@ -106,6 +109,17 @@ pub async fn run(
                     .map(str::to_owned)
             };
             let (worker, overlap) = (header("x-kvroute-worker"), header("x-kvroute-overlap"));
+            let count = |name| header(name).and_then(|v| v.parse::<u32>().ok());
+            let receipt = count("x-kvroute-cached-blocks")
+                .zip(count("x-kvroute-reachable-blocks"))
+                .map(
+                    |(cached_blocks, reachable_blocks)| kvroute::scheduler::Receipt {
+                        prompt_blocks: (prompt_len / block_size.max(1) as u64) as u32,
+                        cached_blocks,
+                        reachable_blocks,
+                        cost: 0.0,
+                    },
+                );
             let mut body = response.into_body();
             let (mut first, mut last, mut gaps, mut chunks) = (None, sent, Vec::new(), 0u64);
             while let Some(frame) = body.frame().await {
@@ -135,6 +149,9 @@ pub async fn run(
             }
             if let Some(w) = worker {
                 *m.per_worker.entry(w).or_default() += 1;
+            }
+            if let Some(r) = receipt {
+                m.decisions.record(&r);
             }
             m.last_end = Some(m.last_end.map_or(last, |e| e.max(last)));
         }));
@@ -168,7 +185,9 @@ pub async fn run(
             requests,
         },
         rejected: m.failed,
+        decisions: m.decisions.into(),
         ttft_sorted_ms: m.ttft_ms,
+        ..PolicyResult::default()
     })
 }
 

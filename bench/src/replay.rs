@@ -1,17 +1,31 @@
 //! `kvroute-bench replay` (offline): a Mooncake trace through W worker engines and the
-//! router's own indexer and scheduler, in one process on a virtual clock. KV events reach the
-//! indexer `--event-delay-ms` after the engine publishes them, so routing races event arrival
-//! as it does over NATS. Deterministic for a seed.
+//! router's own indexer, scheduler and admission queue, in one process on a virtual clock.
+//! KV events reach the indexer `--event-delay-ms` after the engine publishes them, so routing
+//! races event arrival as it does over NATS. Deterministic for a seed.
+//!
+//! Requests carry a tenant and a priority band (the trace's `tenant`/`priority` fields, or
+//! drawn from the seed with `--assign-classes`) and wait in the router's queue when
+//! `--worker-budget-tokens` leaves no room, as in the live router. A trace with
+//! `session_id`s is replayed closed-loop: each turn is sent `think_ms` after the previous
+//! turn of its session finished, with its session id for affinity (`--no-sessions` drops the
+//! ids, keeping the pacing). Every decision's receipt (cached against reachable blocks) is
+//! summed as the live router's `kvroute_route_*` counters are.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
 use kvroute::indexer::{self, Indexer};
 use kvroute::protocol::{BlockHash, DpRank, EventBatch, Salt, SeqHash, WorkerId, hash_blocks};
-use kvroute::scheduler::{self, BookingId, PolicyKind, RouteRequest, Scheduler};
+use kvroute::scheduler::queue::{AdmissionQueue, BandConfig, QueueConfig, Ticket};
+use kvroute::scheduler::{
+    self, Admission, BookingId, DecisionStats, PolicyKind, RouteRequest, Scheduler, SessionRef,
+    SessionStats,
+};
 use kvroute_worker::EngineConfig;
 use kvroute_worker::block_manager::EvictionKind;
 use kvroute_worker::engine::{Output, OutputKind, Request, RequestId};
@@ -99,6 +113,42 @@ pub struct Args {
     /// With --online, send prompts as text (one word per token) instead of token ids.
     #[arg(long)]
     pub text: bool,
+    /// Booked work a worker may hold before requests queue in the router, tokens
+    /// (`scheduler.admission.worker_budget_tokens`); 0: no budget, every request is routed at
+    /// once (the replay tables above were measured so).
+    #[arg(long, default_value_t = 0)]
+    pub worker_budget_tokens: u64,
+    /// Longest a request waits in the router's queue before it is refused (429), ms.
+    #[arg(long, default_value_t = 60_000)]
+    pub queue_ttl_ms: u64,
+    /// Give requests tenants and bands drawn from the seed: `NAME:BAND:WEIGHT,…`
+    /// (`premium:1:1,batch:0:3`: a quarter premium in band 1). A record's own `tenant` and
+    /// `priority` win.
+    #[arg(long)]
+    pub assign_classes: Option<String>,
+    /// Share of each worker's budget the lowest band may fill (the rest is headroom for
+    /// higher bands; `scheduler.queue.bands.<b>.budget_share`).
+    #[arg(long, default_value_t = 1.0)]
+    pub low_band_share: f64,
+    /// Replay only this tenant's requests (its solo figures).
+    #[arg(long)]
+    pub only_tenant: Option<String>,
+    /// Treat every request as band 0 of one tenant (the router without classes).
+    #[arg(long)]
+    pub ignore_classes: bool,
+    /// Drop session ids (turns are still paced closed-loop).
+    #[arg(long)]
+    pub no_sessions: bool,
+    /// Weight of recently routed prompt blocks in the cost (`scheduler.recent_weight`).
+    #[arg(long)]
+    pub recent_weight: Option<f64>,
+    /// Half-life of that weight, ms (`scheduler.recent_half_life_ms`).
+    #[arg(long)]
+    pub recent_half_life_ms: Option<u64>,
+    /// New sessions' cost per live session above the least-held worker
+    /// (`scheduler.sessions.spread_weight`).
+    #[arg(long)]
+    pub session_spread: Option<f64>,
 }
 
 /// Requests each worker received, relative to the mean.
@@ -142,9 +192,57 @@ pub struct PolicyResult {
     pub assignment_reuse_ratio: f64,
     /// Requests the engines refused.
     pub rejected: u64,
+    /// Requests the router's queue refused (deadline passed).
+    pub queue_expired: u64,
+    /// Time requests waited in the router's queue, ms.
+    pub queue_wait_ms: Summary,
+    /// Decision quality, summed as `kvroute_route_*` (cached vs reachable blocks).
+    pub decisions: DecisionReport,
+    /// Session affinity.
+    pub sessions: SessionStats,
+    /// Per tenant, when the trace has more than one.
+    pub tenants: Vec<TenantResult>,
     /// Every TTFT, ms, sorted (for the plot; not in the JSON).
     #[serde(skip)]
     pub ttft_sorted_ms: Vec<f64>,
+}
+
+/// Decision quality over a replay.
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq)]
+pub struct DecisionReport {
+    /// The totals.
+    #[serde(flatten)]
+    pub stats: DecisionStats,
+    /// Blocks some worker had that the chosen one did not.
+    pub lost_blocks: u64,
+    /// lost / (novel + lost).
+    pub regret: f64,
+    /// Decisions that took the most cache reachable / decisions.
+    pub optimal_ratio: f64,
+}
+
+impl From<DecisionStats> for DecisionReport {
+    fn from(stats: DecisionStats) -> Self {
+        DecisionReport {
+            stats,
+            lost_blocks: stats.lost_blocks(),
+            regret: stats.regret(),
+            optimal_ratio: stats.optimal as f64 / stats.decisions.max(1) as f64,
+        }
+    }
+}
+
+/// One tenant's figures.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct TenantResult {
+    /// The tenant.
+    pub tenant: String,
+    /// Its band.
+    pub band: i32,
+    /// Requests it sent.
+    pub requests: u64,
+    /// Its time to first token (queue wait included), ms.
+    pub ttft_ms: Summary,
 }
 
 /// The JSON `kvroute-bench replay` writes.
@@ -175,6 +273,15 @@ struct Prompt {
     tokens: std::sync::Arc<[u32]>,
     blocks: Vec<BlockHash>,
     output: u32,
+    tenant: Arc<str>,
+    band: i32,
+    /// Its session, if the trace names one.
+    session: Option<Arc<str>>,
+    /// The next turn of its session (sent `think_us` after this one finishes).
+    next_turn: Option<usize>,
+    /// Whether an earlier turn sends it (else it arrives at `arrival_us`).
+    follows: bool,
+    think_us: u64,
 }
 
 #[derive(Default, Clone, Copy)]
@@ -200,6 +307,12 @@ struct Router {
     host_tokens: u64,
     rejected: u64,
     last_finish_us: u64,
+    /// Next turns of sessions, by arrival.
+    arrivals: BinaryHeap<Reverse<(u64, usize)>>,
+    /// Each request's next turn and think time.
+    next_turn: Vec<Option<(usize, u64)>>,
+    /// TTFT per request, ms (for per-tenant figures).
+    ttft_of: Vec<f64>,
 }
 
 impl FleetSink for Router {
@@ -218,7 +331,9 @@ impl FleetSink for Router {
                 OutputKind::Token { index, .. } => {
                     self.output_tokens += 1;
                     if index == 0 {
-                        self.ttft.push((o.at_us - t.arrival_us) as f64 / 1e3);
+                        let ttft = (o.at_us - t.arrival_us) as f64 / 1e3;
+                        self.ttft.push(ttft);
+                        self.ttft_of[o.request.0 as usize] = ttft;
                         if let Some(b) = t.booking {
                             self.scheduler.first_token(b);
                         }
@@ -233,12 +348,14 @@ impl FleetSink for Router {
                     if let Some(b) = t.booking.take() {
                         self.scheduler.complete(b);
                     }
+                    self.send_next_turn(o.request.0 as usize, o.at_us);
                 }
                 OutputKind::Rejected(_) => {
                     self.rejected += 1;
                     if let Some(b) = t.booking.take() {
                         self.scheduler.complete(b);
                     }
+                    self.send_next_turn(o.request.0 as usize, o.at_us);
                 }
                 _ => {}
             }
@@ -253,6 +370,13 @@ impl FleetSink for Router {
 }
 
 impl Router {
+    /// Request `i` ended at `at_us`: its session's next turn comes after the think time.
+    fn send_next_turn(&mut self, i: usize, at_us: u64) {
+        if let Some((next, think_us)) = self.next_turn[i].take() {
+            self.arrivals.push(Reverse((at_us + think_us, next)));
+        }
+    }
+
     fn deliver_events(&mut self, now_us: u64) {
         while self.pending.front().is_some_and(|(at, _)| *at <= now_us) {
             let (_, batch) = self.pending.pop_front().expect("invariant: peeked");
@@ -299,10 +423,10 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         .collect();
     let records = trace::load(&args.trace, args.requests, args.trace_block_size)?;
     let block_size = NonZeroUsize::new(args.block_size).context("--block-size must be positive")?;
-    let prompts: Vec<Prompt> = records
-        .iter()
-        .map(|r| prompt(r, args, block_size))
-        .collect();
+    let prompts = prompts(&records, args, block_size)?;
+    if prompts.is_empty() {
+        bail!("no request to replay (--only-tenant matches none?)");
+    }
     let bound_reuse_ratio = infinite_cache_reuse(&prompts, args.block_size, |_| 0);
     let online = args.online.then_some(args.url.as_deref()).flatten();
     let mut report = Report {
@@ -347,12 +471,111 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
 fn prompt(record: &TraceRecord, args: &Args, block_size: NonZeroUsize) -> Prompt {
     let tokens = trace::prompt_tokens(record, args.trace_block_size);
     let blocks = hash_blocks(&tokens, block_size, Salt::NONE);
+    let scale = |ms: u64| (ms as f64 * 1000.0 / args.speedup).round() as u64;
     Prompt {
-        arrival_us: (record.timestamp as f64 * 1000.0 / args.speedup).round() as u64,
+        arrival_us: scale(record.timestamp),
         tokens: tokens.into(),
         blocks,
         output: record.output_length.max(1) as u32,
+        tenant: Arc::from(record.tenant.as_deref().unwrap_or("default")),
+        band: record.priority.unwrap_or(0),
+        session: record.session_id.as_deref().map(Arc::from),
+        next_turn: None,
+        follows: false,
+        think_us: scale(record.think_ms.unwrap_or(0)),
     }
+}
+
+/// A class `--assign-classes` draws from.
+#[derive(Clone, Debug, PartialEq)]
+struct ClassSpec {
+    tenant: Arc<str>,
+    band: i32,
+    weight: f64,
+}
+
+fn parse_classes(spec: &str) -> anyhow::Result<Vec<ClassSpec>> {
+    let classes = spec
+        .split(',')
+        .map(|c| {
+            let parts: Vec<&str> = c.split(':').collect();
+            let parsed = match parts[..] {
+                [name, band, weight] if !name.is_empty() => band
+                    .parse()
+                    .ok()
+                    .zip(
+                        weight
+                            .parse::<f64>()
+                            .ok()
+                            .filter(|w| *w > 0.0 && w.is_finite()),
+                    )
+                    .map(|(band, weight)| ClassSpec {
+                        tenant: Arc::from(name),
+                        band,
+                        weight,
+                    }),
+                _ => None,
+            };
+            parsed.with_context(|| format!("--assign-classes: {c:?} is not NAME:BAND:WEIGHT"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    if classes.is_empty() {
+        bail!("--assign-classes names no class");
+    }
+    Ok(classes)
+}
+
+/// The trace's requests as the replay sends them: classes drawn or read, one tenant kept if
+/// asked, and each session's turns linked in trace order.
+fn prompts(
+    records: &[TraceRecord],
+    args: &Args,
+    block_size: NonZeroUsize,
+) -> anyhow::Result<Vec<Prompt>> {
+    let classes = args
+        .assign_classes
+        .as_deref()
+        .map(parse_classes)
+        .transpose()?;
+    let mut rng = scheduler::Rng::new(args.seed ^ 0x0c1a_55e5);
+    let mut prompts = Vec::with_capacity(records.len());
+    for r in records {
+        let mut p = prompt(r, args, block_size);
+        if let Some(classes) = &classes {
+            // Drawn for every record, so a tenant's requests are the same in every run.
+            let total: f64 = classes.iter().map(|c| c.weight).sum();
+            let mut x = rng.unit() * total;
+            let class = classes
+                .iter()
+                .find(|c| {
+                    x -= c.weight;
+                    x < 0.0
+                })
+                .unwrap_or(&classes[classes.len() - 1]);
+            if r.tenant.is_none() {
+                p.tenant = Arc::clone(&class.tenant);
+            }
+            if r.priority.is_none() {
+                p.band = class.band;
+            }
+        }
+        if args.only_tenant.as_deref().is_none_or(|t| *t == *p.tenant) {
+            prompts.push(p);
+        }
+    }
+    let mut last_turn: FxHashMap<Arc<str>, usize> = FxHashMap::default();
+    for i in 0..prompts.len() {
+        if let Some(session) = prompts[i].session.clone()
+            && let Some(prev) = last_turn.insert(session, i)
+        {
+            prompts[prev].next_turn = Some(i);
+            prompts[i].follows = true;
+        }
+    }
+    if args.no_sessions {
+        prompts.iter_mut().for_each(|p| p.session = None);
+    }
+    Ok(prompts)
 }
 
 /// Prompt tokens served from cache / prompt tokens, if request `i` went to cache
@@ -406,7 +629,21 @@ fn run_policy(
         seed: args.seed,
         prefill_scale: args.prefill_scale.unwrap_or(defaults.prefill_scale),
         decode_weight: args.decode_weight.unwrap_or(defaults.decode_weight),
-        ..defaults
+        recent_weight: args.recent_weight.unwrap_or(defaults.recent_weight),
+        recent_half_life_ms: args
+            .recent_half_life_ms
+            .unwrap_or(defaults.recent_half_life_ms),
+        sessions: scheduler::SessionConfig {
+            spread_weight: args
+                .session_spread
+                .unwrap_or(defaults.sessions.spread_weight),
+            ..defaults.sessions
+        },
+        admission: scheduler::AdmissionConfig {
+            worker_budget_tokens: args.worker_budget_tokens,
+            ..defaults.admission
+        },
+        ..defaults.clone()
     })?;
     for w in 0..args.workers {
         scheduler.add_worker(
@@ -415,6 +652,17 @@ fn run_policy(
             REPLAY_MODEL,
         );
     }
+    let decode_cap = scheduler.config().admission.decode_cap_tokens;
+    let mut queue: AdmissionQueue<usize> = AdmissionQueue::new(QueueConfig {
+        default_band: BandConfig {
+            max_queued: usize::MAX,
+            ttl_ms: args.queue_ttl_ms.max(1),
+            budget_share: 1.0,
+        },
+        lowest_band: i32::MIN,
+        highest_band: i32::MAX,
+        ..QueueConfig::default()
+    });
     let mut router = Router {
         indexer: Indexer::new(indexer::Config::default())?,
         scheduler,
@@ -429,45 +677,133 @@ fn run_policy(
         host_tokens: 0,
         rejected: 0,
         last_finish_us: 0,
+        arrivals: prompts
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| !p.follows)
+            .map(|(i, p)| Reverse((p.arrival_us, i)))
+            .collect(),
+        next_turn: prompts
+            .iter()
+            .map(|p| p.next_turn.map(|n| (n, prompts[n].think_us)))
+            .collect(),
+        ttft_of: vec![f64::NAN; prompts.len()],
     };
     let bar = progress(prompts.len() as u64, policy.name(), args.quiet);
     let mut per_worker = vec![0u64; args.workers];
-    let mut assignment = Vec::with_capacity(prompts.len());
+    let mut assignment = vec![0usize; prompts.len()];
+    let mut waits: Vec<f64> = Vec::new();
+    let mut expired = 0u64;
     let mut seqs: Vec<SeqHash> = Vec::new();
-    for (i, p) in prompts.iter().enumerate() {
-        fleet.run_until(p.arrival_us, &mut router)?;
-        router.deliver_events(p.arrival_us);
-        seqs.clear();
-        seqs.extend(p.blocks.iter().map(|b| b.seq));
-        let overlaps = router.indexer.find_matches_seq(&seqs);
-        let request = RouteRequest {
-            model: REPLAY_MODEL,
-            blocks: &p.blocks,
-            prompt_tokens: p.tokens.len(),
-            block_size: args.block_size,
-            overlaps: &overlaps,
+    // Turns sent as earlier ones finish: step the engines one wake-up at a time, so that a
+    // next turn is sent when it is due; the same while requests wait for room.
+    let closed_loop = prompts.iter().any(|p| p.follows);
+    let lowest_band = if args.ignore_classes {
+        i32::MIN
+    } else {
+        prompts.iter().map(|p| p.band).min().unwrap_or(0)
+    };
+    loop {
+        let next_arrival = router.arrivals.peek().map(|Reverse((at, _))| *at);
+        let next_deadline = queue.next_deadline_ms().map(|ms| ms * 1000);
+        let next_wakeup = if closed_loop || !queue.is_empty() {
+            fleet.next_wakeup_us()
+        } else {
+            None
         };
-        let decision = router
-            .scheduler
-            .route(p.arrival_us / 1000, &request)
-            .context("no worker to route to")?;
-        let worker = decision.chosen.key.0.0 as usize;
-        per_worker[worker] += 1;
-        assignment.push(worker);
-        router.tracked[i] = Tracked {
-            booking: Some(decision.booking),
-            arrival_us: p.arrival_us,
-            ..Tracked::default()
+        let Some(now_us) = [next_arrival, next_deadline, next_wakeup]
+            .into_iter()
+            .flatten()
+            .min()
+        else {
+            break;
         };
-        let request = Request {
-            id: RequestId(i as u64),
-            prompt: p.tokens.clone(),
-            max_tokens: p.output,
-            salt: Salt::NONE,
-        };
-        fleet.submit(worker, p.arrival_us, request, &mut router)?;
-        if let Some(bar) = &bar {
-            bar.inc(1);
+        fleet.run_until(now_us, &mut router)?;
+        router.deliver_events(now_us);
+        let now_ms = now_us / 1000;
+        while let Some(&Reverse((at, i))) = router.arrivals.peek() {
+            if at > now_us {
+                break;
+            }
+            router.arrivals.pop();
+            router.tracked[i].arrival_us = at;
+            let p = &prompts[i];
+            seqs.clear();
+            seqs.extend(p.blocks.iter().map(|b| b.seq));
+            let cached = router
+                .indexer
+                .find_matches_seq(&seqs)
+                .workers
+                .iter()
+                .map(|o| (o.device + o.host + o.disk) as usize)
+                .max()
+                .unwrap_or(0);
+            let work = p.tokens.len().saturating_sub(cached * args.block_size) as u64
+                + u64::from(p.output.min(decode_cap));
+            let (tenant, band) = if args.ignore_classes {
+                (Arc::from("default"), 0)
+            } else {
+                (Arc::clone(&p.tenant), p.band)
+            };
+            let ticket = Ticket {
+                band,
+                tenant,
+                work_tokens: work,
+            };
+            queue
+                .push(now_ms, ticket, i)
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+        }
+        for left in queue.expire(now_ms) {
+            expired += 1;
+            router.send_next_turn(left.payload, now_us);
+        }
+        // Admit in the queue's order while a worker has room.
+        while let Some((id, ticket, &i)) = queue.peek() {
+            let share = if ticket.band <= lowest_band {
+                args.low_band_share
+            } else {
+                1.0
+            };
+            let p = &prompts[i];
+            seqs.clear();
+            seqs.extend(p.blocks.iter().map(|b| b.seq));
+            let overlaps = router.indexer.find_matches_seq(&seqs);
+            let request = RouteRequest {
+                model: REPLAY_MODEL,
+                blocks: &p.blocks,
+                prompt_tokens: p.tokens.len(),
+                block_size: args.block_size,
+                overlaps: &overlaps,
+                max_tokens: p.output,
+                session: p
+                    .session
+                    .as_deref()
+                    .map(|id| SessionRef { id, hard: false }),
+            };
+            let decision = match router.scheduler.admit_within(now_ms, &request, share) {
+                Admission::Wait => break,
+                Admission::NoWorkers => bail!("no worker to route to"),
+                Admission::Routed(d) => d,
+            };
+            let left = queue
+                .admit(now_ms, id)
+                .expect("invariant: the peeked ticket is next");
+            waits.push(now_us.saturating_sub(router.tracked[i].arrival_us) as f64 / 1e3);
+            let worker = decision.chosen.key.0.0 as usize;
+            per_worker[worker] += 1;
+            assignment[left.payload] = worker;
+            router.tracked[i].booking = Some(decision.booking);
+            let request = Request {
+                id: RequestId(i as u64),
+                prompt: p.tokens.clone(),
+                max_tokens: p.output,
+                salt: Salt::NONE,
+            };
+            fleet.submit(worker, now_us, request, &mut router)?;
+            if let Some(bar) = &bar {
+                bar.inc(1);
+            }
         }
     }
     fleet.run_until(u64::MAX, &mut router)?;
@@ -475,10 +811,35 @@ fn run_policy(
         bar.finish_and_clear();
     }
     let prompt_tokens: u64 = prompts.iter().map(|p| p.tokens.len() as u64).sum();
-    let first_arrival = prompts.first().map_or(0, |p| p.arrival_us);
+    let first_arrival = prompts.iter().map(|p| p.arrival_us).min().unwrap_or(0);
     let virtual_s = router.last_finish_us.saturating_sub(first_arrival) as f64 / 1e6;
     let mean = prompts.len() as f64 / args.workers as f64;
     let ttft_ms = Summary::of(&mut router.ttft);
+    let mut by_tenant: BTreeMap<(Arc<str>, i32), Vec<f64>> = BTreeMap::new();
+    for (p, ttft) in prompts.iter().zip(&router.ttft_of) {
+        let v = by_tenant
+            .entry((Arc::clone(&p.tenant), p.band))
+            .or_default();
+        if !ttft.is_nan() {
+            v.push(*ttft);
+        }
+    }
+    let tenants = if by_tenant.len() > 1 {
+        by_tenant
+            .into_iter()
+            .map(|((tenant, band), mut v)| TenantResult {
+                tenant: tenant.to_string(),
+                band,
+                requests: prompts
+                    .iter()
+                    .filter(|p| p.tenant == tenant && p.band == band)
+                    .count() as u64,
+                ttft_ms: Summary::of(&mut v),
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     Ok(PolicyResult {
         policy: policy.name().to_owned(),
         requests: prompts.len() as u64,
@@ -497,6 +858,11 @@ fn run_policy(
         },
         assignment_reuse_ratio: infinite_cache_reuse(prompts, args.block_size, |i| assignment[i]),
         rejected: router.rejected,
+        queue_expired: expired,
+        queue_wait_ms: Summary::of(&mut waits),
+        decisions: router.scheduler.decision_stats().into(),
+        sessions: router.scheduler.session_stats(),
+        tenants,
         ttft_sorted_ms: router.ttft,
     })
 }
@@ -609,6 +975,16 @@ mod tests {
             json: None,
             plot: None,
             quiet: true,
+            worker_budget_tokens: 0,
+            queue_ttl_ms: 60_000,
+            low_band_share: 1.0,
+            assign_classes: None,
+            only_tenant: None,
+            ignore_classes: false,
+            no_sessions: false,
+            recent_weight: None,
+            recent_half_life_ms: None,
+            session_spread: None,
         }
     }
 
@@ -619,7 +995,7 @@ mod tests {
         let report = run(&a).unwrap();
         let records = trace::load(&trace, None, 512).unwrap();
         let bs = NonZeroUsize::new(64).unwrap();
-        let prompts: Vec<Prompt> = records.iter().map(|r| prompt(r, &a, bs)).collect();
+        let prompts = prompts(&records, &a, bs).unwrap();
         let analytical = infinite_cache_reuse(&prompts, 64, |i| i % 4);
         assert!(
             analytical > 0.1,

@@ -4,10 +4,10 @@ use std::io::BufRead;
 use std::path::Path;
 
 use anyhow::{Context, bail};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// One request of a Mooncake JSONL trace.
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 pub struct TraceRecord {
     /// Arrival, ms since the trace start.
     pub timestamp: u64,
@@ -17,6 +17,20 @@ pub struct TraceRecord {
     pub output_length: usize,
     /// One id per trace block of the prompt; equal ids at a position mean equal prefixes.
     pub hash_ids: Vec<u64>,
+    /// kvroute's extensions, all optional. The tenant that sends the request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    /// Its priority band (higher first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<i32>,
+    /// The conversation it is a turn of: a session's turns are replayed closed-loop, each
+    /// sent `think_ms` after the previous one finished (`timestamp` is then the first
+    /// turn's arrival only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<String>,
+    /// Think time before this turn, after the previous turn of its session finished, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub think_ms: Option<u64>,
 }
 
 /// Reads a trace, the first `limit` requests if given, checking that each record's hash ids
@@ -54,6 +68,83 @@ pub fn load(
     Ok(records)
 }
 
+/// Flags of `kvroute-bench agent-trace`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct AgentArgs {
+    /// Where to write the JSONL.
+    #[arg(long)]
+    pub out: std::path::PathBuf,
+    /// Sessions (conversations).
+    #[arg(long, default_value_t = 96)]
+    pub sessions: usize,
+    /// Fewest turns of a session.
+    #[arg(long, default_value_t = 10)]
+    pub min_turns: usize,
+    /// Most turns of a session.
+    #[arg(long, default_value_t = 40)]
+    pub max_turns: usize,
+    /// Sessions start uniformly over this window, ms.
+    #[arg(long, default_value_t = 120_000)]
+    pub start_window_ms: u64,
+    /// Think time between a turn's answer and the next turn, uniform in MIN..=MAX ms.
+    #[arg(long, default_value_t = 2_000)]
+    pub min_think_ms: u64,
+    /// See --min-think-ms.
+    #[arg(long, default_value_t = 8_000)]
+    pub max_think_ms: u64,
+    /// Trace blocks (512 tokens) of the system prompt every session shares.
+    #[arg(long, default_value_t = 8)]
+    pub system_blocks: u64,
+    /// Seed.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+/// A paced agent-style trace (512 tokens per hash id): every session starts with the same
+/// system prompt; each turn's prompt is the whole conversation so far (the previous
+/// answer, one block, and the new message, one block, appended to the last prompt); each
+/// turn waits for the previous one and a think time. Sessions interleave in the output by
+/// their start, their turns in order.
+pub fn agent_sessions(args: &AgentArgs) -> Vec<TraceRecord> {
+    let mut state = args.seed;
+    let mut next = move |n: u64| {
+        state = mix(state);
+        state % n.max(1)
+    };
+    let mut fresh_id = args.system_blocks;
+    let mut sessions: Vec<(u64, Vec<TraceRecord>)> = Vec::with_capacity(args.sessions);
+    for s in 0..args.sessions {
+        let start = next(args.start_window_ms.max(1));
+        let span = (args.max_turns.max(args.min_turns) - args.min_turns) as u64 + 1;
+        let turns = args.min_turns + next(span) as usize;
+        let mut ids: Vec<u64> = (0..args.system_blocks).collect();
+        let mut records = Vec::with_capacity(turns);
+        for turn in 0..turns {
+            if turn > 0 {
+                ids.push(fresh_id); // the previous answer
+                fresh_id += 1;
+            }
+            ids.push(fresh_id); // the new message
+            fresh_id += 1;
+            let think =
+                args.min_think_ms + next(args.max_think_ms.saturating_sub(args.min_think_ms) + 1);
+            records.push(TraceRecord {
+                timestamp: start,
+                input_length: ids.len() * 512 - next(256) as usize,
+                output_length: 100 + next(300) as usize,
+                hash_ids: ids.clone(),
+                tenant: None,
+                priority: None,
+                session_id: Some(format!("s{s}")),
+                think_ms: (turn > 0).then_some(think),
+            });
+        }
+        sessions.push((start, records));
+    }
+    sessions.sort_by_key(|(start, _)| *start);
+    sessions.into_iter().flat_map(|(_, r)| r).collect()
+}
+
 /// Vocabulary the synthetic token ids are drawn from (a Llama-3-sized one).
 pub const VOCAB: u64 = 128_000;
 
@@ -85,6 +176,19 @@ pub fn mix(x: u64) -> u64 {
 mod tests {
     use super::*;
 
+    fn record() -> TraceRecord {
+        TraceRecord {
+            timestamp: 0,
+            input_length: 0,
+            output_length: 0,
+            hash_ids: Vec::new(),
+            tenant: None,
+            priority: None,
+            session_id: None,
+            think_ms: None,
+        }
+    }
+
     #[test]
     fn equal_ids_give_equal_tokens_and_the_tail_is_cut() {
         let a = TraceRecord {
@@ -92,12 +196,14 @@ mod tests {
             input_length: 1000,
             output_length: 1,
             hash_ids: vec![0, 1],
+            ..record()
         };
         let b = TraceRecord {
             timestamp: 0,
             input_length: 600,
             output_length: 1,
             hash_ids: vec![0, 2],
+            ..record()
         };
         let (ta, tb) = (prompt_tokens(&a, 512), prompt_tokens(&b, 512));
         assert_eq!((ta.len(), tb.len()), (1000, 600));

@@ -97,9 +97,55 @@ pub struct ServeFlags {
     /// A worker silent for this long is dropped, ms [default: 5000].
     #[arg(long, env = "KVROUTE_LEASE_TTL_MS")]
     pub lease_ttl_ms: Option<u64>,
-    /// Requests in flight beyond which new ones get 429 [default: 4096].
+    /// Requests accepted at once, queued or in flight; beyond it new ones get 429
+    /// [default: 4096].
     #[arg(long, env = "KVROUTE_MAX_INFLIGHT")]
     pub max_inflight: Option<usize>,
+    /// Booked work one worker may hold (uncached prefill plus expected decode), tokens;
+    /// requests that fit no worker wait in the queue; 0: no budget [default: 262144].
+    #[arg(long, env = "KVROUTE_WORKER_BUDGET_TOKENS")]
+    pub worker_budget_tokens: Option<u64>,
+    /// Booked work the whole fleet may hold, tokens; 0: only the workers' budgets
+    /// [default: 0].
+    #[arg(long, env = "KVROUTE_FLEET_BUDGET_TOKENS")]
+    pub fleet_budget_tokens: Option<u64>,
+    /// A request's expected decode is its max_tokens, at most this [default: 1024].
+    #[arg(long, env = "KVROUTE_DECODE_CAP_TOKENS")]
+    pub decode_cap_tokens: Option<u32>,
+    /// Requests one priority band may hold waiting (429 beyond) [default: 5000].
+    #[arg(long, env = "KVROUTE_QUEUE_MAX")]
+    pub queue_max: Option<usize>,
+    /// Longest a request waits for room before 429 + Retry-After, ms [default: 60000].
+    #[arg(long, env = "KVROUTE_QUEUE_TTL_MS")]
+    pub queue_ttl_ms: Option<u64>,
+    /// Limits of single bands, `BAND=MAX_QUEUED:TTL_MS[:BUDGET_SHARE]`, semicolon-separated
+    /// (`1=200:5000;-1=20000:300000:0.5`: band −1 may fill half of each worker's budget)
+    /// [default: none, every band as --queue-max/--queue-ttl-ms, the whole budget].
+    #[arg(long, env = "KVROUTE_BAND_LIMITS", value_delimiter = ';')]
+    pub band_limits: Option<Vec<String>>,
+    /// A session with no turn for this long is forgotten, ms [default: 1800000].
+    #[arg(long, env = "KVROUTE_SESSION_TTL_MS")]
+    pub session_ttl_ms: Option<u64>,
+    /// A new session's cost per live session its worker would hold beyond the least-held
+    /// worker, blocks [default: 64].
+    #[arg(long, env = "KVROUTE_SESSION_SPREAD")]
+    pub session_spread: Option<f64>,
+    /// Request header naming the tenant (else the API key's index) [default: x-kvroute-tenant].
+    #[arg(long, env = "KVROUTE_TENANT_HEADER")]
+    pub tenant_header: Option<String>,
+    /// Request header naming the priority band, an integer, higher first
+    /// [default: x-kvroute-priority].
+    #[arg(long, env = "KVROUTE_PRIORITY_HEADER")]
+    pub priority_header: Option<String>,
+    /// Request header naming the session [default: x-kvroute-session].
+    #[arg(long, env = "KVROUTE_SESSION_HEADER")]
+    pub session_header: Option<String>,
+    /// Request header asking for hard affinity (`hard`) [default: x-kvroute-affinity].
+    #[arg(long, env = "KVROUTE_AFFINITY_HEADER")]
+    pub affinity_header: Option<String>,
+    /// Request header asking for the decision's receipt [default: x-kvroute-receipt].
+    #[arg(long, env = "KVROUTE_RECEIPT_HEADER")]
+    pub receipt_header: Option<String>,
     /// Largest request body, bytes (413 beyond) [default: 8388608].
     #[arg(long, env = "KVROUTE_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
@@ -262,6 +308,32 @@ pub fn parse_backend(spec: &str) -> anyhow::Result<Backend> {
     Ok(b)
 }
 
+/// Parses one `--band-limits` entry, `BAND=MAX_QUEUED:TTL_MS[:BUDGET_SHARE]`.
+fn parse_band_limit(spec: &str) -> anyhow::Result<(i32, scheduler::queue::BandConfig)> {
+    let parsed = (|| {
+        let (band, rest) = spec.split_once('=')?;
+        let mut parts = rest.split(':');
+        let max_queued = parts.next()?.trim().parse().ok()?;
+        let ttl_ms = parts.next()?.trim().parse().ok()?;
+        let budget_share = match parts.next() {
+            Some(s) => s.trim().parse().ok()?,
+            None => 1.0,
+        };
+        parts.next().is_none().then_some(())?;
+        Some((
+            band.trim().parse().ok()?,
+            scheduler::queue::BandConfig {
+                max_queued,
+                ttl_ms,
+                budget_share,
+            },
+        ))
+    })();
+    parsed.with_context(|| {
+        format!("band limit {spec:?} is not BAND=MAX_QUEUED:TTL_MS[:BUDGET_SHARE]")
+    })
+}
+
 /// Reads a `--config` file.
 pub fn read_file(path: &Path) -> anyhow::Result<ServeFlags> {
     let text = std::fs::read_to_string(path)
@@ -331,7 +403,53 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
             .replica_id
             .or(file.replica_id)
             .unwrap_or_else(random_replica_id),
-        ..defaults
+        admission: scheduler::AdmissionConfig {
+            worker_budget_tokens: flags
+                .worker_budget_tokens
+                .or(file.worker_budget_tokens)
+                .unwrap_or(defaults.admission.worker_budget_tokens),
+            fleet_budget_tokens: flags
+                .fleet_budget_tokens
+                .or(file.fleet_budget_tokens)
+                .unwrap_or(defaults.admission.fleet_budget_tokens),
+            decode_cap_tokens: flags
+                .decode_cap_tokens
+                .or(file.decode_cap_tokens)
+                .unwrap_or(defaults.admission.decode_cap_tokens),
+        },
+        queue: scheduler::queue::QueueConfig {
+            default_band: scheduler::queue::BandConfig {
+                max_queued: flags
+                    .queue_max
+                    .or(file.queue_max)
+                    .unwrap_or(defaults.queue.default_band.max_queued),
+                ttl_ms: flags
+                    .queue_ttl_ms
+                    .or(file.queue_ttl_ms)
+                    .unwrap_or(defaults.queue.default_band.ttl_ms),
+                budget_share: 1.0,
+            },
+            bands: flags
+                .band_limits
+                .or(file.band_limits)
+                .unwrap_or_default()
+                .iter()
+                .map(|b| parse_band_limit(b))
+                .collect::<anyhow::Result<_>>()?,
+            ..defaults.queue.clone()
+        },
+        sessions: scheduler::SessionConfig {
+            ttl_ms: flags
+                .session_ttl_ms
+                .or(file.session_ttl_ms)
+                .unwrap_or(defaults.sessions.ttl_ms),
+            spread_weight: flags
+                .session_spread
+                .or(file.session_spread)
+                .unwrap_or(defaults.sessions.spread_weight),
+            ..defaults.sessions
+        },
+        ..defaults.clone()
     };
     scheduler.validate()?;
     let mut api_keys: Vec<Secret> = flags.api_keys.or(file.api_keys).unwrap_or_default();
@@ -396,6 +514,22 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
         },
         api_keys,
         admin_token: flags.admin_token.or(file.admin_token),
+        headers: {
+            let h = kvroute::ingress::admission::ClassHeaders::default();
+            let name = |flag: Option<String>, file: Option<String>, default: String| {
+                let n = flag.or(file).unwrap_or(default).to_ascii_lowercase();
+                hyper::header::HeaderName::from_bytes(n.as_bytes())
+                    .map(|_| n.clone())
+                    .with_context(|| format!("{n:?} is not a header name"))
+            };
+            kvroute::ingress::admission::ClassHeaders {
+                tenant: name(flags.tenant_header, file.tenant_header, h.tenant)?,
+                priority: name(flags.priority_header, file.priority_header, h.priority)?,
+                session: name(flags.session_header, file.session_header, h.session)?,
+                affinity: name(flags.affinity_header, file.affinity_header, h.affinity)?,
+                receipt: name(flags.receipt_header, file.receipt_header, h.receipt)?,
+            }
+        },
     };
     ingress.validate()?;
     if ingress

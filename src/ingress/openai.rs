@@ -23,6 +23,13 @@ pub struct CompletionRequest {
     /// Tokens to generate.
     #[serde(default = "default_max_tokens")]
     pub max_tokens: u32,
+    /// vLLM's scheduling priority: lower is handled earlier (vLLM's `protocol.py`: "The
+    /// priority of the request (lower means earlier handling; default: 0)").
+    #[serde(default)]
+    pub priority: Option<i64>,
+    /// OpenAI's processing tier (`auto`, `default`, `flex`, `priority`, `scale`).
+    #[serde(default)]
+    pub service_tier: Option<String>,
     /// Stream SSE chunks as they are generated.
     #[serde(default)]
     pub stream: bool,
@@ -58,6 +65,13 @@ pub struct ChatRequest {
     /// Tokens to generate.
     #[serde(default = "default_max_tokens", alias = "max_completion_tokens")]
     pub max_tokens: u32,
+    /// vLLM's scheduling priority: lower is handled earlier (vLLM's `protocol.py`: "The
+    /// priority of the request (lower means earlier handling; default: 0)").
+    #[serde(default)]
+    pub priority: Option<i64>,
+    /// OpenAI's processing tier (`auto`, `default`, `flex`, `priority`, `scale`).
+    #[serde(default)]
+    pub service_tier: Option<String>,
     /// Stream SSE chunks.
     #[serde(default)]
     pub stream: bool,
@@ -118,6 +132,8 @@ pub struct ApiError {
     pub fault: Fault,
     /// Whether retrying the same request later can succeed.
     pub retryable: bool,
+    /// For a retryable error, the `Retry-After` the client is sent, s.
+    pub retry_after_s: u64,
 }
 
 impl ApiError {
@@ -129,6 +145,7 @@ impl ApiError {
             message: message.into(),
             fault,
             retryable: matches!(status, 429 | 503 | 504),
+            retry_after_s: 1,
         }
     }
 
@@ -191,6 +208,32 @@ impl ApiError {
             Fault::Router,
             format!("{limit} requests in flight; retry shortly"),
         )
+    }
+
+    /// 429: the request's priority band already has its limit of requests waiting.
+    pub fn queue_full(band: i32, limit: usize) -> Self {
+        ApiError::new(
+            429,
+            "rate_limit_error",
+            Fault::Router,
+            format!("{limit} requests already wait in priority band {band}; retry shortly"),
+        )
+    }
+
+    /// 429: the request waited its band's deadline without a worker having room for it.
+    pub fn queue_deadline(band: i32, waited_ms: u64, retry_after_s: u64) -> Self {
+        ApiError {
+            retry_after_s,
+            ..ApiError::new(
+                429,
+                "rate_limit_error",
+                Fault::Router,
+                format!(
+                    "no worker had room for the request within priority band {band}'s deadline \
+                     (waited {waited_ms} ms); retry later"
+                ),
+            )
+        }
     }
 
     /// 503: the router has no worker to send anything to.

@@ -38,6 +38,8 @@ pub struct Booking {
     answered: bool,
     alarm: Arc<Mutex<MismatchAlarm>>,
     clock: Instant,
+    /// Signalled when work is released: queued requests may fit now.
+    room: Arc<tokio::sync::Notify>,
 }
 
 impl Booking {
@@ -55,6 +57,7 @@ impl Booking {
             answered: false,
             alarm: Arc::clone(&router.mismatch),
             clock: router.started,
+            room: Arc::clone(&router.room),
         }
     }
 
@@ -76,6 +79,7 @@ impl Booking {
             if let Some(load) = &self.load {
                 load.first_token(self.id);
             }
+            self.room.notify_one();
         }
     }
 }
@@ -90,6 +94,7 @@ impl Drop for Booking {
         if let Some(load) = &self.load {
             load.completed(self.id);
         }
+        self.room.notify_one();
     }
 }
 
@@ -225,6 +230,8 @@ pub(super) struct Upstream {
     pub raw: Bytes,
     /// A chat completion (else a completion).
     pub chat: bool,
+    /// The client asked for the decision's receipt header.
+    pub receipt: bool,
 }
 
 impl Upstream {
@@ -307,10 +314,22 @@ pub(super) async fn forward(
     booking.answered();
     let o = decision.chosen.overlap;
     let overlap = format!("device={};host={};disk={}", o.device, o.host, o.disk);
-    let builder = Response::builder()
+    let r = decision.receipt;
+    let mut builder = Response::builder()
         .status(StatusCode::OK)
         .header("x-kvroute-worker", worker.to_string())
-        .header("x-kvroute-overlap", overlap);
+        .header("x-kvroute-overlap", overlap)
+        .header("x-kvroute-cached-blocks", r.cached_blocks)
+        .header("x-kvroute-reachable-blocks", r.reachable_blocks);
+    if body.receipt {
+        builder = builder.header(
+            "x-kvroute-receipt",
+            format!(
+                "worker={worker};dp_rank={};cached={};reachable={};prompt={};cost={:.3}",
+                key.1.0, r.cached_blocks, r.reachable_blocks, r.prompt_blocks, r.cost
+            ),
+        );
+    }
     let label = worker.to_string();
     if !stream {
         let bytes = collect(response.into_body())
@@ -478,6 +497,7 @@ mod tests {
             generate: Bytes::from_static(b"{\"token_ids\":[1]}"),
             raw: Bytes::from_static(b"{\"prompt\":\"hi\"}"),
             chat: true,
+            receipt: false,
         };
         let r = up.request(&info(WorkerApi::Kvroute, 1), 0);
         assert_eq!(r.uri(), "http://10.0.0.1:8000/internal/generate");

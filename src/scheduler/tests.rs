@@ -10,6 +10,7 @@ fn unit_weights() -> Config {
     Config {
         prefill_scale: 1.0,
         decode_weight: 1.0,
+        recent_weight: 0.0,
         ..Config::default()
     }
 }
@@ -57,6 +58,8 @@ fn request<'a>(b: &'a [BlockHash], tokens: usize, overlaps: &'a OverlapScores) -
         prompt_tokens: tokens,
         block_size: 16,
         overlaps,
+        max_tokens: 16,
+        session: None,
     }
 }
 
@@ -65,6 +68,7 @@ fn weights_scale_their_terms() {
     let config = Config {
         prefill_scale: 8.0,
         decode_weight: 0.1,
+        recent_weight: 0.0,
         ..Config::default()
     };
     let mut s = Scheduler::new(config).unwrap();
@@ -75,7 +79,7 @@ fn weights_scale_their_terms() {
     assert!((d.chosen.cost - 80.0).abs() < 1e-9);
     s.first_token(d.booking);
     // 10 held blocks at 0.1, and 8 × 10 uncached.
-    let c = s.candidates(&request(&blocks(10, 900), 160, &none));
+    let c = s.candidates(0, &request(&blocks(10, 900), 160, &none));
     assert!((c[0].cost - 81.0).abs() < 1e-9, "{}", c[0].cost);
 }
 
@@ -88,7 +92,7 @@ fn blocks_booked_but_not_yet_announced_count_as_cached() {
     let none = scores(&[]);
     let first = s.route(0, &request(&b, 160, &none)).unwrap();
     // Same prompt before any KV event: the worker computing it is the cheap one.
-    let c = s.candidates(&request(&b, 160, &none));
+    let c = s.candidates(0, &request(&b, 160, &none));
     let on_first = c.iter().find(|c| c.key == first.chosen.key).unwrap();
     assert_eq!(on_first.booked_prefix, 10);
     let second = s.route(0, &request(&b, 160, &none)).unwrap();
@@ -100,7 +104,7 @@ fn cost_follows_the_formula() {
     let s = scheduler(PolicyKind::Kv, 2);
     let b = blocks(10, 0);
     let o = scores(&[(0, 4, 2, 2)]);
-    let c = s.candidates(&request(&b, 160, &o));
+    let c = s.candidates(0, &request(&b, 160, &o));
     // 10 − (4 + 0.75·2 + 0.25·2) = 4 blocks of prefill, no load.
     assert!((c[0].cost - 4.0).abs() < 1e-9);
     assert!((c[1].cost - 10.0).abs() < 1e-9);
@@ -370,7 +374,7 @@ fn two_models_never_cross() {
         ..request(&b, 64, &overlaps)
     };
     assert!(s.route(0, &none).is_none());
-    assert!(s.candidates(&none).is_empty());
+    assert!(s.candidates(0, &none).is_empty());
 }
 
 mod ledger {
@@ -492,6 +496,8 @@ mod ledger {
                             prefill_blocks: f64::from(len),
                             blocks: b.iter().map(|x| x.seq).collect(),
                             tail: false,
+                            prefill_tokens: 0.0,
+                            decode_tokens: 0,
                         };
                         let known = workers.contains(&key(worker));
                         let result = s.book_shared(now, booking.clone());
@@ -544,7 +550,7 @@ fn an_engine_s_own_kv_usage_counts_where_it_exceeds_the_bookings() {
     let b = blocks(4, 0);
     let none = scores(&[]);
     let cost = |s: &Scheduler, w: u64| {
-        s.candidates(&request(&b, 64, &none))
+        s.candidates(0, &request(&b, 64, &none))
             .into_iter()
             .find(|c| c.key == key(w))
             .unwrap()
@@ -566,4 +572,286 @@ fn an_engine_s_own_kv_usage_counts_where_it_exceeds_the_bookings() {
     // Engine 1 idle again, engine 0 holding what this router booked there: 1 is cheaper.
     s.set_engine_load(WorkerId(1), EngineLoad::default());
     assert!(cost(&s, 1) < cost(&s, 0));
+}
+
+fn budgeted(worker_budget: u64, fleet_budget: u64, workers: u64) -> Scheduler {
+    let mut s = Scheduler::new(Config {
+        admission: AdmissionConfig {
+            worker_budget_tokens: worker_budget,
+            fleet_budget_tokens: fleet_budget,
+            decode_cap_tokens: 100,
+        },
+        ..Config::default()
+    })
+    .unwrap();
+    for w in 0..workers {
+        s.add_worker(key(w), 1000, "m");
+    }
+    s
+}
+
+fn routed(a: Admission) -> Decision {
+    match a {
+        Admission::Routed(d) => d,
+        other => panic!("expected a decision, got {other:?}"),
+    }
+}
+
+#[test]
+fn admission_books_work_and_waits_past_the_budget() {
+    // Work of one request: 160 prompt tokens + min(16, 100) decode = 176 tokens.
+    let mut s = budgeted(400, 0, 2);
+    let none = scores(&[]);
+    let r = |start| blocks(10, start);
+    let (b0, b1, b2, b3, b4) = (r(0), r(1000), r(2000), r(3000), r(4000));
+    let d: Vec<Decision> = [&b0, &b1, &b2, &b3]
+        .iter()
+        .map(|b| routed(s.admit(0, &request(b, 160, &none))))
+        .collect();
+    // Two fit on each worker (352 <= 400), a fifth fits nowhere.
+    assert_eq!(s.admit(0, &request(&b4, 160, &none)), Admission::Wait);
+    assert!((s.booked_work_tokens() - 4.0 * 176.0).abs() < 1e-9);
+    // A first token releases the prefill part (160): room for one more there.
+    s.first_token(d[0].booking);
+    let e = routed(s.admit(0, &request(&b4, 160, &none)));
+    assert_eq!(e.chosen.key, d[0].chosen.key);
+    // Completions release the rest.
+    for x in d.iter().chain([&e]) {
+        s.complete(x.booking);
+    }
+    assert_eq!(s.booked_work_tokens(), 0.0);
+    // Another model: nobody serves it.
+    let other = RouteRequest {
+        model: "other",
+        ..request(&b0, 160, &none)
+    };
+    assert_eq!(s.admit(0, &other), Admission::NoWorkers);
+}
+
+#[test]
+fn an_idle_worker_takes_a_request_larger_than_its_budget() {
+    let mut s = budgeted(100, 0, 1);
+    let b = blocks(10, 0);
+    let none = scores(&[]);
+    let d = routed(s.admit(0, &request(&b, 160, &none)));
+    assert!(!s.candidates(0, &request(&b, 160, &none))[0].room);
+    s.complete(d.booking);
+    routed(s.admit(0, &request(&b, 160, &none)));
+}
+
+#[test]
+fn the_fleet_budget_caps_all_workers_together() {
+    let mut s = budgeted(0, 400, 4);
+    let none = scores(&[]);
+    routed(s.admit(0, &request(&blocks(10, 0), 160, &none)));
+    routed(s.admit(0, &request(&blocks(10, 1000), 160, &none)));
+    assert_eq!(
+        s.admit(0, &request(&blocks(10, 2000), 160, &none)),
+        Admission::Wait
+    );
+    // Retries of an admitted request are not held to the budgets.
+    assert!(
+        s.route(0, &request(&blocks(10, 2000), 160, &none))
+            .is_some()
+    );
+}
+
+fn in_session<'a>(r: RouteRequest<'a>, id: &'a str, hard: bool) -> RouteRequest<'a> {
+    RouteRequest {
+        session: Some(SessionRef { id, hard }),
+        ..r
+    }
+}
+
+#[test]
+fn a_session_sticks_to_its_worker_and_moves_once_when_it_leaves() {
+    let mut s = scheduler(PolicyKind::Kv, 3);
+    let none = scores(&[]);
+    let first = s.route(
+        0,
+        &in_session(request(&blocks(4, 0), 64, &none), "conv", false),
+    );
+    let home = first.unwrap().chosen.key;
+    // Unrelated prompts (no cache anywhere, equal load otherwise) follow the session.
+    for turn in 1..20u32 {
+        let b = blocks(4, 10_000 * turn);
+        let d = s
+            .route(
+                u64::from(turn),
+                &in_session(request(&b, 64, &none), "conv", false),
+            )
+            .unwrap();
+        assert_eq!(d.chosen.key, home, "turn {turn}");
+        s.complete(d.booking);
+    }
+    s.remove_worker(home);
+    let moved = s
+        .route(
+            100,
+            &in_session(request(&blocks(4, 7), 64, &none), "conv", false),
+        )
+        .unwrap()
+        .chosen
+        .key;
+    assert_ne!(moved, home);
+    for turn in 0..5u32 {
+        let b = blocks(4, 500_000 + 1000 * turn);
+        let d = s
+            .route(200, &in_session(request(&b, 64, &none), "conv", false))
+            .unwrap();
+        assert_eq!(d.chosen.key, moved);
+    }
+    let st = s.session_stats();
+    assert_eq!((st.started, st.stuck, st.moved, st.yielded), (1, 24, 1, 0));
+}
+
+#[test]
+fn soft_affinity_yields_to_a_saturated_worker_and_hard_affinity_waits() {
+    let mut s = budgeted(200, 0, 2);
+    let none = scores(&[]);
+    let home = routed(s.admit(
+        0,
+        &in_session(request(&blocks(10, 0), 160, &none), "c", false),
+    ));
+    // The session's worker holds 176 of 200 tokens: no room for another 176.
+    let soft = routed(s.admit(
+        1,
+        &in_session(request(&blocks(10, 900), 160, &none), "c", false),
+    ));
+    assert_ne!(soft.chosen.key, home.chosen.key);
+    assert_eq!(s.session_stats().yielded, 1);
+    // The session now sticks where its last turn went; hard affinity waits for it.
+    assert_eq!(
+        s.admit(
+            2,
+            &in_session(request(&blocks(10, 1900), 160, &none), "c", true)
+        ),
+        Admission::Wait
+    );
+    s.complete(soft.booking);
+    let hard = routed(s.admit(
+        3,
+        &in_session(request(&blocks(10, 1900), 160, &none), "c", true),
+    ));
+    assert_eq!(hard.chosen.key, soft.chosen.key);
+}
+
+#[test]
+fn sessions_are_forgotten_after_their_ttl_and_past_the_cap() {
+    let mut s = Scheduler::new(Config {
+        sessions: SessionConfig {
+            ttl_ms: 1_000,
+            max_sessions: 3,
+            ..SessionConfig::default()
+        },
+        ..Config::default()
+    })
+    .unwrap();
+    s.add_worker(key(0), 1000, "m");
+    let none = scores(&[]);
+    let b = blocks(2, 0);
+    for (i, id) in ["a", "b", "c", "d"].iter().enumerate() {
+        let d = s.route(i as u64, &in_session(request(&b, 32, &none), id, false));
+        s.complete(d.unwrap().booking);
+    }
+    assert_eq!(s.session_stats().live, 3, "the oldest went past the cap");
+    assert_eq!(s.session_worker(3, "a"), None);
+    assert_eq!(s.session_worker(3, "d"), Some(key(0)));
+    assert_eq!(s.session_worker(1_003, "d"), None, "past its TTL");
+    let d = s.route(5_000, &in_session(request(&b, 32, &none), "e", false));
+    s.complete(d.unwrap().booking);
+    assert_eq!(s.session_stats().live, 1);
+}
+
+/// One paced request at a time (each done before the next), each a new conversation that
+/// shares an 8-block system prompt; requests per worker.
+fn paced_shares(recent_weight: f64) -> [u32; 4] {
+    let mut s = Scheduler::new(Config {
+        recent_weight,
+        recent_half_life_ms: 10_000,
+        ..Config::default()
+    })
+    .unwrap();
+    for w in 0..4 {
+        s.add_worker(key(w), 1000, "m");
+    }
+    let mut counts = [0u32; 4];
+    for i in 0..200u32 {
+        let mut b = blocks(8, 0);
+        b.extend(blocks(24, 100_000 + 1000 * i));
+        // Worker 0 held the system prompt first; the others once they served one.
+        let holders: Vec<(u64, u32, u32, u32)> = (0..4)
+            .map(|w| {
+                (
+                    w,
+                    if w == 0 || counts[w as usize] > 0 {
+                        8
+                    } else {
+                        0
+                    },
+                    0,
+                    0,
+                )
+            })
+            .collect();
+        let o = scores(&holders);
+        let d = s
+            .route(u64::from(i) * 2_000, &request(&b, 512, &o))
+            .unwrap();
+        counts[d.chosen.key.0.0 as usize] += 1;
+        s.first_token(d.booking);
+        s.complete(d.booking);
+    }
+    counts
+}
+
+#[test]
+fn paced_requests_do_not_all_follow_a_shared_prefix() {
+    // AMD-AGI/Infera #103: booked load is zero at every decision, so without a memory of
+    // recent work every request follows the system prompt to worker 0.
+    assert_eq!(paced_shares(0.0), [200, 0, 0, 0]);
+    // With it, a worker's recent requests outweigh the shared prefix's 8 blocks as they
+    // accumulate, and the other workers take over in turn.
+    let spread = paced_shares(1.0);
+    assert!(spread[0] < 100, "{spread:?}");
+    assert!(
+        spread.iter().filter(|c| **c >= 50).count() >= 3,
+        "{spread:?}"
+    );
+}
+
+#[test]
+fn receipts_count_the_cache_given_up_for_load() {
+    let mut s = budgeted(100, 0, 2);
+    // Worker 0 holds all of a first prompt: it goes there (16 tokens of decode booked).
+    let filler = routed(s.admit(
+        0,
+        &request(&blocks(10, 5000), 160, &scores(&[(0, 10, 0, 0)])),
+    ));
+    assert_eq!(filler.chosen.key, key(0));
+    assert_eq!(filler.receipt.cached_blocks, 10);
+    // Worker 0 has 6 of the next prompt's 10 blocks, but no room for its 64 + 16 tokens of
+    // work on top of 16 under a budget of 100... it does (96): one more makes it full.
+    let b = blocks(10, 0);
+    let o = scores(&[(0, 6, 0, 0)]);
+    let second = routed(s.admit(1, &request(&b, 160, &o)));
+    assert_eq!(
+        (second.chosen.key, second.receipt.cached_blocks),
+        (key(0), 6)
+    );
+    let third = routed(s.admit(2, &request(&b, 160, &o)));
+    let r = third.receipt;
+    assert_eq!(
+        (r.prompt_blocks, r.reachable_blocks),
+        (10, 10),
+        "the second is booked on 0"
+    );
+    assert_eq!((third.chosen.key, r.cached_blocks), (key(1), 0));
+    let st = s.decision_stats();
+    // Three decisions, two optimal; 10 blocks lost to load; 4 blocks nobody had.
+    assert_eq!(
+        (st.decisions, st.optimal, st.lost_blocks(), st.novel_blocks),
+        (3, 2, 10, 4)
+    );
+    assert!((st.regret() - 10.0 / 14.0).abs() < 1e-9);
 }

@@ -442,6 +442,8 @@ async fn replicas_see_each_others_bookings_and_drop_a_dead_replicas() {
         prompt_tokens: 160,
         block_size: 16,
         overlaps: &none,
+        max_tokens: 16,
+        session: None,
     };
     let decision = replicas[0].0.lock().route(0, &request).unwrap();
     replicas[0].1.booked(decision.booking);

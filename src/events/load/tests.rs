@@ -24,6 +24,8 @@ fn shared(origin: u64, seq: u64, blocks: usize, prefill: f64) -> SharedBooking {
         prefill_blocks: prefill,
         blocks: (0..blocks as u64).map(crate::protocol::SeqHash).collect(),
         tail: false,
+        prefill_tokens: 0.0,
+        decode_tokens: 0,
     }
 }
 
@@ -216,6 +218,8 @@ async fn a_silent_replica_loses_its_bookings_after_the_ttl() {
         prompt_tokens: 64,
         block_size: 16,
         overlaps: &overlaps,
+        max_tokens: 16,
+        session: None,
     };
     let decision = a.lock().route(0, &request).unwrap();
     share_a.booked(decision.booking);

@@ -1,0 +1,378 @@
+//! Driving the admission queue (DESIGN §13) from the HTTP front door: a request's class
+//! (tenant, priority band, session) read from its headers and body; every request is queued
+//! and the queue is pumped at once, so one that fits is routed without waiting and one that
+//! does not waits its turn. The pump runs again whenever booked work is released (a first
+//! token, a completion) and at every queue deadline; a ticket whose client goes away leaves
+//! with the handler's guard. Lock order: queue, then scheduler.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{Notify, oneshot};
+
+use super::Router;
+use super::openai::ApiError;
+use super::proxy::Booking;
+use crate::indexer::OverlapScores;
+use crate::protocol::{BlockHash, SeqHash};
+use crate::scheduler::queue::{AdmissionQueue, Left, Ticket, TicketId};
+use crate::scheduler::{Admission, Decision, RouteRequest, SessionRef};
+
+/// Names of the request headers that say who sends a request and how it is to be treated,
+/// and of the one that asks for the decision's receipt.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClassHeaders {
+    /// The tenant, for fairness within a band (else the API key's index, else `default`).
+    pub tenant: String,
+    /// The priority band, an integer: higher is served first (else the body's `priority`,
+    /// vLLM's, lower first, or `service_tier`: `priority` +1, `flex` −1; else 0).
+    pub priority: String,
+    /// The session: its turns stick to one worker.
+    pub session: String,
+    /// `hard`: the session's worker only, waiting for room there.
+    pub affinity: String,
+    /// Any value: the response carries `x-kvroute-receipt` (worker, cached, reachable,
+    /// cost).
+    pub receipt: String,
+}
+
+impl Default for ClassHeaders {
+    fn default() -> Self {
+        ClassHeaders {
+            tenant: "x-kvroute-tenant".into(),
+            priority: "x-kvroute-priority".into(),
+            session: "x-kvroute-session".into(),
+            affinity: "x-kvroute-affinity".into(),
+            receipt: "x-kvroute-receipt".into(),
+        }
+    }
+}
+
+/// Longest tenant or session id accepted, bytes.
+pub const MAX_ID_BYTES: usize = 256;
+
+/// Who sent a request and how it is to be treated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Class {
+    /// The tenant.
+    pub tenant: Arc<str>,
+    /// Its band as asked (clamped by the queue).
+    pub band: i64,
+    /// Its session, and whether affinity is hard.
+    pub session: Option<(String, bool)>,
+    /// Whether the client asked for the receipt.
+    pub receipt: bool,
+}
+
+impl Class {
+    /// Reads the class from the headers (names in `names`), falling back to the body's
+    /// `priority` and `service_tier` and, for the tenant, to the API key's index.
+    pub fn read(
+        names: &ClassHeaders,
+        headers: &hyper::HeaderMap,
+        api_key: Option<usize>,
+        body_priority: Option<i64>,
+        service_tier: Option<&str>,
+    ) -> Result<Class, ApiError> {
+        let text = |name: &str| -> Result<Option<&str>, ApiError> {
+            let Some(v) = headers.get(name) else {
+                return Ok(None);
+            };
+            let v = v
+                .to_str()
+                .ok()
+                .filter(|v| !v.is_empty() && v.len() <= MAX_ID_BYTES)
+                .ok_or_else(|| {
+                    ApiError::bad_request(format!(
+                        "header {name} must be 1 to {MAX_ID_BYTES} visible ASCII characters"
+                    ))
+                })?;
+            Ok(Some(v))
+        };
+        let tenant: Arc<str> = match (text(&names.tenant)?, api_key) {
+            (Some(t), _) => Arc::from(t),
+            (None, Some(i)) => Arc::from(format!("key-{i}")),
+            (None, None) => Arc::from("default"),
+        };
+        let band = match text(&names.priority)? {
+            Some(v) => v.trim().parse::<i64>().map_err(|_| {
+                ApiError::bad_request(format!(
+                    "header {} must be an integer band (higher is served first), not {v:?}",
+                    names.priority
+                ))
+            })?,
+            None => match (body_priority, service_tier) {
+                (Some(p), _) => p.saturating_neg(),
+                (None, Some("priority")) => 1,
+                (None, Some("flex")) => -1,
+                _ => 0,
+            },
+        };
+        let session = text(&names.session)?.map(|s| {
+            let hard = headers
+                .get(&names.affinity)
+                .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"hard"));
+            (s.to_owned(), hard)
+        });
+        Ok(Class {
+            tenant,
+            band,
+            session,
+            receipt: headers.contains_key(&names.receipt),
+        })
+    }
+}
+
+/// What the pump needs to route a queued request.
+#[derive(Debug)]
+pub(super) struct Routable {
+    pub model: String,
+    pub blocks: Vec<BlockHash>,
+    pub prompt_tokens: usize,
+    pub block_size: usize,
+    pub max_tokens: u32,
+    pub session: Option<(String, bool)>,
+}
+
+impl Routable {
+    pub fn request<'a>(&'a self, overlaps: &'a OverlapScores) -> RouteRequest<'a> {
+        RouteRequest {
+            model: &self.model,
+            blocks: &self.blocks,
+            prompt_tokens: self.prompt_tokens,
+            block_size: self.block_size,
+            overlaps,
+            max_tokens: self.max_tokens,
+            session: self
+                .session
+                .as_ref()
+                .map(|(id, hard)| SessionRef { id, hard: *hard }),
+        }
+    }
+}
+
+/// Why a queued request was not admitted.
+#[derive(Debug)]
+pub(super) enum Refusal {
+    /// Its deadline passed.
+    Expired { band: i32, waited_ms: u64 },
+    /// Every worker of its model left while it waited.
+    NoWorkers,
+}
+
+/// The answer a queued request's handler waits for.
+pub(super) type Outcome = Result<(Decision, Booking), Refusal>;
+
+/// A queued request: what to route, and where to send the outcome.
+pub(super) struct Waiter {
+    pub request: Arc<Routable>,
+    pub tx: oneshot::Sender<Outcome>,
+}
+
+/// Removes its ticket from the queue when dropped: the handler's future was dropped (the
+/// client went away) or it gave up waiting.
+pub(super) struct Queued<'a> {
+    pub router: &'a Router,
+    pub id: TicketId,
+    pub band: i32,
+    /// What a removal here means, for the rejection metric.
+    pub reason: &'static str,
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        let now = self.router.now_ms();
+        if self.router.queue.lock().cancel(now, self.id).is_some() {
+            rejected(self.band, self.reason);
+        }
+    }
+}
+
+fn rejected(band: i32, reason: &'static str) {
+    metrics::counter!("kvroute_queue_rejected_total", "band" => band.to_string(), "reason" => reason)
+        .increment(1);
+}
+
+fn waited(band: i32, waited_ms: u64) {
+    metrics::histogram!("kvroute_queue_wait_seconds", "band" => band.to_string())
+        .record(waited_ms as f64 / 1e3);
+}
+
+/// Counts one routing decision in the decision-quality metrics.
+pub(super) fn record_decision(d: &Decision) {
+    let r = d.receipt;
+    metrics::counter!("kvroute_route_decisions_total").increment(1);
+    if r.cached_blocks >= r.reachable_blocks {
+        metrics::counter!("kvroute_route_optimal_total").increment(1);
+    }
+    metrics::counter!("kvroute_route_cached_blocks_total").increment(u64::from(r.cached_blocks));
+    metrics::counter!("kvroute_route_reachable_blocks_total")
+        .increment(u64::from(r.reachable_blocks));
+    metrics::counter!("kvroute_route_novel_blocks_total").increment(u64::from(
+        r.prompt_blocks.saturating_sub(r.reachable_blocks),
+    ));
+}
+
+impl Router {
+    /// Queues a request of `class` with `work_tokens` of work; `Err` when its band is full.
+    /// Returns its ticket and its band (clamped).
+    pub(super) fn enqueue(
+        &self,
+        class: &Class,
+        work_tokens: u64,
+        waiter: Waiter,
+    ) -> Result<(TicketId, i32), ApiError> {
+        let now = self.now_ms();
+        let mut queue = self.queue.lock();
+        let band = queue.config().clamp(class.band);
+        let ticket = Ticket {
+            band,
+            tenant: Arc::clone(&class.tenant),
+            work_tokens,
+        };
+        match queue.push(now, ticket, waiter) {
+            Ok(id) => Ok((id, band)),
+            Err(crate::scheduler::queue::Refused::Full { band, limit }) => {
+                rejected(band, "full");
+                Err(ApiError::queue_full(band, limit))
+            }
+        }
+    }
+
+    /// Expires what is due, then admits queued requests in order while the fleet has room.
+    pub(super) fn pump(&self) {
+        let now = self.now_ms();
+        let mut queue = self.queue.lock();
+        for Left {
+            ticket,
+            payload,
+            waited_ms,
+            ..
+        } in queue.expire(now)
+        {
+            rejected(ticket.band, "deadline");
+            let _ = payload.tx.send(Err(Refusal::Expired {
+                band: ticket.band,
+                waited_ms,
+            }));
+        }
+        let mut seqs: Vec<SeqHash> = Vec::new();
+        while let Some((id, ticket, waiter)) = queue.peek() {
+            let share = queue.config().band(ticket.band).budget_share;
+            if waiter.tx.is_closed() {
+                // The handler is going; its guard would remove the ticket a moment later.
+                if let Some(left) = queue.cancel(now, id) {
+                    rejected(left.ticket.band, "cancelled");
+                }
+                continue;
+            }
+            let routable = Arc::clone(&waiter.request);
+            seqs.clear();
+            seqs.extend(routable.blocks.iter().map(|b| b.seq));
+            let overlaps = self.plane.indexer().find_matches_seq(&seqs);
+            let admission =
+                self.scheduler
+                    .lock()
+                    .admit_within(now, &routable.request(&overlaps), share);
+            match admission {
+                Admission::Wait => break,
+                Admission::NoWorkers => {
+                    if let Some(left) = queue.cancel(now, id) {
+                        rejected(left.ticket.band, "no_workers");
+                        let _ = left.payload.tx.send(Err(Refusal::NoWorkers));
+                    }
+                }
+                Admission::Routed(decision) => {
+                    record_decision(&decision);
+                    let booking = Booking::new(self, decision.booking);
+                    let left = queue
+                        .admit(now, id)
+                        .expect("invariant: the peeked ticket is next while the queue is locked");
+                    waited(left.ticket.band, left.waited_ms);
+                    // A handler gone since the check drops the booking with the message.
+                    let _ = left.payload.tx.send(Ok((decision, booking)));
+                }
+            }
+        }
+    }
+
+    /// `GET /admin/queues`: every band's depth, limits and counters; the budgets and the
+    /// work booked against them; sessions; decision quality.
+    pub(super) fn queues_view(&self) -> serde_json::Value {
+        let now = self.now_ms();
+        let bands = self.queue.lock().view(now);
+        let s = self.scheduler.lock();
+        let a = s.config().admission;
+        let workers: Vec<_> = s
+            .workers()
+            .map(|(k, l)| serde_json::json!({"worker": k.0, "dp_rank": k.1.0, "booked_work_tokens": l.work_tokens, "requests": l.requests}))
+            .collect();
+        let d = s.decision_stats();
+        serde_json::json!({
+            "bands": bands,
+            "admission": {
+                "worker_budget_tokens": a.worker_budget_tokens,
+                "fleet_budget_tokens": a.fleet_budget_tokens,
+                "decode_cap_tokens": a.decode_cap_tokens,
+                "booked_work_tokens": s.booked_work_tokens(),
+                "workers": workers,
+            },
+            "sessions": s.session_stats(),
+            "decisions": {
+                "total": d.decisions, "optimal": d.optimal, "cached_blocks": d.cached_blocks,
+                "reachable_blocks": d.reachable_blocks, "lost_blocks": d.lost_blocks(),
+                "novel_blocks": d.novel_blocks, "regret": d.regret(),
+            },
+        })
+    }
+
+    /// Sets the queue and admission gauges (at scrape time).
+    pub(super) fn queue_gauges(&self) {
+        let now = self.now_ms();
+        for b in self.queue.lock().view(now) {
+            let band = b.band.to_string();
+            metrics::gauge!("kvroute_queue_depth", "band" => band.clone()).set(b.depth as f64);
+            metrics::gauge!("kvroute_queue_limit", "band" => band.clone()).set(b.max_queued as f64);
+            metrics::gauge!("kvroute_queue_ttl_seconds", "band" => band).set(b.ttl_ms as f64 / 1e3);
+        }
+        let s = self.scheduler.lock();
+        let a = s.config().admission;
+        metrics::gauge!("kvroute_admission_budget_tokens", "scope" => "worker")
+            .set(a.worker_budget_tokens as f64);
+        metrics::gauge!("kvroute_admission_budget_tokens", "scope" => "fleet")
+            .set(a.fleet_budget_tokens as f64);
+        metrics::gauge!("kvroute_admission_booked_tokens").set(s.booked_work_tokens());
+        let st = s.session_stats();
+        metrics::gauge!("kvroute_sessions").set(st.live as f64);
+        metrics::counter!("kvroute_session_turns_total", "outcome" => "started")
+            .absolute(st.started);
+        metrics::counter!("kvroute_session_turns_total", "outcome" => "stuck").absolute(st.stuck);
+        metrics::counter!("kvroute_session_turns_total", "outcome" => "moved").absolute(st.moved);
+        metrics::counter!("kvroute_session_turns_total", "outcome" => "yielded")
+            .absolute(st.yielded);
+    }
+}
+
+/// Pumps the queue whenever `room` is signalled (booked work released) and at least at
+/// every queue deadline (and every 100 ms, for workers that join). Ends with the router.
+pub(super) async fn drive_queue(router: Weak<Router>, room: Arc<Notify>) {
+    loop {
+        let wait_ms = {
+            let Some(router) = router.upgrade() else {
+                return;
+            };
+            router.pump();
+            let next = router.queue.lock().next_deadline_ms();
+            next.map_or(100, |d| d.saturating_sub(router.now_ms()).clamp(1, 100))
+        };
+        tokio::select! {
+            _ = room.notified() => {}
+            _ = tokio::time::sleep(Duration::from_millis(wait_ms)) => {}
+        }
+    }
+}
+
+/// The queue the router holds.
+pub(super) type Queue = AdmissionQueue<Waiter>;
