@@ -22,7 +22,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use tokio::sync::{Notify, Semaphore, oneshot, watch};
+use tokio::sync::{Notify, Semaphore, watch};
 use tokio::time::Instant;
 
 use crate::auth::{Secret, bearer_key, bearer_ok};
@@ -32,7 +32,7 @@ use crate::http::{Body, BodyError, HttpConfig, collect_body, serve_http};
 use crate::protocol::{SeqHash, WorkerId, hash_blocks};
 use crate::scheduler::mismatch::{MismatchAlarm, MismatchConfig};
 use crate::scheduler::{self, RouteRequest, Scheduler, WorkerKey};
-use admission::{Class, ClassHeaders, Queued, Refusal, Routable, Waiter};
+use admission::{Class, ClassHeaders, Entered, Refusal, Routable};
 use openai::{ApiError, ChatRequest, CompletionRequest, Prompt};
 use proxy::{Booking, ProxyError, forward};
 use tokenizer::Tokenizer;
@@ -771,13 +771,13 @@ async fn completions(
         chat,
         receipt: class.receipt,
     };
-    let (mut decision, booking) = admit(router, &prepared, &class).await?;
-    let mut booking = Some(booking);
     let mut request = prepared.request();
     request.session = class
         .session
         .as_ref()
         .map(|(id, hard)| scheduler::SessionRef { id, hard: *hard });
+    let (mut decision, booking) = admit(router, &prepared, &class, &request).await?;
+    let mut booking = Some(booking);
     let mut failed: Vec<WorkerKey> = Vec::new();
     let mut last_error: Option<ProxyError> = None;
     for attempt in 0..=router.config.retries {
@@ -825,54 +825,30 @@ async fn completions(
     })
 }
 
-/// Queues the request and waits for its turn: a worker with room for its work, routed and
-/// booked; or 429 once its band's deadline passes; or 503 if every worker left. If the
-/// client goes away meanwhile, this future is dropped and its ticket leaves the queue.
+/// Routes the request at once if nothing waits and a worker has room; else queues it and
+/// waits for its turn: a worker with room for its work, routed and booked; or 429 once its
+/// band's deadline passes; or 503 if every worker left. If the client goes away meanwhile,
+/// this future is dropped and its ticket leaves the queue.
 async fn admit(
     router: &Arc<Router>,
     prepared: &Prepared,
     class: &Class,
+    request: &RouteRequest<'_>,
 ) -> Result<(scheduler::Decision, Booking), ApiError> {
     let p = &prepared.parsed;
-    let routable = Arc::new(Routable {
+    let routable = || Routable {
         model: p.model.clone(),
         blocks: prepared.blocks.clone(),
         prompt_tokens: p.tokens.len(),
         block_size: prepared.block_size,
         max_tokens: p.max_tokens,
         session: class.session.clone(),
-    });
-    // Its work for fairness: the prefill left after the best cached prefix, and its decode.
-    let cached = prepared
-        .overlaps
-        .workers
-        .iter()
-        .map(|o| o.device + o.host + o.disk)
-        .max()
-        .unwrap_or(0) as usize;
-    let (decode_cap, ttl_ms) = {
-        let s = router.scheduler.lock();
-        let c = s.config();
-        let band = c.queue.clamp(class.band);
-        (c.admission.decode_cap_tokens, c.queue.band(band).ttl_ms)
     };
-    let work = p.tokens.len().saturating_sub(cached * prepared.block_size) as u64
-        + u64::from(p.max_tokens.min(decode_cap));
-    let (tx, rx) = oneshot::channel();
-    let (id, band) = router.enqueue(
-        class,
-        work,
-        Waiter {
-            request: routable,
-            tx,
-        },
-    )?;
-    let mut guard = Queued {
-        router,
-        id,
-        band,
-        reason: "cancelled",
+    let (mut guard, rx, ttl_ms) = match router.enter(class, request, routable)? {
+        Entered::Admitted(admitted) => return Ok(*admitted),
+        Entered::Queued { guard, rx, ttl_ms } => (guard, rx, ttl_ms),
     };
+    let band = guard.band;
     router.pump();
     // The pump answers by the deadline; the extra seconds are a backstop, not the rule.
     let outcome = tokio::time::timeout(Duration::from_millis(ttl_ms + 5_000), rx).await;

@@ -618,9 +618,7 @@ impl Scheduler {
                     decode_tokens,
                 };
                 let booked_work_tokens = state.load.work_tokens;
-                let room = budget == 0.0
-                    || booked_work_tokens <= 0.0
-                    || booked_work_tokens + work.total() <= budget;
+                let room = fits(booked_work_tokens, work.total(), budget);
                 Candidate {
                     key: *key,
                     overlap,
@@ -702,25 +700,19 @@ impl Scheduler {
         let pinned = session
             .and_then(|(_, w)| w)
             .filter(|w| all.iter().any(|c| c.key == *w));
-        if let Some((s, Some(_))) = session
-            && s.hard
-            && let Some(w) = pinned
+        if let Some(w) = pinned
+            && request.session.is_some_and(|s| s.hard)
         {
             all.retain(|c| c.key == w);
         }
         if let Some(share) = budget_share {
             let fleet = share * self.config.admission.fleet_budget_tokens as f64;
-            let booked: f64 = self.workers.values().map(|w| w.load.work_tokens).sum();
             let work = all.iter().map(|c| c.work.total()).fold(f64::MAX, f64::min);
-            if fleet > 0.0 && booked > 0.0 && booked + work > fleet {
+            if !fits(self.booked_work_tokens(), work, fleet) {
                 return Admission::Wait;
             }
             let budget = share * self.config.admission.worker_budget_tokens as f64;
-            all.retain(|c| {
-                budget == 0.0
-                    || c.booked_work_tokens <= 0.0
-                    || c.booked_work_tokens + c.work.total() <= budget
-            });
+            all.retain(|c| fits(c.booked_work_tokens, c.work.total(), budget));
             if all.is_empty() {
                 return Admission::Wait;
             }
@@ -765,6 +757,25 @@ impl Scheduler {
             booking,
             receipt,
         })
+    }
+
+    /// A request's work as the queue weighs it for fairness, tokens: the prefill left after
+    /// the longest prefix any worker has cached, plus its expected decode.
+    pub fn queue_work(&self, request: &RouteRequest<'_>) -> u64 {
+        let cached = request
+            .overlaps
+            .workers
+            .iter()
+            .map(|o| (o.device + o.host + o.disk) as usize)
+            .max()
+            .unwrap_or(0);
+        let decode = request
+            .max_tokens
+            .min(self.config.admission.decode_cap_tokens);
+        request
+            .prompt_tokens
+            .saturating_sub(cached * request.block_size) as u64
+            + u64::from(decode)
     }
 
     /// Totals over every decision so far.
@@ -1015,6 +1026,12 @@ impl Scheduler {
     pub fn open_bookings(&self) -> usize {
         self.bookings.len()
     }
+}
+
+/// Whether `work` fits beside `booked` under `budget` (tokens): always when the budget is
+/// off (0) or nothing is booked, so an idle worker takes a request however large.
+fn fits(booked: f64, work: f64, budget: f64) -> bool {
+    budget == 0.0 || booked <= 0.0 || booked + work <= budget
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use kvroute::indexer::{self, Indexer};
+use kvroute::indexer::{self, Indexer, OverlapScores};
 use kvroute::protocol::{BlockHash, DpRank, EventBatch, Salt, SeqHash, WorkerId, hash_blocks};
 use kvroute::scheduler::queue::{AdmissionQueue, BandConfig, QueueConfig, Ticket};
 use kvroute::scheduler::{
@@ -282,6 +282,24 @@ struct Prompt {
     /// Whether an earlier turn sends it (else it arrives at `arrival_us`).
     follows: bool,
     think_us: u64,
+}
+
+impl Prompt {
+    /// What the scheduler is told of it, with every worker's cached prefix `overlaps`.
+    fn request<'a>(&'a self, overlaps: &'a OverlapScores, block_size: usize) -> RouteRequest<'a> {
+        RouteRequest {
+            model: REPLAY_MODEL,
+            blocks: &self.blocks,
+            prompt_tokens: self.tokens.len(),
+            block_size,
+            overlaps,
+            max_tokens: self.output,
+            session: self
+                .session
+                .as_deref()
+                .map(|id| SessionRef { id, hard: false }),
+        }
+    }
 }
 
 #[derive(Default, Clone, Copy)]
@@ -652,7 +670,6 @@ fn run_policy(
             REPLAY_MODEL,
         );
     }
-    let decode_cap = scheduler.config().admission.decode_cap_tokens;
     let mut queue: AdmissionQueue<usize> = AdmissionQueue::new(QueueConfig {
         default_band: BandConfig {
             max_queued: usize::MAX,
@@ -730,16 +747,10 @@ fn run_policy(
             let p = &prompts[i];
             seqs.clear();
             seqs.extend(p.blocks.iter().map(|b| b.seq));
-            let cached = router
-                .indexer
-                .find_matches_seq(&seqs)
-                .workers
-                .iter()
-                .map(|o| (o.device + o.host + o.disk) as usize)
-                .max()
-                .unwrap_or(0);
-            let work = p.tokens.len().saturating_sub(cached * args.block_size) as u64
-                + u64::from(p.output.min(decode_cap));
+            let overlaps = router.indexer.find_matches_seq(&seqs);
+            let work = router
+                .scheduler
+                .queue_work(&p.request(&overlaps, args.block_size));
             let (tenant, band) = if args.ignore_classes {
                 (Arc::from("default"), 0)
             } else {

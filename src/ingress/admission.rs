@@ -1,9 +1,10 @@
 //! Driving the admission queue (DESIGN §13) from the HTTP front door: a request's class
-//! (tenant, priority band, session) read from its headers and body; every request is queued
-//! and the queue is pumped at once, so one that fits is routed without waiting and one that
-//! does not waits its turn. The pump runs again whenever booked work is released (a first
-//! token, a completion) and at every queue deadline; a ticket whose client goes away leaves
-//! with the handler's guard. Lock order: queue, then scheduler.
+//! (tenant, priority band, session) read from its headers and body. A request that finds
+//! nothing waiting and a worker with room is routed at once, with the overlaps its handler
+//! already read; any other is queued and waits its turn. The pump admits queued requests
+//! whenever booked work is released (a first token, a completion) and at every queue
+//! deadline, reading each one's overlaps afresh; a ticket whose client goes away leaves with
+//! the handler's guard. Lock order: queue, then scheduler.
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -171,6 +172,19 @@ pub(super) struct Waiter {
     pub tx: oneshot::Sender<Outcome>,
 }
 
+/// What [`Router::enter`] did with a request.
+pub(super) enum Entered<'a> {
+    /// Nothing waited ahead and a worker had room: routed and booked.
+    Admitted(Box<(Decision, Booking)>),
+    /// Queued: the pump answers on `rx` by the band's deadline (`ttl_ms`); dropping `guard`
+    /// takes the ticket out of the queue.
+    Queued {
+        guard: Queued<'a>,
+        rx: oneshot::Receiver<Outcome>,
+        ttl_ms: u64,
+    },
+}
+
 /// Removes its ticket from the queue when dropped: the handler's future was dropped (the
 /// client went away) or it gave up waiting.
 pub(super) struct Queued<'a> {
@@ -216,24 +230,61 @@ pub(super) fn record_decision(d: &Decision) {
 }
 
 impl Router {
-    /// Queues a request of `class` with `work_tokens` of work; `Err` when its band is full.
-    /// Returns its ticket and its band (clamped).
-    pub(super) fn enqueue(
-        &self,
+    /// Takes a request in. When nothing waits and a worker has room, it is routed at once
+    /// with the overlaps already read; otherwise it is queued (`Err` when its band is full,
+    /// or when no worker serves its model). `routable` builds what the pump needs later.
+    pub(super) fn enter<'a>(
+        &'a self,
         class: &Class,
-        work_tokens: u64,
-        waiter: Waiter,
-    ) -> Result<(TicketId, i32), ApiError> {
+        request: &RouteRequest<'_>,
+        routable: impl FnOnce() -> Routable,
+    ) -> Result<Entered<'a>, ApiError> {
         let now = self.now_ms();
         let mut queue = self.queue.lock();
         let band = queue.config().clamp(class.band);
+        let limits = queue.config().band(band);
+        let work_tokens = {
+            let mut scheduler = self.scheduler.lock();
+            if queue.is_empty() {
+                match scheduler.admit_within(now, request, limits.budget_share) {
+                    Admission::Routed(decision) => {
+                        drop(scheduler);
+                        queue.passed(band);
+                        record_decision(&decision);
+                        waited(band, 0);
+                        let booking = Booking::new(self, decision.booking);
+                        return Ok(Entered::Admitted(Box::new((decision, booking))));
+                    }
+                    Admission::NoWorkers => {
+                        rejected(band, "no_workers");
+                        return Err(ApiError::no_workers());
+                    }
+                    Admission::Wait => {}
+                }
+            }
+            scheduler.queue_work(request)
+        };
         let ticket = Ticket {
             band,
             tenant: Arc::clone(&class.tenant),
             work_tokens,
         };
+        let (tx, rx) = oneshot::channel();
+        let waiter = Waiter {
+            request: Arc::new(routable()),
+            tx,
+        };
         match queue.push(now, ticket, waiter) {
-            Ok(id) => Ok((id, band)),
+            Ok(id) => Ok(Entered::Queued {
+                guard: Queued {
+                    router: self,
+                    id,
+                    band,
+                    reason: "cancelled",
+                },
+                rx,
+                ttl_ms: limits.ttl_ms,
+            }),
             Err(crate::scheduler::queue::Refused::Full { band, limit }) => {
                 rejected(band, "full");
                 Err(ApiError::queue_full(band, limit))

@@ -351,6 +351,17 @@ impl<T> AdmissionQueue<T> {
         Some(left)
     }
 
+    /// Counts a request of `band` that found nothing waiting and was routed at once, without
+    /// a ticket: queued and admitted, with no wait.
+    pub fn passed(&mut self, band: i32) {
+        let c = self
+            .counters
+            .entry(self.config.clamp(i64::from(band)))
+            .or_default();
+        c.queued += 1;
+        c.admitted += 1;
+    }
+
     /// Removes a ticket whose client went away (or that the driver gave up on).
     pub fn cancel(&mut self, now_ms: u64, id: TicketId) -> Option<Left<T>> {
         let left = self.remove(now_ms, id, false)?;

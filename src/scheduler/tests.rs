@@ -830,8 +830,8 @@ fn receipts_count_the_cache_given_up_for_load() {
     ));
     assert_eq!(filler.chosen.key, key(0));
     assert_eq!(filler.receipt.cached_blocks, 10);
-    // Worker 0 has 6 of the next prompt's 10 blocks, but no room for its 64 + 16 tokens of
-    // work on top of 16 under a budget of 100... it does (96): one more makes it full.
+    // Worker 0 has 6 of the next prompt's 10 blocks: 64 + 16 tokens of work on top of its 16
+    // fit the budget of 100 (96); after that, worker 0 has no room for another.
     let b = blocks(10, 0);
     let o = scores(&[(0, 6, 0, 0)]);
     let second = routed(s.admit(1, &request(&b, 160, &o)));

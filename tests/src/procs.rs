@@ -234,3 +234,16 @@ impl Http {
         })
     }
 }
+
+/// Sends `POST /v1/completions` with `body` on a fresh raw connection to `base` and returns
+/// the connection, nothing read yet (to hold a request open, or drop it mid-way).
+pub async fn send_raw(base: &str, body: &str) -> anyhow::Result<tokio::net::TcpStream> {
+    use tokio::io::AsyncWriteExt;
+    let mut s = tokio::net::TcpStream::connect(base.trim_start_matches("http://")).await?;
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await?;
+    Ok(s)
+}

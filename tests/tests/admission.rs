@@ -4,10 +4,11 @@
 
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 
 use kvroute_e2e::fleet::{Fleet, FleetSpec, WorkerSpec, completion};
+use kvroute_e2e::procs::{Reply, send_raw};
 
 const MODEL: &str = "kvroute-sim";
 
@@ -25,27 +26,20 @@ async fn one_at_a_time(extra: &[&str]) -> Fleet {
     .unwrap()
 }
 
-/// Sends a request on a raw connection (nothing read yet).
-async fn send_raw(base: &str, body: &str) -> TcpStream {
-    let mut s = TcpStream::connect(base.trim_start_matches("http://"))
-        .await
-        .unwrap();
-    let req = format!(
-        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.unwrap();
-    s
-}
-
 /// A long streamed request that holds the worker's budget until its connection is dropped.
 async fn hold_the_budget(f: &Fleet) -> TcpStream {
     let body = completion(MODEL, "hold the worker for a while", 5000, true);
-    let mut s = send_raw(&f.url(), &body).await;
+    let mut s = send_raw(&f.url(), &body).await.unwrap();
     let mut buf = [0u8; 256];
     let n = s.read(&mut buf).await.unwrap();
     assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
     s
+}
+
+/// `POST /v1/completions` with `body` and `headers` through the first router.
+async fn post(f: &Fleet, body: String, headers: &[(&str, &str)]) -> Reply {
+    let url = format!("{}/v1/completions", f.url());
+    f.http.call_with("POST", &url, body, headers).await.unwrap()
 }
 
 async fn queues(f: &Fleet) -> serde_json::Value {
@@ -138,7 +132,9 @@ async fn a_burst_past_the_budget_waits_then_is_served() {
 async fn a_queued_request_whose_client_leaves_leaves_the_queue() {
     let f = one_at_a_time(&[]).await;
     let _hold = hold_the_budget(&f).await;
-    let waiting = send_raw(&f.url(), &completion(MODEL, "will leave", 4, false)).await;
+    let waiting = send_raw(&f.url(), &completion(MODEL, "will leave", 4, false))
+        .await
+        .unwrap();
     assert!(depth_becomes(&f, 1).await, "{}", queues(&f).await);
     drop(waiting);
     assert!(depth_becomes(&f, 0).await, "{}", queues(&f).await);
@@ -149,30 +145,18 @@ async fn a_queued_request_whose_client_leaves_leaves_the_queue() {
 async fn a_deadline_expires_with_429_and_retry_after() {
     let f = one_at_a_time(&["--queue-ttl-ms", "300"]).await;
     let _hold = hold_the_budget(&f).await;
-    let r = f
-        .http
-        .call(
-            "POST",
-            &format!("{}/v1/completions", f.url()),
-            completion(MODEL, "too late", 4, false),
-        )
-        .await
-        .unwrap();
+    let r = post(&f, completion(MODEL, "too late", 4, false), &[]).await;
     assert_eq!(r.status, 429, "{}", r.body);
     assert!(r.header("retry-after").is_some());
     assert!(r.body.contains("deadline"), "{}", r.body);
     assert_eq!(band0(&f).await["counters"]["expired"], 1);
     // A band header that is not an integer is the client's error.
-    let r = f
-        .http
-        .call_with(
-            "POST",
-            &format!("{}/v1/completions", f.url()),
-            completion(MODEL, "x", 4, false),
-            &[("x-kvroute-priority", "high")],
-        )
-        .await
-        .unwrap();
+    let r = post(
+        &f,
+        completion(MODEL, "x", 4, false),
+        &[("x-kvroute-priority", "high")],
+    )
+    .await;
     assert_eq!(r.status, 400, "{}", r.body);
 }
 
@@ -184,15 +168,7 @@ async fn an_empty_fleet_answers_503_at_once() {
     })
     .await
     .unwrap();
-    let r = f
-        .http
-        .call(
-            "POST",
-            &format!("{}/v1/completions", f.url()),
-            completion(MODEL, "anyone?", 4, false),
-        )
-        .await
-        .unwrap();
+    let r = post(&f, completion(MODEL, "anyone?", 4, false), &[]).await;
     assert_eq!(r.status, 503, "{}", r.body);
 }
 
@@ -208,16 +184,7 @@ async fn a_session_holds_for_20_turns_and_moves_once_when_its_worker_dies() {
     let mut conversation = String::from("You are a helpful assistant. ");
     let mut turn = async |f: &Fleet, i: usize| -> String {
         conversation.push_str(&format!("User turn {i}: tell me more about item {i}. "));
-        let r = f
-            .http
-            .call_with(
-                "POST",
-                &format!("{}/v1/completions", f.url()),
-                completion(MODEL, &conversation, 4, false),
-                &session,
-            )
-            .await
-            .unwrap();
+        let r = post(f, completion(MODEL, &conversation, 4, false), &session).await;
         assert_eq!(r.status, 200, "turn {i}: {}", r.body);
         r.header("x-kvroute-worker").unwrap().to_owned()
     };

@@ -8,7 +8,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use kvroute_e2e::fleet::{Fleet, FleetSpec, WorkerSpec, completion};
-use kvroute_e2e::procs::Http;
+use kvroute_e2e::procs::{Http, send_raw};
 
 const MODEL: &str = "kvroute-sim";
 
@@ -36,23 +36,10 @@ fn request(group: usize, i: usize, stream: bool) -> String {
     )
 }
 
-/// Sends a request on a raw connection; returns the connection (nothing read yet).
-async fn send_raw(base: &str, body: &str) -> TcpStream {
-    let mut s = TcpStream::connect(base.trim_start_matches("http://"))
-        .await
-        .unwrap();
-    let req = format!(
-        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.unwrap();
-    s
-}
-
 /// Starts a streaming request and returns the connection after the response head.
 async fn open_stream(f: &Fleet, max_tokens: u32) -> TcpStream {
     let body = completion(MODEL, &prompt(7), max_tokens, true);
-    let mut s = send_raw(&f.url(), &body).await;
+    let mut s = send_raw(&f.url(), &body).await.unwrap();
     let mut buf = [0u8; 256];
     let n = s.read(&mut buf).await.unwrap();
     assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
@@ -237,7 +224,11 @@ async fn bookings_return_on_both_replicas_however_the_client_leaves() {
         .unwrap();
     let mut aborted = Vec::new();
     for i in 0..20 {
-        aborted.push(send_raw(&f.url(), &request(i, 0, i % 2 == 0)).await);
+        aborted.push(
+            send_raw(&f.url(), &request(i, 0, i % 2 == 0))
+                .await
+                .unwrap(),
+        );
     }
     let booked = f
         .until(Duration::from_secs(10), || async {
