@@ -6,56 +6,65 @@
 //! The device tier is a radix tree over block sequences whose nodes are *addressed by their
 //! `SeqHash`*: the child of node `p` along edge `LocalHash l` is node `seq_hash(p, l)`. A
 //! lookup that arrives as `LocalHash`es derives each node's address with one 16-byte xxh3
-//! (≈4 ns) and reads it from a sharded hash map; a `Stored` event, which names blocks by
-//! `SeqHash`, finds its parent in the same map. Because a node's address is its whole
-//! prefix, there are no child maps to keep consistent, no edges to split or merge, and
-//! nothing to leak when a removal arrives out of order: a node exists exactly while some
-//! worker holds its block in some tier. Each node lists its owners per tier as 8-byte
-//! [`slots::SlotRef`]s (dense, generation-tagged worker slots).
+//! (≈4 ns) and probes one table; a `Stored` event, which names blocks by `SeqHash`, finds its
+//! parent the same way. Because a node's address is its whole prefix, there are no child
+//! maps to keep consistent, no edges to split or merge, and nothing to leak when a removal
+//! arrives out of order: a node exists exactly while some worker holds its block in some
+//! tier.
 //!
 //! The lower tiers (host, disk) live in the same nodes: a worker's host entry for block `i`
 //! is the continuation keyed by (parent `SeqHash`, `LocalHash`), because that pair is what
 //! the node's address hashes. A worker's walk leaves the device tier at its last device block
 //! (its anchor) and continues through its lower-tier entries; a worker with no device blocks
 //! enters at the root. A device `Removed` racing ahead of the host `Stored` of the same block
-//! (offload) touches only the device entry, so the host entry is never lost; and a node whose
-//! last owner leaves any tier is removed with it, so anchors cannot pile up.
+//! (offload) touches only the device entry, so the host entry is never lost.
 //!
-//! Each worker also has a lane ([`lanes`]): its reverse map (what it holds, for `Removed`
-//! validation, `Cleared`, `remove_worker` and dumps) and the lock that orders its events.
+//! # What a block costs
+//!
+//! A node is one 16-byte slot of an open-addressing table ([`table`]): the `SeqHash` (the
+//! key *is* the node's address) and one word holding up to three owners inline, each a
+//! worker slot and its tier bits in 20 bits; more owners spill to an arena at 4 B each.
+//! Tables stay between 41 % and 81 % full, so a distinct block costs 20–39 B (27 B at the
+//! mean of a doubling) plus 4 B per owner past the third. There is no per-worker reverse
+//! map: what a worker holds is in the nodes, and `Cleared`, `remove_worker` and `dump` walk
+//! the map (rare). A block's parent and `LocalHash` are not kept: no lookup needs them.
+//! Worker slots ([`slots`]) and lanes ([`lanes`]) cost per worker, not per block.
 //!
 //! # Concurrency
 //!
-//! Lookups run in parallel with event application: the block map is a `DashMap` (sharded
-//! reader-writer locks) and every write holds one shard for one block, so no reader waits
-//! behind more than one block's update, and lanes of different workers apply in parallel.
-//! The two protocols beyond the map, slot reuse and lane teardown, are model-checked with
-//! loom (`RUSTFLAGS="--cfg kvroute_loom" cargo test --release -p kvroute loom`).
+//! Lookups never wait on a writer: they take no lock. Writers take one shard's mutex per
+//! block (lanes of different workers apply in parallel); a lane's lock orders its worker's
+//! events. The protocols that make lock-free reads exact are: a table slot's key never
+//! changes while its table lives, owner sets are published with one store, tables are
+//! swapped whole when they grow or shrink ([`table`]); and a worker slot handed to a new
+//! worker during a walk is never credited with the old one's blocks (generations, checked
+//! around block 0 and at the end of the walk: [`Indexer::walk`]). Each is model-checked
+//! with loom, with a negative control that must fail
+//! (`RUSTFLAGS="--cfg kvroute_loom" cargo test --release -p kvroute loom`).
 //!
-//! Alternatives measured or weighed: a pointer-linked radix tree with per-node child maps
-//! (Dynamo's shape) costs the same per-level map probe on lookup but needs parent/child
-//! bookkeeping on every store and remove, and is where the field's leaks come from; a single
-//! writer thread publishing immutable snapshots (arc-swap) gives readers zero contention but
-//! copies on write, far below the 5 M block-ops/s target; per-worker private trees make a
-//! lookup cost O(workers × depth) instead of O(depth). Figures: `kvroute-bench indexer`.
+//! Alternatives measured or weighed: the previous design, a `DashMap` of nodes with owner
+//! lists plus a per-worker reverse map, cost 201 B a block and let a reader wait behind a
+//! shard's writer (p99 406 µs paced); `papaya` boxes every entry and copies it on each owner
+//! change (> 40 B a block before the allocator's share); `scc::HashIndex` also copies values
+//! on update and reclaims removed entries only on rebuild; a pointer-linked radix tree with
+//! per-node child maps (Dynamo's shape) needs parent/child bookkeeping on every store and
+//! remove and is where the field's leaks come from; per-worker private trees make a lookup
+//! cost O(workers × depth). Figures: `kvroute-bench indexer`.
 
 mod lanes;
-mod owners;
 mod slots;
 mod sync;
+mod table;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
-use dashmap::DashMap;
-use rustc_hash::FxBuildHasher;
-
 use crate::protocol::{
     DpRank, EventBatch, KvEvent, KvEventData, LocalHash, Salt, SeqHash, StoredBlock, Tier,
-    WorkerId, parents_first, seq_hash,
+    WorkerId, seq_hash,
 };
 use lanes::{LaneState, Lanes, SlotsExhausted, TierMask};
-use owners::Owners;
 use slots::SlotRef;
+use table::{Change, Entry, Shard, ShardWriter};
 
 /// Sizing of the index.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -64,13 +73,13 @@ pub struct Config {
     /// Most distinct blocks the index holds; `Stored` blocks beyond it are refused (counted
     /// in `capped`, logged once per episode). Default 64 Mi (a few GiB of router memory).
     pub max_blocks: usize,
-    /// Most (worker, dp rank) pairs registered at once.
+    /// Most (worker, dp rank) pairs registered at once (at most 2^20).
     pub max_workers: u32,
-    /// Shards of the block map (rounded up to a power of two by the map).
+    /// Shards of the block map (rounded up to a power of two). Writers of different shards
+    /// never contend; readers take no lock at all.
     pub shards: usize,
-    /// Blocks to reserve room for at start. A shard that outgrows its table rehashes under
-    /// its write lock, stalling that shard's readers; reserving the expected size up front
-    /// (≈ 90 B per block) keeps lookups clear of it.
+    /// Blocks to size the tables for at start (saves the early rebuilds; readers never
+    /// wait on a rebuild either way).
     pub initial_blocks: usize,
 }
 
@@ -94,6 +103,12 @@ pub enum ConfigError {
         /// The field.
         field: &'static str,
     },
+    /// More worker slots than an owner entry can name.
+    #[error("indexer.max_workers must be at most {max}")]
+    TooManyWorkers {
+        /// The limit.
+        max: u32,
+    },
 }
 
 impl Config {
@@ -107,6 +122,11 @@ impl Config {
             if !ok {
                 return Err(ConfigError::NotPositive { field });
             }
+        }
+        if self.max_workers > table::MAX_SLOTS {
+            return Err(ConfigError::TooManyWorkers {
+                max: table::MAX_SLOTS,
+            });
         }
         Ok(())
     }
@@ -192,14 +212,6 @@ pub struct Sizes {
     pub workers: usize,
 }
 
-#[derive(Debug)]
-struct Node {
-    local: LocalHash,
-    parent: Option<SeqHash>,
-    /// (slot, tier) of every owner, sorted.
-    owners: Owners,
-}
-
 #[derive(Debug, Default)]
 struct AtomicCounters {
     stored: AtomicU64,
@@ -260,11 +272,24 @@ impl ApplyOutcome {
     }
 }
 
+/// What one (worker, rank) holds, as [`Indexer::dump`] lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Holding {
+    /// The worker.
+    pub worker: WorkerId,
+    /// Its rank.
+    pub dp_rank: DpRank,
+    /// Every (tier, block) it holds, sorted.
+    pub blocks: Vec<(Tier, SeqHash)>,
+}
+
 /// The index. Share it behind an `Arc`; every method takes `&self`.
 #[derive(Debug)]
 pub struct Indexer {
     config: Config,
-    blocks: DashMap<SeqHash, Node, FxBuildHasher>,
+    shards: Box<[Shard]>,
+    /// A key's shard is the top bits of its mixed hash.
+    shard_shift: u32,
     block_count: AtomicUsize,
     entry_count: AtomicUsize,
     lanes: Lanes,
@@ -276,16 +301,21 @@ const fn bit(tier: Tier) -> TierMask {
     1 << tier as u8
 }
 
+const DEVICE: TierMask = bit(Tier::Device);
+/// Blocks a lookup loads ahead of the one it reads.
+const LOOKAHEAD: usize = 16;
+const ALL_TIERS: TierMask = 0xF;
+
 impl Indexer {
     /// An empty index.
     pub fn new(config: Config) -> Result<Self, ConfigError> {
         config.validate()?;
+        let shards = config.shards.next_power_of_two().max(2);
         Ok(Indexer {
-            blocks: DashMap::with_capacity_and_hasher_and_shard_amount(
-                config.initial_blocks,
-                FxBuildHasher,
-                config.shards.next_power_of_two().max(2),
-            ),
+            shards: (0..shards)
+                .map(|_| Shard::new(config.initial_blocks / shards))
+                .collect(),
+            shard_shift: 64 - shards.trailing_zeros(),
             block_count: AtomicUsize::new(0),
             entry_count: AtomicUsize::new(0),
             lanes: Lanes::new(config.max_workers),
@@ -293,6 +323,12 @@ impl Indexer {
             at_cap: AtomicBool::new(false),
             config,
         })
+    }
+
+    /// The shard of a block and the block's probe hash.
+    fn shard(&self, seq: SeqHash) -> (&Shard, u64) {
+        let home = table::home_of_key(seq.0);
+        (&self.shards[(home >> self.shard_shift) as usize], home)
     }
 
     /// Applies a batch's events in order for its (worker, rank). Events of one worker must
@@ -304,7 +340,7 @@ impl Indexer {
             .with_lane(batch.worker, batch.dp_rank, |slot, lane| {
                 let mut outcome = ApplyOutcome::default();
                 for event in &batch.events {
-                    self.apply_event(slot, lane, event, &mut outcome);
+                    self.apply_event(slot.index, lane, event, &mut outcome);
                 }
                 outcome.count(&self.counters);
                 outcome
@@ -325,19 +361,17 @@ impl Indexer {
 
     fn apply_event(
         &self,
-        slot: SlotRef,
+        slot: u32,
         lane: &mut LaneState,
         event: &KvEvent,
         out: &mut ApplyOutcome,
     ) {
+        let scratch = &mut lane.scratch;
         match &event.data {
             KvEventData::Stored { parent, blocks } => {
                 if event.tier == Tier::Device
                     && let Some(parent) = parent
-                    && lane
-                        .blocks
-                        .get(parent)
-                        .is_none_or(|m| m & bit(Tier::Device) == 0)
+                    && self.tiers_held(*parent, slot, scratch) & DEVICE == 0
                 {
                     out.rejected_parent += 1;
                     out.rejected_blocks += blocks.len() as u64;
@@ -345,7 +379,7 @@ impl Indexer {
                 }
                 let mut parent = *parent;
                 for block in blocks {
-                    if !self.store(slot, lane, event.tier, parent, *block, out) {
+                    if !self.store(slot, event.tier, parent, *block, scratch, out) {
                         break;
                     }
                     parent = Some(block.seq);
@@ -353,21 +387,29 @@ impl Indexer {
             }
             KvEventData::Removed { blocks } => {
                 for seq in blocks {
-                    self.remove(slot, lane, event.tier, *seq, out);
+                    let (shard, home) = self.shard(*seq);
+                    let mut w = shard.write();
+                    if self.drop_tiers(&mut w, home, seq.0, slot, bit(event.tier), scratch) == 0 {
+                        out.unknown_removed += 1;
+                    } else {
+                        out.removed += 1;
+                    }
                 }
             }
             KvEventData::Cleared => {
                 out.cleared += 1;
-                let held: Vec<SeqHash> = lane
-                    .blocks
-                    .iter()
-                    .filter(|(_, m)| *m & bit(event.tier) != 0)
-                    .map(|(s, _)| *s)
-                    .collect();
-                for seq in held {
-                    self.remove(slot, lane, event.tier, seq, out);
-                }
+                out.removed += self.strip_slot(slot, bit(event.tier), scratch);
             }
+        }
+    }
+
+    /// The tiers `slot` holds `seq` in (lock-free; exact for the lane's own writer).
+    fn tiers_held(&self, seq: SeqHash, slot: u32, scratch: &mut Vec<Entry>) -> TierMask {
+        let (shard, home) = self.shard(seq);
+        if shard.read(home, seq.0, scratch) {
+            table::tiers_in(scratch, slot)
+        } else {
+            0
         }
     }
 
@@ -375,15 +417,18 @@ impl Indexer {
     /// rest of the chain is refused too: it would hang off a missing block).
     fn store(
         &self,
-        slot: SlotRef,
-        lane: &mut LaneState,
+        slot: u32,
         tier: Tier,
         parent: Option<SeqHash>,
         block: StoredBlock,
+        scratch: &mut Vec<Entry>,
         out: &mut ApplyOutcome,
     ) -> bool {
-        let held = lane.blocks.get(&block.seq).copied().unwrap_or(0);
-        if held & bit(tier) != 0 {
+        let (shard, home) = self.shard(block.seq);
+        let mut w = shard.write();
+        let present = w.read(home, block.seq.0, scratch);
+        let at = scratch.binary_search_by_key(&slot, |e| table::slot_of(*e));
+        if at.is_ok_and(|i| table::tiers_of(scratch[i]) & bit(tier) != 0) {
             out.duplicate_stored += 1;
             return true;
         }
@@ -392,76 +437,81 @@ impl Indexer {
         {
             out.hash_mismatch += 1;
         }
-        let mut node = match self.blocks.entry(block.seq) {
-            dashmap::Entry::Occupied(e) => e.into_ref(),
-            dashmap::Entry::Vacant(e) => {
-                if self.block_count.load(Ordering::Relaxed) >= self.config.max_blocks {
-                    out.capped += 1;
-                    if !self.at_cap.swap(true, Ordering::Relaxed) {
-                        tracing::warn!(
-                            max_blocks = self.config.max_blocks,
-                            "indexer block cap reached: new blocks are refused until some are removed"
-                        );
-                    }
-                    return false;
-                }
-                self.block_count.fetch_add(1, Ordering::Relaxed);
-                e.insert(Node {
-                    local: block.local,
-                    parent,
-                    owners: Owners::default(),
-                })
+        if !present && self.block_count.load(Ordering::Relaxed) >= self.config.max_blocks {
+            out.capped += 1;
+            if !self.at_cap.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    max_blocks = self.config.max_blocks,
+                    "indexer block cap reached: new blocks are refused until some are removed"
+                );
             }
-        };
-        node.owners.insert((slot, tier));
-        drop(node);
-        *lane.blocks.entry(block.seq).or_insert(0) |= bit(tier);
+            return false;
+        }
+        match at {
+            Ok(i) => scratch[i] |= u32::from(bit(tier)),
+            Err(i) => scratch.insert(i, table::entry(slot, bit(tier))),
+        }
+        if w.set(home, block.seq.0, scratch) == Change::Created {
+            self.block_count.fetch_add(1, Ordering::Relaxed);
+        }
         self.entry_count.fetch_add(1, Ordering::Relaxed);
         out.stored += 1;
         true
     }
 
-    fn remove(
+    /// Takes the tiers in `mask` of `slot`'s entry off `key`. Returns how many it held.
+    fn drop_tiers(
         &self,
-        slot: SlotRef,
-        lane: &mut LaneState,
-        tier: Tier,
-        seq: SeqHash,
-        out: &mut ApplyOutcome,
-    ) {
-        let Some(mask) = lane.blocks.get_mut(&seq).filter(|m| **m & bit(tier) != 0) else {
-            out.unknown_removed += 1;
-            return;
-        };
-        *mask &= !bit(tier);
-        if *mask == 0 {
-            lane.blocks.remove(&seq);
-            // Give memory back as a worker's cache shrinks (hash maps never shrink alone).
-            if lane.blocks.capacity() > 64 && lane.blocks.len() < lane.blocks.capacity() / 4 {
-                lane.blocks.shrink_to(lane.blocks.len() * 2);
-            }
+        w: &mut ShardWriter<'_>,
+        home: u64,
+        key: u64,
+        slot: u32,
+        mask: TierMask,
+        scratch: &mut Vec<Entry>,
+    ) -> u64 {
+        if !w.read(home, key, scratch) {
+            return 0;
         }
-        let emptied = match self.blocks.get_mut(&seq) {
-            Some(mut node) => {
-                node.owners.remove((slot, tier));
-                node.owners.is_empty()
-            }
-            None => {
-                debug_assert!(false, "invariant: a block a lane holds has a node");
-                false
-            }
+        let Ok(i) = scratch.binary_search_by_key(&slot, |e| table::slot_of(*e)) else {
+            return 0;
         };
-        if emptied
-            && self
-                .blocks
-                .remove_if(&seq, |_, n| n.owners.is_empty())
-                .is_some()
-        {
+        let gone = table::tiers_of(scratch[i]) & mask;
+        if gone == 0 {
+            return 0;
+        }
+        scratch[i] &= !u32::from(gone);
+        if table::tiers_of(scratch[i]) == 0 {
+            scratch.remove(i);
+        }
+        if w.set(home, key, scratch) == Change::Emptied {
             self.block_count.fetch_sub(1, Ordering::Relaxed);
             self.at_cap.store(false, Ordering::Relaxed);
         }
-        self.entry_count.fetch_sub(1, Ordering::Relaxed);
-        out.removed += 1;
+        let gone = u64::from(gone.count_ones());
+        self.entry_count.fetch_sub(gone as usize, Ordering::Relaxed);
+        gone
+    }
+
+    /// Takes the tiers in `mask` of `slot` off every block (a walk of the whole map, one
+    /// shard locked at a time: `Cleared` and worker removal are rare). Returns the entries
+    /// removed.
+    fn strip_slot(&self, slot: u32, mask: TierMask, scratch: &mut Vec<Entry>) -> u64 {
+        let mut removed = 0;
+        let mut keys = Vec::new();
+        for shard in self.shards.iter() {
+            let mut w = shard.write();
+            keys.clear();
+            w.for_each(|key, owners| {
+                if table::tiers_in(owners, slot) & mask != 0 {
+                    keys.push(key);
+                }
+            });
+            for &key in &keys {
+                let home = table::home_of_key(key);
+                removed += self.drop_tiers(&mut w, home, key, slot, mask, scratch);
+            }
+        }
+        removed
     }
 
     /// Forgets every rank of `worker` at once. Returns how many ranks it had.
@@ -476,16 +526,10 @@ impl Indexer {
 
     fn remove_lanes(&self, worker: WorkerId, rank: Option<DpRank>) -> usize {
         let removed = self.lanes.remove(worker, rank, |slot, lane| {
-            let mut out = ApplyOutcome::default();
-            let held: Vec<(SeqHash, TierMask)> =
-                lane.blocks.iter().map(|(s, m)| (*s, *m)).collect();
-            for (seq, mask) in held {
-                for tier in Tier::ALL {
-                    if mask & bit(tier) != 0 {
-                        self.remove(slot, lane, tier, seq, &mut out);
-                    }
-                }
-            }
+            let out = ApplyOutcome {
+                removed: self.strip_slot(slot.index, ALL_TIERS, &mut lane.scratch),
+                ..ApplyOutcome::default()
+            };
             out.count(&self.counters);
         });
         bump(&self.counters.workers_removed, removed as u64);
@@ -513,78 +557,126 @@ impl Indexer {
         self.walk(seqs.iter().copied())
     }
 
-    fn walk(&self, seqs: impl Iterator<Item = SeqHash>) -> OverlapScores {
+    /// The owners of block 0, each with the generation of its slot, read so that a slot
+    /// handed to a new worker mid-walk is never credited with its previous occupant's
+    /// blocks: owners, then generations, then owners again, keeping only owners seen both
+    /// times. A bit still set after the generation was read belongs to that generation's
+    /// occupant (an occupant's bits are all cleared before its slot is vacated), and the
+    /// generation is checked again when the walk resolves slots to workers.
+    fn root_owners(&self, seq: SeqHash, owners: &mut Vec<Entry>) -> Vec<SlotRef> {
+        let (shard, home) = self.shard(seq);
+        if !shard.read(home, seq.0, owners) {
+            return Vec::new();
+        }
+        let refs: Vec<SlotRef> = owners
+            .iter()
+            .filter_map(|e| self.lanes.slots.current(table::slot_of(*e)))
+            .collect();
+        #[cfg(all(test, kvroute_loom))]
+        if self.lanes.slots.broken_walk {
+            return refs;
+        }
+        if !shard.read(home, seq.0, owners) {
+            return Vec::new();
+        }
+        owners.retain(|e| {
+            refs.binary_search_by_key(&table::slot_of(*e), |r| r.index)
+                .is_ok()
+        });
+        refs
+    }
+
+    fn walk(&self, mut seqs: impl Iterator<Item = SeqHash>) -> OverlapScores {
         bump(&self.counters.lookups, 1);
+        let Some(first) = seqs.next() else {
+            return OverlapScores::default();
+        };
+        let mut owners: Vec<Entry> = Vec::new();
+        let refs = self.root_owners(first, &mut owners);
         // Owners still matching in the device tier (sorted), owners continuing in lower
-        // tiers, and finished ones.
-        let mut device: Vec<SlotRef> = Vec::new();
-        let mut lower: Vec<(SlotRef, u32, u32, u32)> = Vec::new();
-        let mut done: Vec<(SlotRef, u32, u32, u32)> = Vec::new();
+        // tiers (sorted), and finished ones: (slot, device, host, disk).
+        let mut device: Vec<u32> = Vec::new();
+        let mut lower: Vec<(u32, u32, u32, u32)> = Vec::new();
+        let mut done: Vec<(u32, u32, u32, u32)> = Vec::new();
+        for &e in &owners {
+            let tiers = table::tiers_of(e);
+            if tiers & DEVICE != 0 {
+                device.push(table::slot_of(e));
+            } else {
+                lower.push(credit((table::slot_of(e), 0, 0, 0), tiers));
+            }
+        }
         // The previous level's owners. Along a shared prefix, consecutive blocks usually
         // have the same owners; then every decision repeats, and one memcmp replaces a
         // membership test per worker (O(1 + continuing) per level instead of O(workers)).
-        let mut previous: Vec<owners::Owner> = Vec::new();
-        let mut depth = 0u32;
-        for seq in seqs {
-            let Some(node) = self.blocks.get(&seq) else {
+        let mut previous = std::mem::take(&mut owners);
+        let mut depth = 1u32;
+        // Blocks are read in groups: each group's first slots are loaded together first, so
+        // their cache misses overlap instead of costing one memory latency per block.
+        let mut group: Vec<(SeqHash, u64)> = Vec::with_capacity(LOOKAHEAD);
+        let mut next = 0;
+        loop {
+            if device.is_empty() && lower.is_empty() {
                 break;
-            };
-            let owners = &node.owners;
-            if depth > 0 && owners.as_slice() == previous.as_slice() {
-                for entry in &mut lower {
-                    let tier = owners
-                        .lower_tier(entry.0)
-                        .expect("invariant: same owners as before");
-                    *entry = credit(*entry, tier);
+            }
+            if next == group.len() {
+                group.clear();
+                next = 0;
+                let mut touched = 0u64;
+                for seq in seqs.by_ref().take(LOOKAHEAD) {
+                    let (shard, home) = self.shard(seq);
+                    touched ^= shard.touch(home);
+                    group.push((seq, home));
                 }
-            } else if depth == 0 {
-                for &(slot, tier) in owners.as_slice() {
-                    if tier == Tier::Device {
-                        device.push(slot);
-                    } else if device.last() != Some(&slot)
-                        && lower.last().is_none_or(|l| l.0 != slot)
-                    {
-                        lower.push(credit((slot, 0, 0, 0), tier));
-                    }
+                std::hint::black_box(touched);
+                if group.is_empty() {
+                    break;
+                }
+            }
+            let (seq, home) = group[next];
+            next += 1;
+            let shard = &self.shards[(home >> self.shard_shift) as usize];
+            if !shard.read(home, seq.0, &mut owners) {
+                break;
+            }
+            if owners == previous {
+                for entry in &mut lower {
+                    *entry = credit(*entry, table::tiers_in(&owners, entry.0));
                 }
             } else {
-                lower.retain_mut(|entry| match owners.lower_tier(entry.0) {
-                    Some(tier) => {
-                        *entry = credit(*entry, tier);
+                lower.retain_mut(|entry| {
+                    let tiers = table::tiers_in(&owners, entry.0) & !DEVICE;
+                    if tiers != 0 {
+                        *entry = credit(*entry, tiers);
                         true
-                    }
-                    None => {
+                    } else {
                         done.push(*entry);
                         false
                     }
                 });
                 device.retain(|&slot| {
-                    if owners.on_device(slot) {
+                    let tiers = table::tiers_in(&owners, slot);
+                    if tiers & DEVICE != 0 {
                         return true;
                     }
-                    match owners.lower_tier(slot) {
-                        Some(tier) => lower.push(credit((slot, depth, 0, 0), tier)),
-                        None => done.push((slot, depth, 0, 0)),
+                    if tiers != 0 {
+                        lower.push(credit((slot, depth, 0, 0), tiers));
+                    } else {
+                        done.push((slot, depth, 0, 0));
                     }
                     false
                 });
+                std::mem::swap(&mut owners, &mut previous);
             }
-            if previous.as_slice() != owners.as_slice() {
-                previous.clear();
-                previous.extend_from_slice(owners.as_slice());
-            }
-            drop(node);
             depth += 1;
-            if device.is_empty() && lower.is_empty() {
-                break;
-            }
         }
         done.extend(lower);
         done.extend(device.into_iter().map(|slot| (slot, depth, 0, 0)));
         let workers = done
             .into_iter()
             .filter_map(|(slot, device, host, disk)| {
-                let (worker, dp_rank) = self.lanes.slots.resolve(slot)?;
+                let at = refs.binary_search_by_key(&slot, |r| r.index).ok()?;
+                let (worker, dp_rank) = self.lanes.slots.resolve(refs[at])?;
                 Some(Overlap {
                     worker,
                     dp_rank,
@@ -597,59 +689,39 @@ impl Indexer {
         OverlapScores { workers }
     }
 
-    /// Everything the index holds for `worker` (all workers if `None`), as one batch of
-    /// `Stored` events per (worker, rank), parents first within each tier. Ids start at 1;
-    /// the epoch is 0 (the index does not track incarnations).
-    pub fn dump(&self, worker: Option<WorkerId>) -> Vec<EventBatch> {
-        let mut out = Vec::new();
+    /// Everything the index holds for `worker` (all workers if `None`), per (worker, rank),
+    /// sorted. Each shard is read under its writer lock, one at a time: a consistent view
+    /// only while no events apply (tests, the admin digest).
+    pub fn dump(&self, worker: Option<WorkerId>) -> Vec<Holding> {
+        let mut out: Vec<Holding> = Vec::new();
+        let mut at_slot: rustc_hash::FxHashMap<u32, usize> = Default::default();
         for ((w, rank), lane) in self.lanes.all() {
-            if worker.is_some_and(|x| x != w) {
-                continue;
+            if worker.is_none_or(|x| x == w) {
+                at_slot.insert(lane.slot.index, out.len());
+                out.push(Holding {
+                    worker: w,
+                    dp_rank: rank,
+                    blocks: Vec::new(),
+                });
             }
-            let state = lane.lock();
-            if state.dead {
-                continue;
-            }
-            let mut blocks = Vec::with_capacity(state.blocks.len());
-            for (&seq, &mask) in &state.blocks {
-                let Some(node) = self.blocks.get(&seq) else {
-                    continue;
-                };
-                for tier in Tier::ALL {
-                    if mask & bit(tier) != 0 {
-                        blocks.push((
-                            tier,
-                            node.parent,
-                            StoredBlock {
-                                seq,
-                                local: node.local,
-                            },
-                        ));
+        }
+        for shard in self.shards.iter() {
+            shard.write().for_each(|key, owners| {
+                for &e in owners {
+                    if let Some(&i) = at_slot.get(&table::slot_of(e)) {
+                        for tier in Tier::ALL {
+                            if table::tiers_of(e) & bit(tier) != 0 {
+                                out[i].blocks.push((tier, SeqHash(key)));
+                            }
+                        }
                     }
                 }
-            }
-            drop(state);
-            let events = parents_first(blocks)
-                .into_iter()
-                .zip(1..)
-                .map(|((tier, parent, block), id)| KvEvent {
-                    id,
-                    tier,
-                    data: KvEventData::Stored {
-                        parent,
-                        blocks: vec![block],
-                    },
-                })
-                .collect();
-            out.push(EventBatch {
-                worker: w,
-                dp_rank: rank,
-                epoch: 0,
-                sent_unix_us: 0,
-                events,
             });
         }
-        out.sort_by_key(|b| (b.worker, b.dp_rank));
+        for h in &mut out {
+            h.blocks.sort_unstable();
+        }
+        out.sort_by_key(|h| (h.worker, h.dp_rank));
         out
     }
 
@@ -682,20 +754,31 @@ impl Indexer {
         }
     }
 
-    /// Shrinks the block map's shards to their live size (after a large removal).
+    /// Bytes of the block map's tables and arenas now (the per-block cost; lanes and slots
+    /// are per worker).
+    pub fn table_bytes(&self) -> usize {
+        self.shards.iter().map(Shard::table_bytes).sum()
+    }
+
+    /// Rebuilds every shard's table to its live size now. Tables shrink on their own as
+    /// blocks leave (at an eighth full); this also drops tombstones and dead arena regions.
     pub fn shrink_to_fit(&self) {
-        self.blocks.shrink_to_fit();
+        for shard in self.shards.iter() {
+            shard.write().compact();
+        }
     }
 }
 
-/// Adds one block in `tier` to a continuation's counts.
+/// Adds one block held in lower `tiers` (device bit ignored) to a continuation's counts:
+/// host if it is there, else disk or remote.
 fn credit(
-    (slot, device, host, disk): (SlotRef, u32, u32, u32),
-    tier: Tier,
-) -> (SlotRef, u32, u32, u32) {
-    match tier {
-        Tier::Host => (slot, device, host + 1, disk),
-        _ => (slot, device, host, disk + 1),
+    (slot, device, host, disk): (u32, u32, u32, u32),
+    tiers: TierMask,
+) -> (u32, u32, u32, u32) {
+    if tiers & bit(Tier::Host) != 0 {
+        (slot, device, host + 1, disk)
+    } else {
+        (slot, device, host, disk + 1)
     }
 }
 

@@ -492,17 +492,13 @@ fn admin_workers(router: &Router) -> Response<Body> {
 /// them (xor of their hashes), to compare with the workers' own (`kvroute-bench soak`).
 fn admin_index(router: &Router) -> Response<Body> {
     let mut rows = std::collections::BTreeMap::new();
-    for batch in router.plane.indexer().dump(None) {
-        for event in &batch.events {
-            if let crate::protocol::KvEventData::Stored { blocks, .. } = &event.data {
-                let row = rows
-                    .entry((batch.worker, batch.dp_rank, event.tier))
-                    .or_insert((0u64, 0u64));
-                for b in blocks {
-                    row.0 += 1;
-                    row.1 ^= b.seq.0;
-                }
-            }
+    for held in router.plane.indexer().dump(None) {
+        for (tier, seq) in held.blocks {
+            let row = rows
+                .entry((held.worker, held.dp_rank, tier))
+                .or_insert((0u64, 0u64));
+            row.0 += 1;
+            row.1 ^= seq.0;
         }
     }
     let rows: Vec<_> = rows

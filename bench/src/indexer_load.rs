@@ -2,7 +2,19 @@
 //! through W worker engines on a virtual clock (requests stick to a worker by conversation,
 //! so each worker builds real prefixes); their KV event batches and the requests' lookups
 //! form a timeline, which is then replayed into a fresh index twice with one writer thread
-//! and one reader thread: paced at the trace's own rate (sped up), and at saturation.
+//! and one reader thread: paced at the trace's own rate (sped up), and at saturation. The
+//! paced index is then emptied by removing every worker, with the process's resident memory
+//! read before, with the index full, and after. A synthetic churn phase (fill to N blocks,
+//! evict everything, refill, ten times) checks that memory comes back.
+//!
+//! `--dynamo` reproduces the steady-state protocol of NVIDIA Dynamo's indexer bench
+//! (`lib/bench/kv_router/mooncake_bench.rs`, documented in
+//! `lib/kv-router/src/indexer/INDEXER_BENCH.md` of ai-dynamo/dynamo): 1,000 unique
+//! workers, each request sent to one at random; engines with 16,384 blocks of 128 tokens,
+//! prefix caching, no host tier, the trace's arrivals compressed to
+//! 10 s; every worker's requests and events then stretched so its last one lands at 30 s, and
+//! replayed 7 times under new worker ids with the same hashes (7,000 workers sharing nodes).
+//! Only `find_matches` is timed, and its p99 is the figure.
 
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
@@ -14,14 +26,13 @@ use kvroute::protocol::{EventBatch, KvEventData, LocalHash, Salt, SeqHash, Worke
 use kvroute_worker::EngineConfig;
 use kvroute_worker::engine::{Output, Request, RequestId};
 use serde::Serialize;
-use stats_alloc::{Region, StatsAlloc};
 
 use crate::fleet::{Fleet, FleetSink};
 use crate::stats::{Summary, peak_rss_bytes};
 use crate::trace::{self, mix};
 
 /// Flags of `kvroute-bench indexer`.
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args, Clone, Debug)]
 pub struct Args {
     /// Mooncake JSONL trace.
     #[arg(long, default_value = "../shared/traces/conversation_trace.jsonl")]
@@ -47,6 +58,35 @@ pub struct Args {
     /// Blocks the index reserves room for at start (`indexer.initial_blocks`).
     #[arg(long, default_value_t = 0)]
     pub initial_blocks: usize,
+    /// Copies of each worker's stream under new worker ids with the *same* hashes (workers
+    /// sharing nodes; Dynamo's `-d`).
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// Send each request to a random worker instead of sticking to its conversation's.
+    #[arg(long)]
+    pub random_workers: bool,
+    /// Engine G1 blocks per worker.
+    #[arg(long, default_value_t = 16_384)]
+    pub g1_blocks: usize,
+    /// Engine G2 (host) blocks per worker; 0: no host tier.
+    #[arg(long, default_value_t = 65_536)]
+    pub g2_blocks: usize,
+    /// Engines run the trace's arrivals compressed to span this many seconds.
+    #[arg(long)]
+    pub compress_to_s: Option<f64>,
+    /// The paced phase stretches each worker's requests and events so its last lands at
+    /// this many seconds (instead of `--pace-speedup`).
+    #[arg(long)]
+    pub window_s: Option<f64>,
+    /// NVIDIA Dynamo's steady-state protocol (see the module docs): sets the flags above.
+    #[arg(long)]
+    pub dynamo: bool,
+    /// Churn phase: distinct blocks to fill to each round (0: skip the phase).
+    #[arg(long, default_value_t = 4_000_000)]
+    pub churn_blocks: usize,
+    /// Churn phase: fill-evict rounds.
+    #[arg(long, default_value_t = 10)]
+    pub churn_rounds: usize,
     /// Write the figures here as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -58,12 +98,15 @@ enum Item {
         locals: Vec<LocalHash>,
         seqs: Vec<SeqHash>,
         copy: u64,
+        /// The worker the request went to (for per-worker time scaling).
+        worker: u64,
     },
 }
 
 struct Timeline {
     items: Vec<(u64, Item)>,
     duplicate: u64,
+    replicas: u64,
     workers: u64,
 }
 
@@ -72,9 +115,24 @@ impl FleetSink for Timeline {
     fn batches(&mut self, _: usize, at_us: u64, batches: Vec<EventBatch>) {
         for batch in batches {
             for copy in 0..self.duplicate {
-                self.items
-                    .push((at_us, Item::Batch(in_copy(&batch, copy, self.workers))));
+                let b = in_copy(&batch, copy, self.workers);
+                for r in 1..self.replicas {
+                    let mut replica = b.clone();
+                    replica.worker = WorkerId(b.worker.0 + r * self.workers * self.duplicate);
+                    self.items.push((at_us, Item::Batch(replica)));
+                }
+                self.items.push((at_us, Item::Batch(b)));
             }
+        }
+    }
+}
+
+impl Item {
+    /// The (original) worker an item belongs to.
+    fn worker(&self) -> u64 {
+        match self {
+            Item::Batch(b) => b.worker.0,
+            Item::Lookup { worker, .. } => *worker,
         }
     }
 }
@@ -103,6 +161,44 @@ fn in_copy(batch: &EventBatch, copy: u64, workers: u64) -> EventBatch {
     b
 }
 
+/// Resident memory around the paced index's life, bytes.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Memory {
+    /// Before the index was created (the timeline already in memory).
+    pub rss_before_bytes: u64,
+    /// With the index full, at the end of the trace.
+    pub rss_full_bytes: u64,
+    /// After every worker was removed (index empty).
+    pub rss_after_leave_bytes: u64,
+    /// The index's tables at the end of the trace (structure size).
+    pub table_bytes: u64,
+    /// The index's tables after every worker left.
+    pub table_bytes_after_leave: u64,
+    /// (rss_full − rss_before) / distinct blocks.
+    pub rss_bytes_per_block: f64,
+}
+
+/// The churn phase: fill to `blocks` distinct blocks, evict them all, `rounds` times.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Churn {
+    /// Distinct blocks per fill.
+    pub blocks: usize,
+    /// Rounds.
+    pub rounds: usize,
+    /// RSS with the empty index, bytes.
+    pub rss_empty_bytes: u64,
+    /// RSS after each fill, bytes.
+    pub rss_full_bytes: Vec<u64>,
+    /// RSS after each eviction, bytes.
+    pub rss_evicted_bytes: Vec<u64>,
+    /// RSS after every worker left at the end, bytes.
+    pub rss_after_leave_bytes: u64,
+    /// Index tables when full (last round), bytes per block.
+    pub table_bytes_per_block: f64,
+    /// Stored + removed blocks per second over the phase.
+    pub block_ops_per_s: f64,
+}
+
 /// What one replay of the timeline into a fresh index measured.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Phase {
@@ -112,6 +208,10 @@ pub struct Phase {
     pub block_ops_per_s: f64,
     /// `find_matches` latency, µs.
     pub lookup_us: Summary,
+    /// Blocks a lookup walked (matched + 1, at most the prompt), mean.
+    pub walked_blocks_mean: f64,
+    /// Lookup time per walked block, ns (total time / total blocks walked).
+    pub ns_per_walked_block: f64,
 }
 
 /// The JSON `kvroute-bench indexer` writes.
@@ -143,19 +243,56 @@ pub struct Report {
     pub saturated: Phase,
     /// Peak RSS of the process (timeline included), bytes.
     pub peak_rss_bytes: u64,
-    /// Index heap at the end of the trace / distinct blocks then.
+    /// Index tables at the end of the trace / distinct blocks then.
     pub bytes_per_block: f64,
-    /// Index heap at the end / (worker, tier, block) entries.
+    /// Index tables at the end / (worker, tier, block) entries.
     pub bytes_per_entry: f64,
     /// Distinct blocks indexed at the end.
     pub final_blocks: usize,
+    /// (worker, tier, block) entries at the end.
+    pub final_entries: usize,
+    /// Index tables at the end / distinct blocks (the structure's own cost).
+    pub table_bytes_per_block: f64,
+    /// Resident memory around the paced index.
+    pub memory: Memory,
+    /// The churn phase (absent with `--churn-blocks 0`).
+    pub churn: Option<Churn>,
+    /// The protocol: "kvroute" or "dynamo-steady-state".
+    pub protocol: String,
+    /// Unique engines simulated.
+    pub unique_workers: usize,
+    /// Replicas of each (same hashes).
+    pub replicas: usize,
 }
 
 /// Runs the bench.
-pub fn run(
-    args: &Args,
-    allocator: &'static StatsAlloc<std::alloc::System>,
-) -> anyhow::Result<Report> {
+pub fn run(args: &Args) -> anyhow::Result<Report> {
+    let mut args = Args { ..args.clone() };
+    if args.dynamo {
+        args.workers = 1000;
+        args.replicas = 7;
+        args.duplicate = 1;
+        args.random_workers = true;
+        args.block_size = 128;
+        // Dynamo's bench of that version makes one 128-token block of each hash id and
+        // ignores input_length; ours keeps the trace's 512 tokens per id (4 blocks each),
+        // so our prompts are 4× longer in blocks: a harder load, not the same one.
+        args.trace_block_size = 512;
+        args.g1_blocks = 16_384;
+        args.g2_blocks = 0;
+        args.compress_to_s = Some(10.0);
+        args.window_s = Some(30.0);
+    }
+    let args = &args;
+    // Churn first, in a process that has not yet allocated the timeline, so its RSS is the
+    // index's own.
+    let churn = (args.churn_blocks > 0).then(|| {
+        eprintln!(
+            "indexer: churn, {} rounds of {} blocks …",
+            args.churn_rounds, args.churn_blocks
+        );
+        churn(args.churn_blocks, args.churn_rounds)
+    });
     let records = trace::load(&args.trace, args.requests, args.trace_block_size)?;
     let block_size = NonZeroUsize::new(args.block_size)
         .ok_or_else(|| anyhow::anyhow!("--block-size must be positive"))?;
@@ -187,27 +324,72 @@ pub fn run(
         initial_blocks: args.initial_blocks,
         ..Config::default()
     };
-    let (paced, _, _) = replay(&timeline, &config, Some(args.pace_speedup), allocator)?;
+    let pace = match args.window_s {
+        Some(_) => Some(1.0),
+        None => Some(args.pace_speedup),
+    };
+    let rss_before = rss_bytes();
+    let paced = replay(&timeline, &config, pace)?;
+    let rss_full = rss_bytes();
+    let table_full = paced.index.table_bytes();
+    let (blocks, entries) = (paced.index.sizes().blocks, paced.index.sizes().entries);
+    eprintln!("indexer: every worker leaves …");
+    for w in 0..(args.workers * args.duplicate * args.replicas) as u64 {
+        paced.index.remove_worker(WorkerId(w));
+    }
+    let memory = Memory {
+        rss_before_bytes: rss_before,
+        rss_full_bytes: rss_full,
+        rss_after_leave_bytes: rss_bytes(),
+        table_bytes: table_full as u64,
+        table_bytes_after_leave: paced.index.table_bytes() as u64,
+        rss_bytes_per_block: rss_full.saturating_sub(rss_before) as f64 / blocks.max(1) as f64,
+    };
+    drop(paced.index);
     eprintln!("indexer: saturated replay …");
-    let (saturated, lookup_blocks, (heap, sizes)) = replay(&timeline, &config, None, allocator)?;
+    let saturated = replay(&timeline, &config, None)?;
+    drop(saturated.index);
     Ok(Report {
         trace: args.trace.display().to_string(),
-        workers: args.workers * args.duplicate,
+        workers: args.workers * args.duplicate * args.replicas,
         duplicate: args.duplicate,
         events,
         lookups,
         event_blocks,
-        lookup_blocks,
-        block_ops_per_s: saturated.block_ops_per_s,
-        lookup_p50_us: paced.lookup_us.p50,
-        lookup_p99_us: paced.lookup_us.p99,
-        paced,
-        saturated,
+        lookup_blocks: saturated.walked,
+        block_ops_per_s: saturated.phase.block_ops_per_s,
+        lookup_p50_us: paced.phase.lookup_us.p50,
+        lookup_p99_us: paced.phase.lookup_us.p99,
+        paced: paced.phase,
+        saturated: saturated.phase,
         peak_rss_bytes: peak_rss_bytes(),
-        bytes_per_block: heap as f64 / sizes.blocks.max(1) as f64,
-        bytes_per_entry: heap as f64 / sizes.entries.max(1) as f64,
-        final_blocks: sizes.blocks,
+        bytes_per_block: table_full as f64 / blocks.max(1) as f64,
+        bytes_per_entry: table_full as f64 / entries.max(1) as f64,
+        final_blocks: blocks,
+        final_entries: entries,
+        table_bytes_per_block: table_full as f64 / blocks.max(1) as f64,
+        memory,
+        churn,
+        protocol: if args.dynamo {
+            "dynamo-steady-state".into()
+        } else {
+            "kvroute".into()
+        },
+        unique_workers: args.workers,
+        replicas: args.replicas,
     })
+}
+
+/// Resident memory of this process now (VmRSS), bytes; 0 where /proc is unavailable.
+fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib * 1024)
 }
 
 fn simulate(
@@ -217,39 +399,60 @@ fn simulate(
 ) -> anyhow::Result<Timeline> {
     let config = EngineConfig {
         block_size: args.block_size,
+        g1_blocks: args.g1_blocks,
+        g2_blocks: args.g2_blocks,
         ..EngineConfig::default()
     };
     let mut fleet = Fleet::new(&config, args.workers)?;
     let mut timeline = Timeline {
         items: Vec::new(),
         duplicate: args.duplicate as u64,
+        replicas: args.replicas as u64,
         workers: args.workers as u64,
     };
+    let span_ms = records
+        .iter()
+        .map(|r| r.timestamp)
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let scale = args
+        .compress_to_s
+        .map_or(1.0, |s| s * 1000.0 / span_ms as f64);
     for (i, record) in records.iter().enumerate() {
-        let at = record.timestamp * 1000;
+        let at = (record.timestamp as f64 * 1000.0 * scale) as u64;
         fleet.run_until(at, &mut timeline)?;
         let prompt = trace::prompt_tokens(record, args.trace_block_size);
         let hashes = hash_blocks(&prompt, block_size, Salt::NONE);
         let copy = i as u64 % args.duplicate as u64;
-        timeline.items.push((
-            at,
-            Item::Lookup {
-                locals: hashes.iter().map(|h| h.local).collect(),
-                seqs: hashes
-                    .iter()
-                    .map(|h| SeqHash(h.seq.0 ^ if copy == 0 { 0 } else { mix(copy) }))
-                    .collect(),
-                copy,
-            },
-        ));
-        // Sticky by conversation: the first id after the shared system prompt.
-        let key = record
-            .hash_ids
-            .get(1)
-            .or(record.hash_ids.first())
-            .copied()
-            .unwrap_or(0);
-        let worker = (mix(key) % args.workers as u64) as usize;
+        let worker = if args.random_workers {
+            (mix(i as u64 ^ 0x2a) % args.workers as u64) as usize
+        } else {
+            // Sticky by conversation: the first id after the shared system prompt.
+            let key = record
+                .hash_ids
+                .get(1)
+                .or(record.hash_ids.first())
+                .copied()
+                .unwrap_or(0);
+            (mix(key) % args.workers as u64) as usize
+        };
+        let locals: Vec<LocalHash> = hashes.iter().map(|h| h.local).collect();
+        let seqs: Vec<SeqHash> = hashes
+            .iter()
+            .map(|h| SeqHash(h.seq.0 ^ if copy == 0 { 0 } else { mix(copy) }))
+            .collect();
+        for r in 0..args.replicas as u64 {
+            timeline.items.push((
+                at,
+                Item::Lookup {
+                    locals: locals.clone(),
+                    seqs: seqs.clone(),
+                    copy,
+                    worker: worker as u64 + r * (args.workers * args.duplicate) as u64,
+                },
+            ));
+        }
         let request = Request {
             id: RequestId(i as u64),
             prompt: prompt.into(),
@@ -259,20 +462,37 @@ fn simulate(
         fleet.submit(worker, at, request, &mut timeline)?;
     }
     fleet.run_until(u64::MAX, &mut timeline)?;
+    if let Some(window) = args.window_s {
+        // Each worker's last request or event lands at the window's end.
+        let mut last: rustc_hash::FxHashMap<u64, u64> = Default::default();
+        for (t, item) in &timeline.items {
+            let m = last.entry(item.worker()).or_default();
+            *m = (*m).max(*t);
+        }
+        let window_us = window * 1e6;
+        for (t, item) in &mut timeline.items {
+            let end = last[&item.worker()].max(1);
+            *t = (*t as f64 * window_us / end as f64) as u64;
+        }
+    }
     timeline.items.sort_by_key(|(t, _)| *t);
     Ok(timeline)
 }
 
+/// One replay's figures, and its index (full).
+struct Replayed {
+    phase: Phase,
+    walked: u64,
+    index: Arc<Indexer>,
+}
+
 /// Replays the timeline into a fresh index: a writer thread applies the batches, a reader
 /// thread runs the lookups, both paced at `speedup` × the recorded rate or flat out.
-/// Returns the phase figures, blocks walked by lookups, and the index's final heap and sizes.
 fn replay(
     timeline: &Arc<Timeline>,
     config: &Config,
     speedup: Option<f64>,
-    allocator: &'static StatsAlloc<std::alloc::System>,
-) -> anyhow::Result<(Phase, u64, (i64, kvroute::indexer::Sizes))> {
-    let region = Region::new(allocator);
+) -> anyhow::Result<Replayed> {
     let index = Arc::new(Indexer::new(config.clone())?);
     let start = Instant::now();
     let due = move |t: u64| speedup.map(|s| Duration::from_secs_f64(t as f64 / 1e6 / s));
@@ -298,7 +518,10 @@ fn replay(
             let mut latencies = Vec::new();
             let mut walked = 0u64;
             for (t, item) in &timeline.items {
-                if let Item::Lookup { locals, seqs, copy } = item {
+                if let Item::Lookup {
+                    locals, seqs, copy, ..
+                } = item
+                {
                     if let Some(d) = due(*t) {
                         sleep_until(start + d);
                     }
@@ -328,16 +551,89 @@ fn replay(
         .join()
         .map_err(|_| anyhow::anyhow!("reader thread panicked"))?;
     let wall = start.elapsed().as_secs_f64();
-    let change = region.change();
-    let heap = change.bytes_allocated as i64 - change.bytes_deallocated as i64
-        + change.bytes_reallocated as i64;
-    let sizes = index.sizes();
+    let lookups = latencies.len().max(1) as f64;
+    let total_us: f64 = latencies.iter().sum();
     let phase = Phase {
         wall_s: wall,
         block_ops_per_s: (event_blocks + walked) as f64 / wall,
         lookup_us: Summary::of(&mut latencies),
+        walked_blocks_mean: walked as f64 / lookups,
+        ns_per_walked_block: total_us * 1e3 / walked.max(1) as f64,
     };
-    Ok((phase, walked, (heap, sizes)))
+    Ok(Replayed {
+        phase,
+        walked,
+        index,
+    })
+}
+
+/// Fills a fresh index with `blocks` distinct blocks (64 workers, 16-block chains, on the
+/// device), evicts them all, and again, `rounds` times; then every worker leaves.
+fn churn(blocks: usize, rounds: usize) -> Churn {
+    const WORKERS: u64 = 64;
+    const CHAIN: usize = 16;
+    let index = Indexer::new(Config::default()).expect("the default config is valid");
+    let mut out = Churn {
+        blocks,
+        rounds,
+        rss_empty_bytes: rss_bytes(),
+        ..Churn::default()
+    };
+    let chains = blocks / CHAIN;
+    let chain_of = |round: usize, c: usize| -> Vec<kvroute::protocol::StoredBlock> {
+        let mut parent = None;
+        (0..CHAIN)
+            .map(|k| {
+                let local = LocalHash(mix((round as u64) << 40 ^ (c as u64) << 8 ^ k as u64));
+                let seq = kvroute::protocol::seq_hash(parent, local, Salt::NONE);
+                parent = Some(seq);
+                kvroute::protocol::StoredBlock { seq, local }
+            })
+            .collect()
+    };
+    let batch = |worker: u64, data: KvEventData| EventBatch {
+        worker: WorkerId(worker),
+        dp_rank: kvroute::protocol::DpRank(0),
+        epoch: 1,
+        sent_unix_us: 0,
+        events: vec![kvroute::protocol::KvEvent {
+            id: 0,
+            tier: kvroute::protocol::Tier::Device,
+            data,
+        }],
+    };
+    let start = Instant::now();
+    let mut ops = 0u64;
+    for round in 0..rounds {
+        for c in 0..chains {
+            let blocks = chain_of(round, c);
+            index.apply(&batch(
+                c as u64 % WORKERS,
+                KvEventData::Stored {
+                    parent: None,
+                    blocks,
+                },
+            ));
+        }
+        ops += (chains * CHAIN) as u64;
+        out.rss_full_bytes.push(rss_bytes());
+        out.table_bytes_per_block = index.table_bytes() as f64 / index.sizes().blocks.max(1) as f64;
+        for c in 0..chains {
+            let seqs = chain_of(round, c).iter().rev().map(|b| b.seq).collect();
+            index.apply(&batch(
+                c as u64 % WORKERS,
+                KvEventData::Removed { blocks: seqs },
+            ));
+        }
+        ops += (chains * CHAIN) as u64;
+        out.rss_evicted_bytes.push(rss_bytes());
+    }
+    out.block_ops_per_s = ops as f64 / start.elapsed().as_secs_f64();
+    for w in 0..WORKERS {
+        index.remove_worker(WorkerId(w));
+    }
+    out.rss_after_leave_bytes = rss_bytes();
+    out
 }
 
 fn sleep_until(when: Instant) {
@@ -354,28 +650,55 @@ pub fn print(report: &Report) {
         report.trace, report.workers, report.events, report.lookups
     );
     println!(
-        "| phase | wall s | block-ops/s | lookup p50 µs | lookup p90 µs | lookup p99 µs | mean µs |"
+        "| phase | wall s | block-ops/s | lookup p50 µs | lookup p90 µs | lookup p99 µs | mean µs | blocks walked (mean) | ns per block |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for (name, p) in [
         ("paced (trace rate)", &report.paced),
         ("saturated", &report.saturated),
     ] {
         println!(
-            "| {name} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            "| {name} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} |",
             p.wall_s,
             p.block_ops_per_s,
             p.lookup_us.p50,
             p.lookup_us.p90,
             p.lookup_us.p99,
-            p.lookup_us.mean
+            p.lookup_us.mean,
+            p.walked_blocks_mean,
+            p.ns_per_walked_block
         );
     }
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let m = &report.memory;
     println!(
-        "index at end: {} blocks, {:.0} B/block, {:.0} B/entry; peak RSS {:.0} MiB",
+        "index at end: {} blocks, {} entries; tables {:.1} B/block, {:.1} B/entry; RSS {:.1} B/block",
         report.final_blocks,
+        report.final_entries,
         report.bytes_per_block,
         report.bytes_per_entry,
-        report.peak_rss_bytes as f64 / (1 << 20) as f64
+        m.rss_bytes_per_block
     );
+    println!(
+        "RSS: {:.0} MiB before the index, {:.0} MiB full, {:.0} MiB after every worker left (tables {} B); peak {:.0} MiB",
+        mib(m.rss_before_bytes),
+        mib(m.rss_full_bytes),
+        mib(m.rss_after_leave_bytes),
+        m.table_bytes_after_leave,
+        mib(report.peak_rss_bytes)
+    );
+    if let Some(c) = &report.churn {
+        let max = |v: &[u64]| v.iter().copied().max().unwrap_or(0);
+        println!(
+            "churn: {} rounds of {} blocks, {:.2} M block-ops/s; RSS empty {:.0} MiB, full max {:.0} MiB, evicted max {:.0} MiB, after leave {:.0} MiB; tables {:.1} B/block full",
+            c.rounds,
+            c.blocks,
+            c.block_ops_per_s / 1e6,
+            mib(c.rss_empty_bytes),
+            mib(max(&c.rss_full_bytes)),
+            mib(max(&c.rss_evicted_bytes)),
+            mib(c.rss_after_leave_bytes),
+            c.table_bytes_per_block
+        );
+    }
 }

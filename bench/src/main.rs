@@ -1,17 +1,10 @@
 //! `kvroute-bench`: system benches that print a table and write JSON.
 #![forbid(unsafe_code)]
 
-use std::alloc::System;
-
 use clap::{Parser, Subcommand};
 use kvroute_bench::{
     engines_load, events_load, fuzz, indexer_load, kernels_load, plot, replay, soak, trace,
 };
-use stats_alloc::{INSTRUMENTED_SYSTEM, StatsAlloc};
-
-// Counting allocator: the indexer bench reports the index's heap per block.
-#[global_allocator]
-static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 
 /// kvroute's system benchmarks.
 #[derive(Parser)]
@@ -56,7 +49,7 @@ fn main() -> anyhow::Result<()> {
         .init();
     match Cli::parse().command {
         Command::Indexer(args) => {
-            let report = indexer_load::run(&args, GLOBAL)?;
+            let report = indexer_load::run(&args)?;
             indexer_load::print(&report);
             if let Some(path) = &args.json {
                 std::fs::write(path, serde_json::to_string_pretty(&report)?)?;

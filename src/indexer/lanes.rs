@@ -1,6 +1,6 @@
-//! One lane per (worker, dp rank): the registration, the reverse map of what the worker holds
-//! (for removals, `Cleared`, `remove_worker` and dumps), and the lock that keeps one worker's
-//! events in order. Lanes of different workers apply in parallel.
+//! One lane per (worker, dp rank): the registration (its worker slot) and the lock that keeps
+//! one worker's events in order. Lanes of different workers apply in parallel. What a worker
+//! holds is not kept here: the block map's nodes say it.
 //!
 //! Lock order: registry, released before taking a lane; lane, then block-map shards. The one
 //! race that matters is `apply` fetching a lane that `remove` is tearing down: `apply` would
@@ -8,11 +8,11 @@
 //! lane dead under its lock; `apply` re-checks after locking and starts over with a fresh
 //! registration.
 
-use crate::protocol::{DpRank, SeqHash, WorkerId};
+use crate::protocol::{DpRank, WorkerId};
 use rustc_hash::FxHashMap;
 
 use super::slots::{SlotRef, SlotTable};
-use super::sync::{Arc, Mutex, MutexGuard};
+use super::sync::{Arc, Mutex};
 
 /// Tiers a worker holds a block in, as a bit set indexed by `Tier as u8`.
 pub(crate) type TierMask = u8;
@@ -20,8 +20,10 @@ pub(crate) type TierMask = u8;
 /// What one lane knows, guarded by its lock.
 #[derive(Debug, Default)]
 pub(crate) struct LaneState {
+    /// Torn down: an `apply` that finds it so starts over with a fresh registration.
     pub dead: bool,
-    pub blocks: FxHashMap<SeqHash, TierMask>,
+    /// The lane's scratch owner list (no allocation per event).
+    pub scratch: Vec<super::table::Entry>,
 }
 
 #[derive(Debug)]
@@ -121,11 +123,5 @@ impl Lanes {
             .iter()
             .map(|(k, v)| (*k, Arc::clone(v)))
             .collect()
-    }
-}
-
-impl Lane {
-    pub(crate) fn lock(&self) -> MutexGuard<'_, LaneState> {
-        self.state.lock()
     }
 }

@@ -1,4 +1,4 @@
-//! loom models of the indexer's two protocols, each with a negative control: the same model
+//! loom models of the indexer's protocols, each with a negative control: the same model
 //! against a deliberately broken variant must fail, or the model proves nothing.
 //! Run: `RUSTFLAGS="--cfg kvroute_loom" cargo test --release -p kvroute loom`.
 
@@ -9,7 +9,11 @@ use loom::thread;
 use super::lanes::Lanes;
 use super::slots::SlotTable;
 use super::sync::{Arc, Mutex};
-use crate::protocol::{DpRank, SeqHash, WorkerId};
+use super::table::{Shard, entry};
+use super::{Config, Indexer};
+use crate::protocol::{
+    DpRank, EventBatch, KvEvent, KvEventData, LocalHash, SeqHash, StoredBlock, Tier, WorkerId,
+};
 
 /// A reader resolving a ref while its slot is vacated and re-occupied by another worker
 /// must get the old identity or nothing, never the new worker's.
@@ -60,7 +64,7 @@ fn lane_teardown_model(broken: bool) {
         // The worker exists before the race.
         lanes
             .with_lane(WorkerId(1), DpRank(0), |slot, state| {
-                state.blocks.insert(SeqHash(1), 1);
+                state.scratch.push(1);
                 map.lock().push(slot);
             })
             .expect("slot");
@@ -69,14 +73,14 @@ fn lane_teardown_model(broken: bool) {
             thread::spawn(move || {
                 lanes
                     .with_lane(WorkerId(1), DpRank(0), |slot, state| {
-                        state.blocks.insert(SeqHash(2), 1);
+                        state.scratch.push(2);
                         map.lock().push(slot);
                     })
                     .expect("slot");
             })
         };
         lanes.remove(WorkerId(1), None, |slot, state| {
-            state.blocks.clear();
+            state.scratch.clear();
             map.lock().retain(|s| *s != slot);
         });
         applier.join().expect("applier thread");
@@ -99,4 +103,122 @@ fn loom_lane_teardown_leaks_nothing() {
 fn loom_lane_teardown_negative_control() {
     let failed = catch_unwind(AssertUnwindSafe(|| lane_teardown_model(true))).is_err();
     assert!(failed, "loom did not catch the missing dead-lane check");
+}
+
+/// Table rule 1: a reader that matched a key reads that key's owners. Key `K` dies (its slot
+/// becomes a tombstone) and key `J`, probing from the same position, is stored while a
+/// reader looks `K` up: the reader must see `K`'s owners or nothing, never `J`'s. The broken
+/// variant lets `J` take `K`'s tombstone.
+fn tombstone_model(broken: bool) {
+    const K: u64 = 11;
+    const J: u64 = 22;
+    loom::model(move || {
+        let shard = Arc::new(Shard::new(0));
+        if broken {
+            shard.break_reuse();
+        }
+        shard.write().set(0, K, &[entry(1, 1)]);
+        let reader = {
+            let shard = Arc::clone(&shard);
+            thread::spawn(move || {
+                let mut buf = Vec::new();
+                shard.read(0, K, &mut buf).then_some(buf)
+            })
+        };
+        {
+            let mut w = shard.write();
+            w.set(0, K, &[]);
+            w.set(0, J, &[entry(2, 1)]);
+        }
+        let seen = reader.join().expect("reader thread");
+        assert!(
+            seen.is_none() || seen == Some(vec![entry(1, 1)]),
+            "a lookup of K read {seen:?}"
+        );
+    });
+}
+
+#[test]
+fn loom_a_reader_never_reads_another_keys_owners() {
+    tombstone_model(false);
+}
+
+#[test]
+fn loom_tombstone_reuse_negative_control() {
+    let failed = catch_unwind(AssertUnwindSafe(|| tombstone_model(true))).is_err();
+    assert!(
+        failed,
+        "loom did not catch a tombstone taken by another key"
+    );
+}
+
+fn stored(worker: u64, tier: Tier, seq: u64) -> EventBatch {
+    EventBatch {
+        worker: WorkerId(worker),
+        dp_rank: DpRank(0),
+        epoch: 1,
+        sent_unix_us: 0,
+        events: vec![KvEvent {
+            id: 1,
+            tier,
+            data: KvEventData::Stored {
+                parent: None,
+                blocks: vec![StoredBlock {
+                    seq: SeqHash(seq),
+                    local: LocalHash(seq),
+                }],
+            },
+        }],
+    }
+}
+
+/// Worker slots across a walk: worker 1 holds block 0 on the device; while a lookup of
+/// blocks [0, 1] runs, worker 1 leaves and its slot goes to worker 2, which stores block 1 on
+/// the host. Worker 2 never held block 0, so it may be credited with nothing. The broken
+/// variant reads block 0's owners once, before the slots' generations (no re-read).
+fn walk_model(broken: bool) {
+    let mut builder = loom::model::Builder::new();
+    // The writer side is long (a removal walks every shard); two preemptions cover the
+    // interleavings that matter: one inside the reader's block-0 read, one in the writer.
+    builder.preemption_bound = Some(2);
+    builder.check(move || {
+        let ix = Indexer::new(Config {
+            max_workers: 1,
+            shards: 2,
+            ..Config::default()
+        })
+        .expect("config");
+        #[allow(unused_mut)]
+        let mut ix = ix;
+        ix.lanes.slots.broken_walk = broken;
+        let ix = Arc::new(ix);
+        ix.apply(&stored(1, Tier::Device, 100));
+        let reader = {
+            let ix = Arc::clone(&ix);
+            thread::spawn(move || ix.find_matches_seq(&[SeqHash(100), SeqHash(200)]))
+        };
+        ix.remove_worker(WorkerId(1));
+        ix.apply(&stored(2, Tier::Host, 200));
+        let seen = reader.join().expect("reader thread");
+        let two = seen.get(WorkerId(2), DpRank(0));
+        assert_eq!(
+            (two.device, two.host, two.disk),
+            (0, 0, 0),
+            "worker 2 credited with worker 1's block"
+        );
+    });
+}
+
+#[test]
+fn loom_a_reused_slot_is_never_credited_with_the_last_occupants_blocks() {
+    walk_model(false);
+}
+
+#[test]
+fn loom_walk_negative_control() {
+    let failed = catch_unwind(AssertUnwindSafe(|| walk_model(true))).is_err();
+    assert!(
+        failed,
+        "loom did not catch the walk without the block-0 re-read"
+    );
 }

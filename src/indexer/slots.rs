@@ -34,6 +34,9 @@ pub(crate) struct SlotTable {
     /// Under `cfg(test)`, a deliberately broken `resolve` for the loom negative control.
     #[cfg(all(test, kvroute_loom))]
     pub broken_resolve: bool,
+    /// Under `cfg(test)`, walks skip the block-0 re-read (the loom negative control).
+    #[cfg(all(test, kvroute_loom))]
+    pub broken_walk: bool,
 }
 
 impl SlotTable {
@@ -49,6 +52,8 @@ impl SlotTable {
             free: Mutex::new((0..capacity).rev().collect()),
             #[cfg(all(test, kvroute_loom))]
             broken_resolve: false,
+            #[cfg(all(test, kvroute_loom))]
+            broken_walk: false,
         }
     }
 
@@ -71,6 +76,16 @@ impl SlotTable {
         slot.generation
             .store(r.generation.wrapping_add(1), Ordering::SeqCst);
         self.free.lock().push(r.index);
+    }
+
+    /// The current occupation of slot `index`, if occupied.
+    pub(crate) fn current(&self, index: u32) -> Option<SlotRef> {
+        let generation = self
+            .slots
+            .get(index as usize)?
+            .generation
+            .load(Ordering::SeqCst);
+        (generation % 2 == 0).then_some(SlotRef { index, generation })
     }
 
     /// The identity behind a ref, if its occupation is still current.

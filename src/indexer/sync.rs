@@ -47,3 +47,66 @@ impl<T> Mutex<T> {
         return self.inner.lock();
     }
 }
+
+/// A shared pointer that writers replace and readers load without a lock: `arc-swap`
+/// normally (readers borrow through its debt slots, no refcount traffic on the fast path;
+/// the old value is freed when its last reader lets go). Under loom, a mutex around an `Arc`
+/// stands in (loom cannot see inside arc-swap); the models check our protocol on top of it.
+#[derive(Debug)]
+pub(crate) struct ArcCell<T> {
+    #[cfg(kvroute_loom)]
+    inner: loom::sync::Mutex<Arc<T>>,
+    #[cfg(not(kvroute_loom))]
+    inner: arc_swap::ArcSwap<T>,
+}
+
+impl<T> ArcCell<T> {
+    pub(crate) fn new(value: Arc<T>) -> Self {
+        #[cfg(kvroute_loom)]
+        return ArcCell {
+            inner: loom::sync::Mutex::new(value),
+        };
+        #[cfg(not(kvroute_loom))]
+        return ArcCell {
+            inner: arc_swap::ArcSwap::new(value),
+        };
+    }
+
+    /// A borrow of the current value, for a short read.
+    #[cfg(not(kvroute_loom))]
+    pub(crate) fn load(&self) -> arc_swap::Guard<Arc<T>> {
+        self.inner.load()
+    }
+
+    /// A borrow of the current value, for a short read.
+    #[cfg(kvroute_loom)]
+    pub(crate) fn load(&self) -> Arc<T> {
+        self.load_full()
+    }
+
+    /// The current value, owned.
+    pub(crate) fn load_full(&self) -> Arc<T> {
+        #[cfg(kvroute_loom)]
+        return Arc::clone(
+            &self
+                .inner
+                .lock()
+                .expect("invariant: no thread panics holding an indexer lock"),
+        );
+        #[cfg(not(kvroute_loom))]
+        return self.inner.load_full();
+    }
+
+    /// Replaces the value (a release: stores before it are visible to later loads).
+    pub(crate) fn store(&self, value: Arc<T>) {
+        #[cfg(kvroute_loom)]
+        {
+            *self
+                .inner
+                .lock()
+                .expect("invariant: no thread panics holding an indexer lock") = value;
+        }
+        #[cfg(not(kvroute_loom))]
+        self.inner.store(value);
+    }
+}

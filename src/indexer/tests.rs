@@ -260,7 +260,7 @@ fn foreign_hashing_is_counted() {
 }
 
 #[test]
-fn dump_lists_blocks_parents_first() {
+fn dump_lists_every_held_block_per_tier() {
     let ix = index();
     let c = chain(&[1, 2, 3]);
     let d = chain(&[1, 5]);
@@ -269,27 +269,91 @@ fn dump_lists_blocks_parents_first() {
         vec![
             (Tier::Device, stored(None, &c)),
             (Tier::Device, stored(Some(c[0].seq), &d[1..])),
+            (Tier::Host, stored(None, &c[..1])),
         ],
     ));
+    ix.apply(&batch(5, vec![(Tier::Device, stored(None, &d))]));
     let dump = ix.dump(Some(WorkerId(4)));
-    assert_eq!(dump.len(), 1);
-    let replay = index();
-    replay.apply(&dump[0]);
-    assert_eq!(replay.counters().rejected_parent, 0);
-    assert_eq!(replay.dump(None), dump);
+    let mut want = vec![
+        (Tier::Device, c[0].seq),
+        (Tier::Device, c[1].seq),
+        (Tier::Device, c[2].seq),
+        (Tier::Device, d[1].seq),
+        (Tier::Host, c[0].seq),
+    ];
+    want.sort();
+    assert_eq!(
+        dump,
+        vec![Holding {
+            worker: WorkerId(4),
+            dp_rank: DpRank(0),
+            blocks: want
+        }]
+    );
+    assert_eq!(ix.dump(None).len(), 2);
+}
+
+#[test]
+fn a_block_shared_by_many_workers_spills_and_shrinks_back() {
+    let ix = index();
+    let c = chain(&[1, 2]);
+    for w in 0..40 {
+        ix.apply(&batch(w, vec![(Tier::Device, stored(None, &c))]));
+    }
+    ix.apply(&batch(7, vec![(Tier::Host, stored(None, &c))]));
+    for w in 0..40 {
+        assert_eq!(overlap(&ix, w, &[1, 2, 9]), (2, 0, 0));
+    }
+    for w in (0..40).filter(|w| *w != 7) {
+        ix.apply(&batch(w, vec![(Tier::Device, removed(&c))]));
+    }
+    ix.apply(&batch(7, vec![(Tier::Device, removed(&c[1..]))]));
+    assert_eq!(overlap(&ix, 7, &[1, 2]), (1, 1, 0));
+    assert_eq!(overlap(&ix, 8, &[1, 2]), (0, 0, 0));
+    assert_eq!(ix.sizes().entries, 3);
+}
+
+#[test]
+fn memory_returns_after_every_worker_leaves() {
+    let ix = index();
+    let empty = ix.table_bytes();
+    for w in 0..8u64 {
+        for i in 0..2_000u64 {
+            let c = chain(&[w * 10_000 + i, 1, 2, 3]);
+            ix.apply(&batch(w, vec![(Tier::Device, stored(None, &c))]));
+        }
+    }
+    assert!(ix.table_bytes() > 8 * empty);
+    for w in 0..8u64 {
+        ix.remove_worker(WorkerId(w));
+    }
+    assert_eq!(ix.sizes(), Sizes::default());
+    assert_eq!(ix.table_bytes(), empty);
 }
 
 // ---- differential test against a plain model -------------------------------------------
 
 /// The obvious implementation: per worker, per block, the set of tiers.
+/// A (worker, rank) as one number in the model: `worker * 8 + rank`.
+fn key(worker: WorkerId, rank: DpRank) -> u64 {
+    worker.0 * 8 + u64::from(rank.0)
+}
+
 #[derive(Default, Clone)]
 struct Model {
+    /// Registered (worker, rank) keys and what each holds.
     held: BTreeMap<u64, BTreeMap<SeqHash, BTreeSet<Tier>>>,
+    /// Most keys registered at once (the index's `max_workers`).
+    max: usize,
 }
 
 impl Model {
     fn apply(&mut self, b: &EventBatch) {
-        let held = self.held.entry(b.worker.0).or_default();
+        let k = key(b.worker, b.dp_rank);
+        if !self.held.contains_key(&k) && self.held.len() >= self.max {
+            return; // no free slot: the batch is dropped
+        }
+        let held = self.held.entry(k).or_default();
         for e in &b.events {
             match &e.data {
                 KvEventData::Stored { parent, blocks } => {
@@ -361,26 +425,28 @@ impl Model {
 /// (worker, device, host, disk) of every worker with an overlap.
 type Found = BTreeSet<(u64, u32, u32, u32)>;
 
+/// A query through `find_matches` (unsalted, hashed by the index) or `find_matches_seq`.
 fn found(ix: &Indexer, query: &[StoredBlock]) -> Found {
     let locals: Vec<LocalHash> = query.iter().map(|b| b.local).collect();
-    ix.find_matches(&locals)
+    let seqs: Vec<SeqHash> = query.iter().map(|b| b.seq).collect();
+    let scores = if chain(&locals.iter().map(|l| l.0).collect::<Vec<_>>()) == query {
+        ix.find_matches(&locals)
+    } else {
+        ix.find_matches_seq(&seqs)
+    };
+    scores
         .workers
         .iter()
-        .map(|o| (o.worker.0, o.device, o.host, o.disk))
+        .map(|o| (key(o.worker, o.dp_rank), o.device, o.host, o.disk))
         .collect()
 }
 
 fn dumped(ix: &Indexer) -> BTreeSet<(u64, Tier, SeqHash)> {
     ix.dump(None)
-        .iter()
-        .flat_map(|b| {
-            b.events.iter().flat_map(move |e| match &e.data {
-                KvEventData::Stored { blocks, .. } => blocks
-                    .iter()
-                    .map(|x| (b.worker.0, e.tier, x.seq))
-                    .collect::<Vec<_>>(),
-                _ => Vec::new(),
-            })
+        .into_iter()
+        .flat_map(|h| {
+            let k = key(h.worker, h.dp_rank);
+            h.blocks.into_iter().map(move |(t, s)| (k, t, s))
         })
         .collect()
 }
@@ -390,6 +456,7 @@ enum Op {
     /// Store `path[from..]` (parent `path[from-1]`) for a worker in a tier.
     Store {
         worker: u64,
+        rank: u32,
         tier: Tier,
         path: usize,
         from: usize,
@@ -397,11 +464,13 @@ enum Op {
     /// Remove some blocks of some paths, shuffled, including ones never stored.
     Remove {
         worker: u64,
+        rank: u32,
         tier: Tier,
         picks: Vec<(usize, usize)>,
     },
     Clear {
         worker: u64,
+        rank: u32,
         tier: Tier,
     },
     RemoveWorker {
@@ -413,40 +482,94 @@ fn arb_tier() -> impl Strategy<Value = Tier> {
     prop_oneof![6 => Just(Tier::Device), 3 => Just(Tier::Host), 1 => Just(Tier::Disk)]
 }
 
+/// A query: the first `cut` blocks of a path, then `tail` blocks no path shares (it diverges).
+#[derive(Clone, Debug)]
+struct Query {
+    path: usize,
+    cut: usize,
+    tail: usize,
+}
+
 #[derive(Clone, Debug)]
 struct Case {
-    workers: u64,
-    /// Paths over a 3-letter alphabet, so prefixes are shared a lot.
-    paths: Vec<Vec<u64>>,
+    /// Most (worker, rank) pairs the index registers: below workers × ranks, batches of new
+    /// pairs are dropped until a worker leaves.
+    max_workers: u32,
+    /// Paths over a 3-letter alphabet, so prefixes are shared a lot; some salted.
+    paths: Vec<(Vec<u64>, bool)>,
     ops: Vec<Op>,
-    queries: Vec<usize>,
+    queries: Vec<Query>,
 }
 
 fn arb_case() -> impl Strategy<Value = Case> {
-    (2u64..=16, proptest::collection::vec(proptest::collection::vec(1u64..4, 1..10), 4..12))
-        .prop_flat_map(|(workers, paths)| {
+    (
+        2u64..=12,
+        1u32..=3,
+        2u32..=40,
+        proptest::collection::vec(
+            (proptest::collection::vec(1u64..4, 1..10), proptest::bool::weighted(0.25)),
+            4..12,
+        ),
+    )
+        .prop_flat_map(|(workers, ranks, max_workers, paths)| {
             let n = paths.len();
             let op = prop_oneof![
-                8 => (0..workers, arb_tier(), 0..n, 0usize..10).prop_map(|(worker, tier, path, from)| Op::Store { worker, tier, path, from }),
-                4 => (0..workers, arb_tier(), proptest::collection::vec((0..n, 0usize..10), 1..8))
-                    .prop_map(|(worker, tier, picks)| Op::Remove { worker, tier, picks }),
-                1 => (0..workers, arb_tier()).prop_map(|(worker, tier)| Op::Clear { worker, tier }),
+                8 => (0..workers, 0..ranks, arb_tier(), 0..n, 0usize..10).prop_map(|(worker, rank, tier, path, from)| Op::Store { worker, rank, tier, path, from }),
+                4 => (0..workers, 0..ranks, arb_tier(), proptest::collection::vec((0..n, 0usize..10), 1..8))
+                    .prop_map(|(worker, rank, tier, picks)| Op::Remove { worker, rank, tier, picks }),
+                1 => (0..workers, 0..ranks, arb_tier()).prop_map(|(worker, rank, tier)| Op::Clear { worker, rank, tier }),
                 1 => (0..workers).prop_map(|worker| Op::RemoveWorker { worker }),
             ];
+            let query = (0..n, 1usize..10, prop_oneof![3 => Just(0usize), 1 => 1usize..3])
+                .prop_map(|(path, cut, tail)| Query { path, cut, tail });
             (
-                Just(workers),
+                Just(max_workers),
                 Just(paths),
                 proptest::collection::vec(op, 1..60),
-                proptest::collection::vec(0..n, 1..8),
+                proptest::collection::vec(query, 1..8),
             )
         })
-        .prop_map(|(workers, paths, ops, queries)| Case { workers, paths, ops, queries })
+        .prop_map(|(max_workers, paths, ops, queries)| Case { max_workers, paths, ops, queries })
 }
 
-fn to_batch(case: &Case, chains: &[Vec<StoredBlock>], op: &Op) -> Option<EventBatch> {
+/// A path's blocks, salted when the path says so.
+fn path_chain((locals, salted): &(Vec<u64>, bool)) -> Vec<StoredBlock> {
+    let salt = if *salted { Salt(77) } else { Salt::NONE };
+    let mut parent = None;
+    locals
+        .iter()
+        .map(|l| {
+            let local = LocalHash(*l);
+            let seq = seq_hash(parent, local, salt);
+            parent = Some(seq);
+            StoredBlock { seq, local }
+        })
+        .collect()
+}
+
+/// A query's blocks: a prefix of its path, then blocks of locals no path uses.
+fn query_blocks(chains: &[Vec<StoredBlock>], q: &Query) -> Vec<StoredBlock> {
+    let c = &chains[q.path];
+    let mut blocks = c[..q.cut.min(c.len())].to_vec();
+    for i in 0..q.tail {
+        let local = LocalHash(100 + i as u64);
+        let seq = seq_hash(blocks.last().map(|b| b.seq), local, Salt::NONE);
+        blocks.push(StoredBlock { seq, local });
+    }
+    blocks
+}
+
+fn ranked(worker: u64, rank: u32, tier: Tier, data: KvEventData) -> EventBatch {
+    let mut b = batch(worker, vec![(tier, data)]);
+    b.dp_rank = DpRank(rank);
+    b
+}
+
+fn to_batch(chains: &[Vec<StoredBlock>], op: &Op) -> Option<EventBatch> {
     Some(match op {
         Op::Store {
             worker,
+            rank,
             tier,
             path,
             from,
@@ -454,10 +577,11 @@ fn to_batch(case: &Case, chains: &[Vec<StoredBlock>], op: &Op) -> Option<EventBa
             let c = &chains[*path];
             let from = (*from).min(c.len() - 1);
             let parent = from.checked_sub(1).map(|i| c[i].seq);
-            batch(*worker, vec![(*tier, stored(parent, &c[from..]))])
+            ranked(*worker, *rank, *tier, stored(parent, &c[from..]))
         }
         Op::Remove {
             worker,
+            rank,
             tier,
             picks,
         } => {
@@ -473,20 +597,31 @@ fn to_batch(case: &Case, chains: &[Vec<StoredBlock>], op: &Op) -> Option<EventBa
                 })
                 .collect();
             blocks.reverse();
-            batch(*worker, vec![(*tier, removed(&blocks))])
+            ranked(*worker, *rank, *tier, removed(&blocks))
         }
-        Op::Clear { worker, tier } => batch(*worker, vec![(*tier, KvEventData::Cleared)]),
-        Op::RemoveWorker { .. } => {
-            let _ = case;
-            return None;
-        }
+        Op::Clear { worker, rank, tier } => ranked(*worker, *rank, *tier, KvEventData::Cleared),
+        Op::RemoveWorker { .. } => return None,
     })
 }
 
 fn run_case(case: &Case, readers: usize) -> Result<(), TestCaseError> {
-    let chains: Vec<Vec<StoredBlock>> = case.paths.iter().map(|p| chain(p)).collect();
-    let ix = Arc::new(index());
-    let mut model = Model::default();
+    let chains: Vec<Vec<StoredBlock>> = case.paths.iter().map(path_chain).collect();
+    let queries: Vec<Vec<StoredBlock>> = case
+        .queries
+        .iter()
+        .map(|q| query_blocks(&chains, q))
+        .collect();
+    let ix = Arc::new(
+        Indexer::new(Config {
+            max_workers: case.max_workers,
+            ..Config::default()
+        })
+        .unwrap(),
+    );
+    let mut model = Model {
+        max: case.max_workers as usize,
+        ..Model::default()
+    };
     // Every state the model passed through, in order. A concurrent reader walks a query's
     // blocks in order while the writer moves on, so it may see block i in one state and block
     // i + 1 in a later one; it must never credit a block in a tier that no state at or after
@@ -497,8 +632,7 @@ fn run_case(case: &Case, readers: usize) -> Result<(), TestCaseError> {
     let handles: Vec<_> = (0..readers)
         .map(|r| {
             let (ix, stop, results) = (Arc::clone(&ix), Arc::clone(&stop), Arc::clone(&results));
-            let queries: Vec<Vec<StoredBlock>> =
-                case.queries.iter().map(|q| chains[*q].clone()).collect();
+            let queries = queries.clone();
             std::thread::spawn(move || {
                 let mut i = r;
                 while !stop.load(Ordering::Relaxed) {
@@ -511,7 +645,7 @@ fn run_case(case: &Case, readers: usize) -> Result<(), TestCaseError> {
         })
         .collect();
     for op in &case.ops {
-        match to_batch(case, &chains, op) {
+        match to_batch(&chains, op) {
             Some(b) => {
                 ix.apply(&b);
                 model.apply(&b);
@@ -521,13 +655,13 @@ fn run_case(case: &Case, readers: usize) -> Result<(), TestCaseError> {
                     unreachable!()
                 };
                 ix.remove_worker(WorkerId(*worker));
-                model.held.remove(worker);
+                model.held.retain(|k, _| k / 8 != *worker);
             }
         }
         history.push(model.clone());
         if readers == 0 {
-            for q in &case.queries {
-                prop_assert_eq!(found(&ix, &chains[*q]), model.find(&chains[*q]));
+            for q in &queries {
+                prop_assert_eq!(found(&ix, q), model.find(q));
             }
         }
     }
@@ -535,22 +669,21 @@ fn run_case(case: &Case, readers: usize) -> Result<(), TestCaseError> {
     for h in handles {
         h.join().unwrap();
     }
-    let queries: Vec<&[StoredBlock]> = case.queries.iter().map(|q| &chains[*q][..]).collect();
     for (q, got) in results.lock().iter() {
         for seen in got {
             prop_assert!(
-                explained(&history, queries[*q], *seen),
+                explained(&history, &queries[*q], *seen),
                 "reader saw {seen:?} (worker, device, host, disk), which no ordered walk through \
                  the states the index passed through can give"
             );
         }
     }
     // Quiescent: exact.
-    for q in &case.queries {
-        prop_assert_eq!(found(&ix, &chains[*q]), model.find(&chains[*q]));
+    for q in &queries {
+        prop_assert_eq!(found(&ix, q), model.find(q));
     }
     prop_assert_eq!(dumped(&ix), model.blocks());
-    let _ = case.workers;
+    prop_assert_eq!(ix.sizes().workers, model.held.len());
     Ok(())
 }
 

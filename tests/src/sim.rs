@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use kvroute::discovery::{LeaseConfig, Registration, Registry, WorkerInfo};
 use kvroute::events::transport::Transport;
 use kvroute::indexer::Indexer;
-use kvroute::protocol::{DpRank, EventBatch, KvEventData, Salt, SeqHash, Tier, WorkerId};
+use kvroute::protocol::{DpRank, EventBatch, Salt, SeqHash, Tier, WorkerId};
 use kvroute_worker::EngineConfig;
 use kvroute_worker::block_manager::BlockManager;
 use kvroute_worker::engine::{Engine, Request, RequestId};
@@ -297,16 +297,8 @@ pub fn workload(seed: u32, n: u32) -> Vec<Request> {
 pub fn indexed(indexer: &Indexer) -> BTreeSet<(WorkerId, Tier, SeqHash)> {
     indexer
         .dump(None)
-        .iter()
-        .flat_map(|b| {
-            b.events.iter().flat_map(move |e| match &e.data {
-                KvEventData::Stored { blocks, .. } => blocks
-                    .iter()
-                    .map(|x| (b.worker, e.tier, x.seq))
-                    .collect::<Vec<_>>(),
-                _ => Vec::new(),
-            })
-        })
+        .into_iter()
+        .flat_map(|h| h.blocks.into_iter().map(move |(t, s)| (h.worker, t, s)))
         .collect()
 }
 

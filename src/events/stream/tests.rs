@@ -349,14 +349,7 @@ impl Worker {
 }
 
 fn indexed(ix: &Indexer) -> BTreeSet<(Tier, SeqHash)> {
-    ix.dump(None)
-        .iter()
-        .flat_map(|b| b.events.iter())
-        .flat_map(|e| match &e.data {
-            KvEventData::Stored { blocks, .. } => blocks.iter().map(|b| (e.tier, b.seq)).collect(),
-            _ => Vec::new(),
-        })
-        .collect()
+    ix.dump(None).into_iter().flat_map(|h| h.blocks).collect()
 }
 
 proptest! {

@@ -1,0 +1,555 @@
+//! The block map: `SeqHash` → owners, sharded, with lookups that never wait on a writer.
+//!
+//! # Layout
+//!
+//! Each shard is an open-addressing table (linear probing) of 16-byte slots, `key` and
+//! `word`, both atomics. The word is the node:
+//!
+//! - `0`: empty (ends a probe);
+//! - `PRESENT`: a tombstone (the key had owners once; it has none now);
+//! - `PRESENT | e0 | e1 << 20 | e2 << 40`: up to three owners inline, each a 20-bit
+//!   [`Entry`] (worker slot << 4 | tier bits), sorted, zero-padded;
+//! - `PRESENT | SPILLED | len << 32 | offset`: more owners (or a slot index past 16 bits)
+//!   out of line, `len` entries packed two to a word in the shard's arena.
+//!
+//! So a block costs its slot, 16 B, divided by the table's load (kept between 0.41 and
+//! 0.81 by growing ×2 at 13/16 and shrinking at 1/8): 20 to 39 B, 27 B at the mean of a
+//! doubling; plus 4 B per owner beyond the third, and those only for blocks shared by four
+//! or more workers (shared system prompts). Nothing else is kept per block: the key is the
+//! node's address, the block's parent and `LocalHash` are not needed to answer a lookup, and
+//! what a worker holds is read off the nodes when it leaves (a walk; rare).
+//!
+//! # Concurrency
+//!
+//! Writers of a shard take its mutex (lanes of different workers still apply in parallel
+//! across shards). Readers take no lock. Two rules make that safe:
+//!
+//! 1. *A slot's key never changes while its table lives.* A slot goes empty → present and
+//!    stays keyed; a removed node becomes a tombstone that only the same key may revive.
+//!    A reader that matched the key therefore reads that key's owners, whatever the
+//!    writer does meanwhile. Tombstones are purged by rebuilding the table.
+//! 2. *Arena regions are written once.* A change to a spilled owner set writes a new region
+//!    and then publishes it with one store of the word (Release; readers load it Acquire),
+//!    so a reader sees a whole set, old or new, never a mix. Dead regions are reclaimed by
+//!    rebuilding too.
+//!
+//! A rebuild (grow, shrink, purge tombstones, compact the arena) happens under the shard's
+//! mutex: the writer copies the live nodes into a fresh table and swaps it in
+//! ([`ArcCell`]); readers already inside the old one finish there (it is current up to the
+//! swap, and freed when the last of them lets go). Both rules are model-checked by loom
+//! with negative controls (`loom_models.rs`).
+//!
+//! Probe positions come from the key mixed with a per-process random seed, so a publisher
+//! cannot choose hashes that pile into one probe chain.
+
+use super::sync::{Arc, ArcCell, AtomicU64, Mutex, MutexGuard, Ordering};
+
+/// One owner of a block: `slot << 4 | tiers` (bit `t` set: held in `Tier` `t`).
+pub(crate) type Entry = u32;
+
+/// The entry of `slot` holding the block in `tiers`.
+pub(crate) const fn entry(slot: u32, tiers: u8) -> Entry {
+    slot << 4 | tiers as u32
+}
+
+/// The worker slot of an entry.
+pub(crate) const fn slot_of(e: Entry) -> u32 {
+    e >> 4
+}
+
+/// The tier bits of an entry.
+pub(crate) const fn tiers_of(e: Entry) -> u8 {
+    (e & 0xF) as u8
+}
+
+/// The tiers `slot` holds in a sorted entry list, 0 if none.
+pub(crate) fn tiers_in(entries: &[Entry], slot: u32) -> u8 {
+    entries
+        .binary_search_by_key(&slot, |e| slot_of(*e))
+        .map_or(0, |i| tiers_of(entries[i]))
+}
+
+const PRESENT: u64 = 1 << 63;
+const SPILLED: u64 = 1 << 62;
+const ENTRY_BITS: u32 = 20;
+const ENTRY_MASK: u64 = (1 << ENTRY_BITS) - 1;
+const INLINE: usize = 3;
+/// Largest owner count a spilled word can name, and so the most worker slots.
+const MAX_SPILL: usize = (1 << 20) - 1;
+/// Most worker slots an index may have.
+pub(crate) const MAX_SLOTS: u32 = MAX_SPILL as u32;
+/// Smallest table (small under loom, whose models walk whole tables).
+const MIN_CAPACITY: usize = if cfg!(kvroute_loom) { 4 } else { 16 };
+
+#[derive(Debug)]
+struct Slot {
+    key: AtomicU64,
+    word: AtomicU64,
+}
+
+/// One generation of a shard's table. Immutable in shape; its slots and arena are atomics.
+#[derive(Debug)]
+pub(crate) struct Table {
+    slots: Box<[Slot]>,
+    arena: Box<[AtomicU64]>,
+}
+
+impl Table {
+    fn new(capacity: usize, arena: usize) -> Table {
+        Table {
+            slots: (0..capacity)
+                .map(|_| Slot {
+                    key: AtomicU64::new(0),
+                    word: AtomicU64::new(0),
+                })
+                .collect(),
+            arena: (0..arena).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// The slot holding `key` (live or tombstone), or the empty slot that ends its probe.
+    /// `None` only if the table is full of other keys (never: the load stays below 13/16).
+    fn probe(&self, home: u64, key: u64) -> Option<Result<usize, usize>> {
+        let mask = self.slots.len() - 1;
+        let mut i = home as usize & mask;
+        for _ in 0..self.slots.len() {
+            let slot = &self.slots[i];
+            if slot.word.load(Ordering::Acquire) == 0 {
+                return Some(Err(i));
+            }
+            if slot.key.load(Ordering::Relaxed) == key {
+                return Some(Ok(i));
+            }
+            i = (i + 1) & mask;
+        }
+        None
+    }
+
+    /// Decodes a word into `out` (sorted entries). False for a tombstone.
+    fn decode(&self, word: u64, out: &mut Vec<Entry>) -> bool {
+        out.clear();
+        if word & SPILLED != 0 {
+            let offset = (word & 0xFFFF_FFFF) as usize;
+            let len = ((word >> 32) & ENTRY_MASK) as usize;
+            out.reserve(len);
+            for k in 0..len {
+                let pair = self.arena[offset + k / 2].load(Ordering::Relaxed);
+                out.push(if k % 2 == 0 {
+                    pair as u32
+                } else {
+                    (pair >> 32) as u32
+                });
+            }
+        } else {
+            for k in 0..INLINE {
+                let e = (word >> (k as u32 * ENTRY_BITS)) & ENTRY_MASK;
+                if e == 0 {
+                    break;
+                }
+                out.push(e as u32);
+            }
+        }
+        !out.is_empty()
+    }
+
+    /// The owners of `key`, into `out`. False if it has none.
+    fn read(&self, home: u64, key: u64, out: &mut Vec<Entry>) -> bool {
+        match self.probe(home, key) {
+            Some(Ok(i)) => {
+                let word = self.slots[i].word.load(Ordering::Acquire);
+                self.decode(word, out)
+            }
+            _ => {
+                out.clear();
+                false
+            }
+        }
+    }
+}
+
+/// Writer-side bookkeeping of a shard (under its mutex).
+#[derive(Debug, Default)]
+struct Books {
+    /// Keys with owners.
+    live: usize,
+    /// Keyed slots, live or tombstone.
+    used: usize,
+    /// Next free arena word.
+    arena_top: usize,
+    /// Arena words of regions still referenced.
+    arena_live: usize,
+    /// Rebuilds since creation (for tests and the bench).
+    rebuilds: u64,
+    /// Under `cfg(test)`, revive tombstones for any key (the loom negative control of rule 1).
+    #[cfg(all(test, kvroute_loom))]
+    broken_reuse: bool,
+}
+
+#[derive(Debug)]
+pub(crate) struct Shard {
+    table: ArcCell<Table>,
+    books: Mutex<Books>,
+}
+
+impl Shard {
+    /// An empty shard whose table has room for `expected` keys.
+    pub(crate) fn new(expected: usize) -> Shard {
+        Shard {
+            table: ArcCell::new(Arc::new(Table::new(capacity_for(expected), 0))),
+            books: Mutex::new(Books::default()),
+        }
+    }
+
+    /// Lock-free read of `key`'s owners into `out`. False if it has none.
+    pub(crate) fn read(&self, home: u64, key: u64, out: &mut Vec<Entry>) -> bool {
+        self.table.load().read(home, key, out)
+    }
+
+    /// Loads the first slot `home` probes, so that a walk can start the cache misses of its
+    /// next blocks together (they overlap) before it reads them one by one. Returns the word
+    /// (callers feed it to `black_box`).
+    pub(crate) fn touch(&self, home: u64) -> u64 {
+        let table = self.table.load();
+        let mask = table.slots.len() - 1;
+        table.slots[home as usize & mask]
+            .word
+            .load(Ordering::Relaxed)
+    }
+
+    /// Takes the shard's writer lock.
+    pub(crate) fn write(&self) -> ShardWriter<'_> {
+        let books = self.books.lock();
+        ShardWriter {
+            table: self.table.load_full(),
+            shard: self,
+            books,
+        }
+    }
+
+    /// Heap bytes of the current table (slots and arena).
+    pub(crate) fn table_bytes(&self) -> usize {
+        let t = self.table.load();
+        t.slots.len() * std::mem::size_of::<Slot>() + t.arena.len() * 8
+    }
+
+    #[cfg(all(test, kvroute_loom))]
+    pub(crate) fn break_reuse(&self) {
+        self.books.lock().broken_reuse = true;
+    }
+}
+
+/// What a [`ShardWriter::set`] did to the node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Change {
+    /// The key had no owners and has some now.
+    Created,
+    /// The key had owners and has none now.
+    Emptied,
+    /// Neither.
+    Updated,
+}
+
+/// A shard's writer: holds its mutex.
+pub(crate) struct ShardWriter<'a> {
+    shard: &'a Shard,
+    books: MutexGuard<'a, Books>,
+    table: Arc<Table>,
+}
+
+impl ShardWriter<'_> {
+    /// The owners of `key` into `out`. False if none.
+    pub(crate) fn read(&self, home: u64, key: u64, out: &mut Vec<Entry>) -> bool {
+        self.table.read(home, key, out)
+    }
+
+    /// Sets `key`'s owners to `owners` (sorted by slot, no zero tier sets; empty removes).
+    pub(crate) fn set(&mut self, home: u64, key: u64, owners: &[Entry]) -> Change {
+        debug_assert!(owners.windows(2).all(|w| slot_of(w[0]) < slot_of(w[1])));
+        debug_assert!(owners.iter().all(|e| tiers_of(*e) != 0));
+        let found = self.probe_for_write(home, key);
+        let (index, was_live, old) = match found {
+            Ok(i) => {
+                let old = self.table.slots[i].word.load(Ordering::Relaxed);
+                (Some(i), old != PRESENT, old)
+            }
+            Err(_) if owners.is_empty() => return Change::Updated,
+            Err(_) => (None, false, 0),
+        };
+        if owners.is_empty() {
+            let i = index.expect("invariant: a live key was found");
+            self.table.slots[i].word.store(PRESENT, Ordering::Release);
+            self.release_region(old);
+            self.books.live -= usize::from(was_live);
+            let cap = self.table.slots.len();
+            let shrink = self.books.live < cap / 8 && cap > MIN_CAPACITY;
+            if shrink || (self.books.live == 0 && !self.table.arena.is_empty()) {
+                self.rebuild(0, 0);
+            }
+            return if was_live {
+                Change::Emptied
+            } else {
+                Change::Updated
+            };
+        }
+        // Room first: growing or compacting moves the node, so place it afterwards.
+        let spill_words = spill_words(owners);
+        if self.books.arena_top + spill_words > self.table.arena.len() {
+            self.rebuild(usize::from(index.is_none()), spill_words);
+        } else if index.is_none() && (self.books.used + 1) * 16 > self.table.slots.len() * 13 {
+            self.rebuild(1, 0);
+        }
+        let word = self.encode(owners);
+        let i = match self.probe_for_write(home, key) {
+            Ok(i) => {
+                let old = self.table.slots[i].word.load(Ordering::Relaxed);
+                self.table.slots[i].word.store(word, Ordering::Release);
+                self.release_region(old);
+                i
+            }
+            Err(i) => {
+                let slot = &self.table.slots[i];
+                slot.key.store(key, Ordering::Relaxed);
+                slot.word.store(word, Ordering::Release);
+                self.books.used += 1;
+                i
+            }
+        };
+        let _ = i;
+        if was_live {
+            Change::Updated
+        } else {
+            self.books.live += 1;
+            Change::Created
+        }
+    }
+
+    /// Calls `f(key, owners)` for every live node of the shard.
+    pub(crate) fn for_each(&self, mut f: impl FnMut(u64, &[Entry])) {
+        let mut buf = Vec::new();
+        for slot in self.table.slots.iter() {
+            let word = slot.word.load(Ordering::Relaxed);
+            if word != 0 && self.table.decode(word, &mut buf) {
+                f(slot.key.load(Ordering::Relaxed), &buf);
+            }
+        }
+    }
+
+    /// Rebuilds the table to its live size now (drops tombstones and dead regions).
+    pub(crate) fn compact(&mut self) {
+        self.rebuild(0, 0);
+    }
+
+    /// Rebuilds done since the shard was created.
+    #[cfg(test)]
+    pub(crate) fn rebuilds(&self) -> u64 {
+        self.books.rebuilds
+    }
+
+    fn probe_for_write(&self, home: u64, key: u64) -> Result<usize, usize> {
+        #[cfg(all(test, kvroute_loom))]
+        if self.books.broken_reuse {
+            // Broken on purpose: the first tombstone on the probe takes any key.
+            let mask = self.table.slots.len() - 1;
+            let mut i = home as usize & mask;
+            loop {
+                let w = self.table.slots[i].word.load(Ordering::Relaxed);
+                let k = self.table.slots[i].key.load(Ordering::Relaxed);
+                if w == 0 {
+                    return Err(i);
+                }
+                if k == key || w == PRESENT {
+                    return Ok(i);
+                }
+                i = (i + 1) & mask;
+            }
+        }
+        self.table
+            .probe(home, key)
+            .expect("invariant: the load factor stays below 13/16, so a probe ends")
+    }
+
+    /// The word for `owners`, writing a fresh arena region if they do not fit inline. The
+    /// caller made room.
+    fn encode(&mut self, owners: &[Entry]) -> u64 {
+        if spill_words(owners) == 0 {
+            let mut word = PRESENT;
+            for (k, e) in owners.iter().enumerate() {
+                word |= u64::from(*e) << (k as u32 * ENTRY_BITS);
+            }
+            return word;
+        }
+        let offset = self.books.arena_top;
+        for (k, pair) in owners.chunks(2).enumerate() {
+            let lo = u64::from(pair[0]);
+            let hi = pair.get(1).map_or(0, |e| u64::from(*e));
+            self.table.arena[offset + k].store(lo | hi << 32, Ordering::Relaxed);
+        }
+        let words = owners.len().div_ceil(2);
+        self.books.arena_top += words;
+        self.books.arena_live += words;
+        PRESENT | SPILLED | (owners.len() as u64) << 32 | offset as u64
+    }
+
+    fn release_region(&mut self, old: u64) {
+        if old & SPILLED != 0 {
+            let len = ((old >> 32) & ENTRY_MASK) as usize;
+            self.books.arena_live -= len.div_ceil(2);
+        }
+    }
+
+    /// Copies the live nodes into a fresh table sized for them plus `more` nodes and
+    /// `more_arena` arena words, and swaps it in.
+    fn rebuild(&mut self, more: usize, more_arena: usize) {
+        let capacity = capacity_for(self.books.live + more);
+        let arena_need = self.books.arena_live + more_arena;
+        let arena = if arena_need == 0 {
+            0
+        } else {
+            (arena_need * 2).max(32)
+        };
+        let next = Table::new(capacity, arena);
+        let mask = capacity - 1;
+        let mut buf = Vec::new();
+        let mut arena_top = 0;
+        for slot in self.table.slots.iter() {
+            let word = slot.word.load(Ordering::Relaxed);
+            if word == 0 || !self.table.decode(word, &mut buf) {
+                continue;
+            }
+            let key = slot.key.load(Ordering::Relaxed);
+            let word = if word & SPILLED != 0 {
+                for (k, pair) in buf.chunks(2).enumerate() {
+                    let lo = u64::from(pair[0]);
+                    let hi = pair.get(1).map_or(0, |e| u64::from(*e));
+                    next.arena[arena_top + k].store(lo | hi << 32, Ordering::Relaxed);
+                }
+                let offset = arena_top;
+                arena_top += buf.len().div_ceil(2);
+                PRESENT | SPILLED | (buf.len() as u64) << 32 | offset as u64
+            } else {
+                word
+            };
+            let mut i = home_of_key(key) as usize & mask;
+            while next.slots[i].word.load(Ordering::Relaxed) != 0 {
+                i = (i + 1) & mask;
+            }
+            next.slots[i].key.store(key, Ordering::Relaxed);
+            next.slots[i].word.store(word, Ordering::Relaxed);
+        }
+        let next = Arc::new(next);
+        // The swap publishes every store above (the cell's store is a release).
+        self.shard.table.store(Arc::clone(&next));
+        self.table = next;
+        self.books.used = self.books.live;
+        self.books.arena_top = arena_top;
+        self.books.arena_live = arena_top;
+        self.books.rebuilds += 1;
+    }
+}
+
+/// The table size for `live` keys: at most 5/8 full, so there is room before the next
+/// rebuild at 13/16.
+fn capacity_for(live: usize) -> usize {
+    (live * 8 / 5 + 1).next_power_of_two().max(MIN_CAPACITY)
+}
+
+/// Arena words `owners` need (0: they fit inline).
+fn spill_words(owners: &[Entry]) -> usize {
+    if owners.len() <= INLINE && owners.iter().all(|e| u64::from(*e) <= ENTRY_MASK) {
+        0
+    } else {
+        assert!(
+            owners.len() <= MAX_SPILL,
+            "owner count is capped by max_workers"
+        );
+        owners.len().div_ceil(2)
+    }
+}
+
+/// The probe seed: random per process so that publishers cannot aim at one probe chain.
+fn seed() -> u64 {
+    use std::sync::OnceLock;
+    static SEED: OnceLock<u64> = OnceLock::new();
+    *SEED.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(0x6b76_726f_7574_6521);
+        h.finish()
+    })
+}
+
+/// The mixed hash of a key: the shard is its top bits, the probe start its low bits.
+pub(crate) fn home_of_key(key: u64) -> u64 {
+    // splitmix64's finalizer (Steele, Lea, Flood 2014) over the seeded key.
+    let mut z = key ^ seed();
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn owners(n: u32) -> Vec<Entry> {
+        (0..n)
+            .map(|s| entry(s * 7 + 1, 1 | ((s % 2) as u8 * 2)))
+            .collect()
+    }
+
+    #[test]
+    fn inline_spilled_tombstones_and_rebuilds() {
+        let shard = Shard::new(0);
+        let mut buf = Vec::new();
+        let mut w = shard.write();
+        for key in 0..1000u64 {
+            let o = owners((key % 7) as u32 + 1);
+            assert_eq!(w.set(home_of_key(key), key, &o), Change::Created);
+        }
+        assert!(w.rebuilds() > 0, "1,000 keys outgrow 16 slots");
+        for key in 0..1000u64 {
+            assert!(w.read(home_of_key(key), key, &mut buf));
+            assert_eq!(buf, owners((key % 7) as u32 + 1));
+        }
+        // Shrink a spilled set to inline and back, then empty every key.
+        assert_eq!(w.set(home_of_key(6), 6, &owners(2)), Change::Updated);
+        assert_eq!(w.set(home_of_key(6), 6, &owners(6)), Change::Updated);
+        for key in 0..1000u64 {
+            assert_eq!(w.set(home_of_key(key), key, &[]), Change::Emptied);
+            assert_eq!(w.set(home_of_key(key), key, &[]), Change::Updated);
+        }
+        drop(w);
+        for key in 0..1000u64 {
+            assert!(!shard.read(home_of_key(key), key, &mut buf));
+        }
+        assert_eq!(shard.table_bytes(), MIN_CAPACITY * 16, "shrinks back");
+    }
+
+    #[test]
+    fn slot_indices_past_16_bits_spill() {
+        let shard = Shard::new(0);
+        let mut buf = Vec::new();
+        let big = [entry(70_000, 1)];
+        shard.write().set(home_of_key(5), 5, &big);
+        assert!(shard.read(home_of_key(5), 5, &mut buf));
+        assert_eq!(buf, big);
+    }
+
+    #[test]
+    fn churn_keeps_the_table_small() {
+        let shard = Shard::new(0);
+        let mut w = shard.write();
+        for round in 0..50u64 {
+            for key in 0..200u64 {
+                let k = round << 32 | key;
+                w.set(home_of_key(k), k, &owners(1 + (key % 5) as u32));
+            }
+            for key in 0..200u64 {
+                let k = round << 32 | key;
+                w.set(home_of_key(k), k, &[]);
+            }
+        }
+        drop(w);
+        assert_eq!(shard.table_bytes(), MIN_CAPACITY * 16);
+    }
+}
