@@ -28,7 +28,7 @@ use kvroute_worker::engine::{Output, Request, RequestId};
 use serde::Serialize;
 
 use crate::fleet::{Fleet, FleetSink};
-use crate::stats::{Summary, peak_rss_bytes};
+use crate::stats::{Summary, peak_rss_bytes, rss_bytes};
 use crate::trace::{self, mix};
 
 /// Flags of `kvroute-bench indexer`.
@@ -267,7 +267,7 @@ pub struct Report {
 
 /// Runs the bench.
 pub fn run(args: &Args) -> anyhow::Result<Report> {
-    let mut args = Args { ..args.clone() };
+    let mut args = args.clone();
     if args.dynamo {
         args.workers = 1000;
         args.replicas = 7;
@@ -378,18 +378,6 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         unique_workers: args.workers,
         replicas: args.replicas,
     })
-}
-
-/// Resident memory of this process now (VmRSS), bytes; 0 where /proc is unavailable.
-fn rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .map_or(0, |kib| kib * 1024)
 }
 
 fn simulate(

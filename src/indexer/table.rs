@@ -299,22 +299,19 @@ impl ShardWriter<'_> {
             self.rebuild(1, 0);
         }
         let word = self.encode(owners);
-        let i = match self.probe_for_write(home, key) {
+        match self.probe_for_write(home, key) {
             Ok(i) => {
                 let old = self.table.slots[i].word.load(Ordering::Relaxed);
                 self.table.slots[i].word.store(word, Ordering::Release);
                 self.release_region(old);
-                i
             }
             Err(i) => {
                 let slot = &self.table.slots[i];
                 slot.key.store(key, Ordering::Relaxed);
                 slot.word.store(word, Ordering::Release);
                 self.books.used += 1;
-                i
             }
-        };
-        let _ = i;
+        }
         if was_live {
             Change::Updated
         } else {
@@ -378,16 +375,11 @@ impl ShardWriter<'_> {
             }
             return word;
         }
-        let offset = self.books.arena_top;
-        for (k, pair) in owners.chunks(2).enumerate() {
-            let lo = u64::from(pair[0]);
-            let hi = pair.get(1).map_or(0, |e| u64::from(*e));
-            self.table.arena[offset + k].store(lo | hi << 32, Ordering::Relaxed);
-        }
+        let word = write_region(&self.table.arena, self.books.arena_top, owners);
         let words = owners.len().div_ceil(2);
         self.books.arena_top += words;
         self.books.arena_live += words;
-        PRESENT | SPILLED | (owners.len() as u64) << 32 | offset as u64
+        word
     }
 
     fn release_region(&mut self, old: u64) {
@@ -418,14 +410,9 @@ impl ShardWriter<'_> {
             }
             let key = slot.key.load(Ordering::Relaxed);
             let word = if word & SPILLED != 0 {
-                for (k, pair) in buf.chunks(2).enumerate() {
-                    let lo = u64::from(pair[0]);
-                    let hi = pair.get(1).map_or(0, |e| u64::from(*e));
-                    next.arena[arena_top + k].store(lo | hi << 32, Ordering::Relaxed);
-                }
-                let offset = arena_top;
+                let word = write_region(&next.arena, arena_top, &buf);
                 arena_top += buf.len().div_ceil(2);
-                PRESENT | SPILLED | (buf.len() as u64) << 32 | offset as u64
+                word
             } else {
                 word
             };
@@ -451,6 +438,17 @@ impl ShardWriter<'_> {
 /// rebuild at 13/16.
 fn capacity_for(live: usize) -> usize {
     (live * 8 / 5 + 1).next_power_of_two().max(MIN_CAPACITY)
+}
+
+/// Writes `owners` into `arena` at `offset`, two to a word, and returns the spilled word
+/// naming the region (published later by one store of it).
+fn write_region(arena: &[AtomicU64], offset: usize, owners: &[Entry]) -> u64 {
+    for (k, pair) in owners.chunks(2).enumerate() {
+        let lo = u64::from(pair[0]);
+        let hi = pair.get(1).map_or(0, |e| u64::from(*e));
+        arena[offset + k].store(lo | hi << 32, Ordering::Relaxed);
+    }
+    PRESENT | SPILLED | (owners.len() as u64) << 32 | offset as u64
 }
 
 /// Arena words `owners` need (0: they fit inline).
