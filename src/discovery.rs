@@ -11,7 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::{broadcast, mpsc, watch};
 
 use crate::protocol::WorkerId;
 
@@ -233,7 +233,14 @@ pub struct Watch {
     pub events: mpsc::Receiver<RegistryEvent>,
     /// A registration not refreshed for this long has expired, ms (`None`: a static list).
     pub lease_ttl_ms: Option<u64>,
+    /// Whether the registry takes writes now. While it does not (a JetStream cluster
+    /// electing the bucket's leader, or short of a quorum), no worker can refresh its
+    /// registration, so silence says nothing of the workers and no lease may lapse.
+    pub writable: watch::Receiver<bool>,
 }
+
+/// Registry keys under this prefix are routers' write probes, not registrations.
+const PROBE_PREFIX: &str = "_probe.";
 
 /// A registry failure.
 #[derive(Debug, thiserror::Error)]
@@ -341,8 +348,15 @@ impl Registry {
     /// receiver is dropped. `lease` says how long a silent registration lives.
     pub fn watch(&self, lease: LeaseConfig) -> Watch {
         let (tx, events) = mpsc::channel(1024);
+        // In-process and static registries always take writes.
+        let (writable_tx, writable) = watch::channel(true);
         let lease_ttl_ms = match self.clone() {
             Registry::Nats(store) => {
+                tokio::spawn(probe_bucket(
+                    (*store).clone(),
+                    writable_tx,
+                    probe_period(lease.ttl_ms),
+                ));
                 tokio::spawn(watch_bucket(*store, tx));
                 Some(lease.ttl_ms)
             }
@@ -367,6 +381,59 @@ impl Registry {
         Watch {
             events,
             lease_ttl_ms,
+            writable,
+        }
+    }
+}
+
+/// How often a router checks that the bucket takes writes: a fifth of the lease, so that an
+/// outage is noticed (one period, plus a probe's deadline of two) well before a lease that
+/// was refreshed just before it could lapse.
+fn probe_period(ttl_ms: u64) -> Duration {
+    Duration::from_millis(ttl_ms / 5).clamp(Duration::from_millis(50), Duration::from_secs(1))
+}
+
+/// Writes a key of this router's own into the bucket every `period` and reports whether
+/// the write was acknowledged within two periods: the same path a worker's heartbeat takes,
+/// so an election, a lost quorum or a stream without a leader all read as not writable.
+/// (Asking the stream's info would not do: a lone server that has lost its quorum may still
+/// call itself the leader.) The key ages out with the bucket's `max_age` once the router is
+/// gone, and watchers skip it.
+async fn probe_bucket(
+    store: async_nats::jetstream::kv::Store,
+    writable: watch::Sender<bool>,
+    period: Duration,
+) {
+    use std::hash::{BuildHasher, Hasher};
+    let nonce = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    let key = format!("{PROBE_PREFIX}{nonce:016x}");
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut beats = 0u64;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = writable.closed() => return,
+        }
+        beats += 1;
+        let put = store.put(key.as_str(), Bytes::from(beats.to_string()));
+        let error = match tokio::time::timeout(2 * period, put).await {
+            Ok(Ok(_)) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(_) => Some(format!("no acknowledgement within {:?}", 2 * period)),
+        };
+        let now = error.is_none();
+        let was = writable.send_replace(now);
+        metrics::gauge!("kvroute_registry_writable").set(if now { 1.0 } else { 0.0 });
+        match (was, error) {
+            (true, Some(error)) => tracing::warn!(
+                %error,
+                "the worker registry takes no writes: no lease lapses until it does"
+            ),
+            (false, None) => tracing::info!("the worker registry takes writes again"),
+            _ => {}
         }
     }
 }
@@ -483,6 +550,12 @@ async fn watch_bucket(store: async_nats::jetstream::kv::Store, tx: mpsc::Sender<
                 _ = tx.closed() => return,
             };
             let Some(entry) = entry else { break };
+            if entry
+                .as_ref()
+                .is_ok_and(|e| e.key.starts_with(PROBE_PREFIX))
+            {
+                continue;
+            }
             let event = match entry {
                 Ok(entry) => match entry.operation {
                     Operation::Put => match WorkerInfo::decode(&entry.value) {

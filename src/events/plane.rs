@@ -275,6 +275,7 @@ impl EventPlane {
             start: Instant::now(),
             closing: Vec::new(),
             commands: Vec::new(),
+            registry_writable: watch.writable,
         };
         tokio::spawn(owner.run(subscription, watch.events, shutdown));
         Ok(EventPlane { shared })
@@ -410,6 +411,8 @@ struct FleetOwner {
     /// Streams told to close whose tasks have not finished removing their lanes yet.
     closing: Vec<(StreamKey, tokio::task::JoinHandle<()>)>,
     commands: Vec<FleetCommand>,
+    /// Whether workers can refresh their registrations now (see [`crate::discovery::Watch::writable`]).
+    registry_writable: watch::Receiver<bool>,
 }
 
 impl FleetOwner {
@@ -448,9 +451,10 @@ impl FleetOwner {
                 }
                 _ = tick.tick() => {
                     let now = self.now_ms();
-                    if !self.shared.transport.is_connected() {
-                        // Deaf, not abandoned: no lease lapses while NATS is out of reach
-                        // (the workers' HTTP may well be fine; routing to them goes on).
+                    if !self.shared.transport.is_connected() || !*self.registry_writable.borrow() {
+                        // Deaf, not abandoned: no lease lapses while NATS is out of reach or
+                        // the registry takes no heartbeats (the workers' HTTP may well be
+                        // fine; routing to them goes on).
                         self.fleet.renew_all(now);
                     }
                     self.fleet.on_tick(now, &mut self.commands);

@@ -1,7 +1,8 @@
 //! Who may talk to the fleet, and a registry that survives a NATS server: routers and
 //! workers against real nats-servers that require a token, an nkey, or user/password over
 //! mutual TLS (with negative controls), and a 3-server JetStream cluster losing the server
-//! that leads the registry while workers register and requests are routed.
+//! that leads the registry while workers register and requests are routed, or two of its
+//! servers (no quorum: the registry takes no heartbeats, and no lease may lapse meanwhile).
 #![allow(missing_docs, clippy::unwrap_used)]
 
 use std::path::PathBuf;
@@ -245,4 +246,49 @@ async fn the_registry_survives_the_loss_of_its_leader() {
     assert!(remaining.contains(&f.nats[i].url()));
     let v = info(client).await;
     assert_eq!(v["config"]["num_replicas"], 3);
+}
+
+/// A registry without a quorum takes no heartbeats: for several leases' time, every request
+/// is routed and no worker is dropped, because a router that cannot write to the registry
+/// either lets no lease lapse. Once the quorum is back, a new worker registers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_worker_is_dropped_while_the_registry_has_no_quorum() {
+    let mut f = Fleet::start(FleetSpec {
+        nats_servers: 3,
+        registry_replicas: 3,
+        workers: vec![WorkerSpec::model("kvroute-sim"); 2],
+        heartbeat_ms: 300,
+        lease_ttl_ms: 5_000,
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    f.nats[1].kill();
+    f.nats[2].kill();
+    // Three leases' time without a quorum.
+    let until = tokio::time::Instant::now() + Duration::from_secs(15);
+    while tokio::time::Instant::now() < until {
+        serves(&f).await;
+        let v = f.admin_workers(0).await.unwrap();
+        assert_eq!(v["workers"].as_array().unwrap().len(), 2, "{v}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    f.nats[1].restart().unwrap();
+    f.nats[2].restart().unwrap();
+    let new = f.add_worker(&WorkerSpec::model("kvroute-sim")).unwrap();
+    let port = f.workers[new].port;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let v = f.admin_workers(0).await.unwrap();
+        let ws = v["workers"].as_array().unwrap();
+        if ws.len() == 3 && ws.iter().any(|w| w["id"] == port && w["synced"] == true) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no worker registered after the quorum came back: {v}"
+        );
+        serves(&f).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }

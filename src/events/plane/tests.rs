@@ -176,6 +176,47 @@ async fn a_silent_worker_expires_after_its_lease() {
     drop(live);
 }
 
+/// While the registry takes no writes (JetStream electing the bucket's leader, or short of a
+/// quorum), no worker can heartbeat, so no lease lapses however long that lasts; once it
+/// takes writes again, a worker that stays silent expires a lease later (virtual time).
+#[tokio::test(start_paused = true)]
+async fn no_lease_lapses_while_the_registry_takes_no_writes() {
+    let lease = LeaseConfig {
+        heartbeat_ms: 200,
+        ttl_ms: 1_000,
+    };
+    let bus = Transport::Local(LocalBus::new());
+    let local = LocalRegistry::default();
+    let (writable, rx) = watch::channel(true);
+    let mut registry = Registry::Local(local.clone()).watch(lease);
+    registry.writable = rx;
+    let (_stop, stop) = watch::channel(false);
+    let plane = EventPlane::start(
+        bus,
+        Arc::new(Indexer::new(Config::default()).unwrap()),
+        registry,
+        PlaneConfig::default(),
+        None,
+        stop,
+    )
+    .await
+    .unwrap();
+    local.put(info(1, 1));
+    assert!(settle(|| plane.workers().len() == 1).await);
+    writable.send_replace(false);
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(
+        plane.workers().len(),
+        1,
+        "a lease lapsed while no heartbeat could be written"
+    );
+    writable.send_replace(true);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(plane.workers().len(), 1, "the lease did not run afresh");
+    assert!(settle(|| plane.workers().is_empty()).await);
+    assert_eq!(plane.counters().workers_expired.load(Ordering::Relaxed), 1);
+}
+
 /// A stream that must resync asks for a snapshot; with no worker answering, each fetch ends
 /// at its deadline and is asked again (virtual time): nothing waits forever.
 #[tokio::test(start_paused = true)]
@@ -211,6 +252,7 @@ async fn a_closed_registry_watch_is_fatal() {
         Watch {
             events,
             lease_ttl_ms: Some(1_000),
+            writable: watch::channel(true).1,
         },
         PlaneConfig::default(),
         None,
