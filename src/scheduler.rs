@@ -717,8 +717,12 @@ impl Scheduler {
                 return Admission::Wait;
             }
         }
-        // Busy workers sit out unless everyone is busy.
-        let idle: Vec<Candidate> = all.iter().filter(|c| !c.busy).copied().collect();
+        // Busy workers sit out unless everyone is busy (not for the plain baselines).
+        let idle: Vec<Candidate> = if self.policy.skips_busy() {
+            all.iter().filter(|c| !c.busy).copied().collect()
+        } else {
+            Vec::new()
+        };
         let mut pool = if idle.is_empty() { all } else { idle };
         // A new session: workers holding more live sessions than the least-held one cost
         // more (their sessions' next turns will come back to them).

@@ -79,7 +79,7 @@ pub struct ServeFlags {
     /// Cluster name in NATS subjects and the registry bucket [default: default].
     #[arg(long, env = "KVROUTE_CLUSTER")]
     pub cluster: Option<String>,
-    /// Routing policy: kv, round_robin, random, least_loaded, approx_prefix [default: kv].
+    /// Routing policy: kv, round_robin, round_robin_skip_busy, random, least_loaded, approx_prefix [default: kv].
     #[arg(long, env = "KVROUTE_POLICY")]
     pub policy: Option<String>,
     /// Weight of uncached prefill blocks against load, finite, >= 0 [default: 8].

@@ -33,7 +33,7 @@ pub struct UpArgs {
     /// Workers to run in this process (1–64).
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
-    /// Routing policy: kv, round_robin, random, least_loaded, approx_prefix.
+    /// Routing policy: kv, round_robin, round_robin_skip_busy, random, least_loaded, approx_prefix.
     #[arg(long, default_value = "kv")]
     pub policy: String,
     /// Model name the workers serve.

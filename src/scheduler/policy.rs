@@ -20,6 +20,12 @@ pub trait Policy: Send + std::fmt::Debug {
         rng: &mut Rng,
         now_ms: u64,
     ) -> usize;
+    /// Whether busy workers sit out (unless every worker is busy) before this policy picks.
+    /// The plain baselines (`round_robin`, `random`) see every worker, as their namesakes
+    /// do: a busy filter would make them load-aware and understate what routing buys.
+    fn skips_busy(&self) -> bool {
+        true
+    }
 }
 
 /// The policies a config or the bench can name.
@@ -29,9 +35,11 @@ pub enum PolicyKind {
     /// Lowest KV-aware cost (DESIGN §8), random tie-break, optional softmax.
     #[default]
     Kv,
-    /// Each worker in turn.
+    /// Each worker in turn, busy or not.
     RoundRobin,
-    /// Uniformly at random.
+    /// Each worker in turn among those not busy (all of them when every one is).
+    RoundRobinSkipBusy,
+    /// Uniformly at random, busy or not.
     Random,
     /// Fewest booked blocks.
     LeastLoaded,
@@ -41,9 +49,10 @@ pub enum PolicyKind {
 
 impl PolicyKind {
     /// Every policy, ours first.
-    pub const ALL: [PolicyKind; 5] = [
+    pub const ALL: [PolicyKind; 6] = [
         PolicyKind::Kv,
         PolicyKind::RoundRobin,
+        PolicyKind::RoundRobinSkipBusy,
         PolicyKind::Random,
         PolicyKind::LeastLoaded,
         PolicyKind::ApproxPrefix,
@@ -59,6 +68,7 @@ impl PolicyKind {
         match self {
             PolicyKind::Kv => "kv",
             PolicyKind::RoundRobin => "round_robin",
+            PolicyKind::RoundRobinSkipBusy => "round_robin_skip_busy",
             PolicyKind::Random => "random",
             PolicyKind::LeastLoaded => "least_loaded",
             PolicyKind::ApproxPrefix => "approx_prefix",
@@ -69,7 +79,14 @@ impl PolicyKind {
     pub fn build(self, temperature: f64, approx: ApproxConfig) -> Box<dyn Policy> {
         match self {
             PolicyKind::Kv => Box::new(KvPolicy { temperature }),
-            PolicyKind::RoundRobin => Box::new(RoundRobin { next: 0 }),
+            PolicyKind::RoundRobin => Box::new(RoundRobin {
+                next: 0,
+                skip_busy: false,
+            }),
+            PolicyKind::RoundRobinSkipBusy => Box::new(RoundRobin {
+                next: 0,
+                skip_busy: true,
+            }),
             PolicyKind::Random => Box::new(RandomPolicy),
             PolicyKind::LeastLoaded => Box::new(LeastLoaded),
             PolicyKind::ApproxPrefix => Box::new(ApproxPrefix::new(approx)),
@@ -139,11 +156,19 @@ impl Policy for KvPolicy {
 #[derive(Debug)]
 struct RoundRobin {
     next: usize,
+    skip_busy: bool,
 }
 
 impl Policy for RoundRobin {
     fn name(&self) -> &'static str {
-        "round_robin"
+        if self.skip_busy {
+            "round_robin_skip_busy"
+        } else {
+            "round_robin"
+        }
+    }
+    fn skips_busy(&self) -> bool {
+        self.skip_busy
     }
     fn pick(
         &mut self,
@@ -164,6 +189,9 @@ struct RandomPolicy;
 impl Policy for RandomPolicy {
     fn name(&self) -> &'static str {
         "random"
+    }
+    fn skips_busy(&self) -> bool {
+        false
     }
     fn pick(
         &mut self,

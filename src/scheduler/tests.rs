@@ -223,6 +223,41 @@ fn busy_workers_sit_out_unless_all_are_busy() {
     );
 }
 
+/// The plain baselines see every worker, busy or not (their namesakes do); only the variant
+/// named for it skips busy workers.
+#[test]
+fn baselines_ignore_busy_workers_unless_named_for_it() {
+    let order = |policy| {
+        let mut s = Scheduler::new(Config {
+            policy,
+            ..unit_weights()
+        })
+        .unwrap();
+        s.add_worker(key(0), 10, "m");
+        s.add_worker(key(1), 1000, "m");
+        // Worker 0 holds 10 blocks of its 10 (busy) for the rest of the test.
+        let b = blocks(10, 0);
+        let none = scores(&[]);
+        s.route_excluding(0, &request(&b, 160, &none), &[key(1)])
+            .unwrap();
+        (1..=6u32)
+            .map(|i| {
+                let b = blocks(1, i * 100);
+                let d = s.route(0, &request(&b, 16, &none)).unwrap();
+                s.complete(d.booking);
+                d.chosen.key.0.0
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(order(PolicyKind::RoundRobin), [1, 0, 1, 0, 1, 0]);
+    assert_eq!(order(PolicyKind::RoundRobinSkipBusy), [1; 6]);
+    let random = order(PolicyKind::Random);
+    assert!(
+        random.contains(&0),
+        "random never picked the busy worker: {random:?}"
+    );
+}
+
 #[test]
 fn temperature_samples_mostly_the_cheapest() {
     let mut s = Scheduler::new(Config {
