@@ -28,7 +28,7 @@ use kvroute::scheduler::{
 };
 use kvroute_worker::EngineConfig;
 use kvroute_worker::block_manager::EvictionKind;
-use kvroute_worker::engine::{Output, OutputKind, Request, RequestId};
+use kvroute_worker::engine::{MixedStep, Output, OutputKind, Request, RequestId, TimingModel};
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -44,7 +44,7 @@ const REPLAY_MODEL: &str = "replay";
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
     /// Mooncake JSONL trace.
-    #[arg(long, default_value = "../shared/traces/conversation_trace.jsonl")]
+    #[arg(long, default_value = "bench/traces/conversation_trace.jsonl")]
     pub trace: PathBuf,
     /// Worker engines.
     #[arg(long, default_value_t = 8)]
@@ -80,6 +80,10 @@ pub struct Args {
     /// Engine eviction policy (lru, lineage_lru).
     #[arg(long, default_value = "lineage_lru")]
     pub eviction: String,
+    /// Price of an engine step holding prefill and decode: `marginal` (one forward pass) or
+    /// `additive` (prefill plus a whole decode step: Dynamo's mocker, for like-for-like).
+    #[arg(long, default_value = "marginal")]
+    pub mixed_step: String,
     /// Delay between an engine publishing events and the indexer applying them, ms.
     #[arg(long, default_value_t = 5.0)]
     pub event_delay_ms: f64,
@@ -410,12 +414,22 @@ pub fn engine_config(args: &Args) -> anyhow::Result<EngineConfig> {
         "lineage_lru" => EvictionKind::LineageLru,
         other => bail!("unknown --eviction {other:?} (lru, lineage_lru)"),
     };
+    let mixed_step = MixedStep::parse(&args.mixed_step).with_context(|| {
+        format!(
+            "--mixed-step {:?}: expected marginal or additive",
+            args.mixed_step
+        )
+    })?;
     let config = EngineConfig {
         block_size: args.block_size,
         g1_blocks: args.g1_blocks,
         g2_blocks: args.g2_blocks,
         speedup: args.engine_speedup,
         eviction,
+        timing: TimingModel {
+            mixed_step,
+            ..TimingModel::default()
+        },
         ..EngineConfig::default()
     };
     config.validate()?;
@@ -433,8 +447,8 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         bail!("--speedup must be positive");
     }
     let config = engine_config(args)?;
-    let bytes =
-        std::fs::read(&args.trace).with_context(|| format!("reading {}", args.trace.display()))?;
+    let path = trace::locate(&args.trace);
+    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
     let trace_sha256 = Sha256::digest(&bytes)
         .iter()
         .map(|b| format!("{b:02x}"))
@@ -975,6 +989,7 @@ mod tests {
             g2_blocks: 0,
             engine_speedup: 1.0,
             eviction: "lineage_lru".into(),
+            mixed_step: "marginal".into(),
             event_delay_ms: 5.0,
             prefill_scale: None,
             decode_weight: None,

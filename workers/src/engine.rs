@@ -18,7 +18,7 @@ use kvroute::protocol::{
     BlockHash, DpRank, EventBatch, Salt, Snapshot, StoredBlock, Tier, WorkerId, extend_blocks,
     local_hash, seq_hash,
 };
-pub use timing::TimingModel;
+pub use timing::{MixedStep, TimingModel};
 
 use crate::block_manager::{AllocError, BlockManager, Change, Lease, OffloadError, OnboardTicket};
 use crate::config::{ConfigError, EngineConfig};
@@ -193,12 +193,18 @@ pub fn output_token(id: RequestId, index: u32, vocab: u32) -> u32 {
     ((z ^ (z >> 31)) % u64::from(vocab)) as u32
 }
 
-/// Outcome of [`Engine::grow`].
+/// Outcome of [`Engine::grow`] for the sequence that grows.
 enum Growth {
     Grown,
     Preempted,
     /// Slots are on their way back from G1→G2 copies.
     Pending,
+}
+
+/// What [`Engine::grow`] did: its outcome, and whether it preempted anyone on the way.
+struct Grew {
+    outcome: Growth,
+    preempted: bool,
 }
 
 #[derive(Debug)]
@@ -442,12 +448,19 @@ impl Engine {
     }
 
     /// Picks the next step's batch at `now` and starts it, if there is anything to compute.
+    /// As vLLM v1's scheduler: running sequences first, growing their blocks chunk by chunk
+    /// (preempting the newest when G1 runs out); then, unless that preempted anyone, waiting
+    /// requests in order, each admitted only if its whole remaining prompt fits in free plus
+    /// evictable blocks, though it is given blocks for its first chunk only.
     fn schedule(&mut self, now: u64, out: &mut Vec<Output>) {
         let bs = self.config.block_size;
         let mut budget = self.config.max_num_batched_tokens;
         let mut prefill_tokens = 0;
         let mut decode_tokens = 0;
+        // Tokens (prompt and output so far) of the sequences decoding in this step.
+        let mut decode_kv_tokens = 0;
         let mut seqs = 0;
+        let mut preempted = false;
 
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
@@ -460,7 +473,9 @@ impl Engine {
             let held = seq.lease.as_ref().map_or(0, |l| l.len());
             let missing = (seq.kv_len + need).div_ceil(bs).saturating_sub(held);
             if missing > 0 {
-                match self.grow(now, i, missing, out) {
+                let growth = self.grow(now, i, missing, out);
+                preempted |= growth.preempted;
+                match growth.outcome {
                     Growth::Grown => {}
                     // `i` now names the sequence after it.
                     Growth::Preempted => continue,
@@ -474,6 +489,7 @@ impl Engine {
             seq.scheduled = need;
             if seq.generated > 0 && need == 1 && seq.kv_len + 1 == seq.total() {
                 decode_tokens += 1;
+                decode_kv_tokens += seq.total();
             } else {
                 prefill_tokens += need;
             }
@@ -482,16 +498,30 @@ impl Engine {
             i += 1;
         }
         // Admission, first come first served; a request that does not fit blocks the ones
-        // behind it (no starvation of long prompts).
-        while budget > 0 && self.running.len() < self.config.max_num_seqs {
+        // behind it (no starvation of long prompts). None in a step that preempted.
+        while !preempted && budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
-            let keys: Vec<_> = seq.hashes.iter().map(|h| h.seq).collect();
-            let (mut lease, found) = self.blocks.acquire_prefix(&keys);
             let total = seq.total();
-            let missing = total.div_ceil(bs) - found.device;
-            if self.blocks.allocate(now, &mut lease, missing).is_err() {
+            // At least one token is computed (its logits give the next token): a prompt
+            // cached whole reuses ⌊(len − 1) / bs⌋ blocks and recomputes the rest.
+            let hashes = seq.hashes.len().min((total - 1) / bs);
+            let keys: Vec<_> = seq.hashes[..hashes].iter().map(|h| h.seq).collect();
+            let (mut lease, found) = self.blocks.acquire_prefix(&keys);
+            let g1 = self.blocks.usage(Tier::Device);
+            let whole = total.div_ceil(bs) - found.device;
+            let kv_len = found.device * bs;
+            let need = (total - kv_len).min(budget);
+            // Host hits are onboarded into blocks of their own; a computed chunk needs its.
+            let first = if found.host > 0 {
+                found.host
+            } else {
+                (kv_len + need).div_ceil(bs) - found.device
+            };
+            if whole > g1.free + g1.inactive
+                || self.blocks.allocate(now, &mut lease, first).is_err()
+            {
                 drop(lease);
                 self.waiting.push_front(seq);
                 break;
@@ -511,7 +541,7 @@ impl Engine {
                 });
             }
             seq.full_blocks = found.device;
-            seq.kv_len = (found.device * bs).min(total - 1);
+            seq.kv_len = kv_len;
             if found.host > 0 {
                 let ticket = self.blocks.start_onboard(now, &mut lease, found.device);
                 seq.state = SeqState::Onboarding {
@@ -524,7 +554,6 @@ impl Engine {
             }
             seq.lease = Some(lease);
             seq.state = SeqState::Running;
-            let need = (total - seq.kv_len).min(budget);
             seq.scheduled = need;
             prefill_tokens += need;
             budget -= need;
@@ -535,12 +564,11 @@ impl Engine {
             return;
         }
         let g1 = self.blocks.usage(Tier::Device);
-        let kv_tokens: usize = self.running.iter().map(|s| s.kv_len).sum();
-        let kv_fraction = kv_tokens as f64 / (g1.capacity * bs) as f64;
+        let decode_kv_fraction = decode_kv_tokens as f64 / (g1.capacity * bs) as f64;
         let duration_us = self.config.timing.step_us(
             prefill_tokens,
             decode_tokens,
-            kv_fraction,
+            decode_kv_fraction,
             self.config.speedup,
         );
         if self.record_steps {
@@ -563,23 +591,27 @@ impl Engine {
 
     /// Gives running sequence `i` `missing` more G1 blocks, preempting the newest running
     /// sequences (possibly `i` itself) while G1 has too few.
-    fn grow(&mut self, now: u64, i: usize, missing: usize, out: &mut Vec<Output>) -> Growth {
+    fn grow(&mut self, now: u64, i: usize, missing: usize, out: &mut Vec<Output>) -> Grew {
+        let mut preempted = false;
         loop {
             let lease = self.running[i]
                 .lease
                 .as_mut()
                 .expect("invariant: running sequences hold a lease");
-            match self.blocks.allocate(now, lease, missing) {
-                Ok(()) => return Growth::Grown,
-                Err(AllocError::Pending) => return Growth::Pending,
+            let outcome = match self.blocks.allocate(now, lease, missing) {
+                Ok(()) => Growth::Grown,
+                Err(AllocError::Pending) => Growth::Pending,
                 Err(AllocError::Insufficient) => {
                     let victim = self.running.len() - 1;
                     self.preempt(victim, now, out);
-                    if victim == i {
-                        return Growth::Preempted;
+                    preempted = true;
+                    if victim != i {
+                        continue;
                     }
+                    Growth::Preempted
                 }
-            }
+            };
+            return Grew { outcome, preempted };
         }
     }
 

@@ -14,6 +14,7 @@ use kvroute::events::transport::Transport;
 use kvroute::http::HttpConfig;
 use kvroute::process::LogFormat;
 use kvroute::protocol::WorkerId;
+use kvroute_worker::engine::{MixedStep, TimingModel};
 use kvroute_worker::server::{ServerConfig, Worker, host_name, new_epoch, stable_id};
 use kvroute_worker::{Device, EngineConfig};
 
@@ -72,6 +73,10 @@ struct Args {
     /// Most sequences running at once.
     #[arg(long, env = "KVROUTE_MAX_NUM_SEQS", default_value_t = EngineConfig::default().max_num_seqs)]
     max_num_seqs: usize,
+    /// Price of a step holding prefill and decode: `marginal` (one forward pass) or
+    /// `additive` (prefill plus a whole decode step, as Dynamo's mocker).
+    #[arg(long, env = "KVROUTE_MIXED_STEP", default_value = "marginal", value_parser = parse_mixed_step)]
+    mixed_step: MixedStep,
     /// Hugging Face `tokenizer.json` for the text endpoints (chat template from the
     /// `tokenizer_config.json` beside it); without it, one token per UTF-8 byte, as the router.
     #[arg(long, env = "KVROUTE_TOKENIZER")]
@@ -171,6 +176,10 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+fn parse_mixed_step(name: &str) -> Result<MixedStep, String> {
+    MixedStep::parse(name).ok_or_else(|| format!("{name:?}: expected marginal or additive"))
+}
+
 async fn run() -> anyhow::Result<()> {
     let args = Args::parse();
     let engine = EngineConfig {
@@ -181,6 +190,10 @@ async fn run() -> anyhow::Result<()> {
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_num_seqs: args.max_num_seqs,
         device: args.device,
+        timing: TimingModel {
+            mixed_step: args.mixed_step,
+            ..TimingModel::default()
+        },
         ..EngineConfig::default()
     };
     engine.validate().context("engine configuration")?;
