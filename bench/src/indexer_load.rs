@@ -35,7 +35,7 @@ use crate::trace::{self, mix};
 #[derive(clap::Args, Clone, Debug)]
 pub struct Args {
     /// Mooncake JSONL trace.
-    #[arg(long, default_value = "../shared/traces/conversation_trace.jsonl")]
+    #[arg(long, default_value = "bench/traces/conversation_trace.jsonl")]
     pub trace: PathBuf,
     /// Worker engines producing events.
     #[arg(long, default_value_t = 64)]

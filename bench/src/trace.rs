@@ -33,6 +33,18 @@ pub struct TraceRecord {
     pub think_ms: Option<u64>,
 }
 
+/// `path` as given, or, when it is relative and not there, relative to the repository this
+/// binary was built from (the default `bench/traces/…` then works from any directory).
+pub fn locate(path: &Path) -> std::path::PathBuf {
+    if path.is_relative() && !path.exists() {
+        let beside = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path);
+        if beside.exists() {
+            return beside;
+        }
+    }
+    path.to_path_buf()
+}
+
 /// Reads a trace, the first `limit` requests if given, checking that each record's hash ids
 /// cover its prompt at `block_size` tokens per id.
 pub fn load(
@@ -40,6 +52,7 @@ pub fn load(
     limit: Option<usize>,
     block_size: usize,
 ) -> anyhow::Result<Vec<TraceRecord>> {
+    let path = &locate(path);
     let file =
         std::fs::File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
     let mut records = Vec::new();
