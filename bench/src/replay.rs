@@ -944,6 +944,9 @@ pub fn print(report: &Report) {
 }
 
 #[cfg(test)]
+mod dynamo_model;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -976,7 +979,7 @@ mod tests {
         path
     }
 
-    fn args(trace: PathBuf, policy: &str) -> Args {
+    pub(super) fn args(trace: PathBuf, policy: &str) -> Args {
         Args {
             trace,
             workers: 4,
