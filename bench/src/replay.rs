@@ -12,7 +12,7 @@
 //! summed as the live router's `kvroute_route_*` counters are.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
+use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -105,6 +105,10 @@ pub struct Args {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// Policies replayed at once, each on its own thread (0: one per core). Results do not
+    /// depend on it.
+    #[arg(long, default_value_t = 0)]
+    pub jobs: usize,
     /// Send the trace to a running endpoint over HTTP instead of simulating (needs --url).
     #[arg(long, requires = "url")]
     pub online: bool,
@@ -268,8 +272,12 @@ pub struct Report {
     pub g2_blocks: usize,
     /// Seed.
     pub seed: u64,
-    /// One entry per policy, in the order run.
+    /// One entry per policy, in the order asked for.
     pub policies: Vec<PolicyResult>,
+    /// Wall time of the whole run (loading included), s.
+    pub wall_s: f64,
+    /// CPU time of the whole process so far, user plus system, s.
+    pub cpu_s: f64,
 }
 
 struct Prompt {
@@ -438,6 +446,7 @@ pub fn engine_config(args: &Args) -> anyhow::Result<EngineConfig> {
 
 /// Runs every requested policy and reports.
 pub fn run(args: &Args) -> anyhow::Result<Report> {
+    let started = Instant::now();
     let policies = args
         .policy
         .iter()
@@ -471,6 +480,8 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         g2_blocks: args.g2_blocks,
         seed: args.seed,
         policies: Vec::new(),
+        wall_s: 0.0,
+        cpu_s: 0.0,
     };
     if let Some(url) = online {
         let requests = prompts
@@ -492,12 +503,46 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         report.policies.push(result);
         return Ok(report);
     }
-    for policy in policies {
-        report
-            .policies
-            .push(run_policy(policy, &prompts, &config, args)?);
-    }
+    report.policies = run_policies(&policies, &prompts, &config, args)?;
+    report.wall_s = started.elapsed().as_secs_f64();
+    report.cpu_s = crate::stats::cpu_seconds();
     Ok(report)
+}
+
+/// Replays each policy on its own fleet, `--jobs` at a time (they share nothing but the
+/// prompts), and returns their results in the order asked for.
+fn run_policies(
+    policies: &[PolicyKind],
+    prompts: &[Prompt],
+    config: &EngineConfig,
+    args: &Args,
+) -> anyhow::Result<Vec<PolicyResult>> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let jobs = if args.jobs == 0 { cores } else { args.jobs }.clamp(1, policies.len().max(1));
+    let bars = (!args.quiet).then(indicatif::MultiProgress::new);
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<parking_lot::Mutex<Option<anyhow::Result<PolicyResult>>>> = policies
+        .iter()
+        .map(|_| parking_lot::Mutex::new(None))
+        .collect();
+    std::thread::scope(|scope| {
+        for _ in 0..jobs {
+            scope.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(&policy) = policies.get(i) else {
+                        return;
+                    };
+                    let result = run_policy(policy, prompts, config, args, bars.as_ref());
+                    *results[i].lock() = Some(result);
+                }
+            });
+        }
+    });
+    results
+        .into_iter()
+        .map(|r| r.into_inner().expect("invariant: every policy was run"))
+        .collect()
 }
 
 fn prompt(record: &TraceRecord, args: &Args, block_size: NonZeroUsize) -> Prompt {
@@ -618,7 +663,7 @@ pub fn infinite_cache_reuse(
     block_size: usize,
     assign: impl Fn(usize) -> usize,
 ) -> f64 {
-    let mut caches: FxHashMap<usize, BTreeSet<SeqHash>> = FxHashMap::default();
+    let mut caches: FxHashMap<usize, rustc_hash::FxHashSet<SeqHash>> = FxHashMap::default();
     let (mut hit, mut total) = (0u64, 0u64);
     for (i, p) in prompts.iter().enumerate() {
         let cache = caches.entry(assign(i)).or_default();
@@ -652,6 +697,7 @@ fn run_policy(
     prompts: &[Prompt],
     config: &EngineConfig,
     args: &Args,
+    bars: Option<&indicatif::MultiProgress>,
 ) -> anyhow::Result<PolicyResult> {
     let started = Instant::now();
     let mut fleet = Fleet::new(config, args.workers)?;
@@ -720,7 +766,7 @@ fn run_policy(
             .collect(),
         ttft_of: vec![f64::NAN; prompts.len()],
     };
-    let bar = progress(prompts.len() as u64, policy.name(), args.quiet);
+    let bar = bars.map(|bars| progress(bars, prompts.len() as u64, policy.name()));
     let mut per_worker = vec![0u64; args.workers];
     let mut assignment = vec![0usize; prompts.len()];
     let mut waits: Vec<f64> = Vec::new();
@@ -892,21 +938,15 @@ fn run_policy(
     })
 }
 
-fn progress(len: u64, policy: &str, quiet: bool) -> Option<indicatif::ProgressBar> {
-    if quiet {
-        return None;
-    }
-    let bar = indicatif::ProgressBar::with_draw_target(
-        Some(len),
-        indicatif::ProgressDrawTarget::stderr(),
-    );
+fn progress(bars: &indicatif::MultiProgress, len: u64, policy: &str) -> indicatif::ProgressBar {
+    let bar = bars.add(indicatif::ProgressBar::new(len));
     bar.set_message(policy.to_owned());
     if let Ok(style) =
-        indicatif::ProgressStyle::with_template("{msg:>14} [{bar:40}] {pos}/{len} {elapsed}")
+        indicatif::ProgressStyle::with_template("{msg:>22} [{bar:40}] {pos}/{len} {elapsed}")
     {
         bar.set_style(style);
     }
-    Some(bar)
+    bar
 }
 
 /// Prints the report as a table.
@@ -941,6 +981,10 @@ pub fn print(report: &Report) {
             p.wall_s
         );
     }
+    println!(
+        "whole run: {:.2} s wall, {:.2} s CPU (loading included)",
+        report.wall_s, report.cpu_s
+    );
 }
 
 #[cfg(test)]
@@ -1004,6 +1048,7 @@ mod tests {
             json: None,
             plot: None,
             quiet: true,
+            jobs: 0,
             worker_budget_tokens: 0,
             queue_ttl_ms: 60_000,
             low_band_share: 1.0,
@@ -1047,6 +1092,7 @@ mod tests {
         a.g2_blocks = 600;
         let strip = |mut r: Report| {
             r.policies.iter_mut().for_each(|p| p.wall_s = 0.0);
+            (r.wall_s, r.cpu_s) = (0.0, 0.0);
             r
         };
         let first = strip(run(&a).unwrap());

@@ -44,6 +44,23 @@ pub fn rss_bytes() -> u64 {
     status_bytes("VmRSS:")
 }
 
+/// CPU time this process has used so far, user plus system, seconds (from /proc/self/stat,
+/// at the kernel's usual 100 ticks a second); 0 where /proc is unavailable.
+pub fn cpu_seconds() -> f64 {
+    std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| {
+            // Fields after the command name, which is in parentheses and may hold spaces:
+            // utime and stime are the 12th and 13th of them.
+            let rest = &s[s.rfind(')')? + 1..];
+            let mut fields = rest.split_whitespace().skip(11);
+            let user: u64 = fields.next()?.parse().ok()?;
+            let system: u64 = fields.next()?.parse().ok()?;
+            Some((user + system) as f64 / 100.0)
+        })
+        .unwrap_or(0.0)
+}
+
 /// A kB field of /proc/self/status, in bytes.
 fn status_bytes(field: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
