@@ -7,7 +7,8 @@
 //! - [`events_load`]: `kvroute-bench events`, the event plane over loopback NATS.
 //! - [`indexer_load`]: `kvroute-bench indexer`, the index under a real event stream.
 //! - [`replay`]: `kvroute-bench replay`, routing policies compared on a trace.
-//! - [`online`]: `kvroute-bench replay --online`, the trace against a live endpoint.
+//! - [`online`]: `kvroute-bench online`, a trace against a live endpoint.
+//! - [`report`]: report types the replay and the online run share.
 //! - [`fuzz`]: `kvroute-bench fuzz`, every decoder of network and file input.
 //! - [`plot`]: the SVG of a replay report.
 //! - [`soak`]: `kvroute-bench soak`, a chaos soak over real processes.
@@ -23,6 +24,7 @@ pub mod kernels_load;
 pub mod online;
 pub mod plot;
 pub mod replay;
+pub mod report;
 pub mod soak;
 pub mod stats;
 pub mod trace;

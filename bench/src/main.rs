@@ -3,7 +3,7 @@
 
 use clap::{Parser, Subcommand};
 use kvroute_bench::{
-    engines_load, events_load, fuzz, indexer_load, kernels_load, plot, replay, soak, trace,
+    engines_load, events_load, fuzz, indexer_load, kernels_load, online, plot, replay, soak, trace,
 };
 
 /// kvroute's system benchmarks.
@@ -26,6 +26,8 @@ enum Command {
     Engines(engines_load::Args),
     /// Offline replay of a trace: routing policies compared on TTFT, reuse and load.
     Replay(Box<replay::Args>),
+    /// A trace sent to a running OpenAI-compatible endpoint, measured at the client.
+    Online(Box<online::Args>),
     /// Writes a paced agent-style trace: sessions of many turns sharing a system prompt,
     /// each turn sent a think time after the previous one finished.
     AgentTrace(trace::AgentArgs),
@@ -97,6 +99,13 @@ fn main() -> anyhow::Result<()> {
             }
             if !report.passed {
                 anyhow::bail!("the soak failed its checks");
+            }
+        }
+        Command::Online(args) => {
+            let report = online::run_trace(&args)?;
+            online::print(&report);
+            if let Some(path) = &args.json {
+                std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
             }
         }
         Command::AgentTrace(args) => {

@@ -1,10 +1,11 @@
-//! `kvroute-bench replay --online --url URL`: the trace's requests sent at their timestamps
-//! (divided by `--speedup`) to any OpenAI-compatible endpoint, streamed, and measured at the
-//! client: TTFT, ITL, E2E, throughput, and (from kvroute's `x-kvroute-worker` /
-//! `x-kvroute-overlap` headers, when present) reuse and load spread, and (from
-//! `x-kvroute-cached-blocks` / `x-kvroute-reachable-blocks`) the decision-quality totals the
-//! offline replay reports.
+//! `kvroute-bench online --url URL`: a trace's requests sent at their timestamps (divided by
+//! `--speedup`) to any OpenAI-compatible endpoint, streamed, and measured at the client:
+//! TTFT, ITL, E2E, throughput and failures. Reuse, load spread and decision quality are
+//! reported only when the endpoint says them (kvroute's `x-kvroute-worker`,
+//! `x-kvroute-overlap`, `x-kvroute-cached-blocks` and `x-kvroute-reachable-blocks`
+//! headers); nothing is reported that was not measured.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,10 +16,102 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use parking_lot::Mutex;
+use serde::Serialize;
 use tokio::time::Instant;
 
-use crate::replay::{LoadSpread, PolicyResult};
-use crate::stats::Summary;
+use crate::report::{DecisionReport, LoadSpread, Summary};
+use crate::trace;
+
+/// Flags of `kvroute-bench online`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Args {
+    /// OpenAI-compatible base URL (e.g. http://127.0.0.1:8080).
+    #[arg(long)]
+    pub url: String,
+    /// Model name sent with each request.
+    #[arg(long, default_value = "kvroute-sim")]
+    pub model: String,
+    /// Trace: Mooncake JSONL, Azure LLM inference CSV or a JSONL of OpenAI requests.
+    #[arg(long, default_value = "bench/traces/conversation_trace.jsonl")]
+    pub trace: PathBuf,
+    /// The trace's format (see `replay --help`).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub trace_format: trace::TraceFormat,
+    /// First N requests only.
+    #[arg(long)]
+    pub requests: Option<usize>,
+    /// Divides arrival times (2 = twice the request rate).
+    #[arg(long, default_value_t = 1.0)]
+    pub speedup: f64,
+    /// Tokens per trace hash id.
+    #[arg(long, default_value_t = 512)]
+    pub trace_block_size: usize,
+    /// The endpoint's KV block size, tokens (to read kvroute's block counts as tokens).
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Azure traces: shared synthetic system prompts.
+    #[arg(long, default_value_t = 16)]
+    pub synthetic_prefixes: u64,
+    /// Azure traces: trace blocks of each synthetic system prompt.
+    #[arg(long, default_value_t = 1)]
+    pub synthetic_prefix_blocks: usize,
+    /// OpenAI-request traces: Hugging Face `tokenizer.json`.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Send prompts as text (one word per token) instead of token ids.
+    #[arg(long)]
+    pub text: bool,
+    /// Seed of synthesised prefixes.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Write the report here as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// What kvroute's response headers said (absent for other endpoints).
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct RouterView {
+    /// Requests whose response named a worker.
+    pub routed: u64,
+    /// Prompt tokens the chosen worker had cached (device + host) / prompt tokens.
+    pub reuse_ratio: f64,
+    /// Requests per worker.
+    pub worker_load_spread: LoadSpread,
+    /// Decision quality, from the cached and reachable block counts.
+    pub decisions: DecisionReport,
+}
+
+/// What `kvroute-bench online` measured.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct OnlineReport {
+    /// The endpoint.
+    pub url: String,
+    /// Model name sent.
+    pub model: String,
+    /// The trace's format.
+    pub trace_format: String,
+    /// Arrival speedup.
+    pub speedup: f64,
+    /// Requests sent.
+    pub requests: u64,
+    /// Requests that failed (connection error or non-2xx status).
+    pub failed: u64,
+    /// From the first send to the last answer's end, s.
+    pub span_s: f64,
+    /// Time to first streamed chunk, ms.
+    pub ttft_ms: Summary,
+    /// Gaps between streamed chunks, ms.
+    pub itl_ms: Summary,
+    /// Send to the stream's end, ms.
+    pub e2e_ms: Summary,
+    /// Streamed token chunks per second over the span.
+    pub throughput_tok_s: f64,
+    /// What the router's headers said; `None` when no response carried them.
+    pub router: Option<RouterView>,
+    /// Every TTFT, sorted, ms.
+    pub ttft_sorted_ms: Vec<f64>,
+}
 
 /// One request as the trace gives it.
 pub struct OnlineRequest {
@@ -65,14 +158,13 @@ pub async fn run(
     text: bool,
     block_size: usize,
     requests: Vec<OnlineRequest>,
-) -> anyhow::Result<PolicyResult> {
+) -> anyhow::Result<OnlineReport> {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     let client: Client<HttpConnector, Full<Bytes>> =
         Client::builder(TokioExecutor::new()).build(connector);
     let endpoint = format!("{}/v1/completions", url.trim_end_matches('/'));
     let measured = Arc::new(Mutex::new(Measured::default()));
-    let wall = std::time::Instant::now();
     let start = Instant::now();
     let n = requests.len() as u64;
     let mut tasks = Vec::with_capacity(requests.len());
@@ -160,35 +252,101 @@ pub async fn run(
         t.await.context("request task")?;
     }
     let mut m = std::mem::take(&mut *measured.lock());
-    let virtual_s = m
+    let span_s = m
         .last_end
         .map_or(0.0, |e| e.duration_since(start).as_secs_f64());
-    let requests: Vec<u64> = m.per_worker.values().copied().collect();
-    let mean = requests.iter().sum::<u64>() as f64 / requests.len().max(1) as f64;
+    let routed: u64 = m.per_worker.values().sum();
+    let router = (routed > 0).then(|| RouterView {
+        routed,
+        reuse_ratio: m.reused_tokens as f64 / m.prompt_tokens.max(1) as f64,
+        worker_load_spread: LoadSpread::of(m.per_worker.values().copied().collect()),
+        decisions: m.decisions.into(),
+    });
     let ttft = Summary::of(&mut m.ttft_ms);
-    Ok(PolicyResult {
-        policy: format!("online:{url}"),
+    Ok(OnlineReport {
+        url: url.to_owned(),
+        model: model.to_owned(),
+        trace_format: String::new(),
+        speedup: 1.0,
         requests: n,
-        wall_s: wall.elapsed().as_secs_f64(),
-        virtual_s,
+        failed: m.failed,
+        span_s,
         ttft_ms: ttft,
         itl_ms: Summary::of(&mut m.itl_ms),
         e2e_ms: Summary::of(&mut m.e2e_ms),
         // Every streamed chunk but the final one carries a token.
-        throughput_tok_s: m.chunks.saturating_sub(n) as f64 / virtual_s.max(1e-9),
-        reuse_ratio: m.reused_tokens as f64 / m.prompt_tokens.max(1) as f64,
-        g2_reuse_ratio: 0.0,
-        assignment_reuse_ratio: 0.0,
-        worker_load_spread: LoadSpread {
-            min_over_mean: requests.iter().copied().min().unwrap_or(0) as f64 / mean.max(1e-9),
-            max_over_mean: requests.iter().copied().max().unwrap_or(0) as f64 / mean.max(1e-9),
-            requests,
-        },
-        rejected: m.failed,
-        decisions: m.decisions.into(),
+        throughput_tok_s: m.chunks.saturating_sub(n) as f64 / span_s.max(1e-9),
+        router,
         ttft_sorted_ms: m.ttft_ms,
-        ..PolicyResult::default()
     })
+}
+
+/// Loads the trace named by `args` and sends it to the endpoint.
+pub fn run_trace(args: &Args) -> anyhow::Result<OnlineReport> {
+    if args.speedup.is_nan() || args.speedup <= 0.0 {
+        anyhow::bail!("--speedup must be positive");
+    }
+    let loaded = trace::load_any(
+        &args.trace,
+        &trace::TraceOptions {
+            format: args.trace_format,
+            limit: args.requests,
+            block_size: args.trace_block_size,
+            synthetic_prefixes: args.synthetic_prefixes,
+            synthetic_prefix_blocks: args.synthetic_prefix_blocks,
+            tokenizer: args.tokenizer.clone(),
+            seed: args.seed,
+        },
+    )?;
+    if !loaded.note.is_empty() {
+        eprintln!("{}", loaded.note);
+    }
+    let requests = loaded
+        .records
+        .iter()
+        .map(|r| OnlineRequest {
+            arrival_us: (r.timestamp as f64 * 1000.0 / args.speedup).round() as u64,
+            tokens: trace::prompt_tokens(r, args.trace_block_size).into(),
+            output: r.output_length.max(1) as u32,
+        })
+        .collect();
+    let runtime = tokio::runtime::Runtime::new()?;
+    let mut report = runtime.block_on(run(
+        &args.url,
+        &args.model,
+        args.text,
+        args.block_size,
+        requests,
+    ))?;
+    report.trace_format = format!("{:?}", loaded.format).to_lowercase();
+    report.speedup = args.speedup;
+    Ok(report)
+}
+
+/// Prints the report.
+pub fn print(r: &OnlineReport) {
+    println!(
+        "online: {} requests to {} ({}), speedup {}, {} failed, {:.1} s",
+        r.requests, r.url, r.model, r.speedup, r.failed, r.span_s
+    );
+    println!("| TTFT p50 ms | TTFT p99 ms | TTFT mean ms | ITL p50 ms | E2E p50 ms | tok/s |");
+    println!("|---|---|---|---|---|---|");
+    println!(
+        "| {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} |",
+        r.ttft_ms.p50,
+        r.ttft_ms.p99,
+        r.ttft_ms.mean,
+        r.itl_ms.p50,
+        r.e2e_ms.p50,
+        r.throughput_tok_s
+    );
+    match &r.router {
+        Some(v) => println!(
+            "router headers on {} responses: reuse {:.3}, min/mean requests per worker {:.2}, regret {:.3}",
+            v.routed, v.reuse_ratio, v.worker_load_spread.min_over_mean, v.decisions.regret
+        ),
+        None => println!("no kvroute headers: reuse, load spread and decisions not measured"),
+    }
 }
 
 #[cfg(test)]

@@ -23,8 +23,7 @@ use kvroute::indexer::{self, Indexer, OverlapScores};
 use kvroute::protocol::{BlockHash, DpRank, EventBatch, Salt, SeqHash, WorkerId, hash_blocks};
 use kvroute::scheduler::queue::{AdmissionQueue, BandConfig, QueueConfig, Ticket};
 use kvroute::scheduler::{
-    self, Admission, BookingId, DecisionStats, PolicyKind, RouteRequest, Scheduler, SessionRef,
-    SessionStats,
+    self, Admission, BookingId, PolicyKind, RouteRequest, Scheduler, SessionRef, SessionStats,
 };
 use kvroute_worker::EngineConfig;
 use kvroute_worker::block_manager::EvictionKind;
@@ -34,6 +33,7 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 use crate::fleet::{Fleet, FleetSink};
+pub use crate::report::{DecisionReport, LoadSpread};
 use crate::stats::Summary;
 use crate::trace::{self, TraceRecord};
 
@@ -43,9 +43,25 @@ const REPLAY_MODEL: &str = "replay";
 /// Flags of `kvroute-bench replay`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
-    /// Mooncake JSONL trace.
+    /// Trace: Mooncake JSONL, Azure LLM inference CSV or a JSONL of OpenAI requests.
     #[arg(long, default_value = "bench/traces/conversation_trace.jsonl")]
     pub trace: PathBuf,
+    /// The trace's format (auto: `.csv` is Azure; JSONL with `hash_ids` is Mooncake, else
+    /// OpenAI requests).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub trace_format: trace::TraceFormat,
+    /// Azure traces: shared system prompts the requests open with (synthetic: the CSV has no
+    /// prefixes).
+    #[arg(long, default_value_t = 16)]
+    pub synthetic_prefixes: u64,
+    /// Azure traces: length of each synthetic system prompt, trace blocks of
+    /// `--trace-block-size` tokens.
+    #[arg(long, default_value_t = 1)]
+    pub synthetic_prefix_blocks: usize,
+    /// OpenAI-request traces: Hugging Face `tokenizer.json` (else one token per UTF-8 byte,
+    /// as the router without a tokenizer).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
     /// Worker engines.
     #[arg(long, default_value_t = 8)]
     pub workers: usize,
@@ -109,18 +125,6 @@ pub struct Args {
     /// depend on it.
     #[arg(long, default_value_t = 0)]
     pub jobs: usize,
-    /// Send the trace to a running endpoint over HTTP instead of simulating (needs --url).
-    #[arg(long, requires = "url")]
-    pub online: bool,
-    /// OpenAI-compatible base URL for --online (e.g. http://127.0.0.1:8080).
-    #[arg(long)]
-    pub url: Option<String>,
-    /// Model name sent with --online.
-    #[arg(long, default_value = "kvroute-sim")]
-    pub model: String,
-    /// With --online, send prompts as text (one word per token) instead of token ids.
-    #[arg(long)]
-    pub text: bool,
     /// Booked work a worker may hold before requests queue in the router, tokens
     /// (`scheduler.admission.worker_budget_tokens`); 0: no budget, every request is routed at
     /// once (the replay tables above were measured so).
@@ -157,17 +161,6 @@ pub struct Args {
     /// (`scheduler.sessions.spread_weight`).
     #[arg(long)]
     pub session_spread: Option<f64>,
-}
-
-/// Requests each worker received, relative to the mean.
-#[derive(Clone, Debug, Default, Serialize, PartialEq)]
-pub struct LoadSpread {
-    /// Fewest requests on one worker / mean.
-    pub min_over_mean: f64,
-    /// Most requests on one worker / mean.
-    pub max_over_mean: f64,
-    /// Requests per worker.
-    pub requests: Vec<u64>,
 }
 
 /// One policy's results.
@@ -215,31 +208,6 @@ pub struct PolicyResult {
     pub ttft_sorted_ms: Vec<f64>,
 }
 
-/// Decision quality over a replay.
-#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq)]
-pub struct DecisionReport {
-    /// The totals.
-    #[serde(flatten)]
-    pub stats: DecisionStats,
-    /// Blocks some worker had that the chosen one did not.
-    pub lost_blocks: u64,
-    /// lost / (novel + lost).
-    pub regret: f64,
-    /// Decisions that took the most cache reachable / decisions.
-    pub optimal_ratio: f64,
-}
-
-impl From<DecisionStats> for DecisionReport {
-    fn from(stats: DecisionStats) -> Self {
-        DecisionReport {
-            stats,
-            lost_blocks: stats.lost_blocks(),
-            regret: stats.regret(),
-            optimal_ratio: stats.optimal as f64 / stats.decisions.max(1) as f64,
-        }
-    }
-}
-
 /// One tenant's figures.
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct TenantResult {
@@ -258,6 +226,10 @@ pub struct TenantResult {
 pub struct Report {
     /// SHA-256 of the trace file.
     pub trace_sha256: String,
+    /// The format it was read as.
+    pub trace_format: String,
+    /// What the replay synthesised for it, if anything (e.g. the Azure trace's prefixes).
+    pub trace_note: String,
     /// Reuse ratio of one infinite cache over the replayed requests.
     pub bound_reuse_ratio: f64,
     /// Workers.
@@ -462,16 +434,29 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    let records = trace::load(&args.trace, args.requests, args.trace_block_size)?;
+    let loaded = trace::load_any(
+        &args.trace,
+        &trace::TraceOptions {
+            format: args.trace_format,
+            limit: args.requests,
+            block_size: args.trace_block_size,
+            synthetic_prefixes: args.synthetic_prefixes,
+            synthetic_prefix_blocks: args.synthetic_prefix_blocks,
+            tokenizer: args.tokenizer.clone(),
+            seed: args.seed,
+        },
+    )?;
+    let records = loaded.records;
     let block_size = NonZeroUsize::new(args.block_size).context("--block-size must be positive")?;
     let prompts = prompts(&records, args, block_size)?;
     if prompts.is_empty() {
         bail!("no request to replay (--only-tenant matches none?)");
     }
     let bound_reuse_ratio = infinite_cache_reuse(&prompts, args.block_size, |_| 0);
-    let online = args.online.then_some(args.url.as_deref()).flatten();
     let mut report = Report {
         trace_sha256,
+        trace_format: format!("{:?}", loaded.format).to_lowercase(),
+        trace_note: loaded.note,
         bound_reuse_ratio,
         workers: args.workers,
         speedup: args.speedup,
@@ -483,26 +468,6 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         wall_s: 0.0,
         cpu_s: 0.0,
     };
-    if let Some(url) = online {
-        let requests = prompts
-            .iter()
-            .map(|p| crate::online::OnlineRequest {
-                arrival_us: p.arrival_us,
-                tokens: p.tokens.clone(),
-                output: p.output,
-            })
-            .collect();
-        let runtime = tokio::runtime::Runtime::new()?;
-        let result = runtime.block_on(crate::online::run(
-            url,
-            &args.model,
-            args.text,
-            args.block_size,
-            requests,
-        ))?;
-        report.policies.push(result);
-        return Ok(report);
-    }
     report.policies = run_policies(&policies, &prompts, &config, args)?;
     report.wall_s = started.elapsed().as_secs_f64();
     report.cpu_s = crate::stats::cpu_seconds();
@@ -960,6 +925,9 @@ pub fn print(report: &Report) {
         report.g2_blocks,
         report.bound_reuse_ratio
     );
+    if !report.trace_note.is_empty() {
+        println!("{}", report.trace_note);
+    }
     println!(
         "| policy | TTFT p50 ms | TTFT p99 ms | TTFT mean ms | ITL p50 ms | E2E p50 ms | tok/s | reuse | G2 reuse | routing-only reuse | min/mean req | wall s |"
     );
@@ -1026,6 +994,10 @@ mod tests {
     pub(super) fn args(trace: PathBuf, policy: &str) -> Args {
         Args {
             trace,
+            trace_format: trace::TraceFormat::Auto,
+            synthetic_prefixes: 16,
+            synthetic_prefix_blocks: 1,
+            tokenizer: None,
             workers: 4,
             policy: vec![policy.to_owned()],
             speedup: 1.0,
@@ -1041,10 +1013,6 @@ mod tests {
             prefill_scale: None,
             decode_weight: None,
             seed: 7,
-            online: false,
-            url: None,
-            model: "kvroute-sim".into(),
-            text: false,
             json: None,
             plot: None,
             quiet: true,

@@ -6,6 +6,10 @@ use std::path::Path;
 use anyhow::{Context, bail};
 use serde::{Deserialize, Serialize};
 
+mod formats;
+
+pub use formats::{Loaded, TraceFormat, TraceOptions, load_any};
+
 /// One request of a Mooncake JSONL trace.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 pub struct TraceRecord {
@@ -31,6 +35,10 @@ pub struct TraceRecord {
     /// Think time before this turn, after the previous turn of its session finished, ms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub think_ms: Option<u64>,
+    /// The prompt's own tokens, for traces that carry text (OpenAI requests); `hash_ids` is
+    /// then empty.
+    #[serde(skip)]
+    pub tokens: Option<std::sync::Arc<[u32]>>,
 }
 
 /// `path` as given, or, when it is relative and not there, relative to the repository this
@@ -150,6 +158,7 @@ pub fn agent_sessions(args: &AgentArgs) -> Vec<TraceRecord> {
                 priority: None,
                 session_id: Some(format!("s{s}")),
                 think_ms: (turn > 0).then_some(think),
+                tokens: None,
             });
         }
         sessions.push((start, records));
@@ -165,6 +174,9 @@ pub const VOCAB: u64 = 128_000;
 /// (id, position in the block), so equal ids give equal tokens at any engine block size; the
 /// last block is cut to `input_length`.
 pub fn prompt_tokens(record: &TraceRecord, block_size: usize) -> Vec<u32> {
+    if let Some(tokens) = &record.tokens {
+        return tokens.to_vec();
+    }
     let mut tokens = Vec::with_capacity(record.input_length);
     'ids: for id in &record.hash_ids {
         for j in 0..block_size as u64 {
@@ -199,6 +211,7 @@ mod tests {
             priority: None,
             session_id: None,
             think_ms: None,
+            tokens: None,
         }
     }
 

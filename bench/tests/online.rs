@@ -1,4 +1,4 @@
-//! `kvroute-bench replay --online` against a live fleet: nats-server, `kvroute serve`, two
+//! `kvroute-bench online` against a live fleet: nats-server, `kvroute serve`, two
 //! `kvroute-worker` processes.
 #![allow(missing_docs, clippy::unwrap_used)]
 
@@ -32,9 +32,12 @@ async fn online_replay_measures_a_live_router() {
         })
         .collect();
     let result = run(&url, "kvroute-sim", false, 16, requests).await.unwrap();
-    assert_eq!((result.requests, result.rejected), (30, 0));
+    assert_eq!((result.requests, result.failed), (30, 0));
     assert!(result.ttft_ms.p50 > 0.0 && result.e2e_ms.p50 >= result.ttft_ms.p50);
+    let router = result.router.expect("kvroute's headers were read");
+    assert_eq!(router.routed, 30);
     // Later turns are served from the cache the earlier ones left.
-    assert!(result.reuse_ratio > 0.3, "reuse {}", result.reuse_ratio);
-    assert_eq!(result.worker_load_spread.requests.iter().sum::<u64>(), 30);
+    assert!(router.reuse_ratio > 0.3, "reuse {}", router.reuse_ratio);
+    assert_eq!(router.worker_load_spread.requests.iter().sum::<u64>(), 30);
+    assert_eq!(router.decisions.stats.decisions, 30);
 }
