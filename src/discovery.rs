@@ -233,10 +233,10 @@ pub struct Watch {
     pub events: mpsc::Receiver<RegistryEvent>,
     /// A registration not refreshed for this long has expired, ms (`None`: a static list).
     pub lease_ttl_ms: Option<u64>,
-    /// Whether the registry takes writes now. While it does not (a JetStream cluster
-    /// electing the bucket's leader, or short of a quorum), no worker can refresh its
-    /// registration, so silence says nothing of the workers and no lease may lapse.
-    pub writable: watch::Receiver<bool>,
+    /// Whether the registry takes writes now and this watch hears them. While it does not
+    /// (a JetStream cluster electing the bucket's leader or short of a quorum, or a watch
+    /// being re-created), silence says nothing of the workers and no lease may lapse.
+    pub healthy: watch::Receiver<bool>,
 }
 
 /// Registry keys under this prefix are routers' write probes, not registrations.
@@ -349,15 +349,14 @@ impl Registry {
     pub fn watch(&self, lease: LeaseConfig) -> Watch {
         let (tx, events) = mpsc::channel(1024);
         // In-process and static registries always take writes.
-        let (writable_tx, writable) = watch::channel(true);
+        // In-process and static registries always take writes and are always heard.
+        let (healthy_tx, healthy) = watch::channel(true);
         let lease_ttl_ms = match self.clone() {
             Registry::Nats(store) => {
-                tokio::spawn(probe_bucket(
-                    (*store).clone(),
-                    writable_tx,
-                    probe_period(lease.ttl_ms),
-                ));
-                tokio::spawn(watch_bucket(*store, tx));
+                let period = probe_period(lease.ttl_ms);
+                let (writable_tx, writable) = watch::channel(true);
+                tokio::spawn(probe_bucket((*store).clone(), writable_tx, period));
+                tokio::spawn(watch_bucket(*store, tx, writable, healthy_tx, 3 * period));
                 Some(lease.ttl_ms)
             }
             Registry::Local(local) => {
@@ -381,14 +380,15 @@ impl Registry {
         Watch {
             events,
             lease_ttl_ms,
-            writable,
+            healthy,
         }
     }
 }
 
 /// How often a router checks that the bucket takes writes: a fifth of the lease, so that an
 /// outage is noticed (one period, plus a probe's deadline of two) well before a lease that
-/// was refreshed just before it could lapse.
+/// was refreshed just before it could lapse. The watch hears each probe, so a watch silent
+/// for three periods while the bucket takes writes has gone stale.
 fn probe_period(ttl_ms: u64) -> Duration {
     Duration::from_millis(ttl_ms / 5).clamp(Duration::from_millis(50), Duration::from_secs(1))
 }
@@ -398,7 +398,7 @@ fn probe_period(ttl_ms: u64) -> Duration {
 /// so an election, a lost quorum or a stream without a leader all read as not writable.
 /// (Asking the stream's info would not do: a lone server that has lost its quorum may still
 /// call itself the leader.) The key ages out with the bucket's `max_age` once the router is
-/// gone, and watchers skip it.
+/// gone; watchers take it as a sign that they still hear the bucket, not as a registration.
 async fn probe_bucket(
     store: async_nats::jetstream::kv::Store,
     writable: watch::Sender<bool>,
@@ -425,7 +425,12 @@ async fn probe_bucket(
             Err(_) => Some(format!("no acknowledgement within {:?}", 2 * period)),
         };
         let now = error.is_none();
-        let was = writable.send_replace(now);
+        let mut was = now;
+        // Receivers are woken by a change only (the watch times its silence from entries).
+        writable.send_if_modified(|w| {
+            was = std::mem::replace(w, now);
+            was != now
+        });
         metrics::gauge!("kvroute_registry_writable").set(if now { 1.0 } else { 0.0 });
         match (was, error) {
             (true, Some(error)) => tracing::warn!(
@@ -526,11 +531,24 @@ async fn raise_replicas(js: &async_nats::jetstream::Context, bucket: &str, wante
     }
 }
 
-async fn watch_bucket(store: async_nats::jetstream::kv::Store, tx: mpsc::Sender<RegistryEvent>) {
+/// Follows the bucket: every registration as `Put`, then changes. `healthy` says whether
+/// the bucket takes writes (`writable`, from the probe) and this watch hears them: a watch
+/// that hears nothing for `stale_after` while the bucket takes writes (a consumer left behind
+/// by a leader change, which would otherwise go quiet for good) is re-created, and reads
+/// every current registration again.
+async fn watch_bucket(
+    store: async_nats::jetstream::kv::Store,
+    tx: mpsc::Sender<RegistryEvent>,
+    mut writable: watch::Receiver<bool>,
+    healthy: watch::Sender<bool>,
+    stale_after: Duration,
+) {
     use async_nats::jetstream::kv::Operation;
     use futures_util::StreamExt;
     let mut backoff = Duration::from_millis(200);
     loop {
+        // Deaf until the new watch delivers its first entry.
+        healthy.send_replace(false);
         let mut watch = match store.watch_with_history(">").await {
             Ok(w) => w,
             Err(e) => {
@@ -544,19 +562,44 @@ async fn watch_bucket(store: async_nats::jetstream::kv::Store, tx: mpsc::Sender<
             }
         };
         backoff = Duration::from_millis(200);
+        let mut heard = false;
+        let mut last_entry = tokio::time::Instant::now();
         loop {
             let entry = tokio::select! {
-                entry = watch.next() => entry,
+                entry = tokio::time::timeout_at(last_entry + stale_after, watch.next()) => entry,
+                changed = writable.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    healthy.send_replace(heard && *writable.borrow());
+                    continue;
+                }
                 _ = tx.closed() => return,
             };
-            let Some(entry) = entry else { break };
-            if entry
-                .as_ref()
-                .is_ok_and(|e| e.key.starts_with(PROBE_PREFIX))
-            {
-                continue;
+            let entry = match entry {
+                Ok(Some(entry)) => entry,
+                Ok(None) => break,
+                Err(_) if *writable.borrow() => {
+                    metrics::counter!("kvroute_registry_watch_restarts_total").increment(1);
+                    tracing::warn!(
+                        silent = ?stale_after,
+                        "the worker registry watch hears nothing while the registry takes writes; re-creating it"
+                    );
+                    break;
+                }
+                Err(_) => {
+                    // Silence is expected while nothing can be written.
+                    last_entry = tokio::time::Instant::now();
+                    continue;
+                }
+            };
+            last_entry = tokio::time::Instant::now();
+            if !heard {
+                heard = true;
+                healthy.send_replace(*writable.borrow());
             }
             let event = match entry {
+                Ok(entry) if entry.key.starts_with(PROBE_PREFIX) => continue,
                 Ok(entry) => match entry.operation {
                     Operation::Put => match WorkerInfo::decode(&entry.value) {
                         Ok(info) => RegistryEvent::Put(info),
@@ -580,8 +623,10 @@ async fn watch_bucket(store: async_nats::jetstream::kv::Store, tx: mpsc::Sender<
                 return;
             }
         }
-        // The watch ended (server restart, leader change): watch again; current entries
-        // come back as puts, and goodbyes missed meanwhile lapse with their leases.
+        // The watch ended (server restart, leader change) or went stale: watch again;
+        // current entries come back as puts, and goodbyes missed meanwhile lapse with their
+        // leases.
+        healthy.send_replace(false);
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(200)) => {}
             _ = tx.closed() => return,
@@ -686,17 +731,27 @@ impl Registration {
         }
         let (r, i) = (registry.clone(), Arc::clone(&info));
         let period = Duration::from_millis(lease.heartbeat_ms.max(10));
+        // A beat not acknowledged by then is given up and the next one sent: a put that
+        // waits on a stream without quorum would otherwise hold the next beats back for the
+        // client's whole request timeout, past the lease, after the quorum is back.
+        let deadline = (2 * period)
+            .min(Duration::from_millis(lease.ttl_ms / 3))
+            .max(Duration::from_millis(50));
         let task = tokio::spawn(async move {
             let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             tick.tick().await;
             loop {
                 tick.tick().await;
                 let current = i.lock().clone();
-                if let Err(e) = r.put(&current).await {
-                    // NATS outages are expected; the client reconnects and the next beat
-                    // lands, within the TTL if the outage is short.
-                    tracing::warn!(worker = %current.id, error = %e, "heartbeat failed");
-                }
+                let error = match tokio::time::timeout(deadline, r.put(&current)).await {
+                    Ok(Ok(())) => continue,
+                    Ok(Err(e)) => e.to_string(),
+                    Err(_) => format!("not acknowledged within {deadline:?}"),
+                };
+                // NATS outages are expected; the client reconnects and the next beat
+                // lands, within the TTL if the outage is short.
+                tracing::warn!(worker = %current.id, %error, "heartbeat failed");
             }
         });
         Ok(Registration {

@@ -10,8 +10,10 @@
 //! `--dynamo` reproduces the steady-state protocol of NVIDIA Dynamo's indexer bench
 //! (`lib/bench/kv_router/mooncake_bench.rs`, documented in
 //! `lib/kv-router/src/indexer/INDEXER_BENCH.md` of ai-dynamo/dynamo): 1,000 unique
-//! workers, each request sent to one at random; engines with 16,384 blocks of 128 tokens,
-//! prefix caching, no host tier, the trace's arrivals compressed to
+//! workers, each request sent to one at random; engines with 16,384 blocks of 128 tokens
+//! (one block per trace hash id, as that version of Dynamo's bench makes them: prompts are
+//! `hash_ids × 128` tokens), steps sped up 10×, prefix caching, no host tier, the trace's
+//! arrivals compressed to
 //! 10 s; every worker's requests and events then stretched so its last one lands at 30 s, and
 //! replayed 7 times under new worker ids with the same hashes (7,000 workers sharing nodes).
 //! Only `find_matches` is timed, and its p99 is the figure.
@@ -78,6 +80,9 @@ pub struct Args {
     /// this many seconds (instead of `--pace-speedup`).
     #[arg(long)]
     pub window_s: Option<f64>,
+    /// Divides the engines' step times while the timeline is made.
+    #[arg(long, default_value_t = 1.0)]
+    pub engine_speedup: f64,
     /// NVIDIA Dynamo's steady-state protocol (see the module docs): sets the flags above.
     #[arg(long)]
     pub dynamo: bool,
@@ -265,6 +270,9 @@ pub struct Report {
     pub replicas: usize,
 }
 
+/// Tokens per block, and per trace hash id, in Dynamo's protocol.
+const DYNAMO_BLOCK: usize = 128;
+
 /// Runs the bench.
 pub fn run(args: &Args) -> anyhow::Result<Report> {
     let mut args = args.clone();
@@ -273,11 +281,11 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         args.replicas = 7;
         args.duplicate = 1;
         args.random_workers = true;
-        args.block_size = 128;
+        args.block_size = DYNAMO_BLOCK;
         // Dynamo's bench of that version makes one 128-token block of each hash id and
-        // ignores input_length; ours keeps the trace's 512 tokens per id (4 blocks each),
-        // so our prompts are 4× longer in blocks: a harder load, not the same one.
-        args.trace_block_size = 512;
+        // ignores input_length (see the records' rewrite below).
+        args.trace_block_size = DYNAMO_BLOCK;
+        args.engine_speedup = 10.0;
         args.g1_blocks = 16_384;
         args.g2_blocks = 0;
         args.compress_to_s = Some(10.0);
@@ -293,7 +301,16 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         );
         churn(args.churn_blocks, args.churn_rounds)
     });
-    let records = trace::load(&args.trace, args.requests, args.trace_block_size)?;
+    let records = if args.dynamo {
+        // The trace's own 512 tokens per id validate it; then each id becomes one block.
+        let mut records = trace::load(&args.trace, args.requests, 512)?;
+        for r in &mut records {
+            r.input_length = r.hash_ids.len() * DYNAMO_BLOCK;
+        }
+        records
+    } else {
+        trace::load(&args.trace, args.requests, args.trace_block_size)?
+    };
     let block_size = NonZeroUsize::new(args.block_size)
         .ok_or_else(|| anyhow::anyhow!("--block-size must be positive"))?;
     eprintln!(
@@ -389,6 +406,7 @@ fn simulate(
         block_size: args.block_size,
         g1_blocks: args.g1_blocks,
         g2_blocks: args.g2_blocks,
+        speedup: args.engine_speedup,
         ..EngineConfig::default()
     };
     let mut fleet = Fleet::new(&config, args.workers)?;

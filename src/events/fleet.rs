@@ -299,10 +299,16 @@ impl Fleet {
         self.sweep_tombstones(now_ms);
     }
 
-    /// A batch arrived from `key`: deliver it or drop it (counted).
-    pub fn on_batch(&mut self, key: StreamKey) -> BatchVerdict {
-        let verdict = match self.members.get(&key.0) {
-            Some(m) if key.1.0 < m.info.dp_size => BatchVerdict::Deliver,
+    /// A batch arrived from `key` at `now_ms`: deliver it or drop it (counted). A delivered
+    /// batch renews its worker's lease as a heartbeat does: a worker that publishes events is
+    /// alive, even while its heartbeats cannot reach the registry (a JetStream election, or
+    /// a server its connection cannot write the bucket through).
+    pub fn on_batch(&mut self, now_ms: u64, key: StreamKey) -> BatchVerdict {
+        let verdict = match self.members.get_mut(&key.0) {
+            Some(m) if key.1.0 < m.info.dp_size => {
+                m.renewed_ms = m.renewed_ms.max(now_ms);
+                BatchVerdict::Deliver
+            }
             Some(_) => BatchVerdict::NoSuchRank,
             None if self.tombstones.contains_key(&key.0) => BatchVerdict::Departed,
             None => BatchVerdict::Unregistered,

@@ -275,7 +275,7 @@ impl EventPlane {
             start: Instant::now(),
             closing: Vec::new(),
             commands: Vec::new(),
-            registry_writable: watch.writable,
+            registry_healthy: watch.healthy,
         };
         tokio::spawn(owner.run(subscription, watch.events, shutdown));
         Ok(EventPlane { shared })
@@ -411,8 +411,9 @@ struct FleetOwner {
     /// Streams told to close whose tasks have not finished removing their lanes yet.
     closing: Vec<(StreamKey, tokio::task::JoinHandle<()>)>,
     commands: Vec<FleetCommand>,
-    /// Whether workers can refresh their registrations now (see [`crate::discovery::Watch::writable`]).
-    registry_writable: watch::Receiver<bool>,
+    /// Whether workers can refresh their registrations now and the router hears them (see
+    /// [`crate::discovery::Watch::healthy`]).
+    registry_healthy: watch::Receiver<bool>,
 }
 
 impl FleetOwner {
@@ -451,7 +452,7 @@ impl FleetOwner {
                 }
                 _ = tick.tick() => {
                     let now = self.now_ms();
-                    if !self.shared.transport.is_connected() || !*self.registry_writable.borrow() {
+                    if !self.shared.transport.is_connected() || !*self.registry_healthy.borrow() {
                         // Deaf, not abandoned: no lease lapses while NATS is out of reach or
                         // the registry takes no heartbeats (the workers' HTTP may well be
                         // fine; routing to them goes on).
@@ -503,7 +504,7 @@ impl FleetOwner {
             }
         };
         let key = (batch.worker, batch.dp_rank);
-        let verdict = self.fleet.on_batch(key);
+        let verdict = self.fleet.on_batch(self.now_ms(), key);
         let reason = match verdict {
             BatchVerdict::Deliver => return self.shared.send(key, Input::Batch(batch)),
             BatchVerdict::Unregistered => "unregistered",

@@ -67,8 +67,8 @@ impl Driver {
         }
     }
 
-    fn batch(&mut self, fleet: &mut Fleet, key: StreamKey) {
-        if fleet.on_batch(key) == BatchVerdict::Deliver {
+    fn batch(&mut self, fleet: &mut Fleet, now_ms: u64, key: StreamKey) {
+        if fleet.on_batch(now_ms, key) == BatchVerdict::Deliver {
             assert!(
                 self.streams.contains(&key),
                 "delivered to a closed stream: {key:?}"
@@ -108,16 +108,16 @@ fn a_batch_after_goodbye_is_dropped_and_does_not_resurrect_the_worker() {
         .on_registration(0, info(1, 7, 1, "m", 16), &mut out)
         .unwrap();
     d.apply(&mut out);
-    d.batch(&mut fleet, (WorkerId(1), DpRank(0)));
+    d.batch(&mut fleet, 0, (WorkerId(1), DpRank(0)));
     fleet.on_goodbye(10, WorkerId(1), &mut out);
     d.apply(&mut out);
     // A straggler of the departed worker, and one of a worker never seen.
     assert_eq!(
-        fleet.on_batch((WorkerId(1), DpRank(0))),
+        fleet.on_batch(0, (WorkerId(1), DpRank(0))),
         BatchVerdict::Departed
     );
     assert_eq!(
-        fleet.on_batch((WorkerId(2), DpRank(0))),
+        fleet.on_batch(0, (WorkerId(2), DpRank(0))),
         BatchVerdict::Unregistered
     );
     assert!(d.streams.is_empty() && d.lanes.is_empty());
@@ -192,6 +192,42 @@ fn a_lapsed_lease_expires_a_renewed_one_does_not_and_a_lapsed_worker_can_return(
     assert!(out.is_empty());
 }
 
+/// A worker whose heartbeats stop but whose events keep coming is alive: its lease runs
+/// from its last batch; once both stop, it lapses a lease later.
+#[test]
+fn event_batches_renew_a_lease() {
+    let mut fleet = Fleet::new(config());
+    let mut out = Vec::new();
+    fleet
+        .on_registration(0, info(1, 7, 1, "m", 16), &mut out)
+        .unwrap();
+    out.clear();
+    for at in [600, 1_200, 1_800] {
+        assert_eq!(
+            fleet.on_batch(at, (WorkerId(1), DpRank(0))),
+            BatchVerdict::Deliver
+        );
+        fleet.on_tick(at + 500, &mut out);
+        assert!(out.is_empty(), "expired at {at} + 500 with batches flowing");
+    }
+    fleet.on_tick(2_800, &mut out);
+    assert!(out.is_empty());
+    fleet.on_tick(2_801, &mut out);
+    assert!(out.contains(&FleetCommand::Departed {
+        id: WorkerId(1),
+        reason: Departure::Expired
+    }));
+    // A batch for a rank the worker does not have renews nothing.
+    let mut fleet = Fleet::new(config());
+    fleet
+        .on_registration(0, info(2, 7, 1, "m", 16), &mut out)
+        .unwrap();
+    out.clear();
+    fleet.on_batch(900, (WorkerId(2), DpRank(5)));
+    fleet.on_tick(1_001, &mut out);
+    assert!(!out.is_empty(), "an absent rank's batch renewed the lease");
+}
+
 #[test]
 fn a_model_keeps_one_block_size() {
     let mut fleet = Fleet::new(config());
@@ -213,7 +249,7 @@ fn a_model_keeps_one_block_size() {
     assert_eq!(fleet.block_size("a"), Some(16));
     assert_eq!(fleet.block_size("b"), Some(32));
     assert_eq!(
-        fleet.on_batch((WorkerId(3), DpRank(0))),
+        fleet.on_batch(0, (WorkerId(3), DpRank(0))),
         BatchVerdict::Unregistered
     );
 }
@@ -233,7 +269,7 @@ fn fewer_ranks_close_the_extra_streams() {
     d.apply(&mut out);
     assert_eq!(d.streams.len(), 2);
     assert_eq!(
-        fleet.on_batch((WorkerId(1), DpRank(3))),
+        fleet.on_batch(0, (WorkerId(1), DpRank(3))),
         BatchVerdict::NoSuchRank
     );
     assert_eq!(
@@ -290,7 +326,7 @@ proptest! {
                     let _ = fleet.on_registration(now, info(id, epoch, dp, "m", bs), &mut out);
                 }
                 Op::Goodbye(id) => fleet.on_goodbye(now, WorkerId(id), &mut out),
-                Op::Batch { id, rank } => d.batch(&mut fleet, (WorkerId(id), DpRank(rank))),
+                Op::Batch { id, rank } => d.batch(&mut fleet, now, (WorkerId(id), DpRank(rank))),
                 Op::Tick(ms) => {
                     now += ms;
                     fleet.on_tick(now, &mut out);

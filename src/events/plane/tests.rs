@@ -187,9 +187,9 @@ async fn no_lease_lapses_while_the_registry_takes_no_writes() {
     };
     let bus = Transport::Local(LocalBus::new());
     let local = LocalRegistry::default();
-    let (writable, rx) = watch::channel(true);
+    let (healthy, rx) = watch::channel(true);
     let mut registry = Registry::Local(local.clone()).watch(lease);
-    registry.writable = rx;
+    registry.healthy = rx;
     let (_stop, stop) = watch::channel(false);
     let plane = EventPlane::start(
         bus,
@@ -203,14 +203,14 @@ async fn no_lease_lapses_while_the_registry_takes_no_writes() {
     .unwrap();
     local.put(info(1, 1));
     assert!(settle(|| plane.workers().len() == 1).await);
-    writable.send_replace(false);
+    healthy.send_replace(false);
     tokio::time::sleep(Duration::from_secs(30)).await;
     assert_eq!(
         plane.workers().len(),
         1,
         "a lease lapsed while no heartbeat could be written"
     );
-    writable.send_replace(true);
+    healthy.send_replace(true);
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(plane.workers().len(), 1, "the lease did not run afresh");
     assert!(settle(|| plane.workers().is_empty()).await);
@@ -252,7 +252,7 @@ async fn a_closed_registry_watch_is_fatal() {
         Watch {
             events,
             lease_ttl_ms: Some(1_000),
-            writable: watch::channel(true).1,
+            healthy: watch::channel(true).1,
         },
         PlaneConfig::default(),
         None,

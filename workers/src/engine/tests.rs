@@ -447,7 +447,10 @@ fn admission_checks_the_whole_prompt_but_allocates_a_chunk() {
 }
 
 /// No request is admitted in a step that preempted one (vLLM v1): that step runs only the
-/// survivors, and the preempted request comes back in a later step.
+/// survivors, and the preempted request comes back in a later step. With the victim first in
+/// line, as here, it could not fit back in that step anyway (it needs back at least the
+/// blocks the growing sequence took), so this test also holds without the rule; it guards
+/// the rule against a change of that order.
 #[test]
 fn nothing_is_admitted_in_a_step_that_preempted() {
     let config = EngineConfig {
