@@ -86,6 +86,10 @@ pub struct Args {
     /// NVIDIA Dynamo's steady-state protocol (see the module docs): sets the flags above.
     #[arg(long)]
     pub dynamo: bool,
+    /// Skip the phase in which every worker leaves (each removal walks the whole index, so
+    /// at thousands of workers it takes hours).
+    #[arg(long)]
+    pub no_leave: bool,
     /// Churn phase: distinct blocks to fill to each round (0: skip the phase).
     #[arg(long, default_value_t = 4_000_000)]
     pub churn_blocks: usize,
@@ -173,12 +177,12 @@ pub struct Memory {
     pub rss_before_bytes: u64,
     /// With the index full, at the end of the trace.
     pub rss_full_bytes: u64,
-    /// After every worker was removed (index empty).
-    pub rss_after_leave_bytes: u64,
+    /// After every worker was removed (index empty); `None` with `--no-leave`.
+    pub rss_after_leave_bytes: Option<u64>,
     /// The index's tables at the end of the trace (structure size).
     pub table_bytes: u64,
-    /// The index's tables after every worker left.
-    pub table_bytes_after_leave: u64,
+    /// The index's tables after every worker left; `None` with `--no-leave`.
+    pub table_bytes_after_leave: Option<u64>,
     /// (rss_full − rss_before) / distinct blocks.
     pub rss_bytes_per_block: f64,
 }
@@ -350,16 +354,19 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
     let rss_full = rss_bytes();
     let table_full = paced.index.table_bytes();
     let (blocks, entries) = (paced.index.sizes().blocks, paced.index.sizes().entries);
-    eprintln!("indexer: every worker leaves …");
-    for w in 0..(args.workers * args.duplicate * args.replicas) as u64 {
-        paced.index.remove_worker(WorkerId(w));
-    }
+    let left = (!args.no_leave).then(|| {
+        eprintln!("indexer: every worker leaves …");
+        for w in 0..(args.workers * args.duplicate * args.replicas) as u64 {
+            paced.index.remove_worker(WorkerId(w));
+        }
+        (rss_bytes(), paced.index.table_bytes() as u64)
+    });
     let memory = Memory {
         rss_before_bytes: rss_before,
         rss_full_bytes: rss_full,
-        rss_after_leave_bytes: rss_bytes(),
+        rss_after_leave_bytes: left.map(|l| l.0),
         table_bytes: table_full as u64,
-        table_bytes_after_leave: paced.index.table_bytes() as u64,
+        table_bytes_after_leave: left.map(|l| l.1),
         rss_bytes_per_block: rss_full.saturating_sub(rss_before) as f64 / blocks.max(1) as f64,
     };
     drop(paced.index);
@@ -685,12 +692,19 @@ pub fn print(report: &Report) {
         report.bytes_per_entry,
         m.rss_bytes_per_block
     );
+    let after = match (m.rss_after_leave_bytes, m.table_bytes_after_leave) {
+        (Some(rss), Some(tables)) => {
+            format!(
+                "{:.0} MiB after every worker left (tables {tables} B)",
+                mib(rss)
+            )
+        }
+        _ => "leaving not measured (--no-leave)".to_owned(),
+    };
     println!(
-        "RSS: {:.0} MiB before the index, {:.0} MiB full, {:.0} MiB after every worker left (tables {} B); peak {:.0} MiB",
+        "RSS: {:.0} MiB before the index, {:.0} MiB full, {after}; peak {:.0} MiB",
         mib(m.rss_before_bytes),
         mib(m.rss_full_bytes),
-        mib(m.rss_after_leave_bytes),
-        m.table_bytes_after_leave,
         mib(report.peak_rss_bytes)
     );
     if let Some(c) = &report.churn {
