@@ -31,33 +31,15 @@ pub struct Args {
     /// Model name sent with each request.
     #[arg(long, default_value = "kvroute-sim")]
     pub model: String,
-    /// Trace: Mooncake JSONL, Azure LLM inference CSV or a JSONL of OpenAI requests.
-    #[arg(long, default_value = "bench/traces/conversation_trace.jsonl")]
-    pub trace: PathBuf,
-    /// The trace's format (see `replay --help`).
-    #[arg(long, value_enum, default_value = "auto")]
-    pub trace_format: trace::TraceFormat,
-    /// First N requests only.
-    #[arg(long)]
-    pub requests: Option<usize>,
+    /// The trace.
+    #[command(flatten)]
+    pub source: trace::TraceArgs,
     /// Divides arrival times (2 = twice the request rate).
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
-    /// Tokens per trace hash id.
-    #[arg(long, default_value_t = 512)]
-    pub trace_block_size: usize,
     /// The endpoint's KV block size, tokens (to read kvroute's block counts as tokens).
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// Azure traces: shared synthetic system prompts.
-    #[arg(long, default_value_t = 16)]
-    pub synthetic_prefixes: u64,
-    /// Azure traces: trace blocks of each synthetic system prompt.
-    #[arg(long, default_value_t = 1)]
-    pub synthetic_prefix_blocks: usize,
-    /// OpenAI-request traces: Hugging Face `tokenizer.json`.
-    #[arg(long)]
-    pub tokenizer: Option<PathBuf>,
     /// Send prompts as text (one word per token) instead of token ids.
     #[arg(long)]
     pub text: bool,
@@ -286,18 +268,7 @@ pub fn run_trace(args: &Args) -> anyhow::Result<OnlineReport> {
     if args.speedup.is_nan() || args.speedup <= 0.0 {
         anyhow::bail!("--speedup must be positive");
     }
-    let loaded = trace::load_any(
-        &args.trace,
-        &trace::TraceOptions {
-            format: args.trace_format,
-            limit: args.requests,
-            block_size: args.trace_block_size,
-            synthetic_prefixes: args.synthetic_prefixes,
-            synthetic_prefix_blocks: args.synthetic_prefix_blocks,
-            tokenizer: args.tokenizer.clone(),
-            seed: args.seed,
-        },
-    )?;
+    let loaded = trace::load_any(&args.source, args.seed)?;
     if !loaded.note.is_empty() {
         eprintln!("{}", loaded.note);
     }
@@ -306,7 +277,7 @@ pub fn run_trace(args: &Args) -> anyhow::Result<OnlineReport> {
         .iter()
         .map(|r| OnlineRequest {
             arrival_us: (r.timestamp as f64 * 1000.0 / args.speedup).round() as u64,
-            tokens: trace::prompt_tokens(r, args.trace_block_size).into(),
+            tokens: trace::prompt_tokens(r, args.source.trace_block_size).into(),
             output: r.output_length.max(1) as u32,
         })
         .collect();

@@ -43,25 +43,9 @@ const REPLAY_MODEL: &str = "replay";
 /// Flags of `kvroute-bench replay`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
-    /// Trace: Mooncake JSONL, Azure LLM inference CSV or a JSONL of OpenAI requests.
-    #[arg(long, default_value = "bench/traces/conversation_trace.jsonl")]
-    pub trace: PathBuf,
-    /// The trace's format (auto: `.csv` is Azure; JSONL with `hash_ids` is Mooncake, else
-    /// OpenAI requests).
-    #[arg(long, value_enum, default_value = "auto")]
-    pub trace_format: trace::TraceFormat,
-    /// Azure traces: shared system prompts the requests open with (synthetic: the CSV has no
-    /// prefixes).
-    #[arg(long, default_value_t = 16)]
-    pub synthetic_prefixes: u64,
-    /// Azure traces: length of each synthetic system prompt, trace blocks of
-    /// `--trace-block-size` tokens.
-    #[arg(long, default_value_t = 1)]
-    pub synthetic_prefix_blocks: usize,
-    /// OpenAI-request traces: Hugging Face `tokenizer.json` (else one token per UTF-8 byte,
-    /// as the router without a tokenizer).
-    #[arg(long)]
-    pub tokenizer: Option<PathBuf>,
+    /// The trace.
+    #[command(flatten)]
+    pub source: trace::TraceArgs,
     /// Worker engines.
     #[arg(long, default_value_t = 8)]
     pub workers: usize,
@@ -75,12 +59,6 @@ pub struct Args {
     /// Divides arrival times (2 = twice the request rate).
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
-    /// First N requests only.
-    #[arg(long)]
-    pub requests: Option<usize>,
-    /// Tokens per trace hash id.
-    #[arg(long, default_value_t = 512)]
-    pub trace_block_size: usize,
     /// Engine KV block size, tokens.
     #[arg(long, default_value_t = 64)]
     pub block_size: usize,
@@ -428,24 +406,13 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         bail!("--speedup must be positive");
     }
     let config = engine_config(args)?;
-    let path = trace::locate(&args.trace);
+    let path = trace::locate(&args.source.trace);
     let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
     let trace_sha256 = Sha256::digest(&bytes)
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    let loaded = trace::load_any(
-        &args.trace,
-        &trace::TraceOptions {
-            format: args.trace_format,
-            limit: args.requests,
-            block_size: args.trace_block_size,
-            synthetic_prefixes: args.synthetic_prefixes,
-            synthetic_prefix_blocks: args.synthetic_prefix_blocks,
-            tokenizer: args.tokenizer.clone(),
-            seed: args.seed,
-        },
-    )?;
+    let loaded = trace::load_any(&args.source, args.seed)?;
     let records = loaded.records;
     let block_size = NonZeroUsize::new(args.block_size).context("--block-size must be positive")?;
     let prompts = prompts(&records, args, block_size)?;
@@ -511,7 +478,7 @@ fn run_policies(
 }
 
 fn prompt(record: &TraceRecord, args: &Args, block_size: NonZeroUsize) -> Prompt {
-    let tokens = trace::prompt_tokens(record, args.trace_block_size);
+    let tokens = trace::prompt_tokens(record, args.source.trace_block_size);
     let blocks = hash_blocks(&tokens, block_size, Salt::NONE);
     let scale = |ms: u64| (ms as f64 * 1000.0 / args.speedup).round() as u64;
     Prompt {
@@ -993,16 +960,18 @@ mod tests {
 
     pub(super) fn args(trace: PathBuf, policy: &str) -> Args {
         Args {
-            trace,
-            trace_format: trace::TraceFormat::Auto,
-            synthetic_prefixes: 16,
-            synthetic_prefix_blocks: 1,
-            tokenizer: None,
+            source: trace::TraceArgs {
+                trace,
+                trace_format: trace::TraceFormat::Auto,
+                requests: None,
+                trace_block_size: 512,
+                synthetic_prefixes: 16,
+                synthetic_prefix_blocks: 1,
+                tokenizer: None,
+            },
             workers: 4,
             policy: vec![policy.to_owned()],
             speedup: 1.0,
-            requests: None,
-            trace_block_size: 512,
             block_size: 64,
             g1_blocks: 100_000,
             g2_blocks: 0,

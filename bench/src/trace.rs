@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 mod formats;
 
-pub use formats::{Loaded, TraceFormat, TraceOptions, load_any};
+pub use formats::{Loaded, TraceArgs, TraceFormat, load_any};
 
 /// One request of a Mooncake JSONL trace.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
@@ -53,14 +53,13 @@ pub fn locate(path: &Path) -> std::path::PathBuf {
     path.to_path_buf()
 }
 
-/// Reads a trace, the first `limit` requests if given, checking that each record's hash ids
-/// cover its prompt at `block_size` tokens per id.
-pub fn load(
+/// The records `parse` makes of `path`'s non-blank lines (given with their `file:line`
+/// and the records so far; `None` skips a line), until there are `limit` of them.
+fn read_records(
     path: &Path,
     limit: Option<usize>,
-    block_size: usize,
+    mut parse: impl FnMut(&str, &str, &[TraceRecord]) -> anyhow::Result<Option<TraceRecord>>,
 ) -> anyhow::Result<Vec<TraceRecord>> {
-    let path = &locate(path);
     let file =
         std::fs::File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
     let mut records = Vec::new();
@@ -72,21 +71,33 @@ pub fn load(
         if line.trim().is_empty() {
             continue;
         }
-        let record: TraceRecord = serde_json::from_str(&line).with_context(|| {
-            format!("{}:{}: not a Mooncake trace record", path.display(), n + 1)
-        })?;
+        let at = format!("{}:{}", path.display(), n + 1);
+        if let Some(record) = parse(&at, &line, &records)? {
+            records.push(record);
+        }
+    }
+    Ok(records)
+}
+
+/// Reads a trace, the first `limit` requests if given, checking that each record's hash ids
+/// cover its prompt at `block_size` tokens per id.
+pub fn load(
+    path: &Path,
+    limit: Option<usize>,
+    block_size: usize,
+) -> anyhow::Result<Vec<TraceRecord>> {
+    read_records(&locate(path), limit, |at, line, _| {
+        let record: TraceRecord = serde_json::from_str(line)
+            .with_context(|| format!("{at}: not a Mooncake trace record"))?;
         if record.input_length > record.hash_ids.len() * block_size {
             bail!(
-                "{}:{}: {} hash ids of {block_size} tokens cannot cover {} input tokens",
-                path.display(),
-                n + 1,
+                "{at}: {} hash ids of {block_size} tokens cannot cover {} input tokens",
                 record.hash_ids.len(),
                 record.input_length
             );
         }
-        records.push(record);
-    }
-    Ok(records)
+        Ok(Some(record))
+    })
 }
 
 /// Flags of `kvroute-bench agent-trace`.

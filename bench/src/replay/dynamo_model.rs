@@ -136,10 +136,10 @@ fn additive_round_robin_matches_a_model_of_dynamos_mocker() {
     let trace =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/conversation_trace.jsonl");
     let mut args = super::tests::args(trace.clone(), "round_robin");
+    args.source.requests = Some(400);
     args = Args {
         workers: 8,
         speedup: 6.0,
-        requests: Some(400),
         g1_blocks: 16_384,
         g2_blocks: 0,
         eviction: "lru".into(),
@@ -147,7 +147,7 @@ fn additive_round_robin_matches_a_model_of_dynamos_mocker() {
         ..args
     };
     let report = run(&args).unwrap();
-    let records = trace::load(&trace, args.requests, args.trace_block_size).unwrap();
+    let records = trace::load(&trace, args.source.requests, args.source.trace_block_size).unwrap();
     let bs = NonZeroUsize::new(args.block_size).unwrap();
     let prompts = prompts(&records, &args, bs).unwrap();
     let (mut ttft, peak) = model(&prompts, args.workers, args.block_size, args.g1_blocks);

@@ -11,7 +11,7 @@ use kvroute::ingress::openai::ChatMessage;
 use kvroute::ingress::tokenizer::Tokenizer;
 use serde::Deserialize;
 
-use super::{TraceRecord, load, locate, mix};
+use super::{TraceRecord, load, locate, mix, read_records};
 
 /// How a trace file is written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -28,23 +28,34 @@ pub enum TraceFormat {
     Openai,
 }
 
-/// What loading a trace needs besides its path.
-#[derive(Clone, Debug)]
-pub struct TraceOptions {
-    /// The format (or `Auto`).
-    pub format: TraceFormat,
+/// Which trace to read and how: the flags `replay` and `online` share.
+#[derive(clap::Args, Clone, Debug)]
+pub struct TraceArgs {
+    /// Trace: Mooncake JSONL, Azure LLM inference CSV or a JSONL of OpenAI requests.
+    #[arg(long, default_value = "bench/traces/conversation_trace.jsonl")]
+    pub trace: PathBuf,
+    /// The trace's format (auto: `.csv` is Azure; JSONL with `hash_ids` is Mooncake, else
+    /// OpenAI requests).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub trace_format: TraceFormat,
     /// First N requests only.
-    pub limit: Option<usize>,
-    /// Tokens per hash id (Mooncake and the synthesised Azure prefixes).
-    pub block_size: usize,
-    /// Azure: shared system prompts the requests draw from.
+    #[arg(long)]
+    pub requests: Option<usize>,
+    /// Tokens per trace hash id (Mooncake, and the synthetic Azure prefixes).
+    #[arg(long, default_value_t = 512)]
+    pub trace_block_size: usize,
+    /// Azure traces: shared system prompts the requests open with (synthetic: the CSV has no
+    /// prefixes).
+    #[arg(long, default_value_t = 16)]
     pub synthetic_prefixes: u64,
-    /// Azure: trace blocks (of `block_size` tokens) of each shared system prompt.
+    /// Azure traces: length of each synthetic system prompt, trace blocks of
+    /// `--trace-block-size` tokens.
+    #[arg(long, default_value_t = 1)]
     pub synthetic_prefix_blocks: usize,
-    /// OpenAI: the Hugging Face `tokenizer.json` (else one token per UTF-8 byte).
+    /// OpenAI-request traces: Hugging Face `tokenizer.json` (else one token per UTF-8 byte,
+    /// as the router without a tokenizer).
+    #[arg(long)]
     pub tokenizer: Option<PathBuf>,
-    /// Seed of the synthesised prefixes.
-    pub seed: u64,
 }
 
 /// What was loaded, with a line saying what in it is synthetic, if anything.
@@ -58,38 +69,39 @@ pub struct Loaded {
     pub note: String,
 }
 
-/// Reads a trace in any supported format.
-pub fn load_any(path: &Path, options: &TraceOptions) -> anyhow::Result<Loaded> {
-    let path = locate(path);
-    let format = match options.format {
+/// Reads the trace `args` name, in any supported format; `seed` draws the synthetic
+/// prefixes.
+pub fn load_any(args: &TraceArgs, seed: u64) -> anyhow::Result<Loaded> {
+    let path = locate(&args.trace);
+    let format = match args.trace_format {
         TraceFormat::Auto => sniff(&path)?,
         f => f,
     };
     let (records, note) = match format {
         TraceFormat::Mooncake | TraceFormat::Auto => (
-            load(&path, options.limit, options.block_size)?,
+            load(&path, args.requests, args.trace_block_size)?,
             String::new(),
         ),
         TraceFormat::Azure => {
-            let records = azure(&path, options)?;
+            let records = azure(&path, args, seed)?;
             let note = format!(
                 "Azure trace: arrivals and lengths from the file; prefixes synthetic: each \
                  request opens with one of {} shared system prompts of {} tokens (seed {}), \
                  the rest of its prompt unique",
-                options.synthetic_prefixes,
-                options.synthetic_prefix_blocks * options.block_size,
-                options.seed
+                args.synthetic_prefixes,
+                args.synthetic_prefix_blocks * args.trace_block_size,
+                seed
             );
             (records, note)
         }
         TraceFormat::Openai => {
-            let tokenizer = match &options.tokenizer {
+            let tokenizer = match &args.tokenizer {
                 Some(p) => Tokenizer::load(p)
                     .with_context(|| format!("loading tokenizer {}", p.display()))?,
                 None => Tokenizer::Bytes,
             };
-            let records = openai(&path, options.limit, &tokenizer)?;
-            let note = match &options.tokenizer {
+            let records = openai(&path, args.requests, &tokenizer)?;
+            let note = match &args.tokenizer {
                 Some(p) => format!("OpenAI requests tokenized with {}", p.display()),
                 None => {
                     "OpenAI requests tokenized one token per UTF-8 byte (no --tokenizer)".into()
@@ -161,51 +173,41 @@ fn azure_ms(text: &str) -> Option<u64> {
 /// Azure's CSV as Mooncake records: arrivals from the first request's time, and prompts
 /// that open with one of the synthetic shared system prompts (drawn from the seed), then
 /// unique blocks.
-fn azure(path: &Path, options: &TraceOptions) -> anyhow::Result<Vec<TraceRecord>> {
-    let file =
-        std::fs::File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
-    let prefixes = options.synthetic_prefixes.max(1);
-    let prefix_blocks = options.synthetic_prefix_blocks;
-    let bs = options.block_size.max(1);
+fn azure(path: &Path, args: &TraceArgs, seed: u64) -> anyhow::Result<Vec<TraceRecord>> {
+    let prefixes = args.synthetic_prefixes.max(1);
+    let prefix_blocks = args.synthetic_prefix_blocks;
+    let bs = args.trace_block_size.max(1);
     // Ids of the system prompts' blocks come first; requests' own blocks after them.
     let mut fresh = prefixes * prefix_blocks as u64;
     let mut first_ms = None;
-    let mut records = Vec::new();
-    for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
-        if options.limit.is_some_and(|l| records.len() >= l) {
-            break;
-        }
-        let line = line.with_context(|| format!("reading {}", path.display()))?;
-        let where_ = || format!("{}:{}", path.display(), n + 1);
-        if line.trim().is_empty() || (n == 0 && line.starts_with("TIMESTAMP")) {
-            continue;
+    read_records(path, args.requests, |at, line, records| {
+        if records.is_empty() && line.starts_with("TIMESTAMP") {
+            return Ok(None);
         }
         let mut fields = line.split(',');
         let (Some(ts), Some(context), Some(generated), None) =
             (fields.next(), fields.next(), fields.next(), fields.next())
         else {
-            bail!(
-                "{}: expected TIMESTAMP,ContextTokens,GeneratedTokens",
-                where_()
-            );
+            bail!("{at}: expected TIMESTAMP,ContextTokens,GeneratedTokens");
         };
-        let at = azure_ms(ts).with_context(|| format!("{}: bad timestamp {ts:?}", where_()))?;
+        let ms = azure_ms(ts).with_context(|| format!("{at}: bad timestamp {ts:?}"))?;
         let input_length: usize = context
             .trim()
             .parse()
-            .with_context(|| format!("{}: bad ContextTokens {context:?}", where_()))?;
+            .with_context(|| format!("{at}: bad ContextTokens {context:?}"))?;
         let output_length: usize = generated
             .trim()
             .parse()
-            .with_context(|| format!("{}: bad GeneratedTokens {generated:?}", where_()))?;
+            .with_context(|| format!("{at}: bad GeneratedTokens {generated:?}"))?;
         if input_length == 0 {
-            bail!("{}: a request with no context tokens", where_());
+            bail!("{at}: a request with no context tokens");
         }
-        let first = *first_ms.get_or_insert(at);
-        if at < first {
-            bail!("{}: arrivals are not sorted", where_());
+        let first = *first_ms.get_or_insert(ms);
+        if ms < first || records.last().is_some_and(|r| r.timestamp > ms - first) {
+            bail!("{at}: arrivals are not sorted");
         }
-        let prefix = mix(options.seed ^ records.len() as u64) % prefixes;
+        let timestamp = ms - first;
+        let prefix = mix(seed ^ records.len() as u64) % prefixes;
         let blocks = input_length.div_ceil(bs);
         let shared = blocks.min(prefix_blocks);
         let mut hash_ids: Vec<u64> = (0..shared as u64)
@@ -215,8 +217,8 @@ fn azure(path: &Path, options: &TraceOptions) -> anyhow::Result<Vec<TraceRecord>
             hash_ids.push(fresh);
             fresh += 1;
         }
-        records.push(TraceRecord {
-            timestamp: at - first,
+        Ok(Some(TraceRecord {
+            timestamp,
             input_length,
             output_length,
             hash_ids,
@@ -225,9 +227,8 @@ fn azure(path: &Path, options: &TraceOptions) -> anyhow::Result<Vec<TraceRecord>
             session_id: None,
             think_ms: None,
             tokens: None,
-        });
-    }
-    Ok(records)
+        }))
+    })
 }
 
 /// One line of an OpenAI-requests trace.
@@ -263,33 +264,22 @@ fn openai(
     limit: Option<usize>,
     tokenizer: &Tokenizer,
 ) -> anyhow::Result<Vec<TraceRecord>> {
-    let file =
-        std::fs::File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
-    let mut records: Vec<TraceRecord> = Vec::new();
-    for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
-        if limit.is_some_and(|l| records.len() >= l) {
-            break;
-        }
-        let line = line.with_context(|| format!("reading {}", path.display()))?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let where_ = || format!("{}:{}", path.display(), n + 1);
-        let r: OpenAiLine = serde_json::from_str(&line)
-            .with_context(|| format!("{}: not an OpenAI request", where_()))?;
+    read_records(path, limit, |at, line, records| {
+        let r: OpenAiLine =
+            serde_json::from_str(line).with_context(|| format!("{at}: not an OpenAI request"))?;
         let tokens = match (r.prompt, r.messages) {
             (Some(p), None) => tokenizer.encode(&p),
             (None, Some(m)) => tokenizer.encode_chat(&m),
-            _ => bail!("{}: give either prompt or messages", where_()),
+            _ => bail!("{at}: give either prompt or messages"),
         }
-        .with_context(|| format!("{}: tokenizing", where_()))?;
+        .with_context(|| format!("{at}: tokenizing"))?;
         if tokens.is_empty() {
-            bail!("{}: an empty prompt", where_());
+            bail!("{at}: an empty prompt");
         }
         if records.last().is_some_and(|p| p.timestamp > r.timestamp) {
-            bail!("{}: arrivals are not sorted", where_());
+            bail!("{at}: arrivals are not sorted");
         }
-        records.push(TraceRecord {
+        Ok(Some(TraceRecord {
             timestamp: r.timestamp,
             input_length: tokens.len(),
             output_length: r.max_tokens.max(1),
@@ -299,24 +289,23 @@ fn openai(
             session_id: r.session_id,
             think_ms: None,
             tokens: Some(Arc::from(tokens)),
-        });
-    }
-    Ok(records)
+        }))
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn options(format: TraceFormat) -> TraceOptions {
-        TraceOptions {
-            format,
-            limit: None,
-            block_size: 512,
+    fn source(trace: &Path, trace_format: TraceFormat) -> TraceArgs {
+        TraceArgs {
+            trace: trace.to_path_buf(),
+            trace_format,
+            requests: None,
+            trace_block_size: 512,
             synthetic_prefixes: 4,
             synthetic_prefix_blocks: 2,
             tokenizer: None,
-            seed: 0,
         }
     }
 
@@ -351,7 +340,7 @@ mod tests {
     fn the_azure_csv_loads_with_synthetic_prefixes() {
         let path =
             Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/AzureLLMInferenceTrace_conv.csv");
-        let loaded = load_any(&path, &options(TraceFormat::Auto)).unwrap();
+        let loaded = load_any(&source(&path, TraceFormat::Auto), 0).unwrap();
         assert_eq!(loaded.format, TraceFormat::Azure);
         assert!(loaded.note.contains("synthetic"));
         let r = &loaded.records;
@@ -385,7 +374,7 @@ mod tests {
             "{\"timestamp\": 0, \"prompt\": \"hello\", \"max_tokens\": 3}\n\
              {\"timestamp\": 5, \"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n",
         );
-        let loaded = load_any(&path, &options(TraceFormat::Auto)).unwrap();
+        let loaded = load_any(&source(&path, TraceFormat::Auto), 0).unwrap();
         assert_eq!(loaded.format, TraceFormat::Openai);
         let r = &loaded.records;
         assert_eq!(r[0].tokens.as_deref(), Some(&b"hello".map(u32::from)[..]));
@@ -397,7 +386,7 @@ mod tests {
             b"hello".map(u32::from).to_vec()
         );
         let bad = temp("bad.jsonl", "{\"prompt\": \"a\", \"messages\": []}\n");
-        let e = load_any(&bad, &options(TraceFormat::Openai)).unwrap_err();
+        let e = load_any(&source(&bad, TraceFormat::Openai), 0).unwrap_err();
         assert!(
             format!("{e:#}").contains("either prompt or messages"),
             "{e:#}"
@@ -406,7 +395,7 @@ mod tests {
             "unsorted.jsonl",
             "{\"timestamp\": 9, \"prompt\": \"a\"}\n{\"timestamp\": 1, \"prompt\": \"b\"}\n",
         );
-        let e = load_any(&unsorted, &options(TraceFormat::Openai)).unwrap_err();
+        let e = load_any(&source(&unsorted, TraceFormat::Openai), 0).unwrap_err();
         assert!(format!("{e:#}").contains("not sorted"), "{e:#}");
         for p in [path, bad, unsorted] {
             std::fs::remove_file(p).ok();
