@@ -2,6 +2,17 @@
 //! operation over a piece list) and [`GpuKv`] (a worker's G1 on the device, G2 in pinned host
 //! memory, offload and onboard on a dedicated copy stream that signal completion by event).
 //!
+//! What blocks the calling thread: [`GpuKv::is_done`] never does (an event query), and
+//! neither does queuing a transfer or an onboard's verification, whose per-block results come
+//! back into pinned host memory behind the transfer's own event ([`GpuKv::onboard_checked`],
+//! read by [`GpuKv::finish`] once done). What may: the piece descriptors of each launch are
+//! uploaded from pageable memory, which CUDA documents as possibly synchronous with respect
+//! to the host; a verification whose block count exceeds every pinned result buffer pooled so
+//! far allocates a new one (page-locking); [`Transfer::wait`], [`GpuKv::finish`] of a
+//! transfer not yet done, the `*_g1`/`*_g2` checks and [`GpuKv::synchronize`] wait by design
+//! (tests and benchmarks); creating a [`GpuKv`] compiles and allocates, and dropping one
+//! synchronises both streams.
+//!
 //! Nothing here links CUDA at build time: cudarc opens `libcuda` and `libnvrtc` when
 //! [`Gpu::new`] first runs, which checks for them first and names what is missing. Kernels
 //! are compiled from `kernels.cu` once per device architecture per process.
@@ -264,6 +275,18 @@ impl Gpu {
         self.per_block(&self.checksum, stream, buf, pieces, blocks)
     }
 
+    /// Queues the verification of `pieces` of `buf`: `out[b]` gains, per result `b`, how
+    /// many words of its pieces differ from their pattern (`out` zeroed by the caller).
+    pub fn queue_verify(
+        &self,
+        stream: &Arc<CudaStream>,
+        buf: &CudaSlice<u8>,
+        pieces: &[PatternPiece],
+        out: &mut CudaSlice<u32>,
+    ) -> Result<(), GpuError> {
+        self.launch_per_block(&self.verify, stream, buf, pieces, out)
+    }
+
     /// Per result `0..blocks`, how many words of its pieces differ from their pattern.
     pub fn verify(
         &self,
@@ -287,20 +310,35 @@ impl Gpu {
     ) -> Result<Vec<T>, GpuError> {
         plan::check_pattern(pieces, buf.len(), blocks)?;
         let mut out = stream.alloc_zeros::<T>(blocks.max(1))?;
-        if !pieces.is_empty() {
-            let (base, _b) = buf.device_ptr(stream);
-            let words = stream.clone_htod(&pattern_words(pieces, base))?;
-            let n = pieces.len() as u32;
-            let mut launch = stream.launch_builder(kernel);
-            launch.arg(&words).arg(&n).arg(&mut out);
-            // SAFETY: `checksum_pieces` / `verify_pieces(const PatternPiece*, u32, T*)` with
-            // T their result type; pieces checked inside `buf`, every `block` below `blocks`
-            // = the length of `out`.
-            unsafe { launch.launch(launch_config(pieces.len())) }?;
-        }
+        self.launch_per_block(kernel, stream, buf, pieces, &mut out)?;
         let mut results = stream.clone_dtoh(&out)?;
         results.truncate(blocks);
         Ok(results)
+    }
+
+    /// Queues a per-block kernel over `pieces` of `buf` into `out` (no wait).
+    fn launch_per_block<T: DeviceRepr>(
+        &self,
+        kernel: &CudaFunction,
+        stream: &Arc<CudaStream>,
+        buf: &CudaSlice<u8>,
+        pieces: &[PatternPiece],
+        out: &mut CudaSlice<T>,
+    ) -> Result<(), GpuError> {
+        plan::check_pattern(pieces, buf.len(), out.len())?;
+        if pieces.is_empty() {
+            return Ok(());
+        }
+        let (base, _b) = buf.device_ptr(stream);
+        let words = stream.clone_htod(&pattern_words(pieces, base))?;
+        let n = pieces.len() as u32;
+        let mut launch = stream.launch_builder(kernel);
+        launch.arg(&words).arg(&n).arg(out);
+        // SAFETY: `checksum_pieces` / `verify_pieces(const PatternPiece*, u32, T*)` with T
+        // their result type; pieces checked inside `buf`, every `block` below the length of
+        // `out`.
+        unsafe { launch.launch(launch_config(pieces.len())) }?;
+        Ok(())
     }
 }
 
@@ -317,6 +355,8 @@ pub struct GpuKv {
     staging: CudaSlice<u8>,
     staging_blocks: usize,
     g2: PinnedHostSlice<u8>,
+    /// Pinned buffers for verification results, free for the next checked onboard.
+    results: Vec<PinnedHostSlice<u32>>,
 }
 
 impl std::fmt::Debug for GpuKv {
@@ -333,21 +373,38 @@ impl std::fmt::Debug for GpuKv {
     }
 }
 
-/// A queued transfer; [`Transfer::wait`] blocks until the copy stream has finished it.
+/// A queued transfer: poll it with [`GpuKv::is_done`] and end it with [`GpuKv::finish`]
+/// (or block on [`Transfer::wait`]).
 #[derive(Debug)]
 pub struct Transfer {
     done: CudaEvent,
+    check: Option<Check>,
+}
+
+/// An onboard's verification: mismatching words per block, counted on the device after the
+/// scatter and copied into pinned host memory before the transfer's event.
+#[derive(Debug)]
+struct Check {
+    /// Read by the copy into `host`; freed once the transfer is done.
+    _device: CudaSlice<u32>,
+    host: PinnedHostSlice<u32>,
+    blocks: usize,
 }
 
 impl Transfer {
-    /// Whether the copy has finished.
-    pub fn is_done(&self) -> bool {
-        self.done.is_complete()
-    }
-
     /// Waits for the copy to finish.
     pub fn wait(&self) -> Result<(), GpuError> {
         Ok(self.done.synchronize()?)
+    }
+}
+
+impl Drop for Transfer {
+    fn drop(&mut self) {
+        // A verification's copy may still be writing into its pinned buffer: wait for it
+        // before that buffer is freed (only a transfer dropped unfinished ever waits here).
+        if self.check.is_some() {
+            let _ = self.done.synchronize();
+        }
     }
 }
 
@@ -387,6 +444,7 @@ impl GpuKv {
             staging,
             staging_blocks,
             g2,
+            results: Vec::new(),
         })
     }
 
@@ -489,12 +547,32 @@ impl GpuKv {
         }
         Ok(Transfer {
             done: self.copies.record_event(None)?,
+            check: None,
         })
     }
 
     /// Queues onboard of `(g2, g1)` slot pairs: H2D from pinned G2 into staging, then scatter
     /// into G1, on the copy stream; the main stream waits for it before its next work.
     pub fn onboard(&mut self, pairs: &[(usize, usize)]) -> Result<Transfer, GpuError> {
+        self.queue_onboard(pairs, None)
+    }
+
+    /// [`GpuKv::onboard`], then on the same stream the verification of each block against
+    /// the pattern of its `seqs[i]`: [`GpuKv::finish`] gives the mismatching words per pair.
+    pub fn onboard_checked(
+        &mut self,
+        pairs: &[(usize, usize)],
+        seqs: &[u64],
+    ) -> Result<Transfer, GpuError> {
+        assert_eq!(pairs.len(), seqs.len(), "one hash per onboarded block");
+        self.queue_onboard(pairs, Some(seqs))
+    }
+
+    fn queue_onboard(
+        &mut self,
+        pairs: &[(usize, usize)],
+        seqs: Option<&[u64]>,
+    ) -> Result<Transfer, GpuError> {
         for &(g2, g1) in pairs {
             self.check_slots(g1, g2)?;
         }
@@ -526,9 +604,71 @@ impl GpuKv {
             self.gpu
                 .copy(&self.copies, &self.staging, &mut self.g1, &pieces)?;
         }
+        let check = match seqs {
+            Some(seqs) => Some(self.queue_check(pairs, seqs)?),
+            None => None,
+        };
         let done = self.copies.record_event(None)?;
         self.main.wait(&done)?;
-        Ok(Transfer { done })
+        Ok(Transfer { done, check })
+    }
+
+    /// Queues the verification of the onboarded G1 slots on the copy stream and the copy of
+    /// its results into a pooled pinned buffer.
+    fn queue_check(&mut self, pairs: &[(usize, usize)], seqs: &[u64]) -> Result<Check, GpuError> {
+        let blocks: Vec<(usize, u64)> = pairs
+            .iter()
+            .zip(seqs)
+            .map(|(&(_, g1), &seq)| (g1, seq))
+            .collect();
+        let pieces = plan::g1_blocks(&self.layout, self.g1_blocks, &blocks);
+        let n = blocks.len();
+        let mut device = self.copies.alloc_zeros::<u32>(n.max(1))?;
+        self.gpu
+            .queue_verify(&self.copies, &self.g1, &pieces, &mut device)?;
+        let mut host = match self.results.iter().position(|b| b.len() >= n.max(1)) {
+            Some(i) => self.results.swap_remove(i),
+            // SAFETY: uninitialised pinned memory; only the first `n` values are read, after
+            // the copy below has written them.
+            None => unsafe {
+                self.gpu
+                    .ctx
+                    .alloc_pinned_with_flags::<u32>(n.max(64).next_power_of_two(), 0)
+            }?,
+        };
+        {
+            let (src, _d) = device.device_ptr(&self.copies);
+            let dst = &mut host.as_mut_slice()?[..n.max(1)];
+            // SAFETY: `dst` is pinned and owned by the returned `Check`, `src` by its
+            // `_device`; both live until the transfer's event has been seen done.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(dst, src, self.copies.cu_stream())
+            }?;
+        }
+        Ok(Check {
+            _device: device,
+            host,
+            blocks: n,
+        })
+    }
+
+    /// Whether `transfer` has finished, without waiting (an event query). An error is the
+    /// device's, for this copy or an earlier asynchronous failure.
+    pub fn is_done(&self, transfer: &Transfer) -> Result<bool, GpuError> {
+        self.gpu.ctx.bind_to_thread()?;
+        Ok(transfer.done.try_is_complete()?)
+    }
+
+    /// Ends `transfer` (waiting if [`GpuKv::is_done`] has not said so): for a checked
+    /// onboard, the mismatching words per pair; empty otherwise.
+    pub fn finish(&mut self, mut transfer: Transfer) -> Result<Vec<u32>, GpuError> {
+        transfer.wait()?;
+        let Some(check) = transfer.check.take() else {
+            return Ok(Vec::new());
+        };
+        let bad = check.host.as_slice()?[..check.blocks].to_vec();
+        self.results.push(check.host);
+        Ok(bad)
     }
 
     /// Queues one contiguous copy of the first `bytes` of G1 to the start of G2 (`to_host`)
@@ -549,6 +689,7 @@ impl GpuKv {
         }
         Ok(Transfer {
             done: self.copies.record_event(None)?,
+            check: None,
         })
     }
 

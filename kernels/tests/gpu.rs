@@ -191,4 +191,31 @@ fn offload_then_onboard_roundtrips_10000_random_blocks() {
         .map(|(&(_, seq), &t)| (t, seq))
         .collect();
     assert!(kv.verify_g1(&moved).unwrap().iter().all(|&b| b == 0));
+
+    // The engine's path: a checked onboard polled without waiting, its verification results
+    // read from pinned memory once the event says done; one block given the wrong hash
+    // must be reported, the others not.
+    let again: Vec<(usize, usize)> = g2[..256]
+        .iter()
+        .zip(&targets)
+        .map(|(&h, &t)| (h, t))
+        .collect();
+    let mut seqs: Vec<u64> = blocks[..256].iter().map(|&(_, seq)| seq).collect();
+    seqs[17] ^= 1;
+    let transfer = kv.onboard_checked(&again, &seqs).unwrap();
+    let mut polls = 0u64;
+    while !kv.is_done(&transfer).unwrap() {
+        polls += 1;
+        assert!(polls < 10_000_000, "the copy never completes");
+        std::hint::spin_loop();
+    }
+    let bad = kv.finish(transfer).unwrap();
+    assert_eq!(bad.len(), 256);
+    for (i, &b) in bad.iter().enumerate() {
+        assert_eq!(b != 0, i == 17, "block {i}: {b} mismatching words");
+    }
+    // The pooled result buffer is reused by the next checked onboard.
+    seqs[17] ^= 1;
+    let transfer = kv.onboard_checked(&again, &seqs).unwrap();
+    assert!(kv.finish(transfer).unwrap().iter().all(|&b| b == 0));
 }

@@ -12,11 +12,21 @@
 //! the copy ends; the G2 slot is reserved before the copy starts. A prefix
 //! hit in G2 is onboarded the other way: the request reserves G1 slots, waits for the copy,
 //! and only then holds a G1 hit.
+//!
+//! A copy ends when the link model says so and its bytes have arrived. With bytes on a GPU
+//! the second is an event query, never a wait: a copy the device has not finished when the
+//! link model says it ends stays in flight, slots held, and is polled again
+//! [`DEVICE_POLL_US`] later ([`BlockManager::next_wakeup_us`] says when;
+//! [`CacheStats::late_copies`] counts them). Every onboarded block is checked against its
+//! pattern before it counts, on the GPU by a kernel queued behind the copy, whose results
+//! arrive with the copy's event. Nothing here waits on the device; what the GPU path may
+//! still block on is listed in [`kvroute_kernels::cuda`].
 
 mod eviction;
 mod pool;
 
 use std::sync::Arc;
+use std::task::Poll;
 
 use kvroute::protocol::{SeqHash, StoredBlock, Tier};
 use parking_lot::Mutex;
@@ -80,6 +90,22 @@ pub struct CacheStats {
     pub device_evictions: u64,
     /// Blocks dropped from G2.
     pub host_evictions: u64,
+    /// Onboarded blocks whose bytes were checked and found intact.
+    pub verified: u64,
+    /// Onboarded blocks whose bytes were not their own (each fails the engine).
+    pub verify_failures: u64,
+    /// Copies the device had not finished when the link model said they end.
+    pub late_copies: u64,
+}
+
+/// How often a copy the device has not finished is polled, µs of engine time.
+pub const DEVICE_POLL_US: u64 = 100;
+
+/// A copy's direction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Copy {
+    Offload,
+    Onboard,
 }
 
 /// Why an allocation did not happen. Nothing was taken either way.
@@ -120,6 +146,10 @@ struct Inner {
     offloads: FxHashMap<TransferId, Vec<(BlockId, BlockId)>>,
     /// Copies G2 → G1 in flight on `h2d`: (G2 source, reserved G1 slot) pairs.
     onboards: FxHashMap<TransferId, Vec<(BlockId, BlockId)>>,
+    /// Copies the link model has ended and the device has not, in the order they ended.
+    device_wait: Vec<(TransferId, Copy)>,
+    /// When `device_wait` is polled next.
+    poll_at: Option<u64>,
     /// G1 slots held only by an offload copy: they come back when it ends.
     offloading: usize,
     block_bytes: u64,
@@ -183,11 +213,7 @@ impl BlockManager {
             device: config.device.to_string(),
             message: e.to_string(),
         })?;
-        let bytes = KvBytes::Cuda {
-            kv: Box::new(kv),
-            in_flight: FxHashMap::default(),
-        };
-        Ok(Self::with_bytes(config, Some(bytes)))
+        Ok(Self::with_bytes(config, Some(KvBytes::cuda(kv))))
     }
 
     fn with_bytes(config: &EngineConfig, bytes: Option<KvBytes>) -> Self {
@@ -201,6 +227,8 @@ impl BlockManager {
                 h2d: Link::new(config.link_gbps),
                 offloads: FxHashMap::default(),
                 onboards: FxHashMap::default(),
+                device_wait: Vec::new(),
+                poll_at: None,
                 offloading: 0,
                 block_bytes: config.block_bytes(),
                 offload_min_hits: config.offload_min_hits,
@@ -284,8 +312,9 @@ impl BlockManager {
                 .iter()
                 .map(|(g2, g1)| (g2.index(), g1.index()))
                 .collect();
-            if let Err(e) = bytes.start_onboard(id.0, &slots) {
-                // The onboard's verification will report the blocks as corrupt.
+            let seqs: Vec<SeqHash> = pairs.iter().map(|(g2, _)| inner.g2.slot(*g2).seq).collect();
+            if let Err(e) = bytes.start_onboard(id.0, &slots, &seqs) {
+                // Polling it reports the failure, which stops the engine.
                 tracing::error!(error = %e, "onboard copy not started");
             }
         }
@@ -326,16 +355,18 @@ impl BlockManager {
         inner.advance(now_us, ready)
     }
 
-    /// When the next copy completes, if any is in flight.
+    /// When the next copy completes by the link model, or a copy the device has not
+    /// finished is polled again; `None` if no copy is in flight.
     pub fn next_wakeup_us(&self) -> Option<u64> {
         let inner = self.inner.lock();
-        match (
+        [
             inner.d2h.next_completion_us(),
             inner.h2d.next_completion_us(),
-        ) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+            inner.poll_at,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// Moves the changes recorded since the last call into `out`.
@@ -398,6 +429,14 @@ impl BlockManager {
     pub fn verify_bytes(&self, id: BlockId, seq: SeqHash) -> Option<bool> {
         let inner = self.inner.lock();
         inner.bytes.as_ref().map(|b| b.verify(id.index(), seq))
+    }
+
+    /// Makes every copy finish on the "device" only at its `polls + 1`-th poll (byte mode).
+    #[cfg(test)]
+    pub(crate) fn lag_device(&self, polls: u32) {
+        if let Some(bytes) = &mut self.inner.lock().bytes {
+            bytes.lag_device(polls);
+        }
     }
 
     #[cfg(test)]
@@ -491,46 +530,55 @@ impl Inner {
     }
 
     fn advance(&mut self, now_us: u64, ready: &mut Vec<OnboardTicket>) -> Result<(), OffloadError> {
+        // Copies the device was late with first, then those the link model ends now.
+        let mut due = std::mem::take(&mut self.device_wait);
+        let retries = due.len();
         let mut done = Vec::new();
-        let mut result = Ok(());
         self.d2h.advance(now_us, &mut done);
-        for (id, _) in done.drain(..) {
-            if let Some(pairs) = self.offloads.remove(&id)
-                && let Err(e) = self.finish_offload(id, pairs)
-            {
-                result = Err(e);
-            }
-        }
+        due.extend(done.drain(..).map(|(id, _)| (id, Copy::Offload)));
         self.h2d.advance(now_us, &mut done);
-        for (id, _) in done {
-            if let Some(pairs) = self.onboards.remove(&id)
-                && let Err(e) = self.finish_onboard(id, pairs)
-            {
-                result = Err(e);
+        due.extend(done.into_iter().map(|(id, _)| (id, Copy::Onboard)));
+        let mut result = Ok(());
+        for (i, (id, copy)) in due.into_iter().enumerate() {
+            let polled = match copy {
+                Copy::Offload => self.poll_offload(id),
+                Copy::Onboard => self.poll_onboard(id, ready),
+            };
+            match polled {
+                Poll::Pending => {
+                    if i >= retries {
+                        self.stats.late_copies += 1;
+                    }
+                    self.device_wait.push((id, copy));
+                }
+                Poll::Ready(Err(e)) => result = Err(e),
+                Poll::Ready(Ok(())) => {}
             }
-            ready.push(OnboardTicket(id.0));
         }
+        self.poll_at = (!self.device_wait.is_empty()).then_some(now_us + DEVICE_POLL_US);
         result
     }
 
-    fn finish_offload(
-        &mut self,
-        id: TransferId,
-        pairs: Vec<(BlockId, BlockId)>,
-    ) -> Result<(), OffloadError> {
-        self.tick += 1;
-        let tick = self.tick;
+    /// Ends offload `id` if its bytes have arrived: the blocks become G2 blocks and their
+    /// G1 slots (held, detached, until now) come back.
+    fn poll_offload(&mut self, id: TransferId) -> Poll<Result<(), OffloadError>> {
+        let Some(pairs) = self.offloads.get(&id) else {
+            return Poll::Ready(Ok(()));
+        };
         let mut result = Ok(());
         if let Some(bytes) = &mut self.bytes {
             let slots: Vec<(usize, usize)> = pairs
                 .iter()
                 .map(|(g1, g2)| (g1.index(), g2.index()))
                 .collect();
-            // The G1 slots stay held (detached) until the copy is done.
-            result = bytes
-                .finish_offload(id.0, &slots)
-                .map_err(OffloadError::from);
+            match bytes.poll_offload(id.0, &slots) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(r) => result = r.map_err(OffloadError::from),
+            }
         }
+        let pairs = self.offloads.remove(&id).expect("invariant: found above");
+        self.tick += 1;
+        let tick = self.tick;
         for (g1, g2) in pairs {
             let slot = self.g1.slot(g1);
             let block = StoredBlock {
@@ -547,37 +595,50 @@ impl Inner {
             self.offloading -= 1;
             self.g1.release_detached(g1);
         }
-        result
+        Poll::Ready(result)
     }
 
-    fn finish_onboard(
+    /// Ends onboard `id` if its bytes have arrived and been checked: the blocks become G1
+    /// blocks and its ticket goes to `ready`. A block that is not its own fails the copy.
+    fn poll_onboard(
         &mut self,
         id: TransferId,
-        pairs: Vec<(BlockId, BlockId)>,
-    ) -> Result<(), OffloadError> {
-        self.tick += 1;
-        let tick = self.tick;
+        ready: &mut Vec<OnboardTicket>,
+    ) -> Poll<Result<(), OffloadError>> {
+        let Some(pairs) = self.onboards.get(&id) else {
+            return Poll::Ready(Ok(()));
+        };
+        let seqs: Vec<SeqHash> = pairs.iter().map(|(g2, _)| self.g2.slot(*g2).seq).collect();
         let mut result = Ok(());
+        let mut intact = None;
         if let Some(bytes) = &mut self.bytes {
             let slots: Vec<(usize, usize)> = pairs
                 .iter()
                 .map(|(g2, g1)| (g2.index(), g1.index()))
                 .collect();
-            result = bytes
-                .finish_onboard(id.0, &slots)
-                .map_err(OffloadError::from);
+            match bytes.poll_onboard(id.0, &slots, &seqs) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Ok(checked)) => intact = Some(checked),
+                Poll::Ready(Err(e)) => result = Err(OffloadError::from(e)),
+            }
         }
-        for (g2, g1) in pairs {
+        let pairs = self.onboards.remove(&id).expect("invariant: found above");
+        self.tick += 1;
+        let tick = self.tick;
+        for (i, (g2, g1)) in pairs.into_iter().enumerate() {
             let source = self.g2.slot(g2);
             let block = StoredBlock {
                 seq: source.seq,
                 local: source.local,
             };
             let parent = source.parent;
-            if let Some(bytes) = &self.bytes
-                && !bytes.verify(g1.index(), block.seq)
-            {
-                result = Err(OffloadError::Corrupt { seq: block.seq });
+            match intact.as_ref().map(|ok| ok[i]) {
+                Some(true) => self.stats.verified += 1,
+                Some(false) => {
+                    self.stats.verify_failures += 1;
+                    result = Err(OffloadError::Corrupt { seq: block.seq });
+                }
+                None => {}
             }
             self.g2.release(g2, tick);
             let slot = self.g1.slot_mut(g1);
@@ -588,7 +649,8 @@ impl Inner {
                 self.g1.register(g1, parent, block, tick, &mut self.changes);
             }
         }
-        result
+        ready.push(OnboardTicket(id.0));
+        Poll::Ready(result)
     }
 }
 

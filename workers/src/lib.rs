@@ -18,8 +18,23 @@
 //! - [`emulate`] (I/O): the test engine: the simulated engine speaking vLLM's or SGLang's
 //!   wire formats.
 //!
-//! All of it but `plane`, `server` and `bridge` is sans-I/O: the replay bench drives it on a virtual clock, the
-//! worker server on wall time.
+//! All of it but `plane`, `server` and `bridge` is sans-I/O: the replay bench drives it on a
+//! virtual clock, the worker server on wall time.
+//!
+//! # What blocks the engine's thread
+//! The engine runs on its own OS thread ([`server`]); it sleeps only until its next wake-up
+//! or input. With `--device cuda:N` it never waits for a copy: offload and onboard are
+//! queued on a copy stream, their completion (and each onboarded block's verification,
+//! a kernel queued behind the copy) is an event query at the time the link model says they
+//! end, re-polled every [`block_manager::DEVICE_POLL_US`] while the device is behind
+//! (`kvroute_worker_copies_late_total`). It may still block briefly in the driver: each
+//! launch uploads its piece descriptors from pageable memory (a fill per registered block, a
+//! gather or scatter per copy chunk, a verification per onboard), which CUDA allows to be
+//! synchronous with respect to the host, and the first checked onboard larger than any
+//! before it page-locks a result buffer. Opening the device (NVRTC compile, allocations) and
+//! dropping it (synchronising its streams) block, at start and at exit only. With bytes in
+//! host memory (`--device cpu`, byte mode), copies and checks are `memcpy`s and comparisons on the
+//! engine's thread, timed by the link model, not by how long they take.
 #![forbid(unsafe_code)]
 
 pub mod block_manager;

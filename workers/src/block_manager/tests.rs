@@ -216,6 +216,72 @@ fn corrupted_host_bytes_fail_loudly_on_onboard() {
     bm.start_onboard(t, &mut lease, 0);
     let err = bm.advance(t + 10, &mut Vec::new()).unwrap_err();
     assert_eq!(err, OffloadError::Corrupt { seq: SeqHash(1) });
+    assert_eq!((bm.stats().verified, bm.stats().verify_failures), (1, 1));
+}
+
+/// A copy the device has not finished when the link model says it ends is polled, not
+/// waited for: the request's ticket and its G1 blocks wait, the slots stay held, and the
+/// block manager asks to be woken a poll period later.
+#[test]
+fn an_onboard_the_device_is_late_with_is_polled_not_waited_for() {
+    let bm = BlockManager::new(&byte_config(4, 8));
+    let c = chain(0, 4);
+    let t = offload_chain(&bm, &c);
+    bm.lag_device(2);
+    let (mut lease, _) = bm.acquire_prefix(&seqs(&c));
+    bm.allocate(t, &mut lease, 4).unwrap();
+    let ticket = bm.start_onboard(t, &mut lease, 0);
+    let done = bm.next_wakeup_us().unwrap();
+    let mut ready = Vec::new();
+    for poll in 0..2 {
+        let now = done + poll * DEVICE_POLL_US;
+        bm.advance(now, &mut ready).unwrap();
+        assert!(ready.is_empty(), "poll {poll}: the device is not done");
+        assert_eq!(bm.match_prefix(&seqs(&c)).device, 0);
+        assert_eq!(
+            bm.usage(Tier::Device).mutable,
+            4,
+            "the copy still writes them"
+        );
+        assert_eq!(bm.next_wakeup_us(), Some(now + DEVICE_POLL_US));
+        bm.check_invariants().unwrap();
+    }
+    bm.advance(done + 2 * DEVICE_POLL_US, &mut ready).unwrap();
+    assert_eq!(ready, vec![ticket]);
+    assert_eq!(bm.next_wakeup_us(), None);
+    assert_eq!(bm.match_prefix(&seqs(&c)).device, 4);
+    let stats = bm.stats();
+    assert_eq!(
+        (stats.late_copies, stats.verified, stats.verify_failures),
+        (1, 4, 0)
+    );
+    bm.check_invariants().unwrap();
+}
+
+/// An offload the device is late with keeps its G1 slots until the device is done.
+#[test]
+fn an_offload_holds_its_g1_slots_until_the_device_is_done() {
+    let bm = BlockManager::new(&byte_config(2, 4));
+    bm.lag_device(1);
+    let c = chain(0, 2);
+    drop(compute(&bm, 0, &c));
+    drop(bm.acquire_prefix(&seqs(&c)).0);
+    let mut other = bm.lease();
+    assert_eq!(bm.allocate(10, &mut other, 2), Err(AllocError::Pending));
+    let done = bm.next_wakeup_us().unwrap();
+    bm.advance(done, &mut Vec::new()).unwrap();
+    assert_eq!(
+        bm.allocate(done, &mut other, 2),
+        Err(AllocError::Pending),
+        "the device still copies"
+    );
+    assert_eq!(bm.next_wakeup_us(), Some(done + DEVICE_POLL_US));
+    bm.advance(done + DEVICE_POLL_US, &mut Vec::new()).unwrap();
+    bm.allocate(done + DEVICE_POLL_US, &mut other, 2).unwrap();
+    assert_eq!(resident(&bm, Tier::Host), vec![0, 1]);
+    assert_eq!((bm.stats().late_copies, bm.stats().offloaded), (1, 2));
+    drop(other);
+    bm.check_invariants().unwrap();
 }
 
 #[test]

@@ -3,6 +3,8 @@
 //! block contiguously, as the offload staging buffer does. Offload gathers a block's
 //! `layers × 2` pieces into one G2 block; onboard scatters them back.
 
+use std::task::Poll;
+
 use kvroute::protocol::SeqHash;
 use kvroute_kernels::cuda::{GpuKv, Transfer};
 use kvroute_kernels::{plan, reference};
@@ -23,6 +25,12 @@ pub struct KvStore {
     g1_blocks: usize,
     g1: Vec<u8>,
     g2: Vec<u8>,
+    /// Polls each transfer stays unfinished ([`KvBytes::lag_device`]).
+    #[cfg(test)]
+    lag: u32,
+    /// Polls seen per transfer still lagging.
+    #[cfg(test)]
+    polls: FxHashMap<u64, u32>,
 }
 
 impl KvStore {
@@ -33,7 +41,29 @@ impl KvStore {
             g1_blocks,
             g1: vec![0; g1_blocks * layout.block_bytes()],
             g2: vec![0; g2_blocks * layout.block_bytes()],
+            #[cfg(test)]
+            lag: 0,
+            #[cfg(test)]
+            polls: FxHashMap::default(),
         }
+    }
+
+    /// Whether the transfer keyed `key` (its id and direction) is to stay unfinished at this
+    /// poll (test hook).
+    #[cfg(test)]
+    fn lagging(&mut self, key: u64) -> bool {
+        let seen = self.polls.entry(key).or_insert(0);
+        *seen += 1;
+        if *seen <= self.lag {
+            return true;
+        }
+        self.polls.remove(&key);
+        false
+    }
+
+    #[cfg(not(test))]
+    fn lagging(&mut self, _key: u64) -> bool {
+        false
     }
 
     /// The geometry.
@@ -75,19 +105,26 @@ impl KvStore {
 }
 
 /// Where a worker's KV bytes live: host memory (byte mode, the CPU reference) or a GPU (G1 in
-/// device memory, G2 pinned). Transfers start when the copy engine starts them and finish
-/// when the link model says they end; on a GPU the copy is queued at the start on the copy
-/// stream and its event is waited for at the end, so the slots stay held until it is done.
+/// device memory, G2 pinned).
+///
+/// A transfer starts when the copy engine starts it and ends when the link model says so
+/// *and* the bytes have arrived: on a GPU the copy (and an onboard's verification) is queued
+/// on the copy stream at the start, and [`KvBytes::poll_offload`] / [`KvBytes::poll_onboard`]
+/// query its event without waiting, so the slots stay held until the device is done. In host
+/// memory the bytes move when the transfer is polled.
 #[derive(Debug)]
 pub enum KvBytes {
     /// Host memory.
     Host(KvStore),
-    /// A CUDA device, with the copies in flight by transfer id.
+    /// A CUDA device, with the copies in flight by transfer id (each direction numbers its
+    /// own transfers).
     Cuda {
-        /// Device buffers and streams.
+        /// Device buffers and streams (first: dropping it waits for the queued copies).
         kv: Box<GpuKv>,
-        /// Copies queued and not yet waited for.
-        in_flight: FxHashMap<u64, Transfer>,
+        /// Offloads queued and not yet finished.
+        offloads: FxHashMap<u64, Transfer>,
+        /// Onboards queued, with their verification, and not yet finished.
+        onboards: FxHashMap<u64, Transfer>,
     },
 }
 
@@ -109,6 +146,15 @@ fn device(op: &'static str) -> impl Fn(kvroute_kernels::cuda::GpuError) -> Devic
 }
 
 impl KvBytes {
+    /// The GPU path's bytes, no copy in flight.
+    pub fn cuda(kv: GpuKv) -> Self {
+        KvBytes::Cuda {
+            kv: Box::new(kv),
+            offloads: FxHashMap::default(),
+            onboards: FxHashMap::default(),
+        }
+    }
+
     /// Writes the pattern of `seq` into G1 slot `slot`.
     pub fn fill(&mut self, slot: usize, seq: SeqHash) -> Result<(), DeviceError> {
         match self {
@@ -120,59 +166,146 @@ impl KvBytes {
         }
     }
 
-    /// Starts copying `(g1, g2)` pairs to G2 (transfer `id`).
+    /// Starts copying `(g1, g2)` pairs to G2 (offload `id`).
     pub fn start_offload(&mut self, id: u64, pairs: &[(usize, usize)]) -> Result<(), DeviceError> {
-        if let KvBytes::Cuda { kv, in_flight } = self {
-            in_flight.insert(id, kv.offload(pairs).map_err(device("offload"))?);
+        if let KvBytes::Cuda { kv, offloads, .. } = self {
+            offloads.insert(id, kv.offload(pairs).map_err(device("offload"))?);
         }
         Ok(())
     }
 
-    /// Starts copying `(g2, g1)` pairs to G1 (transfer `id`).
-    pub fn start_onboard(&mut self, id: u64, pairs: &[(usize, usize)]) -> Result<(), DeviceError> {
-        if let KvBytes::Cuda { kv, in_flight } = self {
-            in_flight.insert(id, kv.onboard(pairs).map_err(device("onboard"))?);
+    /// Starts copying `(g2, g1)` pairs to G1 (onboard `id`), and on a GPU queues behind it
+    /// the check of each block against the pattern of its `seqs[i]`.
+    pub fn start_onboard(
+        &mut self,
+        id: u64,
+        pairs: &[(usize, usize)],
+        seqs: &[SeqHash],
+    ) -> Result<(), DeviceError> {
+        if let KvBytes::Cuda { kv, onboards, .. } = self {
+            let seqs: Vec<u64> = seqs.iter().map(|s| s.0).collect();
+            let transfer = kv.onboard_checked(pairs, &seqs);
+            onboards.insert(id, transfer.map_err(device("onboard"))?);
         }
         Ok(())
     }
 
-    /// Ends offload `id` of `(g1, g2)` pairs: the bytes are in G2 when this returns.
-    pub fn finish_offload(&mut self, id: u64, pairs: &[(usize, usize)]) -> Result<(), DeviceError> {
+    /// Whether offload `id` of `(g1, g2)` pairs has finished, without waiting: when ready,
+    /// its bytes are in G2 (an offload that never started is ready, its G2 bytes stale).
+    pub fn poll_offload(
+        &mut self,
+        id: u64,
+        pairs: &[(usize, usize)],
+    ) -> Poll<Result<(), DeviceError>> {
         match self {
             KvBytes::Host(store) => {
+                if store.lagging(id << 1) {
+                    return Poll::Pending;
+                }
                 for &(g1, g2) in pairs {
                     store.gather(g1, g2);
                 }
-                Ok(())
+                Poll::Ready(Ok(()))
             }
-            KvBytes::Cuda { in_flight, .. } => match in_flight.remove(&id) {
-                Some(t) => t.wait().map_err(device("offload")),
-                None => Ok(()),
-            },
+            KvBytes::Cuda { kv, offloads, .. } => {
+                match finish_when_done(kv, offloads, id, "offload") {
+                    Poll::Ready(r) => Poll::Ready(r.map(drop)),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
         }
     }
 
-    /// Ends onboard `id` of `(g2, g1)` pairs: the bytes are in G1 when this returns.
-    pub fn finish_onboard(&mut self, id: u64, pairs: &[(usize, usize)]) -> Result<(), DeviceError> {
+    /// Whether onboard `id` of `(g2, g1)` pairs has finished, without waiting: when ready,
+    /// per pair whether G1 now holds exactly the pattern of `seqs[i]`.
+    pub fn poll_onboard(
+        &mut self,
+        id: u64,
+        pairs: &[(usize, usize)],
+        seqs: &[SeqHash],
+    ) -> Poll<Result<Vec<bool>, DeviceError>> {
         match self {
             KvBytes::Host(store) => {
-                for &(g2, g1) in pairs {
-                    store.scatter(g2, g1);
+                if store.lagging((id << 1) | 1) {
+                    return Poll::Pending;
                 }
-                Ok(())
+                let intact = pairs
+                    .iter()
+                    .zip(seqs)
+                    .map(|(&(g2, g1), &seq)| {
+                        store.scatter(g2, g1);
+                        store.verify(g1, seq)
+                    })
+                    .collect();
+                Poll::Ready(Ok(intact))
             }
-            KvBytes::Cuda { in_flight, .. } => match in_flight.remove(&id) {
-                Some(t) => t.wait().map_err(device("onboard")),
-                None => Ok(()),
-            },
+            KvBytes::Cuda { kv, onboards, .. } => {
+                if !onboards.contains_key(&id) {
+                    return Poll::Ready(Err(DeviceError {
+                        op: "onboard",
+                        message: "the copy was never queued".into(),
+                    }));
+                }
+                match finish_when_done(kv, onboards, id, "onboard") {
+                    Poll::Ready(Ok(bad)) if bad.len() == pairs.len() => {
+                        Poll::Ready(Ok(bad.iter().map(|&b| b == 0).collect()))
+                    }
+                    Poll::Ready(Ok(bad)) => Poll::Ready(Err(DeviceError {
+                        op: "onboard",
+                        message: format!(
+                            "{} verification results for {} blocks",
+                            bad.len(),
+                            pairs.len()
+                        ),
+                    })),
+                    Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
         }
     }
 
-    /// Whether G1 slot `slot` holds exactly the pattern of `seq`.
+    /// Whether G1 slot `slot` holds exactly the pattern of `seq`. On a GPU this waits for
+    /// the check (tests and tools; the engine's onboards are checked by
+    /// [`KvBytes::poll_onboard`]).
     pub fn verify(&self, slot: usize, seq: SeqHash) -> bool {
         match self {
             KvBytes::Host(store) => store.verify(slot, seq),
             KvBytes::Cuda { kv, .. } => kv.verify_g1(&[(slot, seq.0)]).is_ok_and(|bad| bad[0] == 0),
+        }
+    }
+
+    /// Test hook: every transfer stays unfinished for its first `polls` polls, as a device
+    /// slower than the link model would leave it (host memory only).
+    #[cfg(test)]
+    pub fn lag_device(&mut self, polls: u32) {
+        if let KvBytes::Host(store) = self {
+            store.lag = polls;
+        }
+    }
+}
+
+/// Ends transfer `id` if the device is done with it (an event query, no wait); a transfer
+/// not in `in_flight` never started and is done.
+fn finish_when_done(
+    kv: &mut GpuKv,
+    in_flight: &mut FxHashMap<u64, Transfer>,
+    id: u64,
+    op: &'static str,
+) -> Poll<Result<Vec<u32>, DeviceError>> {
+    let Some(transfer) = in_flight.get(&id) else {
+        return Poll::Ready(Ok(Vec::new()));
+    };
+    match kv.is_done(transfer) {
+        Ok(false) => Poll::Pending,
+        Ok(true) => {
+            let transfer = in_flight.remove(&id).expect("invariant: found above");
+            Poll::Ready(kv.finish(transfer).map_err(device(op)))
+        }
+        Err(e) => {
+            // The device failed it: drop it (waiting out the queue if it was checked).
+            in_flight.remove(&id);
+            Poll::Ready(Err(device(op)(e)))
         }
     }
 }

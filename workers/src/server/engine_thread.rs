@@ -123,11 +123,20 @@ fn run(
             Ok(EngineInput::Stop) | Err(RecvTimeoutError::Disconnected) => return Ok(()),
             Err(RecvTimeoutError::Timeout) => {}
         }
-        engine.advance(clock, &mut out).map_err(|e| e.to_string())?;
+        let advanced = engine.advance(clock, &mut out);
         let load = engine.load();
         metrics::gauge!("kvroute_worker_requests_waiting").set(load.waiting as f64);
         metrics::gauge!("kvroute_worker_requests_running").set(load.running as f64);
         metrics::gauge!("kvroute_worker_g1_blocks_used").set(load.g1_used as f64);
+        let cache = engine.blocks().stats();
+        metrics::counter!("kvroute_worker_offloaded_blocks_total").absolute(cache.offloaded);
+        metrics::counter!("kvroute_worker_onboarded_blocks_total").absolute(cache.onboarded);
+        metrics::counter!("kvroute_worker_onboard_verified_blocks_total").absolute(cache.verified);
+        metrics::counter!("kvroute_worker_onboard_verify_failures_total")
+            .absolute(cache.verify_failures);
+        metrics::counter!("kvroute_worker_copies_late_total").absolute(cache.late_copies);
+        // A failed copy or verification stops the engine, after it has been counted.
+        advanced.map_err(|e| e.to_string())?;
         for o in out.drain(..) {
             if matches!(o.kind, OutputKind::Token { .. }) {
                 metrics::counter!("kvroute_worker_tokens_total").increment(1);
