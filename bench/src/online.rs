@@ -79,6 +79,8 @@ pub struct OnlineReport {
     pub requests: u64,
     /// Requests that failed (connection error or non-2xx status).
     pub failed: u64,
+    /// Failed requests by cause: `status 429`, `connect`, …
+    pub failures: std::collections::BTreeMap<String, u64>,
     /// From the first send to the last answer's end, s.
     pub span_s: f64,
     /// Time to first streamed chunk, ms.
@@ -114,6 +116,7 @@ struct Measured {
     reused_tokens: u64,
     prompt_tokens: u64,
     failed: u64,
+    failures: std::collections::BTreeMap<String, u64>,
     per_worker: std::collections::BTreeMap<String, u64>,
     last_end: Option<Instant>,
     decisions: kvroute::scheduler::DecisionStats,
@@ -167,13 +170,18 @@ pub async fn run(
                 .header("content-type", "application/json")
                 .body(Full::new(Bytes::from(body)))
                 .expect("invariant: static request parts are valid");
-            let Ok(response) = client.request(request).await else {
-                measured.lock().failed += 1;
-                return;
+            let failed = |cause: String| {
+                let mut m = measured.lock();
+                m.failed += 1;
+                *m.failures.entry(cause).or_default() += 1;
+            };
+            let response = match client.request(request).await {
+                Ok(response) => response,
+                Err(e) if e.is_connect() => return failed("connect".into()),
+                Err(_) => return failed("request".into()),
             };
             if !response.status().is_success() {
-                measured.lock().failed += 1;
-                return;
+                return failed(format!("status {}", response.status().as_u16()));
             }
             let header = |name: &str| {
                 response
@@ -252,6 +260,7 @@ pub async fn run(
         speedup: 1.0,
         requests: n,
         failed: m.failed,
+        failures: m.failures,
         span_s,
         ttft_ms: ttft,
         itl_ms: Summary::of(&mut m.itl_ms),
@@ -297,8 +306,23 @@ pub fn run_trace(args: &Args) -> anyhow::Result<OnlineReport> {
 /// Prints the report.
 pub fn print(r: &OnlineReport) {
     println!(
-        "online: {} requests to {} ({}), speedup {}, {} failed, {:.1} s",
-        r.requests, r.url, r.model, r.speedup, r.failed, r.span_s
+        "online: {} requests to {} ({}), speedup {}, {} failed{}, {:.1} s",
+        r.requests,
+        r.url,
+        r.model,
+        r.speedup,
+        r.failed,
+        if r.failures.is_empty() {
+            String::new()
+        } else {
+            let causes: Vec<String> = r
+                .failures
+                .iter()
+                .map(|(c, n)| format!("{c}: {n}"))
+                .collect();
+            format!(" ({})", causes.join(", "))
+        },
+        r.span_s
     );
     println!("| TTFT p50 ms | TTFT p99 ms | TTFT mean ms | ITL p50 ms | E2E p50 ms | tok/s |");
     println!("|---|---|---|---|---|---|");
