@@ -26,8 +26,12 @@
 //! worker slot and its tier bits in 20 bits; more owners spill to an arena at 4 B each.
 //! Tables stay between 41 % and 81 % full, so a distinct block costs 20–39 B (27 B at the
 //! mean of a doubling) plus 4 B per owner past the third. There is no per-worker reverse
-//! map: what a worker holds is in the nodes, and `Cleared`, `remove_worker` and `dump` walk
-//! the map (rare). A block's parent and `LocalHash` are not kept: no lookup needs them.
+//! map: what a worker holds is in the nodes, and `Cleared`, worker removal and `dump` walk
+//! the map (rare). A removal is two halves: retiring the worker's slot (constant time:
+//! lookups stop crediting it and its next events register afresh) and reaping (the walk
+//! that strips its entries and frees the slot). Removals that come together share one walk
+//! ([`Indexer::remove_workers`], or concurrent callers of [`Indexer::reap`], which combine),
+//! so a thousand workers leaving cost one walk, not a thousand. A block's parent and `LocalHash` are not kept: no lookup needs them.
 //! Worker slots ([`slots`]) and lanes ([`lanes`]) cost per worker, not per block.
 //!
 //! # Concurrency
@@ -38,7 +42,9 @@
 //! changes while its table lives, owner sets are published with one store, tables are
 //! swapped whole when they grow or shrink ([`table`]); and a worker slot handed to a new
 //! worker during a walk is never credited with the old one's blocks (generations, checked
-//! around block 0 and at the end of the walk: [`Indexer::walk`]). Each is model-checked
+//! around block 0 and at the end of the walk: [`Indexer::walk`]); a slot is reused only
+//! after the reaper has stripped it, and a removal that finds another thread reaping is
+//! stripped by that thread, which looks again after letting go. Each is model-checked
 //! with loom, with a negative control that must fail
 //! (`RUSTFLAGS="--cfg kvroute_loom" cargo test --release -p kvroute loom`).
 //!
@@ -64,6 +70,7 @@ use crate::protocol::{
 };
 use lanes::{LaneState, Lanes, SlotsExhausted, TierMask};
 use slots::SlotRef;
+use sync::Mutex;
 use table::{Change, Entry, Shard, ShardWriter};
 
 /// Sizing of the index.
@@ -208,7 +215,8 @@ pub struct Sizes {
     pub blocks: usize,
     /// (worker, tier, block) entries.
     pub entries: usize,
-    /// Registered (worker, rank) pairs.
+    /// Worker slots taken: registered (worker, rank) pairs, and removed ones whose entries
+    /// are not reaped yet.
     pub workers: usize,
 }
 
@@ -295,6 +303,14 @@ pub struct Indexer {
     lanes: Lanes,
     counters: AtomicCounters,
     at_cap: AtomicBool,
+    /// Slots of removed workers whose entries are still in the map ([`Indexer::reap`]).
+    retired: Mutex<Vec<u32>>,
+    /// Held by the one thread stripping retired slots.
+    reaping: Mutex<()>,
+    /// Under `cfg(test)`, the reaper does not look again after letting go (loom's
+    /// negative control: a removal during a pass is then never stripped).
+    #[cfg(all(test, kvroute_loom))]
+    broken_reap: bool,
 }
 
 const fn bit(tier: Tier) -> TierMask {
@@ -304,7 +320,6 @@ const fn bit(tier: Tier) -> TierMask {
 const DEVICE: TierMask = bit(Tier::Device);
 /// Blocks a lookup loads ahead of the one it reads.
 const LOOKAHEAD: usize = 16;
-const ALL_TIERS: TierMask = 0xF;
 
 impl Indexer {
     /// An empty index.
@@ -321,6 +336,10 @@ impl Indexer {
             lanes: Lanes::new(config.max_workers),
             counters: AtomicCounters::default(),
             at_cap: AtomicBool::new(false),
+            retired: Mutex::new(Vec::new()),
+            reaping: Mutex::new(()),
+            #[cfg(all(test, kvroute_loom))]
+            broken_reap: false,
             config,
         })
     }
@@ -493,8 +512,7 @@ impl Indexer {
     }
 
     /// Takes the tiers in `mask` of `slot` off every block (a walk of the whole map, one
-    /// shard locked at a time: `Cleared` and worker removal are rare). Returns the entries
-    /// removed.
+    /// shard locked at a time: `Cleared` is rare). Returns the entries removed.
     fn strip_slot(&self, slot: u32, mask: TierMask, scratch: &mut Vec<Entry>) -> u64 {
         let mut removed = 0;
         let mut keys = Vec::new();
@@ -514,26 +532,132 @@ impl Indexer {
         removed
     }
 
+    /// Takes every entry of the slots flagged in `gone` (a bit per slot index) off every
+    /// block, in one walk of the map, one shard locked at a time. Returns the entries
+    /// removed.
+    fn strip_slots(&self, gone: &[u64]) -> u64 {
+        let flagged = |slot: u32| {
+            gone.get(slot as usize / 64)
+                .is_some_and(|w| w & (1 << (slot % 64)) != 0)
+        };
+        let mut removed = 0u64;
+        let mut keys = Vec::new();
+        let mut owners = Vec::new();
+        for shard in self.shards.iter() {
+            let mut w = shard.write();
+            keys.clear();
+            w.for_each(|key, owners| {
+                if owners.iter().any(|&e| flagged(table::slot_of(e))) {
+                    keys.push(key);
+                }
+            });
+            for &key in &keys {
+                let home = table::home_of_key(key);
+                if !w.read(home, key, &mut owners) {
+                    continue;
+                }
+                let before: u32 = owners
+                    .iter()
+                    .map(|&e| table::tiers_of(e).count_ones())
+                    .sum();
+                owners.retain(|&e| !flagged(table::slot_of(e)));
+                let after: u32 = owners
+                    .iter()
+                    .map(|&e| table::tiers_of(e).count_ones())
+                    .sum();
+                if w.set(home, key, &owners) == Change::Emptied {
+                    self.block_count.fetch_sub(1, Ordering::Relaxed);
+                    self.at_cap.store(false, Ordering::Relaxed);
+                }
+                self.entry_count
+                    .fetch_sub((before - after) as usize, Ordering::Relaxed);
+                removed += u64::from(before - after);
+            }
+        }
+        removed
+    }
+
     /// Forgets every rank of `worker` at once. Returns how many ranks it had.
     pub fn remove_worker(&self, worker: WorkerId) -> usize {
-        self.remove_lanes(worker, None)
+        let removed = self.retire(worker, None);
+        self.reap();
+        removed
+    }
+
+    /// Forgets every rank of each of `workers`, with one walk of the map for all of them
+    /// (a removal walks the whole map: one per worker would cost workers × blocks). Returns
+    /// how many ranks they had.
+    pub fn remove_workers(&self, workers: &[WorkerId]) -> usize {
+        let removed = workers.iter().map(|&w| self.retire(w, None)).sum();
+        self.reap();
+        removed
     }
 
     /// Forgets one rank of a worker (a new epoch of that rank resyncs from scratch).
     pub fn remove_rank(&self, worker: WorkerId, dp_rank: DpRank) -> usize {
-        self.remove_lanes(worker, Some(dp_rank))
+        let removed = self.retire_rank(worker, dp_rank);
+        self.reap();
+        removed
     }
 
-    fn remove_lanes(&self, worker: WorkerId, rank: Option<DpRank>) -> usize {
-        let removed = self.lanes.remove(worker, rank, |slot, lane| {
-            let out = ApplyOutcome {
-                removed: self.strip_slot(slot.index, ALL_TIERS, &mut lane.scratch),
-                ..ApplyOutcome::default()
-            };
-            out.count(&self.counters);
-        });
-        bump(&self.counters.workers_removed, removed as u64);
-        removed
+    /// The constant-time half of [`Indexer::remove_rank`]: lookups stop crediting the rank
+    /// and its events start a fresh registration at once; its entries stay in the map, and
+    /// its worker slot taken, until [`Indexer::reap`] (call it off any latency-sensitive
+    /// thread: it walks the map).
+    pub fn retire_rank(&self, worker: WorkerId, dp_rank: DpRank) -> usize {
+        self.retire(worker, Some(dp_rank))
+    }
+
+    fn retire(&self, worker: WorkerId, rank: Option<DpRank>) -> usize {
+        let slots = self.lanes.remove(worker, rank);
+        self.retired
+            .lock()
+            .extend(slots.iter().map(|slot| slot.index));
+        bump(&self.counters.workers_removed, slots.len() as u64);
+        slots.len()
+    }
+
+    /// Strips the entries of every retired worker slot from the map and releases the slots:
+    /// one walk of the map for all the slots retired before it starts. Callers combine: a
+    /// caller that finds another thread reaping leaves its slots to that thread, which looks
+    /// again after letting go, so every retired slot is reaped once and none is left behind.
+    /// Returns the entries this call removed.
+    pub fn reap(&self) -> u64 {
+        let mut removed = 0;
+        loop {
+            {
+                let Some(_reaper) = self.reaping.try_lock() else {
+                    return removed;
+                };
+                let batch = std::mem::take(&mut *self.retired.lock());
+                if !batch.is_empty() {
+                    let top = batch.iter().copied().max().unwrap_or(0) as usize;
+                    let mut gone = vec![0u64; top / 64 + 1];
+                    for &slot in &batch {
+                        gone[slot as usize / 64] |= 1 << (slot % 64);
+                    }
+                    let stripped = self.strip_slots(&gone);
+                    for &slot in &batch {
+                        self.lanes.slots.release(slot);
+                    }
+                    ApplyOutcome {
+                        removed: stripped,
+                        ..ApplyOutcome::default()
+                    }
+                    .count(&self.counters);
+                    removed += stripped;
+                }
+                #[cfg(all(test, kvroute_loom))]
+                if self.broken_reap {
+                    return removed;
+                }
+            }
+            // Looked at only after letting go: a slot retired while this thread held the
+            // reaper lock (its retirer's `try_lock` failed) is seen here.
+            if self.retired.lock().is_empty() {
+                return removed;
+            }
+        }
     }
 
     /// Every (worker, rank) with a lane (for the fleet's sweep of orphans).

@@ -86,8 +86,7 @@ pub struct Args {
     /// NVIDIA Dynamo's steady-state protocol (see the module docs): sets the flags above.
     #[arg(long)]
     pub dynamo: bool,
-    /// Skip the phase in which every worker leaves (each removal walks the whole index, so
-    /// at thousands of workers it takes hours).
+    /// Skip the phase in which every worker leaves (all at once: one walk of the index).
     #[arg(long)]
     pub no_leave: bool,
     /// Churn phase: distinct blocks to fill to each round (0: skip the phase).
@@ -183,6 +182,8 @@ pub struct Memory {
     pub table_bytes: u64,
     /// The index's tables after every worker left; `None` with `--no-leave`.
     pub table_bytes_after_leave: Option<u64>,
+    /// Seconds to remove every worker at once (`Indexer::remove_workers`, one walk).
+    pub leave_seconds: Option<f64>,
     /// (rss_full − rss_before) / distinct blocks.
     pub rss_bytes_per_block: f64,
 }
@@ -356,10 +357,13 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
     let (blocks, entries) = (paced.index.sizes().blocks, paced.index.sizes().entries);
     let left = (!args.no_leave).then(|| {
         eprintln!("indexer: every worker leaves …");
-        for w in 0..(args.workers * args.duplicate * args.replicas) as u64 {
-            paced.index.remove_worker(WorkerId(w));
-        }
-        (rss_bytes(), paced.index.table_bytes() as u64)
+        let all: Vec<WorkerId> = (0..(args.workers * args.duplicate * args.replicas) as u64)
+            .map(WorkerId)
+            .collect();
+        let start = Instant::now();
+        paced.index.remove_workers(&all);
+        let seconds = start.elapsed().as_secs_f64();
+        (rss_bytes(), paced.index.table_bytes() as u64, seconds)
     });
     let memory = Memory {
         rss_before_bytes: rss_before,
@@ -367,6 +371,7 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         rss_after_leave_bytes: left.map(|l| l.0),
         table_bytes: table_full as u64,
         table_bytes_after_leave: left.map(|l| l.1),
+        leave_seconds: left.map(|l| l.2),
         rss_bytes_per_block: rss_full.saturating_sub(rss_before) as f64 / blocks.max(1) as f64,
     };
     drop(paced.index);
@@ -642,9 +647,8 @@ fn churn(blocks: usize, rounds: usize) -> Churn {
         out.rss_evicted_bytes.push(rss_bytes());
     }
     out.block_ops_per_s = ops as f64 / start.elapsed().as_secs_f64();
-    for w in 0..WORKERS {
-        index.remove_worker(WorkerId(w));
-    }
+    let all: Vec<WorkerId> = (0..WORKERS).map(WorkerId).collect();
+    index.remove_workers(&all);
     out.rss_after_leave_bytes = rss_bytes();
     out
 }
@@ -692,10 +696,14 @@ pub fn print(report: &Report) {
         report.bytes_per_entry,
         m.rss_bytes_per_block
     );
-    let after = match (m.rss_after_leave_bytes, m.table_bytes_after_leave) {
-        (Some(rss), Some(tables)) => {
+    let after = match (
+        m.rss_after_leave_bytes,
+        m.table_bytes_after_leave,
+        m.leave_seconds,
+    ) {
+        (Some(rss), Some(tables), Some(seconds)) => {
             format!(
-                "{:.0} MiB after every worker left (tables {tables} B)",
+                "{:.0} MiB after every worker left in {seconds:.2} s (tables {tables} B)",
                 mib(rss)
             )
         }

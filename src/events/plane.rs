@@ -665,7 +665,8 @@ impl FleetOwner {
             .filter(|k| !closing.contains(k));
         for key in self.fleet.orphans(lanes) {
             found += 1;
-            self.shared.indexer.remove_rank(key.0, key.1);
+            self.shared.indexer.retire_rank(key.0, key.1);
+            reap_later(&self.shared.indexer);
         }
         if let Some(scheduler) = &self.shared.scheduler {
             let mut s = scheduler.lock();
@@ -820,7 +821,8 @@ async fn run_stream(
         for command in commands.drain(..) {
             match command {
                 Command::Reset => {
-                    shared.indexer.remove_rank(key.0, key.1);
+                    shared.indexer.retire_rank(key.0, key.1);
+                    reap_later(&shared.indexer);
                 }
                 Command::Apply(batch) => {
                     let outcome = shared.indexer.apply(&batch);
@@ -840,7 +842,15 @@ async fn run_stream(
         s.stats = after;
         s.applied += applied;
     }
-    shared.indexer.remove_rank(key.0, key.1);
+    shared.indexer.retire_rank(key.0, key.1);
+    reap_later(&shared.indexer);
+}
+
+/// Strips retired ranks' entries from the index on the blocking pool: the walk of the whole
+/// map stays off the runtime's threads, and removals that come together share one walk.
+fn reap_later(indexer: &Arc<Indexer>) {
+    let indexer = Arc::clone(indexer);
+    tokio::task::spawn_blocking(move || indexer.reap());
 }
 
 fn record_apply_metrics(worker: &str, outcome: &crate::indexer::ApplyOutcome) {

@@ -90,14 +90,10 @@ impl Lanes {
         }
     }
 
-    /// Unregisters every rank of `worker` (or one rank), running `clean` on each lane's state
-    /// under its lock before its slot is released. Returns how many lanes were removed.
-    pub(crate) fn remove(
-        &self,
-        worker: WorkerId,
-        rank: Option<DpRank>,
-        mut clean: impl FnMut(SlotRef, &mut LaneState),
-    ) -> usize {
+    /// Unregisters every rank of `worker` (or one rank): each lane is marked dead under its
+    /// lock and its slot retired (lookups stop crediting it at once). Returns the retired
+    /// slots, whose entries the caller must strip from the block map before releasing them.
+    pub(crate) fn remove(&self, worker: WorkerId, rank: Option<DpRank>) -> Vec<SlotRef> {
         let lanes: Vec<Arc<Lane>> = {
             let mut registry = self.registry.lock();
             let keys: Vec<(WorkerId, DpRank)> = registry
@@ -107,13 +103,15 @@ impl Lanes {
                 .collect();
             keys.iter().filter_map(|k| registry.remove(k)).collect()
         };
-        for lane in &lanes {
-            let mut state = lane.state.lock();
-            state.dead = true;
-            clean(lane.slot, &mut state);
-            self.slots.vacate(lane.slot);
-        }
-        lanes.len()
+        lanes
+            .iter()
+            .map(|lane| {
+                let mut state = lane.state.lock();
+                state.dead = true;
+                self.slots.retire(lane.slot);
+                lane.slot
+            })
+            .collect()
     }
 
     /// Every registered lane.

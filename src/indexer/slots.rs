@@ -69,13 +69,28 @@ impl SlotTable {
         Some(SlotRef { index, generation })
     }
 
-    /// Ends an occupation: its refs stop resolving at once; the slot is reusable.
+    /// Ends an occupation and makes the slot reusable ([`SlotTable::retire`], then
+    /// [`SlotTable::release`]; the loom model of slot reuse).
+    #[cfg(all(test, kvroute_loom))]
     pub(crate) fn vacate(&self, r: SlotRef) {
+        self.retire(r);
+        self.release(r.index);
+    }
+
+    /// Ends an occupation: its refs stop resolving and lookups stop crediting it at once.
+    /// The slot is not reusable until [`SlotTable::release`]d (after its entries are gone
+    /// from the block map).
+    pub(crate) fn retire(&self, r: SlotRef) {
         let slot = &self.slots[r.index as usize];
         debug_assert_eq!(slot.generation.load(Ordering::SeqCst), r.generation);
         slot.generation
             .store(r.generation.wrapping_add(1), Ordering::SeqCst);
-        self.free.lock().push(r.index);
+    }
+
+    /// Makes a retired slot reusable.
+    pub(crate) fn release(&self, index: u32) {
+        debug_assert!(self.slots[index as usize].generation.load(Ordering::SeqCst) % 2 == 1);
+        self.free.lock().push(index);
     }
 
     /// The current occupation of slot `index`, if occupied.

@@ -46,6 +46,14 @@ impl<T> Mutex<T> {
         #[cfg(not(kvroute_loom))]
         return self.inner.lock();
     }
+
+    /// The lock if no one holds it.
+    pub(crate) fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
+        #[cfg(kvroute_loom)]
+        return self.inner.try_lock().ok();
+        #[cfg(not(kvroute_loom))]
+        return self.inner.try_lock();
+    }
 }
 
 /// A shared pointer that writers replace and readers load without a lock: `arc-swap`

@@ -205,6 +205,59 @@ fn cleared_and_remove_worker_return_to_empty() {
     assert_eq!(ix.counters().workers_removed, 3);
 }
 
+/// A retired rank is out of every lookup at once, though its entries wait for the reaper;
+/// removals reaped together take one walk; the slots come back for new workers after it.
+#[test]
+fn retired_ranks_are_forgotten_at_once_and_reaped_together() {
+    let ix = Indexer::new(Config {
+        max_workers: 3,
+        ..Config::default()
+    })
+    .unwrap();
+    let shared = chain(&[1, 2, 3]);
+    for w in 1..=3 {
+        let own = chain(&[1, 2, 3, 100 + w]);
+        ix.apply(&batch(
+            w,
+            vec![
+                (Tier::Device, stored(None, &shared)),
+                (Tier::Host, stored(Some(shared[2].seq), &own[3..])),
+            ],
+        ));
+    }
+    let full = ix.sizes();
+    assert_eq!(ix.retire_rank(WorkerId(1), DpRank(0)), 1);
+    assert_eq!(ix.retire_rank(WorkerId(2), DpRank(0)), 1);
+    assert_eq!(overlap(&ix, 1, &[1, 2, 3, 101]), (0, 0, 0));
+    assert_eq!(overlap(&ix, 2, &[1, 2, 3, 102]), (0, 0, 0));
+    assert_eq!(overlap(&ix, 3, &[1, 2, 3, 103]), (3, 1, 0));
+    assert!(ix.dump(None).iter().map(|h| h.worker).eq([WorkerId(3)]));
+    let retired = ix.sizes();
+    assert_eq!(
+        (retired.blocks, retired.entries, retired.workers),
+        (full.blocks, full.entries, 3),
+        "entries and slots stay until reaped"
+    );
+    // Both slots are taken until then: a fourth worker finds none.
+    ix.apply(&batch(4, vec![(Tier::Device, stored(None, &shared))]));
+    assert_eq!(ix.counters().slots_exhausted, 1);
+    // 2 × (3 device + 1 host) entries, in one walk.
+    assert_eq!(ix.reap(), 8);
+    assert_eq!(ix.reap(), 0, "nothing left to reap");
+    let sizes = ix.sizes();
+    assert_eq!((sizes.blocks, sizes.entries), (4, 4));
+    ix.apply(&batch(4, vec![(Tier::Device, stored(None, &shared))]));
+    ix.apply(&batch(5, vec![(Tier::Device, stored(None, &shared[..1]))]));
+    assert_eq!(overlap(&ix, 4, &[1, 2, 3]), (3, 0, 0));
+    assert_eq!(overlap(&ix, 5, &[1, 2, 3]), (1, 0, 0));
+    assert_eq!(
+        ix.remove_workers(&[WorkerId(3), WorkerId(4), WorkerId(5)]),
+        3
+    );
+    assert_eq!(ix.sizes(), Sizes::default());
+    assert_eq!(ix.counters().workers_removed, 5);
+}
+
 #[test]
 fn a_readded_worker_starts_clean_and_slots_are_reused() {
     let ix = Indexer::new(Config {
