@@ -31,7 +31,8 @@
 //! lookups stop crediting it and its next events register afresh) and reaping (the walk
 //! that strips its entries and frees the slot). Removals that come together share one walk
 //! ([`Indexer::remove_workers`], or concurrent callers of [`Indexer::reap`], which combine),
-//! so a thousand workers leaving cost one walk, not a thousand. A block's parent and `LocalHash` are not kept: no lookup needs them.
+//! so a thousand workers leaving cost one walk, not a thousand. A block's parent and
+//! `LocalHash` are not kept: no lookup needs them.
 //! Worker slots ([`slots`]) and lanes ([`lanes`]) cost per worker, not per block.
 //!
 //! # Concurrency
@@ -417,7 +418,8 @@ impl Indexer {
             }
             KvEventData::Cleared => {
                 out.cleared += 1;
-                out.removed += self.strip_slot(slot, bit(event.tier), scratch);
+                let tier = bit(event.tier);
+                out.removed += self.strip(|e| if table::slot_of(e) == slot { tier } else { 0 });
             }
         }
     }
@@ -511,35 +513,10 @@ impl Indexer {
         gone
     }
 
-    /// Takes the tiers in `mask` of `slot` off every block (a walk of the whole map, one
-    /// shard locked at a time: `Cleared` is rare). Returns the entries removed.
-    fn strip_slot(&self, slot: u32, mask: TierMask, scratch: &mut Vec<Entry>) -> u64 {
-        let mut removed = 0;
-        let mut keys = Vec::new();
-        for shard in self.shards.iter() {
-            let mut w = shard.write();
-            keys.clear();
-            w.for_each(|key, owners| {
-                if table::tiers_in(owners, slot) & mask != 0 {
-                    keys.push(key);
-                }
-            });
-            for &key in &keys {
-                let home = table::home_of_key(key);
-                removed += self.drop_tiers(&mut w, home, key, slot, mask, scratch);
-            }
-        }
-        removed
-    }
-
-    /// Takes every entry of the slots flagged in `gone` (a bit per slot index) off every
-    /// block, in one walk of the map, one shard locked at a time. Returns the entries
-    /// removed.
-    fn strip_slots(&self, gone: &[u64]) -> u64 {
-        let flagged = |slot: u32| {
-            gone.get(slot as usize / 64)
-                .is_some_and(|w| w & (1 << (slot % 64)) != 0)
-        };
+    /// Takes the tiers `drop(entry)` names off every entry of every block: one walk of the
+    /// whole map, one shard locked at a time (`Cleared` and reaping removed workers are
+    /// rare). Returns the entries removed.
+    fn strip(&self, drop: impl Fn(Entry) -> TierMask) -> u64 {
         let mut removed = 0u64;
         let mut keys = Vec::new();
         let mut owners = Vec::new();
@@ -547,7 +524,7 @@ impl Indexer {
             let mut w = shard.write();
             keys.clear();
             w.for_each(|key, owners| {
-                if owners.iter().any(|&e| flagged(table::slot_of(e))) {
+                if owners.iter().any(|&e| drop(e) != 0) {
                     keys.push(key);
                 }
             });
@@ -556,22 +533,19 @@ impl Indexer {
                 if !w.read(home, key, &mut owners) {
                     continue;
                 }
-                let before: u32 = owners
-                    .iter()
-                    .map(|&e| table::tiers_of(e).count_ones())
-                    .sum();
-                owners.retain(|&e| !flagged(table::slot_of(e)));
-                let after: u32 = owners
-                    .iter()
-                    .map(|&e| table::tiers_of(e).count_ones())
-                    .sum();
+                let mut gone = 0;
+                owners.retain_mut(|e| {
+                    let tiers = drop(*e) & table::tiers_of(*e);
+                    gone += tiers.count_ones();
+                    *e &= !Entry::from(tiers);
+                    table::tiers_of(*e) != 0
+                });
                 if w.set(home, key, &owners) == Change::Emptied {
                     self.block_count.fetch_sub(1, Ordering::Relaxed);
                     self.at_cap.store(false, Ordering::Relaxed);
                 }
-                self.entry_count
-                    .fetch_sub((before - after) as usize, Ordering::Relaxed);
-                removed += u64::from(before - after);
+                self.entry_count.fetch_sub(gone as usize, Ordering::Relaxed);
+                removed += u64::from(gone);
             }
         }
         removed
@@ -636,7 +610,17 @@ impl Indexer {
                     for &slot in &batch {
                         gone[slot as usize / 64] |= 1 << (slot % 64);
                     }
-                    let stripped = self.strip_slots(&gone);
+                    let stripped = self.strip(|e| {
+                        let slot = table::slot_of(e) as usize;
+                        if gone
+                            .get(slot / 64)
+                            .is_some_and(|w| w & (1 << (slot % 64)) != 0)
+                        {
+                            table::tiers_of(e)
+                        } else {
+                            0
+                        }
+                    });
                     for &slot in &batch {
                         self.lanes.slots.release(slot);
                     }

@@ -608,10 +608,10 @@ impl Inner {
         let Some(pairs) = self.onboards.get(&id) else {
             return Poll::Ready(Ok(()));
         };
-        let seqs: Vec<SeqHash> = pairs.iter().map(|(g2, _)| self.g2.slot(*g2).seq).collect();
         let mut result = Ok(());
         let mut intact = None;
         if let Some(bytes) = &mut self.bytes {
+            let seqs: Vec<SeqHash> = pairs.iter().map(|(g2, _)| self.g2.slot(*g2).seq).collect();
             let slots: Vec<(usize, usize)> = pairs
                 .iter()
                 .map(|(g2, g1)| (g2.index(), g1.index()))
