@@ -319,7 +319,7 @@ const fn bit(tier: Tier) -> TierMask {
 }
 
 const DEVICE: TierMask = bit(Tier::Device);
-/// Blocks a lookup loads ahead of the one it reads.
+/// Blocks a lookup or an event loads ahead of the one it reads.
 const LOOKAHEAD: usize = 16;
 
 impl Indexer {
@@ -398,21 +398,28 @@ impl Indexer {
                     return;
                 }
                 let mut parent = *parent;
-                for block in blocks {
-                    if !self.store(slot, event.tier, parent, *block, scratch, out) {
-                        break;
+                for group in blocks.chunks(LOOKAHEAD) {
+                    self.touch(group.iter().map(|b| b.seq));
+                    for block in group {
+                        if !self.store(slot, event.tier, parent, *block, scratch, out) {
+                            return;
+                        }
+                        parent = Some(block.seq);
                     }
-                    parent = Some(block.seq);
                 }
             }
             KvEventData::Removed { blocks } => {
-                for seq in blocks {
-                    let (shard, home) = self.shard(*seq);
-                    let mut w = shard.write();
-                    if self.drop_tiers(&mut w, home, seq.0, slot, bit(event.tier), scratch) == 0 {
-                        out.unknown_removed += 1;
-                    } else {
-                        out.removed += 1;
+                for group in blocks.chunks(LOOKAHEAD) {
+                    self.touch(group.iter().copied());
+                    for seq in group {
+                        let (shard, home) = self.shard(*seq);
+                        let mut w = shard.write();
+                        let tier = bit(event.tier);
+                        if self.drop_tiers(&mut w, home, seq.0, slot, tier, scratch) == 0 {
+                            out.unknown_removed += 1;
+                        } else {
+                            out.removed += 1;
+                        }
                     }
                 }
             }
@@ -422,6 +429,25 @@ impl Indexer {
                 out.removed += self.strip(|e| if table::slot_of(e) == slot { tier } else { 0 });
             }
         }
+    }
+
+    /// Loads the first table slot each block's probe reads, all before any is used, so that
+    /// their cache misses overlap instead of costing one memory latency per block in turn
+    /// (an event's blocks land in random shards and slots: one miss each). Writers call it
+    /// per group of an event's blocks; [`Indexer::walk`] does the same for lookups.
+    /// At most [`LOOKAHEAD`] blocks; the tables are pinned first and touched after (see
+    /// [`table::Pinned`] for why).
+    fn touch(&self, seqs: impl Iterator<Item = SeqHash>) {
+        let mut pinned: [Option<(table::Pinned, u64)>; LOOKAHEAD] = Default::default();
+        for (pin, seq) in pinned.iter_mut().zip(seqs) {
+            let (shard, home) = self.shard(seq);
+            *pin = Some((shard.pin(), home));
+        }
+        let mut touched = 0u64;
+        for (table, home) in pinned.iter().flatten() {
+            touched ^= table.touch(*home);
+        }
+        std::hint::black_box(touched);
     }
 
     /// The tiers `slot` holds `seq` in (lock-free; exact for the lane's own writer).
@@ -730,13 +756,10 @@ impl Indexer {
             if next == group.len() {
                 group.clear();
                 next = 0;
-                let mut touched = 0u64;
                 for seq in seqs.by_ref().take(LOOKAHEAD) {
-                    let (shard, home) = self.shard(seq);
-                    touched ^= shard.touch(home);
-                    group.push((seq, home));
+                    group.push((seq, self.shard(seq).1));
                 }
-                std::hint::black_box(touched);
+                self.touch(group.iter().map(|(seq, _)| *seq));
                 if group.is_empty() {
                     break;
                 }

@@ -207,6 +207,9 @@ pub struct Churn {
     pub table_bytes_per_block: f64,
     /// Stored + removed blocks per second over the phase.
     pub block_ops_per_s: f64,
+    /// `GLIBC_TUNABLES` as the process started with it (how glibc's malloc was told to give
+    /// memory back; see the Dockerfile), empty if unset.
+    pub glibc_tunables: String,
 }
 
 /// What one replay of the timeline into a fresh index measured.
@@ -595,6 +598,7 @@ fn churn(blocks: usize, rounds: usize) -> Churn {
         blocks,
         rounds,
         rss_empty_bytes: rss_bytes(),
+        glibc_tunables: std::env::var("GLIBC_TUNABLES").unwrap_or_default(),
         ..Churn::default()
     };
     let chains = blocks / CHAIN;
@@ -718,7 +722,7 @@ pub fn print(report: &Report) {
     if let Some(c) = &report.churn {
         let max = |v: &[u64]| v.iter().copied().max().unwrap_or(0);
         println!(
-            "churn: {} rounds of {} blocks, {:.2} M block-ops/s; RSS empty {:.0} MiB, full max {:.0} MiB, evicted max {:.0} MiB, after leave {:.0} MiB; tables {:.1} B/block full",
+            "churn: {} rounds of {} blocks, {:.2} M block-ops/s; RSS empty {:.0} MiB, full max {:.0} MiB, evicted max {:.0} MiB, after leave {:.0} MiB; tables {:.1} B/block full; GLIBC_TUNABLES={:?}",
             c.rounds,
             c.blocks,
             c.block_ops_per_s / 1e6,
@@ -726,7 +730,8 @@ pub fn print(report: &Report) {
             mib(max(&c.rss_full_bytes)),
             mib(max(&c.rss_evicted_bytes)),
             mib(c.rss_after_leave_bytes),
-            c.table_bytes_per_block
+            c.table_bytes_per_block,
+            c.glibc_tunables
         );
     }
 }

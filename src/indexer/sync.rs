@@ -56,6 +56,13 @@ impl<T> Mutex<T> {
     }
 }
 
+/// What [`ArcCell::load`] lends: an `arc-swap` guard (its debt slot), or under loom an `Arc`.
+#[cfg(not(kvroute_loom))]
+pub(crate) type Loaded<T> = arc_swap::Guard<Arc<T>>;
+/// What [`ArcCell::load`] lends: an `arc-swap` guard (its debt slot), or under loom an `Arc`.
+#[cfg(kvroute_loom)]
+pub(crate) type Loaded<T> = Arc<T>;
+
 /// A shared pointer that writers replace and readers load without a lock: `arc-swap`
 /// normally (readers borrow through its debt slots, no refcount traffic on the fast path;
 /// the old value is freed when its last reader lets go). Under loom, a mutex around an `Arc`
@@ -82,13 +89,13 @@ impl<T> ArcCell<T> {
 
     /// A borrow of the current value, for a short read.
     #[cfg(not(kvroute_loom))]
-    pub(crate) fn load(&self) -> arc_swap::Guard<Arc<T>> {
+    pub(crate) fn load(&self) -> Loaded<T> {
         self.inner.load()
     }
 
     /// A borrow of the current value, for a short read.
     #[cfg(kvroute_loom)]
-    pub(crate) fn load(&self) -> Arc<T> {
+    pub(crate) fn load(&self) -> Loaded<T> {
         self.load_full()
     }
 

@@ -42,7 +42,7 @@
 //! Probe positions come from the key mixed with a per-process random seed, so a publisher
 //! cannot choose hashes that pile into one probe chain.
 
-use super::sync::{Arc, ArcCell, AtomicU64, Mutex, MutexGuard, Ordering};
+use super::sync::{Arc, ArcCell, AtomicU64, Loaded, Mutex, MutexGuard, Ordering};
 
 /// One owner of a block: `slot << 4 | tiers` (bit `t` set: held in `Tier` `t`).
 pub(crate) type Entry = u32;
@@ -205,15 +205,9 @@ impl Shard {
         self.table.load().read(home, key, out)
     }
 
-    /// Loads the first slot `home` probes, so that a walk can start the cache misses of its
-    /// next blocks together (they overlap) before it reads them one by one. Returns the word
-    /// (callers feed it to `black_box`).
-    pub(crate) fn touch(&self, home: u64) -> u64 {
-        let table = self.table.load();
-        let mask = table.slots.len() - 1;
-        table.slots[home as usize & mask]
-            .word
-            .load(Ordering::Relaxed)
+    /// The current table, held for a moment (see [`Pinned`]).
+    pub(crate) fn pin(&self) -> Pinned {
+        Pinned(self.table.load())
     }
 
     /// Takes the shard's writer lock.
@@ -235,6 +229,24 @@ impl Shard {
     #[cfg(all(test, kvroute_loom))]
     pub(crate) fn break_reuse(&self) {
         self.books.lock().broken_reuse = true;
+    }
+}
+
+/// A shard's table held so that the first slot of a probe can be loaded ahead of its read.
+///
+/// Taking a pin is an atomic read-modify-write (an `arc-swap` debt slot), which on x86 waits
+/// for every load before it to complete. A caller that wants the cache misses of a group of
+/// blocks to overlap therefore pins the whole group first and touches after: pin, touch,
+/// pin, touch would take the misses one at a time.
+pub(crate) struct Pinned(Loaded<Table>);
+
+impl Pinned {
+    /// Loads the first slot `home` probes. Returns the word (callers feed it to `black_box`).
+    pub(crate) fn touch(&self, home: u64) -> u64 {
+        let mask = self.0.slots.len() - 1;
+        self.0.slots[home as usize & mask]
+            .word
+            .load(Ordering::Relaxed)
     }
 }
 
