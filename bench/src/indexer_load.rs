@@ -60,6 +60,9 @@ pub struct Args {
     /// Blocks the index reserves room for at start (`indexer.initial_blocks`).
     #[arg(long, default_value_t = 0)]
     pub initial_blocks: usize,
+    /// Shards of the block map (`indexer.shards`).
+    #[arg(long, default_value_t = Config::default().shards)]
+    pub shards: usize,
     /// Copies of each worker's stream under new worker ids with the *same* hashes (workers
     /// sharing nodes; Dynamo's `-d`).
     #[arg(long, default_value_t = 1)]
@@ -347,6 +350,7 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
     );
     let config = Config {
         initial_blocks: args.initial_blocks,
+        shards: args.shards,
         ..Config::default()
     };
     let pace = match args.window_s {

@@ -25,7 +25,7 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch};
 
 use crate::plane::{SnapshotRequest, WorkerPlane};
-use crate::publisher::Publisher;
+use crate::publisher::{Announced, Publisher};
 use crate::server::new_epoch;
 
 /// Which engine a sidecar fronts (`kvroute-worker --engine`): vLLM and SGLang need their
@@ -115,6 +115,10 @@ pub async fn run(
     let mut publishers: Vec<Publisher> = (0..config.dp_size)
         .map(|r| Publisher::new(config.id, DpRank(r), epoch))
         .collect();
+    // Per rank, what the engine's stream has announced: it repeats stores and removes what
+    // it never stored, so only the changes that alter this set are published.
+    let mut announced: Vec<Announced> = (0..config.dp_size).map(|_| Announced::default()).collect();
+    let mut fresh = Vec::new();
     let (updates_tx, mut updates) = mpsc::channel::<(u32, Update)>(64);
     let mut ingests = Vec::new();
     if let Some(endpoint) = &config.events {
@@ -154,7 +158,7 @@ pub async fn run(
             _ = stop.changed() => break,
             Some((rank, update)) = updates.recv() => {
                 let mut changes = update.changes;
-                publish_changes(&mut publishers[rank as usize], &mut changes, &plane, registration.is_some(), config.id).await;
+                publish_changes(&mut publishers[rank as usize], &mut announced[rank as usize], &mut fresh, &mut changes, &plane, registration.is_some(), config.id).await;
                 ranks[rank as usize] = update.stats;
                 let faults = event_faults(&ranks);
                 let mut i = info.lock();
@@ -173,7 +177,7 @@ pub async fn run(
                 approx[rank]
                     .get_or_insert_with(|| ApproxCache::new(APPROX_TTL_MS, capacity))
                     .learn(now_ms, &routed.blocks, &mut approx_changes);
-                publish_changes(&mut publishers[rank], &mut approx_changes, &plane, registration.is_some(), config.id).await;
+                publish_changes(&mut publishers[rank], &mut announced[rank], &mut fresh, &mut approx_changes, &plane, registration.is_some(), config.id).await;
             }
             _ = expiry.tick(), if learned.is_some() => {
                 let now_ms = clock.elapsed().as_millis() as u64;
@@ -181,14 +185,15 @@ pub async fn run(
                     if let Some(cache) = cache {
                         cache.expire(now_ms, &mut approx_changes);
                         if !approx_changes.is_empty() {
-                            publish_changes(&mut publishers[rank], &mut approx_changes, &plane, registration.is_some(), config.id).await;
+                            publish_changes(&mut publishers[rank], &mut announced[rank], &mut fresh, &mut approx_changes, &plane, registration.is_some(), config.id).await;
                         }
                     }
                 }
             }
             Some(request) = snapshots.recv() => {
-                if let Some(p) = publishers.get(request.dp_rank.0 as usize) {
-                    let _ = request.reply.send(p.snapshot());
+                let rank = request.dp_rank.0 as usize;
+                if let (Some(p), Some(a)) = (publishers.get(rank), announced.get(rank)) {
+                    let _ = request.reply.send(p.snapshot(a.blocks()));
                 }
             }
             _ = health.tick() => {
@@ -288,18 +293,23 @@ async fn next_learned(learned: &mut Option<mpsc::Receiver<RoutedPrompt>>) -> Opt
     }
 }
 
-/// Records `changes` (emptied) in `publisher` and publishes the batch. Unregistered, nobody
-/// follows the stream: the batch only advances the ids, and the next incarnation's snapshot
-/// carries it. A failed publish shows the router a gap, and it asks for a snapshot.
+/// Records `changes` (emptied) in `announced`, and those that alter it in `publisher`
+/// (through `fresh`, a scratch list), and publishes the batch. Unregistered, nobody follows
+/// the stream: the batch only advances the ids, and the next incarnation's snapshot carries
+/// it. A failed publish shows the router a gap, and it asks for a snapshot.
 async fn publish_changes(
     publisher: &mut Publisher,
+    announced: &mut Announced,
+    fresh: &mut Vec<kvroute::protocol::BlockChange>,
     changes: &mut Vec<kvroute::protocol::BlockChange>,
     plane: &WorkerPlane,
     registered: bool,
     id: WorkerId,
 ) {
-    publisher.record(changes);
+    announced.filter(changes, fresh);
+    publisher.record(fresh);
     changes.clear();
+    fresh.clear();
     if let Some(batch) = publisher.flush(unix_us()) {
         if registered {
             if let Err(e) = plane.publish(&batch).await {

@@ -409,11 +409,18 @@ impl Engine {
         out.append(&mut self.steps);
     }
 
-    /// The resident set the published events describe. Flushes pending events first (into
-    /// the batches to drain), so the watermark covers everything the snapshot holds.
+    /// The resident set the published events describe: the block manager's pools, once its
+    /// pending changes are flushed as events (into the batches to drain), so the watermark
+    /// covers everything the snapshot holds.
     pub fn snapshot(&mut self) -> Snapshot {
         self.collect_changes(true);
-        self.publisher.snapshot()
+        let blocks = [Tier::Device, Tier::Host].into_iter().flat_map(|tier| {
+            self.blocks
+                .resident(tier)
+                .into_iter()
+                .map(move |(parent, block)| (tier, parent, block))
+        });
+        self.publisher.snapshot(blocks)
     }
 
     fn collect_changes(&mut self, flush: bool) {

@@ -1,7 +1,14 @@
 //! Turns block-manager changes into KV events: coalesced into `Stored` chains and `Removed`
 //! lists per tier, numbered without gaps within the worker's epoch, flushed as one
 //! `EventBatch` per engine step (or when a batch grows large), and answers snapshot requests
-//! with the resident set the published events describe and the last id they cover.
+//! with a resident set and the last id the flushed events cover.
+//!
+//! A [`Publisher`] trusts its source to alternate: a block is stored in a tier, then removed,
+//! then perhaps stored again, never stored twice in a row nor removed unannounced. The
+//! simulated engine's block manager is such a source, and its pools are the resident set its
+//! snapshots carry. A real engine's event stream is not (it repeats stores, removes what it
+//! never announced, restarts); its bridge puts an [`Announced`] in front, which keeps only
+//! the changes that alter the announced set and is the resident set of its snapshots.
 
 use kvroute::protocol::{
     DpRank, EventBatch, KvEvent, KvEventData, LocalHash, SeqHash, Snapshot, SnapshotBlock,
@@ -15,22 +22,86 @@ use crate::block_manager::Change;
 /// per stored block: 64 KiB) and the transport never has to cut (and renumber) an event.
 pub const MAX_EVENT_BLOCKS: usize = 4096;
 
-/// What the publisher has announced about one (tier, block).
+/// One resident block of a resident set: its tier, its parent and the block.
+pub type ResidentBlock = (Tier, Option<SeqHash>, StoredBlock);
+
+/// What has been announced about one (tier, block).
 #[derive(Clone, Copy, Debug)]
-struct Announced {
+struct Announcement {
     parent: Option<SeqHash>,
     local: LocalHash,
     /// Stores minus removes seen; the block is announced while this is positive.
     refs: u32,
 }
 
-/// Counters of what the publisher dropped.
+/// The resident set announced for a source that may repeat itself: a block is announced by
+/// its first store and withdrawn by the removal that matches its last store.
+#[derive(Clone, Debug, Default)]
+pub struct Announced {
+    blocks: FxHashMap<(Tier, SeqHash), Announcement>,
+    unannounced_removals: u64,
+}
+
+impl Announced {
+    /// Appends to `out`, in order, the changes of `changes` that alter the announced set.
+    pub fn filter(&mut self, changes: &[Change], out: &mut Vec<Change>) {
+        for change in changes {
+            match *change {
+                Change::Stored {
+                    tier,
+                    parent,
+                    block,
+                } => {
+                    let entry = self
+                        .blocks
+                        .entry((tier, block.seq))
+                        .or_insert(Announcement {
+                            parent,
+                            local: block.local,
+                            refs: 0,
+                        });
+                    entry.refs += 1;
+                    if entry.refs == 1 {
+                        out.push(change.clone());
+                    }
+                }
+                Change::Removed { tier, seq } => match self.blocks.get_mut(&(tier, seq)) {
+                    Some(entry) if entry.refs > 1 => entry.refs -= 1,
+                    Some(_) => {
+                        self.blocks.remove(&(tier, seq));
+                        out.push(change.clone());
+                    }
+                    None => self.unannounced_removals += 1,
+                },
+            }
+        }
+    }
+
+    /// The announced blocks, in no order.
+    pub fn blocks(&self) -> impl Iterator<Item = ResidentBlock> + '_ {
+        self.blocks.iter().map(|(&(tier, seq), a)| {
+            (
+                tier,
+                a.parent,
+                StoredBlock {
+                    seq,
+                    local: a.local,
+                },
+            )
+        })
+    }
+
+    /// Removals of blocks never announced (dropped).
+    pub fn unannounced_removals(&self) -> u64 {
+        self.unannounced_removals
+    }
+}
+
+/// Counters of the publisher.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PublisherStats {
     /// Events published.
     pub events: u64,
-    /// Removals of blocks never announced, not published.
-    pub unannounced_removals: u64,
 }
 
 /// One (worker, dp rank) event stream.
@@ -42,7 +113,6 @@ pub struct Publisher {
     next_id: u64,
     pending: Vec<KvEvent>,
     pending_blocks: usize,
-    announced: FxHashMap<(Tier, SeqHash), Announced>,
     stats: PublisherStats,
 }
 
@@ -56,7 +126,6 @@ impl Publisher {
             next_id: 1,
             pending: Vec::new(),
             pending_blocks: 0,
-            announced: FxHashMap::default(),
             stats: PublisherStats::default(),
         }
     }
@@ -82,7 +151,8 @@ impl Publisher {
         self.pending_blocks
     }
 
-    /// Records changes, in order, as pending events.
+    /// Records changes, in order, as pending events (the source alternates; see the module
+    /// docs).
     pub fn record(&mut self, changes: &[Change]) {
         for change in changes {
             match *change {
@@ -90,28 +160,8 @@ impl Publisher {
                     tier,
                     parent,
                     block,
-                } => {
-                    let entry = self
-                        .announced
-                        .entry((tier, block.seq))
-                        .or_insert(Announced {
-                            parent,
-                            local: block.local,
-                            refs: 0,
-                        });
-                    entry.refs += 1;
-                    if entry.refs == 1 {
-                        self.push_stored(tier, parent, block);
-                    }
-                }
-                Change::Removed { tier, seq } => match self.announced.get_mut(&(tier, seq)) {
-                    Some(entry) if entry.refs > 1 => entry.refs -= 1,
-                    Some(_) => {
-                        self.announced.remove(&(tier, seq));
-                        self.push_removed(tier, seq);
-                    }
-                    None => self.stats.unannounced_removals += 1,
-                },
+                } => self.push_stored(tier, parent, block),
+                Change::Removed { tier, seq } => self.push_removed(tier, seq),
             }
         }
     }
@@ -165,9 +215,9 @@ impl Publisher {
         self.stats.events += 1;
     }
 
-    /// A stream for the next incarnation `epoch` of the same worker that has announced what
-    /// this one had (its snapshot is the same set), ids from 1 again: how a worker that
-    /// left the fleet comes back without losing its cache. Pending events must be flushed.
+    /// A stream for the next incarnation `epoch` of the same worker, ids from 1 again: how a
+    /// worker that left the fleet comes back without losing its cache (its first snapshot
+    /// carries what this one announced). Pending events must be flushed.
     pub fn renumbered(&self, epoch: u64) -> Publisher {
         debug_assert!(self.pending.is_empty(), "flush before renumbering");
         Publisher {
@@ -177,7 +227,6 @@ impl Publisher {
             next_id: 1,
             pending: Vec::new(),
             pending_blocks: 0,
-            announced: self.announced.clone(),
             stats: PublisherStats::default(),
         }
     }
@@ -197,27 +246,18 @@ impl Publisher {
         })
     }
 
-    /// The resident set the flushed events describe, with their watermark. Pending events
-    /// must be flushed first (the snapshot would otherwise include blocks whose events the
-    /// router has not been sent); call [`Publisher::flush`] before.
-    pub fn snapshot(&self) -> Snapshot {
+    /// A snapshot of `blocks`, the resident set the flushed events describe (the block
+    /// manager's pools, or the bridge's [`Announced`]), with the last id those events cover.
+    /// Pending events must be flushed first (the snapshot would otherwise include blocks
+    /// whose events the router has not been sent); call [`Publisher::flush`] before.
+    pub fn snapshot(&self, blocks: impl IntoIterator<Item = ResidentBlock>) -> Snapshot {
         debug_assert!(self.pending.is_empty(), "flush before taking a snapshot");
-        let blocks = parents_first(self.announced.iter().map(|(&(tier, seq), a)| {
-            (
-                tier,
-                a.parent,
-                StoredBlock {
-                    seq,
-                    local: a.local,
-                },
-            )
-        }));
         Snapshot {
             worker: self.worker,
             dp_rank: self.dp_rank,
             epoch: self.epoch,
             watermark: self.last_event_id(),
-            blocks: blocks
+            blocks: parents_first(blocks)
                 .into_iter()
                 .map(|(tier, parent, block)| SnapshotBlock {
                     tier,

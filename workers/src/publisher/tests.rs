@@ -51,24 +51,32 @@ fn coalesces_chains_and_numbers_without_gaps() {
 }
 
 #[test]
-fn never_removes_what_it_did_not_announce() {
-    let mut p = Publisher::new(WorkerId(1), DpRank(0), 1);
-    p.record(&[removed(Tier::Device, 9)]);
-    assert!(p.flush(0).is_none());
-    assert_eq!(p.stats().unannounced_removals, 1);
-    // Announced twice, removed once per announcement: one event each way.
-    p.record(&[stored(Tier::Device, None, 1), stored(Tier::Device, None, 1)]);
-    p.record(&[removed(Tier::Device, 1)]);
-    let b = p.flush(0).unwrap();
-    assert_eq!(b.events.len(), 1);
-    p.record(&[removed(Tier::Device, 1)]);
-    let b = p.flush(0).unwrap();
-    assert_eq!(
-        b.events[0].data,
-        KvEventData::Removed {
-            blocks: vec![SeqHash(1)]
-        }
+fn announced_keeps_only_what_alters_the_set() {
+    let mut a = Announced::default();
+    let mut out = Vec::new();
+    a.filter(&[removed(Tier::Device, 9)], &mut out);
+    assert!(out.is_empty());
+    assert_eq!(a.unannounced_removals(), 1);
+    // Announced twice, removed once per announcement: one change each way.
+    a.filter(
+        &[stored(Tier::Device, None, 1), stored(Tier::Device, None, 1)],
+        &mut out,
     );
+    assert_eq!(out, vec![stored(Tier::Device, None, 1)]);
+    out.clear();
+    a.filter(&[removed(Tier::Device, 1)], &mut out);
+    assert!(out.is_empty());
+    assert_eq!(a.blocks().count(), 1);
+    a.filter(&[removed(Tier::Device, 1)], &mut out);
+    assert_eq!(out, vec![removed(Tier::Device, 1)]);
+    assert_eq!(a.blocks().count(), 0);
+    // The same hash in another tier is another block.
+    out.clear();
+    a.filter(
+        &[stored(Tier::Device, None, 2), stored(Tier::Host, None, 2)],
+        &mut out,
+    );
+    assert_eq!(out.len(), 2);
 }
 
 #[test]
@@ -89,16 +97,22 @@ fn splits_events_at_the_block_cap() {
 #[test]
 fn snapshot_orders_parents_first_with_watermark() {
     let mut p = Publisher::new(WorkerId(1), DpRank(0), 3);
-    p.record(&[
-        stored(Tier::Device, None, 1),
-        stored(Tier::Device, Some(1), 2),
-        stored(Tier::Device, Some(2), 3),
-        stored(Tier::Device, Some(1), 4),
-        stored(Tier::Host, Some(50), 60), // continuation of a block G2 does not hold
-        removed(Tier::Device, 3),
-    ]);
+    let mut a = Announced::default();
+    let mut fresh = Vec::new();
+    a.filter(
+        &[
+            stored(Tier::Device, None, 1),
+            stored(Tier::Device, Some(1), 2),
+            stored(Tier::Device, Some(2), 3),
+            stored(Tier::Device, Some(1), 4),
+            stored(Tier::Host, Some(50), 60), // continuation of a block G2 does not hold
+            removed(Tier::Device, 3),
+        ],
+        &mut fresh,
+    );
+    p.record(&fresh);
     let batch = p.flush(0).unwrap();
-    let snap = p.snapshot();
+    let snap = p.snapshot(a.blocks());
     assert_eq!(snap.epoch, 3);
     assert_eq!(snap.watermark, batch.last_id().unwrap());
     let mut seen = std::collections::HashSet::new();
