@@ -1,5 +1,11 @@
 //! One tier's fixed pool of block slots: states, the hash index, child counts and the
 //! eviction order.
+//!
+//! A block's child count (how many registered blocks of this tier extend it) lives in its
+//! slot while it is indexed, so registering or dropping a block touches its parent's slot,
+//! which the hash index finds anyway, and no second map. Blocks of this tier whose parent is
+//! not in it (G2 holds a block whose parent is still in G1) are counted in `orphans`, keyed
+//! by the parent's hash, until the parent arrives.
 
 use std::collections::BTreeSet;
 
@@ -31,6 +37,8 @@ pub(super) struct Slot {
     pub parent: Option<SeqHash>,
     pub last_used: u64,
     pub hits: u32,
+    /// Registered blocks of this tier whose parent this is (while it is indexed).
+    children: u32,
     /// Key in `Pool::evictable` while the slot is there.
     evict_key: Option<u64>,
     /// A mutable slot an onboard copy is writing.
@@ -52,6 +60,7 @@ impl Slot {
             parent: None,
             last_used: 0,
             hits: 0,
+            children: 0,
             evict_key: None,
             in_transfer: false,
             abandoned: false,
@@ -66,8 +75,9 @@ pub(super) struct Pool {
     pub slots: Vec<Slot>,
     free: Vec<BlockId>,
     by_hash: FxHashMap<SeqHash, BlockId>,
-    /// Parent `SeqHash` → how many registered blocks of this tier extend it.
-    children: FxHashMap<SeqHash, u32>,
+    /// Parent `SeqHash` not indexed in this tier → how many registered blocks of this tier
+    /// extend it (indexed parents keep the count in their slot).
+    orphans: FxHashMap<SeqHash, u32>,
     evictable: BTreeSet<(u64, BlockId)>,
     policy: Box<dyn EvictionPolicy>,
     mutable: usize,
@@ -84,7 +94,7 @@ impl Pool {
             // Popped from the back: hand out low slot numbers first.
             free: (0..capacity as u32).rev().map(BlockId).collect(),
             by_hash: FxHashMap::default(),
-            children: FxHashMap::default(),
+            orphans: FxHashMap::default(),
             evictable: BTreeSet::new(),
             policy,
             mutable: 0,
@@ -121,7 +131,10 @@ impl Pool {
     }
 
     pub fn has_children(&self, seq: SeqHash) -> bool {
-        self.children.contains_key(&seq)
+        match self.by_hash.get(&seq) {
+            Some(id) => self.slots[id.index()].children > 0,
+            None => self.orphans.contains_key(&seq),
+        }
     }
 
     pub fn slot(&self, id: BlockId) -> &Slot {
@@ -227,11 +240,11 @@ impl Pool {
         self.mutable -= 1;
         self.registered += 1;
         self.by_hash.insert(block.seq, id);
+        if !self.orphans.is_empty() {
+            slot.children = self.orphans.remove(&block.seq).unwrap_or(0);
+        }
         if let Some(parent) = parent {
-            *self.children.entry(parent).or_insert(0) += 1;
-            if let Some(&p) = self.by_hash.get(&parent) {
-                self.refresh(p);
-            }
+            self.add_child(parent);
         }
         changes.push(Change::Stored {
             tier: self.tier,
@@ -282,20 +295,17 @@ impl Pool {
     /// Takes an inactive block out of the index and the lineage, and announces its removal.
     fn unindex(&mut self, id: BlockId, changes: &mut Vec<Change>) {
         self.set_evictable(id, false);
-        let slot = &self.slots[id.index()];
+        let slot = &mut self.slots[id.index()];
         debug_assert_eq!(slot.state, State::Inactive);
         let (seq, parent) = (slot.seq, slot.parent);
+        let children = std::mem::take(&mut slot.children);
         self.by_hash.remove(&seq);
-        if let Some(parent) = parent
-            && let Some(count) = self.children.get_mut(&parent)
-        {
-            *count -= 1;
-            if *count == 0 {
-                self.children.remove(&parent);
-                if let Some(&p) = self.by_hash.get(&parent) {
-                    self.refresh(p);
-                }
-            }
+        if children > 0 {
+            // Its children stay (a policy that is not leaf-only, or a detach): orphans now.
+            self.orphans.insert(seq, children);
+        }
+        if let Some(parent) = parent {
+            self.remove_child(parent);
         }
         changes.push(Change::Removed {
             tier: self.tier,
@@ -303,11 +313,48 @@ impl Pool {
         });
     }
 
+    /// Counts a new child of `parent`; its first child can make an indexed parent
+    /// ineligible for eviction.
+    fn add_child(&mut self, parent: SeqHash) {
+        match self.by_hash.get(&parent) {
+            Some(&p) => {
+                let slot = &mut self.slots[p.index()];
+                slot.children += 1;
+                if slot.children == 1 {
+                    self.refresh(p);
+                }
+            }
+            None => *self.orphans.entry(parent).or_insert(0) += 1,
+        }
+    }
+
+    /// Uncounts a child of `parent`; its last child can make an indexed parent eligible.
+    fn remove_child(&mut self, parent: SeqHash) {
+        match self.by_hash.get(&parent) {
+            Some(&p) => {
+                let slot = &mut self.slots[p.index()];
+                debug_assert!(slot.children > 0, "a child uncounted twice");
+                slot.children = slot.children.saturating_sub(1);
+                if slot.children == 0 {
+                    self.refresh(p);
+                }
+            }
+            None => {
+                if let Some(count) = self.orphans.get_mut(&parent) {
+                    *count -= 1;
+                    if *count == 0 {
+                        self.orphans.remove(&parent);
+                    }
+                }
+            }
+        }
+    }
+
     /// Puts a slot into, or takes it out of, the eviction order according to its state.
     fn refresh(&mut self, id: BlockId) {
         let slot = &self.slots[id.index()];
-        let eligible = slot.state == State::Inactive
-            && !(self.policy.leaf_only() && self.children.contains_key(&slot.seq));
+        let eligible =
+            slot.state == State::Inactive && !(self.policy.leaf_only() && slot.children > 0);
         self.set_evictable(id, eligible);
     }
 
@@ -364,8 +411,8 @@ impl Pool {
             if let Some(parent) = slot.parent {
                 *children.entry(parent).or_insert(0) += 1;
             }
-            let eligible = slot.state == State::Inactive
-                && !(self.policy.leaf_only() && self.children.contains_key(seq));
+            let eligible =
+                slot.state == State::Inactive && !(self.policy.leaf_only() && slot.children > 0);
             if eligible != slot.evict_key.is_some() {
                 return Err(format!(
                     "{tier}: {seq:?} evictable={eligible} but key {:?}",
@@ -373,7 +420,19 @@ impl Pool {
                 ));
             }
         }
-        if children != self.children {
+        let mut counted = self.orphans.clone();
+        for (seq, id) in &self.by_hash {
+            if counted.contains_key(seq) {
+                return Err(format!(
+                    "{tier}: {seq:?} is indexed and counted as an orphan"
+                ));
+            }
+            let n = self.slots[id.index()].children;
+            if n > 0 {
+                counted.insert(*seq, n);
+            }
+        }
+        if children != counted {
             return Err(format!("{tier}: child counts drifted"));
         }
         let keyed = self.slots.iter().filter(|s| s.evict_key.is_some()).count();
