@@ -780,6 +780,7 @@ async fn run_stream(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut commands = Vec::new();
     let worker = key.0.to_string();
+    let apply_metrics = ApplyMetrics::new(&worker);
     loop {
         tokio::select! {
             biased;
@@ -827,7 +828,7 @@ async fn run_stream(
                 Command::Apply(batch) => {
                     let outcome = shared.indexer.apply(&batch);
                     applied += 1;
-                    record_apply_metrics(&worker, &outcome);
+                    apply_metrics.record(&outcome);
                 }
                 Command::RequestSnapshot { .. } => {
                     tokio::spawn(fetch_snapshot(Arc::clone(&shared), key, tx.clone()));
@@ -853,17 +854,36 @@ fn reap_later(indexer: &Arc<Indexer>) {
     tokio::task::spawn_blocking(move || indexer.reap());
 }
 
-fn record_apply_metrics(worker: &str, outcome: &crate::indexer::ApplyOutcome) {
-    let w = || worker.to_owned();
-    metrics::counter!("kvroute_event_batches_applied_total", "worker" => w()).increment(1);
-    metrics::counter!("kvroute_event_blocks_stored_total", "worker" => w())
-        .increment(outcome.stored);
-    metrics::counter!("kvroute_event_blocks_removed_total", "worker" => w())
-        .increment(outcome.removed);
-    metrics::counter!("kvroute_event_blocks_rejected_total", "worker" => w())
-        .increment(outcome.rejected_blocks + outcome.capped);
-    metrics::counter!("kvroute_event_unknown_removed_total", "worker" => w())
-        .increment(outcome.unknown_removed);
+/// A stream's per-batch counters, registered once when the stream starts (registering
+/// per batch cost a label allocation and a registry lookup for each).
+struct ApplyMetrics {
+    batches: metrics::Counter,
+    stored: metrics::Counter,
+    removed: metrics::Counter,
+    rejected: metrics::Counter,
+    unknown_removed: metrics::Counter,
+}
+
+impl ApplyMetrics {
+    fn new(worker: &str) -> Self {
+        let w = || worker.to_owned();
+        ApplyMetrics {
+            batches: metrics::counter!("kvroute_event_batches_applied_total", "worker" => w()),
+            stored: metrics::counter!("kvroute_event_blocks_stored_total", "worker" => w()),
+            removed: metrics::counter!("kvroute_event_blocks_removed_total", "worker" => w()),
+            rejected: metrics::counter!("kvroute_event_blocks_rejected_total", "worker" => w()),
+            unknown_removed: metrics::counter!("kvroute_event_unknown_removed_total", "worker" => w()),
+        }
+    }
+
+    fn record(&self, outcome: &crate::indexer::ApplyOutcome) {
+        self.batches.increment(1);
+        self.stored.increment(outcome.stored);
+        self.removed.increment(outcome.removed);
+        self.rejected
+            .increment(outcome.rejected_blocks + outcome.capped);
+        self.unknown_removed.increment(outcome.unknown_removed);
+    }
 }
 
 /// Emits the increments between two readings of a stream's counters.
