@@ -2,7 +2,9 @@
 //! through W worker engines on a virtual clock (requests stick to a worker by conversation,
 //! so each worker builds real prefixes); their KV event batches and the requests' lookups
 //! form a timeline, which is then replayed into a fresh index twice with one writer thread
-//! and one reader thread: paced at the trace's own rate (sped up), and at saturation. The
+//! and one reader thread: paced at the trace's own rate (sped up), and at saturation. Between
+//! the two, every lookup runs again flat out against the full index the paced replay left,
+//! with no writer (the walk's own cost, caches warm). The
 //! paced index is then emptied by removing every worker, with the process's resident memory
 //! read before, with the index full, and after. A synthetic churn phase (fill to N blocks,
 //! evict everything, refill, ten times) checks that memory comes back.
@@ -255,6 +257,9 @@ pub struct Report {
     pub lookup_p99_us: f64,
     /// Paced phase.
     pub paced: Phase,
+    /// The lookups again, flat out, against the full index the paced phase left (no
+    /// writer).
+    pub full: Phase,
     /// Saturation phase.
     pub saturated: Phase,
     /// Peak RSS of the process (timeline included), bytes.
@@ -360,6 +365,7 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
     let rss_before = rss_bytes();
     let paced = replay(&timeline, &config, pace)?;
     let rss_full = rss_bytes();
+    let full = settled(&timeline, &paced.index);
     let table_full = paced.index.table_bytes();
     let (blocks, entries) = (paced.index.sizes().blocks, paced.index.sizes().entries);
     let left = (!args.no_leave).then(|| {
@@ -397,6 +403,7 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         lookup_p50_us: paced.phase.lookup_us.p50,
         lookup_p99_us: paced.phase.lookup_us.p99,
         paced: paced.phase,
+        full,
         saturated: saturated.phase,
         peak_rss_bytes: peak_rss_bytes(),
         bytes_per_block: table_full as f64 / blocks.max(1) as f64,
@@ -539,35 +546,7 @@ fn replay(
     };
     let reader = {
         let (timeline, index) = (Arc::clone(timeline), Arc::clone(&index));
-        std::thread::spawn(move || {
-            let mut latencies = Vec::new();
-            let mut walked = 0u64;
-            for (t, item) in &timeline.items {
-                if let Item::Lookup {
-                    locals, seqs, copy, ..
-                } = item
-                {
-                    if let Some(d) = due(*t) {
-                        sleep_until(start + d);
-                    }
-                    let began = Instant::now();
-                    let scores = if *copy == 0 {
-                        index.find_matches(locals)
-                    } else {
-                        index.find_matches_seq(seqs)
-                    };
-                    latencies.push(began.elapsed().as_secs_f64() * 1e6);
-                    let deepest = scores
-                        .workers
-                        .iter()
-                        .map(|o| (o.device + o.host + o.disk) as u64)
-                        .max()
-                        .unwrap_or(0);
-                    walked += (deepest + 1).min(locals.len() as u64);
-                }
-            }
-            (latencies, walked)
-        })
+        std::thread::spawn(move || lookups(&timeline, &index, |t| due(t).map(|d| start + d)))
     };
     let event_blocks = writer
         .join()
@@ -590,6 +569,60 @@ fn replay(
         walked,
         index,
     })
+}
+
+/// Runs the timeline's lookups against `index`, each once `due` (if it names a time) has
+/// come. Returns their latencies, µs, and the blocks they walked.
+fn lookups(
+    timeline: &Timeline,
+    index: &Indexer,
+    due: impl Fn(u64) -> Option<Instant>,
+) -> (Vec<f64>, u64) {
+    let mut latencies = Vec::new();
+    let mut walked = 0u64;
+    for (t, item) in &timeline.items {
+        if let Item::Lookup {
+            locals, seqs, copy, ..
+        } = item
+        {
+            if let Some(when) = due(*t) {
+                sleep_until(when);
+            }
+            let began = Instant::now();
+            let scores = if *copy == 0 {
+                index.find_matches(locals)
+            } else {
+                index.find_matches_seq(seqs)
+            };
+            latencies.push(began.elapsed().as_secs_f64() * 1e6);
+            let deepest = scores
+                .workers
+                .iter()
+                .map(|o| (o.device + o.host + o.disk) as u64)
+                .max()
+                .unwrap_or(0);
+            walked += (deepest + 1).min(locals.len() as u64);
+        }
+    }
+    (latencies, walked)
+}
+
+/// Every lookup of the timeline again, flat out on one thread, against the index as the
+/// paced replay left it (full, no writer): the walk's own cost, caches warm from the
+/// previous lookup rather than cold from a sleep.
+fn settled(timeline: &Timeline, index: &Indexer) -> Phase {
+    let start = Instant::now();
+    let (mut latencies, walked) = lookups(timeline, index, |_| None);
+    let wall = start.elapsed().as_secs_f64();
+    let total_us: f64 = latencies.iter().sum();
+    let count = latencies.len().max(1) as f64;
+    Phase {
+        wall_s: wall,
+        block_ops_per_s: walked as f64 / wall,
+        lookup_us: Summary::of(&mut latencies),
+        walked_blocks_mean: walked as f64 / count,
+        ns_per_walked_block: total_us * 1e3 / walked.max(1) as f64,
+    }
 }
 
 /// Fills a fresh index with `blocks` distinct blocks (64 workers, 16-block chains, on the
@@ -680,6 +713,7 @@ pub fn print(report: &Report) {
     println!("|---|---|---|---|---|---|---|---|---|");
     for (name, p) in [
         ("paced (trace rate)", &report.paced),
+        ("lookups only, full index", &report.full),
         ("saturated", &report.saturated),
     ] {
         println!(
