@@ -412,12 +412,12 @@ impl Indexer {
                 }
             }
             KvEventData::Removed { blocks } => {
+                let tier = bit(event.tier);
                 for group in blocks.chunks(LOOKAHEAD) {
                     self.touch(group.iter().copied());
                     for seq in group {
                         let (shard, home) = self.shard(*seq);
                         let mut w = shard.write();
-                        let tier = bit(event.tier);
                         if self.drop_tiers(&mut w, home, seq.0, slot, tier, scratch) == 0 {
                             out.unknown_removed += 1;
                         } else {
