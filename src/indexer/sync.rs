@@ -63,6 +63,17 @@ pub(crate) type Loaded<T> = arc_swap::Guard<Arc<T>>;
 #[cfg(kvroute_loom)]
 pub(crate) type Loaded<T> = Arc<T>;
 
+/// An owned value as a [`Loaded`] (a writer that swapped in a new value keeps using it).
+#[cfg(not(kvroute_loom))]
+pub(crate) fn loaded<T>(value: Arc<T>) -> Loaded<T> {
+    arc_swap::Guard::from_inner(value)
+}
+/// An owned value as a [`Loaded`] (a writer that swapped in a new value keeps using it).
+#[cfg(kvroute_loom)]
+pub(crate) fn loaded<T>(value: Arc<T>) -> Loaded<T> {
+    value
+}
+
 /// A shared pointer that writers replace and readers load without a lock: `arc-swap`
 /// normally (readers borrow through its debt slots, no refcount traffic on the fast path;
 /// the old value is freed when its last reader lets go). Under loom, a mutex around an `Arc`
@@ -96,20 +107,12 @@ impl<T> ArcCell<T> {
     /// A borrow of the current value, for a short read.
     #[cfg(kvroute_loom)]
     pub(crate) fn load(&self) -> Loaded<T> {
-        self.load_full()
-    }
-
-    /// The current value, owned.
-    pub(crate) fn load_full(&self) -> Arc<T> {
-        #[cfg(kvroute_loom)]
-        return Arc::clone(
+        Arc::clone(
             &self
                 .inner
                 .lock()
                 .expect("invariant: no thread panics holding an indexer lock"),
-        );
-        #[cfg(not(kvroute_loom))]
-        return self.inner.load_full();
+        )
     }
 
     /// Replaces the value (a release: stores before it are visible to later loads).

@@ -42,7 +42,7 @@
 //! Probe positions come from the key mixed with a per-process random seed, so a publisher
 //! cannot choose hashes that pile into one probe chain.
 
-use super::sync::{Arc, ArcCell, AtomicU64, Loaded, Mutex, MutexGuard, Ordering};
+use super::sync::{Arc, ArcCell, AtomicU64, Loaded, Mutex, MutexGuard, Ordering, loaded};
 
 /// One owner of a block: `slot << 4 | tiers` (bit `t` set: held in `Tier` `t`).
 pub(crate) type Entry = u32;
@@ -214,7 +214,7 @@ impl Shard {
     pub(crate) fn write(&self) -> ShardWriter<'_> {
         let books = self.books.lock();
         ShardWriter {
-            table: self.table.load_full(),
+            table: self.table.load(),
             shard: self,
             books,
         }
@@ -265,7 +265,9 @@ pub(crate) enum Change {
 pub(crate) struct ShardWriter<'a> {
     shard: &'a Shard,
     books: MutexGuard<'a, Books>,
-    table: Arc<Table>,
+    /// The table, borrowed (no reference count traffic per block written); it cannot be
+    /// swapped by anyone else while the mutex is held.
+    table: Loaded<Table>,
 }
 
 impl ShardWriter<'_> {
@@ -438,7 +440,7 @@ impl ShardWriter<'_> {
         let next = Arc::new(next);
         // The swap publishes every store above (the cell's store is a release).
         self.shard.table.store(Arc::clone(&next));
-        self.table = next;
+        self.table = loaded(next);
         self.books.used = self.books.live;
         self.books.arena_top = arena_top;
         self.books.arena_live = arena_top;
