@@ -351,7 +351,12 @@ impl Indexer {
     /// The shard of a block and the block's probe hash.
     fn shard(&self, seq: SeqHash) -> (&Shard, u64) {
         let home = table::home_of_key(seq.0);
-        (&self.shards[(home >> self.shard_shift) as usize], home)
+        (self.shard_at(home), home)
+    }
+
+    /// The shard a probe home falls in (its top bits).
+    fn shard_at(&self, home: u64) -> &Shard {
+        &self.shards[(home >> self.shard_shift) as usize]
     }
 
     /// Applies a batch's events in order for its (worker, rank). Events of one worker must
@@ -402,7 +407,7 @@ impl Indexer {
                 }
                 let mut parent = *parent;
                 for group in blocks.chunks(LOOKAHEAD) {
-                    self.touch(group.iter().map(|b| b.seq));
+                    self.touch(group.iter().map(|b| self.shard(b.seq).1));
                     for block in group {
                         if !self.store(slot, event.tier, parent, *block, scratch, out) {
                             return;
@@ -414,7 +419,7 @@ impl Indexer {
             KvEventData::Removed { blocks } => {
                 let tier = bit(event.tier);
                 for group in blocks.chunks(LOOKAHEAD) {
-                    self.touch(group.iter().copied());
+                    self.touch(group.iter().map(|seq| self.shard(*seq).1));
                     for seq in group {
                         let (shard, home) = self.shard(*seq);
                         let mut w = shard.write();
@@ -438,13 +443,12 @@ impl Indexer {
     /// their cache misses overlap instead of costing one memory latency per block in turn
     /// (an event's blocks land in random shards and slots: one miss each). Writers call it
     /// per group of an event's blocks; [`Indexer::walk`] does the same for lookups.
-    /// At most [`LOOKAHEAD`] blocks; the tables are pinned first and touched after (see
-    /// [`table::Pinned`] for why).
-    fn touch(&self, seqs: impl Iterator<Item = SeqHash>) {
+    /// Takes the blocks' probe homes, at most [`LOOKAHEAD`]; the tables are pinned first
+    /// and touched after (see [`table::Pinned`] for why).
+    fn touch(&self, homes: impl Iterator<Item = u64>) {
         let mut pinned: [Option<(table::Pinned, u64)>; LOOKAHEAD] = Default::default();
-        for (pin, seq) in pinned.iter_mut().zip(seqs) {
-            let (shard, home) = self.shard(seq);
-            *pin = Some((shard.pin(), home));
+        for (pin, home) in pinned.iter_mut().zip(homes) {
+            *pin = Some((self.shard_at(home).pin(), home));
         }
         let mut touched = 0u64;
         for (table, home) in pinned.iter().flatten() {
@@ -762,15 +766,14 @@ impl Indexer {
                 for seq in seqs.by_ref().take(LOOKAHEAD) {
                     group.push((seq, self.shard(seq).1));
                 }
-                self.touch(group.iter().map(|(seq, _)| *seq));
+                self.touch(group.iter().map(|&(_, home)| home));
                 if group.is_empty() {
                     break;
                 }
             }
             let (seq, home) = group[next];
             next += 1;
-            let shard = &self.shards[(home >> self.shard_shift) as usize];
-            if !shard.read(home, seq.0, &mut owners) {
+            if !self.shard_at(home).read(home, seq.0, &mut owners) {
                 break;
             }
             if owners == previous {

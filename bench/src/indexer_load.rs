@@ -232,6 +232,22 @@ pub struct Phase {
     pub ns_per_walked_block: f64,
 }
 
+impl Phase {
+    /// The figures of a phase that took `wall_s`, applied `event_blocks` and ran lookups
+    /// with these `latencies` (µs) that walked `walked` blocks.
+    fn new(wall_s: f64, event_blocks: u64, mut latencies: Vec<f64>, walked: u64) -> Phase {
+        let total_us: f64 = latencies.iter().sum();
+        let lookups = latencies.len().max(1) as f64;
+        Phase {
+            wall_s,
+            block_ops_per_s: (event_blocks + walked) as f64 / wall_s,
+            lookup_us: Summary::of(&mut latencies),
+            walked_blocks_mean: walked as f64 / lookups,
+            ns_per_walked_block: total_us * 1e3 / walked.max(1) as f64,
+        }
+    }
+}
+
 /// The JSON `kvroute-bench indexer` writes.
 #[derive(Debug, Default, Serialize)]
 pub struct Report {
@@ -551,19 +567,15 @@ fn replay(
     let event_blocks = writer
         .join()
         .map_err(|_| anyhow::anyhow!("writer thread panicked"))?;
-    let (mut latencies, walked) = reader
+    let (latencies, walked) = reader
         .join()
         .map_err(|_| anyhow::anyhow!("reader thread panicked"))?;
-    let wall = start.elapsed().as_secs_f64();
-    let lookups = latencies.len().max(1) as f64;
-    let total_us: f64 = latencies.iter().sum();
-    let phase = Phase {
-        wall_s: wall,
-        block_ops_per_s: (event_blocks + walked) as f64 / wall,
-        lookup_us: Summary::of(&mut latencies),
-        walked_blocks_mean: walked as f64 / lookups,
-        ns_per_walked_block: total_us * 1e3 / walked.max(1) as f64,
-    };
+    let phase = Phase::new(
+        start.elapsed().as_secs_f64(),
+        event_blocks,
+        latencies,
+        walked,
+    );
     Ok(Replayed {
         phase,
         walked,
@@ -612,17 +624,8 @@ fn lookups(
 /// previous lookup rather than cold from a sleep.
 fn settled(timeline: &Timeline, index: &Indexer) -> Phase {
     let start = Instant::now();
-    let (mut latencies, walked) = lookups(timeline, index, |_| None);
-    let wall = start.elapsed().as_secs_f64();
-    let total_us: f64 = latencies.iter().sum();
-    let count = latencies.len().max(1) as f64;
-    Phase {
-        wall_s: wall,
-        block_ops_per_s: walked as f64 / wall,
-        lookup_us: Summary::of(&mut latencies),
-        walked_blocks_mean: walked as f64 / count,
-        ns_per_walked_block: total_us * 1e3 / walked.max(1) as f64,
-    }
+    let (latencies, walked) = lookups(timeline, index, |_| None);
+    Phase::new(start.elapsed().as_secs_f64(), 0, latencies, walked)
 }
 
 /// Fills a fresh index with `blocks` distinct blocks (64 workers, 16-block chains, on the

@@ -449,8 +449,7 @@ fn run_policies(
     config: &EngineConfig,
     args: &Args,
 ) -> anyhow::Result<Vec<PolicyResult>> {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let jobs = if args.jobs == 0 { cores } else { args.jobs }.clamp(1, policies.len().max(1));
+    let jobs = jobs(args).min(policies.len().max(1));
     let bars = (!args.quiet).then(indicatif::MultiProgress::new);
     let next = std::sync::atomic::AtomicUsize::new(0);
     let results: Vec<parking_lot::Mutex<Option<anyhow::Result<PolicyResult>>>> = policies
@@ -495,13 +494,17 @@ fn prompt(record: &TraceRecord, args: &Args, block_size: NonZeroUsize) -> Prompt
     }
 }
 
+/// Threads to use: `--jobs`, or one per core if 0.
+fn jobs(args: &Args) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if args.jobs == 0 { cores } else { args.jobs }.max(1)
+}
+
 /// Every record's prompt, in order. Synthesising tokens and hashing them is most of the
 /// loading time, so the records are cut into one chunk per core (`--jobs`), synthesised on
 /// their own threads; the result does not depend on the split.
 fn synthesise(records: &[TraceRecord], args: &Args, block_size: NonZeroUsize) -> Vec<Prompt> {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let jobs = if args.jobs == 0 { cores } else { args.jobs }.max(1);
-    let chunk = records.len().div_ceil(jobs).max(1);
+    let chunk = records.len().div_ceil(jobs(args)).max(1);
     std::thread::scope(|scope| {
         let parts: Vec<_> = records
             .chunks(chunk)

@@ -112,13 +112,9 @@ pub async fn run(
     let snapshot_task =
         WorkerPlane::serve_snapshots(transport.clone(), &config.cluster, config.id, snap_tx)
             .await?;
-    let mut publishers: Vec<Publisher> = (0..config.dp_size)
-        .map(|r| Publisher::new(config.id, DpRank(r), epoch))
+    let mut streams: Vec<RankStream> = (0..config.dp_size)
+        .map(|r| RankStream::new(Publisher::new(config.id, DpRank(r), epoch)))
         .collect();
-    // Per rank, what the engine's stream has announced: it repeats stores and removes what
-    // it never stored, so only the changes that alter this set are published.
-    let mut announced: Vec<Announced> = (0..config.dp_size).map(|_| Announced::default()).collect();
-    let mut fresh = Vec::new();
     let (updates_tx, mut updates) = mpsc::channel::<(u32, Update)>(64);
     let mut ingests = Vec::new();
     if let Some(endpoint) = &config.events {
@@ -158,7 +154,7 @@ pub async fn run(
             _ = stop.changed() => break,
             Some((rank, update)) = updates.recv() => {
                 let mut changes = update.changes;
-                publish_changes(&mut publishers[rank as usize], &mut announced[rank as usize], &mut fresh, &mut changes, &plane, registration.is_some(), config.id).await;
+                publish_changes(&mut streams[rank as usize], &mut changes, &plane, registration.is_some(), config.id).await;
                 ranks[rank as usize] = update.stats;
                 let faults = event_faults(&ranks);
                 let mut i = info.lock();
@@ -172,12 +168,12 @@ pub async fn run(
             }
             Some(routed) = next_learned(&mut learned) => {
                 let now_ms = clock.elapsed().as_millis() as u64;
-                let rank = (routed.key.1.0 as usize).min(publishers.len() - 1);
+                let rank = (routed.key.1.0 as usize).min(streams.len() - 1);
                 let capacity = info.lock().g1_blocks;
                 approx[rank]
                     .get_or_insert_with(|| ApproxCache::new(APPROX_TTL_MS, capacity))
                     .learn(now_ms, &routed.blocks, &mut approx_changes);
-                publish_changes(&mut publishers[rank], &mut announced[rank], &mut fresh, &mut approx_changes, &plane, registration.is_some(), config.id).await;
+                publish_changes(&mut streams[rank], &mut approx_changes, &plane, registration.is_some(), config.id).await;
             }
             _ = expiry.tick(), if learned.is_some() => {
                 let now_ms = clock.elapsed().as_millis() as u64;
@@ -185,15 +181,14 @@ pub async fn run(
                     if let Some(cache) = cache {
                         cache.expire(now_ms, &mut approx_changes);
                         if !approx_changes.is_empty() {
-                            publish_changes(&mut publishers[rank], &mut announced[rank], &mut fresh, &mut approx_changes, &plane, registration.is_some(), config.id).await;
+                            publish_changes(&mut streams[rank], &mut approx_changes, &plane, registration.is_some(), config.id).await;
                         }
                     }
                 }
             }
             Some(request) = snapshots.recv() => {
-                let rank = request.dp_rank.0 as usize;
-                if let (Some(p), Some(a)) = (publishers.get(rank), announced.get(rank)) {
-                    let _ = request.reply.send(p.snapshot(a.blocks()));
+                if let Some(s) = streams.get(request.dp_rank.0 as usize) {
+                    let _ = request.reply.send(s.publisher.snapshot(s.announced.blocks()));
                 }
             }
             _ = health.tick() => {
@@ -249,7 +244,9 @@ pub async fn run(
                         }
                         // Back as a new incarnation, with what the engine held then.
                         let epoch = new_epoch();
-                        publishers = publishers.iter().map(|p| p.renumbered(epoch)).collect();
+                        for s in &mut streams {
+                            s.publisher = s.publisher.renumbered(epoch);
+                        }
                         let mut i = info.lock();
                         i.epoch = epoch;
                         i.last_event_ids = vec![0; config.dp_size as usize];
@@ -293,24 +290,45 @@ async fn next_learned(learned: &mut Option<mpsc::Receiver<RoutedPrompt>>) -> Opt
     }
 }
 
-/// Records `changes` (emptied) in `announced`, and those that alter it in `publisher`
-/// (through `fresh`, a scratch list), and publishes the batch. Unregistered, nobody follows
-/// the stream: the batch only advances the ids, and the next incarnation's snapshot carries
-/// it. A failed publish shows the router a gap, and it asks for a snapshot.
+/// One dp rank's event stream: what the engine has announced (its stream repeats stores
+/// and removes what it never stored) and the publisher of the changes to that set.
+struct RankStream {
+    publisher: Publisher,
+    announced: Announced,
+    /// Scratch: the changes that alter `announced`.
+    fresh: Vec<kvroute::protocol::BlockChange>,
+}
+
+impl RankStream {
+    fn new(publisher: Publisher) -> Self {
+        RankStream {
+            publisher,
+            announced: Announced::default(),
+            fresh: Vec::new(),
+        }
+    }
+
+    /// Records the engine's `changes`; those that alter the announced set become events.
+    fn record(&mut self, changes: &[kvroute::protocol::BlockChange]) {
+        self.announced.filter(changes, &mut self.fresh);
+        self.publisher.record(&self.fresh);
+        self.fresh.clear();
+    }
+}
+
+/// Records `changes` (emptied) in `stream` and publishes the batch. Unregistered, nobody
+/// follows the stream: the batch only advances the ids, and the next incarnation's snapshot
+/// carries it. A failed publish shows the router a gap, and it asks for a snapshot.
 async fn publish_changes(
-    publisher: &mut Publisher,
-    announced: &mut Announced,
-    fresh: &mut Vec<kvroute::protocol::BlockChange>,
+    stream: &mut RankStream,
     changes: &mut Vec<kvroute::protocol::BlockChange>,
     plane: &WorkerPlane,
     registered: bool,
     id: WorkerId,
 ) {
-    announced.filter(changes, fresh);
-    publisher.record(fresh);
+    stream.record(changes);
     changes.clear();
-    fresh.clear();
-    if let Some(batch) = publisher.flush(unix_us()) {
+    if let Some(batch) = stream.publisher.flush(unix_us()) {
         if registered {
             if let Err(e) = plane.publish(&batch).await {
                 tracing::warn!(worker = %id, error = %e, "publishing failed");
