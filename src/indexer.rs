@@ -41,7 +41,8 @@
 //! block (lanes of different workers apply in parallel); a lane's lock orders its worker's
 //! events. The protocols that make lock-free reads exact are: a table slot's key never
 //! changes while its table lives, owner sets are published with one store, tables are
-//! swapped whole when they grow or shrink ([`table`]); and a worker slot handed to a new
+//! swapped whole when they grow or shrink, and a lookup pins all of them at once through a
+//! view that holds a new table before anything is written to it ([`table`]); and a worker slot handed to a new
 //! worker during a walk is never credited with the old one's blocks (generations, checked
 //! around block 0 and at the end of the walk: [`Indexer::walk`]); a slot is reused only
 //! after the reaper has stripped it, and a removal that finds another thread reaping is
@@ -63,6 +64,7 @@ mod slots;
 mod sync;
 mod table;
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use crate::protocol::{
@@ -72,7 +74,7 @@ use crate::protocol::{
 use lanes::{LaneState, Lanes, SlotsExhausted, TierMask};
 use slots::SlotRef;
 use sync::Mutex;
-use table::{Change, Entry, Shard, ShardWriter};
+use table::{Change, Entry, Map, ShardWriter};
 
 /// Sizing of the index.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -296,9 +298,7 @@ pub struct Holding {
 #[derive(Debug)]
 pub struct Indexer {
     config: Config,
-    shards: Box<[Shard]>,
-    /// A key's shard is the top bits of its mixed hash.
-    shard_shift: u32,
+    map: Map,
     block_count: AtomicUsize,
     entry_count: AtomicUsize,
     lanes: Lanes,
@@ -319,11 +319,10 @@ const fn bit(tier: Tier) -> TierMask {
 }
 
 const DEVICE: TierMask = bit(Tier::Device);
-/// Blocks a lookup or an event loads ahead of the one it reads. Each holds a pin on its
-/// shard's table while the group is touched, and `arc-swap` has 8 fast debt slots per thread
-/// (more pins fall back to a slower path): 8 measured better than 16
-/// (`kvroute-bench indexer`: paced p99 373 against 420 µs, 8.9 against 8.1 M block-ops/s).
+/// Blocks of an event a writer touches together before writing them.
 const LOOKAHEAD: usize = 8;
+/// Blocks a lookup touches together, a group before it reads them.
+const AHEAD: usize = 16;
 
 impl Indexer {
     /// An empty index.
@@ -331,10 +330,7 @@ impl Indexer {
         config.validate()?;
         let shards = config.shards.next_power_of_two().max(2);
         Ok(Indexer {
-            shards: (0..shards)
-                .map(|_| Shard::new(config.initial_blocks / shards))
-                .collect(),
-            shard_shift: 64 - shards.trailing_zeros(),
+            map: Map::new(shards, config.initial_blocks / shards),
             block_count: AtomicUsize::new(0),
             entry_count: AtomicUsize::new(0),
             lanes: Lanes::new(config.max_workers),
@@ -346,17 +342,6 @@ impl Indexer {
             broken_reap: false,
             config,
         })
-    }
-
-    /// The shard of a block and the block's probe hash.
-    fn shard(&self, seq: SeqHash) -> (&Shard, u64) {
-        let home = table::home_of_key(seq.0);
-        (self.shard_at(home), home)
-    }
-
-    /// The shard a probe home falls in (its top bits).
-    fn shard_at(&self, home: u64) -> &Shard {
-        &self.shards[(home >> self.shard_shift) as usize]
     }
 
     /// Applies a batch's events in order for its (worker, rank). Events of one worker must
@@ -407,7 +392,7 @@ impl Indexer {
                 }
                 let mut parent = *parent;
                 for group in blocks.chunks(LOOKAHEAD) {
-                    self.touch(group.iter().map(|b| self.shard(b.seq).1));
+                    self.touch(group.iter().map(|b| home(b.seq)));
                     for block in group {
                         if !self.store(slot, event.tier, parent, *block, scratch, out) {
                             return;
@@ -419,10 +404,10 @@ impl Indexer {
             KvEventData::Removed { blocks } => {
                 let tier = bit(event.tier);
                 for group in blocks.chunks(LOOKAHEAD) {
-                    self.touch(group.iter().map(|seq| self.shard(*seq).1));
+                    self.touch(group.iter().map(|seq| home(*seq)));
                     for seq in group {
-                        let (shard, home) = self.shard(*seq);
-                        let mut w = shard.write();
+                        let home = home(*seq);
+                        let mut w = self.map.write(home);
                         if self.drop_tiers(&mut w, home, seq.0, slot, tier, scratch) == 0 {
                             out.unknown_removed += 1;
                         } else {
@@ -442,25 +427,20 @@ impl Indexer {
     /// Loads the first table slot each block's probe reads, all before any is used, so that
     /// their cache misses overlap instead of costing one memory latency per block in turn
     /// (an event's blocks land in random shards and slots: one miss each). Writers call it
-    /// per group of an event's blocks; [`Indexer::walk`] does the same for lookups.
-    /// Takes the blocks' probe homes, at most [`LOOKAHEAD`]; the tables are pinned first
-    /// and touched after (see [`table::Pinned`] for why).
+    /// per group of an event's blocks, with their probe homes; [`Indexer::walk`] touches
+    /// ahead the same way.
     fn touch(&self, homes: impl Iterator<Item = u64>) {
-        let mut pinned: [Option<(table::Pinned, u64)>; LOOKAHEAD] = Default::default();
-        for (pin, home) in pinned.iter_mut().zip(homes) {
-            *pin = Some((self.shard_at(home).pin(), home));
-        }
+        let view = self.map.view();
         let mut touched = 0u64;
-        for (table, home) in pinned.iter().flatten() {
-            touched ^= table.touch(*home);
+        for home in homes {
+            touched ^= view.touch(self.map.shard_of(home), home);
         }
         std::hint::black_box(touched);
     }
 
     /// The tiers `slot` holds `seq` in (lock-free; exact for the lane's own writer).
     fn tiers_held(&self, seq: SeqHash, slot: u32, scratch: &mut Vec<Entry>) -> TierMask {
-        let (shard, home) = self.shard(seq);
-        if shard.read(home, seq.0, scratch) {
+        if self.map.read(home(seq), seq.0, scratch) {
             table::tiers_in(scratch, slot)
         } else {
             0
@@ -478,8 +458,8 @@ impl Indexer {
         scratch: &mut Vec<Entry>,
         out: &mut ApplyOutcome,
     ) -> bool {
-        let (shard, home) = self.shard(block.seq);
-        let mut w = shard.write();
+        let home = home(block.seq);
+        let mut w = self.map.write(home);
         let present = w.read(home, block.seq.0, scratch);
         let at = scratch.binary_search_by_key(&slot, |e| table::slot_of(*e));
         if at.is_ok_and(|i| table::tiers_of(scratch[i]) & bit(tier) != 0) {
@@ -553,8 +533,9 @@ impl Indexer {
         let mut removed = 0u64;
         let mut keys = Vec::new();
         let mut owners = Vec::new();
-        for shard in self.shards.iter() {
-            let mut w = shard.write();
+        for index in 0..self.map.shards() {
+            let mut w = self.map.write_shard(index);
+            w.defer_shrinking();
             keys.clear();
             w.for_each(|key, owners| {
                 if owners.iter().any(|&e| drop(e) != 0) {
@@ -580,6 +561,7 @@ impl Indexer {
                 self.entry_count.fetch_sub(gone as usize, Ordering::Relaxed);
                 removed += u64::from(gone);
             }
+            w.settle();
         }
         removed
     }
@@ -705,8 +687,8 @@ impl Indexer {
     /// occupant (an occupant's bits are all cleared before its slot is vacated), and the
     /// generation is checked again when the walk resolves slots to workers.
     fn root_owners(&self, seq: SeqHash, owners: &mut Vec<Entry>) -> Vec<SlotRef> {
-        let (shard, home) = self.shard(seq);
-        if !shard.read(home, seq.0, owners) {
+        let home = home(seq);
+        if !self.map.read(home, seq.0, owners) {
             return Vec::new();
         }
         let refs: Vec<SlotRef> = owners
@@ -717,7 +699,7 @@ impl Indexer {
         if self.lanes.slots.broken_walk {
             return refs;
         }
-        if !shard.read(home, seq.0, owners) {
+        if !self.map.read(home, seq.0, owners) {
             return Vec::new();
         }
         owners.retain(|e| {
@@ -752,28 +734,32 @@ impl Indexer {
         // membership test per worker (O(1 + continuing) per level instead of O(workers)).
         let mut previous = std::mem::take(&mut owners);
         let mut depth = 1u32;
-        // Blocks are read in groups: each group's first slots are loaded together first, so
-        // their cache misses overlap instead of costing one memory latency per block.
-        let mut group: Vec<(SeqHash, u64)> = Vec::with_capacity(LOOKAHEAD);
-        let mut next = 0;
+        // One view of the tables for the rest of the walk, pinned after block 0's owners were
+        // read twice (the generation protocol above needs fresh reads; every read through
+        // this view is as some moment after them saw it, see [`table::Map`]). Blocks are
+        // touched a group at a time, one group before they are read, so that the group's
+        // cache misses overlap instead of costing one memory latency per block in turn. The
+        // touches of a group are issued back to back: a load that misses holds up the
+        // instructions behind it until it completes, so touches spread between reads would
+        // overlap only with the few nearest.
+        let view = self.map.view();
+        let mut ahead: VecDeque<(SeqHash, u64)> = VecDeque::with_capacity(2 * AHEAD);
+        let mut touched = 0u64;
         loop {
             if device.is_empty() && lower.is_empty() {
                 break;
             }
-            if next == group.len() {
-                group.clear();
-                next = 0;
-                for seq in seqs.by_ref().take(LOOKAHEAD) {
-                    group.push((seq, self.shard(seq).1));
-                }
-                self.touch(group.iter().map(|&(_, home)| home));
-                if group.is_empty() {
-                    break;
+            if ahead.len() <= AHEAD {
+                let from = ahead.len();
+                ahead.extend(seqs.by_ref().take(AHEAD).map(|seq| (seq, home(seq))));
+                for &(_, home) in ahead.range(from..) {
+                    touched ^= view.touch(self.map.shard_of(home), home);
                 }
             }
-            let (seq, home) = group[next];
-            next += 1;
-            if !self.shard_at(home).read(home, seq.0, &mut owners) {
+            let Some((seq, home)) = ahead.pop_front() else {
+                break;
+            };
+            if !view.read(self.map.shard_of(home), home, seq.0, &mut owners) {
                 break;
             }
             if owners == previous {
@@ -807,6 +793,8 @@ impl Indexer {
             }
             depth += 1;
         }
+        std::hint::black_box(touched);
+        drop(view);
         done.extend(lower);
         done.extend(device.into_iter().map(|slot| (slot, depth, 0, 0)));
         let workers = done
@@ -842,8 +830,8 @@ impl Indexer {
                 });
             }
         }
-        for shard in self.shards.iter() {
-            shard.write().for_each(|key, owners| {
+        for index in 0..self.map.shards() {
+            self.map.write_shard(index).for_each(|key, owners| {
                 for &e in owners {
                     if let Some(&i) = at_slot.get(&table::slot_of(e)) {
                         for tier in Tier::ALL {
@@ -894,16 +882,21 @@ impl Indexer {
     /// Bytes of the block map's tables and arenas now (the per-block cost; lanes and slots
     /// are per worker).
     pub fn table_bytes(&self) -> usize {
-        self.shards.iter().map(Shard::table_bytes).sum()
+        self.map.table_bytes()
     }
 
     /// Rebuilds every shard's table to its live size now. Tables shrink on their own as
     /// blocks leave (at an eighth full); this also drops tombstones and dead arena regions.
     pub fn shrink_to_fit(&self) {
-        for shard in self.shards.iter() {
-            shard.write().compact();
+        for index in 0..self.map.shards() {
+            self.map.write_shard(index).compact();
         }
     }
+}
+
+/// A block's probe home: its key mixed (the shard is its top bits).
+fn home(seq: SeqHash) -> u64 {
+    table::home_of_key(seq.0)
 }
 
 /// Adds one block held in lower `tiers` (device bit ignored) to a continuation's counts:

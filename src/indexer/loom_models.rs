@@ -8,8 +8,8 @@ use loom::thread;
 
 use super::lanes::Lanes;
 use super::slots::SlotTable;
-use super::sync::{Arc, Mutex};
-use super::table::{Shard, entry};
+use super::sync::{Arc, AtomicU64, Mutex, Ordering};
+use super::table::{Map, entry};
 use super::{Config, Indexer};
 use crate::protocol::{
     DpRank, EventBatch, KvEvent, KvEventData, LocalHash, SeqHash, StoredBlock, Tier, WorkerId,
@@ -114,20 +114,20 @@ fn tombstone_model(broken: bool) {
     const K: u64 = 11;
     const J: u64 = 22;
     loom::model(move || {
-        let shard = Arc::new(Shard::new(0));
+        let map = Arc::new(Map::new(2, 0));
         if broken {
-            shard.break_reuse();
+            map.break_reuse();
         }
-        shard.write().set(0, K, &[entry(1, 1)]);
+        map.write_shard(0).set(0, K, &[entry(1, 1)]);
         let reader = {
-            let shard = Arc::clone(&shard);
+            let map = Arc::clone(&map);
             thread::spawn(move || {
                 let mut buf = Vec::new();
-                shard.read(0, K, &mut buf).then_some(buf)
+                map.view().read(0, 0, K, &mut buf).then_some(buf)
             })
         };
         {
-            let mut w = shard.write();
+            let mut w = map.write_shard(0);
             w.set(0, K, &[]);
             w.set(0, J, &[entry(2, 1)]);
         }
@@ -150,6 +150,56 @@ fn loom_tombstone_reuse_negative_control() {
     assert!(
         failed,
         "loom did not catch a tombstone taken by another key"
+    );
+}
+
+/// The view rule: a rebuilt table is in the readers' view before anything is written to
+/// it. A writer rebuilds shard 0 (compaction), empties key `K` in the new table and raises a
+/// flag, all under the shard's lock; a reader that sees the flag must not read `K`'s old
+/// owners. The broken rebuild publishes the view only when its writer lets go of the shard,
+/// so the reader can pin the replaced table.
+fn view_model(broken: bool) {
+    const K: u64 = 11;
+    loom::model(move || {
+        let map = Arc::new(Map::new(2, 0));
+        if broken {
+            map.break_publish();
+        }
+        map.write_shard(0).set(0, K, &[entry(1, 1)]);
+        let flag = Arc::new(AtomicU64::new(0));
+        let reader = {
+            let map = Arc::clone(&map);
+            let flag = Arc::clone(&flag);
+            thread::spawn(move || {
+                if flag.load(Ordering::Acquire) == 0 {
+                    return None;
+                }
+                let mut buf = Vec::new();
+                map.view().read(0, 0, K, &mut buf).then_some(buf)
+            })
+        };
+        {
+            let mut w = map.write_shard(0);
+            w.compact();
+            w.set(0, K, &[]);
+            flag.store(1, Ordering::Release);
+        }
+        let seen = reader.join().expect("reader thread");
+        assert_eq!(seen, None, "a lookup after the removal read K's old owners");
+    });
+}
+
+#[test]
+fn loom_a_lookup_pins_tables_that_were_current() {
+    view_model(false);
+}
+
+#[test]
+fn loom_view_negative_control() {
+    let failed = catch_unwind(AssertUnwindSafe(|| view_model(true))).is_err();
+    assert!(
+        failed,
+        "loom did not catch a view published after writes to its table"
     );
 }
 

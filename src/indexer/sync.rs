@@ -115,6 +115,20 @@ impl<T> ArcCell<T> {
         )
     }
 
+    /// Replaces the value and returns the one it replaced (a release, like `store`).
+    pub(crate) fn swap(&self, value: Arc<T>) -> Arc<T> {
+        #[cfg(kvroute_loom)]
+        return std::mem::replace(
+            &mut *self
+                .inner
+                .lock()
+                .expect("invariant: no thread panics holding an indexer lock"),
+            value,
+        );
+        #[cfg(not(kvroute_loom))]
+        return self.inner.swap(value);
+    }
+
     /// Replaces the value (a release: stores before it are visible to later loads).
     pub(crate) fn store(&self, value: Arc<T>) {
         #[cfg(kvroute_loom)]

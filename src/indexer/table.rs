@@ -36,8 +36,12 @@
 //! A rebuild (grow, shrink, purge tombstones, compact the arena) happens under the shard's
 //! mutex: the writer copies the live nodes into a fresh table and swaps it in
 //! ([`ArcCell`]); readers already inside the old one finish there (it is current up to the
-//! swap, and freed when the last of them lets go). Both rules are model-checked by loom
-//! with negative controls (`loom_models.rs`).
+//! swap, and freed when the last of them lets go). A lookup pins every shard's table at
+//! once, with one load of a [`View`]; a third rule keeps that exact:
+//!
+//! 3. *A new table is in the view before anything is written to it* ([`Map`]).
+//!
+//! All three rules are model-checked by loom with negative controls (`loom_models.rs`).
 //!
 //! Probe positions come from the key mixed with a per-process random seed, so a publisher
 //! cannot choose hashes that pile into one probe chain.
@@ -187,66 +191,166 @@ struct Books {
 
 #[derive(Debug)]
 pub(crate) struct Shard {
+    /// The table writers use (they borrow it under `books`' mutex).
     table: ArcCell<Table>,
     books: Mutex<Books>,
 }
 
 impl Shard {
     /// An empty shard whose table has room for `expected` keys.
-    pub(crate) fn new(expected: usize) -> Shard {
+    fn new(expected: usize) -> Shard {
         Shard {
             table: ArcCell::new(Arc::new(Table::new(capacity_for(expected), 0))),
             books: Mutex::new(Books::default()),
         }
     }
 
+    /// Heap bytes of the current table (slots and arena).
+    fn table_bytes(&self) -> usize {
+        let t = self.table.load();
+        t.slots.len() * std::mem::size_of::<Slot>() + t.arena.len() * 8
+    }
+}
+
+/// Every shard's current table at one moment: what a lookup pins, once, to read any shard.
+///
+/// Pinning is an atomic read-modify-write (an `arc-swap` debt slot, and another to pay it
+/// back), and on x86 each waits for every load before it; a pin per block read would make a
+/// walk take its cache misses one at a time. A view is replaced whole when any shard's
+/// table is (rare: growth, shrinking, compaction).
+#[derive(Debug)]
+pub(crate) struct View(Box<[Arc<Table>]>);
+
+impl View {
     /// Lock-free read of `key`'s owners into `out`. False if it has none.
-    pub(crate) fn read(&self, home: u64, key: u64, out: &mut Vec<Entry>) -> bool {
-        self.table.load().read(home, key, out)
+    pub(crate) fn read(&self, shard: usize, home: u64, key: u64, out: &mut Vec<Entry>) -> bool {
+        self.0[shard].read(home, key, out)
     }
 
-    /// The current table, held for a moment (see [`Pinned`]).
-    pub(crate) fn pin(&self) -> Pinned {
-        Pinned(self.table.load())
+    /// Loads the first slot `home` probes, so that its cache miss is under way before the
+    /// read. Returns the word (callers feed it to `black_box`).
+    pub(crate) fn touch(&self, shard: usize, home: u64) -> u64 {
+        let slots = &self.0[shard].slots;
+        slots[home as usize & (slots.len() - 1)]
+            .word
+            .load(Ordering::Relaxed)
     }
+}
 
-    /// Takes the shard's writer lock.
-    pub(crate) fn write(&self) -> ShardWriter<'_> {
-        let books = self.books.lock();
-        ShardWriter {
-            table: self.table.load(),
-            shard: self,
-            books,
+/// The block map: shards, and the [`View`] of their tables that readers pin.
+///
+/// The view rule: a shard's new table is in the published view before any write lands in
+/// it (the rebuild publishes under the shard's mutex). A reader's pinned view therefore
+/// holds tables that were current when it was pinned, each frozen at the moment it was
+/// replaced, if it was: every block a lookup reads is as some moment after its pin saw it.
+/// Without the rule, a reader could pin a table that was already replaced and miss writes
+/// that happened before it started. Model-checked by loom with a negative control.
+#[derive(Debug)]
+pub(crate) struct Map {
+    shards: Box<[Shard]>,
+    view: ArcCell<View>,
+    /// Serialises publishing views (taken under a shard's mutex, and nothing takes a shard's
+    /// mutex under it). Holds the view last replaced, brought up to date, when no reader
+    /// still had it: the next publish reuses it, so publishing costs O(1) rather than a
+    /// reference count taken and dropped per shard (those were 18 % of the event plane's
+    /// samples while its tables grew).
+    publishing: Mutex<Option<View>>,
+    /// A key's shard is the top bits of its mixed hash.
+    shift: u32,
+    /// Under `cfg(test)`, a rebuild publishes its view only when its writer lets go of the
+    /// shard (the loom negative control of the view rule).
+    #[cfg(all(test, kvroute_loom))]
+    broken_publish: std::sync::atomic::AtomicBool,
+}
+
+impl Map {
+    /// `shards` (a power of two, at least 2) empty shards, each with room for `expected` keys.
+    pub(crate) fn new(shards: usize, expected: usize) -> Map {
+        debug_assert!(shards.is_power_of_two() && shards >= 2);
+        let shards: Box<[Shard]> = (0..shards).map(|_| Shard::new(expected)).collect();
+        let view = View(shards.iter().map(|s| Arc::clone(&s.table.load())).collect());
+        Map {
+            shift: 64 - shards.len().trailing_zeros(),
+            shards,
+            view: ArcCell::new(Arc::new(view)),
+            publishing: Mutex::new(None),
+            #[cfg(all(test, kvroute_loom))]
+            broken_publish: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
-    /// Heap bytes of the current table (slots and arena).
+    /// The shard a probe home falls in (its top bits).
+    pub(crate) fn shard_of(&self, home: u64) -> usize {
+        (home >> self.shift) as usize
+    }
+
+    /// The tables now, for a lookup.
+    pub(crate) fn view(&self) -> Loaded<View> {
+        self.view.load()
+    }
+
+    /// Lock-free read of `key`'s owners into `out` (pins a view for this one read). False
+    /// if it has none.
+    pub(crate) fn read(&self, home: u64, key: u64, out: &mut Vec<Entry>) -> bool {
+        self.view().read(self.shard_of(home), home, key, out)
+    }
+
+    /// Takes the writer lock of the shard `home` falls in.
+    pub(crate) fn write(&self, home: u64) -> ShardWriter<'_> {
+        self.write_shard(self.shard_of(home))
+    }
+
+    /// Takes shard `index`'s writer lock.
+    pub(crate) fn write_shard(&self, index: usize) -> ShardWriter<'_> {
+        let shard = &self.shards[index];
+        let books = shard.books.lock();
+        ShardWriter {
+            table: shard.table.load(),
+            map: self,
+            index,
+            books,
+            deferred: false,
+            #[cfg(all(test, kvroute_loom))]
+            late_view: None,
+        }
+    }
+
+    /// The number of shards.
+    pub(crate) fn shards(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// Heap bytes of the current tables (slots and arenas).
     pub(crate) fn table_bytes(&self) -> usize {
-        let t = self.table.load();
-        t.slots.len() * std::mem::size_of::<Slot>() + t.arena.len() * 8
+        self.shards.iter().map(Shard::table_bytes).sum()
+    }
+
+    /// Puts `table` in the view as shard `index`'s. Called by that shard's writer.
+    fn publish(&self, index: usize, table: &Arc<Table>) {
+        let mut spare = self.publishing.lock();
+        let mut next = spare
+            .take()
+            .unwrap_or_else(|| View(self.view.load().0.clone()));
+        next.0[index] = Arc::clone(table);
+        let replaced = self.view.swap(Arc::new(next));
+        // The replaced view differs from the new one in this shard only.
+        if let Some(mut old) = Arc::into_inner(replaced) {
+            old.0[index] = Arc::clone(table);
+            *spare = Some(old);
+        }
     }
 
     #[cfg(all(test, kvroute_loom))]
     pub(crate) fn break_reuse(&self) {
-        self.books.lock().broken_reuse = true;
+        for shard in self.shards.iter() {
+            shard.books.lock().broken_reuse = true;
+        }
     }
-}
 
-/// A shard's table held so that the first slot of a probe can be loaded ahead of its read.
-///
-/// Taking a pin is an atomic read-modify-write (an `arc-swap` debt slot), which on x86 waits
-/// for every load before it to complete. A caller that wants the cache misses of a group of
-/// blocks to overlap therefore pins the whole group first and touches after: pin, touch,
-/// pin, touch would take the misses one at a time.
-pub(crate) struct Pinned(Loaded<Table>);
-
-impl Pinned {
-    /// Loads the first slot `home` probes. Returns the word (callers feed it to `black_box`).
-    pub(crate) fn touch(&self, home: u64) -> u64 {
-        let mask = self.0.slots.len() - 1;
-        self.0.slots[home as usize & mask]
-            .word
-            .load(Ordering::Relaxed)
+    #[cfg(all(test, kvroute_loom))]
+    pub(crate) fn break_publish(&self) {
+        self.broken_publish
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -263,11 +367,26 @@ pub(crate) enum Change {
 
 /// A shard's writer: holds its mutex.
 pub(crate) struct ShardWriter<'a> {
-    shard: &'a Shard,
+    map: &'a Map,
+    index: usize,
     books: MutexGuard<'a, Books>,
     /// The table, borrowed (no reference count traffic per block written); it cannot be
     /// swapped by anyone else while the mutex is held.
     table: Loaded<Table>,
+    /// Set by [`ShardWriter::defer_shrinking`].
+    deferred: bool,
+    /// Under `cfg(test)`, a table the broken rebuild publishes only when the writer lets go.
+    #[cfg(all(test, kvroute_loom))]
+    late_view: Option<Arc<Table>>,
+}
+
+#[cfg(all(test, kvroute_loom))]
+impl Drop for ShardWriter<'_> {
+    fn drop(&mut self) {
+        if let Some(table) = self.late_view.take() {
+            self.map.publish(self.index, &table);
+        }
+    }
 }
 
 impl ShardWriter<'_> {
@@ -294,9 +413,7 @@ impl ShardWriter<'_> {
             self.table.slots[i].word.store(PRESENT, Ordering::Release);
             self.release_region(old);
             self.books.live -= usize::from(was_live);
-            let cap = self.table.slots.len();
-            let shrink = self.books.live < cap / 8 && cap > MIN_CAPACITY;
-            if shrink || (self.books.live == 0 && !self.table.arena.is_empty()) {
+            if !self.deferred && self.sparse() {
                 self.rebuild(0, 0);
             }
             return if was_live {
@@ -331,6 +448,29 @@ impl ShardWriter<'_> {
         } else {
             self.books.live += 1;
             Change::Created
+        }
+    }
+
+    /// Whether the table should shrink: an eighth full, or empty with an arena.
+    fn sparse(&self) -> bool {
+        let cap = self.table.slots.len();
+        (self.books.live < cap / 8 && cap > MIN_CAPACITY)
+            || (self.books.live == 0 && !self.table.arena.is_empty())
+    }
+
+    /// Stops [`ShardWriter::set`] from shrinking the table until [`ShardWriter::settle`]: a
+    /// walk that empties most keys rebuilds once, to the size it ends at, instead of at
+    /// every eighth on the way down (fewer tables allocated and freed, less for the
+    /// allocator to keep).
+    pub(crate) fn defer_shrinking(&mut self) {
+        self.deferred = true;
+    }
+
+    /// Shrinks the table if removals since [`ShardWriter::defer_shrinking`] left it sparse.
+    pub(crate) fn settle(&mut self) {
+        self.deferred = false;
+        if self.sparse() {
+            self.rebuild(0, 0);
         }
     }
 
@@ -438,8 +578,21 @@ impl ShardWriter<'_> {
             next.slots[i].word.store(word, Ordering::Relaxed);
         }
         let next = Arc::new(next);
-        // The swap publishes every store above (the cell's store is a release).
-        self.shard.table.store(Arc::clone(&next));
+        // The view rule: readers can pin the new table before anything is written to it.
+        // The stores publish every store above (they are releases).
+        #[cfg(all(test, kvroute_loom))]
+        if self
+            .map
+            .broken_publish
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            self.late_view = Some(Arc::clone(&next));
+        } else {
+            self.map.publish(self.index, &next);
+        }
+        #[cfg(not(all(test, kvroute_loom)))]
+        self.map.publish(self.index, &next);
+        self.map.shards[self.index].table.store(Arc::clone(&next));
         self.table = loaded(next);
         self.books.used = self.books.live;
         self.books.arena_top = arena_top;
@@ -511,9 +664,9 @@ mod tests {
 
     #[test]
     fn inline_spilled_tombstones_and_rebuilds() {
-        let shard = Shard::new(0);
+        let map = Map::new(2, 0);
         let mut buf = Vec::new();
-        let mut w = shard.write();
+        let mut w = map.write_shard(0);
         for key in 0..1000u64 {
             let o = owners((key % 7) as u32 + 1);
             assert_eq!(w.set(home_of_key(key), key, &o), Change::Created);
@@ -532,25 +685,44 @@ mod tests {
         }
         drop(w);
         for key in 0..1000u64 {
-            assert!(!shard.read(home_of_key(key), key, &mut buf));
+            assert!(!map.view().read(0, home_of_key(key), key, &mut buf));
         }
-        assert_eq!(shard.table_bytes(), MIN_CAPACITY * 16, "shrinks back");
+        assert_eq!(map.table_bytes(), 2 * MIN_CAPACITY * 16, "shrinks back");
+    }
+
+    #[test]
+    fn deferred_shrinking_rebuilds_once_when_settled() {
+        let map = Map::new(2, 0);
+        let mut w = map.write_shard(0);
+        for key in 0..1000u64 {
+            w.set(home_of_key(key), key, &owners(1));
+        }
+        let before = w.rebuilds();
+        w.defer_shrinking();
+        for key in 0..1000u64 {
+            w.set(home_of_key(key), key, &[]);
+        }
+        assert_eq!(w.rebuilds(), before, "no rebuild while deferred");
+        w.settle();
+        assert_eq!(w.rebuilds(), before + 1, "one rebuild to the final size");
+        drop(w);
+        assert_eq!(map.table_bytes(), 2 * MIN_CAPACITY * 16);
     }
 
     #[test]
     fn slot_indices_past_16_bits_spill() {
-        let shard = Shard::new(0);
+        let map = Map::new(2, 0);
         let mut buf = Vec::new();
         let big = [entry(70_000, 1)];
-        shard.write().set(home_of_key(5), 5, &big);
-        assert!(shard.read(home_of_key(5), 5, &mut buf));
+        map.write(home_of_key(5)).set(home_of_key(5), 5, &big);
+        assert!(map.read(home_of_key(5), 5, &mut buf));
         assert_eq!(buf, big);
     }
 
     #[test]
     fn churn_keeps_the_table_small() {
-        let shard = Shard::new(0);
-        let mut w = shard.write();
+        let map = Map::new(2, 0);
+        let mut w = map.write_shard(0);
         for round in 0..50u64 {
             for key in 0..200u64 {
                 let k = round << 32 | key;
@@ -562,6 +734,6 @@ mod tests {
             }
         }
         drop(w);
-        assert_eq!(shard.table_bytes(), MIN_CAPACITY * 16);
+        assert_eq!(map.table_bytes(), 2 * MIN_CAPACITY * 16);
     }
 }
