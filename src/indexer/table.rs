@@ -334,7 +334,7 @@ impl Map {
         next.0[index] = Arc::clone(table);
         let replaced = self.view.swap(Arc::new(next));
         // The replaced view differs from the new one in this shard only.
-        if let Some(mut old) = Arc::into_inner(replaced) {
+        if let Ok(mut old) = Arc::try_unwrap(replaced) {
             old.0[index] = Arc::clone(table);
             *spare = Some(old);
         }
