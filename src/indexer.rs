@@ -738,9 +738,14 @@ impl Indexer {
         if !self.map.read(home, seq.0, owners) {
             return Vec::new();
         }
+        // Both sorted by slot: a merge.
+        let mut at = 0;
         owners.retain(|e| {
-            refs.binary_search_by_key(&table::slot_of(*e), |r| r.index)
-                .is_ok()
+            let slot = table::slot_of(*e);
+            while refs.get(at).is_some_and(|r| r.index < slot) {
+                at += 1;
+            }
+            refs.get(at).is_some_and(|r| r.index == slot)
         });
         refs
     }
@@ -752,17 +757,30 @@ impl Indexer {
         };
         let mut owners: Vec<Entry> = Vec::new();
         let refs = self.root_owners(first, &mut owners);
-        // Owners still matching in the device tier (sorted), owners continuing in lower
-        // tiers (sorted), and finished ones: (slot, device, host, disk).
+        // Owners still matching in the device tier (in slot order), owners continuing in
+        // lower tiers, and finished ones: (owner, device, host, disk), where an owner is its
+        // position in `refs` (so the end resolves it without a search; block 0 may have
+        // thousands of owners).
+        let slot = |owner: u32| refs[owner as usize].index;
         let mut device: Vec<u32> = Vec::new();
         let mut lower: Vec<(u32, u32, u32, u32)> = Vec::new();
         let mut done: Vec<(u32, u32, u32, u32)> = Vec::new();
+        let mut at = 0;
         for &e in &owners {
+            // Both in slot order (and `owners` a subset of `refs`): a merge.
+            let slot = table::slot_of(e);
+            while refs.get(at).is_some_and(|r| r.index < slot) {
+                at += 1;
+            }
+            if refs.get(at).is_none_or(|r| r.index != slot) {
+                continue;
+            }
+            let owner = at as u32;
             let tiers = table::tiers_of(e);
             if tiers & DEVICE != 0 {
-                device.push(table::slot_of(e));
+                device.push(owner);
             } else {
-                lower.push(credit((table::slot_of(e), 0, 0, 0), tiers));
+                lower.push(credit((owner, 0, 0, 0), tiers));
             }
         }
         // The previous level's owners. Along a shared prefix, consecutive blocks usually
@@ -800,11 +818,11 @@ impl Indexer {
             }
             if owners == previous {
                 for entry in &mut lower {
-                    *entry = credit(*entry, table::tiers_in(&owners, entry.0));
+                    *entry = credit(*entry, table::tiers_in(&owners, slot(entry.0)));
                 }
             } else {
                 lower.retain_mut(|entry| {
-                    let tiers = table::tiers_in(&owners, entry.0) & !DEVICE;
+                    let tiers = table::tiers_in(&owners, slot(entry.0)) & !DEVICE;
                     if tiers != 0 {
                         *entry = credit(*entry, tiers);
                         true
@@ -813,15 +831,24 @@ impl Indexer {
                         false
                     }
                 });
-                device.retain(|&slot| {
-                    let tiers = table::tiers_in(&owners, slot);
+                // `device` and `owners` are both in slot order: a merge.
+                let mut at = 0;
+                device.retain(|&owner| {
+                    let slot = slot(owner);
+                    while owners.get(at).is_some_and(|e| table::slot_of(*e) < slot) {
+                        at += 1;
+                    }
+                    let tiers = owners
+                        .get(at)
+                        .filter(|e| table::slot_of(**e) == slot)
+                        .map_or(0, |e| table::tiers_of(*e));
                     if tiers & DEVICE != 0 {
                         return true;
                     }
                     if tiers != 0 {
-                        lower.push(credit((slot, depth, 0, 0), tiers));
+                        lower.push(credit((owner, depth, 0, 0), tiers));
                     } else {
-                        done.push((slot, depth, 0, 0));
+                        done.push((owner, depth, 0, 0));
                     }
                     false
                 });
@@ -832,12 +859,11 @@ impl Indexer {
         std::hint::black_box(touched);
         drop(view);
         done.extend(lower);
-        done.extend(device.into_iter().map(|slot| (slot, depth, 0, 0)));
+        done.extend(device.into_iter().map(|owner| (owner, depth, 0, 0)));
         let workers = done
             .into_iter()
-            .filter_map(|(slot, device, host, disk)| {
-                let at = refs.binary_search_by_key(&slot, |r| r.index).ok()?;
-                let (worker, dp_rank) = self.lanes.slots.resolve(refs[at])?;
+            .filter_map(|(owner, device, host, disk)| {
+                let (worker, dp_rank) = self.lanes.slots.resolve(refs[owner as usize])?;
                 Some(Overlap {
                     worker,
                     dp_rank,
