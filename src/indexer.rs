@@ -718,8 +718,8 @@ impl Indexer {
 
     /// The owners of block 0, each with the generation of its slot, read so that a slot
     /// handed to a new worker mid-walk is never credited with its previous occupant's
-    /// blocks: owners, then generations, then owners again, keeping only owners seen both
-    /// times. A bit still set after the generation was read belongs to that generation's
+    /// blocks: owners, then generations (the refs returned), then owners again (left in
+    /// `owners`); the walk keeps only owners seen both times. A bit still set after the generation was read belongs to that generation's
     /// occupant (an occupant's bits are all cleared before its slot is vacated), and the
     /// generation is checked again when the walk resolves slots to workers.
     fn root_owners(&self, seq: SeqHash, owners: &mut Vec<Entry>) -> Vec<SlotRef> {
@@ -738,15 +738,6 @@ impl Indexer {
         if !self.map.read(home, seq.0, owners) {
             return Vec::new();
         }
-        // Both sorted by slot: a merge.
-        let mut at = 0;
-        owners.retain(|e| {
-            let slot = table::slot_of(*e);
-            while refs.get(at).is_some_and(|r| r.index < slot) {
-                at += 1;
-            }
-            refs.get(at).is_some_and(|r| r.index == slot)
-        });
         refs
     }
 
@@ -760,14 +751,14 @@ impl Indexer {
         // Owners still matching in the device tier (in slot order), owners continuing in
         // lower tiers, and finished ones: (owner, device, host, disk), where an owner is its
         // position in `refs` (so the end resolves it without a search; block 0 may have
-        // thousands of owners).
-        let slot = |owner: u32| refs[owner as usize].index;
+        // thousands of owners, and each list is matched against the next by a merge).
+        let slot_at = |owner: u32| refs[owner as usize].index;
         let mut device: Vec<u32> = Vec::new();
         let mut lower: Vec<(u32, u32, u32, u32)> = Vec::new();
         let mut done: Vec<(u32, u32, u32, u32)> = Vec::new();
         let mut at = 0;
         for &e in &owners {
-            // Both in slot order (and `owners` a subset of `refs`): a merge.
+            // Block 0's owners seen both times: both lists in slot order, a merge.
             let slot = table::slot_of(e);
             while refs.get(at).is_some_and(|r| r.index < slot) {
                 at += 1;
@@ -784,8 +775,8 @@ impl Indexer {
             }
         }
         // The previous level's owners. Along a shared prefix, consecutive blocks usually
-        // have the same owners; then every decision repeats, and one memcmp replaces a
-        // membership test per worker (O(1 + continuing) per level instead of O(workers)).
+        // have the same owners; then every decision repeats, and one memcmp replaces the
+        // merge (O(1 + continuing) per level instead of O(owners)).
         let mut previous = std::mem::take(&mut owners);
         let mut depth = 1u32;
         // One view of the tables for the rest of the walk, pinned after block 0's owners were
@@ -818,11 +809,11 @@ impl Indexer {
             }
             if owners == previous {
                 for entry in &mut lower {
-                    *entry = credit(*entry, table::tiers_in(&owners, slot(entry.0)));
+                    *entry = credit(*entry, table::tiers_in(&owners, slot_at(entry.0)));
                 }
             } else {
                 lower.retain_mut(|entry| {
-                    let tiers = table::tiers_in(&owners, slot(entry.0)) & !DEVICE;
+                    let tiers = table::tiers_in(&owners, slot_at(entry.0)) & !DEVICE;
                     if tiers != 0 {
                         *entry = credit(*entry, tiers);
                         true
@@ -834,7 +825,7 @@ impl Indexer {
                 // `device` and `owners` are both in slot order: a merge.
                 let mut at = 0;
                 device.retain(|&owner| {
-                    let slot = slot(owner);
+                    let slot = slot_at(owner);
                     while owners.get(at).is_some_and(|e| table::slot_of(*e) < slot) {
                         at += 1;
                     }
