@@ -42,12 +42,12 @@
 //! events. The protocols that make lock-free reads exact are: a table slot's key never
 //! changes while its table lives, owner sets are published with one store, tables are
 //! swapped whole when they grow or shrink, and a lookup pins all of them at once through a
-//! view that holds a new table before anything is written to it ([`table`]); and a worker slot handed to a new
-//! worker during a walk is never credited with the old one's blocks (generations, checked
-//! around block 0 and at the end of the walk: [`Indexer::walk`]); a slot is reused only
-//! after the reaper has stripped it, and a removal that finds another thread reaping is
-//! stripped by that thread, which looks again after letting go. Each is model-checked
-//! with loom, with a negative control that must fail
+//! view that holds a new table before anything is written to it ([`table`]); and a worker
+//! slot handed to a new worker during a walk is never credited with the old one's blocks
+//! (generations, checked around block 0 and at the end of the walk: [`Indexer::walk`]); a
+//! slot is reused only after the reaper has stripped it, and a removal that finds another
+//! thread reaping is stripped by that thread, which looks again after letting go. Each is
+//! model-checked with loom, with a negative control that must fail
 //! (`RUSTFLAGS="--cfg kvroute_loom" cargo test --release -p kvroute loom`).
 //!
 //! Alternatives measured or weighed: the previous design, a `DashMap` of nodes with owner
@@ -719,9 +719,10 @@ impl Indexer {
     /// The owners of block 0, each with the generation of its slot, read so that a slot
     /// handed to a new worker mid-walk is never credited with its previous occupant's
     /// blocks: owners, then generations (the refs returned), then owners again (left in
-    /// `owners`); the walk keeps only owners seen both times. A bit still set after the generation was read belongs to that generation's
-    /// occupant (an occupant's bits are all cleared before its slot is vacated), and the
-    /// generation is checked again when the walk resolves slots to workers.
+    /// `owners`); the walk keeps only owners seen both times. A bit still set after the
+    /// generation was read belongs to that generation's occupant (an occupant's bits are all
+    /// cleared before its slot is vacated), and the generation is checked again when the walk
+    /// resolves slots to workers.
     fn root_owners(&self, seq: SeqHash, owners: &mut Vec<Entry>) -> Vec<SlotRef> {
         let home = home(seq);
         if !self.map.read(home, seq.0, owners) {

@@ -63,17 +63,6 @@ pub(crate) type Loaded<T> = arc_swap::Guard<Arc<T>>;
 #[cfg(kvroute_loom)]
 pub(crate) type Loaded<T> = Arc<T>;
 
-/// An owned value as a [`Loaded`] (a writer that swapped in a new value keeps using it).
-#[cfg(not(kvroute_loom))]
-pub(crate) fn loaded<T>(value: Arc<T>) -> Loaded<T> {
-    arc_swap::Guard::from_inner(value)
-}
-/// An owned value as a [`Loaded`] (a writer that swapped in a new value keeps using it).
-#[cfg(kvroute_loom)]
-pub(crate) fn loaded<T>(value: Arc<T>) -> Loaded<T> {
-    value
-}
-
 /// A shared pointer that writers replace and readers load without a lock: `arc-swap`
 /// normally (readers borrow through its debt slots, no refcount traffic on the fast path;
 /// the old value is freed when its last reader lets go). Under loom, a mutex around an `Arc`
@@ -115,7 +104,8 @@ impl<T> ArcCell<T> {
         )
     }
 
-    /// Replaces the value and returns the one it replaced (a release, like `store`).
+    /// Replaces the value and returns the one it replaced (a release: stores before it are
+    /// visible to later loads).
     pub(crate) fn swap(&self, value: Arc<T>) -> Arc<T> {
         #[cfg(kvroute_loom)]
         return std::mem::replace(
@@ -127,18 +117,5 @@ impl<T> ArcCell<T> {
         );
         #[cfg(not(kvroute_loom))]
         return self.inner.swap(value);
-    }
-
-    /// Replaces the value (a release: stores before it are visible to later loads).
-    pub(crate) fn store(&self, value: Arc<T>) {
-        #[cfg(kvroute_loom)]
-        {
-            *self
-                .inner
-                .lock()
-                .expect("invariant: no thread panics holding an indexer lock") = value;
-        }
-        #[cfg(not(kvroute_loom))]
-        self.inner.store(value);
     }
 }

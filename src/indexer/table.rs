@@ -34,10 +34,11 @@
 //!    rebuilding too.
 //!
 //! A rebuild (grow, shrink, purge tombstones, compact the arena) happens under the shard's
-//! mutex: the writer copies the live nodes into a fresh table and swaps it in
-//! ([`ArcCell`]); readers already inside the old one finish there (it is current up to the
-//! swap, and freed when the last of them lets go). A lookup pins every shard's table at
-//! once, with one load of a [`View`]; a third rule keeps that exact:
+//! mutex: the writer copies the live nodes into a fresh table and swaps it in, in the readers'
+//! [`View`] (an [`ArcCell`]) and in the shard's books, where writers find it without any atomic
+//! operation; readers already inside the old one finish there (it is current up to the swap,
+//! and freed when the last of them lets go). A lookup pins every shard's table at once, with
+//! one load of the view; a third rule keeps that exact:
 //!
 //! 3. *A new table is in the view before anything is written to it* ([`Map`]).
 //!
@@ -46,7 +47,7 @@
 //! Probe positions come from the key mixed with a per-process random seed, so a publisher
 //! cannot choose hashes that pile into one probe chain.
 
-use super::sync::{Arc, ArcCell, AtomicU64, Loaded, Mutex, MutexGuard, Ordering, loaded};
+use super::sync::{Arc, ArcCell, AtomicU64, Loaded, Mutex, MutexGuard, Ordering};
 
 /// One owner of a block: `slot << 4 | tiers` (bit `t` set: held in `Tier` `t`).
 pub(crate) type Entry = u32;
@@ -171,9 +172,13 @@ impl Table {
     }
 }
 
-/// Writer-side bookkeeping of a shard (under its mutex).
-#[derive(Debug, Default)]
+/// A shard's writer side, under its mutex: its current table and the bookkeeping.
+#[derive(Debug)]
 struct Books {
+    /// The current table. Only the mutex's holder replaces it, so a writer uses it
+    /// without touching its reference count or an `arc-swap` slot (readers pin the
+    /// [`View`] instead).
+    table: Arc<Table>,
     /// Keys with owners.
     live: usize,
     /// Keyed slots, live or tombstone.
@@ -189,26 +194,19 @@ struct Books {
     broken_reuse: bool,
 }
 
-#[derive(Debug)]
-pub(crate) struct Shard {
-    /// The table writers use (they borrow it under `books`' mutex).
-    table: ArcCell<Table>,
-    books: Mutex<Books>,
-}
-
-impl Shard {
-    /// An empty shard whose table has room for `expected` keys.
-    fn new(expected: usize) -> Shard {
-        Shard {
-            table: ArcCell::new(Arc::new(Table::new(capacity_for(expected), 0))),
-            books: Mutex::new(Books::default()),
+impl Books {
+    /// An empty shard's, with room for `expected` keys.
+    fn new(expected: usize) -> Books {
+        Books {
+            table: Arc::new(Table::new(capacity_for(expected), 0)),
+            live: 0,
+            used: 0,
+            arena_top: 0,
+            arena_live: 0,
+            rebuilds: 0,
+            #[cfg(all(test, kvroute_loom))]
+            broken_reuse: false,
         }
-    }
-
-    /// Heap bytes of the current table (slots and arena).
-    fn table_bytes(&self) -> usize {
-        let t = self.table.load();
-        t.slots.len() * std::mem::size_of::<Slot>() + t.arena.len() * 8
     }
 }
 
@@ -247,7 +245,7 @@ impl View {
 /// that happened before it started. Model-checked by loom with a negative control.
 #[derive(Debug)]
 pub(crate) struct Map {
-    shards: Box<[Shard]>,
+    shards: Box<[Mutex<Books>]>,
     view: ArcCell<View>,
     /// Serialises publishing views (taken under a shard's mutex, and nothing takes a shard's
     /// mutex under it). Holds the view last replaced, brought up to date, when no reader
@@ -267,8 +265,10 @@ impl Map {
     /// `shards` (a power of two, at least 2) empty shards, each with room for `expected` keys.
     pub(crate) fn new(shards: usize, expected: usize) -> Map {
         debug_assert!(shards.is_power_of_two() && shards >= 2);
-        let shards: Box<[Shard]> = (0..shards).map(|_| Shard::new(expected)).collect();
-        let view = View(shards.iter().map(|s| Arc::clone(&s.table.load())).collect());
+        let shards: Box<[Mutex<Books>]> = (0..shards)
+            .map(|_| Mutex::new(Books::new(expected)))
+            .collect();
+        let view = View(shards.iter().map(|s| Arc::clone(&s.lock().table)).collect());
         Map {
             shift: 64 - shards.len().trailing_zeros(),
             shards,
@@ -302,13 +302,10 @@ impl Map {
 
     /// Takes shard `index`'s writer lock.
     pub(crate) fn write_shard(&self, index: usize) -> ShardWriter<'_> {
-        let shard = &self.shards[index];
-        let books = shard.books.lock();
         ShardWriter {
-            table: shard.table.load(),
+            books: self.shards[index].lock(),
             map: self,
             index,
-            books,
             deferred: false,
             #[cfg(all(test, kvroute_loom))]
             late_view: None,
@@ -322,7 +319,11 @@ impl Map {
 
     /// Heap bytes of the current tables (slots and arenas).
     pub(crate) fn table_bytes(&self) -> usize {
-        self.shards.iter().map(Shard::table_bytes).sum()
+        self.view()
+            .0
+            .iter()
+            .map(|t| t.slots.len() * std::mem::size_of::<Slot>() + t.arena.len() * 8)
+            .sum()
     }
 
     /// Puts `table` in the view as shard `index`'s. Called by that shard's writer.
@@ -343,7 +344,7 @@ impl Map {
     #[cfg(all(test, kvroute_loom))]
     pub(crate) fn break_reuse(&self) {
         for shard in self.shards.iter() {
-            shard.books.lock().broken_reuse = true;
+            shard.lock().broken_reuse = true;
         }
     }
 
@@ -370,9 +371,6 @@ pub(crate) struct ShardWriter<'a> {
     map: &'a Map,
     index: usize,
     books: MutexGuard<'a, Books>,
-    /// The table, borrowed (no reference count traffic per block written); it cannot be
-    /// swapped by anyone else while the mutex is held.
-    table: Loaded<Table>,
     /// Set by [`ShardWriter::defer_shrinking`].
     deferred: bool,
     /// Under `cfg(test)`, a table the broken rebuild publishes only when the writer lets go.
@@ -392,7 +390,7 @@ impl Drop for ShardWriter<'_> {
 impl ShardWriter<'_> {
     /// The owners of `key` into `out`. False if none.
     pub(crate) fn read(&self, home: u64, key: u64, out: &mut Vec<Entry>) -> bool {
-        self.table.read(home, key, out)
+        self.books.table.read(home, key, out)
     }
 
     /// Sets `key`'s owners to `owners` (sorted by slot, no zero tier sets; empty removes).
@@ -402,7 +400,7 @@ impl ShardWriter<'_> {
         let found = self.probe_for_write(home, key);
         let (index, was_live, old) = match found {
             Ok(i) => {
-                let old = self.table.slots[i].word.load(Ordering::Relaxed);
+                let old = self.books.table.slots[i].word.load(Ordering::Relaxed);
                 (Some(i), old != PRESENT, old)
             }
             Err(_) if owners.is_empty() => return Change::Updated,
@@ -410,7 +408,9 @@ impl ShardWriter<'_> {
         };
         if owners.is_empty() {
             let i = index.expect("invariant: a live key was found");
-            self.table.slots[i].word.store(PRESENT, Ordering::Release);
+            self.books.table.slots[i]
+                .word
+                .store(PRESENT, Ordering::Release);
             self.release_region(old);
             self.books.live -= usize::from(was_live);
             if !self.deferred && self.sparse() {
@@ -424,20 +424,23 @@ impl ShardWriter<'_> {
         }
         // Room first: growing or compacting moves the node, so place it afterwards.
         let spill_words = spill_words(owners);
-        if self.books.arena_top + spill_words > self.table.arena.len() {
+        if self.books.arena_top + spill_words > self.books.table.arena.len() {
             self.rebuild(usize::from(index.is_none()), spill_words);
-        } else if index.is_none() && (self.books.used + 1) * 16 > self.table.slots.len() * 13 {
+        } else if index.is_none() && (self.books.used + 1) * 16 > self.books.table.slots.len() * 13
+        {
             self.rebuild(1, 0);
         }
         let word = self.encode(owners);
         match self.probe_for_write(home, key) {
             Ok(i) => {
-                let old = self.table.slots[i].word.load(Ordering::Relaxed);
-                self.table.slots[i].word.store(word, Ordering::Release);
+                let old = self.books.table.slots[i].word.load(Ordering::Relaxed);
+                self.books.table.slots[i]
+                    .word
+                    .store(word, Ordering::Release);
                 self.release_region(old);
             }
             Err(i) => {
-                let slot = &self.table.slots[i];
+                let slot = &self.books.table.slots[i];
                 slot.key.store(key, Ordering::Relaxed);
                 slot.word.store(word, Ordering::Release);
                 self.books.used += 1;
@@ -453,9 +456,9 @@ impl ShardWriter<'_> {
 
     /// Whether the table should shrink: an eighth full, or empty with an arena.
     fn sparse(&self) -> bool {
-        let cap = self.table.slots.len();
+        let cap = self.books.table.slots.len();
         (self.books.live < cap / 8 && cap > MIN_CAPACITY)
-            || (self.books.live == 0 && !self.table.arena.is_empty())
+            || (self.books.live == 0 && !self.books.table.arena.is_empty())
     }
 
     /// Stops [`ShardWriter::set`] from shrinking the table until [`ShardWriter::settle`]: a
@@ -477,9 +480,9 @@ impl ShardWriter<'_> {
     /// Calls `f(key, owners)` for every live node of the shard.
     pub(crate) fn for_each(&self, mut f: impl FnMut(u64, &[Entry])) {
         let mut buf = Vec::new();
-        for slot in self.table.slots.iter() {
+        for slot in self.books.table.slots.iter() {
             let word = slot.word.load(Ordering::Relaxed);
-            if word != 0 && self.table.decode(word, &mut buf) {
+            if word != 0 && self.books.table.decode(word, &mut buf) {
                 f(slot.key.load(Ordering::Relaxed), &buf);
             }
         }
@@ -500,11 +503,11 @@ impl ShardWriter<'_> {
         #[cfg(all(test, kvroute_loom))]
         if self.books.broken_reuse {
             // Broken on purpose: the first tombstone on the probe takes any key.
-            let mask = self.table.slots.len() - 1;
+            let mask = self.books.table.slots.len() - 1;
             let mut i = home as usize & mask;
             loop {
-                let w = self.table.slots[i].word.load(Ordering::Relaxed);
-                let k = self.table.slots[i].key.load(Ordering::Relaxed);
+                let w = self.books.table.slots[i].word.load(Ordering::Relaxed);
+                let k = self.books.table.slots[i].key.load(Ordering::Relaxed);
                 if w == 0 {
                     return Err(i);
                 }
@@ -514,7 +517,8 @@ impl ShardWriter<'_> {
                 i = (i + 1) & mask;
             }
         }
-        self.table
+        self.books
+            .table
             .probe(home, key)
             .expect("invariant: the load factor stays below 13/16, so a probe ends")
     }
@@ -529,7 +533,7 @@ impl ShardWriter<'_> {
             }
             return word;
         }
-        let word = write_region(&self.table.arena, self.books.arena_top, owners);
+        let word = write_region(&self.books.table.arena, self.books.arena_top, owners);
         let words = owners.len().div_ceil(2);
         self.books.arena_top += words;
         self.books.arena_live += words;
@@ -557,9 +561,9 @@ impl ShardWriter<'_> {
         let mask = capacity - 1;
         let mut buf = Vec::new();
         let mut arena_top = 0;
-        for slot in self.table.slots.iter() {
+        for slot in self.books.table.slots.iter() {
             let word = slot.word.load(Ordering::Relaxed);
-            if word == 0 || !self.table.decode(word, &mut buf) {
+            if word == 0 || !self.books.table.decode(word, &mut buf) {
                 continue;
             }
             let key = slot.key.load(Ordering::Relaxed);
@@ -592,8 +596,7 @@ impl ShardWriter<'_> {
         }
         #[cfg(not(all(test, kvroute_loom)))]
         self.map.publish(self.index, &next);
-        self.map.shards[self.index].table.store(Arc::clone(&next));
-        self.table = loaded(next);
+        self.books.table = next;
         self.books.used = self.books.live;
         self.books.arena_top = arena_top;
         self.books.arena_live = arena_top;
