@@ -15,6 +15,13 @@ use crate::protocol::{
     DpRank, EventBatch, KvEvent, KvEventData, LocalHash, SeqHash, StoredBlock, Tier, WorkerId,
 };
 
+/// Runs `model`'s deliberately broken variant, which must fail: a model whose negative
+/// control passes proves nothing.
+fn assert_caught(model: fn(bool), what: &str) {
+    let failed = catch_unwind(AssertUnwindSafe(|| model(true))).is_err();
+    assert!(failed, "loom did not catch {what}");
+}
+
 /// A reader resolving a ref while its slot is vacated and re-occupied by another worker
 /// must get the old identity or nothing, never the new worker's.
 fn slot_reuse_model(broken: bool) {
@@ -48,8 +55,7 @@ fn loom_slot_reuse_never_credits_the_next_occupant() {
 
 #[test]
 fn loom_slot_reuse_negative_control() {
-    let failed = catch_unwind(AssertUnwindSafe(|| slot_reuse_model(true))).is_err();
-    assert!(failed, "loom did not catch the unchecked resolve");
+    assert_caught(slot_reuse_model, "the unchecked resolve");
 }
 
 /// An `apply` racing `remove_worker` must not leave entries behind for a slot that was
@@ -102,8 +108,7 @@ fn loom_lane_teardown_leaks_nothing() {
 
 #[test]
 fn loom_lane_teardown_negative_control() {
-    let failed = catch_unwind(AssertUnwindSafe(|| lane_teardown_model(true))).is_err();
-    assert!(failed, "loom did not catch the missing dead-lane check");
+    assert_caught(lane_teardown_model, "the missing dead-lane check");
 }
 
 /// Table rule 1: a reader that matched a key reads that key's owners. Key `K` dies (its slot
@@ -146,11 +151,7 @@ fn loom_a_reader_never_reads_another_keys_owners() {
 
 #[test]
 fn loom_tombstone_reuse_negative_control() {
-    let failed = catch_unwind(AssertUnwindSafe(|| tombstone_model(true))).is_err();
-    assert!(
-        failed,
-        "loom did not catch a tombstone taken by another key"
-    );
+    assert_caught(tombstone_model, "a tombstone taken by another key");
 }
 
 /// The view rule: a rebuilt table is in the readers' view before anything is written to
@@ -196,11 +197,7 @@ fn loom_a_lookup_pins_tables_that_were_current() {
 
 #[test]
 fn loom_view_negative_control() {
-    let failed = catch_unwind(AssertUnwindSafe(|| view_model(true))).is_err();
-    assert!(
-        failed,
-        "loom did not catch a view published after writes to its table"
-    );
+    assert_caught(view_model, "a view published after writes to its table");
 }
 
 fn stored(worker: u64, tier: Tier, seq: u64) -> EventBatch {
@@ -265,11 +262,7 @@ fn loom_overlapping_removals_leave_nothing_behind() {
 
 #[test]
 fn loom_reap_negative_control() {
-    let failed = catch_unwind(AssertUnwindSafe(|| reap_model(true))).is_err();
-    assert!(
-        failed,
-        "loom did not catch the reaper that does not look again"
-    );
+    assert_caught(reap_model, "the reaper that does not look again");
 }
 
 /// Worker slots across a walk: worker 1 holds block 0 on the device; while a lookup of
@@ -316,9 +309,5 @@ fn loom_a_reused_slot_is_never_credited_with_the_last_occupants_blocks() {
 
 #[test]
 fn loom_walk_negative_control() {
-    let failed = catch_unwind(AssertUnwindSafe(|| walk_model(true))).is_err();
-    assert!(
-        failed,
-        "loom did not catch the walk without the block-0 re-read"
-    );
+    assert_caught(walk_model, "the walk without the block-0 re-read");
 }
