@@ -74,7 +74,7 @@ use crate::protocol::{
 use lanes::{LaneState, Lanes, SlotsExhausted, TierMask};
 use slots::SlotRef;
 use sync::Mutex;
-use table::{Change, Entry, Map, ShardWriter};
+use table::{Change, Entry, Map, ShardWriter, View};
 
 /// Sizing of the index.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -395,7 +395,7 @@ impl Indexer {
                 }
                 let mut parent = *parent;
                 for group in blocks.chunks(LOOKAHEAD) {
-                    self.touch(group.iter().map(|b| home(b.seq)));
+                    self.touch(&self.map.view(), group.iter().map(|b| home(b.seq)));
                     for block in group {
                         if !self.store(slot, event.tier, parent, *block, scratch, out) {
                             return;
@@ -407,7 +407,7 @@ impl Indexer {
             KvEventData::Removed { blocks } => {
                 let tier = bit(event.tier);
                 for group in blocks.chunks(LOOKAHEAD) {
-                    self.touch(group.iter().map(|seq| home(*seq)));
+                    self.touch(&self.map.view(), group.iter().map(|seq| home(*seq)));
                     for seq in group {
                         let home = home(*seq);
                         let mut w = self.map.write(home);
@@ -432,11 +432,10 @@ impl Indexer {
 
     /// Loads the first table slot each block's probe reads, all before any is used, so that
     /// their cache misses overlap instead of costing one memory latency per block in turn
-    /// (an event's blocks land in random shards and slots: one miss each). Writers call it
-    /// per group of an event's blocks, with their probe homes; [`Indexer::walk`] touches
-    /// ahead the same way.
-    fn touch(&self, homes: impl Iterator<Item = u64>) {
-        let view = self.map.view();
+    /// (an event's blocks land in random shards and slots: one miss each), through `view`.
+    /// Writers call it per group of an event's blocks, with their probe homes;
+    /// [`Indexer::walk`] per group it reads next, through the view it holds.
+    fn touch(&self, view: &View, homes: impl Iterator<Item = u64>) {
         let mut touched = 0u64;
         for home in homes {
             touched ^= view.touch(self.map.shard_of(home), home);
@@ -572,6 +571,7 @@ impl Indexer {
         for index in 0..self.map.shards() {
             let mut w = self.map.write_shard(index);
             w.defer_shrinking();
+            let mut gone_here = Tally::default();
             keys.clear();
             w.for_each(|key, owners| {
                 if owners.iter().any(|&e| drop(e) != 0) {
@@ -591,13 +591,14 @@ impl Indexer {
                     table::tiers_of(*e) != 0
                 });
                 if w.set(home, key, &owners) == Change::Emptied {
-                    self.block_count.fetch_sub(1, Ordering::Relaxed);
+                    gone_here.blocks -= 1;
                     self.below_cap();
                 }
-                self.entry_count.fetch_sub(gone as usize, Ordering::Relaxed);
+                gone_here.entries -= gone as isize;
                 removed += u64::from(gone);
             }
             w.settle();
+            self.add_sizes(gone_here);
         }
         removed
     }
@@ -790,7 +791,6 @@ impl Indexer {
         // overlap only with the few nearest.
         let view = self.map.view();
         let mut ahead: VecDeque<(SeqHash, u64)> = VecDeque::with_capacity(2 * AHEAD);
-        let mut touched = 0u64;
         loop {
             if device.is_empty() && lower.is_empty() {
                 break;
@@ -798,9 +798,7 @@ impl Indexer {
             if ahead.len() <= AHEAD {
                 let from = ahead.len();
                 ahead.extend(seqs.by_ref().take(AHEAD).map(|seq| (seq, home(seq))));
-                for &(_, home) in ahead.range(from..) {
-                    touched ^= view.touch(self.map.shard_of(home), home);
-                }
+                self.touch(&view, ahead.range(from..).map(|&(_, home)| home));
             }
             let Some((seq, home)) = ahead.pop_front() else {
                 break;
@@ -848,7 +846,6 @@ impl Indexer {
             }
             depth += 1;
         }
-        std::hint::black_box(touched);
         drop(view);
         done.extend(lower);
         done.extend(device.into_iter().map(|owner| (owner, depth, 0, 0)));
