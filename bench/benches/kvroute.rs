@@ -81,9 +81,7 @@ fn block_manager(c: &mut Criterion) {
     let mut holder = bm.lease();
     bm.allocate(0, &mut holder, 128)
         .expect("invariant: empty cache");
-    for (i, (parent, block)) in prefix.iter().enumerate() {
-        bm.register(&holder, i, *parent, *block);
-    }
+    bm.register(&holder, 0, prefix.iter().copied());
     let mut group = c.benchmark_group("block_manager");
     group.throughput(Throughput::Elements(128));
     group.bench_function("allocate_release/128_blocks", |b| {

@@ -286,7 +286,7 @@ pub fn run_trace(args: &Args) -> anyhow::Result<OnlineReport> {
         .iter()
         .map(|r| OnlineRequest {
             arrival_us: (r.timestamp as f64 * 1000.0 / args.speedup).round() as u64,
-            tokens: trace::prompt_tokens(r, args.source.trace_block_size).into(),
+            tokens: trace::prompt_tokens(r, args.source.trace_block_size),
             output: r.output_length.max(1) as u32,
         })
         .collect();

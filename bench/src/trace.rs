@@ -1,9 +1,13 @@
 //! Mooncake-format request traces (DESIGN §10) and the token ids synthesised for them.
 
 use std::io::BufRead;
+use std::num::NonZeroUsize;
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::{Context, bail};
+use kvroute::protocol::{BlockHash, LocalHash, Salt, SeqHash, extend_blocks, seq_hash};
+use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
 mod formats;
@@ -182,24 +186,153 @@ pub fn agent_sessions(args: &AgentArgs) -> Vec<TraceRecord> {
 pub const VOCAB: u64 = 128_000;
 
 /// The prompt of a record: `block_size` tokens per hash id, each a deterministic function of
-/// (id, position in the block), so equal ids give equal tokens at any engine block size; the
-/// last block is cut to `input_length`.
-pub fn prompt_tokens(record: &TraceRecord, block_size: usize) -> Vec<u32> {
+/// (id, position in the block) ([`synthetic_token`]), so equal ids give equal tokens at any
+/// engine block size; the last block is cut to `input_length`.
+///
+/// Built straight into its shared slice: a position-indexed map over a range has a known
+/// length, so the slice is allocated once and written once.
+pub fn prompt_tokens(record: &TraceRecord, block_size: usize) -> Arc<[u32]> {
     if let Some(tokens) = &record.tokens {
-        return tokens.to_vec();
+        return Arc::clone(tokens);
     }
-    let mut tokens = Vec::with_capacity(record.input_length);
-    for id in &record.hash_ids {
-        let n = block_size.min(record.input_length - tokens.len()) as u64;
-        if n == 0 {
+    let ids = &record.hash_ids;
+    let len = record.input_length.min(ids.len() * block_size);
+    if block_size.is_power_of_two() {
+        let (shift, mask) = (block_size.trailing_zeros(), block_size - 1);
+        (0..len)
+            .map(|i| synthetic_token(ids[i >> shift], i & mask))
+            .collect()
+    } else {
+        (0..len)
+            .map(|i| synthetic_token(ids[i / block_size], i % block_size))
+            .collect()
+    }
+}
+
+/// Token `j` of the trace block named `id`.
+pub fn synthetic_token(id: u64, j: usize) -> u32 {
+    (mix(id.wrapping_mul(0x1_0000_0001) ^ j as u64) % VOCAB) as u32
+}
+
+/// A prompt hashed at an engine's block size: what a router and an engine need of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HashedPrompt {
+    /// Its length, tokens.
+    pub len: usize,
+    /// Its full blocks' hashes (no salt).
+    pub blocks: Vec<BlockHash>,
+    /// The tokens after the last full block.
+    pub tail: Arc<[u32]>,
+}
+
+/// Local hashes of engine blocks within trace blocks, by hash id: one pass of token
+/// synthesis and hashing per distinct id, not per use. Only used where every engine block
+/// lies inside one trace block (the trace's block size a multiple of the engine's), so a
+/// block's tokens depend on (id, offset) alone.
+#[derive(Debug)]
+pub struct LocalMemo {
+    trace_block_size: usize,
+    block_size: NonZeroUsize,
+    /// Hash id → its engine blocks' local hashes, at `locals[at..at + per_id]`.
+    at: FxHashMap<u64, usize>,
+    locals: Vec<LocalHash>,
+    tokens: Vec<u32>,
+    scratch: Vec<BlockHash>,
+}
+
+impl LocalMemo {
+    /// A memo for one trace block size and engine block size; `None` if engine blocks
+    /// straddle trace blocks.
+    pub fn new(trace_block_size: usize, block_size: NonZeroUsize) -> Option<LocalMemo> {
+        (trace_block_size > 0 && trace_block_size.is_multiple_of(block_size.get())).then(|| {
+            LocalMemo {
+                trace_block_size,
+                block_size,
+                at: FxHashMap::default(),
+                locals: Vec::new(),
+                tokens: Vec::with_capacity(trace_block_size),
+                scratch: Vec::new(),
+            }
+        })
+    }
+
+    /// The local hashes of the engine blocks of trace block `id`.
+    fn of(&mut self, id: u64) -> &[LocalHash] {
+        let per_id = self.trace_block_size / self.block_size.get();
+        let at = match self.at.get(&id) {
+            Some(&at) => at,
+            None => {
+                self.tokens.clear();
+                self.tokens
+                    .extend((0..self.trace_block_size).map(|j| synthetic_token(id, j)));
+                self.scratch.clear();
+                extend_blocks(
+                    None,
+                    &self.tokens,
+                    self.block_size,
+                    Salt::NONE,
+                    &mut self.scratch,
+                );
+                let at = self.locals.len();
+                self.locals.extend(self.scratch.iter().map(|b| b.local));
+                self.at.insert(id, at);
+                at
+            }
+        };
+        &self.locals[at..at + per_id]
+    }
+}
+
+/// A record's prompt hashed at `block_size`, as [`prompt_tokens`] then hashing would give
+/// it; through `memo` when there is one and the record has no tokens of its own, without
+/// building the prompt.
+pub fn hashed_prompt(
+    record: &TraceRecord,
+    trace_block_size: usize,
+    block_size: NonZeroUsize,
+    memo: Option<&mut LocalMemo>,
+) -> HashedPrompt {
+    let bs = block_size.get();
+    let memo = memo.filter(|m| {
+        record.tokens.is_none()
+            && m.trace_block_size == trace_block_size
+            && m.block_size == block_size
+    });
+    let Some(memo) = memo else {
+        let tokens = prompt_tokens(record, trace_block_size);
+        let mut blocks = Vec::new();
+        extend_blocks(None, &tokens, block_size, Salt::NONE, &mut blocks);
+        let full = blocks.len() * bs;
+        return HashedPrompt {
+            len: tokens.len(),
+            blocks,
+            tail: tokens[full..].into(),
+        };
+    };
+    let ids = &record.hash_ids;
+    let len = record.input_length.min(ids.len() * trace_block_size);
+    let per_id = trace_block_size / bs;
+    let mut blocks = Vec::with_capacity(len / bs);
+    let mut parent: Option<SeqHash> = None;
+    for (i, &id) in ids.iter().enumerate() {
+        let room = (len / bs).saturating_sub(i * per_id).min(per_id);
+        if room == 0 {
             break;
         }
-        // One extend per id (a counted loop, no per-token length check): about twice as
-        // fast as pushing, and synthesis is most of a replay's loading time.
-        let base = id.wrapping_mul(0x1_0000_0001);
-        tokens.extend((0..n).map(|j| (mix(base ^ j) % VOCAB) as u32));
+        for &local in &memo.of(id)[..room] {
+            let seq = seq_hash(parent, local, Salt::NONE);
+            blocks.push(BlockHash { local, seq });
+            parent = Some(seq);
+        }
     }
-    tokens
+    let full = blocks.len() * bs;
+    HashedPrompt {
+        len,
+        blocks,
+        tail: (full..len)
+            .map(|p| synthetic_token(ids[p / trace_block_size], p % trace_block_size))
+            .collect(),
+    }
 }
 
 /// splitmix64's finaliser (Steele, Lea, Flood, OOPSLA 2014).
@@ -225,6 +358,78 @@ mod tests {
             session_id: None,
             think_ms: None,
             tokens: None,
+        }
+    }
+
+    /// Through the memo or not, a hashed prompt is the prompt's tokens hashed: full blocks,
+    /// then the tail; ids seen before are reused, and a record with its own tokens or an
+    /// engine block size that does not divide the trace's goes the long way.
+    #[test]
+    fn hashed_prompts_equal_hashing_the_tokens() {
+        let records = [
+            TraceRecord {
+                input_length: 1100,
+                hash_ids: vec![1, 2, 3],
+                ..record()
+            },
+            TraceRecord {
+                input_length: 1024,
+                hash_ids: vec![1, 2, 4],
+                ..record()
+            },
+            TraceRecord {
+                input_length: 30,
+                hash_ids: vec![2],
+                ..record()
+            },
+            TraceRecord {
+                input_length: 5,
+                tokens: Some(vec![9, 8, 7, 6, 5].into()),
+                ..record()
+            },
+        ];
+        for bs in [16, 64, 48, 512] {
+            let block_size = NonZeroUsize::new(bs).unwrap();
+            let mut memo = LocalMemo::new(512, block_size);
+            assert_eq!(memo.is_some(), 512 % bs == 0);
+            for r in &records {
+                let tokens = prompt_tokens(r, 512);
+                let mut blocks = Vec::new();
+                extend_blocks(None, &tokens, block_size, Salt::NONE, &mut blocks);
+                let want = HashedPrompt {
+                    len: tokens.len(),
+                    tail: tokens[blocks.len() * bs..].into(),
+                    blocks,
+                };
+                assert_eq!(
+                    hashed_prompt(r, 512, block_size, memo.as_mut()),
+                    want,
+                    "{bs}"
+                );
+            }
+        }
+    }
+
+    /// Token `j` of id `id`'s block is `mix(id · (2³² + 1) ⊕ j) mod VOCAB` at every block
+    /// size, power of two or not, and the prompt stops at `input_length`.
+    #[test]
+    fn tokens_follow_their_definition_at_any_block_size() {
+        let r = TraceRecord {
+            input_length: 700,
+            hash_ids: vec![7, 3, 9],
+            ..record()
+        };
+        for bs in [256, 300, 512] {
+            let want: Vec<u32> = r
+                .hash_ids
+                .iter()
+                .flat_map(|&id| {
+                    (0..bs as u64)
+                        .map(move |j| (mix(id.wrapping_mul(0x1_0000_0001) ^ j) % VOCAB) as u32)
+                })
+                .take(700)
+                .collect();
+            assert_eq!(*prompt_tokens(&r, bs), want[..], "block size {bs}");
         }
     }
 

@@ -286,7 +286,7 @@ pub fn workload(seed: u32, n: u32) -> Vec<Request> {
     (0..n)
         .map(|i| Request {
             id: RequestId(u64::from(seed) << 32 | u64::from(i)),
-            prompt: prompt(seed % 3 + i % 4, i % 7, 40 + (i as usize * 37) % 200),
+            prompt: prompt(seed % 3 + i % 4, i % 7, 40 + (i as usize * 37) % 200).into(),
             max_tokens: 2 + i % 20,
             salt: Salt::NONE,
         })

@@ -322,29 +322,31 @@ impl BlockManager {
         OnboardTicket(id.0)
     }
 
-    /// Marks the lease's block `index` full with hash `block` extending `parent`, fills its
-    /// bytes in byte mode, and registers it in G1 (announcing it) unless G1 already holds
-    /// that hash.
+    /// Marks the lease's blocks `first..` full, each with its hash and the hash it extends,
+    /// fills their bytes in byte mode, and registers them in G1 (announcing them) unless G1
+    /// already holds a hash. One lock for the run: a step registers a sequence's new blocks
+    /// together.
     pub fn register(
         &self,
         lease: &Lease,
-        index: usize,
-        parent: Option<SeqHash>,
-        block: StoredBlock,
+        first: usize,
+        blocks: impl IntoIterator<Item = (Option<SeqHash>, StoredBlock)>,
     ) {
         let mut inner = self.inner.lock();
         let inner = &mut *inner;
-        let id = lease.blocks[index];
-        inner.tick += 1;
-        if let Some(bytes) = &mut inner.bytes
-            && let Err(e) = bytes.fill(id.index(), block.seq)
-        {
-            // Its bytes will not verify when it comes back from G2.
-            tracing::error!(error = %e, "block bytes not written");
+        for (index, (parent, block)) in (first..).zip(blocks) {
+            let id = lease.blocks[index];
+            inner.tick += 1;
+            if let Some(bytes) = &mut inner.bytes
+                && let Err(e) = bytes.fill(id.index(), block.seq)
+            {
+                // Its bytes will not verify when it comes back from G2.
+                tracing::error!(error = %e, "block bytes not written");
+            }
+            inner
+                .g1
+                .register(id, parent, block, inner.tick, &mut inner.changes);
         }
-        inner
-            .g1
-            .register(id, parent, block, inner.tick, &mut inner.changes);
     }
 
     /// Completes every copy finished by `now_us`: offloaded blocks become G2 blocks and
@@ -479,7 +481,7 @@ impl Inner {
             let seq = slot.seq;
             let keep = slot.hits >= self.offload_min_hits
                 || (self.offload_parents
-                    && (self.g1.has_children(seq) || self.g2.has_children(seq)));
+                    && (self.g1.children(victim) > 0 || self.g2.has_children(seq)));
             if keep
                 && self.g2.capacity() > 0
                 && self.g2.lookup(seq).is_none()

@@ -33,12 +33,42 @@ pub struct RequestId(pub u64);
 pub struct Request {
     /// Caller-chosen id, unique among the engine's live requests.
     pub id: RequestId,
-    /// Prompt token ids.
-    pub prompt: Arc<[u32]>,
+    /// The prompt.
+    pub prompt: Prompt,
     /// Tokens to generate (at least 1).
     pub max_tokens: u32,
     /// Cache namespace of the prompt's block hashes.
     pub salt: Salt,
+}
+
+/// A request's prompt: its token ids, or only what the engine reads of them.
+#[derive(Clone, Debug)]
+pub enum Prompt {
+    /// Token ids; the engine hashes their full blocks.
+    Tokens(Arc<[u32]>),
+    /// A prompt its sender hashed already, at this engine's block size and under the
+    /// request's salt (the replay hashes each prompt once, for the router and every engine):
+    /// its full blocks' hashes, trusted as given, and the tokens after them (fewer than a
+    /// block), which decoding completes into a block. Its length is
+    /// `blocks.len() × block_size + tail.len()`.
+    Hashed {
+        /// The full blocks' hashes, in order.
+        blocks: Arc<[BlockHash]>,
+        /// The tokens after the last full block.
+        tail: Arc<[u32]>,
+    },
+}
+
+impl From<Arc<[u32]>> for Prompt {
+    fn from(tokens: Arc<[u32]>) -> Self {
+        Prompt::Tokens(tokens)
+    }
+}
+
+impl From<Vec<u32>> for Prompt {
+    fn from(tokens: Vec<u32>) -> Self {
+        Prompt::Tokens(tokens.into())
+    }
 }
 
 /// What happened to a request, when.
@@ -97,6 +127,14 @@ pub enum RejectReason {
     /// A live request already has this id.
     #[error("duplicate request id")]
     DuplicateId,
+    /// A hashed prompt whose tail is a whole block or more.
+    #[error("hashed prompt: tail of {tail} tokens, blocks are {block_size}")]
+    TailTooLong {
+        /// Tokens in the tail.
+        tail: usize,
+        /// The engine's block size.
+        block_size: usize,
+    },
 }
 
 /// One engine step, for monitoring and benches.
@@ -154,7 +192,11 @@ enum SeqState {
 #[derive(Debug)]
 struct Seq {
     id: RequestId,
-    prompt: Arc<[u32]>,
+    prompt_len: usize,
+    /// The prompt's tokens from position `known_from` on: all of them, or a hashed prompt's
+    /// tail (the only ones ever read again).
+    known: Arc<[u32]>,
+    known_from: usize,
     max_tokens: u32,
     salt: Salt,
     /// Hashes of every full block of the sequence known so far (prompt, then outputs).
@@ -174,13 +216,16 @@ struct Seq {
 impl Seq {
     /// Tokens known: prompt and outputs.
     fn total(&self) -> usize {
-        self.prompt.len() + self.generated as usize
+        self.prompt_len + self.generated as usize
     }
 
+    /// Token `pos` of a block being hashed: one after the prompt's full blocks.
     fn token_at(&self, pos: usize, vocab: u32) -> u32 {
-        match self.prompt.get(pos) {
-            Some(t) => *t,
-            None => output_token(self.id, (pos - self.prompt.len()) as u32, vocab),
+        if pos < self.prompt_len {
+            debug_assert!(pos >= self.known_from, "a hashed prompt's block read");
+            self.known[pos - self.known_from]
+        } else {
+            output_token(self.id, (pos - self.prompt_len) as u32, vocab)
         }
     }
 }
@@ -297,12 +342,25 @@ impl Engine {
             at_us: now_us,
             kind: OutputKind::Rejected(reason),
         };
-        if request.prompt.is_empty() || request.max_tokens == 0 {
+        let bs = self.config.block_size;
+        let prompt_len = match &request.prompt {
+            Prompt::Tokens(tokens) => tokens.len(),
+            Prompt::Hashed { blocks, tail } => blocks.len() * bs + tail.len(),
+        };
+        if prompt_len == 0 || request.max_tokens == 0 {
             out.push(reject(RejectReason::Empty));
             return;
         }
-        let needed =
-            (request.prompt.len() + request.max_tokens as usize).div_ceil(self.config.block_size);
+        if let Prompt::Hashed { tail, .. } = &request.prompt
+            && tail.len() >= bs
+        {
+            out.push(reject(RejectReason::TailTooLong {
+                tail: tail.len(),
+                block_size: bs,
+            }));
+            return;
+        }
+        let needed = (prompt_len + request.max_tokens as usize).div_ceil(bs);
         if needed > self.config.g1_blocks {
             out.push(reject(RejectReason::TooLong {
                 needed,
@@ -319,17 +377,22 @@ impl Engine {
             out.push(reject(RejectReason::DuplicateId));
             return;
         }
-        let mut hashes = Vec::new();
-        extend_blocks(
-            None,
-            &request.prompt,
-            self.block_size,
-            request.salt,
-            &mut hashes,
-        );
+        let (hashes, known, known_from) = match request.prompt {
+            Prompt::Tokens(tokens) => {
+                let mut hashes = Vec::new();
+                extend_blocks(None, &tokens, self.block_size, request.salt, &mut hashes);
+                (hashes, tokens, 0)
+            }
+            Prompt::Hashed { blocks, tail } => {
+                let from = prompt_len - tail.len();
+                (blocks.to_vec(), tail, from)
+            }
+        };
         self.waiting.push_back(Seq {
             id: request.id,
-            prompt: request.prompt,
+            prompt_len,
+            known,
+            known_from,
             max_tokens: request.max_tokens,
             salt: request.salt,
             hashes,
@@ -535,7 +598,7 @@ impl Engine {
             }
             if !seq.admitted {
                 seq.admitted = true;
-                let prompt = seq.prompt.len();
+                let prompt = seq.prompt_len;
                 let device_tokens = (found.device * bs).min(prompt);
                 let host_tokens = ((found.device + found.host) * bs).min(prompt) - device_tokens;
                 out.push(Output {
@@ -653,31 +716,37 @@ impl Engine {
                 .lease
                 .as_ref()
                 .expect("invariant: running sequences hold a lease");
-            while seq.full_blocks < seq.kv_len / bs {
-                let k = seq.full_blocks;
-                if k >= seq.hashes.len() {
-                    let tokens: Vec<u32> = (k * bs..(k + 1) * bs)
-                        .map(|p| seq.token_at(p, vocab))
-                        .collect();
-                    let parent = seq.hashes.last().map(|h| h.seq);
-                    let local = local_hash(&tokens);
-                    seq.hashes.push(BlockHash {
-                        local,
-                        seq: seq_hash(parent, local, seq.salt),
-                    });
-                }
-                let parent = k.checked_sub(1).map(|p| seq.hashes[p].seq);
-                let h = seq.hashes[k];
+            let (first, full) = (seq.full_blocks, seq.kv_len / bs);
+            for k in seq.hashes.len()..full {
+                // A block of generated tokens: hashed once it is full.
+                let tokens: Vec<u32> = (k * bs..(k + 1) * bs)
+                    .map(|p| seq.token_at(p, vocab))
+                    .collect();
+                let parent = seq.hashes.last().map(|h| h.seq);
+                let local = local_hash(&tokens);
+                seq.hashes.push(BlockHash {
+                    local,
+                    seq: seq_hash(parent, local, seq.salt),
+                });
+            }
+            if first < full {
+                let hashes = &seq.hashes;
                 self.blocks.register(
                     lease,
-                    k,
-                    parent,
-                    StoredBlock {
-                        seq: h.seq,
-                        local: h.local,
-                    },
+                    first,
+                    (first..full).map(|k| {
+                        let parent = k.checked_sub(1).map(|p| hashes[p].seq);
+                        let h = hashes[k];
+                        (
+                            parent,
+                            StoredBlock {
+                                seq: h.seq,
+                                local: h.local,
+                            },
+                        )
+                    }),
                 );
-                seq.full_blocks += 1;
+                seq.full_blocks = full;
             }
             if seq.kv_len == seq.total() {
                 let token = output_token(seq.id, seq.generated, vocab);

@@ -63,7 +63,7 @@ fn model(prompts: &[Prompt], workers: usize, bs: usize, g1_blocks: usize) -> (Ve
             let mut budget = BUDGET;
             let (mut prefill, mut decoders, mut decode_tokens) = (0, 0, 0);
             for r in &mut running {
-                let total = prompts[r.request].tokens.len() + r.generated as usize;
+                let total = prompts[r.request].len + r.generated as usize;
                 let need = total - r.computed;
                 if budget == 0 {
                     break;
@@ -81,13 +81,13 @@ fn model(prompts: &[Prompt], workers: usize, bs: usize, g1_blocks: usize) -> (Ve
             while budget > 0 && running.len() < MAX_SEQS {
                 let Some(i) = waiting.pop_front() else { break };
                 let p = &prompts[i];
-                let cap = (p.tokens.len() - 1) / bs;
+                let cap = (p.len - 1) / bs;
                 let hits = p.blocks[..cap.min(p.blocks.len())]
                     .iter()
                     .take_while(|b| cached.contains(&b.seq))
                     .count();
                 let computed = hits * bs;
-                let scheduled = (p.tokens.len() - computed).min(budget);
+                let scheduled = (p.len - computed).min(budget);
                 prefill += scheduled;
                 budget -= scheduled;
                 running.push(Running {
@@ -102,7 +102,7 @@ fn model(prompts: &[Prompt], workers: usize, bs: usize, g1_blocks: usize) -> (Ve
                 .iter()
                 .map(|r| {
                     let p = &prompts[r.request];
-                    let total = (p.tokens.len() + r.generated as usize).div_ceil(bs);
+                    let total = (p.len + r.generated as usize).div_ceil(bs);
                     total - (r.computed / bs).min(p.blocks.len())
                 })
                 .sum();
@@ -114,7 +114,7 @@ fn model(prompts: &[Prompt], workers: usize, bs: usize, g1_blocks: usize) -> (Ve
                 r.computed += std::mem::take(&mut r.scheduled);
                 let full = (r.computed / bs).min(prompt.blocks.len());
                 cached.extend(prompt.blocks[..full].iter().map(|b| b.seq));
-                if r.computed < prompt.tokens.len() + r.generated as usize {
+                if r.computed < prompt.len + r.generated as usize {
                     return true;
                 }
                 if r.generated == 0 {

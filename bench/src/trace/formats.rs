@@ -382,8 +382,8 @@ mod tests {
         assert_eq!((r[1].timestamp, r[1].output_length), (5, 256));
         assert!(r[1].input_length > 2, "the chat template wraps the message");
         assert_eq!(
-            super::super::prompt_tokens(&r[0], 512),
-            b"hello".map(u32::from).to_vec()
+            &*super::super::prompt_tokens(&r[0], 512),
+            &b"hello".map(u32::from)[..]
         );
         let bad = temp("bad.jsonl", "{\"prompt\": \"a\", \"messages\": []}\n");
         let e = load_any(&source(&bad, TraceFormat::Openai), 0).unwrap_err();

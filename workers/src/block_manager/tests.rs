@@ -35,9 +35,7 @@ fn compute(bm: &BlockManager, now: u64, c: &[(Option<SeqHash>, StoredBlock)]) ->
     let (mut lease, found) = bm.acquire_prefix(&seqs(c));
     bm.allocate(now, &mut lease, c.len() - found.device)
         .unwrap();
-    for (i, (parent, block)) in c.iter().enumerate().skip(found.device) {
-        bm.register(&lease, i, *parent, *block);
-    }
+    bm.register(&lease, found.device, c[found.device..].iter().copied());
     bm.check_invariants().unwrap();
     lease
 }
@@ -103,7 +101,7 @@ fn duplicate_registration_stays_private() {
     // registered) keeps private copies; the hash is resident once.
     let mut b = bm.lease();
     bm.allocate(0, &mut b, 2).unwrap();
-    bm.register(&b, 0, c[0].0, c[0].1);
+    bm.register(&b, 0, [c[0]]);
     let u = bm.usage(Tier::Device);
     assert_eq!((u.registered, u.mutable), (2, 2));
     let mut changes = Vec::new();
@@ -131,6 +129,30 @@ fn lineage_lru_evicts_leaves_first() {
     assert_eq!(resident(&bm, Tier::Device), vec![0, 100, 101, 102]);
     bm.allocate(0, &mut lease, 3).unwrap();
     assert_eq!(resident(&bm, Tier::Device), vec![0]);
+    bm.check_invariants().unwrap();
+}
+
+/// A block remembers where its parent was indexed; once the parent left and its slot holds
+/// another block, leaving must uncount the child where the parent is now (an orphan), not
+/// in the slot the parent used to have.
+#[test]
+fn a_child_leaving_uncounts_its_parent_where_it_is_now() {
+    let bm = BlockManager::new(&EngineConfig {
+        eviction: EvictionKind::Lru,
+        ..config(4, 0)
+    });
+    let c = chain(0, 2);
+    drop(compute(&bm, 0, &c[..1])); // block 0 in slot 0
+    drop(compute(&bm, 0, &c[1..])); // block 1 in slot 1, child of slot 0, more recent
+    // Three slots: the two free ones and block 0's (least recent), which is handed out first.
+    let mut lease = bm.lease();
+    bm.allocate(0, &mut lease, 3).unwrap();
+    bm.register(&lease, 0, chain(100, 3));
+    assert_eq!(resident(&bm, Tier::Device), vec![1, 100, 101, 102]);
+    // Block 1 goes next; its parent's old slot now holds block 100.
+    let mut more = bm.lease();
+    bm.allocate(0, &mut more, 1).unwrap();
+    assert_eq!(resident(&bm, Tier::Device), vec![100, 101, 102]);
     bm.check_invariants().unwrap();
 }
 

@@ -273,6 +273,65 @@ fn g2_hits_are_onboarded_before_they_count() {
     assert_eq!(tokens[0], tokens[1], "a late device changes timing only");
 }
 
+/// A prompt sent hashed runs as its tokens do: the same outputs at the same times, through
+/// preemption and recompute, and the same blocks (hashes of prompt tails completed by
+/// decoding included) cached at the end.
+#[test]
+fn a_hashed_prompt_runs_as_its_tokens_do() {
+    let config = EngineConfig {
+        g1_blocks: 8,
+        g2_blocks: 4,
+        ..EngineConfig::default()
+    };
+    let bs = config.block_size;
+    let arrivals = |hashed: bool| {
+        (1..=3)
+            .map(|i| {
+                let tokens: Vec<u32> = (i as u32 * 1000..i as u32 * 1000 + 40).collect();
+                let mut r = request(i, tokens.clone(), 40);
+                if hashed {
+                    let blocks = kvroute::protocol::hash_blocks(
+                        &tokens,
+                        NonZeroUsize::new(bs).unwrap(),
+                        Salt::NONE,
+                    );
+                    let tail = tokens[blocks.len() * bs..].into();
+                    r.prompt = Prompt::Hashed {
+                        blocks: blocks.into(),
+                        tail,
+                    };
+                }
+                (0, r)
+            })
+            .collect()
+    };
+    let (mut a, mut b) = (engine(config.clone()), engine(config));
+    let out = replay(&mut a, arrivals(false));
+    assert!(out.iter().any(|o| o.kind == OutputKind::Preempted));
+    assert_eq!(replay(&mut b, arrivals(true)), out);
+    assert_eq!(resident_set(b.blocks()), resident_set(a.blocks()));
+}
+
+#[test]
+fn a_hashed_prompt_with_a_whole_block_of_tail_is_refused() {
+    let mut e = engine(EngineConfig::default());
+    let bs = EngineConfig::default().block_size;
+    let mut out = Vec::new();
+    let mut r = request(1, vec![], 4);
+    r.prompt = Prompt::Hashed {
+        blocks: Vec::new().into(),
+        tail: vec![7; bs].into(),
+    };
+    e.submit(0, r, &mut out);
+    assert_eq!(
+        out[0].kind,
+        OutputKind::Rejected(RejectReason::TailTooLong {
+            tail: bs,
+            block_size: bs
+        })
+    );
+}
+
 #[test]
 fn rejects_what_cannot_run() {
     let mut e = engine(EngineConfig {
