@@ -243,6 +243,8 @@ struct Prompt {
     blocks: Arc<[BlockHash]>,
     /// The tokens after its last full block.
     tail: Arc<[u32]>,
+    /// Its blocks' numbers among the replay's distinct blocks ([`number_blocks`]).
+    block_numbers: Box<[u32]>,
     output: u32,
     tenant: Arc<str>,
     band: i32,
@@ -499,6 +501,7 @@ fn prompt(
         len: hashed.len,
         blocks: hashed.blocks.into(),
         tail: hashed.tail,
+        block_numbers: Box::default(),
         output: record.output_length.max(1) as u32,
         tenant: Arc::from(record.tenant.as_deref().unwrap_or("default")),
         band: record.priority.unwrap_or(0),
@@ -629,43 +632,59 @@ fn prompts(
     if args.no_sessions {
         prompts.iter_mut().for_each(|p| p.session = None);
     }
+    number_blocks(&mut prompts);
     Ok(prompts)
 }
 
 /// Prompt tokens served from cache / prompt tokens, if request `i` went to cache
 /// `assign(i)` and every cache were infinite and filled at once: the bound routing is
-/// judged against (one cache), or what a routing would reuse with no eviction.
-pub fn infinite_cache_reuse(
-    prompts: &[impl PromptBlocks],
+/// judged against (one cache), or what a routing would reuse with no eviction. A cache is a
+/// bitset over the prompts' block numbers ([`number_blocks`]).
+fn infinite_cache_reuse(
+    prompts: &[Prompt],
     block_size: usize,
     assign: impl Fn(usize) -> usize,
 ) -> f64 {
-    let mut caches: FxHashMap<usize, rustc_hash::FxHashSet<SeqHash>> = FxHashMap::default();
+    let mut caches: FxHashMap<usize, Vec<u64>> = FxHashMap::default();
     let (mut hit, mut total) = (0u64, 0u64);
     for (i, p) in prompts.iter().enumerate() {
         let cache = caches.entry(assign(i)).or_default();
-        let matched = p.block_seqs().take_while(|s| cache.contains(s)).count();
-        hit += ((matched * block_size).min(p.prompt_len())) as u64;
-        total += p.prompt_len() as u64;
-        cache.extend(p.block_seqs());
+        let holds = |cache: &[u64], n: u32| {
+            cache
+                .get(n as usize / 64)
+                .is_some_and(|w| w >> (n % 64) & 1 == 1)
+        };
+        let matched = p
+            .block_numbers
+            .iter()
+            .take_while(|&&n| holds(cache, n))
+            .count();
+        hit += ((matched * block_size).min(p.len)) as u64;
+        total += p.len as u64;
+        for &n in &p.block_numbers[matched..] {
+            let word = n as usize / 64;
+            if word >= cache.len() {
+                cache.resize(word + 1, 0);
+            }
+            cache[word] |= 1 << (n % 64);
+        }
     }
     hit as f64 / total.max(1) as f64
 }
 
-/// What [`infinite_cache_reuse`] needs of a prompt.
-pub trait PromptBlocks {
-    /// Its full blocks' sequence hashes.
-    fn block_seqs(&self) -> impl Iterator<Item = SeqHash>;
-    /// Its length in tokens.
-    fn prompt_len(&self) -> usize;
-}
-
-impl PromptBlocks for Prompt {
-    fn block_seqs(&self) -> impl Iterator<Item = SeqHash> {
-        self.blocks.iter().map(|b| b.seq)
-    }
-    fn prompt_len(&self) -> usize {
-        self.len
+/// Numbers the prompts' distinct blocks 0, 1, … in order of first use, so that sets of
+/// blocks can be bitsets.
+fn number_blocks(prompts: &mut [Prompt]) {
+    let mut numbers: FxHashMap<SeqHash, u32> = FxHashMap::default();
+    for p in prompts {
+        p.block_numbers = p
+            .blocks
+            .iter()
+            .map(|b| {
+                let next = numbers.len() as u32;
+                *numbers.entry(b.seq).or_insert(next)
+            })
+            .collect();
     }
 }
 

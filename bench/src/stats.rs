@@ -21,7 +21,9 @@ impl Summary {
         if values.is_empty() {
             return Summary::default();
         }
-        values.sort_by(f64::total_cmp);
+        // Unstable is as good as stable under a total order, and about twice as fast on
+        // millions of inter-token gaps.
+        values.sort_unstable_by(f64::total_cmp);
         // Nearest-rank percentile.
         let rank =
             |p: f64| values[((p * values.len() as f64).ceil() as usize).clamp(1, values.len()) - 1];

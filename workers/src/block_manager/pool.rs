@@ -98,7 +98,8 @@ impl Pool {
             slots: vec![Slot::empty(); capacity],
             // Popped from the back: hand out low slot numbers first.
             free: (0..capacity as u32).rev().map(BlockId).collect(),
-            by_hash: FxHashMap::default(),
+            // It indexes at most every slot: sized once, never rehashed while the tier fills.
+            by_hash: FxHashMap::with_capacity_and_hasher(capacity, Default::default()),
             orphans: FxHashMap::default(),
             evictable: BTreeSet::new(),
             policy,
