@@ -32,7 +32,7 @@ use kvroute_worker::engine::{Output, Request, RequestId};
 use serde::Serialize;
 
 use crate::fleet::{Fleet, FleetSink};
-use crate::stats::{Summary, peak_rss_bytes, rss_bytes};
+use crate::stats::{Summary, peak_rss_bytes, rss_anon_bytes, rss_bytes};
 use crate::trace::{self, mix};
 
 /// Flags of `kvroute-bench indexer`.
@@ -208,6 +208,14 @@ pub struct Churn {
     pub rss_evicted_bytes: Vec<u64>,
     /// RSS after every worker left at the end, bytes.
     pub rss_after_leave_bytes: u64,
+    /// The anonymous part of the RSS (RssAnon: what the heap holds, without the binary's
+    /// code pages, which the first fill faults in and which stay) with the empty index, after
+    /// each eviction and after every worker left, bytes.
+    pub anon_empty_bytes: u64,
+    /// See `anon_empty_bytes`.
+    pub anon_evicted_bytes: Vec<u64>,
+    /// See `anon_empty_bytes`.
+    pub anon_after_leave_bytes: u64,
     /// Index tables when full (last round), bytes per block.
     pub table_bytes_per_block: f64,
     /// Stored + removed blocks per second over the phase.
@@ -638,6 +646,7 @@ fn churn(blocks: usize, rounds: usize) -> Churn {
         blocks,
         rounds,
         rss_empty_bytes: rss_bytes(),
+        anon_empty_bytes: rss_anon_bytes(),
         glibc_tunables: std::env::var("GLIBC_TUNABLES").unwrap_or_default(),
         ..Churn::default()
     };
@@ -689,11 +698,13 @@ fn churn(blocks: usize, rounds: usize) -> Churn {
         }
         ops += (chains * CHAIN) as u64;
         out.rss_evicted_bytes.push(rss_bytes());
+        out.anon_evicted_bytes.push(rss_anon_bytes());
     }
     out.block_ops_per_s = ops as f64 / start.elapsed().as_secs_f64();
     let all: Vec<WorkerId> = (0..WORKERS).map(WorkerId).collect();
     index.remove_workers(&all);
     out.rss_after_leave_bytes = rss_bytes();
+    out.anon_after_leave_bytes = rss_anon_bytes();
     out
 }
 
@@ -763,7 +774,7 @@ pub fn print(report: &Report) {
     if let Some(c) = &report.churn {
         let max = |v: &[u64]| v.iter().copied().max().unwrap_or(0);
         println!(
-            "churn: {} rounds of {} blocks, {:.2} M block-ops/s; RSS empty {:.0} MiB, full max {:.0} MiB, evicted max {:.0} MiB, after leave {:.0} MiB; tables {:.1} B/block full; GLIBC_TUNABLES={:?}",
+            "churn: {} rounds of {} blocks, {:.2} M block-ops/s; RSS empty {:.0} MiB, full max {:.0} MiB, evicted max {:.0} MiB, after leave {:.0} MiB; anonymous RSS empty {:.1} MiB, evicted max {:.1} MiB, after leave {:.1} MiB; tables {:.1} B/block full; GLIBC_TUNABLES={:?}",
             c.rounds,
             c.blocks,
             c.block_ops_per_s / 1e6,
@@ -771,6 +782,9 @@ pub fn print(report: &Report) {
             mib(max(&c.rss_full_bytes)),
             mib(max(&c.rss_evicted_bytes)),
             mib(c.rss_after_leave_bytes),
+            mib(c.anon_empty_bytes),
+            mib(max(&c.anon_evicted_bytes)),
+            mib(c.anon_after_leave_bytes),
             c.table_bytes_per_block,
             c.glibc_tunables
         );

@@ -63,6 +63,12 @@ pub fn cpu_seconds() -> f64 {
         .unwrap_or(0.0)
 }
 
+/// Anonymous resident memory of this process now (RssAnon: heap and other private memory,
+/// not the binary's code pages), bytes; 0 where /proc is unavailable.
+pub fn rss_anon_bytes() -> u64 {
+    status_bytes("RssAnon:")
+}
+
 /// A kB field of /proc/self/status, in bytes.
 fn status_bytes(field: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")

@@ -98,8 +98,7 @@ impl Pool {
             slots: vec![Slot::empty(); capacity],
             // Popped from the back: hand out low slot numbers first.
             free: (0..capacity as u32).rev().map(BlockId).collect(),
-            // It indexes at most every slot: sized once, never rehashed while the tier fills.
-            by_hash: FxHashMap::with_capacity_and_hasher(capacity, Default::default()),
+            by_hash: FxHashMap::default(),
             orphans: FxHashMap::default(),
             evictable: BTreeSet::new(),
             policy,
