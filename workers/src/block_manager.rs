@@ -269,6 +269,27 @@ impl BlockManager {
         )
     }
 
+    /// What [`BlockManager::acquire_prefix`] would find for `seqs`, and how many of its G1
+    /// hits are inactive (cached, evictable until acquired), without acquiring anything: an
+    /// admission that fails changes nothing, as vLLM's `allocate_slots` touches the hit
+    /// blocks only once it knows the request fits.
+    pub fn peek_prefix(&self, seqs: &[SeqHash]) -> (PrefixMatch, usize) {
+        let inner = self.inner.lock();
+        let (mut device, mut inactive) = (0, 0);
+        for seq in seqs {
+            let Some(id) = inner.g1.lookup(*seq) else {
+                break;
+            };
+            device += 1;
+            inactive += usize::from(inner.g1.slot(id).state == State::Inactive);
+        }
+        let host = seqs[device..]
+            .iter()
+            .take_while(|s| inner.g2.lookup(**s).is_some())
+            .count();
+        (PrefixMatch { device, host }, inactive)
+    }
+
     /// An empty lease (a request with no cached prefix).
     pub fn lease(&self) -> Lease {
         Lease {

@@ -578,9 +578,22 @@ impl Engine {
             // cached whole reuses ⌊(len − 1) / bs⌋ blocks and recomputes the rest.
             let hashes = seq.hashes.len().min((total - 1) / bs);
             let keys: Vec<_> = seq.hashes[..hashes].iter().map(|h| h.seq).collect();
-            let (mut lease, found) = self.blocks.acquire_prefix(&keys);
+            // The whole prompt must fit in free blocks plus evictable ones, not counting its
+            // own hits (acquired, they are no longer evictable). Checked before anything is
+            // acquired, as vLLM touches a waiting request's hits only once it fits: a request
+            // that waits for room neither refreshes its prefix every step nor pays for it.
+            let (found, inactive_hits) = self.blocks.peek_prefix(&keys);
             let g1 = self.blocks.usage(Tier::Device);
             let whole = total.div_ceil(bs) - found.device;
+            if whole > g1.free + g1.inactive - inactive_hits {
+                self.waiting.push_front(seq);
+                break;
+            }
+            let (mut lease, acquired) = self.blocks.acquire_prefix(&keys);
+            debug_assert_eq!(
+                acquired, found,
+                "the prefix changed between peek and acquire"
+            );
             let kv_len = found.device * bs;
             let need = (total - kv_len).min(budget);
             // Host hits are onboarded into blocks of their own; a computed chunk needs its.
@@ -589,9 +602,7 @@ impl Engine {
             } else {
                 (kv_len + need).div_ceil(bs) - found.device
             };
-            if whole > g1.free + g1.inactive
-                || self.blocks.allocate(now, &mut lease, first).is_err()
-            {
+            if self.blocks.allocate(now, &mut lease, first).is_err() {
                 drop(lease);
                 self.waiting.push_front(seq);
                 break;

@@ -503,6 +503,50 @@ fn a_prompt_cached_whole_recomputes_its_last_block() {
     assert_eq!(steps.last().unwrap().prefill_tokens, 16);
 }
 
+/// A request that waits for room does not keep its cached prefix warm: as vLLM's
+/// `allocate_slots`, the admission check reads the hits and touches them only once the
+/// request fits. G1 has 10 blocks of 16 under plain LRU. A (2 blocks, then E's 2) finish and
+/// stay cached, A's older. B holds 5 blocks and grows to 8 while C (A's prefix plus 4 blocks)
+/// cannot fit and waits; B's growth evicts the least recent cached blocks, A's, so C starts
+/// with no hit. Touching A's blocks at every failed check would have kept them and evicted
+/// E's instead.
+#[test]
+fn a_waiting_request_does_not_refresh_its_prefix() {
+    let mut e = engine(EngineConfig {
+        g1_blocks: 10,
+        g2_blocks: 0,
+        eviction: EvictionKind::Lru,
+        ..EngineConfig::default()
+    });
+    let a: Vec<u32> = (1..=32).collect();
+    let c: Vec<u32> = a.iter().copied().chain(301..=364).collect();
+    let out = replay(
+        &mut e,
+        vec![
+            (0, request(1, a, 1)),
+            (1_000_000, request(2, (101..=132).collect(), 1)),
+            (2_000_000, request(3, (201..=280).collect(), 49)),
+            (2_000_001, request(4, c, 1)),
+        ],
+    );
+    let admitted = |id| {
+        out.iter().find_map(|o| match o.kind {
+            OutputKind::Admitted { device_tokens, .. } if o.request == RequestId(id) => {
+                Some((o.at_us, device_tokens))
+            }
+            _ => None,
+        })
+    };
+    let finished = |id| {
+        out.iter()
+            .find(|o| o.request == RequestId(id) && o.kind == OutputKind::Finished)
+            .map(|o| o.at_us)
+    };
+    let (at, device_tokens) = admitted(4).unwrap();
+    assert!(at >= finished(3).unwrap(), "C waits for B");
+    assert_eq!(device_tokens, 0, "A's blocks went while C waited");
+}
+
 /// A waiting request is admitted only if its whole prompt fits in free plus evictable blocks,
 /// but it is given blocks for its first chunk only (8 blocks of 16, 64 tokens a step; A's
 /// 32 tokens take 2 blocks and half the budget). B (96 tokens, 6 blocks) fits whole and gets
