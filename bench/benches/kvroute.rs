@@ -222,5 +222,55 @@ fn indexer(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, protocol, block_manager, engine, indexer);
+/// Scoring every worker for a request whose whole prompt (512 blocks) every worker already
+/// holds through a booking: the booked-prefix check per worker is the cost that grows with
+/// fleet and prompt.
+fn scheduler(c: &mut Criterion) {
+    use kvroute::indexer::OverlapScores;
+    use kvroute::scheduler::{BookingId, Config, RouteRequest, Scheduler, SharedBooking};
+    let mut group = c.benchmark_group("scheduler/candidates");
+    let blocks = hash_blocks(
+        &(0..512 * 16).collect::<Vec<u32>>(),
+        NonZeroUsize::new(16).expect("16 > 0"),
+        Salt::NONE,
+    );
+    for workers in [8u64, 256] {
+        let mut s = Scheduler::new(Config::default()).expect("the default config is valid");
+        for w in 0..workers {
+            s.add_worker((WorkerId(w), DpRank(0)), 1 << 20, "m");
+            s.book_shared(
+                0,
+                SharedBooking {
+                    id: BookingId { origin: 1, seq: w },
+                    worker: WorkerId(w),
+                    dp_rank: DpRank(0),
+                    prefill_blocks: 0.0,
+                    blocks: blocks.iter().map(|b| b.seq).collect(),
+                    tail: false,
+                    prefill_tokens: 0.0,
+                    decode_tokens: 0,
+                },
+            )
+            .expect("a known worker");
+        }
+        let overlaps = OverlapScores {
+            workers: Vec::new(),
+        };
+        let request = RouteRequest {
+            model: "m",
+            blocks: &blocks,
+            prompt_tokens: blocks.len() * 16,
+            block_size: 16,
+            overlaps: &overlaps,
+            max_tokens: 16,
+            session: None,
+        };
+        group.bench_function(format!("512_booked_blocks/{workers}_workers"), |b| {
+            b.iter(|| s.candidates(0, black_box(&request)))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, protocol, block_manager, engine, indexer, scheduler);
 criterion_main!(benches);
