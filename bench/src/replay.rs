@@ -243,7 +243,7 @@ struct Prompt {
     blocks: Arc<[BlockHash]>,
     /// The tokens after its last full block.
     tail: Arc<[u32]>,
-    /// Its blocks' numbers among the replay's distinct blocks ([`number_blocks`]).
+    /// Its blocks' numbers among the replay's distinct blocks ([`Numbering`]).
     block_numbers: Box<[u32]>,
     output: u32,
     tenant: Arc<str>,
@@ -597,7 +597,9 @@ fn prompts(
         .transpose()?;
     let mut rng = scheduler::Rng::new(args.seed ^ 0x0c1a_55e5);
     let mut prompts = Vec::with_capacity(records.len());
+    let mut numbering = Numbering::new(records, args, block_size);
     for (r, mut p) in records.iter().zip(synthesise(records, args, block_size)) {
+        numbering.number(r, &mut p)?;
         if let Some(classes) = &classes {
             // Drawn for every record, so a tenant's requests are the same in every run.
             let total: f64 = classes.iter().map(|c| c.weight).sum();
@@ -632,14 +634,13 @@ fn prompts(
     if args.no_sessions {
         prompts.iter_mut().for_each(|p| p.session = None);
     }
-    number_blocks(&mut prompts);
     Ok(prompts)
 }
 
 /// Prompt tokens served from cache / prompt tokens, if request `i` went to cache
 /// `assign(i)` and every cache were infinite and filled at once: the bound routing is
 /// judged against (one cache), or what a routing would reuse with no eviction. A cache is a
-/// bitset over the prompts' block numbers ([`number_blocks`]).
+/// bitset over the prompts' block numbers ([`Numbering`]).
 fn infinite_cache_reuse(
     prompts: &[Prompt],
     block_size: usize,
@@ -672,19 +673,66 @@ fn infinite_cache_reuse(
     hit as f64 / total.max(1) as f64
 }
 
-/// Numbers the prompts' distinct blocks 0, 1, … in order of first use, so that sets of
-/// blocks can be bitsets.
-fn number_blocks(prompts: &mut [Prompt]) {
-    let mut numbers: FxHashMap<SeqHash, u32> = FxHashMap::default();
-    for p in prompts {
-        p.block_numbers = p
-            .blocks
-            .iter()
-            .map(|b| {
-                let next = numbers.len() as u32;
-                *numbers.entry(b.seq).or_insert(next)
-            })
-            .collect();
+/// Numbers the replay's distinct blocks, so that sets of blocks can be bitsets.
+enum Numbering {
+    /// Where every engine block lies inside one trace block and no record has tokens of its
+    /// own, a block is named by its prompt's hash ids up to its trace block and its offset in
+    /// it: the trie of id paths is numbered (a lookup per trace block, not per engine block),
+    /// and block `k` is `node(k / per_id) × per_id + k mod per_id`.
+    IdPaths {
+        per_id: usize,
+        nodes: FxHashMap<(u32, u64), u32>,
+    },
+    /// Otherwise by hash, in order of first use.
+    Hashes(FxHashMap<SeqHash, u32>),
+}
+
+impl Numbering {
+    fn new(records: &[TraceRecord], args: &Args, block_size: NonZeroUsize) -> Numbering {
+        let trace_bs = args.source.trace_block_size;
+        if trace::LocalMemo::new(trace_bs, block_size).is_some()
+            && records.iter().all(|r| r.tokens.is_none())
+        {
+            Numbering::IdPaths {
+                per_id: trace_bs / block_size.get(),
+                nodes: FxHashMap::default(),
+            }
+        } else {
+            Numbering::Hashes(FxHashMap::default())
+        }
+    }
+
+    /// Numbers `prompt`'s blocks, `record` being the record it was made from.
+    fn number(&mut self, record: &TraceRecord, prompt: &mut Prompt) -> anyhow::Result<()> {
+        let too_many = || anyhow::anyhow!("more than 2^32 distinct blocks");
+        prompt.block_numbers = match self {
+            Numbering::IdPaths { per_id, nodes } => {
+                let mut numbers = Vec::with_capacity(prompt.blocks.len());
+                let mut node = u32::MAX;
+                for (i, &id) in record.hash_ids.iter().enumerate() {
+                    let first = i * *per_id;
+                    if first >= prompt.blocks.len() {
+                        break;
+                    }
+                    let next = u32::try_from(nodes.len()).map_err(|_| too_many())?;
+                    node = *nodes.entry((node, id)).or_insert(next);
+                    for k in first..(first + *per_id).min(prompt.blocks.len()) {
+                        let n = node as usize * *per_id + k - first;
+                        numbers.push(u32::try_from(n).map_err(|_| too_many())?);
+                    }
+                }
+                numbers.into()
+            }
+            Numbering::Hashes(numbers) => prompt
+                .blocks
+                .iter()
+                .map(|b| {
+                    let next = u32::try_from(numbers.len()).map_err(|_| too_many())?;
+                    Ok(*numbers.entry(b.seq).or_insert(next))
+                })
+                .collect::<anyhow::Result<_>>()?,
+        };
+        Ok(())
     }
 }
 
@@ -1071,6 +1119,38 @@ mod tests {
             recent_half_life_ms: None,
             session_spread: None,
         }
+    }
+
+    /// Numbering by id paths names blocks exactly as their hashes do: equal numbers for
+    /// equal hashes and only for them (the first 300 records of the conversation trace, with
+    /// tails cut inside trace blocks).
+    #[test]
+    fn id_path_numbers_name_blocks_as_their_hashes_do() {
+        let trace = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("traces/conversation_trace.jsonl");
+        let mut a = args(trace, "kv");
+        a.source.requests = Some(300);
+        let records = trace::load_any(&a.source, 0).unwrap().records;
+        let bs = NonZeroUsize::new(64).unwrap();
+        let mut prompts = prompts(&records, &a, bs).unwrap();
+        assert!(matches!(
+            Numbering::new(&records, &a, bs),
+            Numbering::IdPaths { .. }
+        ));
+        let mut by_number: FxHashMap<u32, SeqHash> = FxHashMap::default();
+        let mut by_hash: FxHashMap<SeqHash, u32> = FxHashMap::default();
+        for p in &prompts {
+            for (n, b) in p.block_numbers.iter().zip(p.blocks.iter()) {
+                assert_eq!(*by_number.entry(*n).or_insert(b.seq), b.seq);
+                assert_eq!(*by_hash.entry(b.seq).or_insert(*n), *n);
+            }
+        }
+        let by_paths = infinite_cache_reuse(&prompts, 64, |i| i % 3);
+        let mut hashes = Numbering::Hashes(FxHashMap::default());
+        for (r, p) in records.iter().zip(&mut prompts) {
+            hashes.number(r, p).unwrap();
+        }
+        assert_eq!(infinite_cache_reuse(&prompts, 64, |i| i % 3), by_paths);
     }
 
     #[test]
