@@ -589,11 +589,11 @@ impl Engine {
                 self.waiting.push_front(seq);
                 break;
             }
-            let (mut lease, acquired) = self.blocks.acquire_prefix(&keys);
-            debug_assert_eq!(
-                acquired, found,
-                "the prefix changed between peek and acquire"
-            );
+            // Nothing else touches the pool in between (the engine owns its leases), so
+            // this finds what the peek found.
+            let peeked = found;
+            let (mut lease, found) = self.blocks.acquire_prefix(&keys);
+            debug_assert_eq!(found, peeked, "the prefix changed between peek and acquire");
             let kv_len = found.device * bs;
             let need = (total - kv_len).min(budget);
             // Host hits are onboarded into blocks of their own; a computed chunk needs its.
