@@ -971,7 +971,7 @@ fn run_policy(
         wall_s: started.elapsed().as_secs_f64(),
         virtual_s,
         ttft_ms,
-        itl_ms: Summary::of(&mut router.itl),
+        itl_ms: Summary::of_unsorted(&mut router.itl),
         e2e_ms: Summary::of(&mut router.e2e),
         throughput_tok_s: router.output_tokens as f64 / virtual_s.max(1e-9),
         reuse_ratio: router.reused_tokens as f64 / prompt_tokens.max(1) as f64,
