@@ -242,15 +242,14 @@ impl BlockManager {
     /// How far `seqs` (a request's block hashes in order) is cached: the G1 prefix, then
     /// its continuation in G2. Changes nothing.
     pub fn match_prefix(&self, seqs: &[SeqHash]) -> PrefixMatch {
-        let inner = self.inner.lock();
-        inner.match_prefix(seqs)
+        self.inner.lock().match_prefix(seqs).0
     }
 
     /// Takes the cached prefix of `seqs` for a request: references on its G1 blocks, and
     /// pins on the G2 blocks after them so that they survive until onboarded.
     pub fn acquire_prefix(&self, seqs: &[SeqHash]) -> (Lease, PrefixMatch) {
         let mut inner = self.inner.lock();
-        let found = inner.match_prefix(seqs);
+        let (found, _) = inner.match_prefix(seqs);
         let inner = &mut *inner;
         inner.tick += 1;
         let tick = inner.tick;
@@ -269,25 +268,12 @@ impl BlockManager {
         )
     }
 
-    /// What [`BlockManager::acquire_prefix`] would find for `seqs`, and how many of its G1
-    /// hits are inactive (cached, evictable until acquired), without acquiring anything: an
-    /// admission that fails changes nothing, as vLLM's `allocate_slots` touches the hit
-    /// blocks only once it knows the request fits.
+    /// [`BlockManager::match_prefix`], with how many of the G1 hits are inactive (cached,
+    /// evictable until acquired): what an admission checks before acquiring anything, so that
+    /// one that fails changes nothing, as vLLM's `allocate_slots` touches the hit blocks only
+    /// once it knows the request fits.
     pub fn peek_prefix(&self, seqs: &[SeqHash]) -> (PrefixMatch, usize) {
-        let inner = self.inner.lock();
-        let (mut device, mut inactive) = (0, 0);
-        for seq in seqs {
-            let Some(id) = inner.g1.lookup(*seq) else {
-                break;
-            };
-            device += 1;
-            inactive += usize::from(inner.g1.slot(id).state == State::Inactive);
-        }
-        let host = seqs[device..]
-            .iter()
-            .take_while(|s| inner.g2.lookup(**s).is_some())
-            .count();
-        (PrefixMatch { device, host }, inactive)
+        self.inner.lock().match_prefix(seqs)
     }
 
     /// An empty lease (a request with no cached prefix).
@@ -473,16 +459,21 @@ impl BlockManager {
 }
 
 impl Inner {
-    fn match_prefix(&self, seqs: &[SeqHash]) -> PrefixMatch {
-        let device = seqs
-            .iter()
-            .take_while(|s| self.g1.lookup(**s).is_some())
-            .count();
+    /// How far `seqs` is cached (G1, then G2), and how many of the G1 hits are inactive.
+    fn match_prefix(&self, seqs: &[SeqHash]) -> (PrefixMatch, usize) {
+        let (mut device, mut inactive) = (0, 0);
+        for seq in seqs {
+            let Some(id) = self.g1.lookup(*seq) else {
+                break;
+            };
+            device += 1;
+            inactive += usize::from(self.g1.slot(id).state == State::Inactive);
+        }
         let host = seqs[device..]
             .iter()
             .take_while(|s| self.g2.lookup(**s).is_some())
             .count();
-        PrefixMatch { device, host }
+        (PrefixMatch { device, host }, inactive)
     }
 
     /// Gets `n` G1 slots free, evicting as needed; `Pending` if copies must finish first.

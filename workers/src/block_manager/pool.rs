@@ -35,10 +35,6 @@ pub(super) struct Slot {
     pub seq: SeqHash,
     pub local: LocalHash,
     pub parent: Option<SeqHash>,
-    /// Where the parent was indexed when this block was registered: checked, then used
-    /// instead of a hash lookup when the block leaves (a lookup in a large index is a cache
-    /// miss; the parent's slot must be read anyway).
-    parent_slot: Option<BlockId>,
     pub last_used: u64,
     pub hits: u32,
     /// Registered blocks of this tier whose parent this is (while it is indexed).
@@ -62,7 +58,6 @@ impl Slot {
             seq: SeqHash(0),
             local: LocalHash(0),
             parent: None,
-            parent_slot: None,
             last_used: 0,
             hits: 0,
             children: 0,
@@ -249,7 +244,7 @@ impl Pool {
             slot.children = self.orphans.remove(&block.seq).unwrap_or(0);
         }
         if let Some(parent) = parent {
-            self.slots[id.index()].parent_slot = self.add_child(parent);
+            self.add_child(parent);
         }
         changes.push(Change::Stored {
             tier: self.tier,
@@ -302,7 +297,7 @@ impl Pool {
         self.set_evictable(id, false);
         let slot = &mut self.slots[id.index()];
         debug_assert_eq!(slot.state, State::Inactive);
-        let (seq, parent, parent_slot) = (slot.seq, slot.parent, slot.parent_slot);
+        let (seq, parent) = (slot.seq, slot.parent);
         let children = std::mem::take(&mut slot.children);
         self.by_hash.remove(&seq);
         if children > 0 {
@@ -310,7 +305,7 @@ impl Pool {
             self.orphans.insert(seq, children);
         }
         if let Some(parent) = parent {
-            self.remove_child(parent, parent_slot);
+            self.remove_child(parent);
         }
         changes.push(Change::Removed {
             tier: self.tier,
@@ -324,8 +319,8 @@ impl Pool {
     }
 
     /// Counts a new child of `parent`; its first child can make an indexed parent
-    /// ineligible for eviction. Returns the parent's slot if it is indexed here.
-    fn add_child(&mut self, parent: SeqHash) -> Option<BlockId> {
+    /// ineligible for eviction.
+    fn add_child(&mut self, parent: SeqHash) {
         match self.by_hash.get(&parent) {
             Some(&p) => {
                 let slot = &mut self.slots[p.index()];
@@ -333,33 +328,15 @@ impl Pool {
                 if slot.children == 1 {
                     self.refresh(p);
                 }
-                Some(p)
             }
-            None => {
-                *self.orphans.entry(parent).or_insert(0) += 1;
-                None
-            }
+            None => *self.orphans.entry(parent).or_insert(0) += 1,
         }
     }
 
-    /// The slot indexing `seq`: `hint` if it still does (a slot indexes the hash it holds
-    /// while it is registered or inactive and not detached), else the index's answer.
-    fn indexed(&self, seq: SeqHash, hint: Option<BlockId>) -> Option<BlockId> {
-        let hinted = hint.filter(|id| {
-            let slot = &self.slots[id.index()];
-            slot.seq == seq
-                && matches!(slot.state, State::Registered | State::Inactive)
-                && !slot.detached
-        });
-        debug_assert!(hinted.is_none() || hinted == self.by_hash.get(&seq).copied());
-        hinted.or_else(|| self.by_hash.get(&seq).copied())
-    }
-
-    /// Uncounts a child of `parent` (indexed at `hint` when the child was registered); its
-    /// last child can make an indexed parent eligible.
-    fn remove_child(&mut self, parent: SeqHash, hint: Option<BlockId>) {
-        match self.indexed(parent, hint) {
-            Some(p) => {
+    /// Uncounts a child of `parent`; its last child can make an indexed parent eligible.
+    fn remove_child(&mut self, parent: SeqHash) {
+        match self.by_hash.get(&parent) {
+            Some(&p) => {
                 let slot = &mut self.slots[p.index()];
                 debug_assert!(slot.children > 0, "a child uncounted twice");
                 slot.children = slot.children.saturating_sub(1);

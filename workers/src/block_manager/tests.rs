@@ -132,9 +132,8 @@ fn lineage_lru_evicts_leaves_first() {
     bm.check_invariants().unwrap();
 }
 
-/// A block remembers where its parent was indexed; once the parent left and its slot holds
-/// another block, leaving must uncount the child where the parent is now (an orphan), not
-/// in the slot the parent used to have.
+/// Once a parent left and its slot holds another block, its child leaving must uncount the
+/// parent where it is now (an orphan), not in the slot the parent used to have.
 #[test]
 fn a_child_leaving_uncounts_its_parent_where_it_is_now() {
     let bm = BlockManager::new(&EngineConfig {
