@@ -197,16 +197,9 @@ pub fn prompt_tokens(record: &TraceRecord, block_size: usize) -> Arc<[u32]> {
     }
     let ids = &record.hash_ids;
     let len = record.input_length.min(ids.len() * block_size);
-    if block_size.is_power_of_two() {
-        let (shift, mask) = (block_size.trailing_zeros(), block_size - 1);
-        (0..len)
-            .map(|i| synthetic_token(ids[i >> shift], i & mask))
-            .collect()
-    } else {
-        (0..len)
-            .map(|i| synthetic_token(ids[i / block_size], i % block_size))
-            .collect()
-    }
+    (0..len)
+        .map(|i| synthetic_token(ids[i / block_size], i % block_size))
+        .collect()
 }
 
 /// Token `j` of the trace block named `id`.
