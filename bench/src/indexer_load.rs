@@ -32,7 +32,9 @@ use kvroute_worker::engine::{Output, Request, RequestId};
 use serde::Serialize;
 
 use crate::fleet::{Fleet, FleetSink};
-use crate::stats::{Summary, peak_rss_bytes, rss_anon_bytes, rss_bytes};
+use crate::stats::{
+    Summary, allocator_options, peak_rss_bytes, rss_anon_bytes, rss_bytes, settled_rss_bytes,
+};
 use crate::trace::{self, mix};
 
 /// Flags of `kvroute-bench indexer`.
@@ -100,6 +102,12 @@ pub struct Args {
     /// Churn phase: fill-evict rounds.
     #[arg(long, default_value_t = 10)]
     pub churn_rounds: usize,
+    /// Milliseconds to wait before a reading of RSS taken after memory was freed (evictions,
+    /// workers leaving), so that it shows what the allocator kept and not what it was about
+    /// to return: the binaries' jemalloc purges freed pages over 1 s (`.cargo/config.toml`),
+    /// and 1.5 s was seen to leave a few MiB not yet purged.
+    #[arg(long, default_value_t = 3000)]
+    pub settle_ms: u64,
     /// Write the figures here as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -204,9 +212,11 @@ pub struct Churn {
     pub rss_empty_bytes: u64,
     /// RSS after each fill, bytes.
     pub rss_full_bytes: Vec<u64>,
-    /// RSS after each eviction, bytes.
+    /// RSS after each eviction, `settle_ms` later, bytes.
     pub rss_evicted_bytes: Vec<u64>,
-    /// RSS after every worker left at the end, bytes.
+    /// RSS right after each eviction, before the allocator had time to return pages, bytes.
+    pub rss_evicted_at_once_bytes: Vec<u64>,
+    /// RSS after every worker left at the end, `settle_ms` later, bytes.
     pub rss_after_leave_bytes: u64,
     /// The anonymous part of the RSS (RssAnon: what the heap holds, without the binary's
     /// code pages, which the first fill faults in and which stay) with the empty index, after
@@ -220,9 +230,10 @@ pub struct Churn {
     pub table_bytes_per_block: f64,
     /// Stored + removed blocks per second over the phase.
     pub block_ops_per_s: f64,
-    /// `GLIBC_TUNABLES` as the process started with it (how glibc's malloc was told to give
-    /// memory back; see the Dockerfile), empty if unset.
-    pub glibc_tunables: String,
+    /// The allocator's options: built in, and from the environment.
+    pub allocator: String,
+    /// Milliseconds waited before each RSS reading after a free (`--settle-ms`).
+    pub settle_ms: u64,
 }
 
 /// What one replay of the timeline into a fresh index measured.
@@ -339,7 +350,7 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
             "indexer: churn, {} rounds of {} blocks …",
             args.churn_rounds, args.churn_blocks
         );
-        churn(args.churn_blocks, args.churn_rounds)
+        churn(args.churn_blocks, args.churn_rounds, args.settle_ms)
     });
     let records = if args.dynamo {
         // The trace's own 512 tokens per id validate it; then each id becomes one block.
@@ -386,9 +397,9 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         Some(_) => Some(1.0),
         None => Some(args.pace_speedup),
     };
-    let rss_before = rss_bytes();
+    let rss_before = settled_rss_bytes(args.settle_ms);
     let paced = replay(&timeline, &config, pace)?;
-    let rss_full = rss_bytes();
+    let rss_full = settled_rss_bytes(args.settle_ms);
     let full = settled(&timeline, &paced.index);
     let table_full = paced.index.table_bytes();
     let (blocks, entries) = (paced.index.sizes().blocks, paced.index.sizes().entries);
@@ -400,7 +411,11 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         let start = Instant::now();
         paced.index.remove_workers(&all);
         let seconds = start.elapsed().as_secs_f64();
-        (rss_bytes(), paced.index.table_bytes() as u64, seconds)
+        (
+            settled_rss_bytes(args.settle_ms),
+            paced.index.table_bytes() as u64,
+            seconds,
+        )
     });
     let memory = Memory {
         rss_before_bytes: rss_before,
@@ -638,7 +653,7 @@ fn settled(timeline: &Timeline, index: &Indexer) -> Phase {
 
 /// Fills a fresh index with `blocks` distinct blocks (64 workers, 16-block chains, on the
 /// device), evicts them all, and again, `rounds` times; then every worker leaves.
-fn churn(blocks: usize, rounds: usize) -> Churn {
+fn churn(blocks: usize, rounds: usize, settle_ms: u64) -> Churn {
     const WORKERS: u64 = 64;
     const CHAIN: usize = 16;
     let index = Indexer::new(Config::default()).expect("the default config is valid");
@@ -647,7 +662,8 @@ fn churn(blocks: usize, rounds: usize) -> Churn {
         rounds,
         rss_empty_bytes: rss_bytes(),
         anon_empty_bytes: rss_anon_bytes(),
-        glibc_tunables: std::env::var("GLIBC_TUNABLES").unwrap_or_default(),
+        allocator: allocator_options(),
+        settle_ms,
         ..Churn::default()
     };
     let chains = blocks / CHAIN;
@@ -673,9 +689,11 @@ fn churn(blocks: usize, rounds: usize) -> Churn {
             data,
         }],
     };
-    let start = Instant::now();
     let mut ops = 0u64;
+    // Seconds spent filling and evicting, without the waits for RSS to settle.
+    let mut busy = 0.0;
     for round in 0..rounds {
+        let start = Instant::now();
         for c in 0..chains {
             let blocks = chain_of(round, c);
             index.apply(&batch(
@@ -697,13 +715,15 @@ fn churn(blocks: usize, rounds: usize) -> Churn {
             ));
         }
         ops += (chains * CHAIN) as u64;
-        out.rss_evicted_bytes.push(rss_bytes());
+        busy += start.elapsed().as_secs_f64();
+        out.rss_evicted_at_once_bytes.push(rss_bytes());
+        out.rss_evicted_bytes.push(settled_rss_bytes(settle_ms));
         out.anon_evicted_bytes.push(rss_anon_bytes());
     }
-    out.block_ops_per_s = ops as f64 / start.elapsed().as_secs_f64();
+    out.block_ops_per_s = ops as f64 / busy;
     let all: Vec<WorkerId> = (0..WORKERS).map(WorkerId).collect();
     index.remove_workers(&all);
-    out.rss_after_leave_bytes = rss_bytes();
+    out.rss_after_leave_bytes = settled_rss_bytes(settle_ms);
     out.anon_after_leave_bytes = rss_anon_bytes();
     out
 }
@@ -774,19 +794,20 @@ pub fn print(report: &Report) {
     if let Some(c) = &report.churn {
         let max = |v: &[u64]| v.iter().copied().max().unwrap_or(0);
         println!(
-            "churn: {} rounds of {} blocks, {:.2} M block-ops/s; RSS empty {:.0} MiB, full max {:.0} MiB, evicted max {:.0} MiB, after leave {:.0} MiB; anonymous RSS empty {:.1} MiB, evicted max {:.1} MiB, after leave {:.1} MiB; tables {:.1} B/block full; GLIBC_TUNABLES={:?}",
+            "churn: {} rounds of {} blocks, {:.2} M block-ops/s; RSS empty {:.1} MiB, full max {:.0} MiB, evicted max {:.1} MiB ({:.0} MiB at once), after leave {:.1} MiB; anonymous RSS empty {:.1} MiB, evicted max {:.1} MiB, after leave {:.1} MiB; tables {:.1} B/block full; allocator {}",
             c.rounds,
             c.blocks,
             c.block_ops_per_s / 1e6,
             mib(c.rss_empty_bytes),
             mib(max(&c.rss_full_bytes)),
             mib(max(&c.rss_evicted_bytes)),
+            mib(max(&c.rss_evicted_at_once_bytes)),
             mib(c.rss_after_leave_bytes),
             mib(c.anon_empty_bytes),
             mib(max(&c.anon_evicted_bytes)),
             mib(c.anon_after_leave_bytes),
             c.table_bytes_per_block,
-            c.glibc_tunables
+            c.allocator
         );
     }
 }

@@ -1,6 +1,11 @@
 //! `kvroute-bench`: system benches that print a table and write JSON.
 #![forbid(unsafe_code)]
 
+/// jemalloc, built with options that return freed pages to the OS within about a second
+/// (`.cargo/config.toml`): glibc's heap stays resident after the index shrinks.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 use clap::{Parser, Subcommand};
 use kvroute_bench::{
     engines_load, events_load, fuzz, indexer_load, kernels_load, online, plot, replay, soak, trace,

@@ -90,6 +90,26 @@ pub fn cpu_seconds() -> f64 {
         .unwrap_or(0.0)
 }
 
+/// Resident set of this process (VmRSS) after waiting `settle_ms` for the allocator to return
+/// what was just freed, bytes.
+pub fn settled_rss_bytes(settle_ms: u64) -> u64 {
+    std::thread::sleep(std::time::Duration::from_millis(settle_ms));
+    rss_bytes()
+}
+
+/// The binaries' allocator options, as reports record them: jemalloc's built-in options
+/// (`.cargo/config.toml`), those from `_RJEM_MALLOC_CONF`, and `GLIBC_TUNABLES` (for the
+/// C allocations that still go through glibc).
+pub fn allocator_options() -> String {
+    let var = |name: &str| std::env::var(name).unwrap_or_default();
+    format!(
+        "jemalloc built-in {:?}, _RJEM_MALLOC_CONF {:?}, GLIBC_TUNABLES {:?}",
+        option_env!("JEMALLOC_SYS_WITH_MALLOC_CONF").unwrap_or(""),
+        var("_RJEM_MALLOC_CONF"),
+        var("GLIBC_TUNABLES")
+    )
+}
+
 /// Anonymous resident memory of this process now (RssAnon: heap and other private memory,
 /// not the binary's code pages), bytes; 0 where /proc is unavailable.
 pub fn rss_anon_bytes() -> u64 {
@@ -111,6 +131,21 @@ fn status_bytes(field: &str) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_binaries_allocator_is_built_to_return_memory() {
+        // `.cargo/config.toml` builds these options into jemalloc; without them freed pages
+        // stay resident for 10 s, or as MADV_FREE pages that still count in RSS.
+        let conf = option_env!("JEMALLOC_SYS_WITH_MALLOC_CONF").unwrap_or("");
+        for option in [
+            "background_thread:true",
+            "dirty_decay_ms:1000",
+            "muzzy_decay_ms:0",
+        ] {
+            assert!(conf.contains(option), "{option} missing from {conf:?}");
+        }
+        assert!(allocator_options().contains(conf));
+    }
 
     #[test]
     fn nearest_rank_percentiles() {

@@ -1,6 +1,11 @@
 //! The `kvroute` command line: the router, the embedded demo fleet, and operator tools.
 #![forbid(unsafe_code)]
 
+/// jemalloc, built with options that return freed pages to the OS within about a second
+/// (`.cargo/config.toml`): glibc's heap stays resident after the index shrinks.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 mod hash;
 mod serve;
 mod up;

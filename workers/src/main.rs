@@ -2,6 +2,11 @@
 //! publishing its KV events to the router over NATS.
 #![forbid(unsafe_code)]
 
+/// jemalloc, built with options that return freed pages to the OS within about a second
+/// (`.cargo/config.toml`): glibc's heap stays resident after the index shrinks.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 use std::net::{IpAddr, SocketAddr};
 
 use std::time::Duration;
