@@ -325,6 +325,8 @@ const DEVICE: TierMask = bit(Tier::Device);
 const LOOKAHEAD: usize = 8;
 /// Blocks a lookup touches together, a group before it reads them.
 const AHEAD: usize = 16;
+/// Lookups at least this long load every shard's table header first.
+const WARM_AFTER: usize = 128;
 
 impl Indexer {
     /// An empty index.
@@ -780,6 +782,9 @@ impl Indexer {
         // have the same owners; then every decision repeats, and one memcmp replaces the
         // merge (O(1 + continuing) per level instead of O(owners)).
         let mut previous = std::mem::take(&mut owners);
+        // The last inline word read: a block whose word equals it has `previous` as its
+        // owners, without decoding them (0: none yet).
+        let mut last_word = 0u64;
         let mut depth = 1u32;
         // One view of the tables for the rest of the walk, pinned after block 0's owners were
         // read twice (the generation protocol above needs fresh reads; every read through
@@ -790,6 +795,9 @@ impl Indexer {
         // instructions behind it until it completes, so touches spread between reads would
         // overlap only with the few nearest.
         let view = self.map.view();
+        if seqs.size_hint().0 >= WARM_AFTER {
+            std::hint::black_box(view.warm());
+        }
         let mut ahead: VecDeque<(SeqHash, u64)> = VecDeque::with_capacity(2 * AHEAD);
         loop {
             if device.is_empty() && lower.is_empty() {
@@ -803,12 +811,19 @@ impl Indexer {
             let Some((seq, home)) = ahead.pop_front() else {
                 break;
             };
-            if !view.read(self.map.shard_of(home), home, seq.0, &mut owners) {
-                break;
-            }
-            if owners == previous {
+            let changed = match view.read_changed(
+                self.map.shard_of(home),
+                home,
+                seq.0,
+                &mut last_word,
+                &mut owners,
+            ) {
+                None => break,
+                Some(changed) => changed,
+            };
+            if !changed || owners == previous {
                 for entry in &mut lower {
-                    *entry = credit(*entry, table::tiers_in(&owners, slot_at(entry.0)));
+                    *entry = credit(*entry, table::tiers_in(&previous, slot_at(entry.0)));
                 }
             } else {
                 lower.retain_mut(|entry| {

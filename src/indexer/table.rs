@@ -170,6 +170,33 @@ impl Table {
         !out.is_empty()
     }
 
+    /// Like [`Table::read`], for a walk that just read the word `*last`: `Some(false)` if
+    /// `key`'s word is that same inline word (the same owners: an inline word holds them
+    /// whole, so `out` is left as it was), else `Some(true)` with the owners decoded into
+    /// `out` and `*last` set to the word (0 for a spilled one, whose meaning depends on its
+    /// table's arena); `None` if `key` has no owners.
+    fn read_changed(
+        &self,
+        home: u64,
+        key: u64,
+        last: &mut u64,
+        out: &mut Vec<Entry>,
+    ) -> Option<bool> {
+        let Some(Ok(i)) = self.probe(home, key) else {
+            out.clear();
+            return None;
+        };
+        let word = self.slots[i].word.load(Ordering::Acquire);
+        if word == *last {
+            return Some(false);
+        }
+        if !self.decode(word, out) {
+            return None;
+        }
+        *last = if word & SPILLED == 0 { word } else { 0 };
+        Some(true)
+    }
+
     /// The owners of `key`, into `out`. False if it has none.
     fn read(&self, home: u64, key: u64, out: &mut Vec<Entry>) -> bool {
         match self.probe(home, key) {
@@ -236,6 +263,24 @@ impl View {
     /// Lock-free read of `key`'s owners into `out`. False if it has none.
     pub(crate) fn read(&self, shard: usize, home: u64, key: u64, out: &mut Vec<Entry>) -> bool {
         self.0[shard].read(home, key, out)
+    }
+
+    /// [`Table::read_changed`] through the view.
+    pub(crate) fn read_changed(
+        &self,
+        shard: usize,
+        home: u64,
+        key: u64,
+        last: &mut u64,
+        out: &mut Vec<Entry>,
+    ) -> Option<bool> {
+        self.0[shard].read_changed(home, key, last, out)
+    }
+
+    /// Loads every shard's table header (where its slots are), so that a long walk does not
+    /// wait on them one by one while its caches are cold. Returns a value to `black_box`.
+    pub(crate) fn warm(&self) -> usize {
+        self.0.iter().fold(0, |acc, t| acc ^ t.slots.len())
     }
 
     /// Loads the first slot `home` probes, so that its cache miss is under way before the
