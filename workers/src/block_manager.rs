@@ -23,6 +23,7 @@
 //! still block on is listed in [`kvroute_kernels::cuda`].
 
 mod eviction;
+mod order;
 mod pool;
 
 use std::sync::Arc;
@@ -343,6 +344,8 @@ impl BlockManager {
         let inner = &mut *inner;
         for (index, (parent, block)) in (first..).zip(blocks) {
             let id = lease.blocks[index];
+            // The block before it in the lease holds its parent, or a private copy of it.
+            let near = index.checked_sub(1).map(|i| lease.blocks[i]);
             inner.tick += 1;
             if let Some(bytes) = &mut inner.bytes
                 && let Err(e) = bytes.fill(id.index(), block.seq)
@@ -352,7 +355,7 @@ impl BlockManager {
             }
             inner
                 .g1
-                .register(id, parent, block, inner.tick, &mut inner.changes);
+                .register(id, parent, near, block, inner.tick, &mut inner.changes);
         }
     }
 
@@ -600,7 +603,10 @@ impl Inner {
                 local: slot.local,
             };
             let parent = slot.parent;
-            if self.g2.register(g2, parent, block, tick, &mut self.changes) {
+            if self
+                .g2
+                .register(g2, parent, None, block, tick, &mut self.changes)
+            {
                 self.g2.release(g2, tick);
             } else {
                 self.g2.free_mutable(g2);
@@ -639,6 +645,8 @@ impl Inner {
         let pairs = self.onboards.remove(&id).expect("invariant: found above");
         self.tick += 1;
         let tick = self.tick;
+        // The copy's blocks are a run of one chain: each one's parent is in the slot before.
+        let mut near = None;
         for (i, (g2, g1)) in pairs.into_iter().enumerate() {
             let source = self.g2.slot(g2);
             let block = StoredBlock {
@@ -660,8 +668,10 @@ impl Inner {
             if slot.abandoned {
                 self.g1.free_mutable(g1);
             } else {
-                self.g1.register(g1, parent, block, tick, &mut self.changes);
+                self.g1
+                    .register(g1, parent, near, block, tick, &mut self.changes);
             }
+            near = Some(g1);
         }
         ready.push(OnboardTicket(id.0));
         Poll::Ready(result)

@@ -7,11 +7,10 @@
 //! not in it (G2 holds a block whose parent is still in G1) are counted in `orphans`, keyed
 //! by the parent's hash, until the parent arrives.
 
-use std::collections::BTreeSet;
-
 use kvroute::protocol::{LocalHash, SeqHash, StoredBlock, Tier};
 use rustc_hash::FxHashMap;
 
+use super::order::Order;
 use super::{BlockId, Change, EvictionPolicy, TierUsage};
 
 /// Lifecycle of a slot.
@@ -35,12 +34,13 @@ pub(super) struct Slot {
     pub seq: SeqHash,
     pub local: LocalHash,
     pub parent: Option<SeqHash>,
+    /// The slot `parent` was indexed in when this block was registered: where to look for
+    /// it first (checked before use; it may have moved since).
+    parent_slot: Option<BlockId>,
     pub last_used: u64,
     pub hits: u32,
     /// Registered blocks of this tier whose parent this is (while it is indexed).
     children: u32,
-    /// Key in `Pool::evictable` while the slot is there.
-    evict_key: Option<u64>,
     /// A mutable slot an onboard copy is writing.
     pub in_transfer: bool,
     /// Its lease was dropped during the copy: free it when the copy ends.
@@ -58,10 +58,10 @@ impl Slot {
             seq: SeqHash(0),
             local: LocalHash(0),
             parent: None,
+            parent_slot: None,
             last_used: 0,
             hits: 0,
             children: 0,
-            evict_key: None,
             in_transfer: false,
             abandoned: false,
             detached: false,
@@ -78,7 +78,8 @@ pub(super) struct Pool {
     /// Parent `SeqHash` not indexed in this tier → how many registered blocks of this tier
     /// extend it (indexed parents keep the count in their slot).
     orphans: FxHashMap<SeqHash, u32>,
-    evictable: BTreeSet<(u64, BlockId)>,
+    /// Inactive blocks the policy may evict, in its order.
+    evictable: Order,
     policy: Box<dyn EvictionPolicy>,
     mutable: usize,
     registered: usize,
@@ -95,7 +96,7 @@ impl Pool {
             free: (0..capacity as u32).rev().map(BlockId).collect(),
             by_hash: FxHashMap::default(),
             orphans: FxHashMap::default(),
-            evictable: BTreeSet::new(),
+            evictable: Order::new(capacity),
             policy,
             mutable: 0,
             registered: 0,
@@ -217,11 +218,13 @@ impl Pool {
 
     /// Mutable → full. Registers the block under its hash and announces it, unless the
     /// tier already holds that hash: then the slot stays a private mutable copy (returns
-    /// false) and is freed with its lease.
+    /// false) and is freed with its lease. `near` is where the parent probably is (the
+    /// slot before it in the same lease), checked before use.
     pub fn register(
         &mut self,
         id: BlockId,
         parent: Option<SeqHash>,
+        near: Option<BlockId>,
         block: StoredBlock,
         tick: u64,
         changes: &mut Vec<Change>,
@@ -244,7 +247,8 @@ impl Pool {
             slot.children = self.orphans.remove(&block.seq).unwrap_or(0);
         }
         if let Some(parent) = parent {
-            self.add_child(parent);
+            let found = self.add_child(parent, near);
+            self.slots[id.index()].parent_slot = found;
         }
         changes.push(Change::Stored {
             tier: self.tier,
@@ -256,9 +260,7 @@ impl Pool {
 
     /// The next block the policy gives up, taken out of the eviction order.
     pub fn pop_victim(&mut self) -> Option<BlockId> {
-        let (_, id) = self.evictable.pop_first()?;
-        self.slots[id.index()].evict_key = None;
-        Some(id)
+        self.evictable.pop_first()
     }
 
     /// Inactive → Free: drops the block from the tier and announces it.
@@ -297,7 +299,7 @@ impl Pool {
         self.set_evictable(id, false);
         let slot = &mut self.slots[id.index()];
         debug_assert_eq!(slot.state, State::Inactive);
-        let (seq, parent) = (slot.seq, slot.parent);
+        let (seq, parent, near) = (slot.seq, slot.parent, slot.parent_slot);
         let children = std::mem::take(&mut slot.children);
         self.by_hash.remove(&seq);
         if children > 0 {
@@ -305,7 +307,7 @@ impl Pool {
             self.orphans.insert(seq, children);
         }
         if let Some(parent) = parent {
-            self.remove_child(parent);
+            self.remove_child(parent, near);
         }
         changes.push(Change::Removed {
             tier: self.tier,
@@ -318,11 +320,26 @@ impl Pool {
         self.slots[id.index()].children
     }
 
-    /// Counts a new child of `parent`; its first child can make an indexed parent
-    /// ineligible for eviction.
-    fn add_child(&mut self, parent: SeqHash) {
-        match self.by_hash.get(&parent) {
-            Some(&p) => {
+    /// The slot `seq` is indexed in, looked up in the hash index unless `near` is it.
+    /// Following a chain by its slots saves the hash index's cache misses: a parent was
+    /// usually registered long before its child, and is evicted in another step.
+    fn find(&self, seq: SeqHash, near: Option<BlockId>) -> Option<BlockId> {
+        near.filter(|id| {
+            // Indexed exactly when registered or inactive, and not detached.
+            let slot = &self.slots[id.index()];
+            slot.seq == seq
+                && matches!(slot.state, State::Registered | State::Inactive)
+                && !slot.detached
+        })
+        .or_else(|| self.lookup(seq))
+    }
+
+    /// Counts a new child of `parent` (looked for at `near` first), and returns the slot
+    /// it is indexed in; its first child can make an indexed parent ineligible for eviction.
+    fn add_child(&mut self, parent: SeqHash, near: Option<BlockId>) -> Option<BlockId> {
+        let found = self.find(parent, near);
+        match found {
+            Some(p) => {
                 let slot = &mut self.slots[p.index()];
                 slot.children += 1;
                 if slot.children == 1 {
@@ -331,12 +348,14 @@ impl Pool {
             }
             None => *self.orphans.entry(parent).or_insert(0) += 1,
         }
+        found
     }
 
-    /// Uncounts a child of `parent`; its last child can make an indexed parent eligible.
-    fn remove_child(&mut self, parent: SeqHash) {
-        match self.by_hash.get(&parent) {
-            Some(&p) => {
+    /// Uncounts a child of `parent` (looked for at `near` first); its last child can make
+    /// an indexed parent eligible.
+    fn remove_child(&mut self, parent: SeqHash, near: Option<BlockId>) {
+        match self.find(parent, near) {
+            Some(p) => {
                 let slot = &mut self.slots[p.index()];
                 debug_assert!(slot.children > 0, "a child uncounted twice");
                 slot.children = slot.children.saturating_sub(1);
@@ -364,18 +383,12 @@ impl Pool {
     }
 
     fn set_evictable(&mut self, id: BlockId, on: bool) {
-        let slot = &mut self.slots[id.index()];
-        match (slot.evict_key, on) {
-            (None, true) => {
-                let key = self.policy.priority(slot.last_used, slot.hits);
-                slot.evict_key = Some(key);
-                self.evictable.insert((key, id));
-            }
-            (Some(key), false) => {
-                slot.evict_key = None;
-                self.evictable.remove(&(key, id));
-            }
-            _ => {}
+        if !on {
+            self.evictable.remove(id);
+        } else if self.evictable.key(id).is_none() {
+            let slot = &self.slots[id.index()];
+            let key = self.policy.priority(slot.last_used, slot.hits);
+            self.evictable.insert(id, key);
         }
     }
 
@@ -418,10 +431,10 @@ impl Pool {
             }
             let eligible =
                 slot.state == State::Inactive && !(self.policy.leaf_only() && slot.children > 0);
-            if eligible != slot.evict_key.is_some() {
+            if eligible != self.evictable.key(*id).is_some() {
                 return Err(format!(
                     "{tier}: {seq:?} evictable={eligible} but key {:?}",
-                    slot.evict_key
+                    self.evictable.key(*id)
                 ));
             }
         }
@@ -440,10 +453,17 @@ impl Pool {
         if children != counted {
             return Err(format!("{tier}: child counts drifted"));
         }
-        let keyed = self.slots.iter().filter(|s| s.evict_key.is_some()).count();
-        if keyed != self.evictable.len() {
+        self.evictable
+            .check()
+            .map_err(|e| format!("{tier}: eviction order: {e}"))?;
+        let eligible = self
+            .by_hash
+            .values()
+            .filter(|id| self.evictable.key(**id).is_some())
+            .count();
+        if eligible != self.evictable.len() {
             return Err(format!(
-                "{tier}: {keyed} keyed slots, {} in order",
+                "{tier}: {eligible} indexed slots in the order, {} in all",
                 self.evictable.len()
             ));
         }
