@@ -7,8 +7,11 @@
 //! not in it (G2 holds a block whose parent is still in G1) are counted in `orphans`, keyed
 //! by the parent's hash, until the parent arrives.
 
+use std::hash::BuildHasher;
+
+use hashbrown::HashTable;
 use kvroute::protocol::{LocalHash, SeqHash, StoredBlock, Tier};
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxBuildHasher, FxHashMap};
 
 use super::order::Order;
 use super::{BlockId, Change, EvictionPolicy, TierUsage};
@@ -74,7 +77,9 @@ pub(super) struct Pool {
     tier: Tier,
     pub slots: Vec<Slot>,
     free: Vec<BlockId>,
-    by_hash: FxHashMap<SeqHash, BlockId>,
+    /// The slot of every indexed block, found by its hash, which the slot holds: 4 bytes
+    /// an entry where a map from hash to slot takes 16, so more of it stays in cache.
+    by_hash: HashTable<u32>,
     /// Parent `SeqHash` not indexed in this tier → how many registered blocks of this tier
     /// extend it (indexed parents keep the count in their slot).
     orphans: FxHashMap<SeqHash, u32>,
@@ -94,7 +99,7 @@ impl Pool {
             slots: vec![Slot::empty(); capacity],
             // Popped from the back: hand out low slot numbers first.
             free: (0..capacity as u32).rev().map(BlockId).collect(),
-            by_hash: FxHashMap::default(),
+            by_hash: HashTable::new(),
             orphans: FxHashMap::default(),
             evictable: Order::new(capacity),
             policy,
@@ -128,14 +133,40 @@ impl Pool {
     }
 
     pub fn lookup(&self, seq: SeqHash) -> Option<BlockId> {
-        self.by_hash.get(&seq).copied()
+        let slots = &self.slots;
+        self.by_hash
+            .find(hash(seq), |&i| slots[i as usize].seq == seq)
+            .map(|&i| BlockId(i))
     }
 
     pub fn has_children(&self, seq: SeqHash) -> bool {
-        match self.by_hash.get(&seq) {
+        match self.lookup(seq) {
             Some(id) => self.slots[id.index()].children > 0,
             None => self.orphans.contains_key(&seq),
         }
+    }
+
+    /// Indexes slot `id` under the hash it holds (not indexed yet).
+    fn index_slot(&mut self, id: BlockId) {
+        let slots = &self.slots;
+        let seq = slots[id.index()].seq;
+        self.by_hash
+            .insert_unique(hash(seq), id.0, |&i| hash(slots[i as usize].seq));
+    }
+
+    /// Takes slot `id` (indexed) out of the index.
+    fn unindex_slot(&mut self, id: BlockId) {
+        let seq = self.slots[id.index()].seq;
+        if let Ok(entry) = self.by_hash.find_entry(hash(seq), |&i| i == id.0) {
+            entry.remove();
+        } else {
+            debug_assert!(false, "invariant: {id:?} is indexed");
+        }
+    }
+
+    /// The indexed slots.
+    fn indexed(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.by_hash.iter().map(|&i| BlockId(i))
     }
 
     pub fn slot(&self, id: BlockId) -> &Slot {
@@ -147,9 +178,10 @@ impl Pool {
     }
 
     pub fn resident(&self) -> impl Iterator<Item = (SeqHash, &Slot)> {
-        self.by_hash
-            .iter()
-            .map(|(seq, id)| (*seq, &self.slots[id.index()]))
+        self.indexed().map(|id| {
+            let slot = &self.slots[id.index()];
+            (slot.seq, slot)
+        })
     }
 
     /// Free → Mutable.
@@ -235,17 +267,18 @@ impl Pool {
         slot.local = block.local;
         slot.parent = parent;
         slot.last_used = tick;
-        if self.by_hash.contains_key(&block.seq) {
+        if self.lookup(block.seq).is_some() {
             return false;
         }
+        let slot = &mut self.slots[id.index()];
         slot.state = State::Registered;
         slot.refs = 1;
-        self.mutable -= 1;
-        self.registered += 1;
-        self.by_hash.insert(block.seq, id);
         if !self.orphans.is_empty() {
             slot.children = self.orphans.remove(&block.seq).unwrap_or(0);
         }
+        self.mutable -= 1;
+        self.registered += 1;
+        self.index_slot(id);
         if let Some(parent) = parent {
             let found = self.add_child(parent, near);
             self.slots[id.index()].parent_slot = found;
@@ -301,7 +334,7 @@ impl Pool {
         debug_assert_eq!(slot.state, State::Inactive);
         let (seq, parent, near) = (slot.seq, slot.parent, slot.parent_slot);
         let children = std::mem::take(&mut slot.children);
-        self.by_hash.remove(&seq);
+        self.unindex_slot(id);
         if children > 0 {
             // Its children stay (a policy that is not leaf-only, or a detach): orphans now.
             self.orphans.insert(seq, children);
@@ -415,10 +448,14 @@ impl Pool {
             ));
         }
         let mut children: FxHashMap<SeqHash, u32> = FxHashMap::default();
-        for (seq, id) in &self.by_hash {
+        for id in self.indexed() {
             let slot = &self.slots[id.index()];
-            if slot.seq != *seq || !matches!(slot.state, State::Registered | State::Inactive) {
-                return Err(format!("{tier}: index entry {seq:?} → {id:?} is {slot:?}"));
+            let seq = &slot.seq;
+            if !matches!(slot.state, State::Registered | State::Inactive) || slot.detached {
+                return Err(format!("{tier}: index entry {id:?} is {slot:?}"));
+            }
+            if self.lookup(*seq) != Some(id) {
+                return Err(format!("{tier}: {id:?} indexed, but {seq:?} finds another"));
             }
             if (slot.state == State::Registered) != (slot.refs > 0) {
                 return Err(format!(
@@ -431,15 +468,16 @@ impl Pool {
             }
             let eligible =
                 slot.state == State::Inactive && !(self.policy.leaf_only() && slot.children > 0);
-            if eligible != self.evictable.key(*id).is_some() {
+            if eligible != self.evictable.key(id).is_some() {
                 return Err(format!(
                     "{tier}: {seq:?} evictable={eligible} but key {:?}",
-                    self.evictable.key(*id)
+                    self.evictable.key(id)
                 ));
             }
         }
         let mut counted = self.orphans.clone();
-        for (seq, id) in &self.by_hash {
+        for id in self.indexed() {
+            let seq = &self.slots[id.index()].seq;
             if counted.contains_key(seq) {
                 return Err(format!(
                     "{tier}: {seq:?} is indexed and counted as an orphan"
@@ -457,9 +495,8 @@ impl Pool {
             .check()
             .map_err(|e| format!("{tier}: eviction order: {e}"))?;
         let eligible = self
-            .by_hash
-            .values()
-            .filter(|id| self.evictable.key(**id).is_some())
+            .indexed()
+            .filter(|id| self.evictable.key(*id).is_some())
             .count();
         if eligible != self.evictable.len() {
             return Err(format!(
@@ -469,4 +506,9 @@ impl Pool {
         }
         Ok(())
     }
+}
+
+/// Where `seq` is looked for in the index (the hasher the map it replaced used).
+fn hash(seq: SeqHash) -> u64 {
+    FxBuildHasher.hash_one(seq)
 }
