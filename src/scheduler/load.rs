@@ -1,5 +1,7 @@
 //! Active load of one worker: what the router has sent it and not yet seen finish.
 
+use std::collections::hash_map::Entry;
+
 use rustc_hash::FxHashMap;
 
 use crate::protocol::SeqHash;
@@ -57,10 +59,11 @@ impl ActiveLoad {
         self.requests = self.requests.saturating_sub(1);
         self.work_tokens = (self.work_tokens - work.decode_tokens as f64).max(0.0);
         for b in blocks {
-            if let Some(n) = self.shared.get_mut(b) {
-                *n -= 1;
-                if *n == 0 {
-                    self.shared.remove(b);
+            // One probe per block: the entry both decrements and removes.
+            if let Entry::Occupied(mut n) = self.shared.entry(*b) {
+                *n.get_mut() -= 1;
+                if *n.get() == 0 {
+                    n.remove();
                 }
             }
         }

@@ -146,12 +146,22 @@ impl Pool {
         }
     }
 
-    /// Indexes slot `id` under the hash it holds (not indexed yet).
-    fn index_slot(&mut self, id: BlockId) {
+    /// Indexes slot `id` (not indexed yet) under the hash it holds, unless another slot
+    /// is indexed under it (false): one probe for the check and the insertion.
+    fn index_slot(&mut self, id: BlockId) -> bool {
         let slots = &self.slots;
         let seq = slots[id.index()].seq;
-        self.by_hash
-            .insert_unique(hash(seq), id.0, |&i| hash(slots[i as usize].seq));
+        match self.by_hash.entry(
+            hash(seq),
+            |&i| slots[i as usize].seq == seq,
+            |&i| hash(slots[i as usize].seq),
+        ) {
+            hashbrown::hash_table::Entry::Occupied(_) => false,
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                v.insert(id.0);
+                true
+            }
+        }
     }
 
     /// Takes slot `id` (indexed) out of the index.
@@ -267,7 +277,7 @@ impl Pool {
         slot.local = block.local;
         slot.parent = parent;
         slot.last_used = tick;
-        if self.lookup(block.seq).is_some() {
+        if !self.index_slot(id) {
             return false;
         }
         let slot = &mut self.slots[id.index()];
@@ -278,7 +288,6 @@ impl Pool {
         }
         self.mutable -= 1;
         self.registered += 1;
-        self.index_slot(id);
         if let Some(parent) = parent {
             let found = self.add_child(parent, near);
             self.slots[id.index()].parent_slot = found;
