@@ -517,7 +517,7 @@ impl Pool {
     }
 }
 
-/// Where `seq` is looked for in the index (the hasher the map it replaced used).
+/// Where `seq` is looked for in the index: its Fx hash, as the pools' other maps use.
 fn hash(seq: SeqHash) -> u64 {
     FxBuildHasher.hash_one(seq)
 }
