@@ -521,3 +521,60 @@ impl Pool {
 fn hash(seq: SeqHash) -> u64 {
     FxBuildHasher.hash_one(seq)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::block_manager::Lru;
+
+    fn block(n: u64) -> StoredBlock {
+        StoredBlock {
+            seq: SeqHash(n),
+            local: LocalHash(n),
+        }
+    }
+
+    /// A child's remembered parent slot is checked before it is used. The parent A is
+    /// evicted, its slot goes to an unrelated block C, and A is registered again in another
+    /// slot; evicting the child B then uncounts A where it is now, not C.
+    #[test]
+    fn a_stale_parent_slot_is_looked_up_again() {
+        let (a_seq, b_seq, c_seq) = (1, 2, 3);
+        let mut pool = Pool::new(Tier::Device, 4, Box::new(Lru));
+        let mut changes = Vec::new();
+        let a = pool.take_free().unwrap();
+        assert!(pool.register(a, None, None, block(a_seq), 1, &mut changes));
+        pool.release(a, 1);
+        let b = pool.take_free().unwrap();
+        assert!(pool.register(
+            b,
+            Some(SeqHash(a_seq)),
+            Some(a),
+            block(b_seq),
+            2,
+            &mut changes
+        ));
+        pool.release(b, 2);
+        assert_eq!(pool.children(a), 1);
+
+        assert_eq!(pool.pop_victim(), Some(a));
+        pool.evict(a, &mut changes);
+        let c = pool.take_free().unwrap();
+        assert_eq!(c, a, "the freed slot is handed out next");
+        assert!(pool.register(c, None, None, block(c_seq), 3, &mut changes));
+        let a_again = pool.take_free().unwrap();
+        assert!(pool.register(a_again, None, None, block(a_seq), 4, &mut changes));
+        assert_eq!(
+            pool.children(a_again),
+            1,
+            "B is counted again once A is back"
+        );
+        pool.check().unwrap();
+
+        assert_eq!(pool.pop_victim(), Some(b));
+        pool.evict(b, &mut changes);
+        assert_eq!(pool.children(a_again), 0);
+        assert_eq!(pool.children(c), 0);
+        pool.check().unwrap();
+    }
+}
