@@ -782,9 +782,9 @@ impl Indexer {
         // have the same owners; then every decision repeats, and one memcmp replaces the
         // merge (O(1 + continuing) per level instead of O(owners)).
         let mut previous = std::mem::take(&mut owners);
-        // The last inline word read: a block whose word equals it has `previous` as its
-        // owners, without decoding them (0: none yet).
-        let mut last_word = 0u64;
+        // What the last read found: a block with the same owners has `previous` as its
+        // owners, without decoding them.
+        let mut last = table::LastRead::default();
         let mut depth = 1u32;
         // One view of the tables for the rest of the walk, pinned after block 0's owners were
         // read twice (the generation protocol above needs fresh reads; every read through
@@ -815,7 +815,7 @@ impl Indexer {
                 self.map.shard_of(home),
                 home,
                 seq.0,
-                &mut last_word,
+                &mut last,
                 &mut owners,
             ) {
                 None => break,

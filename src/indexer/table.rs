@@ -171,16 +171,16 @@ impl Table {
         !out.is_empty()
     }
 
-    /// Like [`Table::read`], for a walk that just read the word `*last`: `Some(false)` if
-    /// `key`'s word is that same inline word (the same owners: an inline word holds them
-    /// whole, so `out` is left as it was), else `Some(true)` with the owners decoded into
-    /// `out` and `*last` set to the word (0 for a spilled one, whose meaning depends on its
-    /// table's arena); `None` if `key` has no owners.
+    /// Like [`Table::read`], for a walk that just read the owners `last` describes:
+    /// `Some(false)` if `key`'s owners are those same owners (an equal inline word, or a
+    /// spilled region with the same packed words; `out` is left as it was), else
+    /// `Some(true)` with the owners decoded into `out` and `last` describing them; `None` if
+    /// `key` has no owners.
     fn read_changed(
         &self,
         home: u64,
         key: u64,
-        last: &mut u64,
+        last: &mut LastRead,
         out: &mut Vec<Entry>,
     ) -> Option<bool> {
         let Some(Ok(i)) = self.probe(home, key) else {
@@ -188,22 +188,73 @@ impl Table {
             return None;
         };
         let word = self.slots[i].word.load(Ordering::Acquire);
-        if word == *last {
+        if word & SPILLED == 0 {
+            if word == last.word {
+                return Some(false);
+            }
+            if !self.decode(word, out) {
+                return None;
+            }
+            last.word = word;
+            last.packed.clear();
+            return Some(true);
+        }
+        // Equal sets in different blocks are different regions (of different shards'
+        // arenas, as often as not) with the same contents: comparing the packed words costs
+        // a memcmp where decoding and comparing the entries cost a pass over each.
+        let offset = (word & 0xFFFF_FFFF) as usize;
+        let len = ((word >> 32) & ENTRY_MASK) as usize;
+        let region = self.arena.get(offset..offset + len.div_ceil(2))?;
+        if last.word == SPILLED_LAST
+            && last.len == len
+            && region
+                .iter()
+                .zip(&last.packed)
+                .all(|(w, p)| w.load(Ordering::Relaxed) == *p)
+        {
             return Some(false);
         }
-        if !self.decode(word, out) {
-            return None;
+        last.word = SPILLED_LAST;
+        last.len = len;
+        last.packed.clear();
+        last.packed
+            .extend(region.iter().map(|w| w.load(Ordering::Relaxed)));
+        out.clear();
+        for (k, &pair) in last.packed.iter().enumerate() {
+            out.push(pair as u32);
+            if 2 * k + 1 < len {
+                out.push((pair >> 32) as u32);
+            }
         }
-        *last = if word & SPILLED == 0 { word } else { 0 };
-        Some(true)
+        (!out.is_empty()).then_some(true)
     }
 
     /// The owners of `key`, into `out`. False if it has none.
     fn read(&self, home: u64, key: u64, out: &mut Vec<Entry>) -> bool {
-        // A keyed slot's word is never 0, so nothing is taken as already read.
-        self.read_changed(home, key, &mut 0, out).is_some()
+        match self.probe(home, key) {
+            Some(Ok(i)) => self.decode(self.slots[i].word.load(Ordering::Acquire), out),
+            _ => {
+                out.clear();
+                false
+            }
+        }
     }
 }
+
+/// What a walk read last: the owners it holds as the previous level's, described so that a
+/// block with the same owners is recognised without decoding them.
+#[derive(Debug, Default)]
+pub(crate) struct LastRead {
+    /// The inline word read last, [`SPILLED_LAST`] after a spilled set, 0 before any read
+    /// (a keyed slot's word is never 0).
+    word: u64,
+    /// After a spilled set: its entry count and packed arena words.
+    len: usize,
+    packed: Vec<u64>,
+}
+
+/// [`LastRead::word`] after a spilled set (no inline word has `SPILLED` set).
+const SPILLED_LAST: u64 = SPILLED;
 
 /// A shard's writer side, under its mutex: its current table and the bookkeeping.
 #[derive(Debug)]
@@ -264,7 +315,7 @@ impl View {
         shard: usize,
         home: u64,
         key: u64,
-        last: &mut u64,
+        last: &mut LastRead,
         out: &mut Vec<Entry>,
     ) -> Option<bool> {
         self.0[shard].read_changed(home, key, last, out)

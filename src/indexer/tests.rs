@@ -819,3 +819,26 @@ proptest! {
         run_case(&case, 2)?;
     }
 }
+
+/// A walk compares a spilled owner set with the last one by its packed words: sets of the
+/// same size with other owners are told apart, and equal ones are taken as they are. Blocks
+/// 0 and 1 are held by workers 1–6 (six owners, spilled), blocks 2 and 3 by workers 1–5
+/// and, in G2 only, worker 7 (six again, one owner other than block 1's).
+#[test]
+fn equal_sized_spilled_sets_with_other_owners_are_told_apart() {
+    let ix = index();
+    let c = chain(&[1, 2, 3, 4]);
+    for w in 1..=5 {
+        ix.apply(&batch(w, vec![(Tier::Device, stored(None, &c))]));
+    }
+    ix.apply(&batch(6, vec![(Tier::Device, stored(None, &c[..2]))]));
+    ix.apply(&batch(
+        7,
+        vec![(Tier::Host, stored(Some(c[1].seq), &c[2..]))],
+    ));
+    for w in 1..=5 {
+        assert_eq!(overlap(&ix, w, &[1, 2, 3, 4]), (4, 0, 0), "worker {w}");
+    }
+    assert_eq!(overlap(&ix, 6, &[1, 2, 3, 4]), (2, 0, 0));
+    assert_eq!(overlap(&ix, 7, &[1, 2, 3, 4]), (0, 0, 0));
+}
