@@ -148,17 +148,9 @@ impl Table {
     fn decode(&self, word: u64, out: &mut Vec<Entry>) -> bool {
         out.clear();
         if word & SPILLED != 0 {
-            let offset = (word & 0xFFFF_FFFF) as usize;
-            let len = ((word >> 32) & ENTRY_MASK) as usize;
-            out.reserve(len);
-            for k in 0..len {
-                let pair = self.arena[offset + k / 2].load(Ordering::Relaxed);
-                out.push(if k % 2 == 0 {
-                    pair as u32
-                } else {
-                    (pair >> 32) as u32
-                });
-            }
+            let (offset, len) = spill_of(word);
+            let region = &self.arena[offset..offset + len.div_ceil(2)];
+            unpack(region.iter().map(|w| w.load(Ordering::Relaxed)), len, out);
         } else {
             for k in 0..INLINE {
                 let e = (word >> (k as u32 * ENTRY_BITS)) & ENTRY_MASK;
@@ -202,8 +194,7 @@ impl Table {
         // Equal sets in different blocks are different regions (of different shards'
         // arenas, as often as not) with the same contents: comparing the packed words costs
         // a memcmp where decoding and comparing the entries cost a pass over each.
-        let offset = (word & 0xFFFF_FFFF) as usize;
-        let len = ((word >> 32) & ENTRY_MASK) as usize;
+        let (offset, len) = spill_of(word);
         let region = self.arena.get(offset..offset + len.div_ceil(2))?;
         if last.word == SPILLED_LAST
             && last.len == len
@@ -220,12 +211,7 @@ impl Table {
         last.packed
             .extend(region.iter().map(|w| w.load(Ordering::Relaxed)));
         out.clear();
-        for (k, &pair) in last.packed.iter().enumerate() {
-            out.push(pair as u32);
-            if 2 * k + 1 < len {
-                out.push((pair >> 32) as u32);
-            }
-        }
+        unpack(last.packed.iter().copied(), len, out);
         (!out.is_empty()).then_some(true)
     }
 
@@ -255,6 +241,26 @@ pub(crate) struct LastRead {
 
 /// [`LastRead::word`] after a spilled set (no inline word has `SPILLED` set).
 const SPILLED_LAST: u64 = SPILLED;
+
+/// Where a spilled word's owners are: (arena offset, entry count).
+fn spill_of(word: u64) -> (usize, usize) {
+    (
+        (word & 0xFFFF_FFFF) as usize,
+        ((word >> 32) & ENTRY_MASK) as usize,
+    )
+}
+
+/// Appends to `out` the `len` entries packed two to a word in `pairs`, low half first
+/// (as [`write_region`] packs them).
+fn unpack(pairs: impl IntoIterator<Item = u64>, len: usize, out: &mut Vec<Entry>) {
+    out.reserve(len);
+    for (k, pair) in pairs.into_iter().enumerate() {
+        out.push(pair as u32);
+        if 2 * k + 1 < len {
+            out.push((pair >> 32) as u32);
+        }
+    }
+}
 
 /// A shard's writer side, under its mutex: its current table and the bookkeeping.
 #[derive(Debug)]
@@ -644,8 +650,7 @@ impl ShardWriter<'_> {
 
     fn release_region(&mut self, old: u64) {
         if old & SPILLED != 0 {
-            let len = ((old >> 32) & ENTRY_MASK) as usize;
-            self.books.arena_live -= len.div_ceil(2);
+            self.books.arena_live -= spill_of(old).1.div_ceil(2);
         }
     }
 
