@@ -10,6 +10,7 @@
 use std::hash::BuildHasher;
 
 use hashbrown::HashTable;
+use hashbrown::hash_table::Entry;
 use kvroute::protocol::{LocalHash, SeqHash, StoredBlock, Tier};
 use rustc_hash::{FxBuildHasher, FxHashMap};
 
@@ -156,8 +157,8 @@ impl Pool {
             |&i| slots[i as usize].seq == seq,
             |&i| hash(slots[i as usize].seq),
         ) {
-            hashbrown::hash_table::Entry::Occupied(_) => false,
-            hashbrown::hash_table::Entry::Vacant(v) => {
+            Entry::Occupied(_) => false,
+            Entry::Vacant(v) => {
                 v.insert(id.0);
                 true
             }
