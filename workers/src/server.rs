@@ -116,6 +116,8 @@ pub struct Worker {
     registration: Option<Registration>,
     engine: EngineHandle,
     active: Arc<AtomicUsize>,
+    /// The injected faults (`POST /admin/faults` changes them where enabled).
+    _faults: Arc<watch::Sender<Faults>>,
 }
 
 impl Worker {
@@ -149,7 +151,10 @@ impl Worker {
         info.lock().validate()?;
         let plane = WorkerPlane::new(transport.clone(), &config.cluster, Arc::clone(&info));
         let (shutdown, shutdown_rx) = watch::channel(false);
+        // The worker keeps the sender, with or without fault injection: a dropped sender
+        // would end the publisher's wait on the faults.
         let (faults, faults_rx) = watch::channel(Faults::default());
+        let faults = Arc::new(faults);
         let (events_tx, events) = mpsc::channel(EVENT_QUEUE_BATCHES);
         let engine = EngineHandle::spawn(engine, events_tx, plane.clone())?;
         match &config.emulate {
@@ -185,7 +190,7 @@ impl Worker {
                 model: config.model.clone(),
                 next_id: Arc::default(),
                 active: Arc::clone(&active),
-                faults: config.fault_injection.then_some(Arc::new(faults)),
+                faults: config.fault_injection.then(|| Arc::clone(&faults)),
                 fingerprint: format!("fp_{:012x}", config.epoch & 0xffff_ffff_ffff),
                 body_read_timeout: Duration::from_millis(config.http.body_read_timeout_ms),
                 emulate: config.emulate.clone(),
@@ -202,6 +207,7 @@ impl Worker {
             registration,
             engine,
             active,
+            _faults: faults,
         })
     }
 
@@ -251,19 +257,10 @@ async fn publish(
     mut shutdown: watch::Receiver<bool>,
 ) {
     loop {
-        if faults.borrow().pause_publisher {
-            tokio::select! {
-                _ = faults.wait_for(|f| !f.pause_publisher) => continue,
-                _ = shutdown.changed() => return,
-            }
-        }
-        let mut batch = tokio::select! {
-            b = events.recv() => match b {
-                Some(b) => b,
-                None => return,
-            },
-            _ = faults.changed() => continue,
-            _ = shutdown.changed() => return,
+        let mut batch = match next_batch(&mut events, &mut faults, &mut shutdown).await {
+            Next::Batch(b) => b,
+            Next::Again => continue,
+            Next::Stop => return,
         };
         // The engine's clock is process-relative; the router measures lag in Unix time.
         batch.sent_unix_us = std::time::SystemTime::now()
@@ -273,6 +270,38 @@ async fn publish(
             tracing::warn!(error = %e, "publishing KV events failed; the router will resync");
             plane.note_sent(&batch);
         }
+    }
+}
+
+/// What the publisher does next.
+#[derive(Debug)]
+enum Next {
+    /// Publish this batch.
+    Batch(EventBatch),
+    /// The faults changed: look at them again.
+    Again,
+    /// The engine or the worker stopped.
+    Stop,
+}
+
+/// Waits for the next batch to publish, a change of the injected faults, or the shutdown.
+/// A faults channel whose sender is gone never changes again: it is not a change (an
+/// `Err` taken for one would loop without waiting).
+async fn next_batch(
+    events: &mut mpsc::Receiver<EventBatch>,
+    faults: &mut watch::Receiver<Faults>,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Next {
+    if faults.borrow().pause_publisher {
+        return tokio::select! {
+            Ok(_) = faults.wait_for(|f| !f.pause_publisher) => Next::Again,
+            _ = shutdown.changed() => Next::Stop,
+        };
+    }
+    tokio::select! {
+        b = events.recv() => b.map_or(Next::Stop, Next::Batch),
+        Ok(()) = faults.changed() => Next::Again,
+        _ = shutdown.changed() => Next::Stop,
     }
 }
 

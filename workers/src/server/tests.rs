@@ -263,3 +263,73 @@ async fn a_client_too_slow_for_its_stream_is_cut_off_with_an_error() {
     assert!(out.contains("cut off"), "no error event at the end");
     w.stop().await;
 }
+
+/// A worker started without fault injection has no one to change the faults: its
+/// publisher must then wait for batches, not take the closed channel for a change (it
+/// looped without waiting, a core spinning in every such worker).
+#[tokio::test(start_paused = true)]
+async fn the_publisher_waits_when_no_one_can_change_the_faults() {
+    let (_events_tx, mut events) = mpsc::channel::<EventBatch>(4);
+    let (faults_tx, mut faults) = watch::channel(Faults::default());
+    drop(faults_tx);
+    let (_shutdown_tx, mut shutdown) = watch::channel(false);
+    let waited = tokio::time::timeout(
+        Duration::from_secs(60),
+        next_batch(&mut events, &mut faults, &mut shutdown),
+    )
+    .await;
+    assert!(waited.is_err(), "it answered {waited:?} with nothing to do");
+
+    // Paused by a sender now gone: it stays paused until the shutdown.
+    let (faults_tx, mut faults) = watch::channel(Faults {
+        pause_publisher: true,
+        ..Faults::default()
+    });
+    drop(faults_tx);
+    let waited = tokio::time::timeout(
+        Duration::from_secs(60),
+        next_batch(&mut events, &mut faults, &mut shutdown),
+    )
+    .await;
+    assert!(waited.is_err(), "it answered {waited:?} while paused");
+    drop(_shutdown_tx);
+    let stopped = next_batch(&mut events, &mut faults, &mut shutdown).await;
+    assert!(matches!(stopped, Next::Stop), "{stopped:?}");
+}
+
+/// A change of the faults and a batch are each answered at once, except that a paused
+/// publisher takes no batch until the pause ends.
+#[tokio::test(start_paused = true)]
+async fn the_publisher_takes_batches_and_fault_changes() {
+    let (events_tx, mut events) = mpsc::channel::<EventBatch>(4);
+    let (faults_tx, mut faults) = watch::channel(Faults::default());
+    let (_shutdown_tx, mut shutdown) = watch::channel(false);
+    faults_tx.send_modify(|f| f.status = Some(503));
+    let next = next_batch(&mut events, &mut faults, &mut shutdown).await;
+    assert!(matches!(next, Next::Again), "{next:?}");
+    faults_tx.send_modify(|f| f.pause_publisher = true);
+    // Paused: it waits, batches or not, until the pause ends.
+    events_tx
+        .send(EventBatch {
+            worker: WorkerId(7),
+            dp_rank: DpRank(0),
+            epoch: 1,
+            sent_unix_us: 0,
+            events: Vec::new(),
+        })
+        .await
+        .unwrap();
+    let waited = tokio::time::timeout(
+        Duration::from_secs(60),
+        next_batch(&mut events, &mut faults, &mut shutdown),
+    )
+    .await;
+    assert!(waited.is_err(), "it answered {waited:?} while paused");
+    // Unpaused: the batch comes, after at most one look at the faults (both are ready).
+    faults_tx.send_modify(|f| f.pause_publisher = false);
+    let mut next = next_batch(&mut events, &mut faults, &mut shutdown).await;
+    if matches!(next, Next::Again) {
+        next = next_batch(&mut events, &mut faults, &mut shutdown).await;
+    }
+    assert!(matches!(next, Next::Batch(_)), "{next:?}");
+}
