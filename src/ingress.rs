@@ -49,12 +49,14 @@ pub struct IngressConfig {
     pub max_inflight: usize,
     /// Other workers tried when one fails before its first byte.
     pub retries: usize,
-    /// How long a worker may take to answer with headers, ms.
+    /// How long connecting to a worker, and a stream's response headers, may take, ms (a
+    /// non-streamed answer's headers come once it is generated: `upstream_body_timeout_ms`).
     pub worker_timeout_ms: u64,
     /// Longest silence mid-stream, ms: a worker that sends nothing this long (or a client
     /// that reads nothing this long) ends the stream and frees its slot and booking.
     pub relay_idle_timeout_ms: u64,
-    /// Deadline for a whole non-streamed worker answer (or error body), ms.
+    /// Deadline for a whole non-streamed worker answer, headers included (or an error
+    /// body), ms.
     pub upstream_body_timeout_ms: u64,
     /// Largest non-streamed worker answer, bytes.
     pub max_upstream_body_bytes: usize,
@@ -249,18 +251,13 @@ impl Router {
 
     /// Runs `f` (parsing, templating, tokenizing: up to `max_body_bytes` of CPU work) on the
     /// blocking pool, at most `tokenizer_threads` at a time, so it never stalls the async
-    /// threads that relay streams.
+    /// threads that relay streams. The blocking task holds the permit: a client that leaves
+    /// drops this future, not the work already started, which still counts until it ends.
     async fn off_runtime<T: Send + 'static>(
         &self,
         f: impl FnOnce() -> T + Send + 'static,
     ) -> Result<T, ApiError> {
-        let _permit = Arc::clone(&self.tokenize_permits)
-            .acquire_owned()
-            .await
-            .expect("invariant: the semaphore is never closed");
-        tokio::task::spawn_blocking(f)
-            .await
-            .map_err(|_| ApiError::unavailable("tokenizer failed"))
+        run_blocking(&self.tokenize_permits, f).await
     }
 
     /// Sets the gauges that are read off the router's state at scrape time.
@@ -867,6 +864,24 @@ fn fault_label(e: &ProxyError) -> &'static str {
         openai::Fault::Worker => "worker",
         openai::Fault::Router => "router",
     }
+}
+
+/// Runs `f` on the blocking pool once one of `permits` is free; the blocking task holds
+/// the permit until `f` returns, whether or not anyone still awaits it.
+async fn run_blocking<T: Send + 'static>(
+    permits: &Arc<Semaphore>,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    let permit = Arc::clone(permits)
+        .acquire_owned()
+        .await
+        .expect("invariant: the semaphore is never closed");
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        f()
+    })
+    .await
+    .map_err(|_| ApiError::unavailable("tokenizer failed"))
 }
 
 #[cfg(test)]

@@ -125,6 +125,16 @@ pub enum ProxyError {
         /// The deadline.
         ms: u64,
     },
+    /// A non-streamed answer (headers and body, which a worker sends once it has generated
+    /// every token) did not arrive within `upstream_body_timeout_ms`. Not tried elsewhere:
+    /// the worker may still be generating it, and the client has waited the whole deadline.
+    #[error("worker {worker} sent no whole answer within {ms} ms")]
+    AnswerTimeout {
+        /// The worker.
+        worker: WorkerId,
+        /// The deadline.
+        ms: u64,
+    },
     /// The worker answered with an error status.
     #[error("worker {worker} answered {status}: {message}")]
     Status {
@@ -152,6 +162,7 @@ impl ProxyError {
     pub fn retry_elsewhere(&self) -> bool {
         match self {
             ProxyError::Status { status, .. } => worker_side(*status),
+            ProxyError::AnswerTimeout { .. } => false,
             _ => true,
         }
     }
@@ -170,6 +181,7 @@ impl ProxyError {
             ProxyError::WorkerLeft { .. } => "worker_left",
             ProxyError::Connect { .. } => "connect",
             ProxyError::HeadersTimeout { .. } => "headers_timeout",
+            ProxyError::AnswerTimeout { .. } => "answer_timeout",
             ProxyError::Status { status, .. } if worker_side(*status) => "worker_status",
             ProxyError::Status { .. } => "refused",
             ProxyError::Body {
@@ -193,6 +205,7 @@ impl ProxyError {
                 ApiError::refused_by_worker(status.as_u16(), message.clone())
             }
             ProxyError::HeadersTimeout { .. }
+            | ProxyError::AnswerTimeout { .. }
             | ProxyError::Body {
                 source: BodyError::TimedOut { .. },
                 ..
@@ -277,7 +290,15 @@ pub(super) async fn forward(
     let request = body.request(&info, key.1.0);
     let config = &router.config;
     let started = Instant::now();
-    let headers_ms = config.worker_timeout_ms;
+    // A stream's headers come with its first bytes; a non-streamed answer's only once the
+    // whole answer is generated, so it gets the deadline of a whole answer, and the body
+    // what is left of it.
+    let answer_ms = config.upstream_body_timeout_ms;
+    let headers_ms = if stream {
+        config.worker_timeout_ms
+    } else {
+        answer_ms
+    };
     let response = match tokio::time::timeout(
         Duration::from_millis(headers_ms),
         router.client.request(request),
@@ -286,10 +307,16 @@ pub(super) async fn forward(
     {
         Ok(Ok(r)) => r,
         Ok(Err(source)) => return Err(ProxyError::Connect { worker, source }),
-        Err(_) => {
+        Err(_) if stream => {
             return Err(ProxyError::HeadersTimeout {
                 worker,
                 ms: headers_ms,
+            });
+        }
+        Err(_) => {
+            return Err(ProxyError::AnswerTimeout {
+                worker,
+                ms: answer_ms,
             });
         }
     };
@@ -332,9 +359,16 @@ pub(super) async fn forward(
     }
     let label = worker.to_string();
     if !stream {
-        let bytes = collect(response.into_body())
+        let left = Duration::from_millis(answer_ms).saturating_sub(started.elapsed());
+        let bytes = collect_body(response.into_body(), config.max_upstream_body_bytes, left)
             .await
-            .map_err(|source| ProxyError::Body { worker, source })?;
+            .map_err(|source| match source {
+                BodyError::TimedOut { .. } => ProxyError::AnswerTimeout {
+                    worker,
+                    ms: answer_ms,
+                },
+                source => ProxyError::Body { worker, source },
+            })?;
         drop(booking);
         metrics::histogram!("kvroute_e2e_seconds", "worker" => label)
             .record(started.elapsed().as_secs_f64());

@@ -37,6 +37,16 @@ fn the_error_decides_retry_fault_and_status() {
     assert!(timeout.retry_elsewhere());
     assert_eq!(timeout.to_api().status, 504);
     assert_eq!(timeout.label(), "headers_timeout");
+    // A non-streamed answer that took its whole deadline may still be generating: running
+    // it again elsewhere would double the work after the client has waited it all.
+    let answer = ProxyError::AnswerTimeout {
+        worker: WorkerId(1),
+        ms: 10,
+    };
+    assert!(!answer.retry_elsewhere());
+    assert_eq!(answer.fault(), Fault::Worker);
+    assert_eq!(answer.to_api().status, 504);
+    assert_eq!(answer.label(), "answer_timeout");
     // "No worker registered" is the router's state, not a worker's fault.
     let none = ApiError::no_workers();
     assert_eq!((none.status, none.fault), (503, Fault::Router));
@@ -98,4 +108,37 @@ fn response_ids_do_not_repeat() {
         ids.iter()
             .all(|i| i.starts_with("cmpl-") && i.len() == 5 + 24)
     );
+}
+
+/// A client that leaves while its body is being tokenized drops the request's future, not
+/// the work on the blocking pool: that work keeps its permit until it ends, so clients
+/// that connect, send a large body and leave cannot run more than the permits at once.
+#[tokio::test]
+async fn tokenizing_keeps_its_permit_after_the_client_left() {
+    let permits = Arc::new(Semaphore::new(1));
+    let (started_tx, started) = std::sync::mpsc::channel::<()>();
+    let (go, go_rx) = std::sync::mpsc::channel::<()>();
+    let call = tokio::spawn({
+        let permits = Arc::clone(&permits);
+        async move {
+            run_blocking(&permits, move || {
+                started_tx.send(()).unwrap();
+                go_rx.recv().unwrap();
+            })
+            .await
+        }
+    });
+    tokio::task::spawn_blocking(move || started.recv().unwrap())
+        .await
+        .unwrap();
+    call.abort();
+    assert!(call.await.unwrap_err().is_cancelled());
+    assert_eq!(
+        permits.available_permits(),
+        0,
+        "the permit went back while the work still ran"
+    );
+    go.send(()).unwrap();
+    // Returns once the work has ended and given its permit back.
+    drop(permits.acquire().await.unwrap());
 }

@@ -543,3 +543,33 @@ async fn api_keys_and_the_admin_token_are_enforced() {
         200
     );
 }
+
+/// A worker sends a non-streamed answer's headers only once it has generated every token:
+/// the answer gets `--upstream-body-timeout-ms`, not the headers deadline of a stream
+/// (`--worker-timeout-ms`), and is not sent to other workers meanwhile. At speedup 1 the
+/// engine's timing model makes 200 tokens take at least 200 decode steps of 5.7 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_streamed_answer_may_take_longer_than_a_streams_headers() {
+    let f = Fleet::start(FleetSpec {
+        router_args: vec!["--worker-timeout-ms".into(), "300".into()],
+        ..spec(2, 1.0)
+    })
+    .await
+    .unwrap();
+    let url = format!("{}/v1/completions", f.url());
+    let body = completion(MODEL, &prompt(3), 200, false);
+    let r = f.http.call("POST", &url, body).await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    let answer: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(answer["usage"]["completion_tokens"], 200, "{}", r.body);
+    let stats = f
+        .http
+        .call("GET", &format!("{}/metrics", f.url()), "")
+        .await
+        .unwrap();
+    assert!(
+        !stats.body.contains("headers_timeout"),
+        "the answer was taken for a late stream: {}",
+        stats.body
+    );
+}
