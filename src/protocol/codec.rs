@@ -116,6 +116,12 @@ pub enum DecodeError {
         /// The id the sequence required.
         expected: u64,
     },
+    /// An event id or a snapshot's watermark of `u64::MAX`: no id could follow it.
+    #[error("event id or watermark {found} leaves no id after it")]
+    LastId {
+        /// The id or watermark.
+        found: u64,
+    },
 }
 
 /// Why a batch could not be encoded.
@@ -333,6 +339,9 @@ fn access<'a>(bytes: &'a [u8], limits: &Limits) -> Result<&'a ArchivedEventBatch
                 found: id,
                 expected,
             });
+        }
+        if id == u64::MAX {
+            return Err(DecodeError::LastId { found: id });
         }
         previous = Some(id);
         blocks += match &event.data {

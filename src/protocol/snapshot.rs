@@ -155,6 +155,11 @@ pub fn decode_snapshot_chunk(bytes: &[u8], limits: &Limits) -> Result<SnapshotCh
             count: chunk.count,
         });
     }
+    if chunk.watermark == u64::MAX {
+        return Err(DecodeError::LastId {
+            found: chunk.watermark,
+        });
+    }
     Ok(chunk)
 }
 

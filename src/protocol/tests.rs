@@ -234,6 +234,12 @@ fn decode_rejects_id_gaps_and_zero() {
     ]))
     .unwrap();
     assert!(decode(&wrap, &limits).is_err());
+    // A stream's next id is its last plus one: the last id cannot be u64::MAX.
+    let last = encode(&batch(vec![stored(u64::MAX, None, 0..1)])).unwrap();
+    assert!(matches!(
+        decode(&last, &limits),
+        Err(DecodeError::LastId { found: u64::MAX })
+    ));
 }
 
 #[test]
@@ -515,6 +521,13 @@ fn snapshot_chunks_are_validated() {
     let foreign =
         decode_snapshot_chunk(&other.encode(4096).unwrap()[0], &Limits::default()).unwrap();
     assert!(assembler.add(foreign).is_err());
+    // Live ids resume after the watermark: it cannot be u64::MAX.
+    let mut last = snapshot(3);
+    last.watermark = u64::MAX;
+    assert!(matches!(
+        decode_snapshot_chunk(&last.encode(4096).unwrap()[0], &Limits::default()),
+        Err(DecodeError::LastId { found: u64::MAX })
+    ));
 }
 
 proptest! {
