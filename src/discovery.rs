@@ -157,16 +157,17 @@ impl WorkerInfo {
             return bad("g2_blocks", format!("{} is over 2^40", self.g2_blocks));
         }
         let printable = |s: &str| !s.chars().any(|c| c.is_control() || c.is_whitespace());
-        if self.model.is_empty() || self.model.len() > MAX_MODEL_BYTES || !printable(&self.model) {
+        if !model_name_ok(&self.model) {
             return bad(
                 "model",
                 format!("must be 1..={MAX_MODEL_BYTES} bytes without spaces or control characters"),
             );
         }
         if self.adapters.len() > MAX_ADAPTERS
-            || self.adapters.iter().any(|a| {
-                a.is_empty() || a.len() > MAX_MODEL_BYTES || !printable(a) || *a == self.model
-            })
+            || self
+                .adapters
+                .iter()
+                .any(|a| !model_name_ok(a) || *a == self.model)
         {
             return bad(
                 "adapters",
@@ -181,7 +182,9 @@ impl WorkerInfo {
                 "counts must be finite and non-negative, KV usage within 0..=1".into(),
             );
         }
-        let scheme_ok = self.url.starts_with("http://") || self.url.starts_with("https://");
+        // Plain HTTP only: the router's client has no TLS, and an https worker could never
+        // be reached (put TLS in front of the router, or a mesh between it and workers).
+        let scheme_ok = self.url.starts_with("http://");
         // The router builds `{url}/internal/generate` from it: it must parse as a URI.
         let parses = || {
             format!("{}/internal/generate", self.url.trim_end_matches('/'))
@@ -191,7 +194,7 @@ impl WorkerInfo {
         if !scheme_ok || self.url.len() > MAX_URL_BYTES || !printable(&self.url) || !parses() {
             return bad(
                 "url",
-                format!("must be an http(s) URL of at most {MAX_URL_BYTES} bytes"),
+                format!("must be an http:// URL (no TLS) of at most {MAX_URL_BYTES} bytes"),
             );
         }
         Ok(())
@@ -707,6 +710,8 @@ pub struct Registration {
     registry: Registry,
     info: Arc<Mutex<WorkerInfo>>,
     task: tokio::task::JoinHandle<()>,
+    /// The lease's TTL: a goodbye not done by then is given up (the lease has expired).
+    ttl: Duration,
 }
 
 impl Registration {
@@ -758,16 +763,21 @@ impl Registration {
             registry,
             info,
             task,
+            ttl: Duration::from_millis(lease.ttl_ms),
         })
     }
 
-    /// Stops the heartbeat and removes the registration.
+    /// Stops the heartbeat and removes the registration, waiting at most the lease's TTL
+    /// (a registry that cannot be reached, as in a NATS outage, must not hold a shutdown).
     pub async fn goodbye(self) {
         self.task.abort();
         let id = self.info.lock().id;
-        if let Err(e) = self.registry.delete(id).await {
-            tracing::warn!(worker = %id, error = %e, "goodbye failed; the lease will expire instead");
-        }
+        let error = match tokio::time::timeout(self.ttl, self.registry.delete(id)).await {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("not acknowledged within {:?}", self.ttl),
+        };
+        tracing::warn!(worker = %id, %error, "goodbye failed; the lease will expire instead");
     }
 
     /// Stops the heartbeat without saying goodbye (as a crashed worker would).
@@ -780,6 +790,14 @@ impl Drop for Registration {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// Whether `name` can be a registered model or adapter name: 1 to 256 bytes, no spaces or
+/// control characters.
+pub fn model_name_ok(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_MODEL_BYTES
+        && !name.chars().any(|c| c.is_control() || c.is_whitespace())
 }
 
 #[cfg(test)]
@@ -804,7 +822,14 @@ mod tests {
             event_faults: None,
         };
         assert!(info.validate().is_ok());
-        for bad in ["http://", "http://host<x>", "http://a\\b", "ftp://host"] {
+        // https too: the router has no TLS client, so it could never reach such a worker.
+        for bad in [
+            "http://",
+            "http://host<x>",
+            "http://a\\b",
+            "ftp://host",
+            "https://host:8000",
+        ] {
             info.url = bad.into();
             assert!(info.validate().is_err(), "{bad:?} accepted");
         }

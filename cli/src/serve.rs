@@ -112,13 +112,20 @@ async fn serve_direct(
                 Some(rx)
             }
         };
-        bridges.push(tokio::spawn(bridge::run(
+        let bridge = bridge::run(
             config,
             transport.clone(),
             registry.clone(),
             stop_rx.clone(),
             learned,
-        )));
+        );
+        let url = b.url.clone();
+        bridges.push(tokio::spawn(async move {
+            // Said when it happens: the router keeps serving the other engines.
+            if let Err(e) = bridge.await {
+                tracing::error!(backend = %url, error = %e, "the bridge to this engine stopped; the router no longer routes to it");
+            }
+        }));
     }
     let router = start_router(
         &settings, transport, registry, false, metrics, tokenizer, stop_rx,

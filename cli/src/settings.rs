@@ -152,14 +152,16 @@ pub struct ServeFlags {
     /// Other workers tried when one fails before its first byte [default: 2].
     #[arg(long, env = "KVROUTE_RETRIES")]
     pub retries: Option<usize>,
-    /// How long a worker may take to answer with headers, ms [default: 10000].
+    /// How long connecting to a worker, and a stream's response headers, may take, ms
+    /// [default: 10000]. A non-streamed answer has `--upstream-body-timeout-ms`.
     #[arg(long, env = "KVROUTE_WORKER_TIMEOUT_MS")]
     pub worker_timeout_ms: Option<u64>,
     /// Longest silence mid-stream, from the worker or towards the client, ms
     /// [default: 30000].
     #[arg(long, env = "KVROUTE_RELAY_IDLE_TIMEOUT_MS")]
     pub relay_idle_timeout_ms: Option<u64>,
-    /// Deadline for a whole non-streamed worker answer, ms [default: 600000].
+    /// Deadline for a whole non-streamed worker answer, headers included, ms [default:
+    /// 600000].
     #[arg(long, env = "KVROUTE_UPSTREAM_BODY_TIMEOUT_MS")]
     pub upstream_body_timeout_ms: Option<u64>,
     /// Largest non-streamed worker answer, bytes [default: 67108864].
@@ -255,10 +257,13 @@ pub struct Backend {
 pub fn parse_backend(spec: &str) -> anyhow::Result<Backend> {
     let mut parts = spec.split(',');
     let url = parts.next().unwrap_or("").trim().to_owned();
-    if !(url.starts_with("http://") || url.starts_with("https://"))
-        || url.parse::<hyper::Uri>().is_err()
-    {
-        bail!("--backend {spec:?}: starts with the engine's http(s) URL");
+    if url.starts_with("https://") {
+        bail!(
+            "--backend {spec:?}: https is not supported (the router speaks plain HTTP to engines)"
+        );
+    }
+    if !url.starts_with("http://") || url.parse::<hyper::Uri>().is_err() {
+        bail!("--backend {spec:?}: starts with the engine's http:// URL");
     }
     let mut b = Backend {
         url,
@@ -304,6 +309,23 @@ pub fn parse_backend(spec: &str) -> anyhow::Result<Backend> {
     }
     if b.replay.is_some() && b.events.is_none() {
         bail!("--backend {spec:?}: replay= needs events=");
+    }
+    if let Some(model) = &b.model
+        && !kvroute::discovery::model_name_ok(model)
+    {
+        bail!("--backend {spec:?}: model is 1..=256 bytes without spaces or control characters");
+    }
+    // Rank r of a data-parallel engine publishes on port + r (as vLLM and SGLang do).
+    for endpoint in [&b.events, &b.replay].into_iter().flatten() {
+        let port = endpoint
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse::<u32>().ok());
+        if port.is_none_or(|p| p + b.dp - 1 > u32::from(u16::MAX)) {
+            bail!(
+                "--backend {spec:?}: {endpoint} offset by {} ranks is no port",
+                b.dp - 1
+            );
+        }
     }
     Ok(b)
 }
@@ -645,6 +667,21 @@ mod tests {
             "{printed}"
         );
         assert!(printed.contains("<redacted>"));
+    }
+
+    #[test]
+    fn backends_the_bridge_could_not_follow_are_refused_at_start() {
+        let ok = parse_backend("http://e:8000,events=tcp://e:5557,dp=2,model=org/m-7b").unwrap();
+        assert_eq!((ok.dp, ok.model.as_deref()), (2, Some("org/m-7b")));
+        for bad in [
+            "https://e:8000",
+            "http://e:8000,model=my model",
+            "http://e:8000,events=tcp://e:65535,dp=2",
+            "http://e:8000,events=tcp://e:5557,replay=tcp://e:65535,dp=2",
+        ] {
+            assert!(parse_backend(bad).is_err(), "{bad:?} accepted");
+        }
+        assert!(parse_backend("http://e:8000,events=tcp://e:65535").is_ok());
     }
 
     #[test]
