@@ -240,6 +240,18 @@ async fn direct_mode_mirrors_each_engine_exactly_and_forgets_a_restarted_one() {
     let (_router, url, admin) = direct_router(&[vllm.backend(), sglang.backend()], &[]).unwrap();
     wait_registered(&http, &admin, 2).await;
     wait_routable(&http, &url).await;
+    // A request longer than the engine's G1 is refused, and costs the test engine nothing:
+    // it learnt the tokens of every output before the engine looked (4 G tokens, 17 GB).
+    let huge = http
+        .call(
+            "POST",
+            &format!("{}/v1/completions", sglang.url()),
+            serde_json::json!({"model": sglang.spec.model, "prompt": "hi", "max_tokens": u32::MAX})
+                .to_string(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(huge.status, 400, "{}", huge.body);
     let (prompt, cached) = conversations(&http, &url, 6, 4).await;
     eprintln!("engine-reported reuse: {cached} of {prompt} prompt tokens");
     assert!(

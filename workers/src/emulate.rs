@@ -150,6 +150,8 @@ pub struct Emulation {
     pub book: TokenBook,
     /// Tokens per block.
     pub block_size: NonZeroUsize,
+    /// Tokens its G1 holds: a longer request (prompt and output) is refused, never cached.
+    pub capacity_tokens: usize,
     /// The engine's vocabulary (its decode tokens are drawn from it).
     pub vocab: u32,
     /// LoRA adapters it serves on top of its model (requests name them as their model).

@@ -339,6 +339,7 @@ async fn emulation(
             4 * (engine.g1_blocks + engine.g2_blocks),
         ),
         block_size,
+        capacity_tokens: engine.g1_blocks.saturating_mul(block_size.get()),
         vocab: engine.vocab_size,
         adapters: args.emulate_adapters.clone(),
     })

@@ -395,9 +395,13 @@ async fn run(state: State, g: Generate) -> Response<Body> {
     }
     let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
     let prompt_tokens = g.token_ids.len();
-    if let Some(e) = &state.emulate {
+    if let Some(e) = &state.emulate
+        && prompt_tokens.saturating_add(g.max_tokens as usize) <= e.capacity_tokens
+    {
         // Events describe blocks by their tokens: learn every block this request can fill,
-        // its output included (decode tokens are a function of the request id).
+        // its output included (decode tokens are a function of the request id). A request
+        // longer than G1 fills none (the engine refuses it), and is not learnt: its
+        // `max_tokens` comes from the client and would size the allocation.
         let mut all = g.token_ids.clone();
         all.extend((0..g.max_tokens).map(|i| crate::engine::output_token(id, i, e.vocab)));
         let lora = g.lora.as_deref();
