@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::protocol::{EventBatch, Snapshot};
+use crate::protocol::{EventBatch, KvEventData, Snapshot};
 
 /// Limits of one stream.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -20,9 +20,10 @@ pub struct StreamConfig {
     pub reorder_window: usize,
     /// How long an early batch may wait for the missing one before a gap is declared, ms.
     pub reorder_timeout_ms: u64,
-    /// Events buffered during a resync; past this the buffer is dropped and the resync
-    /// starts over (counted as an overflow).
-    pub max_buffered_events: usize,
+    /// Blocks buffered during a resync (an event that names none counts as one); past this
+    /// the buffer is dropped and the resync starts over (counted as an overflow). Counted in
+    /// blocks, not events: one event may name 100 k blocks.
+    pub max_buffered_blocks: usize,
     /// A snapshot request unanswered this long is sent again, ms.
     pub snapshot_timeout_ms: u64,
 }
@@ -32,7 +33,7 @@ impl Default for StreamConfig {
         StreamConfig {
             reorder_window: 64,
             reorder_timeout_ms: 250,
-            max_buffered_events: 100_000,
+            max_buffered_blocks: 1 << 18,
             snapshot_timeout_ms: 2_000,
         }
     }
@@ -111,7 +112,7 @@ pub struct WorkerStream {
     retired: Vec<u64>,
     /// Batches ahead of the next id (live) or received during a resync, by first id.
     held: BTreeMap<u64, EventBatch>,
-    held_events: usize,
+    held_blocks: usize,
     /// When the stream first fell behind what it should have (an early batch arrived, or the
     /// worker announced ids not seen yet); live only.
     held_since_ms: Option<u64>,
@@ -132,7 +133,7 @@ impl WorkerStream {
             epoch: None,
             retired: Vec::new(),
             held: BTreeMap::new(),
-            held_events: 0,
+            held_blocks: 0,
             held_since_ms: None,
             announced_last: 0,
             last_reason: None,
@@ -195,7 +196,7 @@ impl WorkerStream {
             State::Live { .. } => self.accept_live(now_ms, batch, out),
             State::Resyncing { .. } => {
                 self.hold(batch);
-                if self.held_events > self.config.max_buffered_events {
+                if self.held_blocks > self.config.max_buffered_blocks {
                     self.stats.overflows += 1;
                     self.clear_held();
                     self.start_resync(now_ms, ResyncReason::Overflow, out);
@@ -229,7 +230,7 @@ impl WorkerStream {
             next_id: watermark + 1,
         };
         let held = std::mem::take(&mut self.held);
-        self.held_events = 0;
+        self.held_blocks = 0;
         for (_, batch) in held {
             if batch.epoch == snapshot.epoch {
                 self.accept_live(now_ms, batch, out);
@@ -361,7 +362,7 @@ impl WorkerStream {
                 break;
             }
             let batch = entry.remove();
-            self.held_events -= batch.events.len();
+            self.held_blocks -= weight(&batch);
             let last = batch.last_id().unwrap_or(0);
             if last >= next_id {
                 out.push(Command::Apply(trim(batch, next_id)));
@@ -398,15 +399,15 @@ impl WorkerStream {
 
     fn hold(&mut self, batch: EventBatch) {
         let first = batch.first_id().unwrap_or(0);
-        self.held_events += batch.events.len();
+        self.held_blocks += weight(&batch);
         if let Some(previous) = self.held.insert(first, batch) {
-            self.held_events -= previous.events.len();
+            self.held_blocks -= weight(&previous);
         }
     }
 
     fn clear_held(&mut self) {
         self.held.clear();
-        self.held_events = 0;
+        self.held_blocks = 0;
         self.held_since_ms = None;
         self.announced_last = 0;
     }
@@ -416,6 +417,20 @@ impl WorkerStream {
 fn trim(mut batch: EventBatch, from: u64) -> EventBatch {
     batch.events.retain(|e| e.id >= from);
     batch
+}
+
+/// What a held batch counts against `max_buffered_blocks`: its events' blocks, an event
+/// that names none (Cleared) as one.
+fn weight(batch: &EventBatch) -> usize {
+    batch
+        .events
+        .iter()
+        .map(|e| match &e.data {
+            KvEventData::Stored { blocks, .. } => blocks.len().max(1),
+            KvEventData::Removed { blocks } => blocks.len().max(1),
+            KvEventData::Cleared => 1,
+        })
+        .sum()
 }
 
 #[cfg(test)]

@@ -217,12 +217,32 @@ fn joining_mid_stream_resyncs_and_retries_an_unanswered_request() {
 #[test]
 fn buffer_overflow_during_a_resync_starts_over() {
     let mut s = WorkerStream::new(StreamConfig {
-        max_buffered_events: 4,
+        max_buffered_blocks: 4,
         ..StreamConfig::default()
     });
     let mut out = Vec::new();
     s.on_batch(0, batch(7, 5..=5), &mut out);
     s.on_batch(1, batch(7, 6..=10), &mut out);
+    assert_eq!(s.stats().overflows, 1);
+    assert_eq!(s.stats().resyncs, 2);
+}
+
+/// The resync buffer is bounded by blocks: a single event naming many blocks overflows it
+/// as surely as many events do (a cap of events let one stream hold gigabytes).
+#[test]
+fn one_event_of_many_blocks_overflows_the_resync_buffer() {
+    let mut s = WorkerStream::new(StreamConfig {
+        max_buffered_blocks: 4,
+        ..StreamConfig::default()
+    });
+    let mut out = Vec::new();
+    s.on_batch(0, batch(7, 5..=5), &mut out);
+    let mut big = batch(7, 6..=6);
+    big.events[0].data = KvEventData::Stored {
+        parent: None,
+        blocks: (0..10).map(block).collect(),
+    };
+    s.on_batch(1, big, &mut out);
     assert_eq!(s.stats().overflows, 1);
     assert_eq!(s.stats().resyncs, 2);
 }
