@@ -1,10 +1,15 @@
 //! The HTTP/1.1 server both binaries run (router and worker), and deadline-bounded body
-//! reads: a connection cap, a header-read timeout (slow-loris clients are cut off), accept
-//! errors backed off instead of spun on, TCP_NODELAY, and bodies collected under a size cap
-//! and a total deadline.
+//! reads: a connection cap, a header-read timeout (slow-loris clients are cut off), a
+//! write-stall timeout (clients that stop reading are cut off), accept errors backed off
+//! instead of spun on, TCP_NODELAY, and bodies collected under a size cap and a total
+//! deadline.
 
 use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -14,6 +19,7 @@ use hyper::Response;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{Semaphore, watch};
 
 /// The response body of every kvroute HTTP endpoint.
@@ -30,6 +36,10 @@ pub struct HttpConfig {
     pub header_read_timeout_ms: u64,
     /// A request body must arrive whole within this long, ms.
     pub body_read_timeout_ms: u64,
+    /// A connection whose client has read nothing of what it is sent for this long is
+    /// closed, ms: its socket buffers are full and the answer cannot progress (a client that
+    /// stopped reading would otherwise hold its connection slot for good).
+    pub write_stall_timeout_ms: u64,
 }
 
 impl Default for HttpConfig {
@@ -38,6 +48,7 @@ impl Default for HttpConfig {
             max_connections: 10_000,
             header_read_timeout_ms: 30_000,
             body_read_timeout_ms: 30_000,
+            write_stall_timeout_ms: 30_000,
         }
     }
 }
@@ -60,6 +71,7 @@ impl HttpConfig {
             ("max_connections", self.max_connections as u64),
             ("header_read_timeout_ms", self.header_read_timeout_ms),
             ("body_read_timeout_ms", self.body_read_timeout_ms),
+            ("write_stall_timeout_ms", self.write_stall_timeout_ms),
         ];
         match checks.into_iter().find(|(_, v)| *v == 0) {
             Some((field, _)) => Err(HttpConfigError::Zero { field }),
@@ -86,6 +98,7 @@ pub async fn serve_http<F, Fut>(
 {
     let permits = Arc::new(Semaphore::new(config.max_connections.max(1)));
     let header_timeout = Duration::from_millis(config.header_read_timeout_ms.max(1));
+    let write_stall = Duration::from_millis(config.write_stall_timeout_ms.max(1));
     let mut backoff = Duration::ZERO;
     loop {
         let permit = tokio::select! {
@@ -123,11 +136,97 @@ pub async fn serve_http<F, Fut>(
             let _ = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout)
-                .serve_connection(TokioIo::new(stream), service)
+                .serve_connection(
+                    TokioIo::new(WriteDeadline::new(stream, write_stall)),
+                    service,
+                )
                 .await;
             metrics::gauge!("kvroute_http_connections_open").decrement(1.0);
             drop(permit);
         });
+    }
+}
+
+/// A connection's I/O whose writes fail with `TimedOut` once they have made no progress
+/// for `stall`: hyper has no write timeout, and a write to a client that reads nothing
+/// waits for as long as the peer's TCP stack acknowledges window probes.
+struct WriteDeadline<S> {
+    io: S,
+    stall: Duration,
+    /// Armed when a write finds the socket full; disarmed when one makes progress.
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<S> WriteDeadline<S> {
+    fn new(io: S, stall: Duration) -> WriteDeadline<S> {
+        WriteDeadline {
+            io,
+            stall,
+            deadline: None,
+        }
+    }
+
+    /// What a write that returned `poll` means, the deadline considered.
+    fn check<T>(&mut self, cx: &mut Context<'_>, poll: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        if poll.is_ready() {
+            self.deadline = None;
+            return poll;
+        }
+        let stall = self.stall;
+        let deadline = self
+            .deadline
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(stall)));
+        match deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("the client read nothing for {stall:?}"),
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for WriteDeadline<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.check(cx, poll)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.check(cx, poll)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let poll = Pin::new(&mut self.io).poll_flush(cx);
+        self.check(cx, poll)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let poll = Pin::new(&mut self.io).poll_shutdown(cx);
+        self.check(cx, poll)
     }
 }
 

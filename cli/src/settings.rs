@@ -177,6 +177,10 @@ pub struct ServeFlags {
     /// A client must send a request's body within this long, ms [default: 30000].
     #[arg(long, env = "KVROUTE_BODY_READ_TIMEOUT_MS")]
     pub body_read_timeout_ms: Option<u64>,
+    /// A connection whose client reads nothing of its answer for this long is closed, ms
+    /// [default: 30000].
+    #[arg(long, env = "KVROUTE_WRITE_STALL_TIMEOUT_MS")]
+    pub write_stall_timeout_ms: Option<u64>,
     /// Threads that parse and tokenize request bodies (0: one per core) [default: 0].
     #[arg(long, env = "KVROUTE_TOKENIZER_THREADS")]
     pub tokenizer_threads: Option<usize>,
@@ -533,6 +537,10 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
                 .body_read_timeout_ms
                 .or(file.body_read_timeout_ms)
                 .unwrap_or(h.body_read_timeout_ms),
+            write_stall_timeout_ms: flags
+                .write_stall_timeout_ms
+                .or(file.write_stall_timeout_ms)
+                .unwrap_or(h.write_stall_timeout_ms),
         },
         api_keys,
         admin_token: flags.admin_token.or(file.admin_token),

@@ -151,3 +151,50 @@ async fn accepted_connections_have_nodelay() {
     assert!(server.nodelay().unwrap());
     drop(client);
 }
+
+/// A client that stops reading cannot hold its connection slot: once the answer has made
+/// no progress for the write-stall timeout the connection is closed, and the next client
+/// is served. The clock is paused: the timeout elapses without a wall-clock wait.
+#[tokio::test(start_paused = true)]
+async fn a_client_that_stops_reading_is_cut_off_and_frees_its_slot() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (_stop, rx) = watch::channel(false);
+    let big = Bytes::from(vec![b'x'; 64 << 20]);
+    tokio::spawn(serve_http(
+        listener,
+        HttpConfig {
+            max_connections: 1,
+            write_stall_timeout_ms: 5_000,
+            ..HttpConfig::default()
+        },
+        move |req: hyper::Request<Incoming>| {
+            let big = big.clone();
+            async move {
+                let body = if req.uri().path() == "/big" {
+                    big
+                } else {
+                    Bytes::from_static(b"ok")
+                };
+                Response::new(Full::new(body).boxed())
+            }
+        },
+        rx,
+    ));
+    // Asks for 64 MiB and reads none of it: the socket buffers fill and the write stalls.
+    let mut stalled = TcpStream::connect(addr).await.unwrap();
+    stalled
+        .write_all(b"GET /big HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    // The only slot is the stalled client's until the server gives up on it.
+    let mut next = TcpStream::connect(addr).await.unwrap();
+    next.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(600), read_to_close(&mut next))
+        .await
+        .expect("the stalled client kept the only connection slot");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    drop(stalled);
+}

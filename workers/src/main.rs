@@ -102,6 +102,9 @@ struct Args {
     /// A client must send a request's body within this long, ms.
     #[arg(long, env = "KVROUTE_BODY_READ_TIMEOUT_MS", default_value_t = HttpConfig::default().body_read_timeout_ms)]
     body_read_timeout_ms: u64,
+    /// A connection whose client reads nothing of its answer for this long is closed, ms.
+    #[arg(long, env = "KVROUTE_WRITE_STALL_TIMEOUT_MS", default_value_t = HttpConfig::default().write_stall_timeout_ms)]
+    write_stall_timeout_ms: u64,
     /// On SIGTERM: deregister, stop accepting, and give requests in flight this long to
     /// finish, ms.
     #[arg(long, env = "KVROUTE_DRAIN_TIMEOUT_MS", default_value_t = 30_000)]
@@ -211,6 +214,7 @@ async fn run() -> anyhow::Result<()> {
         max_connections: args.max_connections,
         header_read_timeout_ms: args.header_read_timeout_ms,
         body_read_timeout_ms: args.body_read_timeout_ms,
+        write_stall_timeout_ms: args.write_stall_timeout_ms,
     };
     http.validate()?;
     args.nats_auth.validate()?;

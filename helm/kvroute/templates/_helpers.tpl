@@ -313,6 +313,7 @@ max_inflight = {{ $r.maxInflight | int64 }}
 max_connections = {{ $r.maxConnections | int64 }}
 header_read_timeout_ms = {{ $r.headerReadTimeoutMs | int64 }}
 body_read_timeout_ms = {{ $r.bodyReadTimeoutMs | int64 }}
+write_stall_timeout_ms = {{ $r.writeStallTimeoutMs | int64 }}
 relay_idle_timeout_ms = {{ $r.relayIdleTimeoutMs | int64 }}
 upstream_body_timeout_ms = {{ $r.upstreamBodyTimeoutMs | int64 }}
 max_upstream_body_bytes = {{ $r.maxUpstreamBodyBytes | int64 }}
