@@ -51,8 +51,51 @@ pub struct StreamOptions {
 pub struct ChatMessage {
     /// `system`, `user`, `assistant`, …
     pub role: String,
-    /// Its text.
+    /// Its text: a string, an array of text parts (joined with newlines), or null / absent
+    /// (an assistant turn of tool calls) for none, as vLLM reads it
+    /// (`_parse_chat_message_content` in vllm/entrypoints/chat_utils.py).
+    #[serde(default, deserialize_with = "content_text")]
     pub content: String,
+}
+
+/// The text of a message's `content`. Parts other than text (images, audio) are refused:
+/// the router cannot tell which tokens an engine gives them.
+fn content_text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Content {
+        Text(String),
+        Parts(Vec<Part>),
+        None(()),
+    }
+    #[derive(Deserialize)]
+    struct Part {
+        #[serde(rename = "type")]
+        kind: String,
+        #[serde(default)]
+        text: Option<String>,
+    }
+    match Content::deserialize(d)? {
+        Content::Text(text) => Ok(text),
+        Content::None(()) => Ok(String::new()),
+        Content::Parts(parts) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for p in parts {
+                match (p.kind.as_str(), p.text) {
+                    ("text", Some(text)) => texts.push(text),
+                    ("text", None) => {
+                        return Err(serde::de::Error::custom("a text content part without text"));
+                    }
+                    (kind, _) => {
+                        return Err(serde::de::Error::custom(format!(
+                            "content parts of type {kind:?} are not supported (text only)"
+                        )));
+                    }
+                }
+            }
+            Ok(texts.join("\n"))
+        }
+    }
 }
 
 /// `POST /v1/chat/completions`.

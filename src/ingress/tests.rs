@@ -72,6 +72,28 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
     )
     .unwrap();
     assert!(chat.tokens.len() > 2);
+    // Content as text parts (joined with newlines) or null, as vLLM reads it.
+    let parts = parse(
+        &t,
+        br#"{"model":"m","messages":[{"role":"assistant","content":null},{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#,
+        true,
+    )
+    .unwrap();
+    let joined = parse(
+        &t,
+        br#"{"model":"m","messages":[{"role":"assistant","content":""},{"role":"user","content":"a\nb"}]}"#,
+        true,
+    )
+    .unwrap();
+    assert_eq!(parts.tokens, joined.tokens);
+    let image = parse(
+        &t,
+        br#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}"#,
+        true,
+    )
+    .unwrap_err();
+    assert_eq!(image.status, 400);
+    assert!(image.message.contains("image_url"), "{}", image.message);
     for (body, chat) in [
         (&b"{not json"[..], false),
         (br#"{"model":"m","prompt":""}"#, false),

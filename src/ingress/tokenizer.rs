@@ -104,7 +104,7 @@ impl Tokenizer {
         };
         let chat = match template {
             Some(source) => {
-                let mut env = minijinja::Environment::new();
+                let mut env = chat_environment();
                 env.add_template_owned("chat", source)
                     .map_err(|e| TokenizerError::Template {
                         reason: e.to_string(),
@@ -162,6 +162,112 @@ impl Tokenizer {
     }
 }
 
+/// The environment chat templates are rendered in: what Hugging Face's renderer (Jinja2,
+/// which vLLM and SGLang use) gives templates beyond minijinja's builtins, so a template
+/// renders here as it does in the engine (the router must hash the engine's tokens):
+/// Python's string and dict methods, `raise_exception` (templates reject a malformed
+/// conversation with it) and `strftime_now` (Llama 3.x date their system prompt).
+fn chat_environment() -> minijinja::Environment<'static> {
+    let mut env = minijinja::Environment::new();
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |message: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                message,
+            ))
+        },
+    );
+    env.add_function("strftime_now", |format: String| {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        strftime(now, &format)
+    });
+    env
+}
+
+/// `unix_s` (UTC) formatted as Python's `strftime` would, for the directives chat
+/// templates use: `%d %m %Y %y %b %B %a %A %H %M %S %%`.
+fn strftime(unix_s: u64, format: &str) -> Result<String, minijinja::Error> {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Sunday",
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+    ];
+    let days = unix_s / 86_400;
+    let (year, month, day) = civil_from_days(days);
+    let weekday = DAYS[((days + 4) % 7) as usize]; // 1970-01-01 was a Thursday.
+    let month_name = MONTHS[month as usize - 1];
+    let secs = unix_s % 86_400;
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year % 100)),
+            Some('b') => out.push_str(&month_name[..3]),
+            Some('B') => out.push_str(month_name),
+            Some('a') => out.push_str(&weekday[..3]),
+            Some('A') => out.push_str(weekday),
+            Some('H') => out.push_str(&format!("{:02}", secs / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", secs / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", secs % 60)),
+            Some('%') => out.push('%'),
+            other => {
+                return Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    format!(
+                        "strftime_now: unsupported directive %{}",
+                        other.map(String::from).unwrap_or_default()
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// (year, month 1–12, day 1–31) of a day counted from 1970-01-01: Howard Hinnant's
+/// `civil_from_days` ("chrono-Compatible Low-Level Date Algorithms"), for days ≥ 0.
+fn civil_from_days(days: u64) -> (u64, u64, u64) {
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    (year, month, day)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -211,6 +317,49 @@ mod tests {
                 .is_empty()
         );
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// Templates as Hugging Face ships them call Python's string methods (Qwen3's on every
+    /// user turn), `raise_exception` and `strftime_now`; minijinja alone refused them all.
+    #[test]
+    fn templates_get_what_jinja2_gives_them() {
+        let dir = std::env::temp_dir().join(format!("kvroute-tok-py-{}", std::process::id()));
+        write_tokenizer(&dir, false);
+        let template = "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system') }}{% endif %}\
+            {% if not m.content.startswith('<tool_response>') %}{{ m.role }} : {{ m.content.split('|')[-1].strip() }} {% endif %}{% endfor %}\
+            {% if strftime_now('%Y') | int < 2024 %}world{% endif %}";
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            serde_json::json!({ "chat_template": template }).to_string(),
+        )
+        .unwrap();
+        let t = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
+        let turn = |role: &str, content: &str| ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        };
+        assert_eq!(
+            t.encode_chat(&[turn("user", "nope | hello ")]).unwrap(),
+            vec![3, 5, 1]
+        );
+        let e = t.encode_chat(&[turn("system", "x")]).unwrap_err();
+        assert!(e.to_string().contains("no system"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn strftime_formats_utc_dates_as_python_does() {
+        assert_eq!(strftime(0, "%d %b %Y").unwrap(), "01 Jan 1970");
+        // 2000-02-29 (a leap day), a Tuesday; 2023-11-14 22:13:20.
+        assert_eq!(
+            strftime(951_782_400, "%A %a %d %B %m %y").unwrap(),
+            "Tuesday Tue 29 February 02 00"
+        );
+        assert_eq!(
+            strftime(1_700_000_000, "%Y-%m-%d %H:%M:%S %%").unwrap(),
+            "2023-11-14 22:13:20 %"
+        );
+        assert!(strftime(0, "%Q").is_err());
     }
 
     #[test]
