@@ -260,6 +260,27 @@ impl Router {
         run_blocking(&self.tokenize_permits, f).await
     }
 
+    /// What a request learnt of `key`'s reachability: a worker that could not be reached
+    /// counts towards its ejection; one that answered (with anything) is reachable.
+    fn note_reachability(&self, key: WorkerKey, error: Option<&ProxyError>) {
+        let mut scheduler = self.scheduler.lock();
+        match error {
+            // Says nothing of reachability: gone, or slow to generate a whole answer.
+            Some(ProxyError::WorkerLeft { .. } | ProxyError::AnswerTimeout { .. }) => return,
+            Some(e) if e.unreachable() => {}
+            _ => {
+                scheduler.worker_answered(key);
+                return;
+            }
+        }
+        if let Some(ms) = scheduler.worker_unreachable(key, self.now_ms()) {
+            drop(scheduler);
+            metrics::counter!("kvroute_worker_ejections_total", "worker" => key.0.to_string())
+                .increment(1);
+            tracing::warn!(worker = %key.0, dp_rank = key.1.0, ejected_ms = ms, "worker unreachable several times in a row; it sits out");
+        }
+    }
+
     /// Sets the gauges that are read off the router's state at scrape time.
     fn refresh_gauges(&self) {
         let (open, expired) = {
@@ -798,7 +819,10 @@ async fn completions(
                 blocks: prepared.blocks.clone(),
             });
         }
-        match forward(router, &decision, booking, &body, p.stream, &mut inflight).await {
+        let key = decision.chosen.key;
+        let outcome = forward(router, &decision, booking, &body, p.stream, &mut inflight).await;
+        router.note_reachability(key, outcome.as_ref().err());
+        match outcome {
             Ok(response) => return Ok(response),
             Err(e) => {
                 metrics::counter!("kvroute_proxy_errors_total", "kind" => e.label(), "fault" => fault_label(&e)).increment(1);

@@ -95,6 +95,49 @@ pub struct Config {
     pub recent_weight: f64,
     /// Half-life of recently routed requests' weight, ms.
     pub recent_half_life_ms: u64,
+    /// Workers that cannot be reached sit out for a while (passive outlier ejection).
+    pub ejection: EjectionConfig,
+}
+
+/// Passive ejection: a worker whose HTTP endpoint fails this many requests in a row
+/// (connection refused or timed out, no response headers in time) sits out for `base_ms`,
+/// doubling at each further failure up to `max_ms`; one answer ends it. Its load reads as
+/// light (its bookings are released at once), so without it a worker that still heartbeats
+/// over NATS but cannot be reached over HTTP (a partition, a wrong URL) would win request
+/// after request, each paying the connection timeout before its retry. Ejected workers still
+/// serve when every worker of the model is ejected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EjectionConfig {
+    /// Consecutive failures that eject a worker (0: never).
+    pub after_failures: u32,
+    /// The first ejection, ms.
+    pub base_ms: u64,
+    /// The longest ejection, ms.
+    pub max_ms: u64,
+}
+
+impl Default for EjectionConfig {
+    fn default() -> Self {
+        EjectionConfig {
+            after_failures: 3,
+            base_ms: 5_000,
+            max_ms: 60_000,
+        }
+    }
+}
+
+impl EjectionConfig {
+    /// How long a worker with `failures` consecutive failures sits out, ms (0: not ejected).
+    fn ejection_ms(&self, failures: u32) -> u64 {
+        if self.after_failures == 0 || failures < self.after_failures {
+            return 0;
+        }
+        let doublings = (failures - self.after_failures).min(16);
+        self.base_ms
+            .saturating_mul(1 << doublings)
+            .min(self.max_ms.max(self.base_ms))
+    }
 }
 
 /// Admission by work (DESIGN §13): a request is routed while some worker serving its model
@@ -145,6 +188,7 @@ impl Default for Config {
             sessions: SessionConfig::default(),
             recent_weight: 1.0,
             recent_half_life_ms: 1_000,
+            ejection: EjectionConfig::default(),
         }
     }
 }
@@ -227,6 +271,7 @@ impl Config {
             ("recent_half_life_ms", self.recent_half_life_ms),
             ("sessions.ttl_ms", self.sessions.ttl_ms),
             ("sessions.max_sessions", self.sessions.max_sessions as u64),
+            ("ejection.base_ms", self.ejection.base_ms),
         ];
         if let Some((field, _)) = positive.into_iter().find(|(_, v)| *v == 0) {
             return Err(ConfigError::Zero { field });
@@ -467,11 +512,19 @@ struct WorkerState {
     /// `recent_at_ms`.
     recent_blocks: f64,
     recent_at_ms: u64,
+    /// Requests in a row that could not reach it ([`EjectionConfig`]).
+    failures: u32,
+    /// It sits out until then (0: never ejected), ms.
+    ejected_until_ms: u64,
 }
 
 impl WorkerState {
     fn serves(&self, model: &str) -> bool {
         self.model == model || self.adapters.iter().any(|a| a == model)
+    }
+
+    fn ejected(&self, now_ms: u64) -> bool {
+        now_ms < self.ejected_until_ms
     }
 }
 
@@ -530,6 +583,8 @@ impl Scheduler {
             engine_used_blocks: 0.0,
             recent_blocks: 0.0,
             recent_at_ms: 0,
+            failures: 0,
+            ejected_until_ms: 0,
         });
         state.capacity_blocks = capacity_blocks;
         if state.model != model {
@@ -553,6 +608,32 @@ impl Scheduler {
                 state.engine_used_blocks = load.kv_usage() * state.capacity_blocks as f64;
             }
         }
+    }
+
+    /// A request could not reach `key` (connection failed, no headers in time): returns
+    /// how long it is now ejected for, ms, if this failure ejected it.
+    pub fn worker_unreachable(&mut self, key: WorkerKey, now_ms: u64) -> Option<u64> {
+        let ejection = self.config.ejection;
+        let state = self.workers.get_mut(&key)?;
+        state.failures = state.failures.saturating_add(1);
+        let ms = ejection.ejection_ms(state.failures);
+        (ms > 0).then(|| {
+            state.ejected_until_ms = now_ms.saturating_add(ms);
+            ms
+        })
+    }
+
+    /// `key` answered a request: it is reachable, and no longer ejected.
+    pub fn worker_answered(&mut self, key: WorkerKey) {
+        if let Some(state) = self.workers.get_mut(&key) {
+            state.failures = 0;
+            state.ejected_until_ms = 0;
+        }
+    }
+
+    /// Whether `key` sits out at `now_ms` after failed requests ([`EjectionConfig`]).
+    pub fn ejected(&self, key: WorkerKey, now_ms: u64) -> bool {
+        self.workers.get(&key).is_some_and(|s| s.ejected(now_ms))
     }
 
     /// Removes a worker and drops its bookings (its sessions move on their next turn).
@@ -702,6 +783,11 @@ impl Scheduler {
         all.retain(|c| !exclude.contains(&c.key));
         if all.is_empty() {
             return Admission::NoWorkers;
+        }
+        // Ejected workers sit out, unless no other worker serves the model.
+        let ejected = |c: &Candidate| self.workers.get(&c.key).is_some_and(|s| s.ejected(now_ms));
+        if all.iter().any(|c| !ejected(c)) {
+            all.retain(|c| !ejected(c));
         }
         let session = request
             .session

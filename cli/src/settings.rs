@@ -130,6 +130,17 @@ pub struct ServeFlags {
     /// worker, blocks [default: 64].
     #[arg(long, env = "KVROUTE_SESSION_SPREAD")]
     pub session_spread: Option<f64>,
+    /// A worker that fails this many requests in a row (no connection, no headers in time)
+    /// sits out; 0 never [default: 3].
+    #[arg(long, env = "KVROUTE_EJECT_AFTER_FAILURES")]
+    pub eject_after_failures: Option<u32>,
+    /// How long an unreachable worker first sits out, ms; doubling at each further
+    /// failure [default: 5000].
+    #[arg(long, env = "KVROUTE_EJECT_MS")]
+    pub eject_ms: Option<u64>,
+    /// The longest an unreachable worker sits out, ms [default: 60000].
+    #[arg(long, env = "KVROUTE_EJECT_MAX_MS")]
+    pub eject_max_ms: Option<u64>,
     /// Request header naming the tenant (else the API key's index) [default: x-kvroute-tenant].
     #[arg(long, env = "KVROUTE_TENANT_HEADER")]
     pub tenant_header: Option<String>,
@@ -474,6 +485,20 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
                 .or(file.session_spread)
                 .unwrap_or(defaults.sessions.spread_weight),
             ..defaults.sessions
+        },
+        ejection: scheduler::EjectionConfig {
+            after_failures: flags
+                .eject_after_failures
+                .or(file.eject_after_failures)
+                .unwrap_or(defaults.ejection.after_failures),
+            base_ms: flags
+                .eject_ms
+                .or(file.eject_ms)
+                .unwrap_or(defaults.ejection.base_ms),
+            max_ms: flags
+                .eject_max_ms
+                .or(file.eject_max_ms)
+                .unwrap_or(defaults.ejection.max_ms),
         },
         ..defaults.clone()
     };

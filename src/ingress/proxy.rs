@@ -167,6 +167,15 @@ impl ProxyError {
         }
     }
 
+    /// Whether the worker could not be reached at all (no connection, or no response
+    /// headers in time): what counts towards its ejection (`scheduler.ejection`).
+    pub fn unreachable(&self) -> bool {
+        matches!(
+            self,
+            ProxyError::Connect { .. } | ProxyError::HeadersTimeout { .. }
+        )
+    }
+
     /// Whose fault it is.
     pub fn fault(&self) -> Fault {
         match self {

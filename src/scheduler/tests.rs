@@ -890,3 +890,58 @@ fn receipts_count_the_cache_given_up_for_load() {
     );
     assert!((st.regret() - 10.0 / 14.0).abs() < 1e-9);
 }
+
+/// A worker that cannot be reached sits out after `after_failures` failures in a row, for
+/// `base_ms` doubling per further failure up to `max_ms`; an answer ends it; and when every
+/// worker is ejected the model is still served.
+#[test]
+fn unreachable_workers_sit_out_for_a_growing_while() {
+    let mut s = scheduler(PolicyKind::Kv, 2);
+    let b = blocks(4, 0);
+    // Worker 0 holds the prompt: it wins while it can be reached.
+    let cached = scores(&[(0, 4, 0, 0)]);
+    let route = |s: &mut Scheduler, now_ms: u64| {
+        let d = s.route(now_ms, &request(&b, 64, &cached)).unwrap();
+        s.complete(d.booking);
+        d.chosen.key
+    };
+    assert_eq!(route(&mut s, 0), key(0));
+    assert_eq!(s.worker_unreachable(key(0), 0), None);
+    assert_eq!(s.worker_unreachable(key(0), 0), None);
+    assert_eq!(route(&mut s, 0), key(0), "two failures do not eject");
+    assert_eq!(s.worker_unreachable(key(0), 1_000), Some(5_000));
+    assert!(s.ejected(key(0), 1_000));
+    assert_eq!(route(&mut s, 1_000), key(1));
+    assert_eq!(route(&mut s, 5_999), key(1));
+    assert_eq!(route(&mut s, 6_000), key(0), "back after base_ms");
+    // Still failing: each failure doubles the time out, up to max_ms.
+    assert_eq!(s.worker_unreachable(key(0), 6_000), Some(10_000));
+    assert_eq!(s.worker_unreachable(key(0), 16_000), Some(20_000));
+    for _ in 0..10 {
+        s.worker_unreachable(key(0), 36_000);
+    }
+    assert_eq!(s.worker_unreachable(key(0), 36_000), Some(60_000));
+    // Every worker ejected: they still serve rather than refuse the model.
+    for _ in 0..3 {
+        s.worker_unreachable(key(1), 36_000);
+    }
+    assert!(s.ejected(key(1), 36_000));
+    assert!(s.route(36_000, &request(&b, 64, &cached)).is_some());
+    // One answer and it is back at once, its count of failures reset.
+    s.worker_answered(key(0));
+    assert!(!s.ejected(key(0), 36_000));
+    assert_eq!(s.worker_unreachable(key(0), 36_000), None);
+    // Off: never ejected.
+    let mut off = Scheduler::new(Config {
+        ejection: EjectionConfig {
+            after_failures: 0,
+            ..EjectionConfig::default()
+        },
+        ..unit_weights()
+    })
+    .unwrap();
+    off.add_worker(key(0), 1000, "m");
+    for _ in 0..10 {
+        assert_eq!(off.worker_unreachable(key(0), 0), None);
+    }
+}

@@ -573,3 +573,52 @@ async fn a_non_streamed_answer_may_take_longer_than_a_streams_headers() {
         stats.body
     );
 }
+
+/// Sum of a counter's series whose labels contain `label`, from a Prometheus scrape.
+fn counter_sum(scrape: &str, name: &str, label: &str) -> f64 {
+    scrape
+        .lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A worker that still holds its lease but cannot be reached (killed without goodbye:
+/// connections refused) sits out after three failed requests in a row, instead of costing
+/// every request a failed attempt until its lease expires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_worker_sits_out_after_three_failures() {
+    let mut f = Fleet::start(FleetSpec {
+        lease_ttl_ms: 120_000,
+        router_args: vec!["--eject-ms".into(), "600000".into()],
+        ..spec(2, 50.0)
+    })
+    .await
+    .unwrap();
+    f.workers[0].proc.kill();
+    let url = format!("{}/v1/completions", f.url());
+    for i in 0..30 {
+        let r = f
+            .http
+            .call("POST", &url, request(i, 0, false))
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let scrape = f
+        .http
+        .call("GET", &format!("{}/metrics", f.url()), "")
+        .await
+        .unwrap()
+        .body;
+    let failed = counter_sum(&scrape, "kvroute_proxy_errors_total", "kind=\"connect\"");
+    assert!(
+        (1.0..=3.0).contains(&failed),
+        "{failed} requests tried the dead worker"
+    );
+    assert_eq!(
+        counter_sum(&scrape, "kvroute_worker_ejections_total", "worker="),
+        1.0,
+        "{scrape}"
+    );
+}
