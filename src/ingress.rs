@@ -549,8 +549,11 @@ async fn watch_hashes(router: std::sync::Weak<Router>) {
                 .any(|o| o.worker == w && o.device + o.host + o.disk > 0)
         };
         let mut alarm = router.mismatch.lock();
-        let raised = alarm.check(router.now_ms(), held, |w| router.plane.worker(w).is_some());
-        for w in raised {
+        let checked = alarm.check(router.now_ms(), held, |w| router.plane.worker(w).is_some());
+        for w in checked.departed {
+            metrics::gauge!("kvroute_worker_hash_mismatch", "worker" => w.to_string()).set(0.0);
+        }
+        for w in checked.raised {
             let info = router.plane.worker(w);
             tracing::warn!(
                 worker = %w,

@@ -69,6 +69,15 @@ pub struct MismatchAlarm {
     workers: FxHashMap<WorkerId, Watch>,
 }
 
+/// What one [`MismatchAlarm::check`] found.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Checked {
+    /// Workers whose alarm went up.
+    pub raised: Vec<WorkerId>,
+    /// Workers forgotten (no longer registered) with their alarm up.
+    pub departed: Vec<WorkerId>,
+}
+
 impl MismatchAlarm {
     /// An alarm deciding by `config`.
     pub fn new(config: MismatchConfig) -> Self {
@@ -91,14 +100,22 @@ impl MismatchAlarm {
 
     /// Looks at every expectation due by `now_ms` with `held` (is this block in this
     /// worker's index, in any tier?); forgets workers `registered` says are gone. Returns
-    /// the workers whose alarm went up now.
+    /// the workers whose alarm went up now, and those forgotten with their alarm up (their
+    /// gauge must fall: no one would set it again).
     pub fn check(
         &mut self,
         now_ms: u64,
         held: impl Fn(WorkerId, SeqHash) -> bool,
         registered: impl Fn(WorkerId) -> bool,
-    ) -> Vec<WorkerId> {
-        self.workers.retain(|w, _| registered(*w));
+    ) -> Checked {
+        let mut departed = Vec::new();
+        self.workers.retain(|w, state| {
+            let keep = registered(*w);
+            if !keep && state.raised {
+                departed.push(*w);
+            }
+            keep
+        });
         let c = self.config;
         let mut raised = Vec::new();
         for (id, w) in &mut self.workers {
@@ -130,7 +147,7 @@ impl MismatchAlarm {
                 w.raised = false;
             }
         }
-        raised
+        Checked { raised, departed }
     }
 
     /// The alarm's state for `worker`.
@@ -172,7 +189,7 @@ mod tests {
             let seq = SeqHash(if *hit { 1 } else { 2 });
             alarm.expect(w, seq, *t);
             *t += 2_001;
-            up.extend(alarm.check(*t, |_, s| s == SeqHash(1), |_| true));
+            up.extend(alarm.check(*t, |_, s| s == SeqHash(1), |_| true).raised);
         }
         up
     }
@@ -200,7 +217,7 @@ mod tests {
         for i in 0..100 {
             a.expect(WorkerId(1), SeqHash(2), i);
         }
-        assert!(a.check(1_000, |_, _| false, |_| true).is_empty());
+        assert!(a.check(1_000, |_, _| false, |_| true).raised.is_empty());
         assert_eq!(a.status(WorkerId(1)).missing, 0);
         let mut fresh = MismatchAlarm::new(MismatchConfig::default());
         let mut t = 0;
@@ -220,5 +237,12 @@ mod tests {
         assert!(a.workers.values().all(|w| w.pending.len() <= 256));
         a.check(0, |_, _| true, |w| w == WorkerId(1));
         assert_eq!(a.len(), 1);
+        // A worker that leaves with its alarm up is reported once, to clear its gauge.
+        let mut t = 0;
+        assert_eq!(run(&mut a, 1, &[false; 40], &mut t), vec![WorkerId(1)]);
+        let gone = a.check(t, |_, _| true, |_| false);
+        assert_eq!(gone.departed, vec![WorkerId(1)]);
+        assert!(a.is_empty());
+        assert!(a.check(t, |_, _| true, |_| false).departed.is_empty());
     }
 }
