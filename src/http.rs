@@ -230,6 +230,25 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<S> {
     }
 }
 
+/// Runs `f` (CPU work such as tokenizing a request body) on the blocking pool once one of
+/// `permits` is free, so that it never stalls the async threads. The blocking task holds
+/// the permit until `f` returns: a client that leaves drops the caller's future, not work
+/// already started, which still counts until it ends.
+pub async fn run_blocking<T: Send + 'static>(
+    permits: &Arc<Semaphore>,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, tokio::task::JoinError> {
+    let permit = Arc::clone(permits)
+        .acquire_owned()
+        .await
+        .expect("invariant: the semaphore is never closed");
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        f()
+    })
+    .await
+}
+
 /// Socket options of every accepted connection: streamed chunks must not wait for Nagle's
 /// algorithm (≈ 40 ms per first byte on a reused connection, with delayed ACKs).
 fn configure(stream: &tokio::net::TcpStream) {

@@ -28,7 +28,7 @@ use tokio::time::Instant;
 use crate::auth::{Secret, bearer_key, bearer_ok};
 use crate::events::load::LoadShare;
 use crate::events::plane::EventPlane;
-use crate::http::{Body, BodyError, HttpConfig, collect_body, serve_http};
+use crate::http::{Body, BodyError, HttpConfig, collect_body, run_blocking, serve_http};
 use crate::protocol::{SeqHash, WorkerId, hash_blocks};
 use crate::scheduler::mismatch::{MismatchAlarm, MismatchConfig};
 use crate::scheduler::{self, RouteRequest, Scheduler, WorkerKey};
@@ -257,7 +257,9 @@ impl Router {
         &self,
         f: impl FnOnce() -> T + Send + 'static,
     ) -> Result<T, ApiError> {
-        run_blocking(&self.tokenize_permits, f).await
+        run_blocking(&self.tokenize_permits, f)
+            .await
+            .map_err(|_| ApiError::unavailable("tokenizer failed"))
     }
 
     /// What a request learnt of `key`'s reachability: a worker that could not be reached
@@ -891,24 +893,6 @@ fn fault_label(e: &ProxyError) -> &'static str {
         openai::Fault::Worker => "worker",
         openai::Fault::Router => "router",
     }
-}
-
-/// Runs `f` on the blocking pool once one of `permits` is free; the blocking task holds
-/// the permit until `f` returns, whether or not anyone still awaits it.
-async fn run_blocking<T: Send + 'static>(
-    permits: &Arc<Semaphore>,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> Result<T, ApiError> {
-    let permit = Arc::clone(permits)
-        .acquire_owned()
-        .await
-        .expect("invariant: the semaphore is never closed");
-    tokio::task::spawn_blocking(move || {
-        let _permit = permit;
-        f()
-    })
-    .await
-    .map_err(|_| ApiError::unavailable("tokenizer failed"))
 }
 
 #[cfg(test)]

@@ -131,36 +131,3 @@ fn response_ids_do_not_repeat() {
             .all(|i| i.starts_with("cmpl-") && i.len() == 5 + 24)
     );
 }
-
-/// A client that leaves while its body is being tokenized drops the request's future, not
-/// the work on the blocking pool: that work keeps its permit until it ends, so clients
-/// that connect, send a large body and leave cannot run more than the permits at once.
-#[tokio::test]
-async fn tokenizing_keeps_its_permit_after_the_client_left() {
-    let permits = Arc::new(Semaphore::new(1));
-    let (started_tx, started) = std::sync::mpsc::channel::<()>();
-    let (go, go_rx) = std::sync::mpsc::channel::<()>();
-    let call = tokio::spawn({
-        let permits = Arc::clone(&permits);
-        async move {
-            run_blocking(&permits, move || {
-                started_tx.send(()).unwrap();
-                go_rx.recv().unwrap();
-            })
-            .await
-        }
-    });
-    tokio::task::spawn_blocking(move || started.recv().unwrap())
-        .await
-        .unwrap();
-    call.abort();
-    assert!(call.await.unwrap_err().is_cancelled());
-    assert_eq!(
-        permits.available_permits(),
-        0,
-        "the permit went back while the work still ran"
-    );
-    go.send(()).unwrap();
-    // Returns once the work has ended and given its permit back.
-    drop(permits.acquire().await.unwrap());
-}

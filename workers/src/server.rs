@@ -194,6 +194,9 @@ impl Worker {
                 fingerprint: format!("fp_{:012x}", config.epoch & 0xffff_ffff_ffff),
                 body_read_timeout: Duration::from_millis(config.http.body_read_timeout_ms),
                 emulate: config.emulate.clone(),
+                tokenize_permits: Arc::new(tokio::sync::Semaphore::new(
+                    std::thread::available_parallelism().map_or(1, |n| n.get()),
+                )),
             },
             shutdown_rx,
         ));

@@ -47,6 +47,8 @@ pub(crate) struct State {
     /// OpenAI's `system_fingerprint`: names this incarnation.
     pub fingerprint: String,
     pub body_read_timeout: Duration,
+    /// Tokenizations (up to `MAX_BODY` of text each) run at once, off the runtime's threads.
+    pub tokenize_permits: Arc<tokio::sync::Semaphore>,
 }
 
 /// The internal generate request: what the router sends.
@@ -185,27 +187,51 @@ async fn generate(state: State, req: hyper::Request<Incoming>) -> Response<Body>
     }
 }
 
+/// A prompt's tokenization, run on the blocking pool.
+type TokenizeFn = dyn FnOnce(
+        &kvroute::ingress::tokenizer::Tokenizer,
+    ) -> Result<Vec<u32>, kvroute::ingress::tokenizer::TokenizerError>
+    + Send;
+
 /// `/v1/completions` and `/v1/chat/completions` with text, tokenized as the router does
 /// (same tokenizer options), so any OpenAI client or other router can drive the worker.
 async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Response<Body> {
     use kvroute::ingress::openai::{ChatRequest, CompletionRequest, Prompt};
     let bad = |e: kvroute::ingress::tokenizer::TokenizerError| bad_request(&e.to_string());
+    // Templating and tokenizing up to MAX_BODY of text is CPU work: off the runtime's
+    // threads, a bounded number at once (as the router does).
+    let tokenize = |f: Box<TokenizeFn>| {
+        let tokenizer = Arc::clone(&state.tokenizer);
+        let permits = Arc::clone(&state.tokenize_permits);
+        async move {
+            match kvroute::http::run_blocking(&permits, move || f(&tokenizer)).await {
+                Ok(Ok(tokens)) => Ok(tokens),
+                Ok(Err(e)) => Err(bad(e)),
+                Err(_) => Err(unavailable("tokenizer failed")),
+            }
+        }
+    };
     let (model, token_ids, max_tokens, stream, options) = if chat {
         match read_json::<ChatRequest>(&state, req).await {
-            Ok(r) => match state.tokenizer.encode_chat(&r.messages) {
-                Ok(tokens) => (r.model, tokens, r.max_tokens, r.stream, r.stream_options),
-                Err(e) => return bad(e),
-            },
+            Ok(r) => {
+                let messages = r.messages;
+                match tokenize(Box::new(move |t| t.encode_chat(&messages))).await {
+                    Ok(tokens) => (r.model, tokens, r.max_tokens, r.stream, r.stream_options),
+                    Err(response) => return response,
+                }
+            }
             Err(response) => return response,
         }
     } else {
         match read_json::<CompletionRequest>(&state, req).await {
             Ok(r) => {
                 let tokens = match r.prompt {
-                    Prompt::Text(t) => match state.tokenizer.encode(&t) {
-                        Ok(tokens) => tokens,
-                        Err(e) => return bad(e),
-                    },
+                    Prompt::Text(text) => {
+                        match tokenize(Box::new(move |t| t.encode(&text))).await {
+                            Ok(tokens) => tokens,
+                            Err(response) => return response,
+                        }
+                    }
                     Prompt::Tokens(t) => t,
                 };
                 (r.model, tokens, r.max_tokens, r.stream, r.stream_options)
