@@ -271,15 +271,15 @@ impl Router {
             Some(ProxyError::WorkerLeft { .. } | ProxyError::AnswerTimeout { .. }) => return,
             Some(e) if e.unreachable() => {}
             _ => {
-                scheduler.worker_answered(key);
+                scheduler.worker_answered(key.0);
                 return;
             }
         }
-        if let Some(ms) = scheduler.worker_unreachable(key, self.now_ms()) {
+        if let Some(ms) = scheduler.worker_unreachable(key.0, self.now_ms()) {
             drop(scheduler);
             metrics::counter!("kvroute_worker_ejections_total", "worker" => key.0.to_string())
                 .increment(1);
-            tracing::warn!(worker = %key.0, dp_rank = key.1.0, ejected_ms = ms, "worker unreachable several times in a row; it sits out");
+            tracing::warn!(worker = %key.0, ejected_ms = ms, "worker unreachable several times in a row; it sits out");
         }
     }
 
@@ -836,6 +836,10 @@ async fn completions(
                 }
                 tracing::warn!(worker = %decision.chosen.key.0, error = %e, "worker failed before its first byte; trying another");
                 failed.push(decision.chosen.key);
+                if e.unreachable() {
+                    // Its other ranks sit behind the same endpoint.
+                    failed.extend(router.scheduler.lock().ranks(decision.chosen.key.0));
+                }
                 last_error = Some(e);
             }
         }
@@ -873,7 +877,8 @@ async fn admit(
     let band = guard.band;
     router.pump();
     // The pump answers by the deadline; the extra seconds are a backstop, not the rule.
-    let outcome = tokio::time::timeout(Duration::from_millis(ttl_ms + 5_000), rx).await;
+    let outcome =
+        tokio::time::timeout(Duration::from_millis(ttl_ms.saturating_add(5_000)), rx).await;
     guard.reason = "deadline";
     drop(guard);
     match outcome {

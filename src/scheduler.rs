@@ -5,8 +5,8 @@
 //! host_weight·host + disk_weight·disk), 0) + active_prefill_blocks +
 //! decode_weight · active_decode_blocks + recent_weight · recent_blocks (DESIGN §8, with the
 //! decode term weighted and the prompt blocks of recently routed requests decayed in). Load is booked at routing,
-//! prefill released at the first token, the rest at completion; bookings never released
-//! expire after `booking_ttl_ms`.
+//! prefill released at the first token, the rest at completion; bookings other replicas
+//! shared and never released expire after `booking_ttl_ms`.
 //!
 //! Admission (DESIGN §13, [`Scheduler::admit`]): each booking also carries its work in
 //! tokens (uncached prefill, expected decode). A request is routed only among the workers
@@ -72,7 +72,10 @@ pub struct Config {
     pub busy_decode_fraction: f64,
     /// A worker with more uncached prefill booked than this many blocks is busy (0 = off).
     pub busy_prefill_blocks: f64,
-    /// Bookings not completed within this time are dropped, ms.
+    /// Bookings shared by other replicas and not completed within this time are dropped
+    /// (a replica that died without freeing them), ms. This router's own bookings do not
+    /// expire: their guards release them however their request ends, and a stream may run
+    /// longer than any fixed time.
     pub booking_ttl_ms: u64,
     /// Seed of the tie-break and sampling generator.
     pub seed: u64,
@@ -573,19 +576,41 @@ impl Scheduler {
         self.policy.name()
     }
 
-    /// Adds a worker serving `model`, or updates its capacity and model.
+    /// Adds a worker serving `model`, or updates its capacity and model. A worker added
+    /// back (its lease lapsed, as in a NATS outage, while its requests ran on) carries the
+    /// load of its bookings still open.
     pub fn add_worker(&mut self, key: WorkerKey, capacity_blocks: usize, model: &str) {
-        let state = self.workers.entry(key).or_insert_with(|| WorkerState {
-            capacity_blocks,
-            model: model.to_owned(),
-            adapters: Vec::new(),
-            load: ActiveLoad::default(),
-            engine_used_blocks: 0.0,
-            recent_blocks: 0.0,
-            recent_at_ms: 0,
-            failures: 0,
-            ejected_until_ms: 0,
-        });
+        let state = match self.workers.entry(key) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(e) => {
+                let mut load = ActiveLoad::default();
+                for b in self.bookings.values().filter(|b| b.worker == key) {
+                    let (prefill_blocks, work) = match b.prefill_open {
+                        true => (b.prefill_blocks, b.work),
+                        // What `first_token` took off is not booked again.
+                        false => (
+                            0.0,
+                            Work {
+                                prefill_tokens: 0.0,
+                                ..b.work
+                            },
+                        ),
+                    };
+                    load.book(prefill_blocks, &b.blocks, b.tail, work);
+                }
+                e.insert(WorkerState {
+                    capacity_blocks,
+                    model: model.to_owned(),
+                    adapters: Vec::new(),
+                    load,
+                    engine_used_blocks: 0.0,
+                    recent_blocks: 0.0,
+                    recent_at_ms: 0,
+                    failures: 0,
+                    ejected_until_ms: 0,
+                })
+            }
+        };
         state.capacity_blocks = capacity_blocks;
         if state.model != model {
             state.model = model.to_owned();
@@ -610,22 +635,30 @@ impl Scheduler {
         }
     }
 
-    /// A request could not reach `key` (connection failed, no headers in time): returns
-    /// how long it is now ejected for, ms, if this failure ejected it.
-    pub fn worker_unreachable(&mut self, key: WorkerKey, now_ms: u64) -> Option<u64> {
+    /// A request could not reach `worker` (connection failed, no headers in time): returns
+    /// how long it is now ejected for, ms, if this failure ejected it. Reachability is the
+    /// endpoint's: every rank of the worker counts it. Failures while it is ejected (requests
+    /// sent before) change nothing; the first after the ejection ends doubles it.
+    pub fn worker_unreachable(&mut self, worker: WorkerId, now_ms: u64) -> Option<u64> {
         let ejection = self.config.ejection;
-        let state = self.workers.get_mut(&key)?;
-        state.failures = state.failures.saturating_add(1);
-        let ms = ejection.ejection_ms(state.failures);
-        (ms > 0).then(|| {
-            state.ejected_until_ms = now_ms.saturating_add(ms);
-            ms
-        })
+        let mut ejected = None;
+        for (_, state) in self.workers.iter_mut().filter(|(k, _)| k.0 == worker) {
+            if state.ejected(now_ms) {
+                continue;
+            }
+            state.failures = state.failures.saturating_add(1);
+            let ms = ejection.ejection_ms(state.failures);
+            if ms > 0 {
+                state.ejected_until_ms = now_ms.saturating_add(ms);
+                ejected = Some(ms);
+            }
+        }
+        ejected
     }
 
-    /// `key` answered a request: it is reachable, and no longer ejected.
-    pub fn worker_answered(&mut self, key: WorkerKey) {
-        if let Some(state) = self.workers.get_mut(&key) {
+    /// `worker` answered a request: it is reachable, and no longer ejected.
+    pub fn worker_answered(&mut self, worker: WorkerId) {
+        for (_, state) in self.workers.iter_mut().filter(|(k, _)| k.0 == worker) {
             state.failures = 0;
             state.ejected_until_ms = 0;
         }
@@ -636,10 +669,16 @@ impl Scheduler {
         self.workers.get(&key).is_some_and(|s| s.ejected(now_ms))
     }
 
-    /// Removes a worker and drops its bookings (its sessions move on their next turn).
+    /// The ranks of `worker` known.
+    pub fn ranks(&self, worker: WorkerId) -> impl Iterator<Item = WorkerKey> + '_ {
+        self.workers.keys().copied().filter(move |k| k.0 == worker)
+    }
+
+    /// Removes a worker (its sessions move on their next turn). Its bookings stay until
+    /// their guards or the TTL release them: their requests may still be running (a lease
+    /// that lapsed while the worker served on), and are booked again if it comes back.
     pub fn remove_worker(&mut self, key: WorkerKey) {
         self.workers.remove(&key);
-        self.bookings.retain(|_, b| b.worker != key);
     }
 
     /// Booked work over every worker, tokens.
@@ -780,14 +819,13 @@ impl Scheduler {
         self.expire(now_ms);
         let mut all = self.candidates(now_ms, request);
         let reachable = all.iter().map(Candidate::cached_blocks).max().unwrap_or(0);
-        all.retain(|c| !exclude.contains(&c.key));
+        // Ejected workers sit out, unless no other worker serves the model (one that failed
+        // this request still serves it: its retry does not go to an ejected worker).
+        let ejected = |c: &Candidate| self.workers.get(&c.key).is_some_and(|s| s.ejected(now_ms));
+        let some_not_ejected = all.iter().any(|c| !ejected(c));
+        all.retain(|c| !(exclude.contains(&c.key) || some_not_ejected && ejected(c)));
         if all.is_empty() {
             return Admission::NoWorkers;
-        }
-        // Ejected workers sit out, unless no other worker serves the model.
-        let ejected = |c: &Candidate| self.workers.get(&c.key).is_some_and(|s| s.ejected(now_ms));
-        if all.iter().any(|c| !ejected(c)) {
-            all.retain(|c| !ejected(c));
         }
         let session = request
             .session
@@ -951,7 +989,10 @@ impl Scheduler {
                 prefill_open: true,
             },
         );
-        self.by_age.push_back((now_ms, id));
+        // Only what peers shared expires: this router's own bookings have live guards.
+        if id.origin != self.config.replica_id {
+            self.by_age.push_back((now_ms, id));
+        }
     }
 
     /// A booking in the form replicas share.
@@ -1093,7 +1134,7 @@ impl Scheduler {
         }
     }
 
-    /// Drops bookings older than the TTL.
+    /// Drops peers' bookings older than the TTL.
     pub fn expire(&mut self, now_ms: u64) {
         let ttl = self.config.booking_ttl_ms;
         while let Some(&(at, id)) = self.by_age.front() {

@@ -158,8 +158,10 @@ fn shared_blocks_count_once_per_worker() {
     assert_eq!(s.load(key(0)).unwrap().decode_blocks(), 0);
 }
 
+/// A peer's booking never freed (the peer died) expires after the TTL; this router's own
+/// do not (their guards release them, and a stream may outlast any fixed time).
 #[test]
-fn unreleased_bookings_expire() {
+fn unreleased_peer_bookings_expire_and_own_ones_do_not() {
     let mut s = Scheduler::new(Config {
         booking_ttl_ms: 1000,
         ..unit_weights()
@@ -168,12 +170,31 @@ fn unreleased_bookings_expire() {
     s.add_worker(key(0), 100, "m");
     let b = blocks(4, 0);
     let none = scores(&[]);
-    s.route(0, &request(&b, 64, &none)).unwrap();
+    let own = s.route(0, &request(&b, 64, &none)).unwrap();
+    let peer = blocks(2, 500);
+    s.book_shared(
+        0,
+        SharedBooking {
+            id: BookingId { origin: 9, seq: 1 },
+            worker: WorkerId(0),
+            dp_rank: DpRank(0),
+            prefill_blocks: 2.0,
+            blocks: peer.iter().map(|x| x.seq).collect(),
+            tail: false,
+            prefill_tokens: 32.0,
+            decode_tokens: 16,
+        },
+    )
+    .unwrap();
     s.expire(1000);
-    assert_eq!(s.open_bookings(), 1);
+    assert_eq!(s.open_bookings(), 2);
     s.expire(1001);
-    assert_eq!(s.open_bookings(), 0);
+    assert_eq!(s.open_bookings(), 1);
     assert_eq!(s.expired_bookings(), 1);
+    assert_eq!(s.load(key(0)).unwrap().decode_blocks(), 4);
+    s.expire(10_000_000);
+    assert_eq!(s.open_bookings(), 1, "an own booking expired");
+    s.complete(own.booking);
     assert_eq!(s.load(key(0)).unwrap().decode_blocks(), 0);
 }
 
@@ -520,7 +541,8 @@ mod ledger {
                     Op::Advance(ms) => {
                         now += ms;
                         s.expire(now);
-                        model.retain(|_, e| now - e.at <= TTL);
+                        // Peers' bookings expire; this router's own (origin 0) do not.
+                        model.retain(|id, e| id.origin == 0 || now - e.at <= TTL);
                     }
                     Op::Peer { origin, seq, worker, prompt, len } => {
                         let b = blocks(len, prompt * 1000);
@@ -552,9 +574,10 @@ mod ledger {
                         model.retain(|id, _| id.origin != origin);
                     }
                     Op::RemoveWorker(w) => {
+                        // Its bookings stay open (their requests may run on), to be booked
+                        // again if it comes back.
                         s.remove_worker(key(w));
                         workers.remove(&key(w));
-                        model.retain(|_, e| e.worker != key(w));
                     }
                     Op::AddWorker(w) => {
                         s.add_worker(key(w), 1000, "m");
@@ -892,7 +915,8 @@ fn receipts_count_the_cache_given_up_for_load() {
 }
 
 /// A worker that cannot be reached sits out after `after_failures` failures in a row, for
-/// `base_ms` doubling per further failure up to `max_ms`; an answer ends it; and when every
+/// `base_ms` doubling per failure after an ejection ends, up to `max_ms`; failures while it
+/// is ejected (requests sent before) change nothing; an answer ends it; and when every
 /// worker is ejected the model is still served.
 #[test]
 fn unreachable_workers_sit_out_for_a_growing_while() {
@@ -905,32 +929,35 @@ fn unreachable_workers_sit_out_for_a_growing_while() {
         s.complete(d.booking);
         d.chosen.key
     };
+    let w0 = WorkerId(0);
     assert_eq!(route(&mut s, 0), key(0));
-    assert_eq!(s.worker_unreachable(key(0), 0), None);
-    assert_eq!(s.worker_unreachable(key(0), 0), None);
+    assert_eq!(s.worker_unreachable(w0, 0), None);
+    assert_eq!(s.worker_unreachable(w0, 0), None);
     assert_eq!(route(&mut s, 0), key(0), "two failures do not eject");
-    assert_eq!(s.worker_unreachable(key(0), 1_000), Some(5_000));
+    assert_eq!(s.worker_unreachable(w0, 1_000), Some(5_000));
     assert!(s.ejected(key(0), 1_000));
+    // Requests sent before the ejection fail too: they do not stretch it.
+    for _ in 0..10 {
+        assert_eq!(s.worker_unreachable(w0, 2_000), None);
+    }
     assert_eq!(route(&mut s, 1_000), key(1));
     assert_eq!(route(&mut s, 5_999), key(1));
     assert_eq!(route(&mut s, 6_000), key(0), "back after base_ms");
-    // Still failing: each failure doubles the time out, up to max_ms.
-    assert_eq!(s.worker_unreachable(key(0), 6_000), Some(10_000));
-    assert_eq!(s.worker_unreachable(key(0), 16_000), Some(20_000));
-    for _ in 0..10 {
-        s.worker_unreachable(key(0), 36_000);
-    }
-    assert_eq!(s.worker_unreachable(key(0), 36_000), Some(60_000));
+    // Still failing once back: each ejection doubles, up to max_ms.
+    assert_eq!(s.worker_unreachable(w0, 6_000), Some(10_000));
+    assert_eq!(s.worker_unreachable(w0, 16_000), Some(20_000));
+    assert_eq!(s.worker_unreachable(w0, 36_000), Some(40_000));
+    assert_eq!(s.worker_unreachable(w0, 76_000), Some(60_000));
     // Every worker ejected: they still serve rather than refuse the model.
     for _ in 0..3 {
-        s.worker_unreachable(key(1), 36_000);
+        s.worker_unreachable(WorkerId(1), 80_000);
     }
-    assert!(s.ejected(key(1), 36_000));
-    assert!(s.route(36_000, &request(&b, 64, &cached)).is_some());
+    assert!(s.ejected(key(1), 80_000));
+    assert!(s.route(80_000, &request(&b, 64, &cached)).is_some());
     // One answer and it is back at once, its count of failures reset.
-    s.worker_answered(key(0));
-    assert!(!s.ejected(key(0), 36_000));
-    assert_eq!(s.worker_unreachable(key(0), 36_000), None);
+    s.worker_answered(w0);
+    assert!(!s.ejected(key(0), 80_000));
+    assert_eq!(s.worker_unreachable(w0, 80_000), None);
     // Off: never ejected.
     let mut off = Scheduler::new(Config {
         ejection: EjectionConfig {
@@ -942,6 +969,71 @@ fn unreachable_workers_sit_out_for_a_growing_while() {
     .unwrap();
     off.add_worker(key(0), 1000, "m");
     for _ in 0..10 {
-        assert_eq!(off.worker_unreachable(key(0), 0), None);
+        assert_eq!(off.worker_unreachable(w0, 0), None);
     }
+}
+
+/// A retry leaves out the worker that failed it; it does not then go to an ejected one
+/// while that failed worker is healthy (the client gets the healthy worker's error).
+#[test]
+fn a_retry_never_goes_to_an_ejected_worker_while_another_serves_the_model() {
+    let mut s = scheduler(PolicyKind::Kv, 2);
+    let b = blocks(4, 0);
+    let none = scores(&[]);
+    for _ in 0..3 {
+        s.worker_unreachable(WorkerId(0), 0);
+    }
+    let first = s.route(0, &request(&b, 64, &none)).unwrap();
+    assert_eq!(first.chosen.key, key(1));
+    assert!(
+        s.route_excluding(0, &request(&b, 64, &none), &[key(1)])
+            .is_none()
+    );
+}
+
+/// Reachability is the endpoint's: the ranks of a data-parallel worker behind one URL are
+/// ejected together.
+#[test]
+fn the_ranks_of_a_worker_are_ejected_together() {
+    let mut s = scheduler(PolicyKind::Kv, 1);
+    let rank1 = (WorkerId(0), DpRank(1));
+    s.add_worker(rank1, 1000, "m");
+    s.add_worker(key(1), 1000, "m");
+    assert_eq!(
+        s.ranks(WorkerId(0)).collect::<Vec<_>>(),
+        vec![key(0), rank1]
+    );
+    for _ in 0..3 {
+        s.worker_unreachable(WorkerId(0), 0);
+    }
+    assert!(s.ejected(key(0), 0) && s.ejected(rank1, 0));
+    assert!(!s.ejected(key(1), 0));
+}
+
+/// A worker whose lease lapsed (a NATS outage) while its requests ran on comes back with
+/// their load: its bookings outlive its removal, and are booked again when it is re-added.
+#[test]
+fn a_worker_added_back_carries_the_load_of_its_open_bookings() {
+    let mut s = scheduler(PolicyKind::Kv, 1);
+    let none = scores(&[]);
+    let (a, b) = (blocks(4, 0), blocks(6, 100));
+    let first = s.route(0, &request(&a, 64, &none)).unwrap();
+    let second = s.route(0, &request(&b, 100, &none)).unwrap();
+    s.first_token(first.booking);
+    let before = s.load(key(0)).unwrap().clone();
+    s.remove_worker(key(0));
+    assert!(s.load(key(0)).is_none());
+    assert_eq!(s.open_bookings(), 2);
+    s.add_worker(key(0), 1000, "m");
+    let back = s.load(key(0)).unwrap();
+    assert_eq!(back.requests, before.requests);
+    assert_eq!(back.decode_blocks(), before.decode_blocks());
+    assert!((back.prefill_blocks - before.prefill_blocks).abs() < 1e-9);
+    assert!((back.work_tokens - before.work_tokens).abs() < 1e-9);
+    // Released as they end, to nothing.
+    s.complete(first.booking);
+    s.complete(second.booking);
+    let empty = s.load(key(0)).unwrap();
+    assert_eq!((empty.requests, empty.decode_blocks()), (0, 0));
+    assert!(empty.prefill_blocks.abs() < 1e-9 && empty.work_tokens.abs() < 1e-9);
 }
