@@ -566,12 +566,22 @@ impl FleetOwner {
         for command in std::mem::take(&mut self.commands) {
             match command {
                 FleetCommand::OpenStream(key) => {
-                    let handle = spawn_stream(&self.shared, key);
-                    let old = self.shared.streams.lock().insert(key, handle);
+                    let old = self.shared.streams.lock().remove(&key);
                     if let Some(old) = old {
                         // Cannot happen (the fleet opens a key once); close it properly anyway.
                         self.close(key, old);
                     }
+                    // A stream of this key still closing (its worker left and came back at
+                    // once) retires the key's lane when it ends: the new one starts after
+                    // it, or that retirement would wipe the new incarnation's lane, and the
+                    // old stream's last applies would land in it.
+                    let (before, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.closing)
+                        .into_iter()
+                        .partition(|(k, _)| *k == key);
+                    self.closing = rest;
+                    let before = before.into_iter().map(|(_, task)| task).collect();
+                    let handle = spawn_stream(&self.shared, key, before);
+                    self.shared.streams.lock().insert(key, handle);
                 }
                 FleetCommand::Watermark {
                     key,
@@ -714,7 +724,12 @@ fn same_shape(a: &WorkerInfo, b: &WorkerInfo) -> bool {
     )
 }
 
-fn spawn_stream(shared: &Arc<Shared>, key: StreamKey) -> StreamHandle {
+/// Starts the stream of `key`, once the streams of the same key in `before` have ended.
+fn spawn_stream(
+    shared: &Arc<Shared>,
+    key: StreamKey,
+    before: Vec<tokio::task::JoinHandle<()>>,
+) -> StreamHandle {
     let (tx, rx) = mpsc::channel(shared.config.queue_batches.max(1));
     let (close, closed) = oneshot::channel();
     let overflowed = Arc::new(AtomicBool::new(false));
@@ -731,6 +746,7 @@ fn spawn_stream(shared: &Arc<Shared>, key: StreamKey) -> StreamHandle {
         },
         rx,
         closed,
+        before,
     ));
     StreamHandle {
         tx,
@@ -759,12 +775,19 @@ struct StreamTask {
 }
 
 /// One stream: applies its batches to its index lane in order until told to close, then
-/// removes the lane (it is the lane's only writer, so nothing can re-create it after).
+/// removes the lane (it is the lane's only writer, so nothing can re-create it after). It
+/// starts once the earlier streams of its key (`before`) have removed theirs.
 async fn run_stream(
     task: StreamTask,
     mut rx: mpsc::Receiver<Input>,
     mut closed: oneshot::Receiver<()>,
+    before: Vec<tokio::task::JoinHandle<()>>,
 ) {
+    for earlier in before {
+        // An earlier stream ends at its next await (its close is sent); a panic there
+        // ended it too.
+        let _ = earlier.await;
+    }
     let StreamTask {
         shared,
         key,
