@@ -200,6 +200,12 @@ struct Band {
     arrivals: u64,
     /// Arrival order of each backlogged tenant (its key in `order`).
     arrival_of: FxHashMap<Arc<str>, u64>,
+    /// Tenants whose backlog emptied, by the tag they ended at, while it is ahead of
+    /// `level`: one that comes back resumes there, keeping the charge of what it was served
+    /// (start-time fair queuing's finish tag). Forgotten once `level` reaches it, when
+    /// starting level with the band is the same.
+    idle: BTreeSet<(u64, Arc<str>)>,
+    idle_tag: FxHashMap<Arc<str>, u64>,
 }
 
 /// Counters of one band since start.
@@ -306,8 +312,13 @@ impl<T> AdmissionQueue<T> {
         let id = TicketId(self.next_id);
         let tenant = band.tenants.entry(Arc::clone(&ticket.tenant)).or_default();
         if tenant.tickets.is_empty() {
-            // Becoming backlogged: start level with the band, never ahead of or behind it.
-            tenant.tag = tenant.tag.max(band.level);
+            // Becoming backlogged: start level with the band (no credit banked while idle),
+            // or where it ended if that is still ahead (its last service stays charged).
+            let ended = band.idle_tag.remove(&ticket.tenant);
+            if let Some(ended) = ended {
+                band.idle.remove(&(ended, Arc::clone(&ticket.tenant)));
+            }
+            tenant.tag = tenant.tag.max(band.level).max(ended.unwrap_or(0));
             band.arrivals += 1;
             band.arrival_of
                 .insert(Arc::clone(&ticket.tenant), band.arrivals);
@@ -461,12 +472,23 @@ impl<T> AdmissionQueue<T> {
             tenant.tickets.remove(at);
         }
         if tenant.tickets.is_empty() {
+            if tenant.tag > band.level {
+                band.idle.insert((tenant.tag, Arc::clone(name)));
+                band.idle_tag.insert(Arc::clone(name), tenant.tag);
+            }
             band.tenants.remove(name);
             band.arrival_of.remove(name);
         } else {
             band.order.insert((tenant.tag, arrival, Arc::clone(name)));
         }
+        while let Some((ended, name)) = band.idle.first().cloned()
+            && ended <= band.level
+        {
+            band.idle.pop_first();
+            band.idle_tag.remove(&name);
+        }
         if band.queued == 0 {
+            // Nobody waits: nothing to be fair between until a backlog forms again.
             self.bands.remove(&key);
         }
         Some(Left {

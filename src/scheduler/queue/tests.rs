@@ -125,6 +125,43 @@ enum Op {
     Advance(u64),
 }
 
+/// A tenant that is never backlogged for long (one ticket at a time, sent again as soon as
+/// it is admitted) keeps the charge of what it was served: against a backlogged tenant it
+/// gets half the tokens, not all of them (its charge was forgotten each time its backlog
+/// emptied).
+#[test]
+fn a_tenant_that_keeps_emptying_its_backlog_keeps_its_charge() {
+    let mut q = AdmissionQueue::new(QueueConfig {
+        default_band: BandConfig {
+            max_queued: 10_000,
+            ..BandConfig::default()
+        },
+        ..QueueConfig::default()
+    });
+    for i in 0..1_000 {
+        q.push(0, ticket(0, "steady", 1_000), i).unwrap();
+    }
+    q.push(0, ticket(0, "eager", 8_000), 100_000).unwrap();
+    let mut served: BTreeMap<&str, u64> = BTreeMap::new();
+    for _ in 0..400 {
+        let (id, _, _) = q.peek().unwrap();
+        let left = q.admit(0, id).unwrap();
+        let eager = left.payload >= 100_000;
+        *served
+            .entry(if eager { "eager" } else { "steady" })
+            .or_default() += left.ticket.work_tokens;
+        if eager {
+            q.push(0, ticket(0, "eager", 8_000), left.payload + 1)
+                .unwrap();
+        }
+    }
+    let (eager, steady) = (served["eager"], served["steady"]);
+    assert!(
+        eager.abs_diff(steady) <= 8_000,
+        "eager {eager}, steady {steady}"
+    );
+}
+
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (-2i32..=2, 0u8..4, 1u64..5_000).prop_map(|(band, tenant, work)| Op::Push { band, tenant, work }),
