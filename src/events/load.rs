@@ -241,6 +241,14 @@ impl Peers {
         }
     }
 
+    /// This replica cannot hear its peers (its own NATS connection is down): their silence
+    /// says nothing, and each gets a whole TTL from now once it can be heard again.
+    pub fn renew_all(&mut self, now_ms: u64) {
+        for at in self.seen.values_mut() {
+            *at = (*at).max(now_ms);
+        }
+    }
+
     /// Replicas silent for longer than `ttl_ms` are forgotten with their bookings.
     pub fn on_tick(&mut self, now_ms: u64, ttl_ms: u64, scheduler: &mut Scheduler) {
         let gone: Vec<u64> = self
@@ -285,18 +293,33 @@ fn ranges(seqs: &[u64]) -> Vec<(u64, u64)> {
 
 /// Merges the closest ranges until at most `max` remain: the heartbeat then claims a few
 /// closed bookings as open (peers keep them until their completion or TTL), never the
-/// reverse.
-fn coarsen(mut r: Vec<(u64, u64)>, max: usize) -> Vec<(u64, u64)> {
-    while r.len() > max.max(1) {
-        let (i, _) = r
-            .windows(2)
-            .enumerate()
-            .min_by_key(|(_, w)| w[1].0 - w[0].1)
-            .expect("invariant: more than one range");
-        r[i].1 = r[i + 1].1;
-        r.remove(i + 1);
+/// reverse. Merging two neighbours leaves the other gaps as they were, so this closes the
+/// `len - max` smallest gaps (the earlier of equal ones first) in one pass.
+fn coarsen(r: Vec<(u64, u64)>, max: usize) -> Vec<(u64, u64)> {
+    let excess = r.len().saturating_sub(max.max(1));
+    if excess == 0 {
+        return r;
     }
-    r
+    let mut gaps: Vec<(u64, usize)> = r
+        .windows(2)
+        .enumerate()
+        .map(|(i, w)| (w[1].0 - w[0].1, i))
+        .collect();
+    gaps.select_nth_unstable(excess - 1);
+    let mut close = vec![false; r.len()];
+    for &(_, i) in &gaps[..excess] {
+        close[i] = true;
+    }
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(r.len() - excess);
+    let mut merging = false;
+    for (i, range) in r.into_iter().enumerate() {
+        match out.last_mut() {
+            Some(last) if merging => last.1 = range.1,
+            _ => out.push(range),
+        }
+        merging = close[i];
+    }
+    out
 }
 
 /// A replica's side of load sharing.
@@ -371,6 +394,11 @@ impl LoadShare {
                     }
                     _ = beat.tick() => {
                         s.heartbeat(me);
+                        if !s.transport.is_connected() {
+                            // Deaf, not abandoned: peers' bookings (requests still running)
+                            // are not dropped for a silence of our own making.
+                            peers.renew_all(now_ms());
+                        }
                         peers.on_tick(now_ms(), config.replica_ttl_ms, &mut s.scheduler.lock());
                     }
                     _ = shutdown.changed() => return,

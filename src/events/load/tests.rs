@@ -175,6 +175,34 @@ fn ranges_and_coarsening_never_claim_fewer_open_bookings() {
     for seq in [1, 2, 3, 7, 9, 10] {
         assert!(c.iter().any(|(a, b)| (*a..=*b).contains(&seq)));
     }
+    // The one-pass merge closes the smallest gaps, the earlier of equal ones first, as
+    // merging the closest pair again and again would.
+    let r = vec![(0, 0), (2, 2), (4, 4), (10, 10), (13, 13), (30, 30)];
+    assert_eq!(coarsen(r.clone(), 3), vec![(0, 4), (10, 13), (30, 30)]);
+    assert_eq!(
+        coarsen(r.clone(), 5),
+        vec![(0, 2), (4, 4), (10, 10), (13, 13), (30, 30)]
+    );
+    assert_eq!(coarsen(r.clone(), 1), vec![(0, 30)]);
+    assert_eq!(coarsen(r.clone(), 10), r);
+}
+
+/// A peer's heartbeat ranges, sorted or not, overlapping or not: the bookings they do not
+/// name are completed, those they name stay.
+#[test]
+fn reconciling_with_a_heartbeat_keeps_exactly_the_named_bookings() {
+    for open in [
+        vec![(2, 3), (6, 6)],
+        vec![(6, 6), (2, 3)],
+        vec![(2, 2), (2, 3), (6, 6), (3, 3)],
+    ] {
+        let mut s = scheduler(1);
+        for seq in 1..=8 {
+            s.book_shared(0, shared(7, seq, 2, 1.0)).unwrap();
+        }
+        s.reconcile_origin(7, &open, 8);
+        assert_eq!(s.open_seqs(7), vec![2, 3, 6, 8], "{open:?}");
+    }
 }
 
 /// A replica that stops heartbeating loses its bookings on its peers after the replica
