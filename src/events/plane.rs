@@ -150,8 +150,12 @@ impl FleetView {
 
 enum Input {
     Batch(EventBatch),
-    Watermark { epoch: u64, last_id: u64 },
-    Snapshot(Snapshot),
+    Watermark {
+        epoch: u64,
+        last_id: u64,
+    },
+    /// A snapshot, and the request (resync) it answers.
+    Snapshot(Snapshot, u64),
 }
 
 /// Requests routed to a stream that never published an event: a worker that serves traffic
@@ -830,7 +834,9 @@ async fn run_stream(
                         }
                         stream.on_watermark(now, epoch, last_id, &mut commands);
                     }
-                    Input::Snapshot(snapshot) => stream.on_snapshot(now, snapshot, &mut commands),
+                    Input::Snapshot(snapshot, request) => {
+                        stream.on_snapshot(now, request, snapshot, &mut commands);
+                    }
                 }
             }
             _ = tick.tick() => {
@@ -853,8 +859,13 @@ async fn run_stream(
                     applied += 1;
                     apply_metrics.record(&outcome);
                 }
-                Command::RequestSnapshot { .. } => {
-                    tokio::spawn(fetch_snapshot(Arc::clone(&shared), key, tx.clone()));
+                Command::RequestSnapshot { request, .. } => {
+                    tokio::spawn(fetch_snapshot(
+                        Arc::clone(&shared),
+                        key,
+                        tx.clone(),
+                        request,
+                    ));
                 }
             }
         }
@@ -942,13 +953,18 @@ fn record_stream_metrics(worker: &str, before: &StreamStats, after: &StreamStats
 /// Asks the worker for a snapshot of `key`'s rank and feeds the assembled result back to
 /// the stream task. A fetch that times out or fails is simply not delivered: the stream
 /// asks again after its snapshot timeout.
-async fn fetch_snapshot(shared: Arc<Shared>, key: StreamKey, tx: mpsc::Sender<Input>) {
+async fn fetch_snapshot(
+    shared: Arc<Shared>,
+    key: StreamKey,
+    tx: mpsc::Sender<Input>,
+    request: u64,
+) {
     let deadline = Duration::from_millis(shared.config.snapshot_fetch_ms);
     let fetched = tokio::time::timeout(deadline, fetch(&shared, key)).await;
     match fetched {
         Ok(Some(snapshot)) => {
             // The stream may have closed meanwhile; then nobody wants it.
-            let _ = tx.try_send(Input::Snapshot(snapshot));
+            let _ = tx.try_send(Input::Snapshot(snapshot, request));
         }
         Ok(None) => {}
         Err(_) => tracing::warn!(worker = %key.0, rank = %key.1, "snapshot fetch timed out"),

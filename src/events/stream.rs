@@ -50,6 +50,8 @@ pub enum Command {
     RequestSnapshot {
         /// The epoch the stream is at (the worker answers with its current one).
         epoch: u64,
+        /// The resync asking: its answer goes back with it ([`WorkerStream::on_snapshot`]).
+        request: u64,
     },
 }
 
@@ -119,6 +121,9 @@ pub struct WorkerStream {
     /// Highest id the worker said it has sent (heartbeats), to catch a lost tail batch.
     announced_last: u64,
     last_reason: Option<ResyncReason>,
+    /// Resyncs started so far: the number a snapshot request carries, so that an answer to
+    /// a request made before the buffer was last cleared is told from a current one.
+    resyncs: u64,
     stats: StreamStats,
 }
 
@@ -137,6 +142,7 @@ impl WorkerStream {
             held_since_ms: None,
             announced_last: 0,
             last_reason: None,
+            resyncs: 0,
             stats: StreamStats::default(),
         }
     }
@@ -206,12 +212,28 @@ impl WorkerStream {
         }
     }
 
-    /// Handles a complete snapshot from the worker.
-    pub fn on_snapshot(&mut self, now_ms: u64, snapshot: Snapshot, out: &mut Vec<Command>) {
+    /// The number of the resync under way (or last made): what its snapshot requests carry.
+    pub fn snapshot_request(&self) -> u64 {
+        self.resyncs
+    }
+
+    /// Handles a complete snapshot from the worker, the answer to `request`.
+    pub fn on_snapshot(
+        &mut self,
+        now_ms: u64,
+        request: u64,
+        snapshot: Snapshot,
+        out: &mut Vec<Command>,
+    ) {
         let State::Resyncing { since_ms, .. } = self.state else {
             // Late answer to a request already served.
             return;
         };
+        if request != self.resyncs {
+            // Asked before the resync started again (the buffer overflowed and was cleared):
+            // its watermark may lie before batches since dropped.
+            return;
+        }
         if self.retired.contains(&snapshot.epoch) {
             // From a past incarnation.
             return;
@@ -287,7 +309,10 @@ impl WorkerStream {
                         requested_ms: now_ms,
                     };
                     if let Some(epoch) = self.epoch {
-                        out.push(Command::RequestSnapshot { epoch });
+                        out.push(Command::RequestSnapshot {
+                            epoch,
+                            request: self.resyncs,
+                        });
                     }
                 }
             }
@@ -386,6 +411,7 @@ impl WorkerStream {
 
     fn start_resync(&mut self, now_ms: u64, reason: ResyncReason, out: &mut Vec<Command>) {
         self.stats.resyncs += 1;
+        self.resyncs += 1;
         self.last_reason = Some(reason);
         self.held_since_ms = None;
         self.state = State::Resyncing {
@@ -393,7 +419,10 @@ impl WorkerStream {
             requested_ms: now_ms,
         };
         if let Some(epoch) = self.epoch {
-            out.push(Command::RequestSnapshot { epoch });
+            out.push(Command::RequestSnapshot {
+                epoch,
+                request: self.resyncs,
+            });
         }
     }
 

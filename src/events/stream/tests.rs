@@ -106,11 +106,14 @@ fn a_gap_resyncs_from_a_snapshot_and_replays_only_past_its_watermark() {
     for id in 4..=7 {
         s.on_batch(1, batch(7, id..=id), &mut out);
     }
-    assert!(out.contains(&Command::RequestSnapshot { epoch: 7 }));
+    assert!(out.contains(&Command::RequestSnapshot {
+        epoch: 7,
+        request: 1
+    }));
     assert!(!s.is_live());
     out.clear();
     s.on_batch(2, batch(7, 8..=9), &mut out); // buffered during the resync
-    s.on_snapshot(3, snapshot(7, 5), &mut out);
+    s.on_snapshot(3, s.snapshot_request(), snapshot(7, 5), &mut out);
     assert_eq!(out[0], Command::Reset);
     let Command::Apply(snap) = &out[1] else {
         panic!("{out:?}")
@@ -198,19 +201,31 @@ fn joining_mid_stream_resyncs_and_retries_an_unanswered_request() {
     s.on_batch(0, batch(7, 5..=6), &mut out);
     assert_eq!(
         out,
-        vec![Command::Reset, Command::RequestSnapshot { epoch: 7 }]
+        vec![
+            Command::Reset,
+            Command::RequestSnapshot {
+                epoch: 7,
+                request: 1
+            }
+        ]
     );
     assert_eq!(s.last_resync_reason(), Some(ResyncReason::Join));
     out.clear();
     s.on_tick(2_000, &mut out);
-    assert_eq!(out, vec![Command::RequestSnapshot { epoch: 7 }]);
+    assert_eq!(
+        out,
+        vec![Command::RequestSnapshot {
+            epoch: 7,
+            request: 1
+        }]
+    );
     assert_eq!(s.stats().snapshot_retries, 1);
     out.clear();
-    s.on_snapshot(2_100, snapshot(7, 5), &mut out);
+    s.on_snapshot(2_100, s.snapshot_request(), snapshot(7, 5), &mut out);
     assert_eq!(applied_ids(&out[2..]), vec![6]);
     // A second answer to the retried request changes nothing.
     out.clear();
-    s.on_snapshot(2_200, snapshot(7, 5), &mut out);
+    s.on_snapshot(2_200, s.snapshot_request(), snapshot(7, 5), &mut out);
     assert!(out.is_empty());
 }
 
@@ -225,6 +240,36 @@ fn buffer_overflow_during_a_resync_starts_over() {
     s.on_batch(1, batch(7, 6..=10), &mut out);
     assert_eq!(s.stats().overflows, 1);
     assert_eq!(s.stats().resyncs, 2);
+}
+
+/// A snapshot asked for before the resync started over (its buffer overflowed and was
+/// dropped) may be cut before the batches dropped with it: it is ignored, and the answer to
+/// the new request resyncs the stream.
+#[test]
+fn an_answer_to_a_request_made_before_an_overflow_is_ignored() {
+    let mut s = WorkerStream::new(StreamConfig {
+        max_buffered_blocks: 4,
+        ..StreamConfig::default()
+    });
+    let mut out = Vec::new();
+    s.on_batch(0, batch(7, 5..=5), &mut out);
+    let first = s.snapshot_request();
+    // 6..=10 overflow the buffer: dropped, and a new request goes out.
+    s.on_batch(1, batch(7, 6..=10), &mut out);
+    let second = s.snapshot_request();
+    assert!(second > first);
+    assert!(out.contains(&Command::RequestSnapshot {
+        epoch: 7,
+        request: second
+    }));
+    out.clear();
+    // The first request's answer, cut at 5: taking it would go live at 6 with 6..=10 lost.
+    s.on_snapshot(2, first, snapshot(7, 5), &mut out);
+    assert!(out.is_empty(), "{out:?}");
+    assert!(!s.is_live());
+    s.on_snapshot(3, second, snapshot(7, 10), &mut out);
+    assert!(s.is_live());
+    assert_eq!(s.next_id(), Some(11));
 }
 
 /// The resync buffer is bounded by blocks: a single event naming many blocks overflows it
@@ -253,7 +298,7 @@ fn a_snapshot_of_a_newer_incarnation_is_adopted() {
     let mut out = Vec::new();
     s.on_batch(0, batch(7, 5..=5), &mut out);
     out.clear();
-    s.on_snapshot(1, snapshot(9, 3), &mut out);
+    s.on_snapshot(1, s.snapshot_request(), snapshot(9, 3), &mut out);
     assert_eq!(s.epoch(), Some(9));
     assert!(s.is_live());
     assert_eq!(s.next_id(), Some(4));
@@ -423,7 +468,7 @@ proptest! {
             if snapshot_wanted && fault % 3 == 0 {
                 snapshot_wanted = false;
                 let mut out = Vec::new();
-                stream.on_snapshot(now, worker.snapshot(), &mut out);
+                stream.on_snapshot(now, stream.snapshot_request(), worker.snapshot(), &mut out);
                 run(out, &ix, &mut snapshot_wanted);
             }
         }
@@ -443,7 +488,7 @@ proptest! {
             if snapshot_wanted {
                 snapshot_wanted = false;
                 let mut out = Vec::new();
-                stream.on_snapshot(now, worker.snapshot(), &mut out);
+                stream.on_snapshot(now, stream.snapshot_request(), worker.snapshot(), &mut out);
                 run(out, &ix, &mut snapshot_wanted);
             }
         }
