@@ -266,6 +266,9 @@ pub struct ApplyOutcome {
     pub rejected_parent: u64,
     /// `Cleared` events.
     pub cleared: u64,
+    /// The batch was dropped whole: no worker slot was free for its (worker, rank). The
+    /// caller must apply it again later (the events layer resyncs the stream).
+    pub no_slot: bool,
     /// Changes to the live sizes, added to the shared counts when the batch is done.
     sizes: Tally,
 }
@@ -372,7 +375,10 @@ impl Indexer {
                     max_workers = self.config.max_workers,
                     "indexer has no free worker slot; batch dropped"
                 );
-                ApplyOutcome::default()
+                ApplyOutcome {
+                    no_slot: true,
+                    ..ApplyOutcome::default()
+                }
             }
         }
     }

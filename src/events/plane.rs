@@ -848,18 +848,40 @@ async fn run_stream(
             }
         }
         let mut applied = 0;
+        let mut dropped = false;
         for command in commands.drain(..) {
             match command {
                 Command::Reset => {
                     shared.indexer.retire_rank(key.0, key.1);
                     reap_later(&shared.indexer);
                 }
+                Command::Apply(batch) if dropped => {
+                    // After a batch the index dropped, the rest cannot follow it.
+                    drop(batch);
+                }
                 Command::Apply(batch) => {
                     let outcome = shared.indexer.apply(&batch);
                     applied += 1;
                     apply_metrics.record(&outcome);
+                    dropped = outcome.no_slot;
                 }
                 Command::RequestSnapshot { request, .. } => {
+                    tokio::spawn(fetch_snapshot(
+                        Arc::clone(&shared),
+                        key,
+                        tx.clone(),
+                        request,
+                    ));
+                }
+            }
+        }
+        if dropped {
+            // The index had no slot for this rank (more ranks than `max_workers`, or slots
+            // of departed ones not yet freed): what it holds of the rank is not what the
+            // stream applied. Resync, and again after each snapshot until a slot is free.
+            stream.resync(now_ms(), &mut commands);
+            for command in commands.drain(..) {
+                if let Command::RequestSnapshot { request, .. } = command {
                     tokio::spawn(fetch_snapshot(
                         Arc::clone(&shared),
                         key,

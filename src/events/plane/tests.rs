@@ -60,13 +60,17 @@ struct Setup {
 }
 
 async fn setup(lease: LeaseConfig) -> Setup {
+    setup_with(lease, Config::default()).await
+}
+
+async fn setup_with(lease: LeaseConfig, index: Config) -> Setup {
     let bus = Transport::Local(LocalBus::new());
     let local = LocalRegistry::default();
     let scheduler = Arc::new(Mutex::new(Scheduler::new(Default::default()).unwrap()));
     let (stop, rx) = watch::channel(false);
     let plane = EventPlane::start(
         bus.clone(),
-        Arc::new(Indexer::new(Config::default()).unwrap()),
+        Arc::new(Indexer::new(index).unwrap()),
         Registry::Local(local.clone()).watch(lease),
         PlaneConfig {
             cluster: "t".into(),
@@ -291,4 +295,45 @@ async fn only_a_worker_never_heard_from_is_flagged_silent() {
         .await
         .unwrap();
     assert!(settle(|| s.plane.silent_workers().is_empty()).await);
+}
+
+/// A batch the index drops for want of a worker slot (more ranks than `max_workers`) is not
+/// taken as applied: its stream resyncs instead of going on live with an index that lacks
+/// what it applied.
+#[tokio::test(start_paused = true)]
+async fn a_batch_without_an_index_slot_resyncs_its_stream() {
+    let s = setup_with(
+        LeaseConfig::default(),
+        Config {
+            max_workers: 1,
+            ..Config::default()
+        },
+    )
+    .await;
+    s.local.put(info(1, 1));
+    s.local.put(info(2, 1));
+    assert!(settle(|| s.plane.streams().len() == 2).await);
+    for w in [1, 2] {
+        s.bus
+            .publish(&format!("kvroute.t.events.{w}"), None, batch(w, 1, 16))
+            .await
+            .unwrap();
+    }
+    assert!(settle(|| s.plane.indexer().sizes().blocks == 4).await);
+    // (Read before the workers' leases lapse: these fake workers send no heartbeats.)
+    let live = || {
+        let streams = s.plane.streams();
+        let live = |w: u64| {
+            streams
+                .iter()
+                .find(|(k, _)| k.0 == WorkerId(w))
+                .map(|(_, st)| st.live)
+        };
+        (live(1), live(2))
+    };
+    assert!(
+        settle(|| matches!(live(), (Some(a), Some(b)) if a != b)).await,
+        "both streams live, one of them without an index slot: {:?}",
+        live()
+    );
 }
