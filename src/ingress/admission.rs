@@ -229,6 +229,10 @@ pub(super) fn record_decision(d: &Decision) {
     ));
 }
 
+/// Tickets the pump looks through for one it may admit, past those held back by one that
+/// must wait: bounds a pump's work when the queue is deep.
+const MAX_LOOKAHEAD: usize = 1024;
+
 impl Router {
     /// Takes a request in. When nothing waits and a worker has room, it is routed at once
     /// with the overlaps already read; otherwise it is queued (`Err` when its band is full,
@@ -310,7 +314,23 @@ impl Router {
             }));
         }
         let mut seqs: Vec<SeqHash> = Vec::new();
-        while let Some((id, ticket, waiter)) = queue.peek() {
+        // A ticket that must wait holds back the tickets after it that would compete for the
+        // same workers: its model's (or, with hard affinity, its session's). Tickets of other
+        // models go past it: their workers may have room.
+        let mut blocked_models: Vec<String> = Vec::new();
+        let mut blocked_sessions: Vec<String> = Vec::new();
+        loop {
+            let next = queue.in_order().take(MAX_LOOKAHEAD).find(|(_, _, w)| {
+                let r = &w.request;
+                !blocked_models.contains(&r.model)
+                    && !r
+                        .session
+                        .as_ref()
+                        .is_some_and(|(id, hard)| *hard && blocked_sessions.contains(id))
+            });
+            let Some((id, ticket, waiter)) = next else {
+                break;
+            };
             let share = queue.config().band(ticket.band).budget_share;
             if waiter.tx.is_closed() {
                 // The handler is going; its guard would remove the ticket a moment later.
@@ -328,7 +348,10 @@ impl Router {
                     .lock()
                     .admit_within(now, &routable.request(&overlaps), share);
             match admission {
-                Admission::Wait => break,
+                Admission::Wait => match &routable.session {
+                    Some((session, true)) => blocked_sessions.push(session.clone()),
+                    _ => blocked_models.push(routable.model.clone()),
+                },
                 Admission::NoWorkers => {
                     if let Some(left) = queue.cancel(now, id) {
                         rejected(left.ticket.band, "no_workers");
@@ -339,8 +362,8 @@ impl Router {
                     record_decision(&decision);
                     let booking = Booking::new(self, decision.booking);
                     let left = queue
-                        .admit(now, id)
-                        .expect("invariant: the peeked ticket is next while the queue is locked");
+                        .admit_waiting(now, id)
+                        .expect("invariant: the ticket waits while the queue is locked");
                     waited(left.ticket.band, left.waited_ms);
                     // A handler gone since the check drops the booking with the message.
                     let _ = left.payload.tx.send(Ok((decision, booking)));

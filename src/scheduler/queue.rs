@@ -357,6 +357,31 @@ impl<T> AdmissionQueue<T> {
         if self.peek().map(|(next, _, _)| next) != Some(id) {
             return None;
         }
+        self.admit_waiting(now_ms, id)
+    }
+
+    /// The waiting tickets in the order they would go if nothing changed meanwhile: bands
+    /// highest first, tenants by fairness, each tenant's oldest first. The first is
+    /// [`AdmissionQueue::peek`]'s.
+    pub fn in_order(&self) -> impl Iterator<Item = (TicketId, &Ticket, &T)> {
+        self.bands.values().flat_map(move |band| {
+            band.order.iter().flat_map(move |(_, _, tenant)| {
+                band.tenants
+                    .get(tenant)
+                    .into_iter()
+                    .flat_map(|t| t.tickets.iter())
+                    .filter_map(move |id| {
+                        let e = self.entries.get(id)?;
+                        Some((*id, &e.ticket, &e.payload))
+                    })
+            })
+        })
+    }
+
+    /// Takes any waiting ticket to be served, charged as [`AdmissionQueue::admit`] charges:
+    /// for a driver that lets a ticket go past ones that cannot be served yet (another
+    /// model's, whose workers are full).
+    pub fn admit_waiting(&mut self, now_ms: u64, id: TicketId) -> Option<Left<T>> {
         let left = self.remove(now_ms, id, true)?;
         self.counters.entry(left.ticket.band).or_default().admitted += 1;
         Some(left)

@@ -226,3 +226,48 @@ async fn a_session_holds_for_20_turns_and_moves_once_when_its_worker_dies() {
     );
     assert_eq!(s["stuck"].as_u64(), Some(28), "{s}");
 }
+
+/// The queue is shared by every model, but a request that must wait holds back only the
+/// requests of its own model: another model's request, whose worker is idle, goes past it
+/// (it waited behind it until the first model's worker freed up).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_request_holds_back_only_its_own_model() {
+    let f = Fleet::start(FleetSpec {
+        router_args: vec![
+            "--worker-budget-tokens".into(),
+            "1".into(),
+            "--queue-ttl-ms".into(),
+            "600000".into(),
+        ],
+        workers: vec![WorkerSpec::model(MODEL), WorkerSpec::model("other")],
+        speedup: 1.0,
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    let hold = hold_the_budget(&f).await;
+    let waiting = {
+        let http = f.http.clone();
+        let url = format!("{}/v1/completions", f.url());
+        let body = completion(MODEL, "waits for the first worker", 4, false);
+        tokio::spawn(async move { http.call("POST", &url, body).await.unwrap() })
+    };
+    assert!(depth_becomes(&f, 1).await, "{}", queues(&f).await);
+    let other = tokio::time::timeout(
+        Duration::from_secs(30),
+        post(
+            &f,
+            completion("other", "for the idle worker", 4, false),
+            &[],
+        ),
+    )
+    .await
+    .expect("the other model's request waited behind this model's");
+    assert_eq!(other.status, 200, "{}", other.body);
+    assert!(
+        !waiting.is_finished(),
+        "the held-back request went past the budget"
+    );
+    drop(hold);
+    assert_eq!(waiting.await.unwrap().status, 200);
+}

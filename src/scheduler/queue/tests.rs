@@ -117,6 +117,25 @@ fn only_the_offered_ticket_can_be_admitted() {
     assert!(q.bands.is_empty(), "no band state outlives its tickets");
 }
 
+/// The tickets in the order they would go (the first is `peek`'s); one further back can be
+/// admitted past the others (a driver skipping a model whose workers are full), charged to
+/// its tenant, and the rest keep their order.
+#[test]
+fn tickets_are_listed_in_order_and_one_can_go_past_the_others() {
+    let mut q = AdmissionQueue::new(QueueConfig::default());
+    let a1 = q.push(0, ticket(0, "a", 10), 1).unwrap();
+    let b1 = q.push(0, ticket(0, "b", 10), 2).unwrap();
+    let a2 = q.push(0, ticket(0, "a", 10), 3).unwrap();
+    let high = q.push(0, ticket(2, "c", 10), 4).unwrap();
+    let order: Vec<TicketId> = q.in_order().map(|(id, _, _)| id).collect();
+    assert_eq!(order, vec![high, a1, a2, b1]);
+    assert_eq!(q.peek().map(|(id, _, _)| id), Some(high));
+    assert_eq!(q.admit_waiting(0, b1).map(|l| l.payload), Some(2));
+    assert!(q.admit_waiting(0, b1).is_none());
+    assert_eq!(drain(&mut q, 0), vec![4, 1, 3]);
+    assert!(q.bands.is_empty());
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     Push { band: i32, tenant: u8, work: u64 },
