@@ -49,6 +49,10 @@ pub struct EventFaults {
     pub unrepaired_gaps: u64,
     /// Engine restarts seen.
     pub restarts: u64,
+    /// Blocks of LoRA adapters the engine named by number only (vLLM before `lora_name`):
+    /// not indexed, since the router salts an adapter's blocks by its name.
+    #[serde(default)]
+    pub unnamed_lora_blocks: u64,
 }
 
 /// What one scrape found.
@@ -79,7 +83,9 @@ pub fn scrape(text: &str) -> Scraped {
             "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => {
                 *waiting.get_or_insert(0.0) += value
             }
-            "vllm:kv_cache_usage_perc" | "sglang:token_usage" => {
+            // vLLM before 0.9.2 names it gpu_cache_usage_perc ("Deprecated in 0.9.2 -
+            // Renamed as vllm:kv_cache_usage_perc", vllm/v1/metrics/loggers.py).
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" | "sglang:token_usage" => {
                 usage_sum += value;
                 usage_n += 1;
             }
@@ -173,6 +179,9 @@ vllm:prompt_tokens_total{model_name="Qwen/Qwen3-8B"} 123456.0
             })
         );
         assert_eq!(s.g1_blocks, None);
+        // vLLM before 0.9.2 names the usage gpu_cache_usage_perc.
+        let old = "vllm:num_requests_running 1\nvllm:gpu_cache_usage_perc 0.6\n";
+        assert_eq!(scrape(old).load.map(|l| l.kv_usage_permille), Some(600));
     }
 
     #[test]

@@ -67,6 +67,10 @@ pub struct MirrorStats {
     pub unresolved: u64,
     /// Events of groups that do not hold the whole prefix (sliding window, Mamba).
     pub other_groups: u64,
+    /// Blocks of a LoRA adapter named by number only (vLLM before `lora_name`): the router
+    /// salts an adapter's blocks with its name, so they are not indexed (as base-model
+    /// blocks they would be false hits).
+    pub unnamed_lora: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -190,6 +194,10 @@ impl EngineMirror {
             .is_some_and(|g| self.groups[g as usize] == Some(false))
         {
             self.stats.other_groups += n;
+            return;
+        }
+        if s.lora_id.is_some() && s.lora_name.is_none() {
+            self.stats.unnamed_lora += n;
             return;
         }
         let tier = s.medium.tier();

@@ -106,6 +106,8 @@ pub struct Stored {
     pub medium: Medium,
     /// LoRA adapter the blocks were computed with.
     pub lora_name: Option<String>,
+    /// The adapter's number, which vLLM releases before `lora_name` send alone.
+    pub lora_id: Option<i64>,
     /// Per block, the engine's extra hash keys (LoRA name, cache salt, multimodal ids);
     /// empty when the event has none.
     pub extra_keys: Vec<Vec<ExtraKey>>,
@@ -282,14 +284,27 @@ fn decode_stored(value: &ValueRef<'_>) -> Result<Stored, String> {
         value,
         positions: STORED_POSITIONS,
     };
+    // A token is a u32; SGLang with EAGLE speculative decoding keys its radix tree by
+    // bigrams and publishes each position as the pair (token, next token)
+    // (`convert_to_bigram_key`, and `record_store` in python/sglang/srt/mem_cache/events.py):
+    // the page's own tokens are the pairs' first elements.
+    let token = |t: &ValueRef<'_>| match t {
+        ValueRef::Array(pair) if pair.len() == 2 => pair.first().and_then(as_u64),
+        t => as_u64(t),
+    };
     let token_ids = match f.get("token_ids") {
         None => Vec::new(),
         Some(ValueRef::Array(ts)) => ts
             .iter()
-            .map(|t| as_u64(t).and_then(|t| u32::try_from(t).ok()))
+            .map(|t| token(t).and_then(|t| u32::try_from(t).ok()))
             .collect::<Option<Vec<u32>>>()
-            .ok_or("token_ids holds a value that is not a u32")?,
+            .ok_or("token_ids holds a value that is not a u32 (or a bigram of them)")?,
         Some(_) => return Err("token_ids is not an array".into()),
+    };
+    let lora_id = match f.get("lora_id") {
+        None => None,
+        Some(ValueRef::Integer(i)) => i.as_i64(),
+        Some(_) => return Err("lora_id is not an integer".into()),
     };
     let block_size = match f.get("block_size") {
         None => 0,
@@ -324,6 +339,7 @@ fn decode_stored(value: &ValueRef<'_>) -> Result<Stored, String> {
         block_size,
         medium: Medium::parse(opt_str(f.get("medium"), "medium")?),
         lora_name: lora_name.map(str::to_owned),
+        lora_id,
         extra_keys,
         cache_salt: cache_salt.map(str::to_owned),
         group: group(f.get("group_idx"))?,

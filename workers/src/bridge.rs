@@ -275,6 +275,7 @@ fn event_faults(ranks: &[IngestStats]) -> metrics::EventFaults {
         f.decode_errors += r.decode_errors;
         f.unrepaired_gaps += r.unrepaired;
         f.restarts += r.restarts;
+        f.unnamed_lora_blocks += r.mirror.unnamed_lora;
     }
     f
 }

@@ -18,6 +18,7 @@ fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], medium: Medium) -
         block_size: if tokens.is_empty() { 0 } else { BS as u32 },
         medium,
         lora_name: None,
+        lora_id: None,
         extra_keys: Vec::new(),
         cache_salt: None,
         group: None,
@@ -314,4 +315,21 @@ fn a_known_block_resolves_by_its_engine_hash_whatever_its_parent() {
         "{out:?}"
     );
     assert_eq!(m.stats().orphans, 0);
+}
+
+/// vLLM releases before `lora_name` name an adapter by number only: its blocks are salted
+/// with the adapter in the engine, and the router salts by name, so they are not indexed
+/// (as base-model blocks they would be false hits), and counted.
+#[test]
+fn blocks_of_an_adapter_named_by_number_only_are_not_indexed() {
+    let mut m = EngineMirror::new(bs());
+    let EngineEvent::Stored(mut s) = stored(&[1, 2], None, &tokens(2 * BS), Medium::Gpu) else {
+        unreachable!()
+    };
+    s.lora_id = Some(3);
+    assert!(apply(&mut m, vec![EngineEvent::Stored(s.clone())]).is_empty());
+    assert_eq!(m.stats().unnamed_lora, 2);
+    // Named, they are indexed with the adapter's salt.
+    s.lora_name = Some("adapter".into());
+    assert_eq!(apply(&mut m, vec![EngineEvent::Stored(s)]).len(), 2);
 }

@@ -179,6 +179,59 @@ fn positional_events_old_vllm_and_sglang() {
     assert_eq!(b.events[3], EngineEvent::Cleared);
 }
 
+/// SGLang with EAGLE keys its radix tree by bigrams and publishes each position as
+/// (token, next token): the page's tokens are the first elements. vLLM before `lora_name`
+/// sends `lora_id` alone.
+#[test]
+fn bigram_tokens_and_a_bare_lora_id_decode() {
+    let pair = |a: u64, b: u64| Value::Array(vec![Value::from(a), Value::from(b)]);
+    let eagle = Value::Array(vec![
+        s("BlockStored"),
+        ints(&[5]),
+        Value::Nil,
+        Value::Array(vec![pair(10, 11), pair(11, 12)]),
+        Value::from(2),
+        Value::Nil,
+        s("GPU"),
+    ]);
+    let lora = Value::Array(vec![
+        s("BlockStored"),
+        ints(&[6]),
+        Value::Nil,
+        ints(&[1, 2]),
+        Value::from(2),
+        Value::from(4),
+        s("GPU"),
+    ]);
+    let batch = Value::Array(vec![Value::F64(1.0), Value::Array(vec![eagle, lora])]);
+    let b = decode_batch(&encode(&batch)).unwrap();
+    let EngineEvent::Stored(eagle) = &b.events[0] else {
+        panic!()
+    };
+    assert_eq!(eagle.token_ids, vec![10, 11]);
+    assert_eq!(eagle.lora_id, None);
+    let EngineEvent::Stored(lora) = &b.events[1] else {
+        panic!()
+    };
+    assert_eq!((lora.lora_id, lora.lora_name.as_deref()), (Some(4), None));
+    // A triple is not a token.
+    let bad = Value::Array(vec![
+        Value::F64(1.0),
+        Value::Array(vec![Value::Array(vec![
+            s("BlockStored"),
+            ints(&[5]),
+            Value::Nil,
+            Value::Array(vec![Value::Array(vec![
+                Value::from(1),
+                Value::from(2),
+                Value::from(3),
+            ])]),
+            Value::from(1),
+        ])]),
+    ]);
+    assert!(decode_batch(&encode(&bad)).is_err());
+}
+
 #[test]
 fn extra_keys_keep_strings_apart_from_other_keys() {
     let stored = map(vec![
