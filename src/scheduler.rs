@@ -531,6 +531,12 @@ impl WorkerState {
     }
 }
 
+/// The keys of every rank of `worker`: adjacent in a map ordered by (worker, rank), so a
+/// range finds them without a scan of the fleet (answers are noted on every request).
+fn ranks_of(worker: WorkerId) -> std::ops::RangeInclusive<WorkerKey> {
+    (worker, DpRank(0))..=(worker, DpRank(u32::MAX))
+}
+
 /// The scheduler of one router.
 #[derive(Debug)]
 pub struct Scheduler {
@@ -642,7 +648,7 @@ impl Scheduler {
     pub fn worker_unreachable(&mut self, worker: WorkerId, now_ms: u64) -> Option<u64> {
         let ejection = self.config.ejection;
         let mut ejected = None;
-        for (_, state) in self.workers.iter_mut().filter(|(k, _)| k.0 == worker) {
+        for (_, state) in self.workers.range_mut(ranks_of(worker)) {
             if state.ejected(now_ms) {
                 continue;
             }
@@ -658,7 +664,7 @@ impl Scheduler {
 
     /// `worker` answered a request: it is reachable, and no longer ejected.
     pub fn worker_answered(&mut self, worker: WorkerId) {
-        for (_, state) in self.workers.iter_mut().filter(|(k, _)| k.0 == worker) {
+        for (_, state) in self.workers.range_mut(ranks_of(worker)) {
             state.failures = 0;
             state.ejected_until_ms = 0;
         }
@@ -671,7 +677,7 @@ impl Scheduler {
 
     /// The ranks of `worker` known.
     pub fn ranks(&self, worker: WorkerId) -> impl Iterator<Item = WorkerKey> + '_ {
-        self.workers.keys().copied().filter(move |k| k.0 == worker)
+        self.workers.range(ranks_of(worker)).map(|(k, _)| *k)
     }
 
     /// Removes a worker (its sessions move on their next turn). Its bookings stay until

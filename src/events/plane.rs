@@ -808,6 +808,14 @@ async fn run_stream(
     let mut commands = Vec::new();
     let worker = key.0.to_string();
     let apply_metrics = ApplyMetrics::new(&worker);
+    let request_snapshot = |request: u64| {
+        tokio::spawn(fetch_snapshot(
+            Arc::clone(&shared),
+            key,
+            tx.clone(),
+            request,
+        ));
+    };
     loop {
         tokio::select! {
             biased;
@@ -865,14 +873,7 @@ async fn run_stream(
                     apply_metrics.record(&outcome);
                     dropped = outcome.no_slot;
                 }
-                Command::RequestSnapshot { request, .. } => {
-                    tokio::spawn(fetch_snapshot(
-                        Arc::clone(&shared),
-                        key,
-                        tx.clone(),
-                        request,
-                    ));
-                }
+                Command::RequestSnapshot { request, .. } => request_snapshot(request),
             }
         }
         if dropped {
@@ -882,12 +883,7 @@ async fn run_stream(
             stream.resync(now_ms(), &mut commands);
             for command in commands.drain(..) {
                 if let Command::RequestSnapshot { request, .. } = command {
-                    tokio::spawn(fetch_snapshot(
-                        Arc::clone(&shared),
-                        key,
-                        tx.clone(),
-                        request,
-                    ));
+                    request_snapshot(request);
                 }
             }
         }

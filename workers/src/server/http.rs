@@ -187,35 +187,33 @@ async fn generate(state: State, req: hyper::Request<Incoming>) -> Response<Body>
     }
 }
 
-/// A prompt's tokenization, run on the blocking pool.
-type TokenizeFn = dyn FnOnce(
+/// Runs a prompt's templating and tokenizing (up to MAX_BODY of text: CPU work) off the
+/// runtime's threads, a bounded number at once (as the router does).
+async fn tokenize(
+    state: &State,
+    f: impl FnOnce(
         &kvroute::ingress::tokenizer::Tokenizer,
     ) -> Result<Vec<u32>, kvroute::ingress::tokenizer::TokenizerError>
-    + Send;
+    + Send
+    + 'static,
+) -> Result<Vec<u32>, Response<Body>> {
+    let tokenizer = Arc::clone(&state.tokenizer);
+    match kvroute::http::run_blocking(&state.tokenize_permits, move || f(&tokenizer)).await {
+        Ok(Ok(tokens)) => Ok(tokens),
+        Ok(Err(e)) => Err(bad_request(&e.to_string())),
+        Err(_) => Err(unavailable("tokenizer failed")),
+    }
+}
 
 /// `/v1/completions` and `/v1/chat/completions` with text, tokenized as the router does
 /// (same tokenizer options), so any OpenAI client or other router can drive the worker.
 async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Response<Body> {
     use kvroute::ingress::openai::{ChatRequest, CompletionRequest, Prompt};
-    let bad = |e: kvroute::ingress::tokenizer::TokenizerError| bad_request(&e.to_string());
-    // Templating and tokenizing up to MAX_BODY of text is CPU work: off the runtime's
-    // threads, a bounded number at once (as the router does).
-    let tokenize = |f: Box<TokenizeFn>| {
-        let tokenizer = Arc::clone(&state.tokenizer);
-        let permits = Arc::clone(&state.tokenize_permits);
-        async move {
-            match kvroute::http::run_blocking(&permits, move || f(&tokenizer)).await {
-                Ok(Ok(tokens)) => Ok(tokens),
-                Ok(Err(e)) => Err(bad(e)),
-                Err(_) => Err(unavailable("tokenizer failed")),
-            }
-        }
-    };
     let (model, token_ids, max_tokens, stream, options) = if chat {
         match read_json::<ChatRequest>(&state, req).await {
             Ok(r) => {
                 let messages = r.messages;
-                match tokenize(Box::new(move |t| t.encode_chat(&messages))).await {
+                match tokenize(&state, move |t| t.encode_chat(&messages)).await {
                     Ok(tokens) => (r.model, tokens, r.max_tokens, r.stream, r.stream_options),
                     Err(response) => return response,
                 }
@@ -226,12 +224,10 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
         match read_json::<CompletionRequest>(&state, req).await {
             Ok(r) => {
                 let tokens = match r.prompt {
-                    Prompt::Text(text) => {
-                        match tokenize(Box::new(move |t| t.encode(&text))).await {
-                            Ok(tokens) => tokens,
-                            Err(response) => return response,
-                        }
-                    }
+                    Prompt::Text(text) => match tokenize(&state, move |t| t.encode(&text)).await {
+                        Ok(tokens) => tokens,
+                        Err(response) => return response,
+                    },
                     Prompt::Tokens(t) => t,
                 };
                 (r.model, tokens, r.max_tokens, r.stream, r.stream_options)
