@@ -8,7 +8,7 @@ use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_mai
 use kvroute::indexer::{Config as IndexerConfig, Indexer};
 use kvroute::protocol::{
     DpRank, EventBatch, KvEvent, KvEventData, Limits, LocalHash, Salt, SeqHash, StoredBlock, Tier,
-    WorkerId, decode, encode, hash_blocks, seq_hash,
+    WorkerId, decode, encode, hash_blocks, local_hash, seq_hash,
 };
 use kvroute_worker::EngineConfig;
 use kvroute_worker::block_manager::BlockManager;
@@ -23,6 +23,11 @@ fn protocol(c: &mut Criterion) {
     group.throughput(Throughput::Bytes((tokens.len() * 4) as u64));
     group.bench_function("32768_tokens/block_16", |b| {
         b.iter(|| hash_blocks(black_box(&tokens), block_size, Salt::NONE))
+    });
+    // One block at a time, as an engine's mirror and the worker's decode hash them.
+    group.throughput(Throughput::Bytes(16 * 4));
+    group.bench_function("local_hash/16_tokens", |b| {
+        b.iter(|| local_hash(black_box(&tokens[..16])))
     });
     group.finish();
 

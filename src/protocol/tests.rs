@@ -93,15 +93,20 @@ fn extending_from_a_parent_equals_hashing_the_whole() {
 }
 
 #[test]
-fn streaming_path_for_huge_blocks_equals_one_shot() {
-    // Blocks above the stack buffer stream through Xxh3; both paths must agree.
+fn every_scratch_size_hashes_the_tokens_bytes() {
+    // One block is hashed from a small scratch, a long one from the large one, and one
+    // above that streams through Xxh3; every path must be xxh3 of the little-endian bytes,
+    // and `extend_blocks` (its own scratch) must agree with `local_hash`.
     let tokens: Vec<u32> = (0..5000).map(|i| i * 7919).collect();
-    let mut bytes = Vec::new();
-    for t in &tokens {
-        bytes.extend_from_slice(&t.to_le_bytes());
+    for len in [0, 1, 16, 63, 64, 65, 1023, 1024, 1025, 2048, 5000] {
+        let bytes: Vec<u8> = tokens[..len].iter().flat_map(|t| t.to_le_bytes()).collect();
+        let want = LocalHash(xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, HASH_SEED));
+        assert_eq!(local_hash(&tokens[..len]), want, "{len} tokens");
+        if len > 0 {
+            let blocks = hash_blocks(&tokens[..len], bs(len), Salt::NONE);
+            assert_eq!(blocks[0].local, want, "{len} tokens through extend_blocks");
+        }
     }
-    let want = xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, HASH_SEED);
-    assert_eq!(local_hash(&tokens), LocalHash(want));
 }
 
 fn stored(id: u64, parent: Option<u64>, seqs: std::ops::Range<u64>) -> KvEvent {
