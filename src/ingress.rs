@@ -143,7 +143,7 @@ pub struct Router {
     /// Settings.
     pub config: IngressConfig,
     /// Renders `/metrics`.
-    pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+    pub metrics: Option<crate::process::Metrics>,
     /// Text to token ids.
     pub tokenizer: Arc<Tokenizer>,
     /// Bounds the threads parsing and tokenizing at once.
@@ -180,7 +180,7 @@ impl Router {
         plane: EventPlane,
         load: Option<LoadShare>,
         config: IngressConfig,
-        metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+        metrics: Option<crate::process::Metrics>,
         tokenizer: Tokenizer,
     ) -> Arc<Router> {
         let mut connector = HttpConnector::new();
@@ -533,7 +533,9 @@ fn admin_index(router: &Router) -> Response<Body> {
 
 /// Once a second, judges the routed prompts whose grace period is over: is their last block
 /// in the chosen worker's index? Raises `kvroute_worker_hash_mismatch` (and logs once, with
-/// the likely causes) for a worker where most are not. Ends with the router.
+/// the likely causes) for a worker where most are not. Then drops the metric series of
+/// workers gone for longer than [`crate::process::series::WORKER_SERIES_GRACE_MS`]. Ends
+/// with the router.
 async fn watch_hashes(router: std::sync::Weak<Router>) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -566,10 +568,15 @@ async fn watch_hashes(router: std::sync::Weak<Router>) {
                  hashes (LoRA, cache_salt). Its cache overlaps read as zero until fixed"
             );
         }
-        for w in router.plane.workers() {
+        let workers = router.plane.workers();
+        for w in &workers {
             let raised = alarm.status(w.id).raised;
             metrics::gauge!("kvroute_worker_hash_mismatch", "worker" => w.id.to_string())
                 .set(if raised { 1.0 } else { 0.0 });
+        }
+        drop(alarm);
+        if let Some(metrics) = &router.metrics {
+            metrics.sweep_workers(workers.iter().map(|w| w.id), router.now_ms());
         }
     }
 }

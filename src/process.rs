@@ -2,7 +2,11 @@
 //! JSON object a line for collectors; filtered by `RUST_LOG`, default `info`) and hear the
 //! signals that end them.
 
+pub mod series;
+
 use std::io::IsTerminal;
+
+pub use series::Metrics;
 
 /// How log lines are written.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -71,16 +75,14 @@ const LATENCY_BUCKETS_S: &[f64] = &[
     60.0, 120.0,
 ];
 
-/// Installs the process's Prometheus recorder (for `/metrics`) and its upkeep: without a
-/// periodic drain, histogram samples pile up between scrapes, without bound if nobody
-/// scrapes. Call inside the runtime. `None` if a recorder is already installed.
-pub fn install_metrics() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
-    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
-        .set_buckets(LATENCY_BUCKETS_S)
-        .ok()?
-        .install_recorder()
-        .ok()?;
-    let upkeep = handle.clone();
+/// Installs the process's Prometheus recorder (for `/metrics`; per-worker series kept apart
+/// so that they can be dropped: [`series`]) and its upkeep: without a periodic drain,
+/// histogram samples pile up between scrapes, without bound if nobody scrapes. Call inside
+/// the runtime. `None` if a recorder is already installed.
+pub fn install_metrics() -> Option<Metrics> {
+    let (metrics, recorder) = Metrics::new(LATENCY_BUCKETS_S)?;
+    metrics::set_global_recorder(recorder).ok()?;
+    let upkeep = metrics.clone();
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(METRICS_UPKEEP);
         loop {
@@ -88,5 +90,5 @@ pub fn install_metrics() -> Option<metrics_exporter_prometheus::PrometheusHandle
             upkeep.run_upkeep();
         }
     });
-    Some(handle)
+    Some(metrics)
 }

@@ -11,8 +11,8 @@ use kvroute::events::transport::Transport;
 use kvroute::indexer::{self, Indexer};
 use kvroute::ingress::tokenizer::Tokenizer;
 use kvroute::ingress::{Router, serve, serve_admin};
+use kvroute::process::Metrics;
 use kvroute::scheduler::Scheduler;
-use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::watch;
 
 use kvroute_cli::settings::{self, ServeArgs, ServeFlags, Settings};
@@ -69,7 +69,7 @@ pub fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
 /// on the in-process event plane, as a sidecar would over NATS.
 async fn serve_direct(
     settings: Settings,
-    metrics: Option<PrometheusHandle>,
+    metrics: Option<Metrics>,
     tokenizer: Tokenizer,
 ) -> anyhow::Result<()> {
     use kvroute::discovery::LocalRegistry;
@@ -218,7 +218,7 @@ pub async fn start_router(
     transport: Transport,
     registry: Registry,
     share_load: bool,
-    metrics: Option<PrometheusHandle>,
+    metrics: Option<Metrics>,
     tokenizer: Tokenizer,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<Arc<Router>> {

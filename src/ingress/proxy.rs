@@ -393,6 +393,8 @@ pub(super) async fn forward(
         inflight: inflight.take(),
         tx,
         idle: Duration::from_millis(config.relay_idle_timeout_ms),
+        ttft: metrics::histogram!("kvroute_ttft_seconds", "worker" => label.clone()),
+        itl: metrics::histogram!("kvroute_itl_seconds", "worker" => label.clone()),
         worker: label,
         started,
     };
@@ -419,6 +421,9 @@ struct Relay {
     tx: mpsc::Sender<Bytes>,
     /// Longest wait for the worker's next frame, and for the client to take one.
     idle: Duration,
+    /// The worker's TTFT and inter-token histograms, looked up once (not per token).
+    ttft: metrics::Histogram,
+    itl: metrics::Histogram,
     worker: String,
     started: Instant,
 }
@@ -491,13 +496,12 @@ impl Relay {
                 continue;
             };
             let now = Instant::now();
-            let (name, since) = if first {
-                ("kvroute_ttft_seconds", self.started)
+            let (histogram, since) = if first {
+                (&self.ttft, self.started)
             } else {
-                ("kvroute_itl_seconds", last)
+                (&self.itl, last)
             };
-            metrics::histogram!(name, "worker" => self.worker.clone())
-                .record(now.duration_since(since).as_secs_f64());
+            histogram.record(now.duration_since(since).as_secs_f64());
             last = now;
             if first {
                 first = false;

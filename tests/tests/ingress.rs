@@ -113,6 +113,27 @@ async fn requests_of_a_group_follow_their_cached_prefix() {
         assert!(same >= 8, "group {g} scattered over workers: {workers:?}");
     }
     assert!(all_bookings_closed(&f).await, "every booking was freed");
+    // Per-worker series (kept by the router itself, so that they can be dropped) sit
+    // beside the rest, one `# TYPE` line per metric name.
+    let scrape = f
+        .http
+        .call("GET", &format!("{}/metrics", f.url()), "")
+        .await
+        .unwrap()
+        .body;
+    for series in [
+        "kvroute_ttft_seconds_bucket{worker=\"",
+        "kvroute_itl_seconds_count{worker=\"",
+        "kvroute_e2e_seconds_sum{worker=\"",
+        "kvroute_event_blocks_stored_total{worker=\"",
+        "kvroute_requests_inflight ",
+    ] {
+        assert!(scrape.contains(series), "no {series} in\n{scrape}");
+    }
+    let mut typed = std::collections::BTreeSet::new();
+    for name in scrape.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
+        assert!(typed.insert(name.to_owned()), "{name} typed twice");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

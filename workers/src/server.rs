@@ -77,7 +77,7 @@ pub struct ServerConfig {
     /// Epoch of this incarnation.
     pub epoch: u64,
     /// Renders `/metrics` (the process's Prometheus recorder), if installed.
-    pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+    pub metrics: Option<kvroute::process::Metrics>,
     /// Tokenizes text prompts of the OpenAI endpoints.
     pub tokenizer: Arc<kvroute::ingress::tokenizer::Tokenizer>,
     /// The HTTP server's limits.

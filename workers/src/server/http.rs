@@ -34,7 +34,7 @@ const ENGINE_DEADLINE: Duration = Duration::from_secs(30);
 #[derive(Clone)]
 pub(crate) struct State {
     pub engine: SyncSender<EngineInput>,
-    pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+    pub metrics: Option<kvroute::process::Metrics>,
     pub tokenizer: Arc<kvroute::ingress::tokenizer::Tokenizer>,
     /// The engine being emulated, which must learn the tokens of every prompt.
     pub emulate: Option<Arc<crate::emulate::Emulation>>,
