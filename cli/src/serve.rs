@@ -102,7 +102,7 @@ async fn serve_direct(
             lease: LeaseConfig::default(),
             health_every: Duration::from_secs(2),
             health_failures: 2,
-            timeouts: Default::default(),
+            limits: Default::default(),
         };
         let learned = match config.events {
             Some(_) => None,

@@ -47,13 +47,19 @@ impl EngineEndpoint {
     }
 }
 
-/// How the ingest waits.
+/// How long the ingest waits, and how much one replay may bring.
 #[derive(Clone, Copy, Debug)]
-pub struct IngestTimeouts {
+pub struct IngestLimits {
     /// Connecting and the ZMTP handshake.
     pub connect: Duration,
     /// Each reply of a replay.
     pub replay: Duration,
+    /// A whole replay: an engine that answers without end (never its end marker) holds
+    /// neither the live stream nor its pending changes longer than this.
+    pub replay_total: Duration,
+    /// Most batches one replay applies (vLLM buffers 10,000 by default); the rest is left to
+    /// the live stream, whose gap then clears and rebuilds the mirror.
+    pub max_replay_batches: u64,
     /// Silence after which the subscription is re-established (an engine that died without
     /// closing its socket), catching up through replay.
     pub idle: Duration,
@@ -61,11 +67,13 @@ pub struct IngestTimeouts {
     pub max_backoff: Duration,
 }
 
-impl Default for IngestTimeouts {
+impl Default for IngestLimits {
     fn default() -> Self {
-        IngestTimeouts {
+        IngestLimits {
             connect: Duration::from_secs(5),
             replay: Duration::from_secs(5),
+            replay_total: Duration::from_secs(60),
+            max_replay_batches: 100_000,
             idle: Duration::from_secs(30),
             max_backoff: Duration::from_secs(5),
         }
@@ -107,7 +115,7 @@ pub struct Update {
 pub async fn run(
     endpoint: EngineEndpoint,
     block_size: NonZeroUsize,
-    timeouts: IngestTimeouts,
+    limits: IngestLimits,
     tx: mpsc::Sender<Update>,
 ) {
     let mut ingest = Ingest {
@@ -117,7 +125,7 @@ pub async fn run(
         stats: IngestStats::default(),
         changes: Vec::new(),
         endpoint,
-        timeouts,
+        limits,
     };
     let mut backoff = Duration::from_millis(100);
     let mut warned = false;
@@ -132,7 +140,7 @@ pub async fn run(
                 }
                 failed = true;
                 tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(timeouts.max_backoff);
+                backoff = (backoff * 2).min(limits.max_backoff);
                 continue;
             }
         };
@@ -160,7 +168,7 @@ struct Ingest {
     stats: IngestStats,
     changes: Vec<BlockChange>,
     endpoint: EngineEndpoint,
-    timeouts: IngestTimeouts,
+    limits: IngestLimits,
 }
 
 /// The owner went away.
@@ -175,7 +183,7 @@ impl Ingest {
     /// rebuilds the mirror exactly; one that ends before the expected seq proves a restart.
     async fn subscribe(&mut self, after_failure: bool) -> Result<Connection, ZmtpError> {
         let mut sub =
-            Connection::connect(&self.endpoint.events, "SUB", self.timeouts.connect).await?;
+            Connection::connect(&self.endpoint.events, "SUB", self.limits.connect).await?;
         sub.subscribe(self.endpoint.topic.as_bytes()).await?;
         if self.endpoint.replay.is_some() {
             let caught_up = match (after_failure, self.seq.expected()) {
@@ -208,7 +216,7 @@ impl Ingest {
         self.flush(tx).await?;
         loop {
             let message = tokio::select! {
-                m = tokio::time::timeout(self.timeouts.idle, sub.recv()) => m,
+                m = tokio::time::timeout(self.limits.idle, sub.recv()) => m,
                 _ = tx.closed() => return Err(Closed),
             };
             let frames = match message {
@@ -291,15 +299,31 @@ impl Ingest {
         let Some(endpoint) = self.endpoint.replay.clone() else {
             return Ok(None);
         };
-        let deadline = self.timeouts.replay;
-        let mut dealer = Connection::connect(&endpoint, "DEALER", self.timeouts.connect).await?;
+        let limits = self.limits;
+        let mut dealer = Connection::connect(&endpoint, "DEALER", limits.connect).await?;
         dealer.send(&[b"", &from.to_be_bytes()]).await?;
         self.replayed_from = Some(from);
         let mut last = None;
+        let ends = tokio::time::Instant::now() + limits.replay_total;
+        let mut replies = 0u64;
         loop {
-            let frames = tokio::time::timeout(deadline, dealer.recv())
+            if replies == limits.max_replay_batches {
+                return Err(ZmtpError::Protocol(format!(
+                    "a replay of more than {} batches",
+                    limits.max_replay_batches
+                )));
+            }
+            replies += 1;
+            let next = tokio::time::Instant::now() + limits.replay;
+            let frames = tokio::time::timeout_at(next.min(ends), dealer.recv())
                 .await
-                .map_err(|_| ZmtpError::Timeout(deadline))??;
+                .map_err(|_| {
+                    ZmtpError::Timeout(if next <= ends {
+                        limits.replay
+                    } else {
+                        limits.replay_total
+                    })
+                })??;
             let Some((seq, payload)) = replay_message(&frames) else {
                 return Err(ZmtpError::Protocol(format!(
                     "a replay reply of {} frames",

@@ -337,7 +337,7 @@ async fn fleet_mode_gives_a_late_router_the_whole_cache() {
 /// block through replay and live batches, exactly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_ingest_follows_a_libzmq_publisher_exactly() {
-    use kvroute::engines::ingest::{self, EngineEndpoint, IngestTimeouts};
+    use kvroute::engines::ingest::{self, EngineEndpoint, IngestLimits};
     use kvroute::protocol::{BlockChange, Salt, hash_blocks};
     use std::num::NonZeroUsize;
     const BATCHES: u32 = 40;
@@ -384,7 +384,7 @@ async fn the_ingest_follows_a_libzmq_publisher_exactly() {
         topic: String::new(),
     };
     let bs = NonZeroUsize::new(2).unwrap();
-    tokio::spawn(ingest::run(endpoint, bs, IngestTimeouts::default(), tx));
+    tokio::spawn(ingest::run(endpoint, bs, IngestLimits::default(), tx));
     // What the publisher holds at the end: the chain of blocks [i, i + 1], less every
     // block i - 2 removed at each i ≡ 3 (mod 4).
     let chain: Vec<u32> = (0..BATCHES).flat_map(|i| [i, i + 1]).collect();

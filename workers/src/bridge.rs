@@ -16,7 +16,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kvroute::discovery::{LeaseConfig, Registration, Registry, WorkerApi, WorkerInfo};
 use kvroute::engines::approx::ApproxCache;
-use kvroute::engines::ingest::{self, EngineEndpoint, IngestStats, IngestTimeouts, Update};
+use kvroute::engines::ingest::{self, EngineEndpoint, IngestLimits, IngestStats, Update};
 use kvroute::engines::metrics;
 use kvroute::events::transport::Transport;
 use kvroute::ingress::RoutedPrompt;
@@ -65,8 +65,8 @@ pub struct BridgeConfig {
     pub health_every: Duration,
     /// Consecutive failed health checks before the registration is withdrawn.
     pub health_failures: u32,
-    /// Timeouts of the event sockets.
-    pub timeouts: IngestTimeouts,
+    /// Deadlines and bounds of the event sockets.
+    pub limits: IngestLimits,
 }
 
 /// G1 capacity reported when the engine's metrics do not say (scheduler load is relative
@@ -124,7 +124,7 @@ pub async fn run(
             ingests.push(tokio::spawn(ingest::run(
                 endpoint,
                 config.block_size,
-                config.timeouts,
+                config.limits,
                 tx,
             )));
             let out = updates_tx.clone();

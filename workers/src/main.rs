@@ -386,7 +386,7 @@ async fn sidecar(
         lease: lease.clone(),
         health_every: Duration::from_millis(args.engine_health_ms.max(100)),
         health_failures: 2,
-        timeouts: Default::default(),
+        limits: Default::default(),
     };
     let transport = Transport::connect_nats(&args.nats, "kvroute-sidecar", &args.nats_auth).await?;
     let client = transport.nats_client().context("NATS transport")?.clone();

@@ -8,6 +8,7 @@ use tokio::sync::mpsc;
 use super::*;
 use crate::engines::publisher::{EnginePublisher, ReplayForm};
 use crate::engines::wire::{Encoding, RawEvent, encode_batch};
+use crate::engines::zmtp::{PubSocket, RouterHandler, RouterSocket};
 use crate::protocol::{SeqHash, Tier};
 
 const BS: usize = 2;
@@ -99,12 +100,12 @@ async fn start(engine: &EnginePublisher, replay: bool) -> Owner {
         replay: replay.then(|| format!("tcp://127.0.0.1:{}", engine.replay_port().unwrap())),
         topic: String::new(),
     };
-    let timeouts = IngestTimeouts {
+    let limits = IngestLimits {
         idle: Duration::from_millis(300),
-        ..IngestTimeouts::default()
+        ..IngestLimits::default()
     };
     let (tx, rx) = mpsc::channel(16);
-    tokio::spawn(run(endpoint, NonZeroUsize::new(BS).unwrap(), timeouts, tx));
+    tokio::spawn(run(endpoint, NonZeroUsize::new(BS).unwrap(), limits, tx));
     let mut owner = Owner {
         rx,
         held: BTreeSet::new(),
@@ -244,6 +245,51 @@ async fn without_replay_a_gap_clears_and_rebuilds_from_what_follows() {
         .until("rebuilt from what followed the gap", |o| o.held == want)
         .await;
     assert_eq!((owner.stats.gaps, owner.stats.unrepaired), (1, 1));
+}
+
+/// An engine whose replay never sends its end marker (here: 200 batches and silence) is
+/// cut at `max_replay_batches`; the ingest goes on with the live stream.
+#[tokio::test]
+async fn a_replay_without_end_is_cut_at_its_cap() {
+    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
+    let handler: RouterHandler = std::sync::Arc::new(|request: Vec<Bytes>| {
+        let from = request
+            .last()
+            .and_then(|f| <[u8; 8]>::try_from(&f[..]).ok())
+            .map_or(0, u64::from_be_bytes);
+        (from..from + 200)
+            .map(|seq| {
+                let parent = (seq > 0).then_some(seq);
+                vec![
+                    Bytes::new(),
+                    Bytes::new(),
+                    Bytes::copy_from_slice(&seq.to_be_bytes()),
+                    store(seq + 1, parent),
+                ]
+            })
+            .collect()
+    });
+    let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
+    let endpoint = EngineEndpoint {
+        events: format!("tcp://127.0.0.1:{}", pubs.port()),
+        replay: Some(format!("tcp://127.0.0.1:{}", replay.port())),
+        topic: String::new(),
+    };
+    let limits = IngestLimits {
+        max_replay_batches: 50,
+        ..IngestLimits::default()
+    };
+    let (tx, rx) = mpsc::channel(16);
+    tokio::spawn(run(endpoint, NonZeroUsize::new(BS).unwrap(), limits, tx));
+    let mut owner = Owner {
+        rx,
+        held: BTreeSet::new(),
+        stats: IngestStats::default(),
+    };
+    owner.until("connected", |o| o.stats.connected).await;
+    // Without the cap, all 200 are applied before the reply deadline ends the replay.
+    assert_eq!(owner.stats.replayed, 50, "{:?}", owner.stats);
+    assert_eq!(owner.held.len(), 50);
 }
 
 #[test]
