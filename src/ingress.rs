@@ -52,11 +52,13 @@ pub struct IngressConfig {
     /// How long connecting to a worker, and a stream's response headers, may take, ms (a
     /// non-streamed answer's headers come once it is generated: `upstream_body_timeout_ms`).
     pub worker_timeout_ms: u64,
-    /// Longest silence mid-stream, ms: a worker that sends nothing this long (or a client
-    /// that reads nothing this long) ends the stream and frees its slot and booking.
+    /// Longest silence mid-stream, ms: a worker that sends nothing this long between two
+    /// frames (or a client that reads nothing this long) ends the stream and frees its slot
+    /// and booking.
     pub relay_idle_timeout_ms: u64,
     /// Deadline for a whole non-streamed worker answer, headers included (or an error
-    /// body), ms.
+    /// body), ms; and for a stream's first frame after its headers (vLLM sends the headers
+    /// at once and its first chunk after prefill and its own queue).
     pub upstream_body_timeout_ms: u64,
     /// Largest non-streamed worker answer, bytes.
     pub max_upstream_body_bytes: usize,
@@ -586,12 +588,45 @@ async fn watch_hashes(router: std::sync::Weak<Router>) {
 struct Parsed {
     model: String,
     tokens: Vec<u32>,
-    max_tokens: u32,
+    /// Tokens to generate per sequence, if limited (a chat may set none).
+    max_tokens: Option<u32>,
+    /// Sequences to generate (`n`).
+    n: u32,
     stream: bool,
+    /// Streamed: end with the usage chunk.
+    include_usage: bool,
     /// vLLM's `priority` (lower first), if sent.
     priority: Option<i64>,
     /// OpenAI's `service_tier`, if sent.
     service_tier: Option<String>,
+}
+
+impl Parsed {
+    /// Tokens the request may generate in all, for its booking (the scheduler caps it at
+    /// `admission.decode_cap_tokens`): every sequence's limit, or no limit.
+    fn booked_max_tokens(&self) -> u32 {
+        self.max_tokens
+            .unwrap_or(u32::MAX)
+            .saturating_mul(self.n.max(1))
+    }
+}
+
+/// What a bundled worker (`kvroute-worker`) is sent: the tokens, and of the client's
+/// fields those it acts on; `max_tokens` only if the client set one (the worker's default
+/// otherwise), `n` for it to refuse more than one sequence.
+fn generate_body(p: &Parsed, chat: bool) -> serde_json::Value {
+    let mut body = serde_json::json!({
+        "model": p.model,
+        "token_ids": p.tokens,
+        "stream": p.stream,
+        "include_usage": p.include_usage,
+        "n": p.n,
+        "chat": chat,
+    });
+    if let Some(max_tokens) = p.max_tokens {
+        body["max_tokens"] = max_tokens.into();
+    }
+    body
 }
 
 /// Parses and tokenizes a completion or chat body (on the tokenizer pool).
@@ -599,38 +634,47 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
     let invalid =
         |e: serde_json::Error| ApiError::bad_request(format!("invalid request body: {e}"));
     let parsed = if chat {
-        let r: ChatRequest = serde_json::from_slice(body).map_err(invalid)?;
+        let mut r: ChatRequest = serde_json::from_slice(body).map_err(invalid)?;
         if r.messages.is_empty() {
             return Err(ApiError::bad_request("messages must not be empty"));
         }
+        let options = r.take_options();
         let tokens = tokenizer
-            .encode_chat(&r.messages)
+            .encode_chat(&r.messages, &options)
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
         Parsed {
+            max_tokens: r.max_tokens(),
+            n: r.n.unwrap_or(1),
+            stream: r.stream.unwrap_or(false),
+            include_usage: openai::include_usage(r.stream_options),
             model: r.model,
             tokens,
-            max_tokens: r.max_tokens,
-            stream: r.stream,
             priority: r.priority,
             service_tier: r.service_tier,
         }
     } else {
         let r: CompletionRequest = serde_json::from_slice(body).map_err(invalid)?;
+        let max_tokens = Some(r.max_tokens());
         let tokens = match r.prompt {
             Prompt::Text(t) => tokenizer
-                .encode(&t)
+                .encode(&t, r.add_special_tokens.unwrap_or(true))
                 .map_err(|e| ApiError::bad_request(e.to_string()))?,
             Prompt::Tokens(t) => t,
         };
         Parsed {
             model: r.model,
             tokens,
-            max_tokens: r.max_tokens,
-            stream: r.stream,
+            max_tokens,
+            n: r.n.unwrap_or(1),
+            stream: r.stream.unwrap_or(false),
+            include_usage: openai::include_usage(r.stream_options),
             priority: r.priority,
             service_tier: r.service_tier,
         }
     };
+    if parsed.n == 0 {
+        return Err(ApiError::bad_request("n must be at least 1"));
+    }
     if parsed.tokens.is_empty() {
         return Err(ApiError::bad_request("prompt must not be empty"));
     }
@@ -700,7 +744,7 @@ impl Prepared {
             prompt_tokens: self.parsed.tokens.len(),
             block_size: self.block_size,
             overlaps: &self.overlaps,
-            max_tokens: self.parsed.max_tokens,
+            max_tokens: self.parsed.booked_max_tokens(),
             session: None,
         }
     }
@@ -789,10 +833,7 @@ async fn completions(
         p.service_tier.as_deref(),
     )?;
     let body = proxy::Upstream {
-        generate: Bytes::from(
-            serde_json::json!({"model": p.model, "token_ids": p.tokens, "max_tokens": p.max_tokens, "stream": p.stream, "chat": chat})
-                .to_string(),
-        ),
+        generate: Bytes::from(generate_body(p, chat).to_string()),
         raw: prepared.raw.clone(),
         chat,
         receipt: class.receipt,
@@ -874,7 +915,7 @@ async fn admit(
         blocks: prepared.blocks.clone(),
         prompt_tokens: p.tokens.len(),
         block_size: prepared.block_size,
-        max_tokens: p.max_tokens,
+        max_tokens: p.booked_max_tokens(),
         session: class.session.clone(),
     };
     let (mut guard, rx, ttl_ms) = match router.enter(class, request, routable)? {

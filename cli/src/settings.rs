@@ -167,12 +167,12 @@ pub struct ServeFlags {
     /// [default: 10000]. A non-streamed answer has `--upstream-body-timeout-ms`.
     #[arg(long, env = "KVROUTE_WORKER_TIMEOUT_MS")]
     pub worker_timeout_ms: Option<u64>,
-    /// Longest silence mid-stream, from the worker or towards the client, ms
-    /// [default: 30000].
+    /// Longest silence mid-stream between two chunks, from the worker or towards the
+    /// client, ms [default: 30000].
     #[arg(long, env = "KVROUTE_RELAY_IDLE_TIMEOUT_MS")]
     pub relay_idle_timeout_ms: Option<u64>,
-    /// Deadline for a whole non-streamed worker answer, headers included, ms [default:
-    /// 600000].
+    /// Deadline for a whole non-streamed worker answer, headers included, and for a
+    /// stream's first chunk, ms [default: 600000].
     #[arg(long, env = "KVROUTE_UPSTREAM_BODY_TIMEOUT_MS")]
     pub upstream_body_timeout_ms: Option<u64>,
     /// Largest non-streamed worker answer, bytes [default: 67108864].

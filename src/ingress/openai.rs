@@ -13,16 +13,20 @@ pub enum Prompt {
     Tokens(Vec<u32>),
 }
 
-/// `POST /v1/completions`.
+/// `POST /v1/completions`. Fields clients may send as `null` read as absent, as vLLM's
+/// request models (pydantic, `Optional`) take them.
 #[derive(Debug, Deserialize)]
 pub struct CompletionRequest {
     /// Model name; must be one the fleet serves.
     pub model: String,
     /// The prompt.
     pub prompt: Prompt,
-    /// Tokens to generate.
-    #[serde(default = "default_max_tokens")]
-    pub max_tokens: u32,
+    /// Tokens to generate per sequence (vLLM's and OpenAI's default: 16).
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    /// Sequences to generate.
+    #[serde(default)]
+    pub n: Option<u32>,
     /// vLLM's scheduling priority: lower is handled earlier (vLLM's `protocol.py`: "The
     /// priority of the request (lower means earlier handling; default: 0)").
     #[serde(default)]
@@ -32,18 +36,35 @@ pub struct CompletionRequest {
     pub service_tier: Option<String>,
     /// Stream SSE chunks as they are generated.
     #[serde(default)]
-    pub stream: bool,
+    pub stream: Option<bool>,
     /// `include_usage`: a last chunk carries the usage (as OpenAI and vLLM send it).
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
+    /// Add the tokenizer's special tokens (BOS) to the prompt; vLLM's default for
+    /// completions: true.
+    #[serde(default)]
+    pub add_special_tokens: Option<bool>,
+}
+
+impl CompletionRequest {
+    /// Tokens to generate per sequence.
+    pub fn max_tokens(&self) -> u32 {
+        self.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS)
+    }
 }
 
 /// Options of a streamed answer.
 #[derive(Clone, Copy, Debug, Default, Deserialize)]
 pub struct StreamOptions {
-    /// Send the usage in a last chunk (with no choices) before `[DONE]`.
+    /// Send the usage in a last chunk (with no choices) before `[DONE]`. vLLM's default
+    /// once `stream_options` is sent: true.
     #[serde(default)]
-    pub include_usage: bool,
+    pub include_usage: Option<bool>,
+}
+
+/// Whether a request's `stream_options` ask for the usage chunk.
+pub fn include_usage(options: Option<StreamOptions>) -> bool {
+    options.is_some_and(|o| o.include_usage.unwrap_or(true))
 }
 
 /// One chat message.
@@ -56,6 +77,21 @@ pub struct ChatMessage {
     /// (`_parse_chat_message_content` in vllm/entrypoints/chat_utils.py).
     #[serde(default, deserialize_with = "content_text")]
     pub content: String,
+    /// Its other fields (`name`, `tool_calls`, `tool_call_id`, `reasoning_content`, …),
+    /// handed to the chat template as they came: templates render tool calls and results.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+impl ChatMessage {
+    /// A message of text alone.
+    pub fn text(role: &str, content: &str) -> ChatMessage {
+        ChatMessage {
+            role: role.to_owned(),
+            content: content.to_owned(),
+            extra: serde_json::Map::new(),
+        }
+    }
 }
 
 /// The text of a message's `content`. Parts other than text (images, audio) are refused:
@@ -98,16 +134,22 @@ fn content_text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Err
     }
 }
 
-/// `POST /v1/chat/completions`.
+/// `POST /v1/chat/completions`. Fields clients may send as `null` read as absent.
 #[derive(Debug, Deserialize)]
 pub struct ChatRequest {
     /// Model name.
     pub model: String,
     /// The conversation.
     pub messages: Vec<ChatMessage>,
-    /// Tokens to generate.
-    #[serde(default = "default_max_tokens", alias = "max_completion_tokens")]
-    pub max_tokens: u32,
+    /// Tokens to generate per sequence (none: up to the context, vLLM's default).
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    /// OpenAI's newer name for `max_tokens`; wins when both are sent (as in vLLM).
+    #[serde(default)]
+    pub max_completion_tokens: Option<u32>,
+    /// Sequences to generate.
+    #[serde(default)]
+    pub n: Option<u32>,
     /// vLLM's scheduling priority: lower is handled earlier (vLLM's `protocol.py`: "The
     /// priority of the request (lower means earlier handling; default: 0)").
     #[serde(default)]
@@ -117,15 +159,85 @@ pub struct ChatRequest {
     pub service_tier: Option<String>,
     /// Stream SSE chunks.
     #[serde(default)]
-    pub stream: bool,
+    pub stream: Option<bool>,
     /// `include_usage`: a last chunk carries the usage (as OpenAI and vLLM send it).
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
+    /// Tools the template renders (into the system turn, for most templates).
+    #[serde(default)]
+    pub tools: Option<serde_json::Value>,
+    /// Documents for retrieval-augmented templates.
+    #[serde(default)]
+    pub documents: Option<serde_json::Value>,
+    /// End the prompt with the assistant's turn opened (default true).
+    #[serde(default)]
+    pub add_generation_prompt: Option<bool>,
+    /// Leave the last message open: the model continues it (Hugging Face's
+    /// `continue_final_message`).
+    #[serde(default)]
+    pub continue_final_message: Option<bool>,
+    /// Add the tokenizer's special tokens on top of the template's (default false: the
+    /// template writes them; vLLM's `ChatCompletionRequest.add_special_tokens`).
+    #[serde(default)]
+    pub add_special_tokens: Option<bool>,
+    /// Extra variables for the template (`enable_thinking`, …).
+    #[serde(default)]
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
-fn default_max_tokens() -> u32 {
-    16
+impl ChatRequest {
+    /// Tokens to generate per sequence, if limited.
+    pub fn max_tokens(&self) -> Option<u32> {
+        self.max_completion_tokens.or(self.max_tokens)
+    }
+
+    /// How the conversation is rendered and tokenized; takes the template fields.
+    pub fn take_options(&mut self) -> ChatOptions {
+        ChatOptions {
+            add_generation_prompt: self.add_generation_prompt.unwrap_or(true),
+            continue_final_message: self.continue_final_message.unwrap_or(false),
+            add_special_tokens: self.add_special_tokens.unwrap_or(false),
+            tools: self.tools.take(),
+            documents: self.documents.take(),
+            kwargs: self.chat_template_kwargs.take().unwrap_or_default(),
+        }
+    }
 }
+
+/// How a chat is rendered and tokenized: what vLLM hands Hugging Face's
+/// `apply_chat_template` and its tokenizer (`ChatCompletionRequest`'s fields of the same
+/// names), so that the router's tokens are the engine's.
+#[derive(Clone, Debug)]
+pub struct ChatOptions {
+    /// Open the assistant's turn at the end.
+    pub add_generation_prompt: bool,
+    /// Cut the rendered text after the last message's content (it is continued).
+    pub continue_final_message: bool,
+    /// Add the tokenizer's special tokens to the rendered text.
+    pub add_special_tokens: bool,
+    /// `tools` for the template.
+    pub tools: Option<serde_json::Value>,
+    /// `documents` for the template.
+    pub documents: Option<serde_json::Value>,
+    /// Further template variables.
+    pub kwargs: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Default for ChatOptions {
+    fn default() -> Self {
+        ChatOptions {
+            add_generation_prompt: true,
+            continue_final_message: false,
+            add_special_tokens: false,
+            tools: None,
+            documents: None,
+            kwargs: serde_json::Map::new(),
+        }
+    }
+}
+
+/// `max_tokens` when a completion request sets none (vLLM's and OpenAI's).
+pub const DEFAULT_MAX_TOKENS: u32 = 16;
 
 /// The demo tokenizer: one token per UTF-8 byte (ids 0–255). Deterministic and
 /// dependency-free, so equal text prefixes give equal block hashes on router and workers.
@@ -135,7 +247,7 @@ pub fn byte_tokens(text: &str) -> Vec<u32> {
 
 /// Renders a chat as one prompt (a ChatML-style default template): the same conversation
 /// prefix always renders to the same text, so later turns reuse earlier turns' blocks.
-pub fn render_chat(messages: &[ChatMessage]) -> String {
+pub fn render_chat(messages: &[ChatMessage], add_generation_prompt: bool) -> String {
     let mut out = String::new();
     for m in messages {
         out.push_str("<|im_start|>");
@@ -144,7 +256,9 @@ pub fn render_chat(messages: &[ChatMessage]) -> String {
         out.push_str(&m.content);
         out.push_str("<|im_end|>\n");
     }
-    out.push_str("<|im_start|>assistant\n");
+    if add_generation_prompt {
+        out.push_str("<|im_start|>assistant\n");
+    }
     out
 }
 

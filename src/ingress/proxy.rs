@@ -393,6 +393,10 @@ pub(super) async fn forward(
         inflight: inflight.take(),
         tx,
         idle: Duration::from_millis(config.relay_idle_timeout_ms),
+        first_frame: Duration::from_millis(answer_ms)
+            .saturating_sub(started.elapsed())
+            .max(Duration::from_millis(1)),
+        events: SseEvents::default(),
         ttft: metrics::histogram!("kvroute_ttft_seconds", "worker" => label.clone()),
         itl: metrics::histogram!("kvroute_itl_seconds", "worker" => label.clone()),
         worker: label,
@@ -421,6 +425,10 @@ struct Relay {
     tx: mpsc::Sender<Bytes>,
     /// Longest wait for the worker's next frame, and for the client to take one.
     idle: Duration,
+    /// Longest wait for the worker's first frame (the prefill, and the engine's queue).
+    first_frame: Duration,
+    /// The worker's bytes cut at event boundaries.
+    events: SseEvents,
     /// The worker's TTFT and inter-token histograms, looked up once (not per token).
     ttft: metrics::Histogram,
     itl: metrics::Histogram,
@@ -439,6 +447,8 @@ enum RelayEnd {
     ClientStalled,
     /// The worker sent nothing for longer than the idle timeout.
     WorkerStalled,
+    /// The worker sent no first frame before the answer's deadline.
+    NoFirstFrame,
     /// The worker's connection failed mid-stream.
     WorkerFailed,
 }
@@ -450,6 +460,7 @@ impl RelayEnd {
             RelayEnd::ClientGone => "client_gone",
             RelayEnd::ClientStalled => "client_stalled",
             RelayEnd::WorkerStalled => "worker_stalled",
+            RelayEnd::NoFirstFrame => "no_first_frame",
             RelayEnd::WorkerFailed => "worker_failed",
         }
     }
@@ -458,12 +469,20 @@ impl RelayEnd {
 impl Relay {
     async fn run(mut self) {
         let end = self.pump().await;
-        if matches!(end, RelayEnd::WorkerStalled | RelayEnd::WorkerFailed) {
+        if matches!(
+            end,
+            RelayEnd::WorkerStalled | RelayEnd::WorkerFailed | RelayEnd::NoFirstFrame
+        ) {
             let err = ApiError::unavailable(match end {
                 RelayEnd::WorkerStalled => format!(
                     "worker {} sent nothing for {} ms mid-stream",
                     self.worker,
                     self.idle.as_millis()
+                ),
+                RelayEnd::NoFirstFrame => format!(
+                    "worker {} sent no token within {} ms",
+                    self.worker,
+                    self.first_frame.as_millis()
                 ),
                 _ => format!("worker {} failed mid-stream", self.worker),
             });
@@ -483,9 +502,18 @@ impl Relay {
         let mut first = true;
         let mut last = self.started;
         loop {
-            let frame = match tokio::time::timeout(self.idle, self.upstream.frame()).await {
+            let wait = if first { self.first_frame } else { self.idle };
+            let frame = match tokio::time::timeout(wait, self.upstream.frame()).await {
+                Err(_) if first => return RelayEnd::NoFirstFrame,
                 Err(_) => return RelayEnd::WorkerStalled,
-                Ok(None) => return RelayEnd::Done,
+                Ok(None) => {
+                    // Whatever the worker left unterminated goes as it is.
+                    let rest = self.events.finish();
+                    if !rest.is_empty() {
+                        let _ = tokio::time::timeout(self.idle, self.tx.send(rest)).await;
+                    }
+                    return RelayEnd::Done;
+                }
                 Ok(Some(Err(e))) => {
                     tracing::warn!(worker = %self.worker, error = %e, "worker failed mid-stream");
                     return RelayEnd::WorkerFailed;
@@ -507,6 +535,14 @@ impl Relay {
                 first = false;
                 self.booking.first_token();
             }
+            let data = match self.events.push(data) {
+                Ok(Some(events)) => events,
+                Ok(None) => continue,
+                Err(len) => {
+                    tracing::warn!(worker = %self.worker, bytes = len, "worker sent an event without end");
+                    return RelayEnd::WorkerFailed;
+                }
+            };
             match tokio::time::timeout(self.idle, self.tx.send(data)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(_)) => return RelayEnd::ClientGone,
@@ -516,9 +552,75 @@ impl Relay {
     }
 }
 
+/// Largest server-sent event held back for its end, bytes.
+const MAX_EVENT_BYTES: usize = 8 << 20;
+
+/// Cuts a worker's stream at server-sent event boundaries (a blank line), so that a client
+/// never gets half an event: an error event sent after a worker failed mid-event would
+/// otherwise be glued to it, and the client would read neither. Bytes after the last
+/// boundary wait for the rest of their event. No I/O.
+#[derive(Debug, Default)]
+struct SseEvents {
+    partial: bytes::BytesMut,
+}
+
+impl SseEvents {
+    /// The whole events this data completes (`None`: still inside one), or the held
+    /// length if an event grew past [`MAX_EVENT_BYTES`].
+    fn push(&mut self, data: Bytes) -> Result<Option<Bytes>, usize> {
+        if self.partial.is_empty() && event_end(&data) == Some(data.len()) {
+            return Ok(Some(data));
+        }
+        self.partial.extend_from_slice(&data);
+        match event_end(&self.partial) {
+            Some(end) => Ok(Some(self.partial.split_to(end).freeze())),
+            None if self.partial.len() > MAX_EVENT_BYTES => Err(self.partial.len()),
+            None => Ok(None),
+        }
+    }
+
+    /// What is held back (the stream ended).
+    fn finish(&mut self) -> Bytes {
+        self.partial.split().freeze()
+    }
+}
+
+/// Just past the last blank line in `b` (`\n\n` or `\r\n\r\n`).
+fn event_end(b: &[u8]) -> Option<usize> {
+    (1..b.len())
+        .rev()
+        .find(|&i| b[i] == b'\n' && (b[i - 1] == b'\n' || (i >= 3 && &b[i - 3..i] == b"\r\n\r")))
+        .map(|i| i + 1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Events cut anywhere reach the client whole; an unterminated event waits, and what
+    /// is left at the end is sent as it is.
+    #[test]
+    fn sse_bytes_are_forwarded_in_whole_events() {
+        let mut e = SseEvents::default();
+        let whole = Bytes::from_static(b"data: {\"a\":1}\n\n");
+        assert_eq!(e.push(whole.clone()), Ok(Some(whole)));
+        assert_eq!(e.push(Bytes::from_static(b"data: {\"b\"")), Ok(None));
+        assert_eq!(
+            e.push(Bytes::from_static(b":2}\n\ndata: {\"c")),
+            Ok(Some(Bytes::from_static(b"data: {\"b\":2}\n\n")))
+        );
+        assert_eq!(e.push(Bytes::from_static(b"\":3}\r\n")), Ok(None));
+        assert_eq!(
+            e.push(Bytes::from_static(b"\r\n")),
+            Ok(Some(Bytes::from_static(b"data: {\"c\":3}\r\n\r\n")))
+        );
+        assert_eq!(e.push(Bytes::from_static(b"data: [DO")), Ok(None));
+        assert_eq!(e.finish(), Bytes::from_static(b"data: [DO"));
+        assert!(
+            e.push(Bytes::from(vec![b'x'; MAX_EVENT_BYTES + 1]))
+                .is_err()
+        );
+    }
 
     fn info(api: WorkerApi, dp_size: u32) -> WorkerInfo {
         WorkerInfo {

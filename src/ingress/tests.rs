@@ -63,7 +63,7 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
     .unwrap();
     assert_eq!(
         (ok.model.as_str(), ok.tokens.len(), ok.max_tokens, ok.stream),
-        ("m", 2, 3, true)
+        ("m", 2, Some(3), true)
     );
     let chat = parse(
         &t,
@@ -72,6 +72,38 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
     )
     .unwrap();
     assert!(chat.tokens.len() > 2);
+    // A chat without a limit is booked as unlimited (the scheduler caps it), a completion
+    // at vLLM's default of 16; `n` sequences book n times as much.
+    assert_eq!(
+        (chat.max_tokens, chat.booked_max_tokens()),
+        (None, u32::MAX)
+    );
+    let defaults = parse(&t, br#"{"model":"m","prompt":"hi"}"#, false).unwrap();
+    assert_eq!(defaults.booked_max_tokens(), 16);
+    // Fields sent as null read as absent; max_completion_tokens wins over max_tokens;
+    // stream_options alone asks for the usage chunk (vLLM's default).
+    let nulls = parse(
+        &t,
+        br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":50,"max_completion_tokens":7,"n":3,"stream":null,"stream_options":{},"priority":null}"#,
+        true,
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            nulls.max_tokens,
+            nulls.n,
+            nulls.booked_max_tokens(),
+            nulls.stream,
+            nulls.include_usage
+        ),
+        (Some(7), 3, 21, false, true)
+    );
+    let body = generate_body(&nulls, true);
+    assert_eq!(
+        (body["max_tokens"].as_u64(), body["n"].as_u64()),
+        (Some(7), Some(3))
+    );
+    assert!(generate_body(&chat, true).get("max_tokens").is_none());
     // Content as text parts (joined with newlines) or null, as vLLM reads it.
     let parts = parse(
         &t,
@@ -99,6 +131,7 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
         (br#"{"model":"m","prompt":""}"#, false),
         (br#"{"model":"m","messages":[]}"#, true),
         (br#"{"prompt":"x"}"#, false),
+        (br#"{"model":"m","prompt":"x","n":0}"#, false),
     ] {
         let e = parse(&t, body, chat).unwrap_err();
         assert_eq!(e.status, 400, "{}", String::from_utf8_lossy(body));

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use super::openai::{ChatMessage, byte_tokens, render_chat};
+use super::openai::{ChatMessage, ChatOptions, byte_tokens, render_chat};
 
 /// Why a tokenizer could not be loaded or used.
 #[derive(Debug, thiserror::Error)]
@@ -121,13 +121,14 @@ impl Tokenizer {
         })))
     }
 
-    /// Token ids of a prompt.
-    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+    /// Token ids of a prompt; with `add_special_tokens`, the tokenizer's own (BOS) added as
+    /// its post-processor says.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
         match self {
             Tokenizer::Bytes => Ok(byte_tokens(text)),
             Tokenizer::Hf(hf) => hf
                 .tokenizer
-                .encode(text, true)
+                .encode(text, add_special_tokens)
                 .map(|e| e.get_ids().to_vec())
                 .map_err(|e| TokenizerError::Encode {
                     reason: e.to_string(),
@@ -135,31 +136,82 @@ impl Tokenizer {
         }
     }
 
-    /// Token ids of a chat, rendered with the model's template (or the default one).
-    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, TokenizerError> {
+    /// Token ids of a chat, rendered with the model's template (or the default one) as
+    /// vLLM renders it through Hugging Face's `apply_chat_template`: the template sees the
+    /// messages, `tools`, `documents`, `add_generation_prompt`, the special tokens and the
+    /// request's `chat_template_kwargs`; the text is tokenized without special tokens
+    /// unless asked (the template writes its BOS; adding another shifts every block).
+    pub fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        options: &ChatOptions,
+    ) -> Result<Vec<u32>, TokenizerError> {
         let template_error = |e: minijinja::Error| TokenizerError::Template {
             reason: e.to_string(),
         };
-        match self {
+        let text = match self {
             Tokenizer::Hf(hf) => match &hf.chat {
                 Some(env) => {
-                    let text = env
-                        .get_template("chat")
+                    // Hugging Face: the special tokens, overridden by the kwargs, under the
+                    // fixed variables.
+                    let mut context: std::collections::BTreeMap<String, minijinja::Value> =
+                        std::collections::BTreeMap::new();
+                    context.insert("bos_token".into(), hf.bos_token.as_str().into());
+                    context.insert("eos_token".into(), hf.eos_token.as_str().into());
+                    for (k, v) in &options.kwargs {
+                        context.insert(
+                            k.clone(),
+                            minijinja::Value::from(minijinja::value::Serde(v)),
+                        );
+                    }
+                    context.insert(
+                        "messages".into(),
+                        minijinja::Value::from(minijinja::value::Serde(messages)),
+                    );
+                    context.insert(
+                        "tools".into(),
+                        minijinja::Value::from(minijinja::value::Serde(&options.tools)),
+                    );
+                    context.insert(
+                        "documents".into(),
+                        minijinja::Value::from(minijinja::value::Serde(&options.documents)),
+                    );
+                    context.insert(
+                        "add_generation_prompt".into(),
+                        options.add_generation_prompt.into(),
+                    );
+                    env.get_template("chat")
                         .map_err(template_error)?
-                        .render(minijinja::context! {
-                            messages => minijinja::Value::from(minijinja::value::Serde(messages)),
-                            add_generation_prompt => true,
-                            bos_token => &hf.bos_token,
-                            eos_token => &hf.eos_token,
-                        })
-                        .map_err(template_error)?;
-                    self.encode(&text)
+                        .render(context)
+                        .map_err(template_error)?
                 }
-                None => self.encode(&render_chat(messages)),
+                None => render_chat(messages, options.add_generation_prompt),
             },
-            Tokenizer::Bytes => self.encode(&render_chat(messages)),
+            Tokenizer::Bytes => render_chat(messages, options.add_generation_prompt),
+        };
+        let text = if options.continue_final_message {
+            continued(&text, messages)?
+        } else {
+            text
+        };
+        self.encode(&text, options.add_special_tokens)
+    }
+}
+
+/// The rendered chat cut right after the last message's content, so the model continues it
+/// (Hugging Face's `continue_final_message`: the content's last occurrence, or its trimmed
+/// form's, since some templates strip whitespace).
+fn continued(text: &str, messages: &[ChatMessage]) -> Result<String, TokenizerError> {
+    let last = messages.last().map_or("", |m| m.content.as_str());
+    for needle in [last, last.trim()] {
+        if let Some(at) = text.rfind(needle) {
+            return Ok(text[..at + needle.len()].to_owned());
         }
     }
+    Err(TokenizerError::Template {
+        reason: "continue_final_message: the last message's content is not in the rendered chat"
+            .into(),
+    })
 }
 
 /// The environment chat templates are rendered in: what Hugging Face's renderer (Jinja2,
@@ -277,15 +329,22 @@ mod tests {
         std::fs::create_dir_all(dir).unwrap();
         let tokenizer = serde_json::json!({
             "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
-            "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "hello": 1, "world": 2, "user": 3, "assistant": 4, ":": 5, "BOS": 6}, "unk_token": "[UNK]"}
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "decoder": null,
+            // As Llama's: BOS added to every encoding that asks for special tokens.
+            "post_processor": {
+                "type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": "BOS", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"SpecialToken": {"id": "BOS", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {"BOS": {"id": "BOS", "ids": [6], "tokens": ["BOS"]}}
+            },
+            "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "hello": 1, "world": 2, "user": 3, "assistant": 4, ":": 5, "BOS": 6, "tool": 7, "search": 8, "think": 9}, "unk_token": "[UNK]"}
         });
         let path = dir.join("tokenizer.json");
         std::fs::write(&path, tokenizer.to_string()).unwrap();
         let config = if with_template {
             serde_json::json!({
                 "bos_token": {"content": "BOS"},
-                "chat_template": "{{ bos_token }}{% for m in messages %} {{ m.role }} : {{ m.content }}{% endfor %}{% if add_generation_prompt %} assistant :{% endif %}"
+                "chat_template": "{{ bos_token }}{% if tools %} tool {% for t in tools %}{{ t.function.name }}{% endfor %}{% endif %}{% if enable_thinking %} think{% endif %}{% for m in messages %} {{ m.role }} : {{ m.content }}{% if m.tool_calls %} tool {{ m.tool_calls[0].function.name }}{% endif %}{% endfor %}{% if add_generation_prompt %} assistant :{% endif %}"
             })
         } else {
             serde_json::json!({})
@@ -298,23 +357,75 @@ mod tests {
     fn hf_tokenizer_and_chat_template() {
         let dir = std::env::temp_dir().join(format!("kvroute-tok-{}", std::process::id()));
         let t = Tokenizer::load(&write_tokenizer(&dir, true)).unwrap();
-        assert_eq!(t.encode("hello world nope").unwrap(), vec![1, 2, 0]);
-        let chat = t
-            .encode_chat(&[ChatMessage {
-                role: "user".into(),
-                content: "hello".into(),
-            }])
-            .unwrap();
+        // A completion gets the tokenizer's BOS (vLLM's default), unless asked not to.
+        assert_eq!(
+            t.encode("hello world nope", true).unwrap(),
+            vec![6, 1, 2, 0]
+        );
+        assert_eq!(t.encode("hello world nope", false).unwrap(), vec![1, 2, 0]);
+        // A chat's BOS is the template's alone: adding the tokenizer's too shifted every
+        // block against the engine's (vLLM tokenizes chats without special tokens).
+        let hello = [ChatMessage::text("user", "hello")];
+        let chat = t.encode_chat(&hello, &ChatOptions::default()).unwrap();
         assert_eq!(chat, vec![6, 3, 5, 1, 4, 5]);
+        let both = ChatOptions {
+            add_special_tokens: true,
+            ..ChatOptions::default()
+        };
+        assert_eq!(
+            t.encode_chat(&hello, &both).unwrap(),
+            vec![6, 6, 3, 5, 1, 4, 5]
+        );
         let plain = Tokenizer::load(&write_tokenizer(&dir.join("plain"), false)).unwrap();
         assert!(
             !plain
-                .encode_chat(&[ChatMessage {
-                    role: "user".into(),
-                    content: "hello".into()
-                }])
+                .encode_chat(&hello, &ChatOptions::default())
                 .unwrap()
                 .is_empty()
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// The template sees what Hugging Face's `apply_chat_template` gives it in vLLM: tools,
+    /// the messages' tool calls, `chat_template_kwargs`, `add_generation_prompt`; and
+    /// `continue_final_message` cuts after the last message.
+    #[test]
+    fn templates_render_tools_kwargs_and_open_turns() {
+        let dir = std::env::temp_dir().join(format!("kvroute-tok-tools-{}", std::process::id()));
+        let t = Tokenizer::load(&write_tokenizer(&dir, true)).unwrap();
+        let request: crate::ingress::openai::ChatRequest = serde_json::from_value(serde_json::json!({
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "hello"},
+                {"role": "assistant", "content": null,
+                 "tool_calls": [{"id": "1", "type": "function", "function": {"name": "search", "arguments": "{}"}}]}
+            ],
+            "tools": [{"type": "function", "function": {"name": "search"}}],
+            "chat_template_kwargs": {"enable_thinking": true},
+            "max_tokens": null,
+            "stream": null
+        }))
+        .unwrap();
+        let mut request = request;
+        let options = request.take_options();
+        assert_eq!(
+            t.encode_chat(&request.messages, &options).unwrap(),
+            // BOS, tool search, think, user : hello, assistant : tool search, assistant :
+            vec![6, 7, 8, 9, 3, 5, 1, 4, 5, 7, 8, 4, 5]
+        );
+        let open = ChatOptions {
+            add_generation_prompt: false,
+            continue_final_message: true,
+            ..ChatOptions::default()
+        };
+        let turns = [
+            ChatMessage::text("user", "hello"),
+            ChatMessage::text("assistant", "world"),
+        ];
+        // Cut after "world": no generation prompt, nothing the template adds after it.
+        assert_eq!(
+            t.encode_chat(&turns, &open).unwrap(),
+            vec![6, 3, 5, 1, 4, 5, 2]
         );
         std::fs::remove_dir_all(&dir).ok();
     }
@@ -334,15 +445,15 @@ mod tests {
         )
         .unwrap();
         let t = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
-        let turn = |role: &str, content: &str| ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        };
+        let turn = ChatMessage::text;
         assert_eq!(
-            t.encode_chat(&[turn("user", "nope | hello ")]).unwrap(),
+            t.encode_chat(&[turn("user", "nope | hello ")], &ChatOptions::default())
+                .unwrap(),
             vec![3, 5, 1]
         );
-        let e = t.encode_chat(&[turn("system", "x")]).unwrap_err();
+        let e = t
+            .encode_chat(&[turn("system", "x")], &ChatOptions::default())
+            .unwrap_err();
         assert!(e.to_string().contains("no system"), "{e}");
         std::fs::remove_dir_all(&dir).ok();
     }
@@ -368,6 +479,6 @@ mod tests {
             .err()
             .unwrap();
         assert!(e.to_string().contains("/nonexistent/tokenizer.json"), "{e}");
-        assert_eq!(Tokenizer::Bytes.encode("ab").unwrap(), vec![97, 98]);
+        assert_eq!(Tokenizer::Bytes.encode("ab", true).unwrap(), vec![97, 98]);
     }
 }

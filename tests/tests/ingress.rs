@@ -353,7 +353,13 @@ async fn worker_errors_decide_retries_and_release_bookings_everywhere() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_stalled_after_its_headers_does_not_hold_the_stream() {
     let f = Fleet::start(FleetSpec {
-        router_args: vec!["--relay-idle-timeout-ms".into(), "1000".into()],
+        // The first chunk may take the answer's deadline (prefill, the engine's queue).
+        router_args: vec![
+            "--relay-idle-timeout-ms".into(),
+            "300".into(),
+            "--upstream-body-timeout-ms".into(),
+            "1000".into(),
+        ],
         workers: vec![WorkerSpec {
             model: MODEL.into(),
             args: vec!["--fault-injection".into()],
@@ -367,12 +373,36 @@ async fn a_worker_stalled_after_its_headers_does_not_hold_the_stream() {
         .unwrap();
     let mut s = open_stream(&f, 8).await;
     let rest = read_rest(&mut s, Duration::from_secs(30)).await;
-    assert!(rest.contains("sent nothing for 1000 ms"), "{rest}");
+    assert!(rest.contains("sent no token within"), "{rest}");
     assert!(rest.contains("data: [DONE]"));
     assert!(
         f.until(Duration::from_secs(5), || all_bookings_closed(&f))
             .await
     );
+}
+
+/// A stream's first chunk may come later than the idle timeout between chunks: vLLM sends
+/// its headers at once and its first chunk after the prefill and its own queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_token_later_than_the_idle_timeout_is_waited_for() {
+    let f = Fleet::start(FleetSpec {
+        router_args: vec!["--relay-idle-timeout-ms".into(), "300".into()],
+        workers: vec![WorkerSpec {
+            model: MODEL.into(),
+            args: vec!["--fault-injection".into()],
+        }],
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    f.faults(0, serde_json::json!({"first_chunk_delay_ms": 1200}))
+        .await
+        .unwrap();
+    let mut s = open_stream(&f, 8).await;
+    let rest = read_rest(&mut s, Duration::from_secs(30)).await;
+    assert!(!rest.contains("error"), "{rest}");
+    assert!(rest.contains("\"finish_reason\":\"length\""), "{rest}");
+    assert!(rest.contains("data: [DONE]"), "{rest}");
 }
 
 /// Half-sent requests (slow-loris) are cut off at the header timeout instead of piling up.

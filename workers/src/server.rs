@@ -102,6 +102,9 @@ pub struct Faults {
     pub stall_before_headers: bool,
     /// Answer generate requests with this error status (e.g. 429, 503, 400).
     pub status: Option<u16>,
+    /// Streams: send the headers, then wait this long before the first chunk (a long
+    /// prefill, or the engine's own queue).
+    pub first_chunk_delay_ms: Option<u64>,
 }
 
 /// Events queued for the publisher; beyond, batches are dropped (the heartbeat still

@@ -268,8 +268,10 @@ fn openai(
         let r: OpenAiLine =
             serde_json::from_str(line).with_context(|| format!("{at}: not an OpenAI request"))?;
         let tokens = match (r.prompt, r.messages) {
-            (Some(p), None) => tokenizer.encode(&p),
-            (None, Some(m)) => tokenizer.encode_chat(&m),
+            // As the router tokenizes them (vLLM's defaults: BOS added to a completion's
+            // prompt, a chat's written by its template).
+            (Some(p), None) => tokenizer.encode(&p, true),
+            (None, Some(m)) => tokenizer.encode_chat(&m, &Default::default()),
             _ => bail!("{at}: give either prompt or messages"),
         }
         .with_context(|| format!("{at}: tokenizing"))?;

@@ -57,6 +57,9 @@ struct Generate {
     token_ids: Vec<u32>,
     #[serde(default = "default_max_tokens")]
     max_tokens: u32,
+    /// Sequences asked for: this engine generates one, and refuses more.
+    #[serde(default)]
+    n: Option<u32>,
     #[serde(default)]
     stream: bool,
     #[serde(default)]
@@ -209,12 +212,21 @@ async fn tokenize(
 /// (same tokenizer options), so any OpenAI client or other router can drive the worker.
 async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Response<Body> {
     use kvroute::ingress::openai::{ChatRequest, CompletionRequest, Prompt};
-    let (model, token_ids, max_tokens, stream, options) = if chat {
+    let (model, token_ids, max_tokens, n, stream, options) = if chat {
         match read_json::<ChatRequest>(&state, req).await {
-            Ok(r) => {
-                let messages = r.messages;
-                match tokenize(&state, move |t| t.encode_chat(&messages)).await {
-                    Ok(tokens) => (r.model, tokens, r.max_tokens, r.stream, r.stream_options),
+            Ok(mut r) => {
+                let chat_options = r.take_options();
+                let messages = std::mem::take(&mut r.messages);
+                let encoded = tokenize(&state, move |t| t.encode_chat(&messages, &chat_options));
+                match encoded.await {
+                    Ok(tokens) => (
+                        std::mem::take(&mut r.model),
+                        tokens,
+                        r.max_tokens().unwrap_or(default_max_tokens()),
+                        r.n,
+                        r.stream,
+                        r.stream_options,
+                    ),
                     Err(response) => return response,
                 }
             }
@@ -223,14 +235,18 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
     } else {
         match read_json::<CompletionRequest>(&state, req).await {
             Ok(r) => {
+                let max_tokens = r.max_tokens();
+                let special = r.add_special_tokens.unwrap_or(true);
                 let tokens = match r.prompt {
-                    Prompt::Text(text) => match tokenize(&state, move |t| t.encode(&text)).await {
-                        Ok(tokens) => tokens,
-                        Err(response) => return response,
-                    },
+                    Prompt::Text(text) => {
+                        match tokenize(&state, move |t| t.encode(&text, special)).await {
+                            Ok(tokens) => tokens,
+                            Err(response) => return response,
+                        }
+                    }
                     Prompt::Tokens(t) => t,
                 };
-                (r.model, tokens, r.max_tokens, r.stream, r.stream_options)
+                (r.model, tokens, max_tokens, r.n, r.stream, r.stream_options)
             }
             Err(response) => return response,
         }
@@ -261,12 +277,13 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
         Generate {
             token_ids,
             max_tokens,
-            stream,
+            n,
+            stream: stream.unwrap_or(false),
             salt,
             chat,
             model: None,
             lora: adapter.then(|| model.clone()),
-            include_usage: options.is_some_and(|o| o.include_usage),
+            include_usage: kvroute::ingress::openai::include_usage(options),
         },
     )
     .await
@@ -396,6 +413,9 @@ async fn run(state: State, g: Generate) -> Response<Body> {
             .to_string(),
         );
     }
+    if g.n.is_some_and(|n| n != 1) {
+        return bad_request("n: this engine generates one sequence per request");
+    }
     let active = Active::new(&state.active);
     if let Some(faults) = &state.faults {
         let f = *faults.borrow();
@@ -484,6 +504,11 @@ async fn run(state: State, g: Generate) -> Response<Body> {
         return full(StatusCode::OK, "application/json", body.to_string());
     }
     let include_usage = g.include_usage;
+    let first_delay = state
+        .faults
+        .as_ref()
+        .and_then(|f| f.borrow().first_chunk_delay_ms)
+        .map(Duration::from_millis);
     // State: the outputs, the framing, the active count, done, first chunk, and the cached
     // prompt tokens and tokens generated so far (for the usage chunk).
     let stream = futures_util::stream::unfold(
@@ -491,6 +516,9 @@ async fn run(state: State, g: Generate) -> Response<Body> {
         move |(mut rx, envelope, active, done, first, mut cached, mut generated)| async move {
             if done {
                 return None;
+            }
+            if first && let Some(delay) = first_delay {
+                tokio::time::sleep(delay).await;
             }
             loop {
                 let Some(o) = rx.recv().await else {
