@@ -127,20 +127,36 @@ pub async fn serve_http<F, Fut>(
         };
         configure(&stream);
         let handler = handler.clone();
+        let mut closing = shutdown.clone();
         metrics::gauge!("kvroute_http_connections_open").increment(1.0);
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
                 let response = handler(req);
                 async move { Ok::<_, Infallible>(response.await) }
             });
-            let _ = hyper::server::conn::http1::Builder::new()
+            let connection = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout)
                 .serve_connection(
                     TokioIo::new(WriteDeadline::new(stream, write_stall)),
                     service,
-                )
-                .await;
+                );
+            tokio::pin!(connection);
+            // On shutdown a kept-alive connection must not take new requests: the request
+            // in progress (its stream included) finishes, then the connection closes; an
+            // idle one closes now. Otherwise pooled clients keep sending to a draining
+            // process until the drain's deadline cuts everything.
+            let stopping = async move {
+                let _ = closing.wait_for(|stop| *stop).await;
+            };
+            let finished = tokio::select! {
+                _ = connection.as_mut() => true,
+                () = stopping => false,
+            };
+            if !finished {
+                connection.as_mut().graceful_shutdown();
+                let _ = connection.await;
+            }
             metrics::gauge!("kvroute_http_connections_open").decrement(1.0);
             drop(permit);
         });

@@ -231,3 +231,80 @@ async fn tokenizing_keeps_its_permit_after_the_client_left() {
     // Returns once the work has ended and given its permit back.
     drop(permits.acquire().await.unwrap());
 }
+
+/// Reads until `end` has arrived (a kept-alive response does not close).
+async fn read_until(s: &mut TcpStream, end: &str) -> String {
+    let mut out = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !String::from_utf8_lossy(&out).contains(end) {
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(
+            n > 0,
+            "closed before {end:?}: {}",
+            String::from_utf8_lossy(&out)
+        );
+        out.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// On shutdown a kept-alive connection takes no new request: an idle one closes at once,
+/// one whose response is still streaming finishes it and then closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_closes_kept_alive_connections_once_their_request_is_done() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, rx) = watch::channel(false);
+    let release = Arc::new(tokio::sync::Notify::new());
+    let released = Arc::clone(&release);
+    tokio::spawn(serve_http(
+        listener,
+        HttpConfig::default(),
+        move |req: hyper::Request<Incoming>| {
+            let released = Arc::clone(&released);
+            async move {
+                if req.uri().path() != "/stream" {
+                    return Response::new(Full::new(Bytes::from_static(b"ok")).boxed());
+                }
+                let chunks = futures_util::stream::unfold(0, move |i| {
+                    let released = Arc::clone(&released);
+                    async move {
+                        match i {
+                            0 => Some((Bytes::from_static(b"first;"), 1)),
+                            1 => {
+                                released.notified().await;
+                                Some((Bytes::from_static(b"last;"), 2))
+                            }
+                            _ => None,
+                        }
+                    }
+                });
+                let body = StreamBody::new(futures_util::StreamExt::map(chunks, |b| {
+                    Ok::<_, Infallible>(Frame::data(b))
+                }));
+                Response::new(BodyExt::boxed(body))
+            }
+        },
+        rx,
+    ));
+    let mut idle = TcpStream::connect(addr).await.unwrap();
+    idle.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    read_until(&mut idle, "ok").await;
+    let mut busy = TcpStream::connect(addr).await.unwrap();
+    busy.write_all(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    read_until(&mut busy, "first;").await;
+    stop.send(true).unwrap();
+    let closed = tokio::time::timeout(Duration::from_secs(30), read_to_close(&mut idle))
+        .await
+        .expect("an idle kept-alive connection stayed open after shutdown");
+    assert_eq!(closed, "");
+    release.notify_one();
+    let rest = tokio::time::timeout(Duration::from_secs(30), read_to_close(&mut busy))
+        .await
+        .expect("the streaming connection stayed open after its response");
+    assert!(rest.contains("last;"), "{rest}");
+}
