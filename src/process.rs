@@ -47,7 +47,60 @@ pub fn init_logging(format: LogFormat) {
     };
 }
 
-/// Resolves on SIGINT (Ctrl-C) or SIGTERM (what Kubernetes sends).
+/// SIGINT or SIGTERM, heard from the moment this is called: a watch that turns true.
+/// Call it first thing: a process that is PID 1 in its container (kvroute's images) ignores
+/// SIGTERM until a handler is installed, so a start-up waiting for NATS could otherwise not
+/// be stopped before the kubelet's SIGKILL. Call inside the runtime.
+pub fn signals() -> tokio::sync::watch::Receiver<bool> {
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        // Registered here, not at the first poll of a spawned task.
+        if let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+                let _ = tx.send(true);
+            });
+            return rx;
+        }
+    }
+    tokio::spawn(async move {
+        terminated().await;
+        let _ = tx.send(true);
+    });
+    rx
+}
+
+/// Resolves once `signals` ([`signals`]) has heard SIGINT or SIGTERM.
+pub async fn signalled(signals: &tokio::sync::watch::Receiver<bool>) {
+    let mut rx = signals.clone();
+    let _ = rx.wait_for(|heard| *heard).await;
+}
+
+/// `work` (a start-up), unless SIGINT or SIGTERM comes first: then `None`, and the
+/// caller exits without serving.
+pub async fn unless_signalled<T>(
+    signals: &tokio::sync::watch::Receiver<bool>,
+    work: impl std::future::Future<Output = T>,
+) -> Option<T> {
+    tokio::select! {
+        done = work => Some(done),
+        () = signalled(signals) => {
+            tracing::info!("terminated while starting");
+            None
+        }
+    }
+}
+
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM (what Kubernetes sends), heard from its first
+/// poll ([`signals`] hears them from its call).
 pub async fn terminated() {
     #[cfg(unix)]
     {

@@ -32,25 +32,37 @@ pub fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     let tokenizer = load_tokenizer(settings.tokenizer.as_deref())?;
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
+        let signals = kvroute::process::signals();
         let metrics = kvroute::process::install_metrics();
         if !settings.backends.is_empty() {
-            return serve_direct(settings, metrics, tokenizer).await;
+            return serve_direct(settings, metrics, tokenizer, &signals).await;
         }
-        let transport =
-            Transport::connect_nats(&settings.nats, "kvroute-router", &settings.nats_auth).await?;
-        let client = transport.nats_client().context("NATS transport")?.clone();
-        let lease = LeaseConfig {
-            ttl_ms: settings.lease_ttl_ms,
-            ..LeaseConfig::default()
-        };
-        let registry =
-            Registry::nats(client, &settings.cluster, &lease, settings.registry_replicas).await?;
         let (stop, stop_rx) = watch::channel(false);
-        let router = start_router(
-            &settings, transport, registry, true, metrics, tokenizer, stop_rx,
-        )
-        .await?;
-        let listeners = Listeners::bind(&settings).await?;
+        // NATS may still be starting (it is retried without end): SIGTERM stops the wait.
+        let startup = async {
+            let transport =
+                Transport::connect_nats(&settings.nats, "kvroute-router", &settings.nats_auth)
+                    .await?;
+            let client = transport.nats_client().context("NATS transport")?.clone();
+            let lease = LeaseConfig {
+                ttl_ms: settings.lease_ttl_ms,
+                ..LeaseConfig::default()
+            };
+            let registry =
+                Registry::nats(client, &settings.cluster, &lease, settings.registry_replicas)
+                    .await?;
+            let router = start_router(
+                &settings, transport, registry, true, metrics, tokenizer, stop_rx,
+            )
+            .await?;
+            let listeners = Listeners::bind(&settings).await?;
+            anyhow::Ok((router, listeners))
+        };
+        let Some(started) = kvroute::process::unless_signalled(&signals, startup).await else {
+            let _ = stop.send(true);
+            return Ok(());
+        };
+        let (router, listeners) = started?;
         println!("kvroute serving on http://{}", listeners.api_addr);
         println!("kvroute admin on http://{}", listeners.admin_addr);
         tracing::info!(addr = %listeners.api_addr, admin = %listeners.admin_addr, nats = %settings.nats, cluster = %settings.cluster, "router serving");
@@ -58,6 +70,7 @@ pub fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             router,
             listeners,
             Duration::from_millis(settings.drain_timeout_ms),
+            &signals,
         )
         .await;
         let _ = stop.send(true);
@@ -71,6 +84,7 @@ async fn serve_direct(
     settings: Settings,
     metrics: Option<Metrics>,
     tokenizer: Tokenizer,
+    signals: &watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     use kvroute::discovery::LocalRegistry;
     use kvroute::engines::ingest::EngineEndpoint;
@@ -153,6 +167,7 @@ async fn serve_direct(
         router,
         listeners,
         Duration::from_millis(settings.drain_timeout_ms),
+        signals,
     )
     .await;
     let _ = stop.send(true);
@@ -267,7 +282,7 @@ pub async fn start_router(
     ))
 }
 
-/// Serves until SIGINT or SIGTERM, then drains: `/ready` fails, the listeners close, and
+/// Serves until SIGINT or SIGTERM (heard through `signals`), then drains: `/ready` fails, the listeners close, and
 /// requests in flight get up to `drain` to finish. If the event plane fails for good (its
 /// subscription or the registry watch ended), the router can no longer follow the fleet: it
 /// drains the same way and returns the failure.
@@ -275,13 +290,14 @@ pub async fn serve_until_signal(
     router: Arc<Router>,
     listeners: Listeners,
     drain: Duration,
+    signals: &watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     let (stop_accepting, accepting) = watch::channel(false);
     let api = tokio::spawn(serve(Arc::clone(&router), listeners.api, accepting.clone()));
     let admin = tokio::spawn(serve_admin(Arc::clone(&router), listeners.admin, accepting));
     let mut failed = router.plane.failed();
     let failure = tokio::select! {
-        _ = kvroute::process::terminated() => None,
+        () = kvroute::process::signalled(signals) => None,
         reason = failed.wait_for(Option::is_some) => reason.ok().and_then(|r| r.clone()),
     };
     router.begin_drain();

@@ -82,6 +82,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     let worker_tokenizer = Arc::new(load_tokenizer(args.tokenizer.as_deref())?);
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
+        let signals = kvroute::process::signals();
         let metrics = kvroute::process::install_metrics();
         let bus = Transport::Local(LocalBus::new());
         let registry = Registry::Local(LocalRegistry::default());
@@ -131,6 +132,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             router,
             listeners,
             Duration::from_millis(settings.drain_timeout_ms),
+            &signals,
         )
         .await;
         for worker in workers {

@@ -228,3 +228,56 @@ fn dry_run_redacts_secrets() {
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["ingress"]["api_keys"].as_array().unwrap().len(), 2);
 }
+
+/// A router or worker still waiting for NATS at start (it retries without end) stops on
+/// SIGTERM, with status 0: in a container it is PID 1, which ignores SIGTERM unless a handler
+/// is installed, so before the fix the kubelet had to wait for its SIGKILL.
+#[tokio::test]
+async fn sigterm_stops_a_start_up_waiting_for_nats() {
+    let dir = std::env::temp_dir().join(format!("kvroute-e2e-startup-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Nothing listens on this port: the NATS connect is retried.
+    let nats = format!("nats://127.0.0.1:{}", free_port());
+    let cases = [
+        (
+            "kvroute",
+            vec![
+                "serve".to_string(),
+                "--nats".into(),
+                nats.clone(),
+                "--port".into(),
+                free_port().to_string(),
+                "--admin-port".into(),
+                free_port().to_string(),
+            ],
+        ),
+        (
+            "kvroute-worker",
+            vec!["--nats".into(), nats.clone(), "--port".into(), "0".into()],
+        ),
+    ];
+    for (name, args) in cases {
+        let log = dir.join(format!("{name}.log"));
+        let mut proc = kvroute_e2e::procs::Proc::start_logged(name, &args, &log).unwrap();
+        // Until it says it is waiting for NATS (its signal handlers are installed before).
+        let mut waiting = false;
+        for _ in 0..400 {
+            if std::fs::read_to_string(&log).is_ok_and(|l| l.contains("cannot reach NATS yet")) {
+                waiting = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        assert!(
+            waiting,
+            "{name} never tried NATS: {:?}",
+            std::fs::read_to_string(&log)
+        );
+        proc.terminate().unwrap();
+        let status = proc
+            .wait_timeout(Duration::from_secs(20))
+            .unwrap_or_else(|| panic!("{name} ignored SIGTERM while waiting for NATS"));
+        assert!(status.success(), "{name}: {status:?}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -173,7 +173,13 @@ struct Args {
 fn main() -> std::process::ExitCode {
     let result = tokio::runtime::Runtime::new()
         .map_err(anyhow::Error::from)
-        .and_then(|runtime| runtime.block_on(run()));
+        .and_then(|runtime| {
+            runtime.block_on(async {
+                // Heard from here on: a start-up waiting for NATS can be stopped.
+                let signals = kvroute::process::signals();
+                run(&signals).await
+            })
+        });
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(err) => {
@@ -188,7 +194,7 @@ fn parse_mixed_step(name: &str) -> Result<MixedStep, String> {
     MixedStep::parse(name).ok_or_else(|| format!("{name:?}: expected marginal or additive"))
 }
 
-async fn run() -> anyhow::Result<()> {
+async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()> {
     let args = Args::parse();
     let engine = EngineConfig {
         block_size: args.block_size,
@@ -242,7 +248,7 @@ async fn run() -> anyhow::Result<()> {
         _ => WorkerId(new_epoch() & 0xffff_ffff_ffff),
     };
     if let Some(kind) = args.engine {
-        return sidecar(&args, kind, id, lease).await;
+        return sidecar(&args, kind, id, lease, signals).await;
     }
     let emulate = match args.emulate {
         Some(flavor) => Some(std::sync::Arc::new(
@@ -255,12 +261,18 @@ async fn run() -> anyhow::Result<()> {
         let bus = kvroute::events::transport::LocalBus::new();
         (Transport::Local(bus), Registry::Local(Default::default()))
     } else {
-        let transport =
-            Transport::connect_nats(&args.nats, "kvroute-worker", &args.nats_auth).await?;
-        let client = transport.nats_client().context("NATS transport")?.clone();
-        let registry =
-            Registry::nats(client, &args.cluster, &lease, args.registry_replicas).await?;
-        (transport, registry)
+        let connect = async {
+            let transport =
+                Transport::connect_nats(&args.nats, "kvroute-worker", &args.nats_auth).await?;
+            let client = transport.nats_client().context("NATS transport")?.clone();
+            let registry =
+                Registry::nats(client, &args.cluster, &lease, args.registry_replicas).await?;
+            anyhow::Ok((transport, registry))
+        };
+        match kvroute::process::unless_signalled(signals, connect).await {
+            Some(connected) => connected?,
+            None => return Ok(()),
+        }
     };
     let config = ServerConfig {
         id,
@@ -280,7 +292,13 @@ async fn run() -> anyhow::Result<()> {
         fault_injection: args.fault_injection,
         emulate: emulate.clone(),
     };
-    let worker = Worker::start(config, transport, registry).await?;
+    let Some(worker) =
+        kvroute::process::unless_signalled(signals, Worker::start(config, transport, registry))
+            .await
+    else {
+        return Ok(());
+    };
+    let worker = worker?;
     tracing::info!(%id, addr = %worker.addr, "worker serving");
     println!("kvroute-worker {id} listening on http://{}", worker.addr);
     if let Some(e) = &emulate {
@@ -298,7 +316,7 @@ async fn run() -> anyhow::Result<()> {
     }
     let mut failed = worker.failed();
     tokio::select! {
-        _ = kvroute::process::terminated() => {
+        () = kvroute::process::signalled(signals) => {
             tracing::info!(active = worker.active(), "terminating: deregistered, draining");
             let left = worker.shutdown(Duration::from_millis(args.drain_timeout_ms)).await;
             if left > 0 {
@@ -355,6 +373,7 @@ async fn sidecar(
     kind: kvroute_worker::bridge::EngineKind,
     id: WorkerId,
     lease: LeaseConfig,
+    signals: &tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     use kvroute_worker::bridge::{BridgeConfig, EngineKind};
     let engine_url = args
@@ -388,9 +407,18 @@ async fn sidecar(
         health_failures: 2,
         limits: Default::default(),
     };
-    let transport = Transport::connect_nats(&args.nats, "kvroute-sidecar", &args.nats_auth).await?;
-    let client = transport.nats_client().context("NATS transport")?.clone();
-    let registry = Registry::nats(client, &args.cluster, &lease, args.registry_replicas).await?;
+    let connect = async {
+        let transport =
+            Transport::connect_nats(&args.nats, "kvroute-sidecar", &args.nats_auth).await?;
+        let client = transport.nats_client().context("NATS transport")?.clone();
+        let registry =
+            Registry::nats(client, &args.cluster, &lease, args.registry_replicas).await?;
+        anyhow::Ok((transport, registry))
+    };
+    let (transport, registry) = match kvroute::process::unless_signalled(signals, connect).await {
+        Some(connected) => connected?,
+        None => return Ok(()),
+    };
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
     println!(
         "kvroute-worker {id}: sidecar of {kind:?} engine at {}",
@@ -400,7 +428,7 @@ async fn sidecar(
         config, transport, registry, stop_rx, None,
     ));
     tokio::select! {
-        _ = kvroute::process::terminated() => {
+        () = kvroute::process::signalled(signals) => {
             let _ = stop.send(true);
             bridge.await??;
             Ok(())
