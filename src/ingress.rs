@@ -74,6 +74,12 @@ pub struct IngressConfig {
     pub admin_token: Option<Secret>,
     /// Names of the tenant, priority, session, affinity and receipt request headers.
     pub headers: ClassHeaders,
+    /// Answer with the routing headers (`x-kvroute-worker`, `-overlap`, `-cached-blocks`,
+    /// `-reachable-blocks`, and the receipt a request asks for). Off by default: they tell a
+    /// client how much of a prompt is cached anywhere in the fleet, so one tenant could probe
+    /// another's prompts (the attack vLLM's `cache_salt` exists for). `/admin/explain` shows
+    /// operators the same.
+    pub route_headers: bool,
 }
 
 impl Default for IngressConfig {
@@ -91,6 +97,7 @@ impl Default for IngressConfig {
             api_keys: Vec::new(),
             admin_token: None,
             headers: ClassHeaders::default(),
+            route_headers: false,
         }
     }
 }

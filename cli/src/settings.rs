@@ -141,6 +141,11 @@ pub struct ServeFlags {
     /// The longest an unreachable worker sits out, ms [default: 60000].
     #[arg(long, env = "KVROUTE_EJECT_MAX_MS")]
     pub eject_max_ms: Option<u64>,
+    /// Answer with the routing headers (x-kvroute-worker, -overlap, -cached-blocks,
+    /// -reachable-blocks, receipts): they tell clients what the fleet caches, so leave them off
+    /// where tenants share it [default: false; `kvroute up`: true].
+    #[arg(long, env = "KVROUTE_ROUTE_HEADERS", num_args = 0..=1, default_missing_value = "true")]
+    pub route_headers: Option<bool>,
     /// Request header naming the tenant (else the API key's index) [default: x-kvroute-tenant].
     #[arg(long, env = "KVROUTE_TENANT_HEADER")]
     pub tenant_header: Option<String>,
@@ -569,6 +574,7 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
         },
         api_keys,
         admin_token: flags.admin_token.or(file.admin_token),
+        route_headers: flags.route_headers.or(file.route_headers).unwrap_or(false),
         headers: {
             let h = kvroute::ingress::admission::ClassHeaders::default();
             let name = |flag: Option<String>, file: Option<String>, default: String| {

@@ -73,6 +73,8 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             cluster: Some("up".into()),
             drain_timeout_ms: Some(5_000),
             admin_port: Some(args.admin_port),
+            // A demo on loopback: show where each request went and what it reused.
+            route_headers: Some(true),
             ..ServeFlags::default()
         },
         ServeFlags::default(),

@@ -351,13 +351,15 @@ pub(super) async fn forward(
     let o = decision.chosen.overlap;
     let overlap = format!("device={};host={};disk={}", o.device, o.host, o.disk);
     let r = decision.receipt;
-    let mut builder = Response::builder()
-        .status(StatusCode::OK)
-        .header("x-kvroute-worker", worker.to_string())
-        .header("x-kvroute-overlap", overlap)
-        .header("x-kvroute-cached-blocks", r.cached_blocks)
-        .header("x-kvroute-reachable-blocks", r.reachable_blocks);
-    if body.receipt {
+    let mut builder = Response::builder().status(StatusCode::OK);
+    if config.route_headers {
+        builder = builder
+            .header("x-kvroute-worker", worker.to_string())
+            .header("x-kvroute-overlap", overlap)
+            .header("x-kvroute-cached-blocks", r.cached_blocks)
+            .header("x-kvroute-reachable-blocks", r.reachable_blocks);
+    }
+    if config.route_headers && body.receipt {
         builder = builder.header(
             "x-kvroute-receipt",
             format!(

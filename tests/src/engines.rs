@@ -129,6 +129,8 @@ pub fn direct_router(
         args.push("--backend".into());
         args.push(b.clone());
     }
+    // The tests read where requests went.
+    args.push("--route-headers".into());
     args.extend(extra.iter().cloned());
     Ok((
         Proc::start("kvroute", &args)?,

@@ -92,6 +92,8 @@ pub struct FleetSpec {
     pub env: Vec<(String, String)>,
     /// Replicas of the registry bucket (routers and workers).
     pub registry_replicas: usize,
+    /// Routers answer with the routing headers (`--route-headers`; the tests read them).
+    pub route_headers: bool,
 }
 
 impl Default for FleetSpec {
@@ -107,6 +109,7 @@ impl Default for FleetSpec {
             nats_config: String::new(),
             env: Vec::new(),
             registry_replicas: 1,
+            route_headers: true,
         }
     }
 }
@@ -176,6 +179,9 @@ impl Fleet {
         .iter()
         .map(|s| s.to_string())
         .collect();
+        if self.spec.route_headers {
+            args.push("--route-headers".into());
+        }
         args.extend(extra.iter().cloned());
         let proc = Proc::start_env("kvroute", &args, &self.spec.env)?;
         self.routers.push(RouterProc {

@@ -625,6 +625,37 @@ async fn a_non_streamed_answer_may_take_longer_than_a_streams_headers() {
     );
 }
 
+/// Without `--route-headers` an answer says nothing of where it went or what was cached:
+/// those headers would let one tenant probe what another's prompts left in the fleet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routing_headers_are_off_unless_asked_for() {
+    let f = Fleet::start(FleetSpec {
+        route_headers: false,
+        ..spec(2, 50.0)
+    })
+    .await
+    .unwrap();
+    for stream in [false, true] {
+        let r = f
+            .http
+            .call_with(
+                "POST",
+                &format!("{}/v1/completions", f.url()),
+                request(0, 1, stream),
+                &[("x-kvroute-receipt", "1")],
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        let leaked: Vec<_> = r
+            .headers
+            .keys()
+            .filter(|name| name.as_str().starts_with("x-kvroute"))
+            .collect();
+        assert!(leaked.is_empty(), "{leaked:?}");
+    }
+}
+
 /// Sum of a counter's series whose labels contain `label`, from a Prometheus scrape.
 fn counter_sum(scrape: &str, name: &str, label: &str) -> f64 {
     scrape

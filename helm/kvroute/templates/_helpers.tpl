@@ -318,6 +318,7 @@ relay_idle_timeout_ms = {{ $r.relayIdleTimeoutMs | int64 }}
 upstream_body_timeout_ms = {{ $r.upstreamBodyTimeoutMs | int64 }}
 max_upstream_body_bytes = {{ $r.maxUpstreamBodyBytes | int64 }}
 tokenizer_threads = {{ $r.tokenizerThreads | int64 }}
+route_headers = {{ $r.routeHeaders }}
 drain_timeout_ms = {{ $r.drainTimeoutMs | int64 }}
 {{- with $r.tokenizer }}
 tokenizer = {{ . | toJson }}
