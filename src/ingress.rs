@@ -606,6 +606,8 @@ struct Parsed {
     priority: Option<i64>,
     /// OpenAI's `service_tier`, if sent.
     service_tier: Option<String>,
+    /// vLLM's `cache_salt`, if sent: it salts the prompt's blocks, as the engine does.
+    cache_salt: Option<String>,
 }
 
 impl Parsed {
@@ -618,13 +620,14 @@ impl Parsed {
     }
 }
 
-/// What a bundled worker (`kvroute-worker`) is sent: the tokens, and of the client's
-/// fields those it acts on; `max_tokens` only if the client set one (the worker's default
+/// What a bundled worker (`kvroute-worker`) is sent: the tokens, the salt its blocks get
+/// (as the router hashed them), and of the client's fields those it acts on; `max_tokens` only if the client set one (the worker's default
 /// otherwise), `n` for it to refuse more than one sequence.
-fn generate_body(p: &Parsed, chat: bool) -> serde_json::Value {
+fn generate_body(p: &Parsed, salt: crate::protocol::Salt, chat: bool) -> serde_json::Value {
     let mut body = serde_json::json!({
         "model": p.model,
         "token_ids": p.tokens,
+        "salt": salt.0,
         "stream": p.stream,
         "include_usage": p.include_usage,
         "n": p.n,
@@ -658,6 +661,7 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
             tokens,
             priority: r.priority,
             service_tier: r.service_tier,
+            cache_salt: r.cache_salt,
         }
     } else {
         let r: CompletionRequest = serde_json::from_slice(body).map_err(invalid)?;
@@ -677,10 +681,17 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
             include_usage: openai::include_usage(r.stream_options),
             priority: r.priority,
             service_tier: r.service_tier,
+            cache_salt: r.cache_salt,
         }
     };
     if parsed.n == 0 {
         return Err(ApiError::bad_request("n must be at least 1"));
+    }
+    if parsed.cache_salt.as_deref() == Some("") {
+        // As vLLM refuses it.
+        return Err(ApiError::bad_request(
+            "cache_salt must be a non-empty string if provided",
+        ));
     }
     if parsed.tokens.is_empty() {
         return Err(ApiError::bad_request("prompt must not be empty"));
@@ -701,6 +712,8 @@ struct Prepared {
     parsed: Parsed,
     /// The client's body as it came (what an engine's own OpenAI endpoint is sent).
     raw: Bytes,
+    /// What the prompt's blocks are salted with (adapter, cache_salt).
+    salt: crate::protocol::Salt,
     blocks: Vec<crate::protocol::BlockHash>,
     overlaps: crate::indexer::OverlapScores,
     block_size: usize,
@@ -718,7 +731,7 @@ impl Prepared {
         let raw = body.clone();
         let tokenizer = Arc::clone(&router.tokenizer);
         let view = router.plane.view();
-        let (parsed, block_size, blocks) = router
+        let (parsed, block_size, blocks, salt) = router
             .off_runtime(move || {
                 let parsed = parse(&tokenizer, &body, chat)?;
                 if view.workers.is_empty() {
@@ -728,9 +741,11 @@ impl Prepared {
                     .block_size(&parsed.model)
                     .and_then(NonZeroUsize::new)
                     .ok_or_else(|| ApiError::model_not_found(&parsed.model))?;
-                // A LoRA adapter's blocks are salted with its name, by the engine as here.
-                let blocks = hash_blocks(&parsed.tokens, block_size, view.salt(&parsed.model));
-                Ok((parsed, block_size.get(), blocks))
+                // A LoRA adapter's blocks are salted with its name and a request's
+                // cache_salt, by the engine as here.
+                let salt = view.salt(&parsed.model, parsed.cache_salt.as_deref());
+                let blocks = hash_blocks(&parsed.tokens, block_size, salt);
+                Ok((parsed, block_size.get(), blocks, salt))
             })
             .await??;
         let seqs: Vec<SeqHash> = blocks.iter().map(|b| b.seq).collect();
@@ -738,6 +753,7 @@ impl Prepared {
         Ok(Prepared {
             parsed,
             raw,
+            salt,
             blocks,
             overlaps,
             block_size,
@@ -840,7 +856,7 @@ async fn completions(
         p.service_tier.as_deref(),
     )?;
     let body = proxy::Upstream {
-        generate: Bytes::from(generate_body(p, chat).to_string()),
+        generate: Bytes::from(generate_body(p, prepared.salt, chat).to_string()),
         raw: prepared.raw.clone(),
         chat,
         receipt: class.receipt,

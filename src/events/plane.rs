@@ -126,13 +126,12 @@ impl FleetView {
             .map(|w| w.block_size)
     }
 
-    /// The salt a request for `model` is hashed with: none for a base model, the adapter's
-    /// (as an engine salts the blocks it computes with that LoRA adapter) for an adapter.
-    pub fn salt(&self, model: &str) -> crate::protocol::Salt {
-        if self.workers.values().any(|w| w.model == model) {
-            return crate::protocol::Salt::NONE;
-        }
-        crate::engines::engine_salt(Some(model), None)
+    /// The salt a request for `model` with `cache_salt` is hashed with, as an engine salts
+    /// the blocks it computes: by the adapter's name for a LoRA adapter (none for a base
+    /// model) and by the request's `cache_salt`.
+    pub fn salt(&self, model: &str, cache_salt: Option<&str>) -> crate::protocol::Salt {
+        let base = self.workers.values().any(|w| w.model == model);
+        crate::engines::engine_salt((!base).then_some(model), cache_salt)
     }
 
     /// The models served, sorted, each once.

@@ -44,6 +44,10 @@ pub struct CompletionRequest {
     /// completions: true.
     #[serde(default)]
     pub add_special_tokens: Option<bool>,
+    /// vLLM's `cache_salt`: the prompt's blocks are salted with it, so only requests with
+    /// the same salt share them.
+    #[serde(default)]
+    pub cache_salt: Option<String>,
 }
 
 impl CompletionRequest {
@@ -183,6 +187,9 @@ pub struct ChatRequest {
     /// Extra variables for the template (`enable_thinking`, …).
     #[serde(default)]
     pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// vLLM's `cache_salt`: the prompt's blocks are salted with it.
+    #[serde(default)]
+    pub cache_salt: Option<String>,
 }
 
 impl ChatRequest {

@@ -98,12 +98,28 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
         ),
         (Some(7), 3, 21, false, true)
     );
-    let body = generate_body(&nulls, true);
+    let body = generate_body(&nulls, crate::protocol::Salt(9), true);
     assert_eq!(
-        (body["max_tokens"].as_u64(), body["n"].as_u64()),
-        (Some(7), Some(3))
+        (
+            body["max_tokens"].as_u64(),
+            body["n"].as_u64(),
+            body["salt"].as_u64()
+        ),
+        (Some(7), Some(3), Some(9))
     );
-    assert!(generate_body(&chat, true).get("max_tokens").is_none());
+    assert!(
+        generate_body(&chat, crate::protocol::Salt::NONE, true)
+            .get("max_tokens")
+            .is_none()
+    );
+    // vLLM's cache_salt is kept for hashing; an empty one is refused as vLLM refuses it.
+    let salted = parse(
+        &t,
+        br#"{"model":"m","prompt":"hi","cache_salt":"s"}"#,
+        false,
+    )
+    .unwrap();
+    assert_eq!(salted.cache_salt.as_deref(), Some("s"));
     // Content as text parts (joined with newlines) or null, as vLLM reads it.
     let parts = parse(
         &t,
@@ -132,6 +148,7 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
         (br#"{"model":"m","messages":[]}"#, true),
         (br#"{"prompt":"x"}"#, false),
         (br#"{"model":"m","prompt":"x","n":0}"#, false),
+        (br#"{"model":"m","prompt":"x","cache_salt":""}"#, false),
     ] {
         let e = parse(&t, body, chat).unwrap_err();
         assert_eq!(e.status, 400, "{}", String::from_utf8_lossy(body));

@@ -625,6 +625,56 @@ async fn a_non_streamed_answer_may_take_longer_than_a_streams_headers() {
     );
 }
 
+/// A request's `cache_salt` (vLLM's) salts its blocks at the router as at the worker: the
+/// same prompt reuses under the same salt, and not without it or under another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_salt_keeps_cached_prefixes_apart() {
+    let f = Fleet::start(spec(1, 50.0)).await.unwrap();
+    let url = format!("{}/v1/completions", f.url());
+    let device = |salt: Option<&str>| {
+        let mut body = serde_json::json!({"model": MODEL, "prompt": prompt(5), "max_tokens": 2});
+        if let Some(salt) = salt {
+            body["cache_salt"] = salt.into();
+        }
+        let (http, url) = (f.http.clone(), url.clone());
+        async move {
+            let r = http.call("POST", &url, body.to_string()).await.unwrap();
+            assert_eq!(r.status, 200, "{}", r.body);
+            let overlap = r.header("x-kvroute-overlap").unwrap().to_owned();
+            overlap
+                .trim_start_matches("device=")
+                .split(';')
+                .next()
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+        }
+    };
+    // Until the worker's events of the salted prompt have reached the router.
+    let mut reused = 0;
+    for _ in 0..100 {
+        reused = device(Some("tenant-a")).await;
+        if reused > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        reused > 0,
+        "the salted prompt's own blocks were never credited"
+    );
+    assert_eq!(
+        device(None).await,
+        0,
+        "unsalted, the salted blocks must not count"
+    );
+    assert_eq!(
+        device(Some("tenant-b")).await,
+        0,
+        "another salt's blocks must not count"
+    );
+}
+
 /// Without `--route-headers` an answer says nothing of where it went or what was cached:
 /// those headers would let one tenant probe what another's prompts left in the fleet.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
