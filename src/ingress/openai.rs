@@ -3,14 +3,48 @@
 
 use serde::Deserialize;
 
-/// A prompt: text, or token ids used as they are.
+/// A prompt: text, or token ids used as they are. vLLM also takes a list of either; a list
+/// of one is that prompt, a longer one (a batch) is refused with a clear error: its prompts
+/// would share one worker and one booking.
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(try_from = "PromptForms")]
 pub enum Prompt {
     /// Text, tokenized by the router.
     Text(String),
     /// Token ids.
     Tokens(Vec<u32>),
+}
+
+/// The forms `prompt` takes in OpenAI's and vLLM's completions API.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum PromptForms {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+impl TryFrom<PromptForms> for Prompt {
+    type Error = String;
+
+    fn try_from(forms: PromptForms) -> Result<Prompt, String> {
+        let batch = |n: usize| {
+            format!(
+                "a prompt list of {n} prompts: send one prompt per request (batches are not routed)"
+            )
+        };
+        match forms {
+            PromptForms::Text(text) => Ok(Prompt::Text(text)),
+            PromptForms::Tokens(tokens) => Ok(Prompt::Tokens(tokens)),
+            PromptForms::Texts(mut texts) if texts.len() == 1 => Ok(Prompt::Text(texts.remove(0))),
+            PromptForms::TokenLists(mut lists) if lists.len() == 1 => {
+                Ok(Prompt::Tokens(lists.remove(0)))
+            }
+            PromptForms::Texts(texts) => Err(batch(texts.len())),
+            PromptForms::TokenLists(lists) => Err(batch(lists.len())),
+        }
+    }
 }
 
 /// `POST /v1/completions`. Fields clients may send as `null` read as absent, as vLLM's

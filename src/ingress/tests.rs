@@ -112,6 +112,19 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
             .get("max_tokens")
             .is_none()
     );
+    // A list of one prompt is that prompt, text or tokens; a batch is a clear 400.
+    for one in [
+        &br#"{"model":"m","prompt":["hi"]}"#[..],
+        br#"{"model":"m","prompt":[[104,105]]}"#,
+    ] {
+        assert_eq!(parse(&t, one, false).unwrap().tokens, vec![104, 105]);
+    }
+    let batch = parse(&t, br#"{"model":"m","prompt":["a","b"]}"#, false).unwrap_err();
+    assert!(
+        batch.message.contains("one prompt per request"),
+        "{}",
+        batch.message
+    );
     // vLLM's cache_salt is kept for hashing; an empty one is refused as vLLM refuses it.
     let salted = parse(
         &t,
