@@ -332,7 +332,9 @@ async fn publish_changes(
     if let Some(batch) = stream.publisher.flush(unix_us()) {
         if registered {
             if let Err(e) = plane.publish(&batch).await {
-                tracing::warn!(worker = %id, error = %e, "publishing failed");
+                tracing::warn!(worker = %id, error = %e, "publishing failed; the router will resync");
+                // Announced in the heartbeat all the same: the router sees the gap.
+                plane.note_sent(&batch);
             }
         } else {
             plane.note_sent(&batch);

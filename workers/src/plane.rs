@@ -57,7 +57,10 @@ impl WorkerPlane {
         Ok(())
     }
 
-    /// Records a batch as sent (its last id goes into the next heartbeat).
+    /// Records a batch as sent, or as lost (its last id goes into the next heartbeat, so
+    /// the router can tell it never came). Never backwards within an epoch: the engine thread
+    /// notes a batch it drops before the publisher has sent the older ones still queued, and
+    /// a later note of those must not hide the loss (a new epoch resets the ids).
     pub fn note_sent(&self, batch: &EventBatch) {
         if let Some(last) = batch.last_id() {
             let mut info = self.info.lock();
@@ -65,7 +68,8 @@ impl WorkerPlane {
             if info.last_event_ids.len() <= rank {
                 info.last_event_ids.resize(rank + 1, 0);
             }
-            info.last_event_ids[rank] = last;
+            let noted = &mut info.last_event_ids[rank];
+            *noted = (*noted).max(last);
         }
     }
 
@@ -116,5 +120,53 @@ impl WorkerPlane {
                 }
             }
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvroute::events::transport::LocalBus;
+    use kvroute::protocol::{KvEvent, KvEventData};
+
+    use super::*;
+
+    fn batch(dp_rank: u32, last: u64) -> EventBatch {
+        EventBatch {
+            worker: WorkerId(1),
+            dp_rank: DpRank(dp_rank),
+            epoch: 1,
+            sent_unix_us: 0,
+            events: vec![KvEvent {
+                id: last,
+                tier: kvroute::protocol::Tier::Device,
+                data: KvEventData::Cleared,
+            }],
+        }
+    }
+
+    /// A batch the engine thread dropped (id 9) is announced even after older queued ones
+    /// (id 5) are sent: the heartbeat's last id never goes back.
+    #[test]
+    fn the_last_event_id_never_goes_back() {
+        let info = Arc::new(Mutex::new(WorkerInfo {
+            id: WorkerId(1),
+            url: "http://127.0.0.1:9000".into(),
+            block_size: 16,
+            g1_blocks: 16,
+            g2_blocks: 0,
+            model: "m".into(),
+            dp_size: 2,
+            epoch: 1,
+            last_event_ids: vec![0],
+            api: Default::default(),
+            adapters: Vec::new(),
+            engine_load: None,
+            event_faults: None,
+        }));
+        let plane = WorkerPlane::new(Transport::Local(LocalBus::new()), "c", Arc::clone(&info));
+        plane.note_sent(&batch(0, 9));
+        plane.note_sent(&batch(0, 5));
+        plane.note_sent(&batch(1, 3));
+        assert_eq!(info.lock().last_event_ids, vec![9, 3]);
     }
 }
