@@ -67,8 +67,14 @@ pub struct IngressConfig {
     pub tokenizer_threads: usize,
     /// The HTTP servers' limits (connections, header and body deadlines).
     pub http: HttpConfig,
-    /// Keys accepted on the OpenAI endpoints (`Authorization: Bearer KEY`); empty: open.
+    /// Keys accepted on the OpenAI endpoints (`Authorization: Bearer KEY`); empty and no
+    /// `api_keys_file`: open.
     pub api_keys: Vec<Secret>,
+    /// A file of further keys, one per line, re-read every few seconds
+    /// ([`API_KEYS_RELOAD`]): a key added or revoked there (a Kubernetes Secret's mount
+    /// updates in place) takes effect without a restart. While it has never been read, or
+    /// holds no key, only `api_keys` are accepted; with none, no request is.
+    pub api_keys_file: Option<std::path::PathBuf>,
     /// Token required on the admin listener (`Authorization: Bearer TOKEN`); `None`: open
     /// (bind it to loopback, the default).
     pub admin_token: Option<Secret>,
@@ -95,6 +101,7 @@ impl Default for IngressConfig {
             tokenizer_threads: 0,
             http: HttpConfig::default(),
             api_keys: Vec::new(),
+            api_keys_file: None,
             admin_token: None,
             headers: ClassHeaders::default(),
             route_headers: false,
@@ -170,6 +177,20 @@ pub struct Router {
     queue: Mutex<admission::Queue>,
     /// Signalled when booked work is released: the queue is pumped.
     room: Arc<Notify>,
+    /// The keys accepted on `/v1/*`: `config.api_keys` and the file's, as last read.
+    api_keys: Mutex<Arc<Vec<Secret>>>,
+}
+
+/// How often `api_keys_file` is re-read.
+pub const API_KEYS_RELOAD: Duration = Duration::from_secs(2);
+
+/// The keys of an API keys file: its non-empty lines, trimmed.
+pub fn read_api_keys(text: &str) -> Vec<Secret> {
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(Secret::new)
+        .collect()
 }
 
 /// A prompt the router sent to a worker.
@@ -202,7 +223,19 @@ impl Router {
             0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
             n => n,
         };
+        let mut keys = config.api_keys.clone();
+        if let Some(path) = &config.api_keys_file {
+            // Read now as well, so that no request meets the router before its keys do.
+            match std::fs::read_to_string(path) {
+                Ok(text) => keys.extend(read_api_keys(&text)),
+                Err(e) => {
+                    tracing::error!(path = %path.display(), error = %e, "cannot read the API keys file: its keys are refused until it can be read");
+                }
+            }
+        }
+        let api_keys = Mutex::new(Arc::new(keys));
         let router = Arc::new(Router {
+            api_keys,
             scheduler,
             plane,
             load,
@@ -220,6 +253,9 @@ impl Router {
             room: Arc::new(Notify::new()),
         });
         tokio::spawn(watch_hashes(Arc::downgrade(&router)));
+        if let Some(path) = router.config.api_keys_file.clone() {
+            tokio::spawn(watch_api_keys(Arc::downgrade(&router), path));
+        }
         tokio::spawn(admission::drive_queue(
             Arc::downgrade(&router),
             Arc::clone(&router.room),
@@ -231,6 +267,33 @@ impl Router {
     /// when the sink is full: the approximate cache it feeds is a guess anyway).
     pub fn report_decisions(&self, sink: tokio::sync::mpsc::Sender<RoutedPrompt>) {
         *self.decisions.lock() = Some(sink);
+    }
+
+    /// The keys accepted on `/v1/*` now.
+    pub fn api_keys(&self) -> Arc<Vec<Secret>> {
+        Arc::clone(&self.api_keys.lock())
+    }
+
+    /// Whether `/v1/*` needs a key: some are configured, or a keys file is (even one that
+    /// could not be read: then no request is let in).
+    fn keys_required(&self) -> bool {
+        !self.config.api_keys.is_empty() || self.config.api_keys_file.is_some()
+    }
+
+    /// Replaces the file's keys (`config.api_keys` stay); true if the set changed.
+    pub fn set_file_keys(&self, file_keys: Vec<Secret>) -> bool {
+        let mut keys = self.config.api_keys.clone();
+        keys.extend(file_keys);
+        let mut current = self.api_keys.lock();
+        let same = current.len() == keys.len()
+            && current
+                .iter()
+                .zip(&keys)
+                .all(|(a, b)| a.matches(b.expose().as_bytes()));
+        if !same {
+            *current = Arc::new(keys);
+        }
+        !same
     }
 
     /// Starts a graceful shutdown: `/ready` fails from now on (the load balancer stops
@@ -386,10 +449,7 @@ fn metrics_text(router: &Router) -> Response<Body> {
 async fn handle(router: Arc<Router>, req: hyper::Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_owned();
     let api = path.starts_with("/v1/");
-    if api
-        && !router.config.api_keys.is_empty()
-        && !bearer_ok(req.headers(), &router.config.api_keys)
-    {
+    if api && router.keys_required() && !bearer_ok(req.headers(), &router.api_keys()) {
         return api_error(&ApiError::unauthorized());
     }
     let result = match (req.method().clone(), path.as_str()) {
@@ -538,6 +598,37 @@ fn admin_index(router: &Router) -> Response<Body> {
         StatusCode::OK,
         serde_json::json!({"ranks": rows}).to_string(),
     )
+}
+
+/// Reads `path` now and every [`API_KEYS_RELOAD`]: a key added to or revoked from the
+/// file takes effect within that. A file that cannot be read keeps the keys last read (the
+/// failure is logged once). Ends with the router.
+async fn watch_api_keys(router: std::sync::Weak<Router>, path: std::path::PathBuf) {
+    let mut tick = tokio::time::interval(API_KEYS_RELOAD);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut failing = false;
+    loop {
+        tick.tick().await;
+        let read = tokio::fs::read_to_string(&path).await;
+        let Some(router) = router.upgrade() else {
+            return;
+        };
+        match read {
+            Ok(text) => {
+                failing = false;
+                let keys = read_api_keys(&text);
+                let count = keys.len();
+                if router.set_file_keys(keys) {
+                    tracing::info!(path = %path.display(), keys = count, "API keys file read");
+                }
+            }
+            Err(e) if !failing => {
+                failing = true;
+                tracing::error!(path = %path.display(), error = %e, "cannot read the API keys file; keeping the keys last read");
+            }
+            Err(_) => {}
+        }
+    }
 }
 
 /// Once a second, judges the routed prompts whose grace period is over: is their last block
@@ -844,7 +935,7 @@ async fn completions(
     chat: bool,
 ) -> Result<Response<Body>, ApiError> {
     let mut inflight = Some(InFlight::take(router)?);
-    let api_key = bearer_key(req.headers(), &router.config.api_keys);
+    let api_key = bearer_key(req.headers(), &router.api_keys());
     let headers = req.headers().clone();
     let prepared = Prepared::read(router, req, chat).await?;
     let p = &prepared.parsed;

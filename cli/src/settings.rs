@@ -73,7 +73,8 @@ pub struct ServeFlags {
         hide_env_values = true
     )]
     pub api_keys: Option<Vec<Secret>>,
-    /// File of API keys, one per line (added to --api-keys).
+    /// File of API keys, one per line (added to --api-keys), re-read every 2 s: a key revoked
+    /// or added there takes effect without a restart.
     #[arg(long, env = "KVROUTE_API_KEYS_FILE")]
     pub api_keys_file: Option<PathBuf>,
     /// Cluster name in NATS subjects and the registry bucket [default: default].
@@ -508,16 +509,13 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
         ..defaults.clone()
     };
     scheduler.validate()?;
-    let mut api_keys: Vec<Secret> = flags.api_keys.or(file.api_keys).unwrap_or_default();
-    if let Some(path) = flags.api_keys_file.or(file.api_keys_file) {
-        let text = std::fs::read_to_string(&path)
+    let api_keys: Vec<Secret> = flags.api_keys.or(file.api_keys).unwrap_or_default();
+    let api_keys_file = flags.api_keys_file.or(file.api_keys_file);
+    if let Some(path) = &api_keys_file {
+        // Read here to fail at start on a wrong path; the router reads it again, and
+        // every few seconds after (revoking a key there needs no restart).
+        std::fs::read_to_string(path)
             .with_context(|| format!("api_keys_file {}", path.display()))?;
-        api_keys.extend(
-            text.lines()
-                .map(str::trim)
-                .filter(|l| !l.is_empty())
-                .map(Secret::new),
-        );
     }
     if api_keys.iter().any(|k| k.expose().is_empty()) {
         bail!("api_keys: a key must not be empty");
@@ -573,6 +571,7 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
                 .unwrap_or(h.write_stall_timeout_ms),
         },
         api_keys,
+        api_keys_file,
         admin_token: flags.admin_token.or(file.admin_token),
         route_headers: flags.route_headers.or(file.route_headers).unwrap_or(false),
         headers: {

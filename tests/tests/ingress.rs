@@ -706,6 +706,61 @@ async fn routing_headers_are_off_unless_asked_for() {
     }
 }
 
+/// Keys in `--api-keys-file` are re-read while the router runs: a key revoked there stops
+/// working and a key added there starts, without a restart (a Kubernetes Secret's mount
+/// updates in place); keys given on the command line stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_keys_in_a_file_are_revoked_and_added_without_a_restart() {
+    let dir = std::env::temp_dir().join(format!("kvroute-e2e-keys-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("api-keys");
+    std::fs::write(&file, "old-key\n").unwrap();
+    let f = Fleet::start(FleetSpec {
+        router_args: vec![
+            "--api-keys-file".into(),
+            file.display().to_string(),
+            "--api-keys".into(),
+            "fixed-key".into(),
+        ],
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    let url = format!("{}/v1/completions", f.url());
+    let status = |key: &'static str| {
+        let (http, url) = (f.http.clone(), url.clone());
+        async move {
+            let bearer = format!("Bearer {key}");
+            http.call_with(
+                "POST",
+                &url,
+                request(0, 0, false),
+                &[("authorization", &bearer)],
+            )
+            .await
+            .unwrap()
+            .status
+        }
+    };
+    assert_eq!(status("old-key").await, 200);
+    assert_eq!(status("new-key").await, 401);
+    // Rotated in place, as a Secret's mount is updated.
+    std::fs::write(dir.join("api-keys.tmp"), "\n  new-key  \n").unwrap();
+    std::fs::rename(dir.join("api-keys.tmp"), &file).unwrap();
+    let mut rotated = false;
+    for _ in 0..300 {
+        if status("new-key").await == 200 {
+            rotated = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(rotated, "the key added to the file was never accepted");
+    assert_eq!(status("old-key").await, 401, "the revoked key still works");
+    assert_eq!(status("fixed-key").await, 200, "a command-line key stays");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Sum of a counter's series whose labels contain `label`, from a Prometheus scrape.
 fn counter_sum(scrape: &str, name: &str, label: &str) -> f64 {
     scrape
