@@ -683,7 +683,11 @@ impl Engine {
                 Ok(()) => Growth::Grown,
                 Err(AllocError::Pending) => Growth::Pending,
                 Err(AllocError::Insufficient) => {
-                    let victim = self.running.len() - 1;
+                    let running = self
+                        .running
+                        .iter()
+                        .map(|s| matches!(s.state, SeqState::Running));
+                    let victim = victim(running, i);
                     self.preempt(victim, now, out);
                     preempted = true;
                     if victim != i {
@@ -697,6 +701,10 @@ impl Engine {
     }
 
     fn preempt(&mut self, index: usize, now: u64, out: &mut Vec<Output>) {
+        debug_assert!(
+            !matches!(self.running[index].state, SeqState::Onboarding { .. }),
+            "a sequence still onboarding is never preempted"
+        );
         let mut seq = self.running.remove(index);
         seq.lease = None;
         seq.state = SeqState::Waiting;
@@ -785,6 +793,20 @@ impl Engine {
         }
         self.collect_changes(true);
     }
+}
+
+/// Which sequence sequence `i` preempts to grow: the newest running one after it, else
+/// itself (vLLM v1 pops the newest of its running list). Sequences still onboarding their
+/// prefix from G2 are passed over: in vLLM v1 a request whose KV is loading is not in the
+/// running list, and preempting one would throw its copy away and redo it.
+/// `running[k]`: whether sequence `k` is running (not onboarding).
+fn victim(running: impl DoubleEndedIterator<Item = bool> + ExactSizeIterator, i: usize) -> usize {
+    let len = running.len();
+    running
+        .rev()
+        .take(len.saturating_sub(i + 1))
+        .position(|r| r)
+        .map_or(i, |from_end| len - 1 - from_end)
 }
 
 #[cfg(test)]

@@ -627,3 +627,20 @@ fn nothing_is_admitted_in_a_step_that_preempted() {
         );
     }
 }
+
+/// The newest running sequence after the growing one is preempted; sequences still
+/// onboarding from G2 are passed over (vLLM v1 keeps them out of its running list), and with
+/// none left the growing sequence preempts itself.
+#[test]
+fn onboarding_sequences_are_never_preemption_victims() {
+    let v = |running: &[bool], i: usize| victim(running.iter().copied(), i);
+    assert_eq!(v(&[true, true, true], 0), 2);
+    assert_eq!(v(&[true, true, false], 0), 1, "the newest is onboarding");
+    assert_eq!(
+        v(&[true, false, false], 0),
+        0,
+        "only onboarding ones after it"
+    );
+    assert_eq!(v(&[false, true, true], 2), 2, "nothing after it");
+    assert_eq!(v(&[true, true, false, true, false], 1), 3);
+}
