@@ -57,9 +57,13 @@ pub struct IngressConfig {
     /// and booking.
     pub relay_idle_timeout_ms: u64,
     /// Deadline for a whole non-streamed worker answer, headers included (or an error
-    /// body), ms; and for a stream's first frame after its headers (vLLM sends the headers
-    /// at once and its first chunk after prefill and its own queue).
+    /// body), ms.
     pub upstream_body_timeout_ms: u64,
+    /// Deadline for a stream's first chunk after its headers, ms: vLLM sends the headers at
+    /// once and its first chunk after the prefill and its own queue, which may take longer
+    /// than the silence allowed between chunks; a worker that sends nothing this long (hung
+    /// after its headers) frees the stream and its booking.
+    pub first_token_timeout_ms: u64,
     /// Largest non-streamed worker answer, bytes.
     pub max_upstream_body_bytes: usize,
     /// Threads that parse, template and tokenize request bodies (0: one per core), off the
@@ -97,6 +101,7 @@ impl Default for IngressConfig {
             worker_timeout_ms: 10_000,
             relay_idle_timeout_ms: 30_000,
             upstream_body_timeout_ms: 600_000,
+            first_token_timeout_ms: 60_000,
             max_upstream_body_bytes: 64 << 20,
             tokenizer_threads: 0,
             http: HttpConfig::default(),
@@ -134,6 +139,7 @@ impl IngressConfig {
             ("worker_timeout_ms", self.worker_timeout_ms, 1),
             ("relay_idle_timeout_ms", self.relay_idle_timeout_ms, 1),
             ("upstream_body_timeout_ms", self.upstream_body_timeout_ms, 1),
+            ("first_token_timeout_ms", self.first_token_timeout_ms, 1),
             (
                 "max_upstream_body_bytes",
                 self.max_upstream_body_bytes as u64,

@@ -373,6 +373,8 @@ pub async fn run(args: &Args) -> anyhow::Result<Report> {
         router_args: [
             "--relay-idle-timeout-ms",
             "3000",
+            "--first-token-timeout-ms",
+            "3000",
             "--worker-timeout-ms",
             "5000",
         ]

@@ -177,10 +177,14 @@ pub struct ServeFlags {
     /// client, ms [default: 30000].
     #[arg(long, env = "KVROUTE_RELAY_IDLE_TIMEOUT_MS")]
     pub relay_idle_timeout_ms: Option<u64>,
-    /// Deadline for a whole non-streamed worker answer, headers included, and for a
-    /// stream's first chunk, ms [default: 600000].
+    /// Deadline for a whole non-streamed worker answer, headers included, ms [default:
+    /// 600000].
     #[arg(long, env = "KVROUTE_UPSTREAM_BODY_TIMEOUT_MS")]
     pub upstream_body_timeout_ms: Option<u64>,
+    /// Deadline for a stream's first chunk after its headers (prefill and the engine's
+    /// queue), ms [default: 60000].
+    #[arg(long, env = "KVROUTE_FIRST_TOKEN_TIMEOUT_MS")]
+    pub first_token_timeout_ms: Option<u64>,
     /// Largest non-streamed worker answer, bytes [default: 67108864].
     #[arg(long, env = "KVROUTE_MAX_UPSTREAM_BODY_BYTES")]
     pub max_upstream_body_bytes: Option<usize>,
@@ -544,6 +548,10 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
             .upstream_body_timeout_ms
             .or(file.upstream_body_timeout_ms)
             .unwrap_or(d.upstream_body_timeout_ms),
+        first_token_timeout_ms: flags
+            .first_token_timeout_ms
+            .or(file.first_token_timeout_ms)
+            .unwrap_or(d.first_token_timeout_ms),
         max_upstream_body_bytes: flags
             .max_upstream_body_bytes
             .or(file.max_upstream_body_bytes)

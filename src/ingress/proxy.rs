@@ -395,9 +395,7 @@ pub(super) async fn forward(
         inflight: inflight.take(),
         tx,
         idle: Duration::from_millis(config.relay_idle_timeout_ms),
-        first_frame: Duration::from_millis(answer_ms)
-            .saturating_sub(started.elapsed())
-            .max(Duration::from_millis(1)),
+        first_frame: Duration::from_millis(config.first_token_timeout_ms),
         events: SseEvents::default(),
         ttft: metrics::histogram!("kvroute_ttft_seconds", "worker" => label.clone()),
         itl: metrics::histogram!("kvroute_itl_seconds", "worker" => label.clone()),

@@ -353,11 +353,11 @@ async fn worker_errors_decide_retries_and_release_bookings_everywhere() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_stalled_after_its_headers_does_not_hold_the_stream() {
     let f = Fleet::start(FleetSpec {
-        // The first chunk may take the answer's deadline (prefill, the engine's queue).
+        // The first chunk has its own deadline (prefill, the engine's queue).
         router_args: vec![
             "--relay-idle-timeout-ms".into(),
             "300".into(),
-            "--upstream-body-timeout-ms".into(),
+            "--first-token-timeout-ms".into(),
             "1000".into(),
         ],
         workers: vec![WorkerSpec {
