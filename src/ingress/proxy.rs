@@ -236,12 +236,20 @@ fn worker_side(status: StatusCode) -> bool {
         )
 }
 
-/// The error message of a worker's error body (OpenAI's shape), else its text.
+/// The error message of a worker's error body: OpenAI's shape (`error.message`), vLLM's
+/// older flat one (`{"object": "error", "message": …}`), FastAPI's (`detail`), else its
+/// text (at most 1 KiB of it).
 fn error_message(body: &[u8]) -> String {
-    serde_json::from_slice::<serde_json::Value>(body)
-        .ok()
-        .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
-        .unwrap_or_else(|| String::from_utf8_lossy(&body[..body.len().min(1024)]).into_owned())
+    let parsed = serde_json::from_slice::<serde_json::Value>(body).ok();
+    let message = parsed.as_ref().and_then(|v| {
+        [&v["error"]["message"], &v["message"], &v["detail"]]
+            .into_iter()
+            .find_map(|m| m.as_str())
+    });
+    match message {
+        Some(m) => m.chars().take(1024).collect(),
+        None => String::from_utf8_lossy(&body[..body.len().min(1024)]).into_owned(),
+    }
 }
 
 /// A request as each kind of worker takes it.
@@ -596,6 +604,24 @@ fn event_end(b: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The worker's message is found in every shape engines answer errors in.
+    #[test]
+    fn worker_error_messages_are_read_in_each_shape() {
+        for body in [
+            &br#"{"error":{"message":"too long","type":"BadRequestError"}}"#[..],
+            br#"{"object":"error","message":"too long","type":"BadRequestError","code":400}"#,
+            br#"{"detail":"too long"}"#,
+            b"too long",
+        ] {
+            assert_eq!(
+                error_message(body),
+                "too long",
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
 
     /// Events cut anywhere reach the client whole; an unterminated event waits, and what
     /// is left at the end is sent as it is.
