@@ -365,6 +365,15 @@ impl Fleet {
         }
     }
 
+    /// The first router's Prometheus scrape (`/metrics`).
+    pub async fn scrape(&self) -> anyhow::Result<String> {
+        Ok(self
+            .http
+            .call("GET", &format!("{}/metrics", self.url()), "")
+            .await?
+            .body)
+    }
+
     /// Sets worker `i`'s injected faults (it must run with `--fault-injection`).
     pub async fn faults(&self, i: usize, faults: serde_json::Value) -> anyhow::Result<()> {
         let r = self

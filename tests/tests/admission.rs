@@ -109,12 +109,7 @@ async fn a_burst_past_the_budget_waits_then_is_served() {
     assert_eq!(b["depth"], 0, "{b}");
     let q = queues(&f).await;
     assert_eq!(q["decisions"]["total"], 4, "{q}");
-    let metrics = f
-        .http
-        .call("GET", &format!("{}/metrics", f.url()), "")
-        .await
-        .unwrap()
-        .body;
+    let metrics = f.scrape().await.unwrap();
     for name in [
         "kvroute_queue_depth",
         "kvroute_queue_wait_seconds",

@@ -36,6 +36,22 @@ fn request(group: usize, i: usize, stream: bool) -> String {
     )
 }
 
+/// A router with `router_args` in front of one worker injecting `faults`.
+async fn faulty_worker(router_args: &[&str], faults: serde_json::Value) -> Fleet {
+    let f = Fleet::start(FleetSpec {
+        router_args: router_args.iter().map(|a| a.to_string()).collect(),
+        workers: vec![WorkerSpec {
+            model: MODEL.into(),
+            args: vec!["--fault-injection".into()],
+        }],
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    f.faults(0, faults).await.unwrap();
+    f
+}
+
 /// Starts a streaming request and returns the connection after the response head.
 async fn open_stream(f: &Fleet, max_tokens: u32) -> TcpStream {
     let body = completion(MODEL, &prompt(7), max_tokens, true);
@@ -115,12 +131,7 @@ async fn requests_of_a_group_follow_their_cached_prefix() {
     assert!(all_bookings_closed(&f).await, "every booking was freed");
     // Per-worker series (kept by the router itself, so that they can be dropped) sit
     // beside the rest, one `# TYPE` line per metric name.
-    let scrape = f
-        .http
-        .call("GET", &format!("{}/metrics", f.url()), "")
-        .await
-        .unwrap()
-        .body;
+    let scrape = f.scrape().await.unwrap();
     for series in [
         "kvroute_ttft_seconds_bucket{worker=\"",
         "kvroute_itl_seconds_count{worker=\"",
@@ -352,25 +363,17 @@ async fn worker_errors_decide_retries_and_release_bookings_everywhere() {
 /// the router's in-flight slot: the relay gives up after its idle timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_stalled_after_its_headers_does_not_hold_the_stream() {
-    let f = Fleet::start(FleetSpec {
-        // The first chunk has its own deadline (prefill, the engine's queue).
-        router_args: vec![
-            "--relay-idle-timeout-ms".into(),
-            "300".into(),
-            "--first-token-timeout-ms".into(),
-            "1000".into(),
+    // The first chunk has its own deadline (prefill, the engine's queue).
+    let f = faulty_worker(
+        &[
+            "--relay-idle-timeout-ms",
+            "300",
+            "--first-token-timeout-ms",
+            "1000",
         ],
-        workers: vec![WorkerSpec {
-            model: MODEL.into(),
-            args: vec!["--fault-injection".into()],
-        }],
-        ..FleetSpec::default()
-    })
-    .await
-    .unwrap();
-    f.faults(0, serde_json::json!({"stall_after_headers": true}))
-        .await
-        .unwrap();
+        serde_json::json!({"stall_after_headers": true}),
+    )
+    .await;
     let mut s = open_stream(&f, 8).await;
     let rest = read_rest(&mut s, Duration::from_secs(30)).await;
     assert!(rest.contains("sent no token within"), "{rest}");
@@ -385,19 +388,11 @@ async fn a_worker_stalled_after_its_headers_does_not_hold_the_stream() {
 /// its headers at once and its first chunk after the prefill and its own queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_first_token_later_than_the_idle_timeout_is_waited_for() {
-    let f = Fleet::start(FleetSpec {
-        router_args: vec!["--relay-idle-timeout-ms".into(), "300".into()],
-        workers: vec![WorkerSpec {
-            model: MODEL.into(),
-            args: vec!["--fault-injection".into()],
-        }],
-        ..FleetSpec::default()
-    })
-    .await
-    .unwrap();
-    f.faults(0, serde_json::json!({"first_chunk_delay_ms": 1200}))
-        .await
-        .unwrap();
+    let f = faulty_worker(
+        &["--relay-idle-timeout-ms", "300"],
+        serde_json::json!({"first_chunk_delay_ms": 1200}),
+    )
+    .await;
     let mut s = open_stream(&f, 8).await;
     let rest = read_rest(&mut s, Duration::from_secs(30)).await;
     assert!(!rest.contains("error"), "{rest}");
@@ -613,15 +608,10 @@ async fn a_non_streamed_answer_may_take_longer_than_a_streams_headers() {
     assert_eq!(r.status, 200, "{}", r.body);
     let answer: serde_json::Value = serde_json::from_str(&r.body).unwrap();
     assert_eq!(answer["usage"]["completion_tokens"], 200, "{}", r.body);
-    let stats = f
-        .http
-        .call("GET", &format!("{}/metrics", f.url()), "")
-        .await
-        .unwrap();
+    let stats = f.scrape().await.unwrap();
     assert!(
-        !stats.body.contains("headers_timeout"),
-        "the answer was taken for a late stream: {}",
-        stats.body
+        !stats.contains("headers_timeout"),
+        "the answer was taken for a late stream: {stats}"
     );
 }
 
@@ -792,12 +782,7 @@ async fn an_unreachable_worker_sits_out_after_three_failures() {
             .unwrap();
         assert_eq!(r.status, 200, "{}", r.body);
     }
-    let scrape = f
-        .http
-        .call("GET", &format!("{}/metrics", f.url()), "")
-        .await
-        .unwrap()
-        .body;
+    let scrape = f.scrape().await.unwrap();
     let failed = counter_sum(&scrape, "kvroute_proxy_errors_total", "kind=\"connect\"");
     assert!(
         (1.0..=3.0).contains(&failed),

@@ -261,16 +261,8 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
         let bus = kvroute::events::transport::LocalBus::new();
         (Transport::Local(bus), Registry::Local(Default::default()))
     } else {
-        let connect = async {
-            let transport =
-                Transport::connect_nats(&args.nats, "kvroute-worker", &args.nats_auth).await?;
-            let client = transport.nats_client().context("NATS transport")?.clone();
-            let registry =
-                Registry::nats(client, &args.cluster, &lease, args.registry_replicas).await?;
-            anyhow::Ok((transport, registry))
-        };
-        match kvroute::process::unless_signalled(signals, connect).await {
-            Some(connected) => connected?,
+        match connect_nats(&args, "kvroute-worker", &lease, signals).await? {
+            Some(connected) => connected,
             None => return Ok(()),
         }
     };
@@ -331,6 +323,25 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
             bail!("engine failed: {reason}")
         }
     }
+}
+
+/// Connects to NATS and opens the registry, as client `name`, unless SIGINT or SIGTERM
+/// comes first (`None`): NATS may still be starting, and its connect is retried without end.
+async fn connect_nats(
+    args: &Args,
+    name: &str,
+    lease: &LeaseConfig,
+    signals: &tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<Option<(Transport, Registry)>> {
+    let connect = async {
+        let transport = Transport::connect_nats(&args.nats, name, &args.nats_auth).await?;
+        let client = transport.nats_client().context("NATS transport")?.clone();
+        let registry = Registry::nats(client, &args.cluster, lease, args.registry_replicas).await?;
+        anyhow::Ok((transport, registry))
+    };
+    kvroute::process::unless_signalled(signals, connect)
+        .await
+        .transpose()
 }
 
 /// The test engine's event sockets.
@@ -407,17 +418,10 @@ async fn sidecar(
         health_failures: 2,
         limits: Default::default(),
     };
-    let connect = async {
-        let transport =
-            Transport::connect_nats(&args.nats, "kvroute-sidecar", &args.nats_auth).await?;
-        let client = transport.nats_client().context("NATS transport")?.clone();
-        let registry =
-            Registry::nats(client, &args.cluster, &lease, args.registry_replicas).await?;
-        anyhow::Ok((transport, registry))
-    };
-    let (transport, registry) = match kvroute::process::unless_signalled(signals, connect).await {
-        Some(connected) => connected?,
-        None => return Ok(()),
+    let Some((transport, registry)) =
+        connect_nats(args, "kvroute-sidecar", &lease, signals).await?
+    else {
+        return Ok(());
     };
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
     println!(

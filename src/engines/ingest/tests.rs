@@ -104,6 +104,11 @@ async fn start(engine: &EnginePublisher, replay: bool) -> Owner {
         idle: Duration::from_millis(300),
         ..IngestLimits::default()
     };
+    follow(endpoint, limits).await
+}
+
+/// Runs an ingest of `endpoint` and returns its owner once it follows the live stream.
+async fn follow(endpoint: EngineEndpoint, limits: IngestLimits) -> Owner {
     let (tx, rx) = mpsc::channel(16);
     tokio::spawn(run(endpoint, NonZeroUsize::new(BS).unwrap(), limits, tx));
     let mut owner = Owner {
@@ -279,14 +284,7 @@ async fn a_replay_without_end_is_cut_at_its_cap() {
         max_replay_batches: 50,
         ..IngestLimits::default()
     };
-    let (tx, rx) = mpsc::channel(16);
-    tokio::spawn(run(endpoint, NonZeroUsize::new(BS).unwrap(), limits, tx));
-    let mut owner = Owner {
-        rx,
-        held: BTreeSet::new(),
-        stats: IngestStats::default(),
-    };
-    owner.until("connected", |o| o.stats.connected).await;
+    let owner = follow(endpoint, limits).await;
     // Without the cap, all 200 are applied before the reply deadline ends the replay.
     assert_eq!(owner.stats.replayed, 50, "{:?}", owner.stats);
     assert_eq!(owner.held.len(), 50);
