@@ -65,6 +65,18 @@ pub fn bearer_key(headers: &hyper::HeaderMap, keys: &[Secret]) -> Option<usize> 
     })
 }
 
+/// Whether `token` can be sent as `Authorization: Bearer TOKEN`: not empty, and visible
+/// ASCII only (what an HTTP header value holds).
+pub fn check_bearer_token(token: &str) -> Result<(), String> {
+    if token.is_empty() {
+        return Err("must not be empty".into());
+    }
+    if !token.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err("must be visible ASCII (no spaces or control characters)".into());
+    }
+    Ok(())
+}
+
 impl std::str::FromStr for Secret {
     type Err = std::convert::Infallible;
 

@@ -82,6 +82,9 @@ pub struct IngressConfig {
     /// Token required on the admin listener (`Authorization: Bearer TOKEN`); `None`: open
     /// (bind it to loopback, the default).
     pub admin_token: Option<Secret>,
+    /// Sent as `Authorization: Bearer` to engines' OpenAI endpoints (vLLM and SGLang started
+    /// with `--api-key`); clients' own keys are never passed on.
+    pub engine_api_key: Option<Secret>,
     /// Names of the tenant, priority, session, affinity and receipt request headers.
     pub headers: ClassHeaders,
     /// Answer with the routing headers (`x-kvroute-worker`, `-overlap`, `-cached-blocks`,
@@ -108,6 +111,7 @@ impl Default for IngressConfig {
             api_keys: Vec::new(),
             api_keys_file: None,
             admin_token: None,
+            engine_api_key: None,
             headers: ClassHeaders::default(),
             route_headers: false,
         }

@@ -117,6 +117,7 @@ async fn serve_direct(
             health_every: Duration::from_secs(2),
             health_failures: 2,
             limits: Default::default(),
+            engine_api_key: settings.ingress.engine_api_key.clone(),
         };
         let learned = match config.events {
             Some(_) => None,

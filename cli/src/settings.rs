@@ -73,6 +73,10 @@ pub struct ServeFlags {
         hide_env_values = true
     )]
     pub api_keys: Option<Vec<Secret>>,
+    /// Key sent as `Authorization: Bearer` to engines (vLLM, SGLang started with
+    /// `--api-key`) and used by direct mode's bridges.
+    #[arg(long, env = "KVROUTE_ENGINE_API_KEY", hide_env_values = true)]
+    pub engine_api_key: Option<Secret>,
     /// File of API keys, one per line (added to --api-keys), re-read every 2 s: a key revoked
     /// or added there takes effect without a restart.
     #[arg(long, env = "KVROUTE_API_KEYS_FILE")]
@@ -524,6 +528,14 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
     if api_keys.iter().any(|k| k.expose().is_empty()) {
         bail!("api_keys: a key must not be empty");
     }
+    if let Some(key) = &flags
+        .engine_api_key
+        .as_ref()
+        .or(file.engine_api_key.as_ref())
+    {
+        kvroute::auth::check_bearer_token(key.expose())
+            .map_err(|e| anyhow::anyhow!("engine_api_key {e}"))?;
+    }
     let d = IngressConfig::default();
     let h = HttpConfig::default();
     let ingress = IngressConfig {
@@ -581,6 +593,7 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
         api_keys,
         api_keys_file,
         admin_token: flags.admin_token.or(file.admin_token),
+        engine_api_key: flags.engine_api_key.or(file.engine_api_key),
         route_headers: flags.route_headers.or(file.route_headers).unwrap_or(false),
         headers: {
             let h = kvroute::ingress::admission::ClassHeaders::default();

@@ -103,6 +103,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
                 tokenizer: Arc::clone(&worker_tokenizer),
                 http: settings.ingress.http.clone(),
                 fault_injection: false,
+                api_key: None,
                 emulate: None,
             };
             workers.push(Worker::start(config, bus.clone(), registry.clone()).await?);

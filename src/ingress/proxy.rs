@@ -225,7 +225,9 @@ impl ProxyError {
 }
 
 /// Statuses that say the worker, not the request, is the problem: overloaded (429),
-/// misdirected (421: it does not serve the model it was sent), timed out (408), or any 5xx.
+/// misdirected (421: it does not serve the model it was sent), timed out (408), any 5xx,
+/// or refusing the router's own credentials (401, 403: a missing or wrong
+/// `--engine-api-key`; clients' keys are never passed on, so never theirs to fix).
 fn worker_side(status: StatusCode) -> bool {
     status.is_server_error()
         || matches!(
@@ -233,6 +235,8 @@ fn worker_side(status: StatusCode) -> bool {
             StatusCode::TOO_MANY_REQUESTS
                 | StatusCode::MISDIRECTED_REQUEST
                 | StatusCode::REQUEST_TIMEOUT
+                | StatusCode::UNAUTHORIZED
+                | StatusCode::FORBIDDEN
         )
 }
 
@@ -265,8 +269,14 @@ pub(super) struct Upstream {
 }
 
 impl Upstream {
-    /// The HTTP request for worker `info` (rank `rank` of it).
-    fn request(&self, info: &WorkerInfo, rank: u32) -> hyper::Request<Full<Bytes>> {
+    /// The HTTP request for worker `info` (rank `rank` of it); an engine's carries
+    /// `engine_key` (vLLM and SGLang started with `--api-key` refuse requests without it).
+    fn request(
+        &self,
+        info: &WorkerInfo,
+        rank: u32,
+        engine_key: Option<&crate::auth::Secret>,
+    ) -> hyper::Request<Full<Bytes>> {
         let base = info.url.trim_end_matches('/');
         let (path, body) = match info.api {
             WorkerApi::Kvroute => ("/internal/generate", self.generate.clone()),
@@ -281,6 +291,11 @@ impl Upstream {
             // in vllm/entrypoints/openai/engine/serving.py); SGLang reads the same header,
             // case-insensitively (serving_base.extract_routed_dp_rank_from_header).
             request = request.header("x-data-parallel-rank", rank.to_string());
+        }
+        if info.api == WorkerApi::Openai
+            && let Some(key) = engine_key
+        {
+            request = request.header(header::AUTHORIZATION, format!("Bearer {}", key.expose()));
         }
         request
             .body(Full::new(body))
@@ -304,8 +319,8 @@ pub(super) async fn forward(
         return Err(ProxyError::WorkerLeft { worker });
     };
     router.plane.note_routed(key);
-    let request = body.request(&info, key.1.0);
     let config = &router.config;
+    let request = body.request(&info, key.1.0, config.engine_api_key.as_ref());
     let started = Instant::now();
     // A stream's headers come with its first bytes; a non-streamed answer's only once the
     // whole answer is generated, so it gets the deadline of a whole answer, and the body
@@ -674,19 +689,24 @@ mod tests {
             chat: true,
             receipt: false,
         };
-        let r = up.request(&info(WorkerApi::Kvroute, 1), 0);
+        let key = crate::auth::Secret::new("engine-secret");
+        let r = up.request(&info(WorkerApi::Kvroute, 1), 0, Some(&key));
         assert_eq!(r.uri(), "http://10.0.0.1:8000/internal/generate");
-        // An engine gets the client's body on its own endpoint; a single rank, no pin.
-        let r = up.request(&info(WorkerApi::Openai, 1), 0);
+        assert!(r.headers().get("authorization").is_none(), "not an engine");
+        // An engine gets the client's body on its own endpoint; a single rank, no pin; the
+        // engine's key when one is set (never the client's).
+        let r = up.request(&info(WorkerApi::Openai, 1), 0, Some(&key));
         assert_eq!(r.uri(), "http://10.0.0.1:8000/v1/chat/completions");
         assert!(r.headers().get("x-data-parallel-rank").is_none());
+        assert_eq!(r.headers()["authorization"], "Bearer engine-secret");
         // Several ranks behind one endpoint: the chosen one is pinned.
-        let r = up.request(&info(WorkerApi::Openai, 4), 3);
+        let r = up.request(&info(WorkerApi::Openai, 4), 3, None);
         assert_eq!(r.headers()["x-data-parallel-rank"], "3");
+        assert!(r.headers().get("authorization").is_none());
         let completion = Upstream { chat: false, ..up };
         assert_eq!(
             completion
-                .request(&info(WorkerApi::Openai, 4), 0)
+                .request(&info(WorkerApi::Openai, 4), 0, None)
                 .uri()
                 .path(),
             "/v1/completions"

@@ -37,6 +37,11 @@ pub struct TestEngine {
 impl TestEngine {
     /// Starts one (block size 16).
     pub fn start(spec: EngineSpec) -> anyhow::Result<TestEngine> {
+        TestEngine::start_with(spec, &[])
+    }
+
+    /// Starts one (block size 16) with `extra` flags of `kvroute-worker`.
+    pub fn start_with(spec: EngineSpec, extra: &[&str]) -> anyhow::Result<TestEngine> {
         let (port, events, replay) = (free_port(), free_port(), free_port());
         let args: Vec<String> = [
             "--emulate",
@@ -66,6 +71,7 @@ impl TestEngine {
                 .into_iter()
                 .flatten(),
         )
+        .chain(extra.iter().map(|s| s.to_string()))
         .collect();
         Ok(TestEngine {
             proc: Proc::start("kvroute-worker", &args)?,

@@ -480,6 +480,54 @@ async fn a_router_tokenizer_unlike_the_engine_s_raises_the_hash_mismatch_alarm()
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// An engine started with an API key (vLLM's `--api-key`) is reached by a router given it
+/// (`--engine-api-key`: its requests and its bridge's `/v1/models` carry it); a router
+/// without it answers 503 naming the engine's refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_with_an_api_key_is_reached_with_the_engine_key() {
+    let http = Http::default();
+    let engine = TestEngine::start_with(
+        EngineSpec {
+            flavor: "vllm".into(),
+            model: "keyed".into(),
+            g1_blocks: 64,
+            g2_blocks: 0,
+            speedup: 200.0,
+            adapters: Vec::new(),
+        },
+        &["--api-key", "engine-secret"],
+    )
+    .unwrap();
+    let keyed = ["--engine-api-key".to_string(), "engine-secret".to_string()];
+    let (_with, with_url, _) = direct_router(&[engine.backend()], &keyed).unwrap();
+    let (_without, without_url, _) = direct_router(&[engine.backend()], &[]).unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        match complete(&http, &with_url, "keyed", "a prompt for a keyed engine", 2).await {
+            Ok(answer) => {
+                assert_eq!(answer.model, "keyed");
+                break;
+            }
+            Err(e) => {
+                assert!(tokio::time::Instant::now() < deadline, "{e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    let refused = http
+        .call(
+            "POST",
+            &format!("{without_url}/v1/completions"),
+            completion("keyed", "a prompt for a keyed engine", 2, false),
+        )
+        .await
+        .unwrap();
+    // The engine's 401 is the router's misconfiguration, not the client's key: a 503 that
+    // says so, not a 401 the client would take for its own.
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert!(refused.body.contains("401"), "{}", refused.body);
+}
+
 /// Two models and a LoRA adapter in one fleet: each request goes to an engine serving what it
 /// names; the adapter's blocks are salted with its name (as vLLM salts them), so a prompt the
 /// base model cached gives the adapter's request no overlap, and its own repeat does; the

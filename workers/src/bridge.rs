@@ -67,6 +67,15 @@ pub struct BridgeConfig {
     pub health_failures: u32,
     /// Deadlines and bounds of the event sockets.
     pub limits: IngestLimits,
+    /// Sent as `Authorization: Bearer` to the engine (vLLM or SGLang started with
+    /// `--api-key` refuse `/v1/models` without it).
+    pub engine_api_key: Option<kvroute::auth::Secret>,
+}
+
+/// The engine's HTTP client, with the key its API wants, if any.
+struct EngineClient {
+    http: Client<HttpConnector, Empty<Bytes>>,
+    api_key: Option<kvroute::auth::Secret>,
 }
 
 /// G1 capacity reported when the engine's metrics do not say (scheduler load is relative
@@ -86,8 +95,10 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let mut connector = HttpConnector::new();
     connector.set_connect_timeout(Some(config.health_every));
-    let client: Client<HttpConnector, Empty<Bytes>> =
-        Client::builder(TokioExecutor::new()).build(connector);
+    let client = EngineClient {
+        http: Client::builder(TokioExecutor::new()).build(connector),
+        api_key: config.engine_api_key.clone(),
+    };
     let epoch = new_epoch();
     let info = Arc::new(Mutex::new(WorkerInfo {
         id: config.id,
@@ -354,13 +365,21 @@ const MAX_BODY: usize = 4 << 20;
 
 /// GETs `path` of `base`, 2xx or an error, within `deadline` (body included).
 async fn get(
-    client: &Client<HttpConnector, Empty<Bytes>>,
+    client: &EngineClient,
     base: &str,
     path: &str,
     deadline: Duration,
 ) -> anyhow::Result<Bytes> {
     let uri: hyper::Uri = format!("{}{path}", base.trim_end_matches('/')).parse()?;
-    let response = tokio::time::timeout(deadline, client.get(uri))
+    let mut request = hyper::Request::get(uri);
+    if let Some(key) = &client.api_key {
+        request = request.header(
+            hyper::header::AUTHORIZATION,
+            format!("Bearer {}", key.expose()),
+        );
+    }
+    let request = request.body(Empty::new())?;
+    let response = tokio::time::timeout(deadline, client.http.request(request))
         .await
         .map_err(|_| anyhow::anyhow!("{path}: no answer within {deadline:?}"))??;
     let status = response.status();
@@ -370,11 +389,7 @@ async fn get(
 }
 
 /// The first model of the engine's `/v1/models`.
-async fn served_model(
-    client: &Client<HttpConnector, Empty<Bytes>>,
-    base: &str,
-    deadline: Duration,
-) -> Option<String> {
+async fn served_model(client: &EngineClient, base: &str, deadline: Duration) -> Option<String> {
     let body = get(client, base, "/v1/models", deadline).await.ok()?;
     let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
     v["data"][0]["id"].as_str().map(str::to_owned)
@@ -383,7 +398,7 @@ async fn served_model(
 /// The LoRA adapters the engine serves on top of `model`: the `/v1/models` entries whose
 /// `parent` is the base model (vLLM lists each loaded adapter so).
 async fn served_adapters(
-    client: &Client<HttpConnector, Empty<Bytes>>,
+    client: &EngineClient,
     base: &str,
     model: &str,
     deadline: Duration,

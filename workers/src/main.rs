@@ -135,6 +135,19 @@ struct Args {
     /// The topic the engine publishes under.
     #[arg(long, env = "KVROUTE_KV_TOPIC", default_value = "")]
     kv_topic: String,
+    /// Sidecar: the key sent as `Authorization: Bearer` to the engine (one started with
+    /// `--api-key` refuses its `/v1/models` without it).
+    #[arg(
+        long,
+        env = "KVROUTE_ENGINE_API_KEY",
+        hide_env_values = true,
+        requires = "engine"
+    )]
+    engine_api_key: Option<kvroute::auth::Secret>,
+    /// Require `Authorization: Bearer KEY` on this worker's `/v1/*`, as vLLM's `--api-key`
+    /// does (the test engine, `--emulate`, behind a sidecar or a router given the key).
+    #[arg(long, env = "KVROUTE_WORKER_API_KEY", hide_env_values = true)]
+    api_key: Option<kvroute::auth::Secret>,
     /// Data-parallel ranks behind --engine-url, each publishing on the event ports offset by
     /// its rank (as vLLM and SGLang do).
     #[arg(long, env = "KVROUTE_ENGINE_DP_SIZE", default_value_t = 1)]
@@ -282,6 +295,7 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
         }),
         http,
         fault_injection: args.fault_injection,
+        api_key: args.api_key.clone(),
         emulate: emulate.clone(),
     };
     let Some(worker) =
@@ -417,6 +431,7 @@ async fn sidecar(
         health_every: Duration::from_millis(args.engine_health_ms.max(100)),
         health_failures: 2,
         limits: Default::default(),
+        engine_api_key: args.engine_api_key.clone(),
     };
     let Some((transport, registry)) =
         connect_nats(args, "kvroute-sidecar", &lease, signals).await?

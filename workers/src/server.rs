@@ -85,6 +85,8 @@ pub struct ServerConfig {
     /// Serve `POST /admin/faults` (pause the publisher, stall after headers, fail the
     /// engine): for chaos tests only.
     pub fault_injection: bool,
+    /// Required on `/v1/*` as `Authorization: Bearer`, as vLLM's `--api-key` requires it.
+    pub api_key: Option<kvroute::auth::Secret>,
     /// Look like a real engine (`--emulate`): KV events on ZMQ in its wire format, no NATS
     /// and no registration (a sidecar or a router in direct mode does that).
     pub emulate: Option<Arc<crate::emulate::Emulation>>,
@@ -197,6 +199,7 @@ impl Worker {
                 fingerprint: format!("fp_{:012x}", config.epoch & 0xffff_ffff_ffff),
                 body_read_timeout: Duration::from_millis(config.http.body_read_timeout_ms),
                 emulate: config.emulate.clone(),
+                api_key: config.api_key.clone(),
                 tokenize_permits: Arc::new(tokio::sync::Semaphore::new(
                     std::thread::available_parallelism().map_or(1, |n| n.get()),
                 )),

@@ -387,3 +387,17 @@ cluster {
 {{- $name := include "kvroute.natsName" .ctx -}}
 {{- printf "nats://%s%s-%d.%s-headless.%s.svc.%s:6222" .auth $name (int .index) $name .ctx.Release.Namespace .ctx.Values.nats.bundled.clusterDomain }}
 {{- end }}
+
+{{/*
+The engines' API key (vLLM/SGLang started with --api-key) as container environment: the
+router and the sidecars send it (KVROUTE_ENGINE_API_KEY); call with the root context.
+*/}}
+{{- define "kvroute.engineApiKeyEnv" -}}
+{{- with .Values.engineApiKey.existingSecret }}
+- name: KVROUTE_ENGINE_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.engineApiKey.key | quote }}
+{{- end }}
+{{- end }}

@@ -49,6 +49,8 @@ pub(crate) struct State {
     pub body_read_timeout: Duration,
     /// Tokenizations (up to `MAX_BODY` of text each) run at once, off the runtime's threads.
     pub tokenize_permits: Arc<tokio::sync::Semaphore>,
+    /// Required on `/v1/*` (`--api-key`).
+    pub api_key: Option<kvroute::auth::Secret>,
 }
 
 /// The internal generate request: what the router sends.
@@ -128,6 +130,17 @@ fn bad_request(message: &str) -> Response<Body> {
 }
 
 async fn handle(state: State, req: hyper::Request<Incoming>) -> Response<Body> {
+    if let Some(key) = &state.api_key
+        && req.uri().path().starts_with("/v1/")
+        && !kvroute::auth::bearer_ok(req.headers(), std::slice::from_ref(key))
+    {
+        // As vLLM answers a request without its --api-key.
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "Unauthorized",
+        );
+    }
     match (req.method(), req.uri().path()) {
         (&Method::GET, "/v1/models") => {
             // As vLLM lists them: the base model, and each LoRA adapter with it as `parent`.

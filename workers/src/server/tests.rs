@@ -23,6 +23,7 @@ fn config() -> ServerConfig {
         tokenizer: std::sync::Arc::new(kvroute::ingress::tokenizer::Tokenizer::Bytes),
         http: HttpConfig::default(),
         fault_injection: true,
+        api_key: None,
         emulate: None,
     }
 }
