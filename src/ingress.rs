@@ -709,6 +709,8 @@ struct Parsed {
     service_tier: Option<String>,
     /// vLLM's `cache_salt`, if sent: it salts the prompt's blocks, as the engine does.
     cache_salt: Option<String>,
+    /// The chat has images or audio: `tokens` are the conversation before them only.
+    media: bool,
 }
 
 impl Parsed {
@@ -737,6 +739,10 @@ fn generate_body(p: &Parsed, salt: crate::protocol::Salt, chat: bool) -> serde_j
     if let Some(max_tokens) = p.max_tokens {
         body["max_tokens"] = max_tokens.into();
     }
+    if p.media {
+        // The tokens are a prefix: the worker must refuse rather than answer the text alone.
+        body["media"] = true.into();
+    }
     body
 }
 
@@ -750,10 +756,25 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
             return Err(ApiError::bad_request("messages must not be empty"));
         }
         let options = r.take_options();
-        let tokens = tokenizer
-            .encode_chat(&r.messages, &options)
-            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        // Images and audio get tokens only the engine knows: hash the conversation before
+        // the first message that has them (its own rendering is a prefix of the whole one's),
+        // and forward the request as it came.
+        let media_at = r.messages.iter().position(|m| m.media);
+        let tokens = match media_at {
+            None => tokenizer.encode_chat(&r.messages, &options),
+            Some(0) => Ok(Vec::new()),
+            Some(k) => tokenizer.encode_chat(
+                &r.messages[..k],
+                &openai::ChatOptions {
+                    add_generation_prompt: false,
+                    continue_final_message: false,
+                    ..options
+                },
+            ),
+        }
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
         Parsed {
+            media: media_at.is_some(),
             max_tokens: r.max_tokens(),
             n: r.n.unwrap_or(1),
             stream: r.stream.unwrap_or(false),
@@ -774,6 +795,7 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
             Prompt::Tokens(t) => t,
         };
         Parsed {
+            media: false,
             model: r.model,
             tokens,
             max_tokens,
@@ -794,7 +816,7 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
             "cache_salt must be a non-empty string if provided",
         ));
     }
-    if parsed.tokens.is_empty() {
+    if parsed.tokens.is_empty() && !parsed.media {
         return Err(ApiError::bad_request("prompt must not be empty"));
     }
     Ok(parsed)

@@ -107,14 +107,18 @@ pub fn include_usage(options: Option<StreamOptions>) -> bool {
 
 /// One chat message.
 #[derive(Debug, Deserialize, serde::Serialize)]
+#[serde(try_from = "RawChatMessage")]
 pub struct ChatMessage {
     /// `system`, `user`, `assistant`, …
     pub role: String,
-    /// Its text: a string, an array of text parts (joined with newlines), or null / absent
-    /// (an assistant turn of tool calls) for none, as vLLM reads it
+    /// Its text: a string, the text parts of an array (joined with newlines), or null /
+    /// absent (an assistant turn of tool calls) for none, as vLLM reads it
     /// (`_parse_chat_message_content` in vllm/entrypoints/chat_utils.py).
-    #[serde(default, deserialize_with = "content_text")]
     pub content: String,
+    /// It has parts other than text (images, audio): the router cannot tell the tokens an
+    /// engine gives them, so it hashes only the conversation before such a message.
+    #[serde(skip)]
+    pub media: bool,
     /// Its other fields (`name`, `tool_calls`, `tool_call_id`, `reasoning_content`, …),
     /// handed to the chat template as they came: templates render tool calls and results.
     #[serde(flatten)]
@@ -127,48 +131,64 @@ impl ChatMessage {
         ChatMessage {
             role: role.to_owned(),
             content: content.to_owned(),
+            media: false,
             extra: serde_json::Map::new(),
         }
     }
 }
 
-/// The text of a message's `content`. Parts other than text (images, audio) are refused:
-/// the router cannot tell which tokens an engine gives them.
-fn content_text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Content {
-        Text(String),
-        Parts(Vec<Part>),
-        None(()),
-    }
-    #[derive(Deserialize)]
-    struct Part {
-        #[serde(rename = "type")]
-        kind: String,
-        #[serde(default)]
-        text: Option<String>,
-    }
-    match Content::deserialize(d)? {
-        Content::Text(text) => Ok(text),
-        Content::None(()) => Ok(String::new()),
-        Content::Parts(parts) => {
-            let mut texts = Vec::with_capacity(parts.len());
-            for p in parts {
-                match (p.kind.as_str(), p.text) {
-                    ("text", Some(text)) => texts.push(text),
-                    ("text", None) => {
-                        return Err(serde::de::Error::custom("a text content part without text"));
-                    }
-                    (kind, _) => {
-                        return Err(serde::de::Error::custom(format!(
-                            "content parts of type {kind:?} are not supported (text only)"
-                        )));
+/// A chat message as it comes.
+#[derive(Deserialize)]
+struct RawChatMessage {
+    role: String,
+    #[serde(default)]
+    content: Option<RawContent>,
+    #[serde(flatten)]
+    extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// A message's `content`: text, or an array of typed parts.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RawContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Deserialize)]
+struct ContentPart {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    text: Option<String>,
+}
+
+impl TryFrom<RawChatMessage> for ChatMessage {
+    type Error = String;
+
+    fn try_from(raw: RawChatMessage) -> Result<ChatMessage, String> {
+        let mut media = false;
+        let content = match raw.content {
+            None => String::new(),
+            Some(RawContent::Text(text)) => text,
+            Some(RawContent::Parts(parts)) => {
+                let mut texts = Vec::with_capacity(parts.len());
+                for p in parts {
+                    match (p.kind.as_str(), p.text) {
+                        ("text", Some(text)) => texts.push(text),
+                        ("text", None) => return Err("a text content part without text".into()),
+                        _ => media = true,
                     }
                 }
+                texts.join("\n")
             }
-            Ok(texts.join("\n"))
-        }
+        };
+        Ok(ChatMessage {
+            role: raw.role,
+            content,
+            media,
+            extra: raw.extra,
+        })
     }
 }
 

@@ -147,14 +147,34 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
     )
     .unwrap();
     assert_eq!(parts.tokens, joined.tokens);
+    // Images get tokens only the engine knows: the conversation before the first message
+    // with one is hashed (rendered without a generation prompt: a prefix of the whole), the
+    // request goes on as it came, and a bundled worker is told to refuse it.
     let image = parse(
+        &t,
+        br#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"what is it?"},{"type":"image_url","image_url":{"url":"x"}}]}]}"#,
+        true,
+    )
+    .unwrap();
+    let system = [super::openai::ChatMessage::text("system", "be brief")];
+    let prefix = super::openai::byte_tokens(&super::openai::render_chat(&system, false));
+    assert_eq!((image.media, &image.tokens), (true, &prefix));
+    assert_eq!(
+        generate_body(&image, crate::protocol::Salt::NONE, true)["media"],
+        true
+    );
+    let only = parse(
         &t,
         br#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}"#,
         true,
     )
-    .unwrap_err();
-    assert_eq!(image.status, 400);
-    assert!(image.message.contains("image_url"), "{}", image.message);
+    .unwrap();
+    assert!(only.media && only.tokens.is_empty());
+    assert!(
+        generate_body(&chat, crate::protocol::Salt::NONE, true)
+            .get("media")
+            .is_none()
+    );
     for (body, chat) in [
         (&b"{not json"[..], false),
         (br#"{"model":"m","prompt":""}"#, false),

@@ -187,6 +187,27 @@ async fn bad_inputs_get_their_status_codes() {
     let answer: serde_json::Value = serde_json::from_str(&chat.body).unwrap();
     assert_eq!(answer["object"], "chat.completion", "{}", chat.body);
     assert_eq!(answer["choices"][0]["message"]["role"], "assistant");
+    // A chat with an image is routed on the text before it and forwarded; a simulated worker
+    // has no vision and says so (an engine would answer it), with or without text before.
+    for messages in [
+        r#"[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:x"}}]}]"#,
+        r#"[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:x"}}]}]"#,
+    ] {
+        let r = http
+            .call(
+                "POST",
+                &format!("{}/v1/chat/completions", f.url()),
+                format!(r#"{{"model":"kvroute-sim","messages":{messages}}}"#),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert!(
+            r.body.contains("not supported by this engine"),
+            "{}",
+            r.body
+        );
+    }
     for (path, status) in [
         ("/health", 200),
         ("/ready", 200),

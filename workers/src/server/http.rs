@@ -62,6 +62,10 @@ struct Generate {
     /// Sequences asked for: this engine generates one, and refuses more.
     #[serde(default)]
     n: Option<u32>,
+    /// The client's chat had images or audio (the tokens are the text before them): this
+    /// engine has no vision, and refuses.
+    #[serde(default)]
+    media: bool,
     #[serde(default)]
     stream: bool,
     #[serde(default)]
@@ -227,6 +231,11 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
     use kvroute::ingress::openai::{ChatRequest, CompletionRequest, Prompt};
     let (model, token_ids, max_tokens, n, stream, options) = if chat {
         match read_json::<ChatRequest>(&state, req).await {
+            Ok(r) if r.messages.iter().any(|m| m.media) => {
+                return bad_request(
+                    "content parts other than text (images, audio) are not supported by this engine",
+                );
+            }
             Ok(mut r) => {
                 let chat_options = r.take_options();
                 let messages = std::mem::take(&mut r.messages);
@@ -295,6 +304,7 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
             salt,
             chat,
             model: None,
+            media: false,
             lora: adapter.then(|| model.clone()),
             include_usage: kvroute::ingress::openai::include_usage(options),
         },
@@ -428,6 +438,11 @@ async fn run(state: State, g: Generate) -> Response<Body> {
     }
     if g.n.is_some_and(|n| n != 1) {
         return bad_request("n: this engine generates one sequence per request");
+    }
+    if g.media {
+        return bad_request(
+            "content parts other than text (images, audio) are not supported by this engine",
+        );
     }
     let active = Active::new(&state.active);
     if let Some(faults) = &state.faults {
