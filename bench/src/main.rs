@@ -112,6 +112,9 @@ fn main() -> anyhow::Result<()> {
             if let Some(path) = &args.json {
                 std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
             }
+            if report.requests > 0 && report.failed >= report.requests {
+                anyhow::bail!("no request succeeded");
+            }
         }
         Command::AgentTrace(args) => {
             let records = trace::agent_sessions(&args);

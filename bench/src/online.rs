@@ -49,6 +49,10 @@ pub struct Args {
     /// Write the report here as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Longest a request may take, connect to `[DONE]`, s: one past it is a failure
+    /// (`timeout`), so an endpoint that stalls cannot hold the run forever.
+    #[arg(long, default_value_t = 600.0)]
+    pub timeout_s: f64,
 }
 
 /// What kvroute's response headers said (absent for other endpoints).
@@ -77,19 +81,21 @@ pub struct OnlineReport {
     pub speedup: f64,
     /// Requests sent.
     pub requests: u64,
-    /// Requests that failed (connection error or non-2xx status).
+    /// Requests that failed: no connection, a non-2xx status, an error event or a broken
+    /// body mid-stream, a stream that ended without `[DONE]`, or the timeout. Only the others
+    /// are in the latencies and the throughput.
     pub failed: u64,
     /// Failed requests by cause: `status 429`, `connect`, …
     pub failures: std::collections::BTreeMap<String, u64>,
-    /// From the first send to the last answer's end, s.
+    /// From the start of the schedule to the last answer's end, s.
     pub span_s: f64,
-    /// Time to first streamed chunk, ms.
+    /// Send to the first server-sent event that carries a token, ms.
     pub ttft_ms: Summary,
-    /// Gaps between streamed chunks, ms.
+    /// Gaps between events that carry tokens, ms.
     pub itl_ms: Summary,
-    /// Send to the stream's end, ms.
+    /// Send to `[DONE]`, ms.
     pub e2e_ms: Summary,
-    /// Streamed token chunks per second over the span.
+    /// Tokens the successful streams carried, per second over the span.
     pub throughput_tok_s: f64,
     /// What the router's headers said; `None` when no response carried them.
     pub router: Option<RouterView>,
@@ -112,7 +118,7 @@ struct Measured {
     ttft_ms: Vec<f64>,
     itl_ms: Vec<f64>,
     e2e_ms: Vec<f64>,
-    chunks: u64,
+    tokens: u64,
     reused_tokens: u64,
     prompt_tokens: u64,
     failed: u64,
@@ -136,95 +142,211 @@ fn cached_blocks(overlap: &str) -> u64 {
         .sum()
 }
 
-/// Sends every request at its time and measures the answers.
+/// One streamed answer as it arrives: server-sent events cut at blank lines (an event may
+/// span TCP reads, or several share one), the events that carry tokens timed, `[DONE]` and
+/// error events noted. No I/O: time is an argument.
+#[derive(Debug, Default)]
+struct StreamMeter {
+    partial: Vec<u8>,
+    first: Option<Instant>,
+    last_token: Option<Instant>,
+    gaps_ms: Vec<f64>,
+    tokens: u64,
+    done: Option<Instant>,
+    error: Option<&'static str>,
+}
+
+impl StreamMeter {
+    /// Takes bytes that arrived at `now`.
+    fn push(&mut self, data: &[u8], now: Instant) {
+        self.partial.extend_from_slice(data);
+        while let Some(end) = self.partial.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = self.partial.drain(..end + 2).collect();
+            self.event(&event, now);
+        }
+    }
+
+    fn event(&mut self, event: &[u8], now: Instant) {
+        for line in event.split(|b| *b == b'\n') {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            let Some(data) = line.strip_prefix(b"data:") else {
+                continue; // comments (keep-alives), other fields
+            };
+            let data = data.trim_ascii();
+            if data == b"[DONE]" {
+                self.done = Some(now);
+                continue;
+            }
+            let Ok(v) = serde_json::from_slice::<serde_json::Value>(data) else {
+                self.error.get_or_insert("bad event");
+                continue;
+            };
+            if v.get("error").is_some() {
+                self.error.get_or_insert("error event");
+                continue;
+            }
+            let tokens = tokens_of(&v);
+            if tokens == 0 {
+                continue; // the role chunk, the usage chunk, an empty delta
+            }
+            match self.last_token {
+                None => self.first = Some(now),
+                Some(last) => self
+                    .gaps_ms
+                    .push(now.duration_since(last).as_secs_f64() * 1e3),
+            }
+            self.last_token = Some(now);
+            self.tokens += tokens;
+        }
+    }
+
+    /// Whether the answer is whole: `[DONE]`, and no error event.
+    fn outcome(&self) -> Result<Instant, &'static str> {
+        if let Some(e) = self.error {
+            return Err(e);
+        }
+        self.done.ok_or("no [DONE]")
+    }
+}
+
+/// Tokens a streamed chunk carries: its choices' `token_ids` where the server sends them
+/// (vLLM with `return_token_ids`, kvroute's workers), else one per choice with text.
+fn tokens_of(chunk: &serde_json::Value) -> u64 {
+    let Some(choices) = chunk["choices"].as_array() else {
+        return 0;
+    };
+    choices
+        .iter()
+        .map(|c| {
+            if let Some(ids) = c["token_ids"].as_array() {
+                return ids.len() as u64;
+            }
+            let text = c["text"]
+                .as_str()
+                .or_else(|| c["delta"]["content"].as_str());
+            u64::from(text.is_some_and(|t| !t.is_empty()))
+        })
+        .sum()
+}
+
+/// The endpoint's completions URL, refusing what the HTTP client cannot reach.
+fn endpoint(url: &str) -> anyhow::Result<hyper::Uri> {
+    let endpoint = format!("{}/v1/completions", url.trim_end_matches('/'));
+    let uri: hyper::Uri = endpoint
+        .parse()
+        .with_context(|| format!("--url {url:?} is not a URL"))?;
+    anyhow::ensure!(
+        uri.scheme_str() == Some("http") && uri.host().is_some(),
+        "--url {url:?}: give http://HOST:PORT (no TLS client here)"
+    );
+    Ok(uri)
+}
+
+/// Sends every request at its time and measures the answers; a request taking longer than
+/// `timeout` fails.
 pub async fn run(
     url: &str,
     model: &str,
     text: bool,
     block_size: usize,
+    timeout: Duration,
     requests: Vec<OnlineRequest>,
 ) -> anyhow::Result<OnlineReport> {
+    let endpoint = endpoint(url)?;
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(timeout.min(Duration::from_secs(10))));
     let client: Client<HttpConnector, Full<Bytes>> =
         Client::builder(TokioExecutor::new()).build(connector);
-    let endpoint = format!("{}/v1/completions", url.trim_end_matches('/'));
     let measured = Arc::new(Mutex::new(Measured::default()));
     let start = Instant::now();
     let n = requests.len() as u64;
     let mut tasks = Vec::with_capacity(requests.len());
     for r in requests {
-        let prompt = if text {
-            serde_json::Value::from(text_of(&r.tokens))
-        } else {
-            serde_json::json!(&*r.tokens)
-        };
-        let body = serde_json::json!({"model": model, "prompt": prompt, "max_tokens": r.output, "stream": true}).to_string();
         let (client, endpoint, measured) =
             (client.clone(), endpoint.clone(), Arc::clone(&measured));
-        let prompt_len = r.tokens.len() as u64;
+        let model = model.to_owned();
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep_until(start + Duration::from_micros(r.arrival_us)).await;
+            // Built after the sleep: a trace's bodies are not all held at once.
+            let prompt = if text {
+                serde_json::Value::from(text_of(&r.tokens))
+            } else {
+                serde_json::json!(&*r.tokens)
+            };
+            let body = serde_json::json!({"model": model, "prompt": prompt, "max_tokens": r.output, "stream": true}).to_string();
+            let prompt_len = r.tokens.len() as u64;
+            drop(r);
             let sent = Instant::now();
-            let request = hyper::Request::post(&endpoint)
-                .header("content-type", "application/json")
-                .body(Full::new(Bytes::from(body)))
-                .expect("invariant: static request parts are valid");
             let failed = |cause: String| {
                 let mut m = measured.lock();
                 m.failed += 1;
                 *m.failures.entry(cause).or_default() += 1;
             };
-            let response = match client.request(request).await {
-                Ok(response) => response,
-                Err(e) if e.is_connect() => return failed("connect".into()),
-                Err(_) => return failed("request".into()),
+            let request = hyper::Request::post(endpoint)
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(body)));
+            let Ok(request) = request else {
+                return failed("request".into());
             };
-            if !response.status().is_success() {
-                return failed(format!("status {}", response.status().as_u16()));
-            }
-            let header = |name: &str| {
-                response
-                    .headers()
-                    .get(name)
-                    .and_then(|v| v.to_str().ok())
-                    .map(str::to_owned)
+            let answer = async {
+                let response = match client.request(request).await {
+                    Ok(response) => response,
+                    Err(e) if e.is_connect() => return Err("connect".to_string()),
+                    Err(_) => return Err("request".to_string()),
+                };
+                if !response.status().is_success() {
+                    return Err(format!("status {}", response.status().as_u16()));
+                }
+                let header = |name: &str| {
+                    response
+                        .headers()
+                        .get(name)
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_owned)
+                };
+                let (worker, overlap) =
+                    (header("x-kvroute-worker"), header("x-kvroute-overlap"));
+                let count = |name| header(name).and_then(|v| v.parse::<u32>().ok());
+                let receipt = count("x-kvroute-cached-blocks")
+                    .zip(count("x-kvroute-reachable-blocks"))
+                    .map(
+                        |(cached_blocks, reachable_blocks)| kvroute::scheduler::Receipt {
+                            prompt_blocks: (prompt_len / block_size.max(1) as u64) as u32,
+                            cached_blocks,
+                            reachable_blocks,
+                            cost: 0.0,
+                        },
+                    );
+                let mut body = response.into_body();
+                let mut meter = StreamMeter::default();
+                while let Some(frame) = body.frame().await {
+                    let Ok(frame) = frame else {
+                        return Err("broken stream".to_string());
+                    };
+                    if let Some(data) = frame.data_ref() {
+                        meter.push(data, Instant::now());
+                    }
+                }
+                Ok((meter, worker, overlap, receipt))
             };
-            let (worker, overlap) = (header("x-kvroute-worker"), header("x-kvroute-overlap"));
-            let count = |name| header(name).and_then(|v| v.parse::<u32>().ok());
-            let receipt = count("x-kvroute-cached-blocks")
-                .zip(count("x-kvroute-reachable-blocks"))
-                .map(
-                    |(cached_blocks, reachable_blocks)| kvroute::scheduler::Receipt {
-                        prompt_blocks: (prompt_len / block_size.max(1) as u64) as u32,
-                        cached_blocks,
-                        reachable_blocks,
-                        cost: 0.0,
-                    },
-                );
-            let mut body = response.into_body();
-            let (mut first, mut last, mut gaps, mut chunks) = (None, sent, Vec::new(), 0u64);
-            while let Some(frame) = body.frame().await {
-                let Ok(frame) = frame else { break };
-                if frame.data_ref().is_none_or(|d| d.is_empty()) {
-                    continue;
-                }
-                let now = Instant::now();
-                if first.is_none() {
-                    first = Some(now);
-                } else {
-                    gaps.push(now.duration_since(last).as_secs_f64() * 1e3);
-                }
-                last = now;
-                chunks += 1;
-            }
+            let (meter, worker, overlap, receipt) =
+                match tokio::time::timeout(timeout, answer).await {
+                    Err(_) => return failed("timeout".into()),
+                    Ok(Err(cause)) => return failed(cause),
+                    Ok(Ok(answer)) => answer,
+                };
+            let done = match meter.outcome() {
+                Ok(done) => done,
+                Err(cause) => return failed(cause.into()),
+            };
             let mut m = measured.lock();
-            if let Some(f) = first {
+            if let Some(f) = meter.first {
                 m.ttft_ms.push(f.duration_since(sent).as_secs_f64() * 1e3);
             }
-            m.itl_ms.extend(gaps);
-            m.e2e_ms.push(last.duration_since(sent).as_secs_f64() * 1e3);
-            m.chunks += chunks;
+            m.itl_ms.extend(meter.gaps_ms);
+            m.e2e_ms.push(done.duration_since(sent).as_secs_f64() * 1e3);
+            m.tokens += meter.tokens;
             m.prompt_tokens += prompt_len;
             if let Some(o) = overlap {
                 m.reused_tokens += (cached_blocks(&o) * block_size as u64).min(prompt_len);
@@ -235,7 +357,7 @@ pub async fn run(
             if let Some(r) = receipt {
                 m.decisions.record(&r);
             }
-            m.last_end = Some(m.last_end.map_or(last, |e| e.max(last)));
+            m.last_end = Some(m.last_end.map_or(done, |e| e.max(done)));
         }));
     }
     for t in tasks {
@@ -265,8 +387,7 @@ pub async fn run(
         ttft_ms: ttft,
         itl_ms: Summary::of(&mut m.itl_ms),
         e2e_ms: Summary::of(&mut m.e2e_ms),
-        // Every streamed chunk but the final one carries a token.
-        throughput_tok_s: m.chunks.saturating_sub(n) as f64 / span_s.max(1e-9),
+        throughput_tok_s: m.tokens as f64 / span_s.max(1e-9),
         router,
         ttft_sorted_ms: m.ttft_ms,
     })
@@ -290,12 +411,27 @@ pub fn run_trace(args: &Args) -> anyhow::Result<OnlineReport> {
             output: r.output_length.max(1) as u32,
         })
         .collect();
+    if loaded
+        .records
+        .iter()
+        .any(|r| r.session_id.is_some() || r.think_ms.is_some())
+    {
+        eprintln!(
+            "note: every request is sent at its timestamp; turns of a session are not held back \
+             until the one before has finished (the offline replay does that)"
+        );
+    }
+    anyhow::ensure!(
+        args.timeout_s.is_finite() && args.timeout_s > 0.0,
+        "--timeout-s must be positive"
+    );
     let runtime = tokio::runtime::Runtime::new()?;
     let mut report = runtime.block_on(run(
         &args.url,
         &args.model,
         args.text,
         args.block_size,
+        Duration::from_secs_f64(args.timeout_s),
         requests,
     ))?;
     report.trace_format = format!("{:?}", loaded.format).to_lowercase();
@@ -326,15 +462,19 @@ pub fn print(r: &OnlineReport) {
     );
     println!("| TTFT p50 ms | TTFT p99 ms | TTFT mean ms | ITL p50 ms | E2E p50 ms | tok/s |");
     println!("|---|---|---|---|---|---|");
-    println!(
-        "| {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} |",
-        r.ttft_ms.p50,
-        r.ttft_ms.p99,
-        r.ttft_ms.mean,
-        r.itl_ms.p50,
-        r.e2e_ms.p50,
-        r.throughput_tok_s
-    );
+    if r.failed >= r.requests {
+        println!("| n/a | n/a | n/a | n/a | n/a | n/a |  (no request succeeded)");
+    } else {
+        println!(
+            "| {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} |",
+            r.ttft_ms.p50,
+            r.ttft_ms.p99,
+            r.ttft_ms.mean,
+            r.itl_ms.p50,
+            r.e2e_ms.p50,
+            r.throughput_tok_s
+        );
+    }
     match &r.router {
         Some(v) => println!(
             "router headers on {} responses: reuse {:.3}, min/mean requests per worker {:.2}, regret {:.3}",
@@ -347,6 +487,54 @@ pub fn print(r: &OnlineReport) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Events split across reads or sharing one are cut whole; only events with tokens are
+    /// timed (not the role, usage or keep-alive ones); `[DONE]` makes the answer whole and an
+    /// error event (as a router sends after a stalled worker) makes it a failure.
+    #[test]
+    fn streams_are_measured_by_their_token_events() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut m = StreamMeter::default();
+        m.push(
+            b": keep-alive\n\ndata: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n",
+            at(5),
+        );
+        m.push(b"data: {\"choices\":[{\"text\":\"a\"", at(10));
+        m.push(b"}]}\n\ndata: {\"choices\":[{\"text\":\"b\"}]}\n\n", at(30));
+        m.push(
+            b"data: {\"choices\":[{\"text\":\"cd\",\"token_ids\":[7,8]}]}\r\n\r\n",
+            at(50),
+        );
+        m.push(
+            b"data: {\"choices\":[],\"usage\":{\"completion_tokens\":4}}\n\ndata: [DONE]\n\n",
+            at(70),
+        );
+        assert_eq!(
+            m.first,
+            Some(at(30)),
+            "the first token's event completed at 30 ms"
+        );
+        assert_eq!(m.tokens, 4);
+        assert_eq!(m.gaps_ms.len(), 2);
+        assert_eq!(m.outcome(), Ok(at(70)));
+        let mut cut = StreamMeter::default();
+        cut.push(b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n", at(1));
+        assert_eq!(cut.outcome(), Err("no [DONE]"));
+        cut.push(
+            b"data: {\"error\":{\"message\":\"worker stalled\"}}\n\ndata: [DONE]\n\n",
+            at(2),
+        );
+        assert_eq!(cut.outcome(), Err("error event"));
+    }
+
+    #[test]
+    fn only_http_urls_are_taken() {
+        assert!(endpoint("http://127.0.0.1:8080/").is_ok());
+        for bad in ["127.0.0.1:8080", "localhost", "https://example.com", ""] {
+            assert!(endpoint(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn overlap_header_and_text_prompts() {
