@@ -231,9 +231,9 @@ fn azure(path: &Path, args: &TraceArgs, seed: u64) -> anyhow::Result<Vec<TraceRe
     })
 }
 
-/// One line of an OpenAI-requests trace.
+/// One line of an OpenAI-requests trace: a request log's lines as they are (sampling
+/// fields and the like are accepted and ignored).
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 struct OpenAiLine {
     /// Arrival, ms since the trace start (default: all at once).
     #[serde(default)]
@@ -245,8 +245,11 @@ struct OpenAiLine {
     prompt: Option<String>,
     #[serde(default)]
     messages: Option<Vec<ChatMessage>>,
-    #[serde(default = "default_max_tokens")]
-    max_tokens: usize,
+    #[serde(default)]
+    max_tokens: Option<usize>,
+    /// OpenAI's newer name; wins over `max_tokens`.
+    #[serde(default)]
+    max_completion_tokens: Option<usize>,
     #[serde(default)]
     tenant: Option<String>,
     #[serde(default)]
@@ -284,7 +287,11 @@ fn openai(
         Ok(Some(TraceRecord {
             timestamp: r.timestamp,
             input_length: tokens.len(),
-            output_length: r.max_tokens.max(1),
+            output_length: r
+                .max_completion_tokens
+                .or(r.max_tokens)
+                .unwrap_or_else(default_max_tokens)
+                .max(1),
             hash_ids: Vec::new(),
             tenant: r.tenant,
             priority: r.priority,
@@ -374,7 +381,8 @@ mod tests {
         let path = temp(
             "openai.jsonl",
             "{\"timestamp\": 0, \"prompt\": \"hello\", \"max_tokens\": 3}\n\
-             {\"timestamp\": 5, \"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n",
+             {\"timestamp\": 5, \"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n\
+             {\"timestamp\": 6, \"prompt\": \"x\", \"temperature\": 0.7, \"stream\": true, \"max_tokens\": 9, \"max_completion_tokens\": 4}\n",
         );
         let loaded = load_any(&source(&path, TraceFormat::Auto), 0).unwrap();
         assert_eq!(loaded.format, TraceFormat::Openai);
@@ -382,6 +390,8 @@ mod tests {
         assert_eq!(r[0].tokens.as_deref(), Some(&b"hello".map(u32::from)[..]));
         assert_eq!((r[0].input_length, r[0].output_length), (5, 3));
         assert_eq!((r[1].timestamp, r[1].output_length), (5, 256));
+        // A request log's other fields are ignored; max_completion_tokens wins.
+        assert_eq!((r[2].timestamp, r[2].output_length), (6, 4));
         assert!(r[1].input_length > 2, "the chat template wraps the message");
         assert_eq!(
             &*super::super::prompt_tokens(&r[0], 512),
