@@ -393,6 +393,16 @@ pub async fn run(
     })
 }
 
+/// Each record's send time, µs after the first record's, at `speedup`: a trace stamped in
+/// Unix milliseconds would otherwise wait decades for its first request.
+fn arrivals_us(records: &[trace::TraceRecord], speedup: f64) -> Vec<u64> {
+    let first = records.iter().map(|r| r.timestamp).min().unwrap_or(0);
+    records
+        .iter()
+        .map(|r| ((r.timestamp - first) as f64 * 1000.0 / speedup).round() as u64)
+        .collect()
+}
+
 /// Loads the trace named by `args` and sends it to the endpoint.
 pub fn run_trace(args: &Args) -> anyhow::Result<OnlineReport> {
     if args.speedup.is_nan() || args.speedup <= 0.0 {
@@ -402,11 +412,13 @@ pub fn run_trace(args: &Args) -> anyhow::Result<OnlineReport> {
     if !loaded.note.is_empty() {
         eprintln!("{}", loaded.note);
     }
+    let arrivals = arrivals_us(&loaded.records, args.speedup);
     let requests = loaded
         .records
         .iter()
-        .map(|r| OnlineRequest {
-            arrival_us: (r.timestamp as f64 * 1000.0 / args.speedup).round() as u64,
+        .zip(arrivals)
+        .map(|(r, arrival_us)| OnlineRequest {
+            arrival_us,
             tokens: trace::prompt_tokens(r, args.source.trace_block_size),
             output: r.output_length.max(1) as u32,
         })
@@ -526,6 +538,23 @@ mod tests {
             at(2),
         );
         assert_eq!(cut.outcome(), Err("error event"));
+    }
+
+    #[test]
+    fn arrivals_count_from_the_first_record() {
+        let at = |timestamp: u64| trace::TraceRecord {
+            timestamp,
+            input_length: 1,
+            output_length: 1,
+            hash_ids: Vec::new(),
+            tenant: None,
+            priority: None,
+            session_id: None,
+            think_ms: None,
+            tokens: None,
+        };
+        let records = [at(1_700_000_000_000), at(1_700_000_000_500)];
+        assert_eq!(arrivals_us(&records, 2.0), vec![0, 250_000]);
     }
 
     #[test]
