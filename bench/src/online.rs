@@ -157,17 +157,19 @@ struct StreamMeter {
 }
 
 impl StreamMeter {
-    /// Takes bytes that arrived at `now`.
+    /// Takes bytes that arrived at `now`: the events they complete are read (cut as the
+    /// router's relay cuts them), the rest waits for its end.
     fn push(&mut self, data: &[u8], now: Instant) {
         self.partial.extend_from_slice(data);
-        while let Some(end) = self.partial.windows(2).position(|w| w == b"\n\n") {
-            let event: Vec<u8> = self.partial.drain(..end + 2).collect();
-            self.event(&event, now);
+        if let Some(end) = kvroute::ingress::proxy::event_end(&self.partial) {
+            let events: Vec<u8> = self.partial.drain(..end).collect();
+            self.events(&events, now);
         }
     }
 
-    fn event(&mut self, event: &[u8], now: Instant) {
-        for line in event.split(|b| *b == b'\n') {
+    /// Reads whole events, all of which arrived at `now`.
+    fn events(&mut self, events: &[u8], now: Instant) {
+        for line in events.split(|b| *b == b'\n') {
             let line = line.strip_suffix(b"\r").unwrap_or(line);
             let Some(data) = line.strip_prefix(b"data:") else {
                 continue; // comments (keep-alives), other fields
@@ -544,14 +546,7 @@ mod tests {
     fn arrivals_count_from_the_first_record() {
         let at = |timestamp: u64| trace::TraceRecord {
             timestamp,
-            input_length: 1,
-            output_length: 1,
-            hash_ids: Vec::new(),
-            tenant: None,
-            priority: None,
-            session_id: None,
-            think_ms: None,
-            tokens: None,
+            ..Default::default()
         };
         let records = [at(1_700_000_000_000), at(1_700_000_000_500)];
         assert_eq!(arrivals_us(&records, 2.0), vec![0, 250_000]);

@@ -15,7 +15,7 @@ mod formats;
 pub use formats::{Loaded, TraceArgs, TraceFormat, load_any};
 
 /// One request of a Mooncake JSONL trace.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 pub struct TraceRecord {
     /// Arrival, ms since the trace start.
     pub timestamp: u64,
@@ -341,17 +341,7 @@ mod tests {
     use super::*;
 
     fn record() -> TraceRecord {
-        TraceRecord {
-            timestamp: 0,
-            input_length: 0,
-            output_length: 0,
-            hash_ids: Vec::new(),
-            tenant: None,
-            priority: None,
-            session_id: None,
-            think_ms: None,
-            tokens: None,
-        }
+        TraceRecord::default()
     }
 
     /// Through the memo or not, a hashed prompt is the prompt's tokens hashed: full blocks,

@@ -608,8 +608,9 @@ impl SseEvents {
     }
 }
 
-/// Just past the last blank line in `b` (`\n\n` or `\r\n\r\n`).
-fn event_end(b: &[u8]) -> Option<usize> {
+/// Just past the last blank line in `b` (`\n\n` or `\r\n\r\n`): where the whole
+/// server-sent events in `b` end (the relay, and `kvroute-bench online`, cut streams so).
+pub fn event_end(b: &[u8]) -> Option<usize> {
     (1..b.len())
         .rev()
         .find(|&i| b[i] == b'\n' && (b[i - 1] == b'\n' || (i >= 3 && &b[i - 3..i] == b"\r\n\r")))

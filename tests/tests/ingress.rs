@@ -662,18 +662,13 @@ async fn cache_salt_keeps_cached_prefixes_apart() {
         }
     };
     // Until the worker's events of the salted prompt have reached the router.
-    let mut reused = 0;
-    for _ in 0..100 {
-        reused = device(Some("tenant-a")).await;
-        if reused > 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(
-        reused > 0,
-        "the salted prompt's own blocks were never credited"
-    );
+    let reused = f
+        .until(Duration::from_secs(30), || {
+            let answer = device(Some("tenant-a"));
+            async move { answer.await > 0 }
+        })
+        .await;
+    assert!(reused, "the salted prompt's own blocks were never credited");
     assert_eq!(
         device(None).await,
         0,
@@ -758,14 +753,12 @@ async fn api_keys_in_a_file_are_revoked_and_added_without_a_restart() {
     // Rotated in place, as a Secret's mount is updated.
     std::fs::write(dir.join("api-keys.tmp"), "\n  new-key  \n").unwrap();
     std::fs::rename(dir.join("api-keys.tmp"), &file).unwrap();
-    let mut rotated = false;
-    for _ in 0..300 {
-        if status("new-key").await == 200 {
-            rotated = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let rotated = f
+        .until(Duration::from_secs(30), || {
+            let answer = status("new-key");
+            async move { answer.await == 200 }
+        })
+        .await;
     assert!(rotated, "the key added to the file was never accepted");
     assert_eq!(status("old-key").await, 401, "the revoked key still works");
     assert_eq!(status("fixed-key").await, 200, "a command-line key stays");
