@@ -21,7 +21,7 @@ use crate::events::load::LoadShare;
 use crate::http::{Body, BodyError, collect_body};
 use crate::protocol::{SeqHash, WorkerId};
 use crate::scheduler::mismatch::MismatchAlarm;
-use crate::scheduler::{BookingId, Decision, Scheduler};
+use crate::scheduler::{BookingId, Decision, Scheduler, WorkerKey};
 
 /// A request's booked load, owned by whoever holds the request: the handler, then (for a
 /// stream) the relay task. Dropping it, however the request ends (finished, failed, the
@@ -67,13 +67,21 @@ impl Booking {
         self
     }
 
-    /// The worker accepted the request (a success status): its prompt's blocks are cached.
+    /// The worker computed the prompt (a first token, or a whole answer): its blocks are
+    /// cached there. A request that ends before (cancelled, failed, timed out) is not
+    /// evidence either way, so it never feeds the mismatch alarm.
     pub fn answered(&mut self) {
         self.answered = true;
     }
 
+    /// Whether its prefill is still booked (no first token yet).
+    pub fn prefill_open(&self) -> bool {
+        self.prefill_open
+    }
+
     /// The request produced its first token: its prefill no longer loads the worker.
     pub fn first_token(&mut self) {
+        self.answered = true;
         if std::mem::take(&mut self.prefill_open) {
             self.scheduler.lock().first_token(self.id);
             if let Some(load) = &self.load {
@@ -331,12 +339,17 @@ pub(super) async fn forward(
     } else {
         answer_ms
     };
-    let response = match tokio::time::timeout(
+    let sent = tokio::time::timeout(
         Duration::from_millis(headers_ms),
         router.client.request(request),
-    )
-    .await
-    {
+    );
+    let sent = if stream {
+        sent.await
+    } else {
+        // A non-streamed answer's headers come with its last token.
+        watch_prefill(router, key, &mut booking, sent).await
+    };
+    let response = match sent {
         Ok(Ok(r)) => r,
         Ok(Err(source)) => return Err(ProxyError::Connect { worker, source }),
         Err(_) if stream => {
@@ -370,7 +383,6 @@ pub(super) async fn forward(
             message: error_message(&bytes),
         });
     }
-    booking.answered();
     let o = decision.chosen.overlap;
     let overlap = format!("device={};host={};disk={}", o.device, o.host, o.disk);
     let r = decision.receipt;
@@ -394,7 +406,8 @@ pub(super) async fn forward(
     let label = worker.to_string();
     if !stream {
         let left = Duration::from_millis(answer_ms).saturating_sub(started.elapsed());
-        let bytes = collect_body(response.into_body(), config.max_upstream_body_bytes, left)
+        let answer = collect_body(response.into_body(), config.max_upstream_body_bytes, left);
+        let bytes = watch_prefill(router, key, &mut booking, answer)
             .await
             .map_err(|source| match source {
                 BodyError::TimedOut { .. } => ProxyError::AnswerTimeout {
@@ -403,6 +416,7 @@ pub(super) async fn forward(
                 },
                 source => ProxyError::Body { worker, source },
             })?;
+        booking.answered();
         drop(booking);
         metrics::histogram!("kvroute_e2e_seconds", "worker" => label)
             .record(started.elapsed().as_secs_f64());
@@ -436,6 +450,48 @@ pub(super) async fn forward(
         .header(header::CACHE_CONTROL, "no-cache")
         .body(BodyExt::boxed(body))
         .expect("invariant: static response parts are valid"))
+}
+
+/// How often a non-streamed request looks for its prefill's end in the index.
+const PREFILL_POLL: Duration = Duration::from_millis(50);
+
+/// Awaits a non-streamed answer while watching for the end of its prefill. Its worker sends
+/// no first token to see, and the answer comes only once every token is generated, so the
+/// prefill would stay booked for the whole generation, making the worker look loaded with
+/// prefill it finished long before. The prompt's last full block shows up in the worker's
+/// KV events once computed: the prefill is released then. A prompt shorter than a block,
+/// or a block evicted between two looks, keeps it booked until the answer.
+async fn watch_prefill<F: std::future::Future>(
+    router: &Router,
+    key: WorkerKey,
+    booking: &mut Booking,
+    answer: F,
+) -> F::Output {
+    let Some((_, last)) = booking.expect else {
+        return answer.await;
+    };
+    let computed = || {
+        router
+            .plane
+            .indexer()
+            .find_matches_seq(&[last])
+            .get(key.0, key.1)
+            .device
+            > 0
+    };
+    let mut answer = std::pin::pin!(answer);
+    let mut look = tokio::time::interval(PREFILL_POLL);
+    look.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            out = &mut answer => return out,
+            _ = look.tick(), if booking.prefill_open() => {
+                if computed() {
+                    booking.first_token();
+                }
+            }
+        }
+    }
 }
 
 /// A stream being relayed from its worker to its client. It owns the worker's body (a
@@ -526,7 +582,16 @@ impl Relay {
         let mut last = self.started;
         loop {
             let wait = if first { self.first_frame } else { self.idle };
-            let frame = match tokio::time::timeout(wait, self.upstream.frame()).await {
+            // A client that leaves is noticed at once, not at the next frame: before the
+            // first one that can be the whole prefill and the engine's queue, during which
+            // the booking, the in-flight slot and the engine's work would stay taken.
+            // Dropping the worker's body then closes its connection, and the engine aborts.
+            let next = tokio::select! {
+                biased;
+                () = self.tx.closed() => return RelayEnd::ClientGone,
+                next = tokio::time::timeout(wait, self.upstream.frame()) => next,
+            };
+            let frame = match next {
                 Err(_) if first => return RelayEnd::NoFirstFrame,
                 Err(_) => return RelayEnd::WorkerStalled,
                 Ok(None) => {

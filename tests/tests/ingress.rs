@@ -405,6 +405,69 @@ async fn a_worker_stalled_after_its_headers_does_not_hold_the_stream() {
     );
 }
 
+/// A client that leaves before its first token frees its booking at once (not at the
+/// first-token deadline, a minute by default), and a prompt the worker never computed is
+/// no evidence of a hash mismatch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_before_its_first_token_frees_everything_at_once() {
+    let f = faulty_worker(&[], serde_json::json!({"stall_after_headers": true})).await;
+    let abandoned = open_stream(&f, 8).await;
+    assert_eq!(f.open_bookings(0).await.unwrap(), 1);
+    drop(abandoned);
+    assert!(
+        f.until(Duration::from_secs(10), || all_bookings_closed(&f))
+            .await,
+        "the booking outlived its client"
+    );
+    // A request the worker answers, on another prompt: once it is judged, so is the
+    // abandoned one before it (the alarm judges in order).
+    f.faults(0, serde_json::json!({})).await.unwrap();
+    let mut s = send_raw(&f.url(), &request(9, 0, true)).await.unwrap();
+    let rest = read_rest(&mut s, Duration::from_secs(30)).await;
+    assert!(rest.contains("data: [DONE]"), "{rest}");
+    let worker = || async { f.admin_workers(0).await.unwrap()["workers"][0].clone() };
+    assert!(
+        f.until(Duration::from_secs(20), || async {
+            worker().await["routed_blocks_seen"].as_u64().unwrap_or(0) >= 1
+        })
+        .await,
+        "never judged: {}",
+        worker().await
+    );
+    let w = worker().await;
+    assert_eq!(w["routed_blocks_missing"], 0, "{w}");
+}
+
+/// A non-streamed request's prefill is released once its prompt shows up in the worker's
+/// KV events, not when the whole answer comes back: a long generation would otherwise keep
+/// its worker looking loaded with prefill it finished long before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_streamed_request_s_prefill_is_released_once_computed() {
+    let f = Fleet::start(FleetSpec {
+        workers: vec![WorkerSpec::model(MODEL)],
+        // Real time: a 5,000-token generation takes minutes.
+        speedup: 1.0,
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    let long = completion(MODEL, &prompt(4), 5000, false);
+    let waiting = send_raw(&f.url(), &long).await.unwrap();
+    let worker = || async { f.admin_workers(0).await.unwrap()["workers"][0].clone() };
+    let released = f
+        .until(Duration::from_secs(20), || async {
+            let w = worker().await;
+            w["booked_requests"] == 1 && w["booked_prefill_blocks"].as_f64() == Some(0.0)
+        })
+        .await;
+    assert!(released, "prefill still booked: {}", worker().await);
+    drop(waiting);
+    assert!(
+        f.until(Duration::from_secs(10), || all_bookings_closed(&f))
+            .await
+    );
+}
+
 /// A stream's first chunk may come later than the idle timeout between chunks: vLLM sends
 /// its headers at once and its first chunk after the prefill and its own queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
