@@ -97,6 +97,9 @@ async fn serve_direct(
     // Engines without KV events learn their likely cache from the prompts routed to them.
     let mut learners = std::collections::HashMap::new();
     for b in &settings.backends {
+        if b.events.is_some() && b.replay.is_none() {
+            kvroute::engines::ingest::warn_without_replay(&b.url);
+        }
         let id = kvroute::protocol::WorkerId(
             (xxhash_rust::xxh3::xxh3_64(b.url.as_bytes()) & 0xffff_ffff_ffff).max(1),
         );

@@ -144,10 +144,10 @@ pub async fn run(
                 continue;
             }
         };
-        backoff = Duration::from_millis(100);
         warned = false;
         tracing::info!(endpoint = %ingest.endpoint.events, "following the engine's KV events");
         ingest.stats.connected = true;
+        let followed = tokio::time::Instant::now();
         match ingest.follow(sub, &tx).await {
             Ok(f) => failed = f,
             Err(Closed) => return,
@@ -156,7 +156,27 @@ pub async fn run(
         if ingest.flush(&tx).await.is_err() {
             return;
         }
+        if failed && followed.elapsed() < limits.idle {
+            // A peer that closes as soon as it is followed is not reconnected to at once.
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(limits.max_backoff);
+        } else {
+            backoff = Duration::from_millis(100);
+        }
     }
+}
+
+/// Says that `engine`'s KV events are followed without its replay socket: one lost batch
+/// (a reconnect, the PUB socket's high-water mark) then empties what the router knows of
+/// it, and the prefixes it keeps cached are not announced again (an engine announces a
+/// block once, when it is first cached).
+pub fn warn_without_replay(engine: &str) {
+    tracing::warn!(
+        engine,
+        "following KV events without the engine's replay socket: a lost batch forgets its \
+         cached prefixes until they are evicted and cached again (vLLM: set \
+         kv_events_config.replay_endpoint, and give it to kvroute as the replay endpoint)"
+    );
 }
 
 struct Ingest {
@@ -185,6 +205,10 @@ impl Ingest {
         let mut sub =
             Connection::connect(&self.endpoint.events, "SUB", self.limits.connect).await?;
         sub.subscribe(self.endpoint.topic.as_bytes()).await?;
+        // What an earlier connection's replay covered says nothing of this one: after a
+        // failed replay, a batch numbered below the expected seq is a restarted engine, not
+        // a duplicate.
+        self.replayed_from = None;
         if self.endpoint.replay.is_some() {
             let caught_up = match (after_failure, self.seq.expected()) {
                 (true, Some(expected)) => self.resync(expected).await,
@@ -239,7 +263,11 @@ impl Ingest {
 
     async fn live(&mut self, seq: u64, payload: &[u8]) {
         match self.seq.check(seq) {
-            SeqCheck::First | SeqCheck::Next => self.apply(seq, payload),
+            SeqCheck::First | SeqCheck::Next => {
+                // Live batches come in order: none older than this one can follow.
+                self.replayed_from = None;
+                self.apply(seq, payload);
+            }
             SeqCheck::Gap { expected } => {
                 self.stats.gaps += 1;
                 if self.endpoint.replay.is_some()
@@ -266,7 +294,17 @@ impl Ingest {
                     return;
                 }
                 self.restarted(seq);
-                self.apply(seq, payload);
+                if seq > 0
+                    && self.endpoint.replay.is_some()
+                    && let Err(e) = self.replay(0, false).await
+                {
+                    // The new engine's batches before this one were missed.
+                    tracing::warn!(endpoint = ?self.endpoint.replay, error = %e, "replay failed");
+                }
+                if !matches!(self.seq.check(seq), SeqCheck::Restarted) {
+                    // Not brought by the replay (it failed, or there is none).
+                    self.apply(seq, payload);
+                }
             }
         }
     }

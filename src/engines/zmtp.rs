@@ -118,7 +118,23 @@ impl Connection {
         let stream = tokio::time::timeout(deadline, TcpStream::connect(&address))
             .await
             .map_err(|_| ZmtpError::Timeout(deadline))??;
-        Connection::handshake(stream, socket_type, deadline).await
+        let c = Connection::handshake(stream, socket_type, deadline).await?;
+        // libzmq greets any peer, then closes a pair it cannot serve: refused here, a
+        // misconfigured endpoint (the event and replay ports swapped) is an error that
+        // backs off, not a connection that closes as soon as it opens, again and again.
+        let fits: &[&str] = match socket_type {
+            "SUB" => &["PUB", "XPUB"],
+            "DEALER" => &["ROUTER", "DEALER", "REP"],
+            _ => return Ok(c),
+        };
+        if !fits.contains(&c.peer_type.as_str()) {
+            return protocol(format!(
+                "{endpoint} is a {} socket, where a {socket_type} needs one of {}",
+                c.peer_type,
+                fits.join(", ")
+            ));
+        }
+        Ok(c)
     }
 
     /// Greets and exchanges READY on an open stream (either side) within `deadline`.

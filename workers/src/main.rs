@@ -411,6 +411,9 @@ async fn sidecar(
     let events = match &args.kv_events {
         Some(e) => {
             kvroute::engines::zmtp::tcp_address(e)?;
+            if args.kv_replay.is_none() {
+                kvroute::engines::ingest::warn_without_replay(&engine_url);
+            }
             Some(kvroute::engines::ingest::EngineEndpoint {
                 events: e.clone(),
                 replay: args.kv_replay.clone(),

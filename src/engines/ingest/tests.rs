@@ -214,6 +214,60 @@ async fn a_restarted_engine_s_old_blocks_vanish() {
     assert_eq!(owner.stats.restarts, 1);
 }
 
+/// A restarted engine whose replay cannot be had (here it has none) is still seen restarted
+/// on the live stream: what the replay of the old engine covered does not make the new
+/// engine's first batches duplicates.
+#[tokio::test]
+async fn a_restart_is_seen_when_the_new_engine_s_replay_fails() {
+    let engine = engine_at(0, 0).await;
+    let pub_port = engine.pub_port();
+    for b in [store(1, None), store(2, Some(1)), store(3, Some(2))] {
+        engine.publish(b);
+    }
+    let mut owner = start(&engine, true).await;
+    owner.until("replayed", |o| o.held.len() == 3).await;
+    // Live batches take the old engine's count past what the new one will reach.
+    for _ in 0..300 {
+        engine.publish(store(10, None));
+        engine.publish(remove(10));
+    }
+    owner
+        .until("the old engine's batches applied", |o| {
+            o.stats.mirror.batches >= 603
+        })
+        .await;
+    drop(engine);
+    let engine = loop {
+        match EnginePublisher::bind("127.0.0.1", pub_port, None, "", 100).await {
+            Ok(e) => break e,
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    };
+    // Until the follower has reconnected, batches go nowhere; a stored-and-removed block
+    // leaves nothing behind either way.
+    let mut restarted = false;
+    for _ in 0..200 {
+        engine.publish(store(4, None));
+        engine.publish(remove(4));
+        if tokio::time::timeout(
+            Duration::from_millis(20),
+            owner.until("restart seen", |o| o.stats.restarts > 0),
+        )
+        .await
+        .is_ok()
+        {
+            restarted = true;
+            break;
+        }
+    }
+    assert!(restarted, "the restart went unseen: {:?}", owner.stats);
+    engine.publish(store(7, None));
+    let want = hashes_of(&[(7, None)]);
+    owner
+        .until("only the new engine's block is left", |o| o.held == want)
+        .await;
+}
+
 #[tokio::test]
 async fn without_replay_a_gap_clears_and_rebuilds_from_what_follows() {
     let engine = engine_at(0, 0).await;

@@ -52,6 +52,28 @@ async fn dealer_and_router_exchange_multipart_messages() {
     assert_eq!(dealer.recv().await.unwrap()[1], b(&[0xff; 8]));
 }
 
+/// A socket pair libzmq would not serve (the event and replay ports swapped) is refused at
+/// the handshake, naming what the endpoint is.
+#[tokio::test]
+async fn sockets_that_cannot_pair_are_refused() {
+    let handler: RouterHandler = Arc::new(|_| Vec::new());
+    let router = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
+    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
+    let at_router = format!("tcp://127.0.0.1:{}", router.port());
+    let at_pub = format!("tcp://127.0.0.1:{}", pubs.port());
+    for (endpoint, ours, theirs) in [(&at_router, "SUB", "ROUTER"), (&at_pub, "DEALER", "PUB")] {
+        match Connection::connect(endpoint, ours, T).await {
+            Err(ZmtpError::Protocol(m)) => assert!(m.contains(theirs), "{m}"),
+            other => panic!(
+                "{ours} to a {theirs}: {:?}",
+                other.map(|c| c.peer_type().to_owned())
+            ),
+        }
+    }
+    assert!(Connection::connect(&at_pub, "SUB", T).await.is_ok());
+    assert!(Connection::connect(&at_router, "DEALER", T).await.is_ok());
+}
+
 #[tokio::test]
 async fn a_peer_that_is_not_zmtp_or_lies_about_sizes_is_refused() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
