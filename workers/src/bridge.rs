@@ -256,11 +256,13 @@ pub async fn run(
                         // Back as a new incarnation, with what the engine held then.
                         let epoch = new_epoch();
                         for s in &mut streams {
-                            s.publisher = s.publisher.renumbered(epoch);
+                            let carry = s.announced.blocks().next().is_some();
+                            s.publisher = s.publisher.renumbered(epoch, carry);
                         }
                         let mut i = info.lock();
                         i.epoch = epoch;
-                        i.last_event_ids = vec![0; config.dp_size as usize];
+                        i.last_event_ids =
+                            streams.iter().map(|s| s.publisher.last_event_id()).collect();
                     }
                     _ => {}
                 }

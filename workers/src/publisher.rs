@@ -215,16 +215,19 @@ impl Publisher {
         self.stats.events += 1;
     }
 
-    /// A stream for the next incarnation `epoch` of the same worker, ids from 1 again: how a
-    /// worker that left the fleet comes back without losing its cache (its first snapshot
-    /// carries what this one announced). Pending events must be flushed.
-    pub fn renumbered(&self, epoch: u64) -> Publisher {
+    /// A stream for the next incarnation `epoch` of the same worker: how a worker that left
+    /// the fleet comes back without losing its cache. With blocks to `carry` (announced
+    /// before and still held), id 1 stands for all of them and is never sent: a router
+    /// that sees the incarnation start at 1 would go live empty, while one that misses id 1
+    /// fetches the snapshot that carries them. Without, ids start at 1. Pending events must
+    /// be flushed.
+    pub fn renumbered(&self, epoch: u64, carry: bool) -> Publisher {
         debug_assert!(self.pending.is_empty(), "flush before renumbering");
         Publisher {
             worker: self.worker,
             dp_rank: self.dp_rank,
             epoch,
-            next_id: 1,
+            next_id: if carry { 2 } else { 1 },
             pending: Vec::new(),
             pending_blocks: 0,
             stats: PublisherStats::default(),

@@ -129,3 +129,22 @@ fn snapshot_orders_parents_first_with_watermark() {
     seqs.sort();
     assert_eq!(seqs, vec![1, 2, 4, 60]);
 }
+
+/// A worker back as a new incarnation with blocks it announced before starts its ids at 2:
+/// a router that joins it sees id 1 missing and fetches the snapshot carrying them (from
+/// id 1 it would go live with nothing). Without such blocks, ids start at 1.
+#[test]
+fn a_renumbered_stream_that_carries_blocks_skips_id_one() {
+    let mut p = Publisher::new(WorkerId(1), DpRank(0), 3);
+    p.record(&[stored(Tier::Device, None, 1)]);
+    p.flush(0).unwrap();
+    let mut carried = p.renumbered(4, true);
+    assert_eq!((carried.epoch(), carried.last_event_id()), (4, 1));
+    assert_eq!(carried.snapshot(std::iter::empty()).watermark, 1);
+    carried.record(&[stored(Tier::Device, None, 2)]);
+    assert_eq!(carried.flush(0).unwrap().first_id(), Some(2));
+    let mut empty = p.renumbered(5, false);
+    assert_eq!(empty.last_event_id(), 0);
+    empty.record(&[stored(Tier::Device, None, 2)]);
+    assert_eq!(empty.flush(0).unwrap().first_id(), Some(1));
+}
