@@ -714,12 +714,10 @@ struct Parsed {
 }
 
 impl Parsed {
-    /// Tokens the request may generate in all, for its booking (the scheduler caps it at
-    /// `admission.decode_cap_tokens`): every sequence's limit, or no limit.
+    /// Tokens each sequence may generate, for its booking (the scheduler caps it at
+    /// `admission.decode_cap_tokens`, then counts it `n` times): its limit, or none.
     fn booked_max_tokens(&self) -> u32 {
-        self.max_tokens
-            .unwrap_or(u32::MAX)
-            .saturating_mul(self.n.max(1))
+        self.max_tokens.unwrap_or(u32::MAX)
     }
 }
 
@@ -891,6 +889,7 @@ impl Prepared {
             block_size: self.block_size,
             overlaps: &self.overlaps,
             max_tokens: self.parsed.booked_max_tokens(),
+            n: self.parsed.n,
             session: None,
         }
     }
@@ -1062,6 +1061,7 @@ async fn admit(
         prompt_tokens: p.tokens.len(),
         block_size: prepared.block_size,
         max_tokens: p.booked_max_tokens(),
+        n: p.n,
         session: class.session.clone(),
     };
     let (mut guard, rx, ttl_ms) = match router.enter(class, request, routable)? {

@@ -297,10 +297,21 @@ pub struct RouteRequest<'a> {
     pub block_size: usize,
     /// Each worker's cached prefix of the request (from the indexer).
     pub overlaps: &'a OverlapScores,
-    /// Tokens it may generate (`max_tokens`); its expected decode is this, capped.
+    /// Tokens each sequence may generate (`max_tokens`); its expected decode is this,
+    /// capped, for each of its `n` sequences.
     pub max_tokens: u32,
+    /// Sequences it generates (OpenAI's `n`; 0 counts as 1).
+    pub n: u32,
     /// The conversation it belongs to, if the client named one.
     pub session: Option<SessionRef<'a>>,
+}
+
+impl RouteRequest<'_> {
+    /// The tokens it is expected to generate: each sequence's `max_tokens`, at most `cap`
+    /// (clients often ask for far more than they get), times its sequences.
+    pub fn expected_decode(&self, cap: u32) -> u64 {
+        u64::from(self.max_tokens.min(cap)) * u64::from(self.n.max(1))
+    }
 }
 
 /// A request's session, as the client named it.
@@ -632,12 +643,17 @@ impl Scheduler {
     }
 
     /// A real engine's own report of its load (every rank of `worker`): its KV usage counts
-    /// as held decode blocks where it exceeds what this router booked there.
-    pub fn set_engine_load(&mut self, worker: WorkerId, load: crate::engines::metrics::EngineLoad) {
-        for (key, state) in self.workers.iter_mut() {
-            if key.0 == worker {
-                state.engine_used_blocks = load.kv_usage() * state.capacity_blocks as f64;
-            }
+    /// as held decode blocks where it exceeds what this router booked there. `None` (the
+    /// sidecar's scrape failed) forgets the last report: a stale high usage would keep the
+    /// worker looking busy for as long as its metrics stay unreadable.
+    pub fn set_engine_load(
+        &mut self,
+        worker: WorkerId,
+        load: Option<crate::engines::metrics::EngineLoad>,
+    ) {
+        for (_, state) in self.workers.range_mut(ranks_of(worker)) {
+            state.engine_used_blocks =
+                load.map_or(0.0, |l| l.kv_usage() * state.capacity_blocks as f64);
         }
     }
 
@@ -708,7 +724,7 @@ impl Scheduler {
         let c = &self.config;
         let bs = request.block_size.max(1) as f64;
         let prompt_blocks = request.prompt_tokens as f64 / bs;
-        let decode_tokens = u64::from(request.max_tokens.min(c.admission.decode_cap_tokens));
+        let decode_tokens = request.expected_decode(c.admission.decode_cap_tokens);
         let budget = c.admission.worker_budget_tokens as f64;
         self.workers
             .iter()
@@ -913,13 +929,10 @@ impl Scheduler {
             .map(|o| (o.device + o.host + o.disk) as usize)
             .max()
             .unwrap_or(0);
-        let decode = request
-            .max_tokens
-            .min(self.config.admission.decode_cap_tokens);
         request
             .prompt_tokens
             .saturating_sub(cached * request.block_size) as u64
-            + u64::from(decode)
+            + request.expected_decode(self.config.admission.decode_cap_tokens)
     }
 
     /// Totals over every decision so far.

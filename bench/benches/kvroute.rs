@@ -268,6 +268,7 @@ fn scheduler(c: &mut Criterion) {
             block_size: 16,
             overlaps: &overlaps,
             max_tokens: 16,
+            n: 1,
             session: None,
         };
         group.bench_function(format!("512_booked_blocks/{workers}_workers"), |b| {

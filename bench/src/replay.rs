@@ -267,6 +267,7 @@ impl Prompt {
             block_size,
             overlaps,
             max_tokens: self.output,
+            n: 1,
             session: self
                 .session
                 .as_deref()
@@ -898,6 +899,7 @@ fn run_policy(
                 block_size: args.block_size,
                 overlaps: &overlaps,
                 max_tokens: p.output,
+                n: 1,
                 session: p
                     .session
                     .as_deref()

@@ -154,6 +154,12 @@ pub struct ServeFlags {
     /// Request header naming the tenant (else the API key's index) [default: x-kvroute-tenant].
     #[arg(long, env = "KVROUTE_TENANT_HEADER")]
     pub tenant_header: Option<String>,
+    /// Honour the tenant header on requests that carry an API key (behind a gateway that
+    /// sets it). Otherwise a key's requests are its tenant, `key-N`, whatever they claim:
+    /// a client naming a new tenant per request would take the others' fair share
+    /// [default: false].
+    #[arg(long, env = "KVROUTE_TRUST_TENANT_HEADER", num_args = 0..=1, default_missing_value = "true")]
+    pub trust_tenant_header: Option<bool>,
     /// Request header naming the priority band, an integer, higher first
     /// [default: x-kvroute-priority].
     #[arg(long, env = "KVROUTE_PRIORITY_HEADER")]
@@ -609,6 +615,10 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
                 session: name(flags.session_header, file.session_header, h.session)?,
                 affinity: name(flags.affinity_header, file.affinity_header, h.affinity)?,
                 receipt: name(flags.receipt_header, file.receipt_header, h.receipt)?,
+                trust_tenant: flags
+                    .trust_tenant_header
+                    .or(file.trust_tenant_header)
+                    .unwrap_or(false),
             }
         },
     };

@@ -30,6 +30,20 @@ pub fn events_subject(cluster: &str, worker: WorkerId) -> String {
     format!("kvroute.{cluster}.events.{worker}")
 }
 
+/// First wait before a rank without an index slot resyncs, ms; it doubles up to
+/// [`NO_SLOT_MAX_WAIT_MS`] while no slot frees up.
+const NO_SLOT_FIRST_WAIT_MS: u64 = 1_000;
+const NO_SLOT_MAX_WAIT_MS: u64 = 30_000;
+
+/// Whether `subject` is `worker`'s events subject (its last token is the worker's id).
+fn subject_names(subject: &str, worker: WorkerId) -> bool {
+    subject
+        .rsplit('.')
+        .next()
+        .and_then(|t| t.parse::<u64>().ok())
+        .is_some_and(|id| id == worker.0)
+}
+
 /// Subject a worker answers snapshot requests on.
 pub fn snapshot_subject(cluster: &str, worker: WorkerId) -> String {
     format!("kvroute.{cluster}.snapshot.{worker}")
@@ -506,6 +520,18 @@ impl FleetOwner {
                 return;
             }
         };
+        if !subject_names(subject, batch.worker) {
+            // A worker publishes on its own subject only (which NATS permissions can
+            // enforce): a batch naming another worker would write into that worker's
+            // stream, and one of a larger epoch would retire its live incarnation.
+            self.shared
+                .counters
+                .malformed
+                .fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("kvroute_event_malformed_total").increment(1);
+            tracing::warn!(subject, worker = %batch.worker, "dropping a batch published on another worker's subject");
+            return;
+        }
         let key = (batch.worker, batch.dp_rank);
         let verdict = self.fleet.on_batch(self.now_ms(), key);
         let reason = match verdict {
@@ -546,7 +572,7 @@ impl FleetOwner {
                     tracing::error!(%refusal, "refusing a worker registration");
                 }
                 self.execute();
-                if let (Some(s), (id, Some(load))) = (&self.shared.scheduler, reported) {
+                if let (Some(s), (id, load)) = (&self.shared.scheduler, reported) {
                     s.lock().set_engine_load(id, load);
                 }
                 if changed {
@@ -815,6 +841,11 @@ async fn run_stream(
             request,
         ));
     };
+    // A rank the index has no slot for resyncs after a wait that doubles, not at once: a
+    // worker answers a snapshot request in a round trip, and every snapshot would be
+    // refused again while no slot frees up.
+    let mut no_slot_retry_at: Option<u64> = None;
+    let mut no_slot_wait_ms = NO_SLOT_FIRST_WAIT_MS;
     loop {
         tokio::select! {
             biased;
@@ -851,6 +882,10 @@ async fn run_stream(
                 if overflowed.swap(false, Ordering::Relaxed) {
                     stream.resync(now, &mut commands);
                 }
+                if no_slot_retry_at.is_some_and(|at| now >= at) {
+                    no_slot_retry_at = None;
+                    stream.resync(now, &mut commands);
+                }
                 stream.on_tick(now, &mut commands);
             }
         }
@@ -878,13 +913,14 @@ async fn run_stream(
         if dropped {
             // The index had no slot for this rank (more ranks than `max_workers`, or slots
             // of departed ones not yet freed): what it holds of the rank is not what the
-            // stream applied. Resync, and again after each snapshot until a slot is free.
-            stream.resync(now_ms(), &mut commands);
-            for command in commands.drain(..) {
-                if let Command::RequestSnapshot { request, .. } = command {
-                    request_snapshot(request);
-                }
+            // stream applied. Resync once a wait is over, and again after each snapshot
+            // until a slot is free.
+            if no_slot_retry_at.is_none() {
+                no_slot_retry_at = Some(now_ms() + no_slot_wait_ms);
+                no_slot_wait_ms = (no_slot_wait_ms * 2).min(NO_SLOT_MAX_WAIT_MS);
             }
+        } else if applied > 0 && no_slot_retry_at.is_none() {
+            no_slot_wait_ms = NO_SLOT_FIRST_WAIT_MS;
         }
         let mut s = status.lock();
         let (before, after) = (s.stats, stream.stats());

@@ -37,6 +37,9 @@ pub struct ClassHeaders {
     /// Any value: the response carries `x-kvroute-receipt` (worker, cached, reachable,
     /// cost).
     pub receipt: String,
+    /// Whether the tenant header counts on a request that carries an API key (a gateway in
+    /// front sets it); if not, such a request's tenant is its key.
+    pub trust_tenant: bool,
 }
 
 impl Default for ClassHeaders {
@@ -47,6 +50,7 @@ impl Default for ClassHeaders {
             session: "x-kvroute-session".into(),
             affinity: "x-kvroute-affinity".into(),
             receipt: "x-kvroute-receipt".into(),
+            trust_tenant: false,
         }
     }
 }
@@ -93,8 +97,9 @@ impl Class {
             Ok(Some(v))
         };
         let tenant: Arc<str> = match (text(&names.tenant)?, api_key) {
-            (Some(t), _) => Arc::from(t),
-            (None, Some(i)) => Arc::from(format!("key-{i}")),
+            (Some(t), None) => Arc::from(t),
+            (Some(t), Some(_)) if names.trust_tenant => Arc::from(t),
+            (_, Some(i)) => Arc::from(format!("key-{i}")),
             (None, None) => Arc::from("default"),
         };
         let band = match text(&names.priority)? {
@@ -134,6 +139,7 @@ pub(super) struct Routable {
     pub prompt_tokens: usize,
     pub block_size: usize,
     pub max_tokens: u32,
+    pub n: u32,
     pub session: Option<(String, bool)>,
 }
 
@@ -146,6 +152,7 @@ impl Routable {
             block_size: self.block_size,
             overlaps,
             max_tokens: self.max_tokens,
+            n: self.n,
             session: self
                 .session
                 .as_ref()

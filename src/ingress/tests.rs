@@ -96,7 +96,8 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
             nulls.stream,
             nulls.include_usage
         ),
-        (Some(7), 3, 21, false, true)
+        // Booked per sequence: the scheduler counts it `n` times.
+        (Some(7), 3, 7, false, true)
     );
     let body = generate_body(&nulls, crate::protocol::Salt(9), true);
     assert_eq!(
@@ -212,5 +213,37 @@ fn response_ids_do_not_repeat() {
     assert!(
         ids.iter()
             .all(|i| i.starts_with("cmpl-") && i.len() == 5 + 24)
+    );
+}
+
+/// With an API key, a request's tenant is its key unless the tenant header is trusted (a
+/// gateway sets it): a client naming a new tenant per request would otherwise take the
+/// others' fair share. Without keys, the header names the tenant.
+#[test]
+fn a_key_s_requests_are_its_tenant_unless_the_header_is_trusted() {
+    use super::admission::{Class, ClassHeaders};
+    let mut headers = hyper::HeaderMap::new();
+    headers.insert("x-kvroute-tenant", "someone-else".parse().unwrap());
+    let tenant = |names: &ClassHeaders, key: Option<usize>| {
+        Class::read(names, &headers, key, None, None)
+            .unwrap()
+            .tenant
+            .to_string()
+    };
+    let untrusted = ClassHeaders::default();
+    assert_eq!(tenant(&untrusted, Some(3)), "key-3");
+    assert_eq!(tenant(&untrusted, None), "someone-else");
+    let trusted = ClassHeaders {
+        trust_tenant: true,
+        ..ClassHeaders::default()
+    };
+    assert_eq!(tenant(&trusted, Some(3)), "someone-else");
+    let none = hyper::HeaderMap::new();
+    assert_eq!(
+        Class::read(&untrusted, &none, None, None, None)
+            .unwrap()
+            .tenant
+            .as_ref(),
+        "default"
     );
 }

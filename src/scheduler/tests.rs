@@ -59,6 +59,7 @@ fn request<'a>(b: &'a [BlockHash], tokens: usize, overlaps: &'a OverlapScores) -
         block_size: 16,
         overlaps,
         max_tokens: 16,
+        n: 1,
         session: None,
     }
 }
@@ -616,19 +617,21 @@ fn an_engine_s_own_kv_usage_counts_where_it_exceeds_the_bookings() {
     };
     assert_eq!(cost(&s, 0), cost(&s, 1));
     // Engine 1 reports 60 % of its 1,000 blocks in use (other routers' requests).
-    s.set_engine_load(
-        WorkerId(1),
-        EngineLoad {
-            running: 9,
-            waiting: 2,
-            kv_usage_permille: 600,
-        },
-    );
+    let busy = EngineLoad {
+        running: 9,
+        waiting: 2,
+        kv_usage_permille: 600,
+    };
+    s.set_engine_load(WorkerId(1), Some(busy));
     assert_eq!(cost(&s, 1) - cost(&s, 0), 600.0);
+    // The sidecar could not read the engine's metrics: the last report does not linger.
+    s.set_engine_load(WorkerId(1), None);
+    assert_eq!(cost(&s, 1), cost(&s, 0));
+    s.set_engine_load(WorkerId(1), Some(busy));
     let d = s.route(0, &request(&b, 64, &none)).unwrap();
     assert_eq!(d.chosen.key, key(0), "the idle engine is cheaper");
     // Engine 1 idle again, engine 0 holding what this router booked there: 1 is cheaper.
-    s.set_engine_load(WorkerId(1), EngineLoad::default());
+    s.set_engine_load(WorkerId(1), Some(EngineLoad::default()));
     assert!(cost(&s, 1) < cost(&s, 0));
 }
 
@@ -1036,4 +1039,30 @@ fn a_worker_added_back_carries_the_load_of_its_open_bookings() {
     let empty = s.load(key(0)).unwrap();
     assert_eq!((empty.requests, empty.decode_blocks()), (0, 0));
     assert!(empty.prefill_blocks.abs() < 1e-9 && empty.work_tokens.abs() < 1e-9);
+}
+
+/// Each of a request's `n` sequences is expected to generate up to its own `max_tokens`
+/// (capped): `n = 8` books eight times one sequence's decode, not one capped total.
+#[test]
+fn every_sequence_of_a_request_books_its_decode() {
+    let s = scheduler(PolicyKind::Kv, 1);
+    let b = blocks(4, 0);
+    let none = scores(&[]);
+    let cap = Config::default().admission.decode_cap_tokens;
+    let work = |max_tokens: u32, n: u32| {
+        let r = RouteRequest {
+            max_tokens,
+            n,
+            ..request(&b, 64, &none)
+        };
+        // The queue weighs the uncached prompt (64 tokens here) and the decode.
+        (
+            s.candidates(0, &r)[0].work.decode_tokens,
+            s.queue_work(&r) - 64,
+        )
+    };
+    assert_eq!(work(100, 1), (100, 100));
+    assert_eq!(work(100, 8), (800, 800));
+    assert_eq!(work(u32::MAX, 8).0, 8 * u64::from(cap));
+    assert_eq!(work(100, 0), work(100, 1));
 }

@@ -443,6 +443,7 @@ async fn replicas_see_each_others_bookings_and_drop_a_dead_replicas() {
         block_size: 16,
         overlaps: &none,
         max_tokens: 16,
+        n: 1,
         session: None,
     };
     let decision = replicas[0].0.lock().route(0, &request).unwrap();

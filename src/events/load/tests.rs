@@ -247,6 +247,7 @@ async fn a_silent_replica_loses_its_bookings_after_the_ttl() {
         block_size: 16,
         overlaps: &overlaps,
         max_tokens: 16,
+        n: 1,
         session: None,
     };
     let decision = a.lock().route(0, &request).unwrap();

@@ -134,6 +134,29 @@ async fn a_batch_after_goodbye_is_dropped() {
     assert_eq!(s.scheduler.lock().workers().count(), 0);
 }
 
+/// A batch published on another worker's subject is dropped: a worker writes into its own
+/// stream only.
+#[tokio::test(start_paused = true)]
+async fn a_batch_on_another_worker_s_subject_is_dropped() {
+    let s = setup(LeaseConfig::default()).await;
+    s.local.put(info(1, 1));
+    s.local.put(info(2, 1));
+    assert!(settle(|| s.plane.streams().len() == 2).await);
+    // Worker 2 publishes as worker 1.
+    s.bus
+        .publish("kvroute.t.events.2", None, batch(1, 1, 16))
+        .await
+        .unwrap();
+    assert!(settle(|| s.plane.counters().malformed.load(Ordering::Relaxed) == 1).await);
+    assert_eq!(s.plane.indexer().sizes().blocks, 0);
+    s.bus
+        .publish("kvroute.t.events.1", None, batch(1, 1, 16))
+        .await
+        .unwrap();
+    assert!(settle(|| s.plane.indexer().sizes().blocks == 4).await);
+    assert_eq!(s.plane.counters().malformed.load(Ordering::Relaxed), 1);
+}
+
 /// Registrations with absurd shapes are refused before they cost anything: no streams, no
 /// scheduler entries, and the plane keeps serving the rest of the fleet.
 #[tokio::test(start_paused = true)]
@@ -336,4 +359,73 @@ async fn a_batch_without_an_index_slot_resyncs_its_stream() {
         "both streams live, one of them without an index slot: {:?}",
         live()
     );
+}
+
+/// A rank without an index slot resyncs after waits that double, not as fast as its
+/// worker answers snapshot requests (each would be refused again by the full index).
+#[tokio::test(start_paused = true)]
+async fn a_rank_without_an_index_slot_backs_off_between_resyncs() {
+    let s = setup_with(
+        LeaseConfig::default(),
+        Config {
+            max_workers: 1,
+            ..Config::default()
+        },
+    )
+    .await;
+    // Worker 2 answers its snapshot requests at once with a block (50 at most, so that a
+    // loop without waits ends and virtual time can pass).
+    let mut requests = s
+        .bus
+        .subscribe(&snapshot_subject("t", WorkerId(2)))
+        .await
+        .unwrap();
+    let answered = Arc::new(AtomicU64::new(0));
+    let (bus, count) = (s.bus.clone(), Arc::clone(&answered));
+    tokio::spawn(async move {
+        while let Some(m) = requests.next().await {
+            let Some(reply) = m.reply else { continue };
+            if count.fetch_add(1, Ordering::Relaxed) >= 50 {
+                continue;
+            }
+            let snapshot = Snapshot {
+                worker: WorkerId(2),
+                dp_rank: DpRank(0),
+                epoch: 7,
+                watermark: 1,
+                blocks: vec![crate::protocol::SnapshotBlock {
+                    tier: Tier::Device,
+                    parent: None,
+                    block: StoredBlock {
+                        seq: crate::protocol::SeqHash(5),
+                        local: crate::protocol::LocalHash(5),
+                    },
+                }],
+            };
+            for chunk in snapshot.encode(1 << 20).unwrap() {
+                let _ = bus.publish(&reply, None, chunk.into()).await;
+            }
+        }
+    });
+    s.local.put(info(1, 1));
+    s.local.put(info(2, 1));
+    assert!(settle(|| s.plane.streams().len() == 2).await);
+    s.bus
+        .publish("kvroute.t.events.1", None, batch(1, 1, 16))
+        .await
+        .unwrap();
+    assert!(settle(|| s.plane.indexer().sizes().blocks == 4).await);
+    // Worker 2's batch finds no slot: its stream resyncs, and keeps being refused.
+    s.bus
+        .publish("kvroute.t.events.2", None, batch(2, 1, 16))
+        .await
+        .unwrap();
+    for _ in 0..40 {
+        s.local.put(info(1, 1));
+        s.local.put(info(2, 1));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let n = answered.load(Ordering::Relaxed);
+    // Waits of 1, 2, 4, 8 and 16 s fit in 40 s (each answered at once): 5 or so.
+    assert!((1..=8).contains(&n), "{n} snapshots fetched in 40 s");
 }
