@@ -61,8 +61,6 @@ pub struct PlaneConfig {
     pub queue_batches: usize,
     /// How often the fleet and the stream tasks check their timers, ms.
     pub tick_ms: u64,
-    /// How long one snapshot fetch may take, ms.
-    pub snapshot_fetch_ms: u64,
     /// How long a departed worker's late batches are recognised and dropped, ms.
     pub tombstone_ttl_ms: u64,
     /// How often the fleet owner checks that no stream, lane or scheduler entry outlived
@@ -80,7 +78,6 @@ impl Default for PlaneConfig {
             stream: StreamConfig::default(),
             queue_batches: 4096,
             tick_ms: 50,
-            snapshot_fetch_ms: 2_000,
             tombstone_ttl_ms: 60_000,
             sweep_ms: 1_000,
             lag_samples: 1_024,
@@ -833,12 +830,13 @@ async fn run_stream(
     let mut commands = Vec::new();
     let worker = key.0.to_string();
     let apply_metrics = ApplyMetrics::new(&worker);
-    let request_snapshot = |request: u64| {
+    let request_snapshot = |request: u64, wait_ms: u64| {
         tokio::spawn(fetch_snapshot(
             Arc::clone(&shared),
             key,
             tx.clone(),
             request,
+            Duration::from_millis(wait_ms),
         ));
     };
     // A rank the index has no slot for resyncs after a wait that doubles, not at once: a
@@ -907,7 +905,9 @@ async fn run_stream(
                     apply_metrics.record(&outcome);
                     dropped = outcome.no_slot;
                 }
-                Command::RequestSnapshot { request, .. } => request_snapshot(request),
+                Command::RequestSnapshot {
+                    request, wait_ms, ..
+                } => request_snapshot(request, wait_ms),
             }
         }
         if dropped {
@@ -1011,8 +1011,10 @@ async fn fetch_snapshot(
     key: StreamKey,
     tx: mpsc::Sender<Input>,
     request: u64,
+    deadline: Duration,
 ) {
-    let deadline = Duration::from_millis(shared.config.snapshot_fetch_ms);
+    // As long as the stream waits before asking again (doubling with each retry): a
+    // snapshot slower to come than that is asked for again anyway.
     let fetched = tokio::time::timeout(deadline, fetch(&shared, key)).await;
     match fetched {
         Ok(Some(snapshot)) => {

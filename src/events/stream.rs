@@ -24,9 +24,15 @@ pub struct StreamConfig {
     /// the buffer is dropped and the resync starts over (counted as an overflow). Counted in
     /// blocks, not events: one event may name 100 k blocks.
     pub max_buffered_blocks: usize,
-    /// A snapshot request unanswered this long is sent again, ms.
+    /// A snapshot request unanswered this long is sent again, ms; each retry of the same
+    /// resync waits twice as long, up to [`MAX_SNAPSHOT_WAIT_MS`] (a worker slow to answer,
+    /// or answering many replicas at once after a NATS outage, is not asked ever faster
+    /// than it answers).
     pub snapshot_timeout_ms: u64,
 }
+
+/// Longest wait for a snapshot before it is asked again, ms.
+pub const MAX_SNAPSHOT_WAIT_MS: u64 = 32_000;
 
 impl Default for StreamConfig {
     fn default() -> Self {
@@ -52,6 +58,9 @@ pub enum Command {
         epoch: u64,
         /// The resync asking: its answer goes back with it ([`WorkerStream::on_snapshot`]).
         request: u64,
+        /// How long the stream waits for this answer before asking again, ms: the fetch's
+        /// deadline.
+        wait_ms: u64,
     },
 }
 
@@ -100,7 +109,12 @@ enum State {
     /// Applying batches in order; `next_id` is the next id expected.
     Live { next_id: u64 },
     /// Waiting for a snapshot; live batches are buffered.
-    Resyncing { since_ms: u64, requested_ms: u64 },
+    Resyncing {
+        since_ms: u64,
+        requested_ms: u64,
+        /// How long after `requested_ms` the request is sent again.
+        wait_ms: u64,
+    },
 }
 
 /// One (worker, dp rank) stream.
@@ -301,17 +315,21 @@ impl WorkerStream {
             State::Resyncing {
                 since_ms,
                 requested_ms,
+                wait_ms,
             } => {
-                if now_ms.saturating_sub(requested_ms) >= self.config.snapshot_timeout_ms {
+                if now_ms.saturating_sub(requested_ms) >= wait_ms {
                     self.stats.snapshot_retries += 1;
+                    let wait_ms = (wait_ms * 2).min(MAX_SNAPSHOT_WAIT_MS.max(wait_ms));
                     self.state = State::Resyncing {
                         since_ms,
                         requested_ms: now_ms,
+                        wait_ms,
                     };
                     if let Some(epoch) = self.epoch {
                         out.push(Command::RequestSnapshot {
                             epoch,
                             request: self.resyncs,
+                            wait_ms,
                         });
                     }
                 }
@@ -414,14 +432,17 @@ impl WorkerStream {
         self.resyncs += 1;
         self.last_reason = Some(reason);
         self.held_since_ms = None;
+        let wait_ms = self.config.snapshot_timeout_ms;
         self.state = State::Resyncing {
             since_ms: now_ms,
             requested_ms: now_ms,
+            wait_ms,
         };
         if let Some(epoch) = self.epoch {
             out.push(Command::RequestSnapshot {
                 epoch,
                 request: self.resyncs,
+                wait_ms,
             });
         }
     }

@@ -3,8 +3,11 @@
 //! chunks with their watermark, and keeps `last_event_ids` in its registration current so
 //! the router can tell a lost last batch.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use bytes::Bytes;
+use futures_util::FutureExt;
 use kvroute::discovery::WorkerInfo;
 use kvroute::events::plane::{events_subject, snapshot_subject};
 use kvroute::events::transport::{Transport, TransportError};
@@ -75,7 +78,10 @@ impl WorkerPlane {
 
     /// Serves snapshot requests until the transport closes: each request is handed to
     /// `engines` (the task owning the engines) and the snapshot it returns is sent back in
-    /// chunks to the requester's inbox.
+    /// chunks to the requester's inbox. Requests that queued up meanwhile (every router
+    /// replica resyncing at once after a NATS outage) share one snapshot per rank: it is
+    /// cut after each of them arrived, so it covers what each asked for, and the engine
+    /// builds it once instead of once per request, each answer later than the one before.
     pub async fn serve_snapshots(
         transport: Transport,
         cluster: &str,
@@ -86,42 +92,58 @@ impl WorkerPlane {
             .subscribe(&snapshot_subject(cluster, worker))
             .await?;
         Ok(tokio::spawn(async move {
-            while let Some(message) = requests.next().await {
-                let Some(reply_to) = message.reply else {
-                    continue;
-                };
-                let rank = message
-                    .payload
-                    .get(..4)
-                    .and_then(|b| b.try_into().ok())
-                    .map_or(0, u32::from_le_bytes);
-                let (tx, rx) = oneshot::channel();
-                if engines
-                    .send(SnapshotRequest {
+            while let Some(first) = requests.next().await {
+                let mut inboxes: BTreeMap<u32, Vec<String>> = BTreeMap::new();
+                let mut next = Some(first);
+                let mut taken = 0;
+                while let Some(message) = next.take() {
+                    if let Some(reply_to) = message.reply {
+                        let rank = message
+                            .payload
+                            .get(..4)
+                            .and_then(|b| b.try_into().ok())
+                            .map_or(0, u32::from_le_bytes);
+                        inboxes.entry(rank).or_default().push(reply_to);
+                    }
+                    taken += 1;
+                    if taken < MAX_SHARED_REQUESTS {
+                        // What else waits already, without waiting for more.
+                        next = requests.next().now_or_never().flatten();
+                    }
+                }
+                for (rank, inboxes) in inboxes {
+                    let (tx, rx) = oneshot::channel();
+                    let asked = SnapshotRequest {
                         dp_rank: DpRank(rank),
                         reply: tx,
-                    })
-                    .await
-                    .is_err()
-                {
-                    return;
-                }
-                let Ok(snapshot) = rx.await else { continue };
-                match snapshot.encode(transport.max_payload()) {
-                    Ok(chunks) => {
-                        for chunk in chunks {
-                            if let Err(e) = transport.publish(&reply_to, None, chunk.into()).await {
+                    };
+                    if engines.send(asked).await.is_err() {
+                        return;
+                    }
+                    let Ok(snapshot) = rx.await else { continue };
+                    let chunks: Vec<Bytes> = match snapshot.encode(transport.max_payload()) {
+                        Ok(chunks) => chunks.into_iter().map(Bytes::from).collect(),
+                        Err(e) => {
+                            tracing::error!(%worker, error = %e, "cannot encode snapshot");
+                            continue;
+                        }
+                    };
+                    for inbox in &inboxes {
+                        for chunk in &chunks {
+                            if let Err(e) = transport.publish(inbox, None, chunk.clone()).await {
                                 tracing::warn!(%worker, error = %e, "snapshot reply failed");
                                 break;
                             }
                         }
                     }
-                    Err(e) => tracing::error!(%worker, error = %e, "cannot encode snapshot"),
                 }
             }
         }))
     }
 }
+
+/// Most queued snapshot requests answered by one round of snapshots.
+const MAX_SHARED_REQUESTS: usize = 1024;
 
 #[cfg(test)]
 mod tests {
@@ -168,5 +190,57 @@ mod tests {
         plane.note_sent(&batch(0, 5));
         plane.note_sent(&batch(1, 3));
         assert_eq!(info.lock().last_event_ids, vec![9, 3]);
+    }
+
+    /// Snapshot requests that queued up while none was served (every replica resyncing at
+    /// once) share one snapshot per rank: every requester gets it whole, and the engine
+    /// builds it once per rank, not once per request.
+    #[tokio::test]
+    async fn queued_snapshot_requests_share_one_snapshot_per_rank() {
+        let transport = Transport::Local(LocalBus::new());
+        let (engines_tx, mut engines) = mpsc::channel(16);
+        let mut inboxes = Vec::new();
+        for i in 0..8 {
+            inboxes.push(transport.subscribe(&format!("inbox.{i}")).await.unwrap());
+        }
+        WorkerPlane::serve_snapshots(transport.clone(), "c", WorkerId(1), engines_tx)
+            .await
+            .unwrap();
+        // Eight requests (six for rank 0, two for rank 1) queue before the server runs.
+        for i in 0..8u32 {
+            let rank = u32::from(i >= 6);
+            transport
+                .publish(
+                    &snapshot_subject("c", WorkerId(1)),
+                    Some(&format!("inbox.{i}")),
+                    Bytes::copy_from_slice(&rank.to_le_bytes()),
+                )
+                .await
+                .unwrap();
+        }
+        let mut built = Vec::new();
+        for _ in 0..2 {
+            let request: SnapshotRequest = engines.recv().await.unwrap();
+            built.push(request.dp_rank.0);
+            let _ = request.reply.send(Snapshot {
+                worker: WorkerId(1),
+                dp_rank: request.dp_rank,
+                epoch: 1,
+                watermark: 4,
+                blocks: Vec::new(),
+            });
+        }
+        assert_eq!(built, vec![0, 1]);
+        for (i, inbox) in inboxes.iter_mut().enumerate() {
+            let m = inbox.next().await.unwrap();
+            let chunk = kvroute::protocol::decode_snapshot_chunk(
+                &m.payload,
+                &kvroute::protocol::Limits::default(),
+            )
+            .unwrap();
+            assert_eq!(chunk.dp_rank.0, u32::from(i >= 6), "inbox {i}");
+        }
+        tokio::task::yield_now().await;
+        assert!(engines.try_recv().is_err(), "a snapshot built twice");
     }
 }

@@ -108,7 +108,8 @@ fn a_gap_resyncs_from_a_snapshot_and_replays_only_past_its_watermark() {
     }
     assert!(out.contains(&Command::RequestSnapshot {
         epoch: 7,
-        request: 1
+        request: 1,
+        wait_ms: 2_000
     }));
     assert!(!s.is_live());
     out.clear();
@@ -205,7 +206,8 @@ fn joining_mid_stream_resyncs_and_retries_an_unanswered_request() {
             Command::Reset,
             Command::RequestSnapshot {
                 epoch: 7,
-                request: 1
+                request: 1,
+                wait_ms: 2_000
             }
         ]
     );
@@ -216,16 +218,44 @@ fn joining_mid_stream_resyncs_and_retries_an_unanswered_request() {
         out,
         vec![Command::RequestSnapshot {
             epoch: 7,
-            request: 1
+            request: 1,
+            wait_ms: 4_000
         }]
     );
     assert_eq!(s.stats().snapshot_retries, 1);
+    // Each retry waits twice as long as the one before, up to a cap: a worker slow to
+    // answer (many replicas resyncing at once) is not asked ever faster than it answers.
     out.clear();
-    s.on_snapshot(2_100, s.snapshot_request(), snapshot(7, 5), &mut out);
+    s.on_tick(5_999, &mut out);
+    assert!(out.is_empty());
+    let mut asked = Vec::new();
+    for now in (6_000..=200_000).step_by(1_000) {
+        s.on_tick(now, &mut out);
+        for c in out.drain(..) {
+            if let Command::RequestSnapshot { wait_ms, .. } = c {
+                asked.push((now, wait_ms));
+            }
+        }
+    }
+    assert_eq!(
+        asked,
+        vec![
+            (6_000, 8_000),
+            (14_000, 16_000),
+            (30_000, 32_000),
+            (62_000, 32_000),
+            (94_000, 32_000),
+            (126_000, 32_000),
+            (158_000, 32_000),
+            (190_000, 32_000)
+        ]
+    );
+    out.clear();
+    s.on_snapshot(200_100, s.snapshot_request(), snapshot(7, 5), &mut out);
     assert_eq!(applied_ids(&out[2..]), vec![6]);
     // A second answer to the retried request changes nothing.
     out.clear();
-    s.on_snapshot(2_200, s.snapshot_request(), snapshot(7, 5), &mut out);
+    s.on_snapshot(200_200, s.snapshot_request(), snapshot(7, 5), &mut out);
     assert!(out.is_empty());
 }
 
@@ -260,7 +290,8 @@ fn an_answer_to_a_request_made_before_an_overflow_is_ignored() {
     assert!(second > first);
     assert!(out.contains(&Command::RequestSnapshot {
         epoch: 7,
-        request: second
+        request: second,
+        wait_ms: 2_000
     }));
     out.clear();
     // The first request's answer, cut at 5: taking it would go live at 6 with 6..=10 lost.
