@@ -185,6 +185,8 @@ pub struct Router {
     decisions: Mutex<Option<tokio::sync::mpsc::Sender<RoutedPrompt>>>,
     /// Requests waiting for room (lock it before the scheduler, never after).
     queue: Mutex<admission::Queue>,
+    /// How many of them wait, by model.
+    waiting_models: admission::WaitingModels,
     /// Signalled when booked work is released: the queue is pumped.
     room: Arc<Notify>,
     /// The keys accepted on `/v1/*`: `config.api_keys` and the file's, as last read.
@@ -260,6 +262,7 @@ impl Router {
             mismatch: Arc::new(Mutex::new(MismatchAlarm::new(MismatchConfig::default()))),
             decisions: Mutex::new(None),
             queue: Mutex::new(queue),
+            waiting_models: Arc::default(),
             room: Arc::new(Notify::new()),
         });
         tokio::spawn(watch_hashes(Arc::downgrade(&router)));

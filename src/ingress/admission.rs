@@ -6,6 +6,7 @@
 //! deadline, reading each one's overlaps afresh; a ticket whose client goes away leaves with
 //! the handler's guard. Lock order: queue, then scheduler.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -177,6 +178,42 @@ pub(super) type Outcome = Result<(Decision, Booking), Refusal>;
 pub(super) struct Waiter {
     pub request: Arc<Routable>,
     pub tx: oneshot::Sender<Outcome>,
+    /// Counts it against its model while it is queued (until the queue lets it go).
+    pub _waiting: ModelWaiting,
+}
+
+/// Requests queued, by model: a request of a model none of whose requests waits goes
+/// straight to routing, whatever other models have queued. Entries go with their last
+/// request (model names come from clients).
+pub(super) type WaitingModels = Arc<parking_lot::Mutex<HashMap<String, usize>>>;
+
+/// One queued request counted against its model; dropping it (the queue lets the request
+/// go, however) takes the count back. A leaf lock: taken under the queue's.
+pub(super) struct ModelWaiting {
+    models: WaitingModels,
+    model: String,
+}
+
+impl ModelWaiting {
+    fn new(models: &WaitingModels, model: &str) -> ModelWaiting {
+        *models.lock().entry(model.to_owned()).or_default() += 1;
+        ModelWaiting {
+            models: Arc::clone(models),
+            model: model.to_owned(),
+        }
+    }
+}
+
+impl Drop for ModelWaiting {
+    fn drop(&mut self) {
+        let mut models = self.models.lock();
+        if let Some(n) = models.get_mut(&self.model) {
+            *n -= 1;
+            if *n == 0 {
+                models.remove(&self.model);
+            }
+        }
+    }
 }
 
 /// What [`Router::enter`] did with a request.
@@ -236,8 +273,9 @@ pub(super) fn record_decision(d: &Decision) {
     ));
 }
 
-/// Tickets the pump looks through for one it may admit, past those held back by one that
-/// must wait: bounds a pump's work when the queue is deep.
+/// Tickets one pump weighs at most (an index lookup and a scheduler decision each, under the
+/// queue's lock): bounds its work when the queue is deep. Tickets held back by one that must
+/// wait are passed over without being weighed.
 const MAX_LOOKAHEAD: usize = 1024;
 
 impl Router {
@@ -256,7 +294,9 @@ impl Router {
         let limits = queue.config().band(band);
         let work_tokens = {
             let mut scheduler = self.scheduler.lock();
-            if queue.is_empty() {
+            // Behind requests of its own model only: another model's backlog says nothing
+            // of room on this model's workers.
+            if !self.waiting_models.lock().contains_key(request.model) {
                 match scheduler.admit_within(now, request, limits.budget_share) {
                     Admission::Routed(decision) => {
                         drop(scheduler);
@@ -284,6 +324,7 @@ impl Router {
         let waiter = Waiter {
             request: Arc::new(routable()),
             tx,
+            _waiting: ModelWaiting::new(&self.waiting_models, request.model),
         };
         match queue.push(now, ticket, waiter) {
             Ok(id) => Ok(Entered::Queued {
@@ -323,59 +364,76 @@ impl Router {
         let mut seqs: Vec<SeqHash> = Vec::new();
         // A ticket that must wait holds back the tickets after it that would compete for the
         // same workers: its model's (or, with hard affinity, its session's). Tickets of other
-        // models go past it: their workers may have room.
-        let mut blocked_models: Vec<String> = Vec::new();
-        let mut blocked_sessions: Vec<String> = Vec::new();
-        loop {
-            let next = queue.in_order().take(MAX_LOOKAHEAD).find(|(_, _, w)| {
-                let r = &w.request;
-                !blocked_models.contains(&r.model)
-                    && !r
-                        .session
-                        .as_ref()
-                        .is_some_and(|(id, hard)| *hard && blocked_sessions.contains(id))
-            });
-            let Some((id, ticket, waiter)) = next else {
-                break;
-            };
-            let share = queue.config().band(ticket.band).budget_share;
-            if waiter.tx.is_closed() {
-                // The handler is going; its guard would remove the ticket a moment later.
-                if let Some(left) = queue.cancel(now, id) {
-                    rejected(left.ticket.band, "cancelled");
+        // models go past it: their workers may have room. The walk goes on from a ticket
+        // that waits (the order has not changed) and starts over after an admission (which
+        // charges its tenant and may reorder the rest); at most MAX_LOOKAHEAD tickets are
+        // weighed (an index lookup and a decision each) per pump.
+        let mut blocked_models: HashSet<String> = HashSet::new();
+        let mut blocked_sessions: HashSet<String> = HashSet::new();
+        let mut weighed = 0;
+        'walk: while weighed < MAX_LOOKAHEAD {
+            let order: Vec<TicketId> = queue.in_order().map(|(id, _, _)| id).collect();
+            for id in order {
+                if weighed == MAX_LOOKAHEAD {
+                    break 'walk;
                 }
-                continue;
-            }
-            let routable = Arc::clone(&waiter.request);
-            seqs.clear();
-            seqs.extend(routable.blocks.iter().map(|b| b.seq));
-            let overlaps = self.plane.indexer().find_matches_seq(&seqs);
-            let admission =
-                self.scheduler
-                    .lock()
-                    .admit_within(now, &routable.request(&overlaps), share);
-            match admission {
-                Admission::Wait => match &routable.session {
-                    Some((session, true)) => blocked_sessions.push(session.clone()),
-                    _ => blocked_models.push(routable.model.clone()),
-                },
-                Admission::NoWorkers => {
+                let Some((ticket, waiter)) = queue.get(id) else {
+                    continue;
+                };
+                let r = &waiter.request;
+                if blocked_models.contains(&r.model)
+                    || r.session
+                        .as_ref()
+                        .is_some_and(|(s, hard)| *hard && blocked_sessions.contains(s))
+                {
+                    continue;
+                }
+                let share = queue.config().band(ticket.band).budget_share;
+                if waiter.tx.is_closed() {
+                    // The handler is going; its guard would remove the ticket a moment later.
                     if let Some(left) = queue.cancel(now, id) {
-                        rejected(left.ticket.band, "no_workers");
-                        let _ = left.payload.tx.send(Err(Refusal::NoWorkers));
+                        rejected(left.ticket.band, "cancelled");
+                    }
+                    continue;
+                }
+                weighed += 1;
+                let routable = Arc::clone(&waiter.request);
+                seqs.clear();
+                seqs.extend(routable.blocks.iter().map(|b| b.seq));
+                let overlaps = self.plane.indexer().find_matches_seq(&seqs);
+                let admission =
+                    self.scheduler
+                        .lock()
+                        .admit_within(now, &routable.request(&overlaps), share);
+                match admission {
+                    Admission::Wait => match &routable.session {
+                        Some((session, true)) => {
+                            blocked_sessions.insert(session.clone());
+                        }
+                        _ => {
+                            blocked_models.insert(routable.model.clone());
+                        }
+                    },
+                    Admission::NoWorkers => {
+                        if let Some(left) = queue.cancel(now, id) {
+                            rejected(left.ticket.band, "no_workers");
+                            let _ = left.payload.tx.send(Err(Refusal::NoWorkers));
+                        }
+                    }
+                    Admission::Routed(decision) => {
+                        record_decision(&decision);
+                        let booking = Booking::new(self, decision.booking);
+                        let left = queue
+                            .admit_waiting(now, id)
+                            .expect("invariant: the ticket waits while the queue is locked");
+                        waited(left.ticket.band, left.waited_ms);
+                        // A handler gone since the check drops the booking with the message.
+                        let _ = left.payload.tx.send(Ok((decision, booking)));
+                        continue 'walk;
                     }
                 }
-                Admission::Routed(decision) => {
-                    record_decision(&decision);
-                    let booking = Booking::new(self, decision.booking);
-                    let left = queue
-                        .admit_waiting(now, id)
-                        .expect("invariant: the ticket waits while the queue is locked");
-                    waited(left.ticket.band, left.waited_ms);
-                    // A handler gone since the check drops the booking with the message.
-                    let _ = left.payload.tx.send(Ok((decision, booking)));
-                }
             }
+            break;
         }
     }
 

@@ -247,3 +247,159 @@ fn a_key_s_requests_are_its_tenant_unless_the_header_is_trusted() {
         "default"
     );
 }
+
+mod queue {
+    //! The queue's driver on a router over an in-process plane: workers are registrations
+    //! only, and requests are admitted or queued (nothing is sent anywhere).
+
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use parking_lot::Mutex;
+    use tokio::sync::watch;
+
+    use super::super::admission::{Class, Entered, Routable};
+    use super::super::{IngressConfig, Router, Tokenizer};
+    use crate::discovery::{LeaseConfig, LocalRegistry, Registry, WorkerInfo};
+    use crate::events::plane::{EventPlane, PlaneConfig};
+    use crate::events::transport::{LocalBus, Transport};
+    use crate::indexer::{Indexer, OverlapScores};
+    use crate::protocol::WorkerId;
+    use crate::scheduler::{self, RouteRequest, Scheduler};
+
+    fn info(id: u64, model: &str) -> WorkerInfo {
+        WorkerInfo {
+            id: WorkerId(id),
+            url: format!("http://127.0.0.1:9/{id}"),
+            block_size: 4,
+            g1_blocks: 100,
+            g2_blocks: 0,
+            model: model.into(),
+            dp_size: 1,
+            epoch: 7,
+            last_event_ids: vec![0],
+            api: crate::discovery::WorkerApi::Kvroute,
+            adapters: Vec::new(),
+            engine_load: None,
+            event_faults: None,
+        }
+    }
+
+    /// A router whose workers (model "a": worker 1, model "b": worker 2) each take one
+    /// request at a time (a budget of one token: an idle worker always takes one).
+    async fn router() -> (Arc<Router>, LocalRegistry, watch::Sender<bool>) {
+        let local = LocalRegistry::default();
+        let scheduler = Arc::new(Mutex::new(
+            Scheduler::new(scheduler::Config {
+                admission: scheduler::AdmissionConfig {
+                    worker_budget_tokens: 1,
+                    ..Default::default()
+                },
+                ..Default::default()
+            })
+            .unwrap(),
+        ));
+        let (stop, rx) = watch::channel(false);
+        let plane = EventPlane::start(
+            Transport::Local(LocalBus::new()),
+            Arc::new(Indexer::new(crate::indexer::Config::default()).unwrap()),
+            Registry::Local(local.clone()).watch(LeaseConfig::default()),
+            PlaneConfig {
+                cluster: "t".into(),
+                ..PlaneConfig::default()
+            },
+            Some(Arc::clone(&scheduler)),
+            rx,
+        )
+        .await
+        .unwrap();
+        local.put(info(1, "a"));
+        local.put(info(2, "b"));
+        for _ in 0..1200 {
+            if scheduler.lock().workers().count() == 2 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(scheduler.lock().workers().count(), 2);
+        let router = Router::new(
+            scheduler,
+            plane,
+            None,
+            IngressConfig::default(),
+            None,
+            Tokenizer::Bytes,
+        );
+        (router, local, stop)
+    }
+
+    fn enter<'a>(router: &'a Router, model: &str) -> Entered<'a> {
+        let class = Class {
+            tenant: Arc::from("default"),
+            band: 0,
+            session: None,
+            receipt: false,
+        };
+        let none = OverlapScores::default();
+        let request = RouteRequest {
+            model,
+            blocks: &[],
+            prompt_tokens: 16,
+            block_size: 4,
+            overlaps: &none,
+            max_tokens: 4,
+            n: 1,
+            session: None,
+        };
+        let routable = || Routable {
+            model: model.to_owned(),
+            blocks: Vec::new(),
+            prompt_tokens: 16,
+            block_size: 4,
+            max_tokens: 4,
+            n: 1,
+            session: None,
+        };
+        router
+            .enter(&class, &request, routable)
+            .unwrap_or_else(|e| panic!("{model}: {e:?}"))
+    }
+
+    /// A request of a model with nothing waiting is routed at once, whatever another model
+    /// has queued; and one queued behind more than a pump weighs of another model's is still
+    /// admitted once its worker has room.
+    #[tokio::test(start_paused = true)]
+    async fn one_model_s_backlog_holds_back_no_other_model() {
+        let (router, _local, _stop) = router().await;
+        let a0 = enter(&router, "a");
+        assert!(matches!(a0, Entered::Admitted(_)));
+        let a1 = enter(&router, "a");
+        assert!(matches!(a1, Entered::Queued { .. }));
+        let b0 = enter(&router, "b");
+        assert!(
+            matches!(b0, Entered::Admitted(_)),
+            "model b's request waited behind model a's"
+        );
+        let mut a_waiting = Vec::new();
+        for _ in 0..1100 {
+            a_waiting.push(enter(&router, "a"));
+        }
+        let Entered::Queued {
+            guard: _b1, mut rx, ..
+        } = enter(&router, "b")
+        else {
+            panic!("b's worker is busy: queued");
+        };
+        drop(b0);
+        router.pump();
+        assert!(
+            matches!(rx.try_recv(), Ok(Ok(_))),
+            "b's request behind 1,101 of a's was not admitted"
+        );
+        drop((a0, a1, a_waiting));
+        assert!(
+            router.waiting_models.lock().is_empty(),
+            "a model's count outlived its requests"
+        );
+    }
+}

@@ -360,6 +360,11 @@ impl<T> AdmissionQueue<T> {
         self.admit_waiting(now_ms, id)
     }
 
+    /// A waiting ticket and its payload.
+    pub fn get(&self, id: TicketId) -> Option<(&Ticket, &T)> {
+        self.entries.get(&id).map(|e| (&e.ticket, &e.payload))
+    }
+
     /// The waiting tickets in the order they would go if nothing changed meanwhile: bands
     /// highest first, tenants by fairness, each tenant's oldest first. The first is
     /// [`AdmissionQueue::peek`]'s.
