@@ -339,7 +339,9 @@ impl Router {
             }),
             Err(crate::scheduler::queue::Refused::Full { band, limit }) => {
                 rejected(band, "full");
-                Err(ApiError::queue_full(band, limit))
+                // A request queued now would wait about as long as the oldest has.
+                let retry_after_s = (queue.oldest_wait_ms(band, now) / 1000).clamp(1, 60);
+                Err(ApiError::queue_full(band, limit, retry_after_s))
             }
         }
     }

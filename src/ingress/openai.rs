@@ -429,13 +429,20 @@ impl ApiError {
     }
 
     /// 429: the request's priority band already has its limit of requests waiting.
-    pub fn queue_full(band: i32, limit: usize) -> Self {
-        ApiError::new(
-            429,
-            "rate_limit_error",
-            Fault::Router,
-            format!("{limit} requests already wait in priority band {band}; retry shortly"),
-        )
+    /// `retry_after_s`: about how long the band's oldest request has waited.
+    pub fn queue_full(band: i32, limit: usize, retry_after_s: u64) -> Self {
+        ApiError {
+            retry_after_s,
+            ..ApiError::new(
+                429,
+                "rate_limit_error",
+                Fault::Router,
+                format!(
+                    "{limit} requests already wait in priority band {band}; retry in \
+                     {retry_after_s} s"
+                ),
+            )
+        }
     }
 
     /// 429: the request waited its band's deadline without a worker having room for it.

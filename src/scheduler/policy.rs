@@ -80,11 +80,11 @@ impl PolicyKind {
         match self {
             PolicyKind::Kv => Box::new(KvPolicy { temperature }),
             PolicyKind::RoundRobin => Box::new(RoundRobin {
-                next: 0,
+                next: FxHashMap::default(),
                 skip_busy: false,
             }),
             PolicyKind::RoundRobinSkipBusy => Box::new(RoundRobin {
-                next: 0,
+                next: FxHashMap::default(),
                 skip_busy: true,
             }),
             PolicyKind::Random => Box::new(RandomPolicy),
@@ -155,9 +155,15 @@ impl Policy for KvPolicy {
 
 #[derive(Debug)]
 struct RoundRobin {
-    next: usize,
+    /// The next turn, per model: each model's workers take turns among themselves (one
+    /// counter over every model would hand two models alternating on two workers each the
+    /// same index every time, and idle half the fleet).
+    next: FxHashMap<String, usize>,
     skip_busy: bool,
 }
+
+/// Models whose turns a round robin keeps; past this (model names churned) it starts over.
+const MAX_ROUND_ROBIN_MODELS: usize = 4096;
 
 impl Policy for RoundRobin {
     fn name(&self) -> &'static str {
@@ -172,13 +178,17 @@ impl Policy for RoundRobin {
     }
     fn pick(
         &mut self,
-        _: &RouteRequest<'_>,
+        request: &RouteRequest<'_>,
         candidates: &[Candidate],
         _: &mut Rng,
         _: u64,
     ) -> usize {
-        let i = self.next % candidates.len();
-        self.next = self.next.wrapping_add(1);
+        if !self.next.contains_key(request.model) && self.next.len() >= MAX_ROUND_ROBIN_MODELS {
+            self.next.clear();
+        }
+        let next = self.next.entry(request.model.to_owned()).or_default();
+        let i = *next % candidates.len();
+        *next = next.wrapping_add(1);
         i
     }
 }

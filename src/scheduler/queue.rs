@@ -437,6 +437,19 @@ impl<T> AdmissionQueue<T> {
             .map_or(0, |b| b.queued)
     }
 
+    /// How long `band`'s oldest ticket has waited, ms (0: none waits).
+    pub fn oldest_wait_ms(&self, band: i32, now_ms: u64) -> u64 {
+        let Some(b) = self.bands.get(&std::cmp::Reverse(band)) else {
+            return 0;
+        };
+        b.tenants
+            .values()
+            .filter_map(|t| self.entries.get(t.tickets.front()?))
+            .map(|e| now_ms.saturating_sub(e.queued_ms))
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Every band that holds tickets or ever did, highest first.
     pub fn view(&self, now_ms: u64) -> Vec<BandView> {
         let mut oldest: BTreeMap<i32, u64> = BTreeMap::new();
@@ -495,7 +508,13 @@ impl<T> AdmissionQueue<T> {
             .expect("invariant: a backlogged tenant has an arrival");
         band.order.remove(&(tenant.tag, arrival, Arc::clone(name)));
         if charge {
-            band.level = tenant.tag;
+            // The band's virtual time is the start tag of the ticket in service. A ticket
+            // served out of order (another model's went past one that must wait) starts
+            // later than the backlogged tenants ahead of it: the level goes no further than
+            // the lowest of their tags, so that a tenant arriving now does not start behind
+            // them, and it never goes back.
+            let ahead = band.order.first().map_or(tenant.tag, |(tag, _, _)| *tag);
+            band.level = band.level.max(tenant.tag.min(ahead));
             tenant.tag += entry.ticket.work_tokens;
         }
         if let Some(at) = tenant.tickets.iter().position(|t| *t == id) {

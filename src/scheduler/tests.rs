@@ -1066,3 +1066,30 @@ fn every_sequence_of_a_request_books_its_decode() {
     assert_eq!(work(u32::MAX, 8).0, 8 * u64::from(cap));
     assert_eq!(work(100, 0), work(100, 1));
 }
+
+/// Round robin takes turns per model: two models alternating on two workers each spread
+/// over all four (one counter over both would send each model to one worker only).
+#[test]
+fn round_robin_takes_turns_within_each_model() {
+    let mut s = Scheduler::new(Config {
+        policy: PolicyKind::RoundRobin,
+        ..unit_weights()
+    })
+    .unwrap();
+    for (w, model) in [(0, "a"), (1, "a"), (2, "b"), (3, "b")] {
+        s.add_worker(key(w), 1000, model);
+    }
+    let b = blocks(4, 0);
+    let none = scores(&[]);
+    let mut per_worker = [0; 4];
+    for i in 0..40 {
+        let r = RouteRequest {
+            model: if i % 2 == 0 { "a" } else { "b" },
+            ..request(&b, 64, &none)
+        };
+        let d = s.route(i, &r).unwrap();
+        per_worker[d.chosen.key.0.0 as usize] += 1;
+        s.complete(d.booking);
+    }
+    assert_eq!(per_worker, [10; 4]);
+}

@@ -148,6 +148,50 @@ enum Op {
 /// it is admitted) keeps the charge of what it was served: against a backlogged tenant it
 /// gets half the tokens, not all of them (its charge was forgotten each time its backlog
 /// emptied).
+/// Tickets served out of order (another model's, past ones that must wait) do not move the
+/// band's virtual time past the tenants still waiting ahead: a tenant arriving then starts
+/// level with them, not behind everything the out-of-order ones were charged.
+#[test]
+fn tickets_served_out_of_order_do_not_push_new_tenants_back() {
+    let mut q = AdmissionQueue::new(QueueConfig::default());
+    for i in 0..10 {
+        q.push(0, ticket(0, "a", 1_000), i).unwrap();
+    }
+    for i in 0..10 {
+        q.push(0, ticket(0, "b", 1_000), 100 + i).unwrap();
+    }
+    // "a" waits (its model's workers are full) while five of "b"'s go past it.
+    for _ in 0..5 {
+        let id = q
+            .in_order()
+            .find(|(_, _, p)| **p >= 100)
+            .map(|(id, _, _)| id)
+            .unwrap();
+        q.admit_waiting(0, id).unwrap();
+    }
+    q.push(0, ticket(0, "c", 1_000), 200).unwrap();
+    let order = drain(&mut q, 1);
+    let c = order.iter().position(|p| *p == 200).unwrap();
+    assert!(c <= 1, "the new tenant came {c}th: {order:?}");
+}
+
+/// A band's oldest wait (what a full band's Retry-After is made of) is its oldest ticket's,
+/// across tenants, and moves on as tickets leave.
+#[test]
+fn the_oldest_wait_is_the_band_s_oldest_ticket_s() {
+    let mut q = AdmissionQueue::new(QueueConfig::default());
+    q.push(100, ticket(0, "a", 10), 1).unwrap();
+    q.push(300, ticket(0, "b", 10), 2).unwrap();
+    q.push(500, ticket(0, "a", 10), 3).unwrap();
+    q.push(700, ticket(2, "a", 10), 4).unwrap();
+    assert_eq!(q.oldest_wait_ms(0, 1_000), 900);
+    assert_eq!(q.oldest_wait_ms(2, 1_000), 300);
+    assert_eq!(q.oldest_wait_ms(5, 1_000), 0);
+    let first = q.in_order().find(|(_, _, p)| **p == 1).unwrap().0;
+    q.admit_waiting(1_000, first).unwrap();
+    assert_eq!(q.oldest_wait_ms(0, 1_000), 700);
+}
+
 #[test]
 fn a_tenant_that_keeps_emptying_its_backlog_keeps_its_charge() {
     let mut q = AdmissionQueue::new(QueueConfig {
