@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -59,6 +59,10 @@ pub struct PlaneConfig {
     pub stream: StreamConfig,
     /// Batches queued per stream task; a full queue drops the batch and forces a resync.
     pub queue_batches: usize,
+    /// Blocks those queued batches may name in all (a batch naming none counts one): a
+    /// worker flooding its subject with large batches, faster than its stream applies
+    /// them, must not park gigabytes in the router. Past it, as for a full queue.
+    pub queue_blocks: usize,
     /// How often the fleet and the stream tasks check their timers, ms.
     pub tick_ms: u64,
     /// How long a departed worker's late batches are recognised and dropped, ms.
@@ -77,6 +81,7 @@ impl Default for PlaneConfig {
             cluster: "default".into(),
             stream: StreamConfig::default(),
             queue_batches: 4096,
+            queue_blocks: 1 << 20,
             tick_ms: 50,
             tombstone_ttl_ms: 60_000,
             sweep_ms: 1_000,
@@ -168,6 +173,17 @@ enum Input {
     Snapshot(Snapshot, u64),
 }
 
+impl Input {
+    /// What it counts against its stream's `queue_blocks` while queued: a batch's blocks
+    /// (at least one); nothing else (snapshots are fetched one at a time, on request).
+    fn queued_blocks(&self) -> usize {
+        match self {
+            Input::Batch(b) => b.block_count().max(1),
+            _ => 0,
+        }
+    }
+}
+
 /// Requests routed to a stream that never published an event: a worker that serves traffic
 /// but publishes nothing gives zero overlap forever (the field's most common KV-router
 /// failure). A worker that has published is not silent when its requests store nothing new
@@ -195,6 +211,8 @@ const SILENT_AFTER_REQUESTS: u64 = 8;
 
 struct StreamHandle {
     tx: mpsc::Sender<Input>,
+    /// Blocks named by the batches in `tx`'s queue.
+    queued_blocks: Arc<AtomicUsize>,
     overflowed: Arc<AtomicBool>,
     status: Arc<Mutex<StreamStatus>>,
     silence: Arc<Silence>,
@@ -398,7 +416,11 @@ impl Shared {
         let Some(handle) = streams.get(&key) else {
             return;
         };
-        if handle.tx.try_send(input).is_err() {
+        let blocks = input.queued_blocks();
+        let queued = handle.queued_blocks.fetch_add(blocks, Ordering::Relaxed);
+        let over = blocks > 0 && queued + blocks > self.config.queue_blocks;
+        if over || handle.tx.try_send(input).is_err() {
+            handle.queued_blocks.fetch_sub(blocks, Ordering::Relaxed);
             self.counters
                 .queue_overflows
                 .fetch_add(1, Ordering::Relaxed);
@@ -758,6 +780,7 @@ fn spawn_stream(
 ) -> StreamHandle {
     let (tx, rx) = mpsc::channel(shared.config.queue_batches.max(1));
     let (close, closed) = oneshot::channel();
+    let queued_blocks = Arc::new(AtomicUsize::new(0));
     let overflowed = Arc::new(AtomicBool::new(false));
     let status = Arc::new(Mutex::new(StreamStatus::default()));
     let silence = Arc::new(Silence::default());
@@ -766,6 +789,7 @@ fn spawn_stream(
             shared: Arc::clone(shared),
             key,
             tx: tx.clone(),
+            queued_blocks: Arc::clone(&queued_blocks),
             overflowed: Arc::clone(&overflowed),
             status: Arc::clone(&status),
             silence: Arc::clone(&silence),
@@ -776,6 +800,7 @@ fn spawn_stream(
     ));
     StreamHandle {
         tx,
+        queued_blocks,
         overflowed,
         status,
         silence,
@@ -795,6 +820,7 @@ struct StreamTask {
     key: StreamKey,
     /// For snapshot fetches to deliver into.
     tx: mpsc::Sender<Input>,
+    queued_blocks: Arc<AtomicUsize>,
     overflowed: Arc<AtomicBool>,
     status: Arc<Mutex<StreamStatus>>,
     silence: Arc<Silence>,
@@ -818,6 +844,7 @@ async fn run_stream(
         shared,
         key,
         tx,
+        queued_blocks,
         overflowed,
         status,
         silence,
@@ -851,6 +878,7 @@ async fn run_stream(
             input = rx.recv() => {
                 // Every sender gone means the plane dropped this stream.
                 let Some(input) = input else { break };
+                queued_blocks.fetch_sub(input.queued_blocks(), Ordering::Relaxed);
                 let now = now_ms();
                 match input {
                     Input::Batch(batch) => {

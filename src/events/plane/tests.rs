@@ -429,3 +429,37 @@ async fn a_rank_without_an_index_slot_backs_off_between_resyncs() {
     // Waits of 1, 2, 4, 8 and 16 s fit in 40 s (each answered at once): 5 or so.
     assert!((1..=8).contains(&n), "{n} snapshots fetched in 40 s");
 }
+
+/// A worker flooding its subject faster than its stream applies is cut off by the blocks
+/// its queued batches name, not only by their number: past `queue_blocks`, batches are
+/// dropped and the stream resyncs.
+#[tokio::test(start_paused = true)]
+async fn a_stream_s_queue_is_bounded_by_blocks() {
+    let bus = Transport::Local(LocalBus::new());
+    let local = LocalRegistry::default();
+    let (_stop, rx) = watch::channel(false);
+    let plane = EventPlane::start(
+        bus.clone(),
+        Arc::new(Indexer::new(Config::default()).unwrap()),
+        Registry::Local(local.clone()).watch(LeaseConfig::default()),
+        PlaneConfig {
+            cluster: "t".into(),
+            queue_blocks: 40,
+            ..PlaneConfig::default()
+        },
+        None,
+        rx,
+    )
+    .await
+    .unwrap();
+    local.put(info(1, 1));
+    assert!(settle(|| plane.streams().len() == 1).await);
+    // 100 batches of 4 blocks each, published before the plane runs again: far fewer than
+    // the queue's 4,096 batches, ten times its 40 blocks.
+    for id in 1..=100 {
+        bus.publish("kvroute.t.events.1", None, batch(1, id, 16))
+            .await
+            .unwrap();
+    }
+    assert!(settle(|| plane.counters().queue_overflows.load(Ordering::Relaxed) > 0).await);
+}
