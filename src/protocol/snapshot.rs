@@ -163,10 +163,18 @@ pub fn decode_snapshot_chunk(bytes: &[u8], limits: &Limits) -> Result<SnapshotCh
     Ok(chunk)
 }
 
-/// Collects the chunks of one snapshot, in any order, duplicates ignored.
+/// Most blocks one snapshot may hold: 2²⁴, far past any rank's G1 and G2 together.
+pub const MAX_SNAPSHOT_BLOCKS: usize = 1 << 24;
+
+/// Most chunks one snapshot may come in (a count past it is refused on the first chunk).
+pub const MAX_SNAPSHOT_CHUNKS: u32 = 1 << 16;
+
+/// Collects the chunks of one snapshot, in any order, duplicates ignored, up to
+/// [`MAX_SNAPSHOT_BLOCKS`] blocks: chunks come from the network.
 #[derive(Debug, Default)]
 pub struct SnapshotAssembler {
     chunks: BTreeMap<u32, SnapshotChunk>,
+    blocks: usize,
 }
 
 /// Why chunks do not form one snapshot.
@@ -178,6 +186,9 @@ pub enum AssembleError {
         /// The chunk's index.
         index: u32,
     },
+    /// More chunks or blocks than a snapshot may have.
+    #[error("a snapshot of more than {MAX_SNAPSHOT_CHUNKS} chunks or {MAX_SNAPSHOT_BLOCKS} blocks")]
+    TooLarge,
 }
 
 impl SnapshotAssembler {
@@ -201,12 +212,24 @@ impl SnapshotAssembler {
                 return Err(AssembleError::Mismatch { index: chunk.index });
             }
         }
+        if chunk.count > MAX_SNAPSHOT_CHUNKS {
+            return Err(AssembleError::TooLarge);
+        }
         let count = chunk.count as usize;
-        self.chunks.entry(chunk.index).or_insert(chunk);
+        if !self.chunks.contains_key(&chunk.index) {
+            self.blocks += chunk.blocks.len();
+            if self.blocks > MAX_SNAPSHOT_BLOCKS {
+                self.chunks.clear();
+                self.blocks = 0;
+                return Err(AssembleError::TooLarge);
+            }
+            self.chunks.insert(chunk.index, chunk);
+        }
         if self.chunks.len() < count {
             return Ok(None);
         }
         let chunks = std::mem::take(&mut self.chunks);
+        self.blocks = 0;
         let first = chunks.values().next().expect("invariant: count > 0 chunks");
         let (worker, dp_rank, epoch, watermark) =
             (first.worker, first.dp_rank, first.epoch, first.watermark);

@@ -526,6 +526,13 @@ fn snapshot_chunks_are_validated() {
     let foreign =
         decode_snapshot_chunk(&other.encode(4096).unwrap()[0], &Limits::default()).unwrap();
     assert!(assembler.add(foreign).is_err());
+    // A snapshot announcing more chunks than any can have is refused on its first.
+    let mut huge = decode_snapshot_chunk(&bytes, &Limits::default()).unwrap();
+    huge.count = crate::protocol::snapshot::MAX_SNAPSHOT_CHUNKS + 1;
+    assert_eq!(
+        SnapshotAssembler::default().add(huge),
+        Err(AssembleError::TooLarge)
+    );
     // Live ids resume after the watermark: it cannot be u64::MAX.
     let mut last = snapshot(3);
     last.watermark = u64::MAX;
