@@ -807,7 +807,7 @@ impl Scheduler {
         request: &RouteRequest<'_>,
         exclude: &[WorkerKey],
     ) -> Option<Decision> {
-        match self.decide(now_ms, request, exclude, None) {
+        match self.decide(now_ms, request, exclude, None, &[]) {
             Admission::Routed(d) => Some(d),
             Admission::Wait | Admission::NoWorkers => None,
         }
@@ -828,7 +828,20 @@ impl Scheduler {
         request: &RouteRequest<'_>,
         share: f64,
     ) -> Admission {
-        self.decide(now_ms, request, &[], Some(share.clamp(0.0, 1.0)))
+        self.admit_reserving(now_ms, request, share, &[])
+    }
+
+    /// Like [`Scheduler::admit_within`], with the room of `reserved` workers kept for
+    /// requests waiting for them (hard session affinity): this request waits rather than
+    /// take it.
+    pub fn admit_reserving(
+        &mut self,
+        now_ms: u64,
+        request: &RouteRequest<'_>,
+        share: f64,
+        reserved: &[WorkerKey],
+    ) -> Admission {
+        self.decide(now_ms, request, &[], Some(share.clamp(0.0, 1.0)), reserved)
     }
 
     fn decide(
@@ -837,6 +850,7 @@ impl Scheduler {
         request: &RouteRequest<'_>,
         exclude: &[WorkerKey],
         budget_share: Option<f64>,
+        reserved: &[WorkerKey],
     ) -> Admission {
         self.expire(now_ms);
         let mut all = self.candidates(now_ms, request);
@@ -868,7 +882,9 @@ impl Scheduler {
                 return Admission::Wait;
             }
             let budget = share * self.config.admission.worker_budget_tokens as f64;
-            all.retain(|c| fits(c.booked_work_tokens, c.work.total(), budget));
+            all.retain(|c| {
+                fits(c.booked_work_tokens, c.work.total(), budget) && !reserved.contains(&c.key)
+            });
             if all.is_empty() {
                 return Admission::Wait;
             }

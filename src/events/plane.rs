@@ -1093,4 +1093,4 @@ async fn fetch(shared: &Shared, key: StreamKey) -> Option<Snapshot> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

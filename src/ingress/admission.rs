@@ -19,7 +19,7 @@ use super::proxy::Booking;
 use crate::indexer::OverlapScores;
 use crate::protocol::{BlockHash, SeqHash};
 use crate::scheduler::queue::{AdmissionQueue, Left, Ticket, TicketId};
-use crate::scheduler::{Admission, Decision, RouteRequest, SessionRef};
+use crate::scheduler::{Admission, Decision, RouteRequest, SessionRef, WorkerKey};
 
 /// Names of the request headers that say who sends a request and how it is to be treated,
 /// and of the one that asks for the decision's receipt.
@@ -372,6 +372,9 @@ impl Router {
         // weighed (an index lookup and a decision each) per pump.
         let mut blocked_models: HashSet<String> = HashSet::new();
         let mut blocked_sessions: HashSet<String> = HashSet::new();
+        // Workers whose room goes to a hard-session request waiting for them: a later,
+        // smaller request taking it would keep that one waiting to its deadline.
+        let mut reserved: Vec<WorkerKey> = Vec::new();
         let mut weighed = 0;
         'walk: while weighed < MAX_LOOKAHEAD {
             let order: Vec<TicketId> = queue.in_order().map(|(id, _, _)| id).collect();
@@ -403,14 +406,21 @@ impl Router {
                 seqs.clear();
                 seqs.extend(routable.blocks.iter().map(|b| b.seq));
                 let overlaps = self.plane.indexer().find_matches_seq(&seqs);
+                let mut scheduler = self.scheduler.lock();
                 let admission =
-                    self.scheduler
-                        .lock()
-                        .admit_within(now, &routable.request(&overlaps), share);
+                    scheduler.admit_reserving(now, &routable.request(&overlaps), share, &reserved);
+                let pinned = match (&admission, &routable.session) {
+                    (Admission::Wait, Some((session, true))) => {
+                        scheduler.session_worker(now, session)
+                    }
+                    _ => None,
+                };
+                drop(scheduler);
                 match admission {
                     Admission::Wait => match &routable.session {
                         Some((session, true)) => {
                             blocked_sessions.insert(session.clone());
+                            reserved.extend(pinned);
                         }
                         _ => {
                             blocked_models.insert(routable.model.clone());

@@ -431,33 +431,37 @@ impl ApiError {
     /// 429: the request's priority band already has its limit of requests waiting.
     /// `retry_after_s`: about how long the band's oldest request has waited.
     pub fn queue_full(band: i32, limit: usize, retry_after_s: u64) -> Self {
-        ApiError {
-            retry_after_s,
-            ..ApiError::new(
-                429,
-                "rate_limit_error",
-                Fault::Router,
-                format!(
-                    "{limit} requests already wait in priority band {band}; retry in \
-                     {retry_after_s} s"
-                ),
-            )
-        }
+        ApiError::new(
+            429,
+            "rate_limit_error",
+            Fault::Router,
+            format!(
+                "{limit} requests already wait in priority band {band}; retry in \
+                 {retry_after_s} s"
+            ),
+        )
+        .retry_after(retry_after_s)
     }
 
     /// 429: the request waited its band's deadline without a worker having room for it.
     pub fn queue_deadline(band: i32, waited_ms: u64, retry_after_s: u64) -> Self {
+        ApiError::new(
+            429,
+            "rate_limit_error",
+            Fault::Router,
+            format!(
+                "no worker had room for the request within priority band {band}'s deadline \
+                 (waited {waited_ms} ms); retry later"
+            ),
+        )
+        .retry_after(retry_after_s)
+    }
+
+    /// The same error, telling the client to retry after `seconds` (`Retry-After`).
+    fn retry_after(self, seconds: u64) -> Self {
         ApiError {
-            retry_after_s,
-            ..ApiError::new(
-                429,
-                "rate_limit_error",
-                Fault::Router,
-                format!(
-                    "no worker had room for the request within priority band {band}'s deadline \
-                     (waited {waited_ms} ms); retry later"
-                ),
-            )
+            retry_after_s: seconds,
+            ..self
         }
     }
 

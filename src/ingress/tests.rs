@@ -253,116 +253,137 @@ mod queue {
     //! only, and requests are admitted or queued (nothing is sent anywhere).
 
     use std::sync::Arc;
-    use std::time::Duration;
-
-    use parking_lot::Mutex;
-    use tokio::sync::watch;
 
     use super::super::admission::{Class, Entered, Routable};
     use super::super::{IngressConfig, Router, Tokenizer};
-    use crate::discovery::{LeaseConfig, LocalRegistry, Registry, WorkerInfo};
-    use crate::events::plane::{EventPlane, PlaneConfig};
-    use crate::events::transport::{LocalBus, Transport};
-    use crate::indexer::{Indexer, OverlapScores};
-    use crate::protocol::WorkerId;
-    use crate::scheduler::{self, RouteRequest, Scheduler};
+    use crate::discovery::LeaseConfig;
+    use crate::events::plane::PlaneConfig;
+    use crate::events::plane::tests::{Setup, info, settle};
+    use crate::indexer::OverlapScores;
+    use crate::scheduler::{self, RouteRequest, Scheduler, SessionRef};
 
-    fn info(id: u64, model: &str) -> WorkerInfo {
-        WorkerInfo {
-            id: WorkerId(id),
-            url: format!("http://127.0.0.1:9/{id}"),
-            block_size: 4,
-            g1_blocks: 100,
-            g2_blocks: 0,
-            model: model.into(),
-            dp_size: 1,
-            epoch: 7,
-            last_event_ids: vec![0],
-            api: crate::discovery::WorkerApi::Kvroute,
-            adapters: Vec::new(),
-            engine_load: None,
-            event_faults: None,
-        }
-    }
-
-    /// A router whose workers (model "a": worker 1, model "b": worker 2) each take one
-    /// request at a time (a budget of one token: an idle worker always takes one).
-    async fn router() -> (Arc<Router>, LocalRegistry, watch::Sender<bool>) {
-        let local = LocalRegistry::default();
-        let scheduler = Arc::new(Mutex::new(
-            Scheduler::new(scheduler::Config {
-                admission: scheduler::AdmissionConfig {
-                    worker_budget_tokens: 1,
-                    ..Default::default()
-                },
+    /// A router over two workers serving `models`, each with `budget` tokens of booked work
+    /// (an idle worker always takes one request).
+    async fn router(budget: u64, models: [&str; 2]) -> (Arc<Router>, Setup) {
+        let scheduler = Scheduler::new(scheduler::Config {
+            admission: scheduler::AdmissionConfig {
+                worker_budget_tokens: budget,
                 ..Default::default()
-            })
-            .unwrap(),
-        ));
-        let (stop, rx) = watch::channel(false);
-        let plane = EventPlane::start(
-            Transport::Local(LocalBus::new()),
-            Arc::new(Indexer::new(crate::indexer::Config::default()).unwrap()),
-            Registry::Local(local.clone()).watch(LeaseConfig::default()),
-            PlaneConfig {
-                cluster: "t".into(),
-                ..PlaneConfig::default()
             },
-            Some(Arc::clone(&scheduler)),
-            rx,
-        )
-        .await
+            ..Default::default()
+        })
         .unwrap();
-        local.put(info(1, "a"));
-        local.put(info(2, "b"));
-        for _ in 0..1200 {
-            if scheduler.lock().workers().count() == 2 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        assert_eq!(scheduler.lock().workers().count(), 2);
-        let router = Router::new(
+        let s = Setup::start(
+            LeaseConfig::default(),
+            crate::indexer::Config::default(),
+            PlaneConfig::default(),
             scheduler,
-            plane,
+        )
+        .await;
+        for (id, model) in [(1, models[0]), (2, models[1])] {
+            s.local.put(crate::discovery::WorkerInfo {
+                model: model.into(),
+                ..info(id, 1)
+            });
+        }
+        assert!(settle(|| s.scheduler.lock().workers().count() == 2).await);
+        let router = Router::new(
+            Arc::clone(&s.scheduler),
+            s.plane.clone(),
             None,
             IngressConfig::default(),
             None,
             Tokenizer::Bytes,
         );
-        (router, local, stop)
+        (router, s)
     }
 
     fn enter<'a>(router: &'a Router, model: &str) -> Entered<'a> {
+        enter_with(router, model, 16, None)
+    }
+
+    /// A request of `prompt_tokens` uncached tokens and 4 to generate, in hard `session`.
+    fn enter_with<'a>(
+        router: &'a Router,
+        model: &str,
+        prompt_tokens: usize,
+        session: Option<&str>,
+    ) -> Entered<'a> {
         let class = Class {
             tenant: Arc::from("default"),
             band: 0,
-            session: None,
+            session: session.map(|s| (s.to_owned(), true)),
             receipt: false,
         };
         let none = OverlapScores::default();
         let request = RouteRequest {
             model,
             blocks: &[],
-            prompt_tokens: 16,
+            prompt_tokens,
             block_size: 4,
             overlaps: &none,
             max_tokens: 4,
             n: 1,
-            session: None,
+            session: session.map(|id| SessionRef { id, hard: true }),
         };
         let routable = || Routable {
             model: model.to_owned(),
             blocks: Vec::new(),
-            prompt_tokens: 16,
+            prompt_tokens,
             block_size: 4,
             max_tokens: 4,
             n: 1,
-            session: None,
+            session: class.session.clone(),
         };
         router
             .enter(&class, &request, routable)
             .unwrap_or_else(|e| panic!("{model}: {e:?}"))
+    }
+
+    /// A request waiting for its hard session's worker keeps that worker's room: a later,
+    /// smaller request does not take it (which would keep the first waiting, perhaps to its
+    /// deadline), and the first gets the worker once it frees up.
+    #[tokio::test(start_paused = true)]
+    async fn a_hard_session_s_worker_is_kept_for_it() {
+        let (router, _plane) = router(100, ["a", "a"]).await;
+        // 50 tokens of work on the session's worker, 100 on the other.
+        let Entered::Admitted(first) = enter_with(&router, "a", 46, Some("s")) else {
+            panic!("an idle fleet admits");
+        };
+        let pinned = first.0.chosen.key;
+        let Entered::Admitted(other) = enter_with(&router, "a", 96, None) else {
+            panic!("the other worker is idle");
+        };
+        assert_ne!(other.0.chosen.key, pinned);
+        // 64 tokens do not fit the session's worker; 14 would.
+        let Entered::Queued {
+            guard: _h,
+            rx: mut turn,
+            ..
+        } = enter_with(&router, "a", 60, Some("s"))
+        else {
+            panic!("the session's worker has no room");
+        };
+        let Entered::Queued {
+            guard: _p,
+            rx: mut small,
+            ..
+        } = enter_with(&router, "a", 10, None)
+        else {
+            panic!("its model has a request waiting");
+        };
+        router.pump();
+        assert!(
+            small.try_recv().is_err(),
+            "a later request took the room kept for the session"
+        );
+        drop(first);
+        router.pump();
+        match turn.try_recv() {
+            Ok(Ok((d, _))) => assert_eq!(d.chosen.key, pinned),
+            _ => panic!("the session's request was not admitted"),
+        }
+        drop(other);
     }
 
     /// A request of a model with nothing waiting is routed at once, whatever another model
@@ -370,7 +391,7 @@ mod queue {
     /// admitted once its worker has room.
     #[tokio::test(start_paused = true)]
     async fn one_model_s_backlog_holds_back_no_other_model() {
-        let (router, _local, _stop) = router().await;
+        let (router, _plane) = router(1, ["a", "b"]).await;
         let a0 = enter(&router, "a");
         assert!(matches!(a0, Entered::Admitted(_)));
         let a1 = enter(&router, "a");

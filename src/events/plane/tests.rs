@@ -6,7 +6,7 @@ use crate::events::transport::LocalBus;
 use crate::indexer::Config;
 use crate::protocol::{DpRank, KvEvent, KvEventData, Salt, StoredBlock, Tier, encode, hash_blocks};
 
-fn info(id: u64, dp_size: u32) -> WorkerInfo {
+pub(crate) fn info(id: u64, dp_size: u32) -> WorkerInfo {
     WorkerInfo {
         id: WorkerId(id),
         url: format!("http://127.0.0.1:9/{id}"),
@@ -51,12 +51,73 @@ fn batch(id: u64, first: u64, tokens: u32) -> bytes::Bytes {
     encode(&b).unwrap().into()
 }
 
-struct Setup {
-    bus: Transport,
-    local: LocalRegistry,
-    plane: EventPlane,
-    scheduler: Arc<Mutex<Scheduler>>,
+/// A plane over an in-process bus and registry (cluster `t`), feeding `scheduler`.
+pub(crate) struct Setup {
+    pub bus: Transport,
+    pub local: LocalRegistry,
+    pub plane: EventPlane,
+    pub scheduler: Arc<Mutex<Scheduler>>,
     _stop: watch::Sender<bool>,
+}
+
+impl Setup {
+    pub async fn start(
+        lease: LeaseConfig,
+        index: Config,
+        config: PlaneConfig,
+        scheduler: Scheduler,
+    ) -> Setup {
+        let bus = Transport::Local(LocalBus::new());
+        let local = LocalRegistry::default();
+        let scheduler = Arc::new(Mutex::new(scheduler));
+        let (stop, rx) = watch::channel(false);
+        let plane = EventPlane::start(
+            bus.clone(),
+            Arc::new(Indexer::new(index).unwrap()),
+            Registry::Local(local.clone()).watch(lease),
+            PlaneConfig {
+                cluster: "t".into(),
+                ..config
+            },
+            Some(Arc::clone(&scheduler)),
+            rx,
+        )
+        .await
+        .unwrap();
+        Setup {
+            bus,
+            local,
+            plane,
+            scheduler,
+            _stop: stop,
+        }
+    }
+}
+
+impl Setup {
+    /// Publishes `payload` on worker `worker`'s events subject.
+    async fn publish(&self, worker: u64, payload: bytes::Bytes) {
+        self.bus
+            .publish(&format!("kvroute.t.events.{worker}"), None, payload)
+            .await
+            .unwrap();
+    }
+
+    /// Registers workers 1 and 2 (one rank each) and waits for their streams.
+    async fn register_two(&self) {
+        self.local.put(info(1, 1));
+        self.local.put(info(2, 1));
+        assert!(settle(|| self.plane.streams().len() == 2).await);
+    }
+}
+
+/// A plane whose index has a slot for one rank only.
+async fn one_slot() -> Setup {
+    let index = Config {
+        max_workers: 1,
+        ..Config::default()
+    };
+    setup_with(LeaseConfig::default(), index).await
 }
 
 async fn setup(lease: LeaseConfig) -> Setup {
@@ -64,34 +125,12 @@ async fn setup(lease: LeaseConfig) -> Setup {
 }
 
 async fn setup_with(lease: LeaseConfig, index: Config) -> Setup {
-    let bus = Transport::Local(LocalBus::new());
-    let local = LocalRegistry::default();
-    let scheduler = Arc::new(Mutex::new(Scheduler::new(Default::default()).unwrap()));
-    let (stop, rx) = watch::channel(false);
-    let plane = EventPlane::start(
-        bus.clone(),
-        Arc::new(Indexer::new(index).unwrap()),
-        Registry::Local(local.clone()).watch(lease),
-        PlaneConfig {
-            cluster: "t".into(),
-            ..PlaneConfig::default()
-        },
-        Some(Arc::clone(&scheduler)),
-        rx,
-    )
-    .await
-    .unwrap();
-    Setup {
-        bus,
-        local,
-        plane,
-        scheduler,
-        _stop: stop,
-    }
+    let scheduler = Scheduler::new(Default::default()).unwrap();
+    Setup::start(lease, index, PlaneConfig::default(), scheduler).await
 }
 
 /// Waits (virtual time) until `check` holds; false after a virtual minute.
-async fn settle(mut check: impl FnMut() -> bool) -> bool {
+pub(crate) async fn settle(mut check: impl FnMut() -> bool) -> bool {
     for _ in 0..1200 {
         if check() {
             return true;
@@ -108,21 +147,12 @@ async fn a_batch_after_goodbye_is_dropped() {
     let s = setup(LeaseConfig::default()).await;
     s.local.put(info(1, 1));
     assert!(settle(|| s.plane.streams().len() == 1).await);
-    s.bus
-        .publish("kvroute.t.events.1", None, batch(1, 1, 16))
-        .await
-        .unwrap();
+    s.publish(1, batch(1, 1, 16)).await;
     assert!(settle(|| s.plane.indexer().sizes().blocks == 4).await);
     s.local.delete(WorkerId(1));
     assert!(settle(|| s.plane.streams().is_empty() && s.plane.indexer().ranks().is_empty()).await);
-    s.bus
-        .publish("kvroute.t.events.1", None, batch(1, 2, 32))
-        .await
-        .unwrap();
-    s.bus
-        .publish("kvroute.t.events.9", None, batch(9, 1, 16))
-        .await
-        .unwrap();
+    s.publish(1, batch(1, 2, 32)).await;
+    s.publish(9, batch(9, 1, 16)).await;
     assert!(settle(|| s.plane.counters().batches_dropped.load(Ordering::Relaxed) == 2).await);
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert!(s.plane.streams().is_empty());
@@ -139,20 +169,12 @@ async fn a_batch_after_goodbye_is_dropped() {
 #[tokio::test(start_paused = true)]
 async fn a_batch_on_another_worker_s_subject_is_dropped() {
     let s = setup(LeaseConfig::default()).await;
-    s.local.put(info(1, 1));
-    s.local.put(info(2, 1));
-    assert!(settle(|| s.plane.streams().len() == 2).await);
+    s.register_two().await;
     // Worker 2 publishes as worker 1.
-    s.bus
-        .publish("kvroute.t.events.2", None, batch(1, 1, 16))
-        .await
-        .unwrap();
+    s.publish(2, batch(1, 1, 16)).await;
     assert!(settle(|| s.plane.counters().malformed.load(Ordering::Relaxed) == 1).await);
     assert_eq!(s.plane.indexer().sizes().blocks, 0);
-    s.bus
-        .publish("kvroute.t.events.1", None, batch(1, 1, 16))
-        .await
-        .unwrap();
+    s.publish(1, batch(1, 1, 16)).await;
     assert!(settle(|| s.plane.indexer().sizes().blocks == 4).await);
     assert_eq!(s.plane.counters().malformed.load(Ordering::Relaxed), 1);
 }
@@ -299,13 +321,8 @@ async fn a_closed_registry_watch_is_fatal() {
 #[tokio::test(start_paused = true)]
 async fn only_a_worker_never_heard_from_is_flagged_silent() {
     let s = setup(LeaseConfig::default()).await;
-    s.local.put(info(1, 1));
-    s.local.put(info(2, 1));
-    assert!(settle(|| s.plane.streams().len() == 2).await);
-    s.bus
-        .publish("kvroute.t.events.2", None, batch(2, 1, 16))
-        .await
-        .unwrap();
+    s.register_two().await;
+    s.publish(2, batch(2, 1, 16)).await;
     assert!(settle(|| s.plane.indexer().sizes().blocks == 4).await);
     for _ in 0..2 * SILENT_AFTER_REQUESTS {
         s.plane.note_routed((WorkerId(1), DpRank(0)));
@@ -313,10 +330,7 @@ async fn only_a_worker_never_heard_from_is_flagged_silent() {
     }
     assert_eq!(s.plane.silent_workers(), vec![WorkerId(1)]);
     // Its first batch clears the flag.
-    s.bus
-        .publish("kvroute.t.events.1", None, batch(1, 1, 16))
-        .await
-        .unwrap();
+    s.publish(1, batch(1, 1, 16)).await;
     assert!(settle(|| s.plane.silent_workers().is_empty()).await);
 }
 
@@ -325,22 +339,10 @@ async fn only_a_worker_never_heard_from_is_flagged_silent() {
 /// what it applied.
 #[tokio::test(start_paused = true)]
 async fn a_batch_without_an_index_slot_resyncs_its_stream() {
-    let s = setup_with(
-        LeaseConfig::default(),
-        Config {
-            max_workers: 1,
-            ..Config::default()
-        },
-    )
-    .await;
-    s.local.put(info(1, 1));
-    s.local.put(info(2, 1));
-    assert!(settle(|| s.plane.streams().len() == 2).await);
+    let s = one_slot().await;
+    s.register_two().await;
     for w in [1, 2] {
-        s.bus
-            .publish(&format!("kvroute.t.events.{w}"), None, batch(w, 1, 16))
-            .await
-            .unwrap();
+        s.publish(w, batch(w, 1, 16)).await;
     }
     assert!(settle(|| s.plane.indexer().sizes().blocks == 4).await);
     // (Read before the workers' leases lapse: these fake workers send no heartbeats.)
@@ -365,14 +367,7 @@ async fn a_batch_without_an_index_slot_resyncs_its_stream() {
 /// worker answers snapshot requests (each would be refused again by the full index).
 #[tokio::test(start_paused = true)]
 async fn a_rank_without_an_index_slot_backs_off_between_resyncs() {
-    let s = setup_with(
-        LeaseConfig::default(),
-        Config {
-            max_workers: 1,
-            ..Config::default()
-        },
-    )
-    .await;
+    let s = one_slot().await;
     // Worker 2 answers its snapshot requests at once with a block (50 at most, so that a
     // loop without waits ends and virtual time can pass).
     let mut requests = s
@@ -407,19 +402,11 @@ async fn a_rank_without_an_index_slot_backs_off_between_resyncs() {
             }
         }
     });
-    s.local.put(info(1, 1));
-    s.local.put(info(2, 1));
-    assert!(settle(|| s.plane.streams().len() == 2).await);
-    s.bus
-        .publish("kvroute.t.events.1", None, batch(1, 1, 16))
-        .await
-        .unwrap();
+    s.register_two().await;
+    s.publish(1, batch(1, 1, 16)).await;
     assert!(settle(|| s.plane.indexer().sizes().blocks == 4).await);
     // Worker 2's batch finds no slot: its stream resyncs, and keeps being refused.
-    s.bus
-        .publish("kvroute.t.events.2", None, batch(2, 1, 16))
-        .await
-        .unwrap();
+    s.publish(2, batch(2, 1, 16)).await;
     for _ in 0..40 {
         s.local.put(info(1, 1));
         s.local.put(info(2, 1));
@@ -435,31 +422,22 @@ async fn a_rank_without_an_index_slot_backs_off_between_resyncs() {
 /// dropped and the stream resyncs.
 #[tokio::test(start_paused = true)]
 async fn a_stream_s_queue_is_bounded_by_blocks() {
-    let bus = Transport::Local(LocalBus::new());
-    let local = LocalRegistry::default();
-    let (_stop, rx) = watch::channel(false);
-    let plane = EventPlane::start(
-        bus.clone(),
-        Arc::new(Indexer::new(Config::default()).unwrap()),
-        Registry::Local(local.clone()).watch(LeaseConfig::default()),
+    let s = Setup::start(
+        LeaseConfig::default(),
+        Config::default(),
         PlaneConfig {
-            cluster: "t".into(),
             queue_blocks: 40,
             ..PlaneConfig::default()
         },
-        None,
-        rx,
+        Scheduler::new(Default::default()).unwrap(),
     )
-    .await
-    .unwrap();
-    local.put(info(1, 1));
-    assert!(settle(|| plane.streams().len() == 1).await);
+    .await;
+    s.local.put(info(1, 1));
+    assert!(settle(|| s.plane.streams().len() == 1).await);
     // 100 batches of 4 blocks each, published before the plane runs again: far fewer than
     // the queue's 4,096 batches, ten times its 40 blocks.
     for id in 1..=100 {
-        bus.publish("kvroute.t.events.1", None, batch(1, id, 16))
-            .await
-            .unwrap();
+        s.publish(1, batch(1, id, 16)).await;
     }
-    assert!(settle(|| plane.counters().queue_overflows.load(Ordering::Relaxed) > 0).await);
+    assert!(settle(|| s.plane.counters().queue_overflows.load(Ordering::Relaxed) > 0).await);
 }
