@@ -88,6 +88,9 @@ pub struct StreamStats {
     pub duplicates: u64,
     /// Batches of a retired epoch, dropped.
     pub stale_epoch: u64,
+    /// Batches held from before a resync's request whose ids its snapshot's watermark does
+    /// not reach (no batch the worker sent can be), dropped.
+    pub dropped_future: u64,
     /// Gaps detected.
     pub gaps: u64,
     /// Resyncs started.
@@ -126,8 +129,9 @@ pub struct WorkerStream {
     /// Epochs this stream has moved on from: their stragglers are dropped, not mistaken for
     /// yet another restart.
     retired: Vec<u64>,
-    /// Batches ahead of the next id (live) or received during a resync, by first id.
-    held: BTreeMap<u64, EventBatch>,
+    /// Batches ahead of the next id (live) or received during a resync, by first id, with
+    /// the number of the resync they arrived under (`resyncs` then).
+    held: BTreeMap<u64, (u64, EventBatch)>,
     held_blocks: usize,
     /// When the stream first fell behind what it should have (an early batch arrived, or the
     /// worker announced ids not seen yet); live only.
@@ -267,11 +271,23 @@ impl WorkerStream {
         };
         let held = std::mem::take(&mut self.held);
         self.held_blocks = 0;
-        for (_, batch) in held {
-            if batch.epoch == snapshot.epoch {
-                self.accept_live(now_ms, batch, out);
+        for (_, (under, batch)) in held {
+            if batch.epoch != snapshot.epoch {
+                continue;
             }
+            if under < request && batch.first_id().is_some_and(|first| first > watermark) {
+                // Held before this resync asked: the worker had sent it before it cut the
+                // snapshot, so the watermark covers it. Past the watermark it is no batch
+                // this worker sent (a publisher's bug); kept, it would start the resync
+                // over and over.
+                self.stats.dropped_future += 1;
+                continue;
+            }
+            self.accept_live(now_ms, batch, out);
         }
+        // Likewise a heartbeat heard before the request announced nothing past the
+        // watermark; a later one announces again what is still missing.
+        self.announced_last = self.announced_last.min(watermark);
     }
 
     /// The worker says it has sent events up to `last_id` in `epoch` (its heartbeat). A lost
@@ -404,7 +420,7 @@ impl WorkerStream {
             if *entry.key() > next_id {
                 break;
             }
-            let batch = entry.remove();
+            let (_, batch) = entry.remove();
             self.held_blocks -= weight(&batch);
             let last = batch.last_id().unwrap_or(0);
             if last >= next_id {
@@ -450,7 +466,7 @@ impl WorkerStream {
     fn hold(&mut self, batch: EventBatch) {
         let first = batch.first_id().unwrap_or(0);
         self.held_blocks += weight(&batch);
-        if let Some(previous) = self.held.insert(first, batch) {
+        if let Some((_, previous)) = self.held.insert(first, (self.resyncs, batch)) {
             self.held_blocks -= weight(&previous);
         }
     }

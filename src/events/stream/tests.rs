@@ -114,16 +114,42 @@ fn a_gap_resyncs_from_a_snapshot_and_replays_only_past_its_watermark() {
     assert!(!s.is_live());
     out.clear();
     s.on_batch(2, batch(7, 8..=9), &mut out); // buffered during the resync
-    s.on_snapshot(3, s.snapshot_request(), snapshot(7, 5), &mut out);
+    // Cut after the request: it covers 7, which the worker had sent before.
+    s.on_snapshot(3, s.snapshot_request(), snapshot(7, 7), &mut out);
     assert_eq!(out[0], Command::Reset);
     let Command::Apply(snap) = &out[1] else {
         panic!("{out:?}")
     };
-    assert_eq!(snap.events.len(), 5);
-    // Buffered 6..=9 (4 and 5 are in the snapshot) follow it.
-    assert_eq!(applied_ids(&out[2..]), vec![6, 7, 8, 9]);
+    assert_eq!(snap.events.len(), 7);
+    // Buffered 8..=9 follow it; 4..=7, in the snapshot, are duplicates.
+    assert_eq!(applied_ids(&out[2..]), vec![8, 9]);
     assert_eq!(s.next_id(), Some(10));
     assert_eq!(s.stats().gaps, 1);
+}
+
+/// A batch held from before a resync's request with ids past its snapshot's watermark is
+/// no batch the worker sent (the snapshot was cut after it had sent everything the router
+/// had heard), and neither is a heartbeat's claim from then: kept, they would start the
+/// resync over after every snapshot.
+#[test]
+fn evidence_from_before_a_request_past_its_snapshot_is_dropped() {
+    let mut s = stream();
+    let mut out = Vec::new();
+    s.on_batch(0, batch(7, 1..=1), &mut out);
+    s.on_batch(1, batch(7, 1_000_000..=1_000_000), &mut out);
+    s.on_watermark(2, 7, 2_000_000, &mut out);
+    s.on_tick(300, &mut out);
+    assert!(!s.is_live(), "a gap: resyncing");
+    out.clear();
+    s.on_snapshot(400, s.snapshot_request(), snapshot(7, 1), &mut out);
+    assert!(s.is_live());
+    assert_eq!(s.stats().dropped_future, 1);
+    out.clear();
+    for now in [700, 1_200, 5_000] {
+        s.on_tick(now, &mut out);
+    }
+    assert!(s.is_live(), "resyncing again: {out:?}");
+    assert_eq!(s.stats().resyncs, 1);
 }
 
 #[test]
