@@ -80,8 +80,11 @@ pub fn check_bearer_token(token: &str) -> Result<(), String> {
 impl std::str::FromStr for Secret {
     type Err = std::convert::Infallible;
 
+    /// Surrounding whitespace is not part of a secret: a value read from a file (a
+    /// Kubernetes Secret created `--from-file`) ends with a newline, and a comma-separated
+    /// list has spaces after its commas. Kept, they would make a key nobody can send.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Ok(Secret::new(s))
+        Ok(Secret::new(s.trim()))
     }
 }
 

@@ -84,6 +84,9 @@ impl HttpConfig {
 /// from 5 ms, doubling, instead of spinning a core until descriptors free up.
 const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
+/// Most bytes hyper buffers for a request head (its line and headers), 64 KiB.
+pub const MAX_HEAD_BYTES: usize = 64 << 10;
+
 /// Serves HTTP/1.1 on `listener` with `handler` until `shutdown` turns true. Connections
 /// already accepted go on to their end (drain); each holds one of `max_connections`
 /// permits, taken before `accept`, so a flood queues in the kernel instead of in memory.
@@ -137,6 +140,10 @@ pub async fn serve_http<F, Fut>(
             let connection = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout)
+                // A request head larger than this is refused (431) and the connection
+                // closed: hyper's default lets one connection buffer ~400 KiB of headers,
+                // gigabytes over the connection cap, for clients that never finish them.
+                .max_buf_size(MAX_HEAD_BYTES)
                 .serve_connection(
                     TokioIo::new(WriteDeadline::new(stream, write_stall)),
                     service,

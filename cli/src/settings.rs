@@ -531,8 +531,11 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
         std::fs::read_to_string(path)
             .with_context(|| format!("api_keys_file {}", path.display()))?;
     }
-    if api_keys.iter().any(|k| k.expose().is_empty()) {
-        bail!("api_keys: a key must not be empty");
+    for key in &api_keys {
+        // A key with a space or a control character could never be sent in a Bearer
+        // header: refused at start, not a client's 401 forever.
+        kvroute::auth::check_bearer_token(key.expose())
+            .map_err(|e| anyhow::anyhow!("api_keys: a key {e}"))?;
     }
     if let Some(key) = &flags
         .engine_api_key
@@ -623,12 +626,9 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
         },
     };
     ingress.validate()?;
-    if ingress
-        .admin_token
-        .as_ref()
-        .is_some_and(|t| t.expose().is_empty())
-    {
-        bail!("admin_token must not be empty");
+    if let Some(token) = &ingress.admin_token {
+        kvroute::auth::check_bearer_token(token.expose())
+            .map_err(|e| anyhow::anyhow!("admin_token {e}"))?;
     }
     let lease_ttl_ms = flags.lease_ttl_ms.or(file.lease_ttl_ms).unwrap_or(5_000);
     if lease_ttl_ms < 1_000 {
@@ -775,6 +775,16 @@ mod tests {
         assert!(bad("max_inflight = 0").is_err());
         assert!(bad("cluster = \"a.b\"").is_err());
         assert!(bad("lease_ttl_ms = 10").is_err());
+        // Keys and tokens a client could never send in a Bearer header.
+        assert!(bad("api_keys = [\"k1\", \" k2\"]").is_err());
+        assert!(bad("admin_token = \"t\\n\"").is_err());
+        // Limits for a band no request can be in (bands are clamped to -10..=10).
+        assert!(
+            bad("band_limits = [\"20=5:1000\"]")
+                .unwrap_err()
+                .to_string()
+                .contains("band 20")
+        );
         // Every float must be finite: NaN once passed and then panicked on every request.
         assert!(bad("decode_weight = nan").is_err());
         assert!(bad("prefill_scale = inf").is_err());

@@ -59,6 +59,50 @@ async fn a_half_sent_request_is_cut_off_at_the_header_timeout() {
     assert!(read_to_close(&mut s).await.starts_with("HTTP/1.1 200"));
 }
 
+/// A request head larger than `MAX_HEAD_BYTES` is refused and its connection closed at
+/// once, not at the header timeout (two minutes here): a client never finishing its
+/// headers holds 64 KiB at most.
+#[tokio::test]
+async fn a_request_head_past_its_cap_is_refused() {
+    let (addr, _stop) = server(HttpConfig {
+        header_read_timeout_ms: 120_000,
+        ..HttpConfig::default()
+    })
+    .await;
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n").await.unwrap();
+    let header = format!("x-pad: {}\r\n", "a".repeat(1000));
+    // 100 KiB of headers, never ended; the server may close before all of it is sent.
+    for _ in 0..100 {
+        if s.write_all(header.as_bytes()).await.is_err() {
+            break;
+        }
+    }
+    // A 431 then EOF, or a reset (the server closed with unread bytes): either way closed.
+    let closed = tokio::time::timeout(Duration::from_secs(20), async {
+        let mut buf = [0u8; 4096];
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(
+        closed.is_ok(),
+        "the server kept buffering an endless request head"
+    );
+    // A request head under the cap is served.
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "GET / HTTP/1.1\r\nhost: x\r\n{}connection: close\r\n\r\n",
+        header.repeat(30)
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    assert!(read_to_close(&mut s).await.starts_with("HTTP/1.1 200"));
+}
+
 /// Past `max_connections`, further clients wait in the accept queue until one leaves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_beyond_the_cap_wait_for_a_slot() {

@@ -96,6 +96,18 @@ pub enum QueueConfigError {
         /// The band (`None`: the default).
         band: Option<i32>,
     },
+    /// Limits for a band no request can be in (every band is clamped to the range).
+    #[error(
+        "scheduler.queue: limits for band {band}, outside the bands requests get ({lowest} to {highest}): they would never apply"
+    )]
+    OutOfRange {
+        /// The band.
+        band: i32,
+        /// The lowest band.
+        lowest: i32,
+        /// The highest band.
+        highest: i32,
+    },
 }
 
 impl QueueConfig {
@@ -103,6 +115,17 @@ impl QueueConfig {
     pub fn validate(&self) -> Result<(), QueueConfigError> {
         if self.lowest_band > self.highest_band {
             return Err(QueueConfigError::BandRange {
+                lowest: self.lowest_band,
+                highest: self.highest_band,
+            });
+        }
+        if let Some(&band) = self
+            .bands
+            .keys()
+            .find(|b| !(self.lowest_band..=self.highest_band).contains(*b))
+        {
+            return Err(QueueConfigError::OutOfRange {
+                band,
                 lowest: self.lowest_band,
                 highest: self.highest_band,
             });
