@@ -87,9 +87,12 @@ const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// Most bytes hyper buffers for a request head (its line and headers), 64 KiB.
 pub const MAX_HEAD_BYTES: usize = 64 << 10;
 
-/// Serves HTTP/1.1 on `listener` with `handler` until `shutdown` turns true. Connections
-/// already accepted go on to their end (drain); each holds one of `max_connections`
-/// permits, taken before `accept`, so a flood queues in the kernel instead of in memory.
+/// Serves HTTP/1.1 on `listener` with `handler` until `shutdown` turns true, then returns
+/// once every connection accepted has closed: each finishes the request it is serving (a
+/// stream to the last byte its client reads), an idle one at once. A caller draining waits
+/// for this under its deadline; returning earlier, a process would exit with answers still
+/// in its sockets. Each connection holds one of `max_connections` permits, taken before
+/// `accept`, so a flood queues in the kernel instead of in memory.
 pub async fn serve_http<F, Fut>(
     listener: tokio::net::TcpListener,
     config: HttpConfig,
@@ -106,11 +109,11 @@ pub async fn serve_http<F, Fut>(
     loop {
         let permit = tokio::select! {
             p = Arc::clone(&permits).acquire_owned() => p.expect("invariant: the semaphore is never closed"),
-            _ = shutdown.changed() => return,
+            _ = shutdown.changed() => break,
         };
         let accepted = tokio::select! {
             a = listener.accept() => a,
-            _ = shutdown.changed() => return,
+            _ = shutdown.changed() => break,
         };
         let stream = match accepted {
             Ok((stream, _)) => {
@@ -123,7 +126,7 @@ pub async fn serve_http<F, Fut>(
                 tracing::warn!(error = %e, backoff_ms = backoff.as_millis() as u64, "accept failed; backing off");
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
-                    _ = shutdown.changed() => return,
+                    _ = shutdown.changed() => break,
                 }
                 continue;
             }
@@ -168,6 +171,9 @@ pub async fn serve_http<F, Fut>(
             drop(permit);
         });
     }
+    drop(listener);
+    let all = u32::try_from(config.max_connections.max(1)).unwrap_or(u32::MAX);
+    let _ = permits.acquire_many(all).await;
 }
 
 /// A connection's I/O whose writes fail with `TimedOut` once they have made no progress

@@ -306,10 +306,18 @@ pub async fn serve_until_signal(
     };
     router.begin_drain();
     let _ = stop_accepting.send(true);
-    let _ = api.await;
-    let _ = admin.await;
     tracing::info!(inflight = router.inflight(), "draining");
-    let left = router.drained(drain).await;
+    // Every connection finishes what it serves (a stream to the last byte its client
+    // reads) and closes; the deadline cuts whatever is left.
+    let deadline = tokio::time::Instant::now() + drain;
+    let _ = tokio::time::timeout_at(deadline, async {
+        let _ = api.await;
+        let _ = admin.await;
+    })
+    .await;
+    let left = router
+        .drained(deadline.saturating_duration_since(tokio::time::Instant::now()))
+        .await;
     if left > 0 {
         tracing::warn!(left, "drain timeout: closing streams still in flight");
     } else {

@@ -301,7 +301,7 @@ async fn shutdown_closes_kept_alive_connections_once_their_request_is_done() {
     let (stop, rx) = watch::channel(false);
     let release = Arc::new(tokio::sync::Notify::new());
     let released = Arc::clone(&release);
-    tokio::spawn(serve_http(
+    let server = tokio::spawn(serve_http(
         listener,
         HttpConfig::default(),
         move |req: hyper::Request<Incoming>| {
@@ -346,9 +346,19 @@ async fn shutdown_closes_kept_alive_connections_once_their_request_is_done() {
         .await
         .expect("an idle kept-alive connection stayed open after shutdown");
     assert_eq!(closed, "");
+    // The server is not done while a connection still serves its response.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !server.is_finished(),
+        "returned with a stream still being served"
+    );
     release.notify_one();
     let rest = tokio::time::timeout(Duration::from_secs(30), read_to_close(&mut busy))
         .await
         .expect("the streaming connection stayed open after its response");
     assert!(rest.contains("last;"), "{rest}");
+    tokio::time::timeout(Duration::from_secs(30), server)
+        .await
+        .expect("the server did not return once every connection closed")
+        .unwrap();
 }
