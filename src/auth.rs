@@ -55,9 +55,11 @@ pub fn bearer_ok(headers: &hyper::HeaderMap, keys: &[Secret]) -> bool {
 /// client names none).
 pub fn bearer_key(headers: &hyper::HeaderMap, keys: &[Secret]) -> Option<usize> {
     let value = headers.get(hyper::header::AUTHORIZATION)?.as_bytes();
-    let token = value
-        .strip_prefix(b"Bearer ")
-        .or_else(|| value.strip_prefix(b"bearer "))?;
+    // The scheme is case-insensitive (RFC 9110 §11.1): `BEARER`, `bearer` and `Bearer`.
+    let (scheme, token) = value.split_at_checked(7)?;
+    if !scheme.eq_ignore_ascii_case(b"bearer ") {
+        return None;
+    }
     // Check every key, so the time taken does not tell which one matched.
     keys.iter().enumerate().fold(None, |found, (i, k)| {
         let hit = k.matches(token);
@@ -237,6 +239,15 @@ mod tests {
         h.insert(hyper::header::AUTHORIZATION, "Bearer k3".parse().unwrap());
         assert!(!bearer_ok(&h, &keys));
         h.insert(hyper::header::AUTHORIZATION, "Basic k1".parse().unwrap());
+        assert!(!bearer_ok(&h, &keys));
+        // The scheme is case-insensitive; the key is not.
+        for value in ["BEARER k1", "bearer k1", "bEaReR k1"] {
+            h.insert(hyper::header::AUTHORIZATION, value.parse().unwrap());
+            assert_eq!(bearer_key(&h, &keys), Some(0), "{value}");
+        }
+        h.insert(hyper::header::AUTHORIZATION, "Bearer K1".parse().unwrap());
+        assert!(!bearer_ok(&h, &keys));
+        h.insert(hyper::header::AUTHORIZATION, "Bear".parse().unwrap());
         assert!(!bearer_ok(&h, &keys));
     }
 

@@ -67,6 +67,14 @@ pub fn signals() -> tokio::sync::watch::Receiver<bool> {
                     _ = int.recv() => {}
                 }
                 let _ = tx.send(true);
+                // A second signal (Ctrl-C again) does not wait for the drain: the operator
+                // has asked twice.
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+                tracing::warn!("second signal: exiting without waiting for the drain");
+                std::process::exit(130);
             });
             return rx;
         }

@@ -78,6 +78,53 @@ async fn up_serves_openai_requests_without_nats() {
     assert_eq!(v["usage"]["completion_tokens"], 4);
 }
 
+/// A second SIGTERM (Ctrl-C twice) exits at once instead of waiting out the drain.
+#[tokio::test]
+async fn a_second_signal_exits_without_waiting_for_the_drain() {
+    let (mut up, url, admin, http) = up(&["--workers", "1"]).await;
+    // At speed 1, 5,000 tokens take minutes: the drain (30 s) would wait for them.
+    let body =
+        r#"{"model":"kvroute-sim","prompt":"a very long answer","max_tokens":5000,"stream":true}"#;
+    let _request = {
+        let (http, url) = (http.clone(), url.clone());
+        tokio::spawn(async move {
+            http.call("POST", &format!("{url}/v1/completions"), body)
+                .await
+        })
+    };
+    let mut in_flight = false;
+    for _ in 0..200 {
+        let w = http
+            .call("GET", &format!("{admin}/admin/workers"), "")
+            .await
+            .unwrap();
+        if w.body.contains("\"booked_requests\":1") {
+            in_flight = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(in_flight, "the request never showed in /admin/workers");
+    up.terminate().unwrap();
+    // The first signal is heard once the router stops being ready (it drains).
+    let mut draining = false;
+    for _ in 0..400 {
+        match http.call("GET", &format!("{url}/ready"), "").await {
+            Ok(r) if r.status == 200 => tokio::time::sleep(Duration::from_millis(5)).await,
+            _ => {
+                draining = true;
+                break;
+            }
+        }
+    }
+    assert!(draining, "the router never began to drain");
+    up.terminate().unwrap();
+    let status = up
+        .wait_timeout(Duration::from_secs(10))
+        .expect("still draining after a second SIGTERM");
+    assert_eq!(status.code(), Some(130), "{status:?}");
+}
+
 #[tokio::test]
 async fn sigterm_lets_streams_in_flight_finish_then_exits() {
     // Speed 1: 200 decode steps take the timing model's real time (hundreds of ms).
