@@ -67,6 +67,23 @@ pub fn bearer_key(headers: &hyper::HeaderMap, keys: &[Secret]) -> Option<usize> 
     })
 }
 
+/// `urls` (comma-separated, as NATS takes them) with any credentials in them
+/// (`nats://user:password@host`) replaced by `<redacted>`: what logs and `--dry-run` show.
+pub fn redact_credentials(urls: &str) -> String {
+    urls.split(',')
+        .map(|url| {
+            let start = url.find("://").map_or(0, |i| i + 3);
+            let rest = &url[start..];
+            let authority = &rest[..rest.find('/').unwrap_or(rest.len())];
+            match authority.rfind('@') {
+                Some(at) => format!("{}<redacted>{}", &url[..start], &rest[at..]),
+                None => url.to_owned(),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// Whether `token` can be sent as `Authorization: Bearer TOKEN`: not empty, and visible
 /// ASCII only (what an HTTP header value holds).
 pub fn check_bearer_token(token: &str) -> Result<(), String> {
@@ -227,6 +244,16 @@ mod tests {
         assert!(!s.matches(b""));
         assert_eq!(format!("{s:?}"), "<redacted>");
         assert_eq!(serde_json::to_string(&s).unwrap(), "\"<redacted>\"");
+    }
+
+    #[test]
+    fn credentials_in_urls_are_redacted() {
+        assert_eq!(
+            redact_credentials("nats://router:s3cret@n1:4222,tls://tok@n2/x,nats://n3:4222"),
+            "nats://<redacted>@n1:4222,tls://<redacted>@n2/x,nats://n3:4222"
+        );
+        assert_eq!(redact_credentials("u:p@host:4222"), "<redacted>@host:4222");
+        assert_eq!(redact_credentials("nats://h/a@b"), "nats://h/a@b");
     }
 
     #[test]

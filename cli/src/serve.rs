@@ -65,7 +65,7 @@ pub fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         let (router, listeners) = started?;
         println!("kvroute serving on http://{}", listeners.api_addr);
         println!("kvroute admin on http://{}", listeners.admin_addr);
-        tracing::info!(addr = %listeners.api_addr, admin = %listeners.admin_addr, nats = %settings.nats, cluster = %settings.cluster, "router serving");
+        tracing::info!(addr = %listeners.api_addr, admin = %listeners.admin_addr, nats = %kvroute::auth::redact_credentials(&settings.nats), cluster = %settings.cluster, "router serving");
         let outcome = serve_until_signal(
             router,
             listeners,

@@ -237,7 +237,8 @@ pub struct ServeFlags {
 /// The router's resolved settings.
 #[derive(Clone, Debug, Serialize)]
 pub struct Settings {
-    /// NATS server URL(s).
+    /// NATS server URL(s) (credentials in them print as `<redacted>`).
+    #[serde(serialize_with = "redacted_urls")]
     pub nats: String,
     /// NATS credentials and TLS.
     pub nats_auth: NatsAuth,
@@ -695,6 +696,10 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
     })
 }
 
+fn redacted_urls<S: serde::Serializer>(urls: &str, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&kvroute::auth::redact_credentials(urls))
+}
+
 fn random_replica_id() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -736,6 +741,12 @@ mod tests {
             "{printed}"
         );
         assert!(printed.contains("<redacted>"));
+        // A password in the NATS URL itself is not printed either.
+        let file = parse_file("nats = \"nats://router:hunter2@n1:4222\"\n").unwrap();
+        let printed =
+            serde_json::to_string(&resolve(ServeFlags::default(), file).unwrap()).unwrap();
+        assert!(!printed.contains("hunter2"), "{printed}");
+        assert!(printed.contains("nats://<redacted>@n1:4222"), "{printed}");
     }
 
     #[test]

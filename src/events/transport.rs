@@ -89,7 +89,7 @@ impl Transport {
         let link = Arc::new(link);
         let connects = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let connect_error = |reason: String| TransportError::Connect {
-            url: url.to_owned(),
+            url: crate::auth::redact_credentials(url),
             reason,
         };
         let mut options = match (&auth.nats_user, &auth.nats_password, &auth.nats_token) {
@@ -169,7 +169,7 @@ impl Transport {
                             return Err(connect_error(format!("TLS: {e}")));
                         }
                         K::Io | K::TimedOut | K::Dns => {
-                            tracing::warn!(error = %e, url, "cannot reach NATS yet; retrying");
+                            tracing::warn!(error = %e, url = %crate::auth::redact_credentials(url), "cannot reach NATS yet; retrying");
                             tokio::time::sleep(backoff).await;
                             backoff = (backoff * 2).min(std::time::Duration::from_secs(5));
                         }
