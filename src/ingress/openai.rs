@@ -475,6 +475,12 @@ impl ApiError {
         ApiError::new(503, "server_error", Fault::Worker, message)
     }
 
+    /// 503: the router could not open a connection for want of its own resources (file
+    /// descriptors): its fault, not the workers'.
+    pub fn router_exhausted(message: impl Into<String>) -> Self {
+        ApiError::new(503, "server_error", Fault::Router, message)
+    }
+
     /// 504: a worker did not answer in time.
     pub fn worker_timeout(message: impl Into<String>) -> Self {
         ApiError::new(504, "server_error", Fault::Worker, message)

@@ -171,23 +171,37 @@ impl ProxyError {
         match self {
             ProxyError::Status { status, .. } => worker_side(*status),
             ProxyError::AnswerTimeout { .. } => false,
+            // Any other worker would fail the same way.
+            _ if self.router_exhausted() => false,
             _ => true,
         }
     }
 
     /// Whether the worker could not be reached at all (no connection, or no response
-    /// headers in time): what counts towards its ejection (`scheduler.ejection`).
+    /// headers in time): what counts towards its ejection (`scheduler.ejection`). Not when
+    /// the router itself could not open a socket: ejecting healthy workers for it would
+    /// take the whole fleet out.
     pub fn unreachable(&self) -> bool {
         matches!(
             self,
             ProxyError::Connect { .. } | ProxyError::HeadersTimeout { .. }
-        )
+        ) && !self.router_exhausted()
+    }
+
+    /// Whether connecting failed for want of the router's own resources (file
+    /// descriptors, socket buffers, memory).
+    fn router_exhausted(&self) -> bool {
+        match self {
+            ProxyError::Connect { source, .. } => local_exhaustion(source),
+            _ => false,
+        }
     }
 
     /// Whose fault it is.
     pub fn fault(&self) -> Fault {
         match self {
             ProxyError::Status { status, .. } if !worker_side(*status) => Fault::Client,
+            _ if self.router_exhausted() => Fault::Router,
             _ => Fault::Worker,
         }
     }
@@ -227,9 +241,30 @@ impl ProxyError {
                 source: BodyError::TimedOut { .. },
                 ..
             } => ApiError::worker_timeout(self.to_string()),
+            _ if self.router_exhausted() => ApiError::router_exhausted(self.to_string()),
             _ => ApiError::unavailable(self.to_string()),
         }
     }
+}
+
+/// Whether `error`, or an error it wraps, is the local system refusing a socket: too many
+/// open files (the process's or the system's), no buffer space, no memory (Linux's
+/// numbers). The router's own state, not the worker's.
+pub fn local_exhaustion(error: &(dyn std::error::Error + 'static)) -> bool {
+    const EMFILE: i32 = 24;
+    const ENFILE: i32 = 23;
+    const ENOBUFS: i32 = 105;
+    const ENOMEM: i32 = 12;
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && matches!(io.raw_os_error(), Some(EMFILE | ENFILE | ENOBUFS | ENOMEM))
+        {
+            return true;
+        }
+        next = e.source();
+    }
+    false
 }
 
 /// Statuses that say the worker, not the request, is the problem: overloaded (429),

@@ -424,3 +424,32 @@ mod queue {
         );
     }
 }
+
+/// A socket the router itself could not open (out of file descriptors) is found however
+/// deep the connect error wraps it, and nothing else is taken for it.
+#[test]
+fn local_exhaustion_is_found_in_an_error_chain() {
+    use super::proxy::local_exhaustion;
+    #[derive(Debug)]
+    struct Wrap(std::io::Error);
+    impl std::fmt::Display for Wrap {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("connect failed")
+        }
+    }
+    impl std::error::Error for Wrap {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+    for errno in [24, 23] {
+        assert!(local_exhaustion(&Wrap(std::io::Error::from_raw_os_error(
+            errno
+        ))));
+    }
+    // Connection refused (111) is the worker's.
+    assert!(!local_exhaustion(&Wrap(std::io::Error::from_raw_os_error(
+        111
+    ))));
+    assert!(!local_exhaustion(&std::fmt::Error));
+}
