@@ -183,6 +183,9 @@ pub struct Router {
     /// Where routed requests' prompts are reported (direct mode: engines without KV events
     /// learn their likely cache from them).
     decisions: Mutex<Option<tokio::sync::mpsc::Sender<RoutedPrompt>>>,
+    /// Workers whose index entries are guesses made from the prompts routed to them
+    /// (engines without KV events): a prompt shows there as soon as it is routed.
+    guessed: Mutex<Arc<std::collections::HashSet<WorkerId>>>,
     /// Requests waiting for room (lock it before the scheduler, never after).
     queue: Mutex<admission::Queue>,
     /// How many of them wait, by model.
@@ -261,6 +264,7 @@ impl Router {
             started: Instant::now(),
             mismatch: Arc::new(Mutex::new(MismatchAlarm::new(MismatchConfig::default()))),
             decisions: Mutex::new(None),
+            guessed: Mutex::default(),
             queue: Mutex::new(queue),
             waiting_models: Arc::default(),
             room: Arc::new(Notify::new()),
@@ -277,9 +281,20 @@ impl Router {
     }
 
     /// Reports every routed request's prompt to `sink` from now on, as it is sent (dropped
-    /// when the sink is full: the approximate cache it feeds is a guess anyway).
-    pub fn report_decisions(&self, sink: tokio::sync::mpsc::Sender<RoutedPrompt>) {
+    /// when the sink is full: the approximate cache it feeds is a guess anyway), for the
+    /// `guessed` workers' caches to be guessed from.
+    pub fn report_decisions(
+        &self,
+        sink: tokio::sync::mpsc::Sender<RoutedPrompt>,
+        guessed: std::collections::HashSet<WorkerId>,
+    ) {
         *self.decisions.lock() = Some(sink);
+        *self.guessed.lock() = Arc::new(guessed);
+    }
+
+    /// Whether `worker`'s index entries are guessed from the prompts routed to it.
+    pub fn guessed(&self, worker: WorkerId) -> bool {
+        self.guessed.lock().contains(&worker)
     }
 
     /// The keys accepted on `/v1/*` now.

@@ -151,7 +151,7 @@ async fn serve_direct(
     .await?;
     if !learners.is_empty() {
         let (tx, mut rx) = tokio::sync::mpsc::channel::<kvroute::ingress::RoutedPrompt>(1024);
-        router.report_decisions(tx);
+        router.report_decisions(tx, learners.keys().copied().collect());
         tokio::spawn(async move {
             while let Some(routed) = rx.recv().await {
                 if let Some(learner) = learners.get(&routed.key.0) {

@@ -496,7 +496,7 @@ const PREFILL_POLL: Duration = Duration::from_millis(50);
 /// prefill it finished long before. The prompt's last full block shows up in the worker's
 /// KV events once computed: the prefill is released then. A prompt shorter than a block,
 /// or a block evicted between two looks, keeps it booked until the answer.
-async fn watch_prefill<F: std::future::Future>(
+pub(super) async fn watch_prefill<F: std::future::Future>(
     router: &Router,
     key: WorkerKey,
     booking: &mut Booking,
@@ -505,6 +505,11 @@ async fn watch_prefill<F: std::future::Future>(
     let Some((_, last)) = booking.expect else {
         return answer.await;
     };
+    if router.guessed(key.0) {
+        // Its index entries are guesses made when the request was routed: the prompt
+        // shows there at once, whatever the engine has computed.
+        return answer.await;
+    }
     let computed = || {
         router
             .plane

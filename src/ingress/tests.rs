@@ -386,6 +386,40 @@ mod queue {
         drop(other);
     }
 
+    /// A non-streamed request's prefill is released once its prompt's last block shows in
+    /// its worker's index; not for a worker whose index entries are guesses made when the
+    /// request was routed (an engine without KV events), where it shows at once.
+    #[tokio::test(start_paused = true)]
+    async fn prefill_is_released_by_the_index_only_where_it_is_not_guessed() {
+        use crate::events::plane::tests::batch;
+        use crate::protocol::{Salt, WorkerId, hash_blocks};
+        use std::num::NonZeroUsize;
+        let (router, plane) = router(1, ["a", "b"]).await;
+        // Worker 1 announces the 16-token prompt's 4 blocks (block size 4).
+        plane.publish(1, batch(1, 1, 16)).await;
+        assert!(settle(|| plane.plane.indexer().sizes().blocks == 4).await);
+        let tokens: Vec<u32> = (0..16).collect();
+        let last = hash_blocks(&tokens, NonZeroUsize::new(4).unwrap(), Salt::NONE)
+            .last()
+            .unwrap()
+            .seq;
+        for guessed in [false, true] {
+            if guessed {
+                let (tx, _rx) = tokio::sync::mpsc::channel(1);
+                router.report_decisions(tx, [WorkerId(1)].into());
+            }
+            let Entered::Admitted(admitted) = enter(&router, "a") else {
+                panic!("an idle worker admits");
+            };
+            let (decision, booking) = *admitted;
+            let mut booking = booking.expecting(WorkerId(1), Some(last));
+            let answer = tokio::time::sleep(std::time::Duration::from_millis(500));
+            super::super::proxy::watch_prefill(&router, decision.chosen.key, &mut booking, answer)
+                .await;
+            assert_eq!(booking.prefill_open(), guessed, "guessed: {guessed}");
+        }
+    }
+
     /// A request of a model with nothing waiting is routed at once, whatever another model
     /// has queued; and one queued behind more than a pump weighs of another model's is still
     /// admitted once its worker has room.

@@ -78,33 +78,48 @@ async fn up_serves_openai_requests_without_nats() {
     assert_eq!(v["usage"]["completion_tokens"], 4);
 }
 
-/// A second SIGTERM (Ctrl-C twice) exits at once instead of waiting out the drain.
-#[tokio::test]
-async fn a_second_signal_exits_without_waiting_for_the_drain() {
-    let (mut up, url, admin, http) = up(&["--workers", "1"]).await;
-    // At speed 1, 5,000 tokens take minutes: the drain (30 s) would wait for them.
-    let body =
-        r#"{"model":"kvroute-sim","prompt":"a very long answer","max_tokens":5000,"stream":true}"#;
-    let _request = {
-        let (http, url) = (http.clone(), url.clone());
+/// Sends a streamed completion of `max_tokens` and returns once the router shows it booked.
+async fn stream_in_flight(
+    http: &Http,
+    url: &str,
+    admin: &str,
+    max_tokens: u32,
+) -> tokio::task::JoinHandle<anyhow::Result<kvroute_e2e::procs::Reply>> {
+    let body = format!(
+        r#"{{"model":"kvroute-sim","prompt":"a long answer please","max_tokens":{max_tokens},"stream":true}}"#
+    );
+    let request = {
+        let (http, url) = (http.clone(), url.to_owned());
         tokio::spawn(async move {
             http.call("POST", &format!("{url}/v1/completions"), body)
                 .await
         })
     };
-    let mut in_flight = false;
+    in_flight(http, admin).await;
+    request
+}
+
+/// Waits until the router shows one request booked (in flight).
+async fn in_flight(http: &Http, admin: &str) {
     for _ in 0..200 {
         let w = http
             .call("GET", &format!("{admin}/admin/workers"), "")
             .await
             .unwrap();
         if w.body.contains("\"booked_requests\":1") {
-            in_flight = true;
-            break;
+            return;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    assert!(in_flight, "the request never showed in /admin/workers");
+    panic!("the request never showed in /admin/workers");
+}
+
+/// A second SIGTERM (Ctrl-C twice) exits at once instead of waiting out the drain.
+#[tokio::test]
+async fn a_second_signal_exits_without_waiting_for_the_drain() {
+    let (mut up, url, admin, http) = up(&["--workers", "1"]).await;
+    // At speed 1, 5,000 tokens take minutes: the drain (30 s) would wait for them.
+    let _request = stream_in_flight(&http, &url, &admin, 5000).await;
     up.terminate().unwrap();
     // The first signal is heard once the router stops being ready (it drains).
     let mut draining = false;
@@ -129,32 +144,9 @@ async fn a_second_signal_exits_without_waiting_for_the_drain() {
 async fn sigterm_lets_streams_in_flight_finish_then_exits() {
     // Speed 1: 200 decode steps take the timing model's real time (hundreds of ms).
     let (mut up, url, admin, http) = up(&["--workers", "1"]).await;
-    let body =
-        r#"{"model":"kvroute-sim","prompt":"a long answer please","max_tokens":200,"stream":true}"#;
-    let request = {
-        let (http, url) = (http.clone(), url.clone());
-        tokio::spawn(async move {
-            http.call("POST", &format!("{url}/v1/completions"), body)
-                .await
-                .unwrap()
-        })
-    };
-    // Until the request is in flight.
-    let mut in_flight = false;
-    for _ in 0..200 {
-        let w = http
-            .call("GET", &format!("{admin}/admin/workers"), "")
-            .await
-            .unwrap();
-        if w.body.contains("\"booked_requests\":1") {
-            in_flight = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    assert!(in_flight, "the request never showed in /admin/workers");
+    let request = stream_in_flight(&http, &url, &admin, 200).await;
     up.terminate().unwrap();
-    let reply = request.await.unwrap();
+    let reply = request.await.unwrap().unwrap();
     assert_eq!(reply.status, 200);
     assert_eq!(
         reply.body.matches("text_completion").count(),

@@ -25,7 +25,7 @@ pub(crate) fn info(id: u64, dp_size: u32) -> WorkerInfo {
 }
 
 /// A batch of `n` stored blocks of worker `id`, ids `first..`.
-fn batch(id: u64, first: u64, tokens: u32) -> bytes::Bytes {
+pub(crate) fn batch(id: u64, first: u64, tokens: u32) -> bytes::Bytes {
     let toks: Vec<u32> = (0..tokens).collect();
     let blocks: Vec<StoredBlock> = hash_blocks(&toks, NonZeroUsize::new(4).unwrap(), Salt::NONE)
         .iter()
@@ -96,7 +96,7 @@ impl Setup {
 
 impl Setup {
     /// Publishes `payload` on worker `worker`'s events subject.
-    async fn publish(&self, worker: u64, payload: bytes::Bytes) {
+    pub async fn publish(&self, worker: u64, payload: bytes::Bytes) {
         self.bus
             .publish(&format!("kvroute.t.events.{worker}"), None, payload)
             .await
