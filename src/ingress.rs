@@ -185,7 +185,7 @@ pub struct Router {
     decisions: Mutex<Option<tokio::sync::mpsc::Sender<RoutedPrompt>>>,
     /// Workers whose index entries are guesses made from the prompts routed to them
     /// (engines without KV events): a prompt shows there as soon as it is routed.
-    guessed: Mutex<Arc<std::collections::HashSet<WorkerId>>>,
+    guessed: Mutex<std::collections::HashSet<WorkerId>>,
     /// Requests waiting for room (lock it before the scheduler, never after).
     queue: Mutex<admission::Queue>,
     /// How many of them wait, by model.
@@ -289,7 +289,7 @@ impl Router {
         guessed: std::collections::HashSet<WorkerId>,
     ) {
         *self.decisions.lock() = Some(sink);
-        *self.guessed.lock() = Arc::new(guessed);
+        *self.guessed.lock() = guessed;
     }
 
     /// Whether `worker`'s index entries are guessed from the prompts routed to it.

@@ -335,7 +335,7 @@ impl WorkerStream {
             } => {
                 if now_ms.saturating_sub(requested_ms) >= wait_ms {
                     self.stats.snapshot_retries += 1;
-                    let wait_ms = (wait_ms * 2).min(MAX_SNAPSHOT_WAIT_MS.max(wait_ms));
+                    let wait_ms = (wait_ms * 2).min(MAX_SNAPSHOT_WAIT_MS).max(wait_ms);
                     self.state = State::Resyncing {
                         since_ms,
                         requested_ms: now_ms,

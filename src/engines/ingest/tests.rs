@@ -120,6 +120,29 @@ async fn follow(endpoint: EngineEndpoint, limits: IngestLimits) -> Owner {
     owner
 }
 
+/// Publishes block `hash` stored then removed (leaving nothing behind) until `done` holds:
+/// until the follower's subscription reaches the publisher, batches go nowhere.
+async fn churn_until(
+    engine: &EnginePublisher,
+    owner: &mut Owner,
+    hash: u64,
+    what: &str,
+    done: impl Fn(&Owner) -> bool,
+) {
+    for _ in 0..200 {
+        engine.publish(store(hash, None));
+        engine.publish(remove(hash));
+        let wait = owner.until(what, &done);
+        if tokio::time::timeout(Duration::from_millis(20), wait)
+            .await
+            .is_ok()
+        {
+            return;
+        }
+    }
+    panic!("never {what}: {:?}", owner.stats);
+}
+
 fn hashes_of(chain: &[(u64, Option<u64>)]) -> BTreeSet<SeqHash> {
     // The kvroute hash of each stored block, as the mirror computes it.
     let mut mirror = crate::engines::EngineMirror::new(NonZeroUsize::new(BS).unwrap());
@@ -243,24 +266,10 @@ async fn a_restart_is_seen_when_the_new_engine_s_replay_fails() {
             Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
         }
     };
-    // Until the follower has reconnected, batches go nowhere; a stored-and-removed block
-    // leaves nothing behind either way.
-    let mut restarted = false;
-    for _ in 0..200 {
-        engine.publish(store(4, None));
-        engine.publish(remove(4));
-        if tokio::time::timeout(
-            Duration::from_millis(20),
-            owner.until("restart seen", |o| o.stats.restarts > 0),
-        )
-        .await
-        .is_ok()
-        {
-            restarted = true;
-            break;
-        }
-    }
-    assert!(restarted, "the restart went unseen: {:?}", owner.stats);
+    churn_until(&engine, &mut owner, 4, "restart seen", |o| {
+        o.stats.restarts > 0
+    })
+    .await;
     engine.publish(store(7, None));
     let want = hashes_of(&[(7, None)]);
     owner
@@ -273,22 +282,10 @@ async fn without_replay_a_gap_clears_and_rebuilds_from_what_follows() {
     let engine = engine_at(0, 0).await;
     let mut owner = start(&engine, false).await;
     // Live only: publish until the subscription carries a batch.
-    let mut seen = false;
-    for _ in 0..200 {
-        engine.publish(store(1, None));
-        engine.publish(remove(1));
-        if tokio::time::timeout(
-            Duration::from_millis(20),
-            owner.until("live", |o| o.stats.mirror.batches > 0),
-        )
-        .await
-        .is_ok()
-        {
-            seen = true;
-            break;
-        }
-    }
-    assert!(seen, "no live batch arrived");
+    churn_until(&engine, &mut owner, 1, "live", |o| {
+        o.stats.mirror.batches > 0
+    })
+    .await;
     owner
         .until("settled", |o| {
             o.held.is_empty() && o.stats.mirror.batches % 2 == 0
