@@ -2,10 +2,12 @@
 //! JSON object a line for collectors; filtered by `RUST_LOG`, default `info`) and hear the
 //! signals that end them.
 
+pub mod limits;
 pub mod series;
 
 use std::io::IsTerminal;
 
+pub use limits::raise_open_files_limit;
 pub use series::Metrics;
 
 /// How log lines are written.

@@ -80,6 +80,9 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         ServeFlags::default(),
     )?;
     kvroute::process::init_logging(settings.log_format);
+    kvroute::process::raise_open_files_limit(kvroute::process::limits::descriptors_for(
+        settings.ingress.http.max_connections,
+    ));
     let tokenizer = load_tokenizer(args.tokenizer.as_deref())?;
     let worker_tokenizer = Arc::new(load_tokenizer(args.tokenizer.as_deref())?);
     let runtime = tokio::runtime::Runtime::new()?;

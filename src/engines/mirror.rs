@@ -155,6 +155,14 @@ impl EngineMirror {
                         self.release(*h, medium.tier(), out);
                     }
                 }
+                // Every tier, not only the GPU's. SGLang's `HiRadixCache.reset` empties its
+                // host pool too before the one `AllBlocksCleared` (python/sglang/srt/
+                // mem_cache/hiradix_cache.py); vLLM emits it from the GPU pool's
+                // `reset_prefix_cache` (vllm/v1/core/block_pool.py), and with
+                // `reset_connector` clears its CPU tier as well without an event of its
+                // own. The event cannot say which: forgetting host blocks that survived
+                // costs some reuse until they are stored again, routing to blocks that are
+                // gone costs every request that trusts them.
                 EngineEvent::Cleared => self.clear(out),
             }
         }

@@ -66,6 +66,12 @@ impl Proc {
         Ok(Proc { child })
     }
 
+    /// Starts a command already set up (its arguments, environment, a shell around it).
+    pub fn spawn(mut command: Command) -> anyhow::Result<Proc> {
+        let child = command.spawn()?;
+        Ok(Proc { child })
+    }
+
     /// Starts `name` with `args`, its stderr (the logs) appended to `log`.
     pub fn start_logged(
         name: &str,

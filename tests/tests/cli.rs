@@ -34,6 +34,58 @@ async fn up(args: &[&str]) -> (Proc, String, String, Http) {
     panic!("kvroute up not ready");
 }
 
+/// The soft and hard "Max open files" of process `pid`, from `/proc` (Linux).
+fn open_files_limits(pid: u32) -> Option<(u64, u64)> {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    let mut numbers = line["Max open files".len()..].split_whitespace();
+    let mut next = || match numbers.next()? {
+        "unlimited" => Some(u64::MAX),
+        n => n.parse().ok(),
+    };
+    Some((next()?, next()?))
+}
+
+#[tokio::test]
+async fn a_low_soft_open_files_limit_is_raised_to_the_hard_one() {
+    let Some((_, hard)) = open_files_limits(std::process::id()) else {
+        eprintln!("skipped: no /proc/self/limits");
+        return;
+    };
+    if hard <= 256 {
+        eprintln!("skipped: the hard limit ({hard}) leaves nothing to raise");
+        return;
+    }
+    let (port, admin_port) = (free_port(), free_port());
+    // A container's usual soft limit is 1024; 256 here, below what the router needs.
+    let mut command = Command::new("sh");
+    command
+        .arg("-c")
+        .arg(r#"ulimit -Sn 256 && exec "$0" "$@""#)
+        .arg(binary("kvroute").unwrap())
+        .args(["up", "--workers", "1", "--port", &port.to_string()])
+        .args(["--admin-port", &admin_port.to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let proc = Proc::spawn(command).unwrap();
+    let http = Http::default();
+    let url = format!("http://127.0.0.1:{port}/ready");
+    let mut ready = false;
+    for _ in 0..200 {
+        if let Ok(r) = http.call("GET", &url, "").await
+            && r.status == 200
+        {
+            ready = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(ready, "kvroute up not ready");
+    let (soft, hard_now) = open_files_limits(proc.id()).unwrap();
+    assert_eq!(hard_now, hard);
+    assert_eq!(soft, hard, "the soft limit stayed at {soft}");
+}
+
 #[tokio::test]
 async fn up_serves_openai_requests_without_nats() {
     let (_up, url, admin, http) = up(&["--workers", "2", "--speedup", "20"]).await;

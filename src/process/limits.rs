@@ -1,0 +1,85 @@
+//! The process's open-files limit. A container's soft `RLIMIT_NOFILE` is often 1024 while
+//! the HTTP server admits 10,000 connections and each proxied request holds a second socket
+//! to its worker: past the soft limit every `accept` and every connection to a worker fails
+//! with EMFILE. The soft limit may be raised to the hard one without privileges, as Go's
+//! runtime does at start (since Go 1.19) and nginx's `worker_rlimit_nofile` does.
+
+/// Descriptors a process needs to serve `connections` client connections: one socket each,
+/// another to the worker a request is proxied to, and a reserve for everything else
+/// (listeners, NATS, engine event sockets, files).
+pub fn descriptors_for(connections: usize) -> u64 {
+    (connections as u64).saturating_mul(2).saturating_add(1024)
+}
+
+/// What [`raise_open_files_limit`] found and did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpenFiles {
+    /// The soft limit at start.
+    pub was: u64,
+    /// The soft limit now (the hard limit, unless that could not be set).
+    pub now: u64,
+    /// The hard limit.
+    pub hard: u64,
+}
+
+/// Raises the soft open-files limit to the hard one and logs it; warns when the limit is
+/// still below `needed` (see [`descriptors_for`]), naming what to change. `None` where the
+/// limit cannot be read (not on Unix).
+pub fn raise_open_files_limit(needed: u64) -> Option<OpenFiles> {
+    let (was, hard) = sys::get()?;
+    let now = if was < hard {
+        match sys::set_soft(hard) {
+            Ok(()) => hard,
+            Err(e) => {
+                tracing::warn!(error = %e, soft = was, hard, "could not raise the open-files limit");
+                was
+            }
+        }
+    } else {
+        was
+    };
+    if now != was {
+        tracing::info!(was, now, "open-files limit raised to the hard limit");
+    }
+    if now < needed {
+        tracing::warn!(
+            limit = now,
+            needed,
+            "the open-files limit is below what the connection cap needs: connections past it \
+             fail with EMFILE; raise the hard limit (ulimit -Hn, the container runtime's nofile) \
+             or lower --max-connections"
+        );
+    }
+    Some(OpenFiles { was, now, hard })
+}
+
+/// The system calls, through the `rlimit` crate (this crate forbids `unsafe`).
+mod sys {
+    use rlimit::Resource;
+
+    /// The soft and hard `RLIMIT_NOFILE` (infinity reads as `u64::MAX`); `None` where the
+    /// platform has none.
+    pub fn get() -> Option<(u64, u64)> {
+        if !Resource::NOFILE.is_supported() {
+            return None;
+        }
+        Resource::NOFILE.get().ok()
+    }
+
+    /// Sets the soft `RLIMIT_NOFILE`, keeping the hard one.
+    pub fn set_soft(soft: u64) -> std::io::Result<()> {
+        let (_, hard) = Resource::NOFILE.get()?;
+        Resource::NOFILE.set(soft, hard)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_reserve_covers_two_sockets_a_connection() {
+        assert_eq!(descriptors_for(10_000), 21_024);
+        assert_eq!(descriptors_for(usize::MAX), u64::MAX);
+    }
+}
