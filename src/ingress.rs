@@ -412,6 +412,46 @@ pub async fn serve(
     .await;
 }
 
+/// Connections the status listener serves at once: probes and scrapes are few and short.
+const STATUS_MAX_CONNECTIONS: usize = 64;
+
+/// Serves liveness (`/health`), readiness (`/ready`) and `/metrics`, open and nothing else,
+/// on `listener` until `shutdown`: the kubelet's probes and Prometheus's scrapes on their own
+/// port and connection cap. On the API port they queue behind client connections once
+/// `max_connections` is reached, so a connection flood would fail liveness and restart a
+/// router that is only busy, cutting every stream it serves. Kept serving through a drain
+/// (the caller stops it when the process ends), `/ready` answering 503 meanwhile.
+pub async fn serve_status(
+    router: Arc<Router>,
+    listener: tokio::net::TcpListener,
+    shutdown: watch::Receiver<bool>,
+) {
+    let http = HttpConfig {
+        max_connections: STATUS_MAX_CONNECTIONS,
+        ..router.config.http.clone()
+    };
+    serve_http(
+        listener,
+        http,
+        move |req| {
+            let router = Arc::clone(&router);
+            async move { handle_status(&router, &req) }
+        },
+        shutdown,
+    )
+    .await;
+}
+
+fn handle_status(router: &Router, req: &hyper::Request<Incoming>) -> Response<Body> {
+    let result = match (req.method(), req.uri().path()) {
+        (&Method::GET, "/health") => Ok(json(StatusCode::OK, r#"{"status":"ok"}"#.into())),
+        (&Method::GET, "/ready") => Ok(ready(router)),
+        (&Method::GET, "/metrics") => Ok(metrics_text(router)),
+        _ => Err(ApiError::not_found()),
+    };
+    result.unwrap_or_else(|e| api_error(&e))
+}
+
 /// Serves the admin views (`/admin/workers`, `/admin/explain`), behind the admin token if
 /// one is set, plus health and metrics, on `listener` until `shutdown`.
 pub async fn serve_admin(

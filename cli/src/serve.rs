@@ -10,7 +10,7 @@ use kvroute::events::plane::{EventPlane, PlaneConfig};
 use kvroute::events::transport::Transport;
 use kvroute::indexer::{self, Indexer};
 use kvroute::ingress::tokenizer::Tokenizer;
-use kvroute::ingress::{Router, serve, serve_admin};
+use kvroute::ingress::{Router, serve, serve_admin, serve_status};
 use kvroute::process::Metrics;
 use kvroute::scheduler::Scheduler;
 use tokio::sync::watch;
@@ -67,8 +67,8 @@ pub fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         };
         let (router, listeners) = started?;
         println!("kvroute serving on http://{}", listeners.api_addr);
-        println!("kvroute admin on http://{}", listeners.admin_addr);
-        tracing::info!(addr = %listeners.api_addr, admin = %listeners.admin_addr, nats = %kvroute::auth::redact_credentials(&settings.nats), cluster = %settings.cluster, "router serving");
+        listeners.announce();
+        tracing::info!(addr = %listeners.api_addr, admin = %listeners.admin_addr, status = ?listeners.status_addr, nats = %kvroute::auth::redact_credentials(&settings.nats), cluster = %settings.cluster, "router serving");
         let outcome = serve_until_signal(
             router,
             listeners,
@@ -169,7 +169,7 @@ async fn serve_direct(
         listeners.api_addr,
         settings.backends.len()
     );
-    println!("kvroute admin on http://{}", listeners.admin_addr);
+    listeners.announce();
     let outcome = serve_until_signal(
         router,
         listeners,
@@ -184,19 +184,22 @@ async fn serve_direct(
     outcome
 }
 
-/// The router's two listeners: the API (OpenAI endpoints, health, metrics) and the admin
-/// views.
+/// The router's listeners: the API (OpenAI endpoints, health, metrics), the admin views,
+/// and, if a port is set, the status listener (health, readiness, metrics).
 pub struct Listeners {
     api: tokio::net::TcpListener,
     admin: tokio::net::TcpListener,
+    status: Option<tokio::net::TcpListener>,
     /// Where the API listens.
     pub api_addr: std::net::SocketAddr,
     /// Where the admin views listen.
     pub admin_addr: std::net::SocketAddr,
+    /// Where the status listener listens.
+    pub status_addr: Option<std::net::SocketAddr>,
 }
 
 impl Listeners {
-    /// Binds both, as the settings say.
+    /// Binds them, as the settings say.
     pub async fn bind(settings: &Settings) -> anyhow::Result<Listeners> {
         let api = tokio::net::TcpListener::bind((settings.host, settings.port))
             .await
@@ -209,6 +212,16 @@ impl Listeners {
                     settings.admin_host, settings.admin_port
                 )
             })?;
+        let status = match settings.status_port {
+            Some(port) => Some(
+                tokio::net::TcpListener::bind((settings.status_host, port))
+                    .await
+                    .with_context(|| {
+                        format!("status listener on {}:{port}", settings.status_host)
+                    })?,
+            ),
+            None => None,
+        };
         let shown = |a: std::net::SocketAddr| {
             if a.ip().is_unspecified() {
                 std::net::SocketAddr::from(([127, 0, 0, 1], a.port()))
@@ -219,9 +232,22 @@ impl Listeners {
         Ok(Listeners {
             api_addr: shown(api.local_addr()?),
             admin_addr: shown(admin.local_addr()?),
+            status_addr: status
+                .as_ref()
+                .map(|l| l.local_addr().map(shown))
+                .transpose()?,
             api,
             admin,
+            status,
         })
+    }
+
+    /// Prints where each listener is (tests and scripts read these lines).
+    fn announce(&self) {
+        println!("kvroute admin on http://{}", self.admin_addr);
+        if let Some(addr) = self.status_addr {
+            println!("kvroute status on http://{addr}");
+        }
     }
 }
 
@@ -302,6 +328,12 @@ pub async fn serve_until_signal(
     let (stop_accepting, accepting) = watch::channel(false);
     let api = tokio::spawn(serve(Arc::clone(&router), listeners.api, accepting.clone()));
     let admin = tokio::spawn(serve_admin(Arc::clone(&router), listeners.admin, accepting));
+    // Probes and scrapes are answered through the drain (`/ready` says 503): the status
+    // listener stops when this returns.
+    let (_stop_status, status_stop) = watch::channel(false);
+    if let Some(listener) = listeners.status {
+        tokio::spawn(serve_status(Arc::clone(&router), listener, status_stop));
+    }
     let mut failed = router.plane.failed();
     let failure = tokio::select! {
         () = kvroute::process::signalled(signals) => None,

@@ -61,6 +61,15 @@ pub struct ServeFlags {
     /// [default: 127.0.0.1].
     #[arg(long, env = "KVROUTE_ADMIN_HOST")]
     pub admin_host: Option<IpAddr>,
+    /// Port of the status listener: `/health`, `/ready` and `/metrics`, open, on their own
+    /// connection cap, so that probes and scrapes still get through when the API port's
+    /// connections are all taken (0: any free port) [default: none, they are on the API
+    /// port only].
+    #[arg(long, env = "KVROUTE_STATUS_PORT")]
+    pub status_port: Option<u16>,
+    /// Address of the status listener [default: 0.0.0.0].
+    #[arg(long, env = "KVROUTE_STATUS_HOST")]
+    pub status_host: Option<IpAddr>,
     /// Bearer token the admin listener requires [default: none].
     #[arg(long, env = "KVROUTE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<Secret>,
@@ -252,6 +261,10 @@ pub struct Settings {
     pub admin_port: u16,
     /// Admin listener address.
     pub admin_host: IpAddr,
+    /// Status listener port (`/health`, `/ready`, `/metrics`); `None`: no status listener.
+    pub status_port: Option<u16>,
+    /// Status listener address.
+    pub status_host: IpAddr,
     /// Cluster name.
     pub cluster: String,
     /// Scheduler: policy, weights, replica id.
@@ -676,6 +689,11 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
             .admin_host
             .or(file.admin_host)
             .unwrap_or(IpAddr::from([127, 0, 0, 1])),
+        status_port: flags.status_port.or(file.status_port),
+        status_host: flags
+            .status_host
+            .or(file.status_host)
+            .unwrap_or(IpAddr::from([0, 0, 0, 0])),
         cluster,
         scheduler,
         lease_ttl_ms,

@@ -372,3 +372,81 @@ async fn sigterm_stops_a_start_up_waiting_for_nats() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// With every API connection taken (`--max-connections`), the kubelet's probes and
+/// Prometheus's scrapes still get answers on the status listener, which has its own cap;
+/// on the API port they would wait in the accept queue and fail liveness.
+#[tokio::test]
+async fn the_status_listener_answers_when_the_api_s_connections_are_all_taken() {
+    use tokio::io::AsyncWriteExt;
+    let status_port = free_port();
+    let engine = format!("http://127.0.0.1:{}", free_port());
+    let (_router, url, _admin) = kvroute_e2e::engines::direct_router(
+        &[engine],
+        &[
+            "--max-connections".into(),
+            "2".into(),
+            "--status-port".into(),
+            status_port.to_string(),
+            "--status-host".into(),
+            "127.0.0.1".into(),
+        ],
+    )
+    .unwrap();
+    let status = format!("http://127.0.0.1:{status_port}");
+    let http = Http::default();
+    let mut up = false;
+    for _ in 0..200 {
+        if http
+            .call("GET", &format!("{url}/health"), "")
+            .await
+            .is_ok_and(|r| r.status == 200)
+        {
+            up = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(up, "the router never answered /health");
+    // Two clients that never finish their request heads hold both API connections.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut s = tokio::net::TcpStream::connect(url.trim_start_matches("http://"))
+            .await
+            .unwrap();
+        s.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n")
+            .await
+            .unwrap();
+        held.push(s);
+    }
+    // The API port is full: a probe there waits (a fresh client, no pooled connection).
+    let probe = Http::default();
+    let api = tokio::time::timeout(
+        Duration::from_millis(500),
+        probe.call("GET", &format!("{url}/health"), ""),
+    )
+    .await;
+    assert!(api.is_err(), "the API port answered past its cap: {api:?}");
+    // The status listener answers all three, and nothing else.
+    let health = probe
+        .call("GET", &format!("{status}/health"), "")
+        .await
+        .unwrap();
+    assert_eq!(health.status, 200);
+    let ready = probe
+        .call("GET", &format!("{status}/ready"), "")
+        .await
+        .unwrap();
+    assert!(ready.body.contains("\"draining\":false"), "{}", ready.body);
+    let metrics = probe
+        .call("GET", &format!("{status}/metrics"), "")
+        .await
+        .unwrap();
+    assert_eq!(metrics.status, 200);
+    let models = probe
+        .call("GET", &format!("{status}/v1/models"), "")
+        .await
+        .unwrap();
+    assert_eq!(models.status, 404);
+    drop(held);
+}

@@ -289,6 +289,8 @@ host = "0.0.0.0"
 port = 8080
 admin_host = {{ $r.admin.host | toJson }}
 admin_port = {{ $r.admin.port | int64 }}
+status_host = "0.0.0.0"
+status_port = {{ $r.statusPort | int64 }}
 {{- if $r.apiKeys.existingSecret }}
 api_keys_file = {{ printf "%s/api-keys" (include "kvroute.apiKeysDir" .) | toJson }}
 {{- end }}
