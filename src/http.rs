@@ -22,6 +22,8 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{Semaphore, watch};
 
+pub mod budget;
+
 /// The response body of every kvroute HTTP endpoint.
 pub type Body = BoxBody<Bytes, Infallible>;
 
@@ -300,6 +302,12 @@ pub enum BodyError {
     TimedOut {
         /// The deadline, ms.
         ms: u64,
+    },
+    /// The bodies held at once would pass their shared budget ([`budget::BodyBudget`]).
+    #[error("request bodies in memory would pass the budget of {budget} bytes")]
+    OverBudget {
+        /// The budget, bytes.
+        budget: usize,
     },
     /// The connection failed while reading it.
     #[error("reading the body failed: {0}")]

@@ -28,7 +28,8 @@ use tokio::time::Instant;
 use crate::auth::{Secret, bearer_key, bearer_ok};
 use crate::events::load::LoadShare;
 use crate::events::plane::EventPlane;
-use crate::http::{Body, BodyError, HttpConfig, collect_body, run_blocking, serve_http};
+use crate::http::budget::{BodyBudget, Reservation, collect_within};
+use crate::http::{Body, BodyError, HttpConfig, run_blocking, serve_http};
 use crate::protocol::{SeqHash, WorkerId, hash_blocks};
 use crate::scheduler::mismatch::{MismatchAlarm, MismatchConfig};
 use crate::scheduler::{self, RouteRequest, Scheduler, WorkerKey};
@@ -43,6 +44,10 @@ use tokenizer::Tokenizer;
 pub struct IngressConfig {
     /// Largest request body, bytes.
     pub max_body_bytes: usize,
+    /// Bytes of request bodies held at once, all requests together (read, queued or being
+    /// proxied); a body that would pass it gets 429. The parsed prompt and the body sent on
+    /// take about twice as much again. At least `max_body_bytes`.
+    pub body_memory_bytes: usize,
     /// Requests accepted at once, queued or in flight; beyond it new ones get 429. What
     /// is routed is decided by the scheduler's work budgets (`scheduler.admission`); this
     /// bounds the router's own memory and connections.
@@ -99,6 +104,8 @@ impl Default for IngressConfig {
     fn default() -> Self {
         IngressConfig {
             max_body_bytes: 8 << 20,
+            // With the parsed forms, ~768 MiB at most: within the chart's 2 GiB limit.
+            body_memory_bytes: 256 << 20,
             max_inflight: 4096,
             retries: 2,
             worker_timeout_ms: 10_000,
@@ -139,6 +146,11 @@ impl IngressConfig {
     pub fn validate(&self) -> Result<(), IngressConfigError> {
         let checks = [
             ("max_body_bytes", self.max_body_bytes as u64, 1024),
+            (
+                "body_memory_bytes",
+                self.body_memory_bytes as u64,
+                self.max_body_bytes as u64,
+            ),
             ("max_inflight", self.max_inflight as u64, 1),
             ("worker_timeout_ms", self.worker_timeout_ms, 1),
             ("relay_idle_timeout_ms", self.relay_idle_timeout_ms, 1),
@@ -176,6 +188,8 @@ pub struct Router {
     tokenize_permits: Arc<Semaphore>,
     client: Client<HttpConnector, Full<Bytes>>,
     inflight: AtomicUsize,
+    /// The request bodies held at once (`config.body_memory_bytes`).
+    bodies: BodyBudget,
     draining: AtomicBool,
     started: Instant,
     /// Whether routed prompts' blocks show up in their workers' events.
@@ -233,6 +247,7 @@ impl Router {
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_millis(config.worker_timeout_ms)));
         let client = Client::builder(TokioExecutor::new()).build(connector);
+        let bodies = BodyBudget::new(config.body_memory_bytes);
         let queue = scheduler::queue::AdmissionQueue::new(scheduler.lock().config().queue.clone());
         let threads = match config.tokenizer_threads {
             0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
@@ -260,6 +275,7 @@ impl Router {
             tokenize_permits: Arc::new(Semaphore::new(threads)),
             client,
             inflight: AtomicUsize::new(0),
+            bodies,
             draining: AtomicBool::new(false),
             started: Instant::now(),
             mismatch: Arc::new(Mutex::new(MismatchAlarm::new(MismatchConfig::default()))),
@@ -392,6 +408,7 @@ impl Router {
         metrics::gauge!("kvroute_scheduler_bookings_open").set(open as f64);
         metrics::counter!("kvroute_scheduler_bookings_expired_total").absolute(expired);
         metrics::gauge!("kvroute_requests_inflight").set(self.inflight() as f64);
+        metrics::gauge!("kvroute_request_body_bytes_held").set(self.bodies.in_use() as f64);
         self.queue_gauges();
     }
 }
@@ -554,14 +571,20 @@ async fn handle_admin(router: Arc<Router>, req: hyper::Request<Incoming>) -> Res
 }
 
 /// Reads a request body under the size cap and the body deadline.
-async fn read_body(router: &Router, req: hyper::Request<Incoming>) -> Result<Bytes, ApiError> {
+/// Reads a request body under the size cap, the body deadline and the bodies' memory
+/// budget: the body and its share of the budget, to keep while the body is held.
+async fn read_body(
+    router: &Router,
+    req: hyper::Request<Incoming>,
+) -> Result<(Bytes, Reservation), ApiError> {
     let limit = router.config.max_body_bytes;
     let deadline = Duration::from_millis(router.config.http.body_read_timeout_ms);
-    collect_body(req.into_body(), limit, deadline)
+    collect_within(req.into_body(), limit, deadline, &router.bodies)
         .await
         .map_err(|e| match e {
             BodyError::TooLarge { limit } => ApiError::too_large(limit),
             BodyError::TimedOut { ms } => ApiError::body_timeout(ms),
+            BodyError::OverBudget { budget } => ApiError::bodies_over_budget(budget),
             BodyError::Io(e) => ApiError::bad_request(format!("reading the request body: {e}")),
         })
 }
@@ -891,6 +914,8 @@ struct Prepared {
     parsed: Parsed,
     /// The client's body as it came (what an engine's own OpenAI endpoint is sent).
     raw: Bytes,
+    /// `raw`'s share of the bodies' memory budget, released with it.
+    _held: Reservation,
     /// What the prompt's blocks are salted with (adapter, cache_salt).
     salt: crate::protocol::Salt,
     blocks: Vec<crate::protocol::BlockHash>,
@@ -906,7 +931,7 @@ impl Prepared {
         req: hyper::Request<Incoming>,
         chat: bool,
     ) -> Result<Prepared, ApiError> {
-        let body = read_body(router, req).await?;
+        let (body, held) = read_body(router, req).await?;
         let raw = body.clone();
         let tokenizer = Arc::clone(&router.tokenizer);
         let view = router.plane.view();
@@ -932,6 +957,7 @@ impl Prepared {
         Ok(Prepared {
             parsed,
             raw,
+            _held: held,
             salt,
             blocks,
             overlaps,

@@ -185,6 +185,11 @@ pub struct ServeFlags {
     /// Largest request body, bytes (413 beyond) [default: 8388608].
     #[arg(long, env = "KVROUTE_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
+    /// Bytes of request bodies held at once, all requests together; a body that would pass
+    /// it gets 429 (the parsed prompt takes about twice as much again; at least
+    /// --max-body-bytes) [default: 268435456].
+    #[arg(long, env = "KVROUTE_BODY_MEMORY_BYTES")]
+    pub body_memory_bytes: Option<usize>,
     /// Other workers tried when one fails before its first byte [default: 2].
     #[arg(long, env = "KVROUTE_RETRIES")]
     pub retries: Option<usize>,
@@ -570,6 +575,10 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
             .max_body_bytes
             .or(file.max_body_bytes)
             .unwrap_or(d.max_body_bytes),
+        body_memory_bytes: flags
+            .body_memory_bytes
+            .or(file.body_memory_bytes)
+            .unwrap_or(d.body_memory_bytes),
         retries: flags.retries.or(file.retries).unwrap_or(d.retries),
         worker_timeout_ms: flags
             .worker_timeout_ms

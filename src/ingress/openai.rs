@@ -428,6 +428,18 @@ impl ApiError {
         )
     }
 
+    /// 429: the request bodies the router holds would pass their memory budget.
+    pub fn bodies_over_budget(budget: usize) -> Self {
+        ApiError::new(
+            429,
+            "rate_limit_error",
+            Fault::Router,
+            format!(
+                "request bodies held by the router would pass its budget of {budget} bytes; retry shortly"
+            ),
+        )
+    }
+
     /// 429: the request's priority band already has its limit of requests waiting.
     /// `retry_after_s`: about how long the band's oldest request has waited.
     pub fn queue_full(band: i32, limit: usize, retry_after_s: u64) -> Self {

@@ -203,6 +203,18 @@ fn config_limits_are_checked() {
             ..
         })
     ));
+    // The largest body allowed must fit in the bodies' budget.
+    let small = IngressConfig {
+        body_memory_bytes: (8 << 20) - 1,
+        ..IngressConfig::default()
+    };
+    assert_eq!(
+        small.validate(),
+        Err(IngressConfigError::TooSmall {
+            field: "body_memory_bytes",
+            min: 8 << 20
+        })
+    );
 }
 
 #[test]

@@ -590,6 +590,78 @@ async fn requests_over_the_in_flight_limit_get_429() {
     assert_eq!(r.header("retry-after"), Some("1"));
 }
 
+/// The gauge `name`'s value in a scrape (0 if absent).
+fn gauge(scrape: &str, name: &str) -> f64 {
+    scrape
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Request bodies held at once share `--body-memory-bytes`: with two large bodies on the
+/// way holding all of it, a third request gets 429 at once, and requests pass again once
+/// the two are gone. Without the budget, in-flight count × body cap bounds nothing useful.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_bodies_share_a_memory_budget() {
+    let f = Fleet::start(FleetSpec {
+        router_args: [
+            "--max-body-bytes",
+            "524288",
+            "--body-memory-bytes",
+            "1048576",
+        ]
+        .iter()
+        .map(|a| a.to_string())
+        .collect(),
+        ..spec(1, 20.0)
+    })
+    .await
+    .unwrap();
+    // Two clients each send 450 KiB of a 500 KiB body and stop: 8 grains of 64 KiB each,
+    // the whole budget.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(f.url().trim_start_matches("http://"))
+            .await
+            .unwrap();
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            500 << 10
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        s.write_all(&vec![b' '; 450 << 10]).await.unwrap();
+        held.push(s);
+    }
+    assert!(
+        f.until(Duration::from_secs(20), || async {
+            f.scrape().await.is_ok_and(|m| {
+                gauge(&m, "kvroute_request_body_bytes_held") >= f64::from(1u32 << 20)
+            })
+        })
+        .await,
+        "the two bodies never held the budget"
+    );
+    let url = format!("{}/v1/completions", f.url());
+    let r = f
+        .http
+        .call("POST", &url, request(1, 0, false))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert!(r.body.contains("budget of 1048576 bytes"), "{}", r.body);
+    drop(held);
+    assert!(
+        f.until(Duration::from_secs(20), || async {
+            let r = f.http.call("POST", &url, request(1, 1, false)).await;
+            r.is_ok_and(|r| r.status == 200)
+        })
+        .await,
+        "requests were still refused after the bodies were dropped"
+    );
+    let m = f.scrape().await.unwrap();
+    assert_eq!(gauge(&m, "kvroute_request_body_bytes_held"), 0.0, "{m}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
     let mut f = Fleet::start(spec(1, 1.0)).await.unwrap();

@@ -193,6 +193,8 @@ async fn read_json<T: serde::de::DeserializeOwned>(
             let status = match e {
                 BodyError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
                 BodyError::TimedOut { .. } => StatusCode::REQUEST_TIMEOUT,
+                // Only a budgeted read refuses this way; kept for completeness.
+                BodyError::OverBudget { .. } => StatusCode::TOO_MANY_REQUESTS,
                 BodyError::Io(_) => StatusCode::BAD_REQUEST,
             };
             error(status, "invalid_request_error", &e.to_string())

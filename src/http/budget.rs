@@ -1,0 +1,212 @@
+//! One budget for the request bodies a process holds in memory at once. The size cap bounds
+//! one body and the in-flight cap bounds how many there are, but their product is far past a
+//! router's memory (4,096 × 8 MiB = 32 GiB against the chart's 2 GiB limit): a burst of long
+//! prompts would get the router OOM-killed, cutting every stream it serves. Each body
+//! reserves what it has read as it arrives, in [`GRAIN`] steps, and keeps the reservation for
+//! as long as the request holds the body; a body that finds the budget spent is refused (the
+//! caller answers 429), not waited for.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http_body_util::BodyExt;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use super::BodyError;
+
+/// Reservations grow in steps of 64 KiB (the budget counts in these units).
+pub const GRAIN: usize = 64 << 10;
+
+/// Bytes of request bodies that may be held at once, shared by every request.
+#[derive(Clone, Debug)]
+pub struct BodyBudget {
+    grains: Arc<Semaphore>,
+    bytes: usize,
+}
+
+/// Part of a [`BodyBudget`] held by one body: released on drop.
+#[derive(Debug, Default)]
+pub struct Reservation {
+    permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Reservation {
+    /// Bytes reserved.
+    pub fn bytes(&self) -> usize {
+        self.permit.as_ref().map_or(0, |p| p.num_permits() * GRAIN)
+    }
+}
+
+impl BodyBudget {
+    /// A budget of `bytes` (rounded up to a whole grain).
+    pub fn new(bytes: usize) -> BodyBudget {
+        let grains = bytes.div_ceil(GRAIN).clamp(1, Semaphore::MAX_PERMITS);
+        BodyBudget {
+            grains: Arc::new(Semaphore::new(grains)),
+            bytes: grains * GRAIN,
+        }
+    }
+
+    /// The budget, bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Bytes reserved now.
+    pub fn in_use(&self) -> usize {
+        self.bytes - self.grains.available_permits() * GRAIN
+    }
+
+    /// Grows `held` to cover `bytes`; false, and `held` unchanged, if the budget has not
+    /// that much left.
+    fn cover(&self, held: &mut Reservation, bytes: usize) -> bool {
+        let want = bytes.div_ceil(GRAIN);
+        let have = held
+            .permit
+            .as_ref()
+            .map_or(0, OwnedSemaphorePermit::num_permits);
+        if want <= have {
+            return true;
+        }
+        let Ok(more) = u32::try_from(want - have) else {
+            return false;
+        };
+        let Ok(permit) = Arc::clone(&self.grains).try_acquire_many_owned(more) else {
+            return false;
+        };
+        match &mut held.permit {
+            Some(p) => p.merge(permit),
+            None => held.permit = Some(permit),
+        }
+        true
+    }
+}
+
+/// Collects `body` whole, at most `limit` bytes, within `deadline`, reserving what it reads
+/// from `budget`: the body and its reservation, which the caller keeps while it holds the
+/// body. [`BodyError::OverBudget`] once the budget cannot cover what has arrived.
+pub async fn collect_within<B>(
+    body: B,
+    limit: usize,
+    deadline: Duration,
+    budget: &BodyBudget,
+) -> Result<(Bytes, Reservation), BodyError>
+where
+    B: hyper::body::Body<Data = Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let read = async {
+        let mut held = Reservation::default();
+        let mut chunks: Vec<Bytes> = Vec::new();
+        let mut total = 0usize;
+        let mut body = std::pin::pin!(body);
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| BodyError::Io(e.into()))?;
+            let Ok(data) = frame.into_data() else {
+                continue; // trailers
+            };
+            total = total.saturating_add(data.len());
+            if total > limit {
+                return Err(BodyError::TooLarge { limit });
+            }
+            if !budget.cover(&mut held, total) {
+                return Err(BodyError::OverBudget {
+                    budget: budget.bytes(),
+                });
+            }
+            chunks.push(data);
+        }
+        let bytes = match chunks.len() {
+            0 => Bytes::new(),
+            1 => chunks.pop().unwrap_or_default(),
+            _ => {
+                let mut all = BytesMut::with_capacity(total);
+                for c in &chunks {
+                    all.extend_from_slice(c);
+                }
+                all.freeze()
+            }
+        };
+        Ok((bytes, held))
+    };
+    tokio::time::timeout(deadline, read)
+        .await
+        .unwrap_or(Err(BodyError::TimedOut {
+            ms: deadline.as_millis() as u64,
+        }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{Full, StreamBody};
+
+    fn body(chunks: &[usize]) -> impl hyper::body::Body<Data = Bytes, Error = std::io::Error> {
+        let frames: Vec<Result<hyper::body::Frame<Bytes>, std::io::Error>> = chunks
+            .iter()
+            .map(|&n| Ok(hyper::body::Frame::data(Bytes::from(vec![b'x'; n]))))
+            .collect();
+        StreamBody::new(futures_util::stream::iter(frames))
+    }
+
+    #[tokio::test]
+    async fn bodies_hold_their_share_until_dropped() {
+        let budget = BodyBudget::new(4 * GRAIN);
+        let second = Duration::from_secs(1);
+        let (a, held_a) = collect_within(body(&[GRAIN, GRAIN / 2]), 1 << 20, second, &budget)
+            .await
+            .unwrap();
+        assert_eq!(a.len(), GRAIN + GRAIN / 2);
+        assert_eq!(held_a.bytes(), 2 * GRAIN);
+        assert_eq!(budget.in_use(), 2 * GRAIN);
+        // Three more grains do not fit beside the first body's two; nothing stays reserved.
+        let r = collect_within(body(&[GRAIN, GRAIN, GRAIN]), 1 << 20, second, &budget).await;
+        assert!(
+            matches!(r, Err(BodyError::OverBudget { budget: b }) if b == 4 * GRAIN),
+            "{r:?}"
+        );
+        assert_eq!(budget.in_use(), 2 * GRAIN);
+        drop(held_a);
+        assert_eq!(budget.in_use(), 0);
+        let (c, held_c) = collect_within(body(&[GRAIN, GRAIN, GRAIN]), 1 << 20, second, &budget)
+            .await
+            .unwrap();
+        assert_eq!((c.len(), held_c.bytes()), (3 * GRAIN, 3 * GRAIN));
+    }
+
+    #[tokio::test]
+    async fn the_size_cap_and_an_empty_body_still_hold() {
+        let budget = BodyBudget::new(1 << 20);
+        let second = Duration::from_secs(1);
+        let r = collect_within(body(&[600, 600]), 1000, second, &budget).await;
+        assert!(
+            matches!(r, Err(BodyError::TooLarge { limit: 1000 })),
+            "{r:?}"
+        );
+        assert_eq!(budget.in_use(), 0);
+        let (empty, held) = collect_within(Full::new(Bytes::new()), 1000, second, &budget)
+            .await
+            .unwrap();
+        assert!(empty.is_empty());
+        assert_eq!(held.bytes(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_never_ends_times_out_and_gives_its_share_back() {
+        let budget = BodyBudget::new(1 << 20);
+        use futures_util::StreamExt;
+        let first: Result<hyper::body::Frame<Bytes>, std::io::Error> = Ok(
+            hyper::body::Frame::data(Bytes::from_static(b"{\"prompt\":")),
+        );
+        let trickle = StreamBody::new(
+            futures_util::stream::iter([first]).chain(futures_util::stream::pending()),
+        );
+        let r = collect_within(trickle, 1 << 20, Duration::from_secs(30), &budget).await;
+        assert!(
+            matches!(r, Err(BodyError::TimedOut { ms: 30_000 })),
+            "{r:?}"
+        );
+        assert_eq!(budget.in_use(), 0);
+    }
+}
