@@ -169,6 +169,11 @@ pub struct ServeFlags {
     /// [default: false].
     #[arg(long, env = "KVROUTE_TRUST_TENANT_HEADER", num_args = 0..=1, default_missing_value = "true")]
     pub trust_tenant_header: Option<bool>,
+    /// Honour bands above 0 asked for by requests that carry an API key (the priority
+    /// header, the body's `priority` or `service_tier`; behind a gateway that sets them).
+    /// Otherwise such a request may lower its band, not raise it above 0 [default: false].
+    #[arg(long, env = "KVROUTE_TRUST_PRIORITY", num_args = 0..=1, default_missing_value = "true")]
+    pub trust_priority: Option<bool>,
     /// Request header naming the priority band, an integer, higher first
     /// [default: x-kvroute-priority].
     #[arg(long, env = "KVROUTE_PRIORITY_HEADER")]
@@ -644,6 +649,10 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
                 trust_tenant: flags
                     .trust_tenant_header
                     .or(file.trust_tenant_header)
+                    .unwrap_or(false),
+                trust_priority: flags
+                    .trust_priority
+                    .or(file.trust_priority)
                     .unwrap_or(false),
             }
         },

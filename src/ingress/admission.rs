@@ -41,6 +41,10 @@ pub struct ClassHeaders {
     /// Whether the tenant header counts on a request that carries an API key (a gateway in
     /// front sets it); if not, such a request's tenant is its key.
     pub trust_tenant: bool,
+    /// Whether a request that carries an API key may ask for a band above 0 (its header,
+    /// body `priority` or `service_tier`; a gateway in front decides them). If not, such a
+    /// request may lower its band, not raise it: any key could otherwise jump every queue.
+    pub trust_priority: bool,
 }
 
 impl Default for ClassHeaders {
@@ -52,6 +56,7 @@ impl Default for ClassHeaders {
             affinity: "x-kvroute-affinity".into(),
             receipt: "x-kvroute-receipt".into(),
             trust_tenant: false,
+            trust_priority: false,
         }
     }
 }
@@ -116,6 +121,10 @@ impl Class {
                 (None, Some("flex")) => -1,
                 _ => 0,
             },
+        };
+        let band = match api_key {
+            Some(_) if !names.trust_priority => band.min(0),
+            _ => band,
         };
         let session = text(&names.session)?.map(|s| {
             let hard = headers

@@ -260,6 +260,40 @@ fn a_key_s_requests_are_its_tenant_unless_the_header_is_trusted() {
     );
 }
 
+/// With an API key, a request may lower its band but not raise it above 0 unless the
+/// router trusts the priority it is given (a gateway sets it): otherwise any key could jump
+/// every queue. Without keys, the band is as asked.
+#[test]
+fn a_key_s_requests_cannot_raise_their_band_unless_trusted() {
+    use super::admission::{Class, ClassHeaders};
+    let band = |names: &ClassHeaders,
+                header: Option<&str>,
+                key: Option<usize>,
+                body: Option<i64>,
+                tier: Option<&str>| {
+        let mut headers = hyper::HeaderMap::new();
+        if let Some(h) = header {
+            headers.insert("x-kvroute-priority", h.parse().unwrap());
+        }
+        Class::read(names, &headers, key, body, tier).unwrap().band
+    };
+    let untrusted = ClassHeaders::default();
+    let trusted = ClassHeaders {
+        trust_priority: true,
+        ..ClassHeaders::default()
+    };
+    // Raised by the header, vLLM's body priority (lower first) or the service tier.
+    assert_eq!(band(&untrusted, Some("10"), Some(0), None, None), 0);
+    assert_eq!(band(&untrusted, None, Some(0), Some(-5), None), 0);
+    assert_eq!(band(&untrusted, None, Some(0), None, Some("priority")), 0);
+    assert_eq!(band(&trusted, Some("10"), Some(0), None, None), 10);
+    assert_eq!(band(&trusted, None, Some(0), Some(-5), None), 5);
+    assert_eq!(band(&untrusted, Some("10"), None, None, None), 10);
+    // Lowered: batch work may step aside.
+    assert_eq!(band(&untrusted, Some("-3"), Some(0), None, None), -3);
+    assert_eq!(band(&untrusted, None, Some(0), None, Some("flex")), -1);
+}
+
 mod queue {
     //! The queue's driver on a router over an in-process plane: workers are registrations
     //! only, and requests are admitted or queued (nothing is sent anywhere).
