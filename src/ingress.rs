@@ -48,7 +48,8 @@ pub struct IngressConfig {
     /// proxied); a body that would pass it gets 429. The parsed prompt and the body sent on
     /// take about twice as much again. At least `max_body_bytes`.
     pub body_memory_bytes: usize,
-    /// Requests accepted at once, queued or in flight; beyond it new ones get 429. What
+    /// Requests accepted at once, queued or in flight, counted from when their body is in
+    /// (bodies being read are bounded by `body_memory_bytes`); beyond it new ones get 429. What
     /// is routed is decided by the scheduler's work budgets (`scheduler.admission`); this
     /// bounds the router's own memory and connections.
     pub max_inflight: usize,
@@ -924,14 +925,24 @@ struct Prepared {
 }
 
 impl Prepared {
-    /// Reads, parses, tokenizes and hashes a request; `/admin/explain` and the completion
-    /// endpoints share it.
+    /// Reads, parses, tokenizes and hashes a request.
     async fn read(
         router: &Router,
         req: hyper::Request<Incoming>,
         chat: bool,
     ) -> Result<Prepared, ApiError> {
         let (body, held) = read_body(router, req).await?;
+        Prepared::parse(router, body, held, chat).await
+    }
+
+    /// Parses, tokenizes and hashes a body read by [`read_body`]; `/admin/explain` and the
+    /// completion endpoints share it.
+    async fn parse(
+        router: &Router,
+        body: Bytes,
+        held: Reservation,
+        chat: bool,
+    ) -> Result<Prepared, ApiError> {
         let raw = body.clone();
         let tokenizer = Arc::clone(&router.tokenizer);
         let view = router.plane.view();
@@ -1049,10 +1060,14 @@ async fn completions(
     req: hyper::Request<Incoming>,
     chat: bool,
 ) -> Result<Response<Body>, ApiError> {
-    let mut inflight = Some(InFlight::take(router)?);
     let api_key = bearer_key(req.headers(), &router.api_keys());
     let headers = req.headers().clone();
-    let prepared = Prepared::read(router, req, chat).await?;
+    // The slot is taken once the body is in: a client uploading slowly holds a connection
+    // and its body's share of the memory budget, not one of the requests the router
+    // processes at once (4,096 slow uploads would otherwise turn everyone away).
+    let (body, held) = read_body(router, req).await?;
+    let mut inflight = Some(InFlight::take(router)?);
+    let prepared = Prepared::parse(router, body, held, chat).await?;
     let p = &prepared.parsed;
     let class = Class::read(
         &router.config.headers,

@@ -662,6 +662,44 @@ async fn request_bodies_share_a_memory_budget() {
     assert_eq!(gauge(&m, "kvroute_request_body_bytes_held"), 0.0, "{m}");
 }
 
+/// A client still uploading its body holds no in-flight slot: with `--max-inflight 1` and
+/// one slow upload under way, another request is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_upload_holds_no_in_flight_slot() {
+    let f = Fleet::start(FleetSpec {
+        router_args: vec!["--max-inflight".into(), "1".into()],
+        ..spec(1, 20.0)
+    })
+    .await
+    .unwrap();
+    let mut slow = TcpStream::connect(f.url().trim_start_matches("http://"))
+        .await
+        .unwrap();
+    slow.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n{\"model\":",
+    )
+    .await
+    .unwrap();
+    // Its first bytes are read (they hold a share of the bodies' budget).
+    assert!(
+        f.until(Duration::from_secs(20), || async {
+            f.scrape()
+                .await
+                .is_ok_and(|m| gauge(&m, "kvroute_request_body_bytes_held") > 0.0)
+        })
+        .await,
+        "the slow upload was never read"
+    );
+    let url = format!("{}/v1/completions", f.url());
+    let r = f
+        .http
+        .call("POST", &url, request(1, 0, false))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    drop(slow);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
     let mut f = Fleet::start(spec(1, 1.0)).await.unwrap();
