@@ -482,6 +482,12 @@ impl ApiError {
         ApiError::new(503, "server_error", Fault::Router, "no worker registered")
     }
 
+    /// 502: the worker's answer broke off or was unusable after its success status (not
+    /// retried: it was generated).
+    pub fn bad_gateway(message: impl Into<String>) -> Self {
+        ApiError::new(502, "server_error", Fault::Worker, message)
+    }
+
     /// 503: no worker could take the request (after retries).
     pub fn unavailable(message: impl Into<String>) -> Self {
         ApiError::new(503, "server_error", Fault::Worker, message)

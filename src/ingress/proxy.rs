@@ -18,7 +18,8 @@ use super::openai::{ApiError, Fault};
 use super::{InFlight, Router};
 use crate::discovery::{WorkerApi, WorkerInfo};
 use crate::events::load::LoadShare;
-use crate::http::{Body, BodyError, collect_body};
+use crate::http::budget::collect_within;
+use crate::http::{Body, BodyError};
 use crate::protocol::{SeqHash, WorkerId};
 use crate::scheduler::mismatch::MismatchAlarm;
 use crate::scheduler::{BookingId, Decision, Scheduler, WorkerKey};
@@ -153,7 +154,19 @@ pub enum ProxyError {
         /// Its error message (from its OpenAI-shaped body, else the body's text).
         message: String,
     },
-    /// The worker's (non-streamed) body failed, was too large or too slow.
+    /// A non-streamed answer failed after its success status: its body broke off, was
+    /// over `max_upstream_body_bytes`, or would pass the router's memory budget for bodies.
+    /// Never tried elsewhere: the worker has generated it (its headers come with the last
+    /// token), and another worker would generate it again, likely to fail the same way.
+    #[error("worker {worker}: its answer failed after its headers: {source}")]
+    Answer {
+        /// The worker.
+        worker: WorkerId,
+        /// What went wrong.
+        #[source]
+        source: BodyError,
+    },
+    /// The worker's error body failed or was too slow.
     #[error("worker {worker}: {source}")]
     Body {
         /// The worker.
@@ -170,7 +183,7 @@ impl ProxyError {
     pub fn retry_elsewhere(&self) -> bool {
         match self {
             ProxyError::Status { status, .. } => worker_side(*status),
-            ProxyError::AnswerTimeout { .. } => false,
+            ProxyError::AnswerTimeout { .. } | ProxyError::Answer { .. } => false,
             // Any other worker would fail the same way.
             _ if self.router_exhausted() => false,
             _ => true,
@@ -201,6 +214,10 @@ impl ProxyError {
     pub fn fault(&self) -> Fault {
         match self {
             ProxyError::Status { status, .. } if !worker_side(*status) => Fault::Client,
+            ProxyError::Answer {
+                source: BodyError::OverBudget { .. },
+                ..
+            } => Fault::Router,
             _ if self.router_exhausted() => Fault::Router,
             _ => Fault::Worker,
         }
@@ -223,6 +240,15 @@ impl ProxyError {
                 source: BodyError::TooLarge { .. },
                 ..
             } => "body_too_large",
+            ProxyError::Answer {
+                source: BodyError::TooLarge { .. },
+                ..
+            } => "answer_too_large",
+            ProxyError::Answer {
+                source: BodyError::OverBudget { .. },
+                ..
+            } => "answer_over_budget",
+            ProxyError::Answer { .. } => "answer_failed",
             ProxyError::Body { .. } => "body",
         }
     }
@@ -241,6 +267,11 @@ impl ProxyError {
                 source: BodyError::TimedOut { .. },
                 ..
             } => ApiError::worker_timeout(self.to_string()),
+            ProxyError::Answer {
+                source: BodyError::OverBudget { budget },
+                ..
+            } => ApiError::bodies_over_budget(*budget),
+            ProxyError::Answer { .. } => ApiError::bad_gateway(self.to_string()),
             _ if self.router_exhausted() => ApiError::router_exhausted(self.to_string()),
             _ => ApiError::unavailable(self.to_string()),
         }
@@ -269,10 +300,13 @@ pub fn local_exhaustion(error: &(dyn std::error::Error + 'static)) -> bool {
 
 /// Statuses that say the worker, not the request, is the problem: overloaded (429),
 /// misdirected (421: it does not serve the model it was sent), timed out (408), any 5xx,
-/// or refusing the router's own credentials (401, 403: a missing or wrong
-/// `--engine-api-key`; clients' keys are never passed on, so never theirs to fix).
+/// refusing the router's own credentials (401, 403: a missing or wrong
+/// `--engine-api-key`; clients' keys are never passed on, so never theirs to fix), or a
+/// redirect (a worker URL behind an http→https proxy: the router follows none, and the
+/// client could not either).
 fn worker_side(status: StatusCode) -> bool {
     status.is_server_error()
+        || status.is_redirection()
         || matches!(
             status,
             StatusCode::TOO_MANY_REQUESTS
@@ -281,6 +315,34 @@ fn worker_side(status: StatusCode) -> bool {
                 | StatusCode::UNAUTHORIZED
                 | StatusCode::FORBIDDEN
         )
+}
+
+/// Most bytes of a worker's error body read for its message.
+const ERROR_BODY_BYTES: usize = 64 << 10;
+
+/// The message of a worker's error body, read within `deadline`; a body longer than
+/// [`ERROR_BODY_BYTES`] is cut there (its message is in its first bytes, if anywhere).
+async fn error_body(body: hyper::body::Incoming, deadline: Duration) -> Result<String, BodyError> {
+    let read = async {
+        let mut body = std::pin::pin!(body);
+        let mut bytes = Vec::new();
+        while bytes.len() < ERROR_BODY_BYTES {
+            let Some(frame) = body.frame().await else {
+                break;
+            };
+            let frame = frame.map_err(|e| BodyError::Io(e.into()))?;
+            if let Ok(data) = frame.into_data() {
+                let room = ERROR_BODY_BYTES - bytes.len();
+                bytes.extend_from_slice(&data[..data.len().min(room)]);
+            }
+        }
+        Ok(error_message(&bytes))
+    };
+    tokio::time::timeout(deadline, read)
+        .await
+        .unwrap_or(Err(BodyError::TimedOut {
+            ms: deadline.as_millis() as u64,
+        }))
 }
 
 /// The error message of a worker's error body: OpenAI's shape (`error.message`), vLLM's
@@ -401,21 +463,20 @@ pub(super) async fn forward(
         }
     };
     let status = response.status();
-    let collect = |body| {
-        collect_body(
-            body,
-            config.max_upstream_body_bytes,
-            Duration::from_millis(config.upstream_body_timeout_ms),
-        )
-    };
     if !status.is_success() {
-        let bytes = collect(response.into_body())
-            .await
-            .map_err(|source| ProxyError::Body { worker, source })?;
+        // Only its message is kept: the first bytes, read under the headers' deadline (a
+        // worker stalling after an error status would otherwise hold the client for the
+        // whole answer's).
+        let message = error_body(
+            response.into_body(),
+            Duration::from_millis(config.worker_timeout_ms),
+        )
+        .await
+        .map_err(|source| ProxyError::Body { worker, source })?;
         return Err(ProxyError::Status {
             worker,
             status,
-            message: error_message(&bytes),
+            message,
         });
     }
     let o = decision.chosen.overlap;
@@ -441,23 +502,34 @@ pub(super) async fn forward(
     let label = worker.to_string();
     if !stream {
         let left = Duration::from_millis(answer_ms).saturating_sub(started.elapsed());
-        let answer = collect_body(response.into_body(), config.max_upstream_body_bytes, left);
-        let bytes = watch_prefill(router, key, &mut booking, answer)
+        // The answer counts against the bodies' memory budget until it is written out.
+        let answer = collect_within(
+            response.into_body(),
+            config.max_upstream_body_bytes,
+            left,
+            &router.bodies,
+        );
+        let (bytes, held) = watch_prefill(router, key, &mut booking, answer)
             .await
             .map_err(|source| match source {
                 BodyError::TimedOut { .. } => ProxyError::AnswerTimeout {
                     worker,
                     ms: answer_ms,
                 },
-                source => ProxyError::Body { worker, source },
+                source => ProxyError::Answer { worker, source },
             })?;
         booking.answered();
         drop(booking);
         metrics::histogram!("kvroute_e2e_seconds", "worker" => label)
             .record(started.elapsed().as_secs_f64());
+        let body = futures_util::stream::unfold(Some((bytes, held)), |state| async move {
+            // The reservation goes with the state once the answer has been taken.
+            let (bytes, _held) = state?;
+            Some((Ok::<_, Infallible>(Frame::data(bytes)), None))
+        });
         return Ok(builder
             .header(header::CONTENT_TYPE, "application/json")
-            .body(Full::new(bytes).boxed())
+            .body(BodyExt::boxed(StreamBody::new(body)))
             .expect("invariant: static response parts are valid"));
     }
     let (tx, rx) = mpsc::channel::<Bytes>(64);
@@ -570,6 +642,9 @@ enum RelayEnd {
     NoFirstFrame,
     /// The worker's connection failed mid-stream.
     WorkerFailed,
+    /// The worker's body ended cleanly before `data: [DONE]` (vLLM, SGLang and kvroute's
+    /// workers always send it): the client is told the answer is cut off.
+    Truncated,
 }
 
 impl RelayEnd {
@@ -581,6 +656,7 @@ impl RelayEnd {
             RelayEnd::WorkerStalled => "worker_stalled",
             RelayEnd::NoFirstFrame => "no_first_frame",
             RelayEnd::WorkerFailed => "worker_failed",
+            RelayEnd::Truncated => "truncated",
         }
     }
 }
@@ -590,7 +666,10 @@ impl Relay {
         let end = self.pump().await;
         if matches!(
             end,
-            RelayEnd::WorkerStalled | RelayEnd::WorkerFailed | RelayEnd::NoFirstFrame
+            RelayEnd::WorkerStalled
+                | RelayEnd::WorkerFailed
+                | RelayEnd::NoFirstFrame
+                | RelayEnd::Truncated
         ) {
             let err = ApiError::unavailable(match end {
                 RelayEnd::WorkerStalled => format!(
@@ -603,6 +682,9 @@ impl Relay {
                     self.worker,
                     self.first_frame.as_millis()
                 ),
+                RelayEnd::Truncated => {
+                    format!("worker {} ended the stream before [DONE]", self.worker)
+                }
                 _ => format!("worker {} failed mid-stream", self.worker),
             });
             // Best effort: a client that is not reading does not get it.
@@ -620,8 +702,16 @@ impl Relay {
     async fn pump(&mut self) -> RelayEnd {
         let mut first = true;
         let mut last = self.started;
+        // `[DONE]` was relayed: the answer is whole, only the body's end is awaited.
+        let mut done = false;
         loop {
-            let wait = if first { self.first_frame } else { self.idle };
+            let wait = if done {
+                self.idle.min(DONE_GRACE)
+            } else if first {
+                self.first_frame
+            } else {
+                self.idle
+            };
             // A client that leaves is noticed at once, not at the next frame: before the
             // first one that can be the whole prefill and the engine's queue, during which
             // the booking, the in-flight slot and the engine's work would stay taken.
@@ -632,15 +722,24 @@ impl Relay {
                 next = tokio::time::timeout(wait, self.upstream.frame()) => next,
             };
             let frame = match next {
+                // A worker (or a proxy before it) that keeps the body open after `[DONE]`
+                // holds nothing longer: the client has its whole answer.
+                Err(_) | Ok(Some(Err(_))) if done => return RelayEnd::Done,
                 Err(_) if first => return RelayEnd::NoFirstFrame,
                 Err(_) => return RelayEnd::WorkerStalled,
+                Ok(None) if done => return RelayEnd::Done,
                 Ok(None) => {
                     // Whatever the worker left unterminated goes as it is.
                     let rest = self.events.finish();
+                    let whole = ends_stream(rest.trim_ascii_end());
                     if !rest.is_empty() {
                         let _ = tokio::time::timeout(self.idle, self.tx.send(rest)).await;
                     }
-                    return RelayEnd::Done;
+                    return if whole {
+                        RelayEnd::Done
+                    } else {
+                        RelayEnd::Truncated
+                    };
                 }
                 Ok(Some(Err(e))) => {
                     tracing::warn!(worker = %self.worker, error = %e, "worker failed mid-stream");
@@ -651,6 +750,9 @@ impl Relay {
             let Ok(data) = frame.into_data() else {
                 continue;
             };
+            if done {
+                continue; // nothing follows `[DONE]`
+            }
             let now = Instant::now();
             let (histogram, since) = if first {
                 (&self.ttft, self.started)
@@ -671,6 +773,7 @@ impl Relay {
                     return RelayEnd::WorkerFailed;
                 }
             };
+            done = ends_stream(data.trim_ascii_end());
             match tokio::time::timeout(self.idle, self.tx.send(data)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(_)) => return RelayEnd::ClientGone,
@@ -678,6 +781,15 @@ impl Relay {
             }
         }
     }
+}
+
+/// How long the relay waits for a worker's body to end once `[DONE]` has been relayed.
+const DONE_GRACE: Duration = Duration::from_secs(1);
+
+/// Whether server-sent events (trailing whitespace trimmed) end with OpenAI's stream
+/// terminator, `data: [DONE]`.
+fn ends_stream(events: &[u8]) -> bool {
+    events.ends_with(b"data: [DONE]") || events.ends_with(b"data:[DONE]")
 }
 
 /// Largest server-sent event held back for its end, bytes.
@@ -699,8 +811,12 @@ impl SseEvents {
         if self.partial.is_empty() && event_end(&data) == Some(data.len()) {
             return Ok(Some(data));
         }
+        // What is held has no blank line (it would have been sent): only the new bytes,
+        // and the 3 before them a blank line may start in, are looked through. Scanning
+        // all of it again per frame would be quadratic in an event's length.
+        let from = self.partial.len().saturating_sub(3);
         self.partial.extend_from_slice(&data);
-        match event_end(&self.partial) {
+        match event_end(&self.partial[from..]).map(|end| from + end) {
             Some(end) => Ok(Some(self.partial.split_to(end).freeze())),
             None if self.partial.len() > MAX_EVENT_BYTES => Err(self.partial.len()),
             None => Ok(None),
@@ -760,6 +876,20 @@ mod tests {
         assert_eq!(
             e.push(Bytes::from_static(b"\r\n")),
             Ok(Some(Bytes::from_static(b"data: {\"c\":3}\r\n\r\n")))
+        );
+        // A long event in many frames, its blank line split across two of them: only the
+        // new bytes (and 3 before them) are looked through each time.
+        let mut long = Vec::new();
+        for i in 0..1000 {
+            let frame = format!("{}", i % 10).repeat(100);
+            long.extend_from_slice(frame.as_bytes());
+            assert_eq!(e.push(Bytes::from(frame)), Ok(None));
+        }
+        assert_eq!(e.push(Bytes::from_static(b"\n")), Ok(None));
+        long.extend_from_slice(b"\n\n");
+        assert_eq!(
+            e.push(Bytes::from_static(b"\n")),
+            Ok(Some(Bytes::from(long)))
         );
         assert_eq!(e.push(Bytes::from_static(b"data: [DO")), Ok(None));
         assert_eq!(e.finish(), Bytes::from_static(b"data: [DO"));

@@ -15,8 +15,8 @@ fn status(code: u16) -> ProxyError {
 
 #[test]
 fn the_error_decides_retry_fault_and_status() {
-    // Overloaded, misdirected or broken workers: another worker is tried.
-    for code in [429, 421, 408, 500, 502, 503] {
+    // Overloaded, misdirected, broken or redirecting workers: another worker is tried.
+    for code in [429, 421, 408, 500, 502, 503, 307, 308] {
         let e = status(code);
         assert!(e.retry_elsewhere(), "{code}");
         assert_eq!(e.fault(), Fault::Worker, "{code}");
@@ -47,6 +47,32 @@ fn the_error_decides_retry_fault_and_status() {
     assert_eq!(answer.fault(), Fault::Worker);
     assert_eq!(answer.to_api().status, 504);
     assert_eq!(answer.label(), "answer_timeout");
+    // A non-streamed answer that broke off, or was too large, after its success status was
+    // generated: another worker would generate it again (and fail alike).
+    for (source, label, code) in [
+        (
+            crate::http::BodyError::TooLarge { limit: 10 },
+            "answer_too_large",
+            502,
+        ),
+        (
+            crate::http::BodyError::Io("reset".into()),
+            "answer_failed",
+            502,
+        ),
+        (
+            crate::http::BodyError::OverBudget { budget: 10 },
+            "answer_over_budget",
+            429,
+        ),
+    ] {
+        let e = ProxyError::Answer {
+            worker: WorkerId(1),
+            source,
+        };
+        assert!(!e.retry_elsewhere(), "{label}");
+        assert_eq!((e.label(), e.to_api().status), (label, code));
+    }
     // "No worker registered" is the router's state, not a worker's fault.
     let none = ApiError::no_workers();
     assert_eq!((none.status, none.fault), (503, Fault::Router));

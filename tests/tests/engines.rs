@@ -688,3 +688,114 @@ async fn an_engine_block_size_unlike_the_configured_one_is_shown() {
         .unwrap();
     assert_eq!(index.body, r#"{"ranks":[]}"#);
 }
+
+/// A response body of fixed frames, then its end or (`hang`) nothing more, ever.
+struct Frames {
+    frames: std::collections::VecDeque<bytes::Bytes>,
+    hang: bool,
+}
+
+impl hyper::body::Body for Frames {
+    type Data = bytes::Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, Self::Error>>> {
+        match self.frames.pop_front() {
+            Some(b) => std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(b)))),
+            None if self.hang => std::task::Poll::Pending,
+            None => std::task::Poll::Ready(None),
+        }
+    }
+}
+
+/// An OpenAI-compatible engine in this process whose completion streams send one chunk and
+/// `[DONE]` and then keep their body open (`hang`), or send one chunk and end without
+/// `[DONE]`: its URL.
+async fn scripted_engine(hang: bool) -> String {
+    use http_body_util::BodyExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (_keep, stop) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        let _keep = _keep;
+        kvroute::http::serve_http(
+            listener,
+            kvroute::http::HttpConfig::default(),
+            move |req: hyper::Request<hyper::body::Incoming>| async move {
+                let text = |s: &'static str| {
+                    hyper::Response::new(
+                        http_body_util::Full::new(bytes::Bytes::from_static(s.as_bytes()))
+                            .boxed(),
+                    )
+                };
+                match req.uri().path() {
+                    "/v1/completions" => {
+                        let chunk = r#"data: {"id":"c","object":"text_completion","choices":[{"index":0,"text":"hi","finish_reason":null}]}"#;
+                        let mut frames = vec![bytes::Bytes::from(format!("{chunk}\n\n"))];
+                        if hang {
+                            frames.push(bytes::Bytes::from_static(b"data: [DONE]\n\n"));
+                        }
+                        let body = Frames {
+                            frames: frames.into(),
+                            hang,
+                        };
+                        hyper::Response::builder()
+                            .header("content-type", "text/event-stream")
+                            .body(body.boxed())
+                            .unwrap()
+                    }
+                    "/v1/models" => text(r#"{"object":"list","data":[{"id":"scripted"}]}"#),
+                    _ => text(""),
+                }
+            },
+            stop,
+        )
+        .await;
+    });
+    url
+}
+
+/// Streams end as their worker says: after `[DONE]` the relay waits only briefly for the
+/// body's end (an engine or proxy that keeps it open held the slot for the idle timeout,
+/// then got an error event glued after `[DONE]`), and a body that ends without `[DONE]`
+/// is a cut-off answer the client is told about.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_end_at_done_and_a_cut_off_stream_says_so() {
+    for hang in [true, false] {
+        let engine = scripted_engine(hang).await;
+        let (_router, url, _) = direct_router(
+            &[format!("{engine},model=scripted")],
+            &["--relay-idle-timeout-ms".into(), "5000".into()],
+        )
+        .unwrap();
+        let http = Http::default();
+        let body = completion("scripted", "hello there", 4, true);
+        let mut answer = None;
+        for _ in 0..200 {
+            match http
+                .call("POST", &format!("{url}/v1/completions"), body.clone())
+                .await
+            {
+                Ok(r) if r.status == 200 => {
+                    answer = Some(r.body);
+                    break;
+                }
+                _ => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+        let answer = answer.expect("the router never served the scripted engine");
+        assert!(answer.contains("\"text\":\"hi\""), "{answer}");
+        assert_eq!(answer.matches("data: [DONE]").count(), 1, "{answer}");
+        if hang {
+            assert!(!answer.contains("error"), "an error after [DONE]: {answer}");
+        } else {
+            assert!(
+                answer.contains("before [DONE]"),
+                "a cut-off stream passed as whole: {answer}"
+            );
+        }
+    }
+}
