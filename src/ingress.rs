@@ -1082,6 +1082,7 @@ async fn completions(
         raw: prepared.raw.clone(),
         chat,
         receipt: class.receipt,
+        media: p.media,
     };
     let mut request = prepared.request();
     request.session = class
@@ -1109,19 +1110,23 @@ async fn completions(
             .take()
             .expect("invariant: every attempt has its booking")
             .expecting(decision.chosen.key.0, prepared.blocks.last().map(|b| b.seq));
-        // Reported when sent, not when answered: the engine computes (caches) the prompt from
-        // now on, and the guess should be in the index before the conversation's next turn.
-        if let Some(sink) = router.decisions.lock().as_ref() {
-            let _ = sink.try_send(RoutedPrompt {
-                key: decision.chosen.key,
-                blocks: prepared.blocks.clone(),
-            });
-        }
         let key = decision.chosen.key;
         let outcome = forward(router, &decision, booking, &body, p.stream, &mut inflight).await;
         router.note_reachability(key, outcome.as_ref().err());
         match outcome {
-            Ok(response) => return Ok(response),
+            Ok(response) => {
+                // Reported once the worker has taken the prompt (a stream's headers, a whole
+                // answer), before the conversation's next turn: a worker that failed or
+                // refused it never computed it, and a guess that it holds it would send
+                // the next turns after a cache hit that is not there.
+                if let Some(sink) = router.decisions.lock().as_ref() {
+                    let _ = sink.try_send(RoutedPrompt {
+                        key,
+                        blocks: prepared.blocks.clone(),
+                    });
+                }
+                return Ok(response);
+            }
             Err(e) => {
                 metrics::counter!("kvroute_proxy_errors_total", "kind" => e.label(), "fault" => fault_label(&e)).increment(1);
                 if !e.retry_elsewhere() {

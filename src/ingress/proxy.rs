@@ -371,6 +371,9 @@ pub(super) struct Upstream {
     pub chat: bool,
     /// The client asked for the decision's receipt header.
     pub receipt: bool,
+    /// The prompt has images, audio or video: an engine fetches and decodes them before
+    /// it answers with headers (vLLM allows a video URL 30 s, `VLLM_VIDEO_FETCH_TIMEOUT`).
+    pub media: bool,
 }
 
 impl Upstream {
@@ -431,10 +434,13 @@ pub(super) async fn forward(
     // whole answer is generated, so it gets the deadline of a whole answer, and the body
     // what is left of it.
     let answer_ms = config.upstream_body_timeout_ms;
-    let headers_ms = if stream {
-        config.worker_timeout_ms
-    } else {
-        answer_ms
+    let headers_ms = match (stream, body.media) {
+        // Slow media is the request's, not the worker's: it gets the first token's
+        // deadline, or every worker in turn would be timed out (and counted towards its
+        // ejection) on the same slow URL.
+        (true, true) => config.worker_timeout_ms.max(config.first_token_timeout_ms),
+        (true, false) => config.worker_timeout_ms,
+        (false, _) => answer_ms,
     };
     let sent = tokio::time::timeout(
         Duration::from_millis(headers_ms),
@@ -924,6 +930,7 @@ mod tests {
             raw: Bytes::from_static(b"{\"prompt\":\"hi\"}"),
             chat: true,
             receipt: false,
+            media: false,
         };
         let key = crate::auth::Secret::new("engine-secret");
         let r = up.request(&info(WorkerApi::Kvroute, 1), 0, Some(&key));

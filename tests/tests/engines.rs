@@ -711,51 +711,78 @@ impl hyper::body::Body for Frames {
     }
 }
 
-/// An OpenAI-compatible engine in this process whose completion streams send one chunk and
-/// `[DONE]` and then keep their body open (`hang`), or send one chunk and end without
-/// `[DONE]`: its URL.
-async fn scripted_engine(hang: bool) -> String {
+/// How [`scripted_engine`] answers completions.
+#[derive(Clone, Copy, PartialEq)]
+enum Script {
+    /// One chunk and `[DONE]`, then the body stays open.
+    Hang,
+    /// One chunk, then the body ends without `[DONE]`.
+    Cut,
+    /// 500, an OpenAI-shaped error.
+    Fail,
+}
+
+/// An OpenAI-compatible engine in this process answering completions as `script` says: its
+/// URL and how many completions it was sent.
+async fn scripted_engine(
+    script: Script,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
     use http_body_util::BodyExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let (_keep, stop) = tokio::sync::watch::channel(false);
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = std::sync::Arc::clone(&sent);
+    let (keep, stop) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
-        let _keep = _keep;
+        let _keep = keep;
         kvroute::http::serve_http(
             listener,
             kvroute::http::HttpConfig::default(),
-            move |req: hyper::Request<hyper::body::Incoming>| async move {
-                let text = |s: &'static str| {
-                    hyper::Response::new(
-                        http_body_util::Full::new(bytes::Bytes::from_static(s.as_bytes()))
-                            .boxed(),
-                    )
-                };
-                match req.uri().path() {
-                    "/v1/completions" => {
-                        let chunk = r#"data: {"id":"c","object":"text_completion","choices":[{"index":0,"text":"hi","finish_reason":null}]}"#;
-                        let mut frames = vec![bytes::Bytes::from(format!("{chunk}\n\n"))];
-                        if hang {
-                            frames.push(bytes::Bytes::from_static(b"data: [DONE]\n\n"));
-                        }
-                        let body = Frames {
-                            frames: frames.into(),
-                            hang,
-                        };
+            move |req: hyper::Request<hyper::body::Incoming>| {
+                let counter = std::sync::Arc::clone(&counter);
+                async move {
+                    let text = |status: u16, s: &'static str| {
                         hyper::Response::builder()
-                            .header("content-type", "text/event-stream")
-                            .body(body.boxed())
+                            .status(status)
+                            .body(
+                                http_body_util::Full::new(bytes::Bytes::from_static(s.as_bytes()))
+                                    .boxed(),
+                            )
                             .unwrap()
+                    };
+                    match req.uri().path() {
+                        "/v1/completions" => {
+                            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            if script == Script::Fail {
+                                return text(
+                                    500,
+                                    r#"{"error":{"message":"scripted failure","type":"InternalServerError"}}"#,
+                                );
+                            }
+                            let chunk = r#"data: {"id":"c","object":"text_completion","choices":[{"index":0,"text":"hi","finish_reason":null}]}"#;
+                            let mut frames = vec![bytes::Bytes::from(format!("{chunk}\n\n"))];
+                            if script == Script::Hang {
+                                frames.push(bytes::Bytes::from_static(b"data: [DONE]\n\n"));
+                            }
+                            let body = Frames {
+                                frames: frames.into(),
+                                hang: script == Script::Hang,
+                            };
+                            hyper::Response::builder()
+                                .header("content-type", "text/event-stream")
+                                .body(body.boxed())
+                                .unwrap()
+                        }
+                        "/v1/models" => text(200, r#"{"object":"list","data":[{"id":"scripted"}]}"#),
+                        _ => text(200, ""),
                     }
-                    "/v1/models" => text(r#"{"object":"list","data":[{"id":"scripted"}]}"#),
-                    _ => text(""),
                 }
             },
             stop,
         )
         .await;
     });
-    url
+    (url, sent)
 }
 
 /// Streams end as their worker says: after `[DONE]` the relay waits only briefly for the
@@ -765,7 +792,7 @@ async fn scripted_engine(hang: bool) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_end_at_done_and_a_cut_off_stream_says_so() {
     for hang in [true, false] {
-        let engine = scripted_engine(hang).await;
+        let (engine, _) = scripted_engine(if hang { Script::Hang } else { Script::Cut }).await;
         let (_router, url, _) = direct_router(
             &[format!("{engine},model=scripted")],
             &["--relay-idle-timeout-ms".into(), "5000".into()],
@@ -797,5 +824,70 @@ async fn streams_end_at_done_and_a_cut_off_stream_says_so() {
                 "a cut-off stream passed as whole: {answer}"
             );
         }
+    }
+}
+
+/// Without KV events the router guesses an engine's cache from the prompts it sent there,
+/// but only from those the engine took: a prompt it refused (here, every one, with a 500)
+/// and that another engine served is credited to the one that served it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_a_worker_refused_is_not_guessed_to_be_in_its_cache() {
+    let http = Http::default();
+    let good = engine("vllm");
+    let (bad, tried) = scripted_engine(Script::Fail).await;
+    let (_router, url, admin) = direct_router(
+        &[
+            format!("{},model={MODEL}", good.url()),
+            format!("{bad},model={MODEL}"),
+        ],
+        &["--policy".into(), "round_robin".into()],
+    )
+    .unwrap();
+    // The failing engine's worker id, once both are registered.
+    let mut bad_id = None;
+    for _ in 0..400 {
+        if let Ok(r) = http
+            .call("GET", &format!("{admin}/admin/workers"), "")
+            .await
+        {
+            let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();
+            let workers = v["workers"].as_array().cloned().unwrap_or_default();
+            if workers.len() == 2 {
+                bad_id = workers
+                    .iter()
+                    .find(|w| w["url"].as_str() == Some(bad.as_str()))
+                    .map(|w| w["id"].to_string());
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let bad_id = bad_id.expect("both engines registered");
+    let prompts: Vec<String> = (0..6)
+        .map(|i| {
+            completion(
+                MODEL,
+                &format!("prompt {i}: {}", "some shared words ".repeat(20)),
+                2,
+                false,
+            )
+        })
+        .collect();
+    for body in &prompts {
+        let r = http
+            .call("POST", &format!("{url}/v1/completions"), body.clone())
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    assert!(
+        tried.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "round robin never tried the failing engine"
+    );
+    for body in &prompts {
+        assert!(
+            !credited(&http, &admin, body, &bad_id).await,
+            "a prompt the engine refused is credited to it"
+        );
     }
 }
