@@ -69,13 +69,14 @@ pub fn bearer_key(headers: &hyper::HeaderMap, keys: &[Secret]) -> Option<usize> 
 
 /// `urls` (comma-separated, as NATS takes them) with any credentials in them
 /// (`nats://user:password@host`) replaced by `<redacted>`: what logs and `--dry-run` show.
+/// Everything up to the last `@` goes, even past a `/`: a generated password may hold one
+/// (base64), and a NATS URL has no path to lose.
 pub fn redact_credentials(urls: &str) -> String {
     urls.split(',')
         .map(|url| {
             let start = url.find("://").map_or(0, |i| i + 3);
             let rest = &url[start..];
-            let authority = &rest[..rest.find('/').unwrap_or(rest.len())];
-            match authority.rfind('@') {
+            match rest.rfind('@') {
                 Some(at) => format!("{}<redacted>{}", &url[..start], &rest[at..]),
                 None => url.to_owned(),
             }
@@ -253,7 +254,10 @@ mod tests {
             "nats://<redacted>@n1:4222,tls://<redacted>@n2/x,nats://n3:4222"
         );
         assert_eq!(redact_credentials("u:p@host:4222"), "<redacted>@host:4222");
-        assert_eq!(redact_credentials("nats://h/a@b"), "nats://h/a@b");
+        assert_eq!(
+            redact_credentials("nats://u:ab/c+d=@h:4222"),
+            "nats://<redacted>@h:4222"
+        );
     }
 
     #[test]

@@ -20,11 +20,12 @@ use crate::protocol::WorkerId;
 pub const MAX_DP_SIZE: u32 = 1024;
 /// Largest registration accepted, bytes of JSON.
 pub const MAX_INFO_BYTES: usize = 64 << 10;
-/// Longest URL and model name accepted, bytes.
+/// Longest URL accepted, bytes.
 const MAX_URL_BYTES: usize = 2048;
-const MAX_MODEL_BYTES: usize = 256;
+/// Longest model or adapter name accepted, bytes.
+pub const MAX_MODEL_BYTES: usize = 256;
 /// Most LoRA adapters one registration names.
-const MAX_ADAPTERS: usize = 256;
+pub const MAX_ADAPTERS: usize = 256;
 /// Largest block size accepted, tokens.
 const MAX_BLOCK_SIZE: usize = 1 << 16;
 /// Largest pool accepted, blocks (2⁴⁰: far beyond any GPU or host memory).

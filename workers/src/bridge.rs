@@ -153,6 +153,8 @@ pub async fn run(
     let mut ranks = vec![IngestStats::default(); config.dp_size as usize];
     let mut registration: Option<Registration> = None;
     let mut failures = 0u32;
+    // Adapter names left out of the registration, as last warned about.
+    let mut refused_adapters: Vec<String> = Vec::new();
     // One per rank, sized to the engine's G1 when first needed.
     let mut approx: Vec<Option<ApproxCache>> = (0..config.dp_size).map(|_| None).collect();
     let clock = tokio::time::Instant::now();
@@ -220,11 +222,17 @@ pub async fn run(
                 if healthy && !model.is_empty() {
                     // LoRA adapters come and go (vLLM's /v1/load_lora_adapter): the next
                     // heartbeat carries the current list.
-                    if let Some(adapters) = served_adapters(&client, &config.engine_url, &model, config.health_every).await {
+                    if let Some(Adapters { served, refused }) = served_adapters(&client, &config.engine_url, &model, config.health_every).await {
+                        if refused != refused_adapters {
+                            if !refused.is_empty() {
+                                tracing::warn!(worker = %config.id, ?refused, "LoRA adapters not announced: routers refuse names with spaces or control characters, over 256 bytes, or past the 256th");
+                            }
+                            refused_adapters = refused;
+                        }
                         let mut i = info.lock();
-                        if i.adapters != adapters {
-                            tracing::info!(worker = %config.id, ?adapters, "engine's LoRA adapters");
-                            i.adapters = adapters;
+                        if i.adapters != served {
+                            tracing::info!(worker = %config.id, adapters = ?served, "engine's LoRA adapters");
+                            i.adapters = served;
                         }
                     }
                 }
@@ -404,19 +412,82 @@ async fn served_adapters(
     base: &str,
     model: &str,
     deadline: Duration,
-) -> Option<Vec<String>> {
+) -> Option<Adapters> {
     let body = get(client, base, "/v1/models", deadline).await.ok()?;
     let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
-    let mut adapters: Vec<String> = v["data"]
+    let names = v["data"]
         .as_array()?
         .iter()
         .filter(|m| m["parent"].as_str() == Some(model))
-        .filter_map(|m| m["id"].as_str())
-        .filter(|id| *id != model)
-        .map(str::to_owned)
-        .collect();
-    adapters.sort();
-    adapters.dedup();
-    adapters.truncate(256);
-    Some(adapters)
+        .filter_map(|m| m["id"].as_str());
+    Some(Adapters::of(model, names))
+}
+
+/// The adapter names a registration can carry, and those it cannot.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Adapters {
+    /// Sorted, distinct, at most `discovery::MAX_ADAPTERS`.
+    served: Vec<String>,
+    /// Names routers would refuse (a space, a control character, too long): one such name
+    /// in a registration would make every router ignore it and drop the engine.
+    refused: Vec<String>,
+}
+
+impl Adapters {
+    fn of<'a>(model: &str, names: impl Iterator<Item = &'a str>) -> Adapters {
+        let (mut served, mut refused): (Vec<String>, Vec<String>) = names
+            .filter(|id| *id != model)
+            .map(str::to_owned)
+            .partition(|id| kvroute::discovery::model_name_ok(id));
+        served.sort();
+        served.dedup();
+        // At most MAX_ADAPTERS names, in half of a registration's bytes.
+        let mut bytes = 0;
+        let fit = served
+            .iter()
+            .take(kvroute::discovery::MAX_ADAPTERS)
+            .take_while(|name| {
+                bytes += name.len() + 3; // quotes and a comma
+                bytes <= kvroute::discovery::MAX_INFO_BYTES / 2
+            })
+            .count();
+        refused.extend(served.split_off(fit));
+        refused.sort();
+        refused.dedup();
+        Adapters { served, refused }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Names a router would refuse are left out of the registration (one would make every
+    /// router ignore it, and the engine would drop out of the fleet), as are names past the
+    /// count and size a registration may carry.
+    #[test]
+    fn only_adapter_names_routers_accept_are_announced() {
+        let names = [
+            "base",
+            "sql-lora",
+            "my lora",
+            "tab\tlora",
+            "sql-lora",
+            "b-lora",
+        ];
+        let long = "x".repeat(257);
+        let a = Adapters::of("base", names.into_iter().chain([long.as_str()]));
+        assert_eq!(a.served, ["b-lora", "sql-lora"]);
+        assert_eq!(a.refused, ["my lora", "tab\tlora", long.as_str()]);
+        let many: Vec<String> = (0..300).map(|i| format!("lora-{i:03}")).collect();
+        let a = Adapters::of("base", many.iter().map(String::as_str));
+        assert_eq!(a.served.len(), kvroute::discovery::MAX_ADAPTERS);
+        assert_eq!(a.refused.len(), 300 - kvroute::discovery::MAX_ADAPTERS);
+        let big: Vec<String> = (0..250)
+            .map(|i| format!("{i:03}{}", "y".repeat(250)))
+            .collect();
+        let a = Adapters::of("base", big.iter().map(String::as_str));
+        let bytes: usize = a.served.iter().map(|n| n.len() + 3).sum();
+        assert!(bytes <= kvroute::discovery::MAX_INFO_BYTES / 2 && !a.refused.is_empty());
+    }
 }

@@ -20,7 +20,7 @@ use kvroute::http::HttpConfig;
 use kvroute::process::LogFormat;
 use kvroute::protocol::WorkerId;
 use kvroute_worker::engine::{MixedStep, TimingModel};
-use kvroute_worker::server::{ServerConfig, Worker, host_name, new_epoch, stable_id};
+use kvroute_worker::server::{ServerConfig, Worker, host_name, new_epoch, stable_id, stable_id_of};
 use kvroute_worker::{Device, EngineConfig};
 
 /// A kvroute worker: continuous-batching engine (timing model, no model weights), HTTP
@@ -260,6 +260,12 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
     };
     let id = match (args.id, host_name()) {
         (Some(id), _) => WorkerId(id),
+        // A sidecar serves no port of its own (--port keeps its default): its engine's URL
+        // tells it apart from the other sidecars of its host, which would otherwise all
+        // register as one worker and take turns replacing each other.
+        (None, Some(host)) if args.engine.is_some() => {
+            stable_id_of(&host, args.engine_url.as_deref().unwrap_or_default())
+        }
         (None, Some(host)) if args.port != 0 => stable_id(&host, args.port),
         _ => WorkerId(new_epoch() & 0xffff_ffff_ffff),
     };

@@ -44,7 +44,13 @@ pub fn new_epoch() -> u64 {
 /// (whose host name is its name) or a process on a fixed port keeps its metric series and
 /// its registry key. 48 bits, so it stays exact in JSON numbers.
 pub fn stable_id(host_name: &str, port: u16) -> WorkerId {
-    let h = xxhash_rust::xxh3::xxh3_64(format!("{host_name}:{port}").as_bytes());
+    stable_id_of(host_name, &port.to_string())
+}
+
+/// A worker id from this host's name and what tells its workers apart there (a port, or a
+/// sidecar's engine URL): the same across restarts.
+pub fn stable_id_of(host_name: &str, what: &str) -> WorkerId {
+    let h = xxhash_rust::xxh3::xxh3_64(format!("{host_name}:{what}").as_bytes());
     WorkerId((h & 0xffff_ffff_ffff).max(1))
 }
 

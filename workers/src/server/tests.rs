@@ -334,3 +334,15 @@ async fn the_publisher_takes_batches_and_fault_changes() {
     }
     assert!(matches!(next, Next::Batch(_)), "{next:?}");
 }
+
+/// Sidecars on one host tell themselves apart by their engine's URL; a worker by its port;
+/// either keeps its id across restarts.
+#[test]
+fn worker_ids_are_stable_and_apart_on_one_host() {
+    use super::{stable_id, stable_id_of};
+    let a = stable_id_of("node-1", "http://127.0.0.1:8000");
+    assert_eq!(a, stable_id_of("node-1", "http://127.0.0.1:8000"));
+    assert_ne!(a, stable_id_of("node-1", "http://127.0.0.1:8001"));
+    assert_ne!(a, stable_id_of("node-2", "http://127.0.0.1:8000"));
+    assert_eq!(stable_id("node-1", 9000), stable_id_of("node-1", "9000"));
+}
