@@ -508,3 +508,53 @@ async fn replicas_see_each_others_bookings_and_drop_a_dead_replicas() {
     .await;
     assert!(dropped, "a dead replica's bookings must expire");
 }
+
+/// While NATS is down, a worker's publish fails at once (the caller notes the batch as
+/// lost, and routers resync from the gap) instead of waiting on the client's buffer: a
+/// sidecar's one loop also answers snapshots, checks its engine and hears SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publishing_without_nats_fails_at_once() {
+    use kvroute::protocol::{DpRank, EventBatch, KvEvent, KvEventData};
+    let mut nats = NatsServer::start().unwrap();
+    let transport = Transport::connect_nats(&nats.url(), "w", &Default::default())
+        .await
+        .unwrap();
+    let info = Arc::new(parking_lot::Mutex::new(kvroute::discovery::WorkerInfo {
+        id: WorkerId(5),
+        url: "http://127.0.0.1:1/".into(),
+        block_size: 16,
+        g1_blocks: 8,
+        g2_blocks: 0,
+        model: "sim".into(),
+        dp_size: 1,
+        epoch: 1,
+        last_event_ids: vec![0],
+        api: kvroute::discovery::WorkerApi::Kvroute,
+        adapters: Vec::new(),
+        engine_load: None,
+        event_faults: None,
+    }));
+    let plane = kvroute_worker::plane::WorkerPlane::new(transport.clone(), CLUSTER, info);
+    let batch = |id| EventBatch {
+        worker: WorkerId(5),
+        dp_rank: DpRank(0),
+        epoch: 1,
+        sent_unix_us: 0,
+        events: vec![KvEvent {
+            id,
+            tier: Tier::Device,
+            data: KvEventData::Cleared,
+        }],
+    };
+    plane.publish(&batch(1)).await.unwrap();
+    nats.kill();
+    assert!(
+        eventually(Duration::from_secs(30), || !transport.is_connected()).await,
+        "the client never noticed NATS was gone"
+    );
+    // Bounded only to report a hang as a failure, not to measure anything.
+    let r = tokio::time::timeout(Duration::from_secs(60), plane.publish(&batch(2)))
+        .await
+        .expect("publish waited on a disconnected client");
+    assert!(r.is_err(), "a batch was taken while NATS was down");
+}

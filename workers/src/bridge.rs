@@ -248,7 +248,14 @@ pub async fn run(
                             tracing::warn!(worker = %config.id, error = %e, "cannot register the engine");
                             continue;
                         }
-                        match Registration::start(registry.clone(), Arc::clone(&info), &config.lease).await {
+                        // Registering retries while the registry has no quorum: SIGTERM is
+                        // heard meanwhile.
+                        let start = Registration::start(registry.clone(), Arc::clone(&info), &config.lease);
+                        let started = tokio::select! {
+                            started = start => started,
+                            _ = stop.changed() => break,
+                        };
+                        match started {
                             Ok(r) => {
                                 tracing::info!(worker = %config.id, url = %config.engine_url, model = %config.model, "engine healthy: registered");
                                 registration = Some(r);

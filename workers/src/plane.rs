@@ -24,6 +24,9 @@ pub struct SnapshotRequest {
     pub reply: oneshot::Sender<Snapshot>,
 }
 
+/// Longest wait for the NATS client to take one message of a batch.
+pub const PUBLISH_DEADLINE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Publishes one worker's events.
 #[derive(Clone, Debug)]
 pub struct WorkerPlane {
@@ -44,17 +47,28 @@ impl WorkerPlane {
     }
 
     /// Publishes a batch (split to fit a message), then records its last id for the
-    /// registration heartbeat.
+    /// registration heartbeat. Fails at once while NATS is unreachable, and after
+    /// [`PUBLISH_DEADLINE`] if the client takes no message: its buffer is full during a
+    /// reconnect, and waiting would stall whoever publishes (a sidecar's one loop also
+    /// answers snapshots, checks health and hears SIGTERM). The caller notes the batch as
+    /// sent (lost), so routers see the gap and resync.
     pub async fn publish(&self, batch: &EventBatch) -> Result<(), TransportError> {
-        let max = self.transport.max_payload();
-        let payloads = encode_split(batch, max).map_err(|e| TransportError::Publish {
+        let failed = |reason: String| TransportError::Publish {
             subject: self.subject.clone(),
-            reason: e.to_string(),
-        })?;
+            reason,
+        };
+        if !self.transport.is_connected() {
+            return Err(failed("not connected to NATS".into()));
+        }
+        let max = self.transport.max_payload();
+        let payloads = encode_split(batch, max).map_err(|e| failed(e.to_string()))?;
         for payload in payloads {
-            self.transport
-                .publish(&self.subject, None, payload.into())
-                .await?;
+            tokio::time::timeout(
+                PUBLISH_DEADLINE,
+                self.transport.publish(&self.subject, None, payload.into()),
+            )
+            .await
+            .map_err(|_| failed(format!("not taken within {PUBLISH_DEADLINE:?}")))??;
         }
         self.note_sent(batch);
         Ok(())
