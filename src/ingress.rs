@@ -842,18 +842,24 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
         // and forward the request as it came.
         let media_at = r.messages.iter().position(|m| m.media);
         let tokens = match media_at {
-            None => tokenizer.encode_chat(&r.messages, &options),
-            Some(0) => Ok(Vec::new()),
-            Some(k) => tokenizer.encode_chat(
-                &r.messages[..k],
-                &openai::ChatOptions {
-                    add_generation_prompt: false,
-                    continue_final_message: false,
-                    ..options
-                },
-            ),
-        }
-        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+            None => tokenizer
+                .encode_chat(&r.messages, &options)
+                .map_err(|e| ApiError::bad_request(e.to_string()))?,
+            Some(0) => Vec::new(),
+            // A template may refuse the shortened conversation (a system turn with no user
+            // turn after it) where it takes the whole one, which the engine renders: the
+            // request is then routed without a prefix, not refused.
+            Some(k) => tokenizer
+                .encode_chat(
+                    &r.messages[..k],
+                    &openai::ChatOptions {
+                        add_generation_prompt: false,
+                        continue_final_message: false,
+                        ..options
+                    },
+                )
+                .unwrap_or_default(),
+        };
         Parsed {
             media: media_at.is_some(),
             max_tokens: r.max_tokens(),

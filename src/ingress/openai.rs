@@ -183,13 +183,69 @@ impl TryFrom<RawChatMessage> for ChatMessage {
                 texts.join("\n")
             }
         };
+        // What vLLM's message for the template keeps besides role and content
+        // (`_parse_chat_message_content`): a template that asks whether some other field
+        // is defined would otherwise render differently here.
+        let kept: &[&str] = match raw.role.as_str() {
+            "assistant" => &["name", "tool_calls", "reasoning", "reasoning_content"],
+            "tool" => &["name", "tool_call_id"],
+            "developer" => &["name", "tools"],
+            _ => &["name"],
+        };
+        let mut extra = raw.extra;
+        extra.retain(|k, v| {
+            kept.contains(&k.as_str())
+                && !(v.is_null() && k != "tools")
+                && (k != "name" || v.is_string())
+        });
+        if raw.role == "assistant" {
+            assistant_fields(&mut extra)?;
+        }
         Ok(ChatMessage {
             role: raw.role,
             content,
             media,
-            extra: raw.extra,
+            extra,
         })
     }
+}
+
+/// An assistant message's fields as vLLM hands them to the template
+/// (`_postprocess_messages` and `_parse_chat_message_content` in vllm/entrypoints/
+/// chat_utils.py): an empty `tool_calls` is dropped (templates take the plain path); each
+/// call's `arguments`, a JSON string as OpenAI sends it, is parsed into its object (`{}`
+/// when null or empty), since templates render it as one (`arguments | tojson`, or
+/// iterate it); `reasoning` and `reasoning_content` are both set from whichever came.
+fn assistant_fields(extra: &mut serde_json::Map<String, serde_json::Value>) -> Result<(), String> {
+    use serde_json::Value;
+    if let Some(Value::Array(calls)) = extra.get_mut("tool_calls") {
+        if calls.is_empty() {
+            extra.shift_remove("tool_calls");
+        } else {
+            for call in calls.iter_mut() {
+                let Some(Value::Object(function)) = call.get_mut("function") else {
+                    continue;
+                };
+                let parsed = match function.get("arguments") {
+                    Some(Value::String(s)) if !s.is_empty() => serde_json::from_str(s)
+                        .map_err(|e| format!("tool call arguments are not JSON: {e}"))?,
+                    Some(Value::Object(_) | Value::Array(_)) => continue,
+                    _ => Value::Object(serde_json::Map::new()),
+                };
+                function.insert("arguments".into(), parsed);
+            }
+        }
+    }
+    let reasoning = extra
+        .get("reasoning")
+        .filter(|r| !r.is_null())
+        .or_else(|| extra.get("reasoning_content").filter(|r| !r.is_null()))
+        .cloned();
+    if let Some(r) = reasoning {
+        extra.insert("reasoning".into(), r.clone());
+        extra.insert("reasoning_content".into(), r);
+    }
+    Ok(())
 }
 
 /// `POST /v1/chat/completions`. Fields clients may send as `null` read as absent.
@@ -258,11 +314,48 @@ impl ChatRequest {
             add_generation_prompt: self.add_generation_prompt.unwrap_or(true),
             continue_final_message: self.continue_final_message.unwrap_or(false),
             add_special_tokens: self.add_special_tokens.unwrap_or(false),
-            tools: self.tools.take(),
+            tools: self.tools.take().map(vllm_tools),
             documents: self.documents.take(),
             kwargs: self.chat_template_kwargs.take().unwrap_or_default(),
         }
     }
+}
+
+/// `tools` as vLLM hands them to the template: each tool through its pydantic models'
+/// `model_dump()` (vllm/entrypoints/openai/chat_completion/protocol.py,
+/// `ChatCompletionToolsParam`, `FunctionDefinition`), so `{"type", "function": {"name",
+/// "description", "parameters", …}, …}` in that order, `description` and `parameters`
+/// null when absent, any other fields after them in the order sent. Templates render it
+/// with `tojson`: a different key order is different tokens. Anything not shaped like a
+/// tool goes as it came.
+fn vllm_tools(tools: serde_json::Value) -> serde_json::Value {
+    use serde_json::{Map, Value};
+    let serde_json::Value::Array(list) = tools else {
+        return tools;
+    };
+    let tool = |t: Value| -> Value {
+        let Value::Object(mut t) = t else {
+            return t;
+        };
+        let Some(Value::Object(mut f)) = t.shift_remove("function") else {
+            return Value::Object(t);
+        };
+        let mut function = Map::new();
+        for key in ["name", "description", "parameters"] {
+            function.insert(key.into(), f.shift_remove(key).unwrap_or(Value::Null));
+        }
+        function.extend(f);
+        let mut out = Map::new();
+        out.insert(
+            "type".into(),
+            t.shift_remove("type")
+                .unwrap_or_else(|| Value::from("function")),
+        );
+        out.insert("function".into(), Value::Object(function));
+        out.extend(t);
+        Value::Object(out)
+    };
+    Value::Array(list.into_iter().map(tool).collect())
 }
 
 /// How a chat is rendered and tokenized: what vLLM hands Hugging Face's

@@ -215,6 +215,38 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
     }
 }
 
+/// A template that refuses the conversation cut before its first image (Llama 3.x's "no
+/// first user message" with a lone system turn) does not get the request refused: the
+/// engine renders the whole conversation, which the template takes; the router routes it
+/// without a prefix.
+#[test]
+fn a_template_refusing_the_text_before_an_image_does_not_refuse_the_request() {
+    let dir = std::env::temp_dir().join(format!("kvroute-media-tpl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "user": 1}, "unk_token": "[UNK]"}
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let template = "{% if messages | length == 1 and messages[0].role == 'system' %}{{ raise_exception('no first user message') }}{% endif %}{% for m in messages %}{{ m.role }} {% endfor %}";
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::json!({"chat_template": template}).to_string(),
+    )
+    .unwrap();
+    let t = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
+    let image = parse(
+        &t,
+        br#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}"#,
+        true,
+    )
+    .unwrap();
+    assert!(image.media && image.tokens.is_empty());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn config_limits_are_checked() {
     assert_eq!(IngressConfig::default().validate(), Ok(()));

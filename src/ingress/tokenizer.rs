@@ -53,7 +53,8 @@ impl std::fmt::Debug for Tokenizer {
 /// A loaded Hugging Face tokenizer.
 pub struct HfTokenizer {
     tokenizer: tokenizers::Tokenizer,
-    /// The template environment (template `chat`), if the model has a chat template.
+    /// The template environment (template `chat`, and `chat_tool_use` if the model names a
+    /// `tool_use` template), if the model has a chat template.
     chat: Option<minijinja::Environment<'static>>,
     bos_token: String,
     eos_token: String,
@@ -80,7 +81,9 @@ fn token_text(v: Option<serde_json::Value>) -> String {
 }
 
 impl Tokenizer {
-    /// Loads `tokenizer.json` and, if present beside it, `tokenizer_config.json`.
+    /// Loads `tokenizer.json` and, if present beside it, `tokenizer_config.json` and
+    /// `chat_template.jinja` (where recent transformers save the template; it wins over
+    /// the config's, as in transformers).
     pub fn load(path: &Path) -> Result<Tokenizer, TokenizerError> {
         let err = |reason: String| TokenizerError::Load {
             path: path.display().to_string(),
@@ -93,22 +96,33 @@ impl Tokenizer {
                 .map_err(|e| err(format!("{}: {e}", config_path.display())))?,
             Err(_) => TokenizerConfig::default(),
         };
-        // A template is a string, or a list of named templates of which "default" is used.
-        let template = match config.chat_template {
-            Some(serde_json::Value::String(s)) => Some(s),
+        // A template is a string, or a list of named templates: "default", and "tool_use"
+        // for requests with tools (transformers' `get_chat_template`).
+        let named = |name: &str| match &config.chat_template {
+            Some(serde_json::Value::String(s)) if name == "default" => Some(s.clone()),
             Some(serde_json::Value::Array(list)) => list
                 .iter()
-                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some(name))
                 .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
             _ => None,
         };
+        let file = path.with_file_name("chat_template.jinja");
+        let template = match std::fs::read_to_string(&file) {
+            Ok(source) => Some(source),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => named("default"),
+            Err(e) => return Err(err(format!("{}: {e}", file.display()))),
+        };
         let chat = match template {
             Some(source) => {
+                let compile = |e: minijinja::Error| TokenizerError::Template {
+                    reason: e.to_string(),
+                };
                 let mut env = chat_environment();
-                env.add_template_owned("chat", source)
-                    .map_err(|e| TokenizerError::Template {
-                        reason: e.to_string(),
-                    })?;
+                env.add_template_owned("chat", source).map_err(compile)?;
+                if let Some(tool_use) = named("tool_use") {
+                    env.add_template_owned("chat_tool_use", tool_use)
+                        .map_err(compile)?;
+                }
                 Some(env)
             }
             None => None,
@@ -146,41 +160,53 @@ impl Tokenizer {
         messages: &[ChatMessage],
         options: &ChatOptions,
     ) -> Result<Vec<u32>, TokenizerError> {
+        let text = self.render(messages, options)?;
+        self.encode(&text, options.add_special_tokens)
+    }
+
+    /// The chat's text as the template renders it ([`Tokenizer::encode_chat`] tokenizes it).
+    fn render(
+        &self,
+        messages: &[ChatMessage],
+        options: &ChatOptions,
+    ) -> Result<String, TokenizerError> {
         let template_error = |e: minijinja::Error| TokenizerError::Template {
             reason: e.to_string(),
         };
         let text = match self {
             Tokenizer::Hf(hf) => match &hf.chat {
                 Some(env) => {
-                    // Hugging Face: the special tokens, overridden by the kwargs, under the
-                    // fixed variables.
+                    // vLLM's `_preprocess_chat`: `add_generation_prompt`, `tools` and
+                    // `documents`, overridden by the request's `chat_template_kwargs`; then
+                    // Hugging Face's renderer puts the special tokens under those and the
+                    // messages over them.
+                    fn value<T: serde::Serialize>(v: &T) -> minijinja::Value {
+                        minijinja::Value::from(minijinja::value::Serde(v))
+                    }
                     let mut context: std::collections::BTreeMap<String, minijinja::Value> =
                         std::collections::BTreeMap::new();
                     context.insert("bos_token".into(), hf.bos_token.as_str().into());
                     context.insert("eos_token".into(), hf.eos_token.as_str().into());
+                    context.insert("tools".into(), value(&options.tools));
+                    context.insert("documents".into(), value(&options.documents));
+                    context.insert(
+                        "add_generation_prompt".into(),
+                        options.add_generation_prompt.into(),
+                    );
                     for (k, v) in &options.kwargs {
-                        context.insert(
-                            k.clone(),
-                            minijinja::Value::from(minijinja::value::Serde(v)),
-                        );
+                        context.insert(k.clone(), value(v));
                     }
                     context.insert(
                         "messages".into(),
                         minijinja::Value::from(minijinja::value::Serde(messages)),
                     );
-                    context.insert(
-                        "tools".into(),
-                        minijinja::Value::from(minijinja::value::Serde(&options.tools)),
-                    );
-                    context.insert(
-                        "documents".into(),
-                        minijinja::Value::from(minijinja::value::Serde(&options.documents)),
-                    );
-                    context.insert(
-                        "add_generation_prompt".into(),
-                        options.add_generation_prompt.into(),
-                    );
-                    env.get_template("chat")
+                    let tools = options.tools.as_ref().is_some_and(|t| !t.is_null());
+                    let name = if tools && env.get_template("chat_tool_use").is_ok() {
+                        "chat_tool_use"
+                    } else {
+                        "chat"
+                    };
+                    env.get_template(name)
                         .map_err(template_error)?
                         .render(context)
                         .map_err(template_error)?
@@ -189,12 +215,11 @@ impl Tokenizer {
             },
             Tokenizer::Bytes => render_chat(messages, options.add_generation_prompt),
         };
-        let text = if options.continue_final_message {
-            continued(&text, messages)?
+        if options.continue_final_message {
+            continued(&text, messages)
         } else {
-            text
-        };
-        self.encode(&text, options.add_special_tokens)
+            Ok(text)
+        }
     }
 }
 
@@ -221,6 +246,16 @@ fn continued(text: &str, messages: &[ChatMessage]) -> Result<String, TokenizerEr
 /// conversation with it) and `strftime_now` (Llama 3.x date their system prompt).
 fn chat_environment() -> minijinja::Environment<'static> {
     let mut env = minijinja::Environment::new();
+    // transformers' `_compile_jinja_template`: `ImmutableSandboxedEnvironment(trim_blocks=
+    // True, lstrip_blocks=True, extensions=[..., loopcontrols])`, and its own `tojson`.
+    if let Ok(syntax) = minijinja::syntax::SyntaxConfig::builder()
+        .trim_blocks(true)
+        .lstrip_blocks(true)
+        .build()
+    {
+        env.set_syntax(syntax);
+    }
+    env.add_filter("tojson", tojson);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function(
         "raise_exception",
@@ -238,6 +273,196 @@ fn chat_environment() -> minijinja::Environment<'static> {
         strftime(now, &format)
     });
     env
+}
+
+/// transformers' `tojson` filter: `json.dumps(x, ensure_ascii=False, indent=indent,
+/// separators=separators, sort_keys=sort_keys)`. Python's separators (`", "` and `": "`;
+/// `","` between items when indented), maps in their order, nothing escaped for HTML
+/// (minijinja's own escapes `<`, `>`, `&` and `'`), non-ASCII as it is unless
+/// `ensure_ascii`.
+fn tojson(
+    value: &minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> Result<String, minijinja::Error> {
+    let indent = kwargs
+        .get::<Option<minijinja::Value>>("indent")?
+        .and_then(|v| match v.kind() {
+            minijinja::value::ValueKind::Number => i64::try_from(v)
+                .ok()
+                .map(|n| " ".repeat(n.clamp(0, 64) as usize)),
+            minijinja::value::ValueKind::String => v.as_str().map(str::to_owned),
+            _ => None,
+        });
+    let ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);
+    let sort = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    let separators = kwargs.get::<Option<Vec<String>>>("separators")?;
+    kwargs.assert_all_used()?;
+    let (item, key) = match separators.as_deref() {
+        Some([item, key]) => (item.clone(), key.clone()),
+        Some(_) => {
+            return Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                "tojson: separators must be two strings",
+            ));
+        }
+        None if indent.is_some() => (",".to_owned(), ": ".to_owned()),
+        None => (", ".to_owned(), ": ".to_owned()),
+    };
+    let style = JsonStyle {
+        indent,
+        item,
+        key,
+        ascii,
+        sort,
+    };
+    let mut out = String::new();
+    style.write(&mut out, value, 0)?;
+    Ok(out)
+}
+
+/// How [`tojson`] writes.
+struct JsonStyle {
+    indent: Option<String>,
+    item: String,
+    key: String,
+    ascii: bool,
+    sort: bool,
+}
+
+impl JsonStyle {
+    fn write(
+        &self,
+        out: &mut String,
+        v: &minijinja::Value,
+        depth: usize,
+    ) -> Result<(), minijinja::Error> {
+        use minijinja::value::ValueKind;
+        if depth > 128 {
+            return Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                "tojson: nested too deeply",
+            ));
+        }
+        match v.kind() {
+            ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+            ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+            ValueKind::Number => out.push_str(&python_number(v)),
+            ValueKind::String | ValueKind::Bytes | ValueKind::Plain | ValueKind::Invalid => {
+                self.string(out, &v.to_string())
+            }
+            ValueKind::Seq | ValueKind::Iterable => {
+                let items: Vec<minijinja::Value> = v.try_iter()?.collect();
+                self.open(out, '[', ']', items.len(), depth, |out, i, depth| {
+                    self.write(out, &items[i], depth)
+                })?;
+            }
+            ValueKind::Map => {
+                let mut keys: Vec<minijinja::Value> = v.try_iter()?.collect();
+                if self.sort {
+                    keys.sort_by_key(|k| k.to_string());
+                }
+                self.open(out, '{', '}', keys.len(), depth, |out, i, depth| {
+                    self.string(out, &keys[i].to_string());
+                    out.push_str(&self.key);
+                    self.write(out, &v.get_item(&keys[i])?, depth)
+                })?;
+            }
+            _ => self.string(out, &v.to_string()),
+        }
+        Ok(())
+    }
+
+    /// A container of `n` items, each written by `item`, in Python's layout.
+    fn open(
+        &self,
+        out: &mut String,
+        start: char,
+        end: char,
+        n: usize,
+        depth: usize,
+        mut item: impl FnMut(&mut String, usize, usize) -> Result<(), minijinja::Error>,
+    ) -> Result<(), minijinja::Error> {
+        out.push(start);
+        if n == 0 {
+            out.push(end);
+            return Ok(());
+        }
+        let newline = |out: &mut String, level: usize| {
+            if let Some(indent) = &self.indent {
+                out.push('\n');
+                for _ in 0..level {
+                    out.push_str(indent);
+                }
+            }
+        };
+        for i in 0..n {
+            if i > 0 {
+                out.push_str(&self.item);
+            }
+            newline(out, depth + 1);
+            item(out, i, depth + 1)?;
+        }
+        newline(out, depth);
+        out.push(end);
+        Ok(())
+    }
+
+    /// A JSON string as Python writes it (`\uXXXX` for control characters, and for all
+    /// non-ASCII with `ensure_ascii`, as UTF-16 units).
+    fn string(&self, out: &mut String, s: &str) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 || (self.ascii && !c.is_ascii()) => {
+                    let mut units = [0u16; 2];
+                    for u in c.encode_utf16(&mut units) {
+                        out.push_str(&format!("\\u{u:04x}"));
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+}
+
+/// A number as Python's `json.dumps` writes it: integers as they are, floats by `repr`
+/// (`1.0`, `0.1`, `1e+20`, `NaN`, `Infinity`).
+fn python_number(v: &minijinja::Value) -> String {
+    if v.is_integer() {
+        return v.to_string();
+    }
+    let Ok(f) = f64::try_from(v.clone()) else {
+        return v.to_string();
+    };
+    if f.is_nan() {
+        return "NaN".into();
+    }
+    if f.is_infinite() {
+        return if f > 0.0 { "Infinity" } else { "-Infinity" }.into();
+    }
+    let exp = if f == 0.0 {
+        0
+    } else {
+        f.abs().log10().floor() as i32
+    };
+    if (-4..16).contains(&exp) {
+        let s = format!("{f}");
+        if s.contains('.') { s } else { format!("{s}.0") }
+    } else {
+        // Python's repr: the shortest digits, in exponent form with a sign and two digits.
+        let s = format!("{f:e}");
+        let (mantissa, e) = s.split_once('e').unwrap_or((&s, "0"));
+        let e: i32 = e.parse().unwrap_or(0);
+        format!("{mantissa}e{}{:02}", if e < 0 { '-' } else { '+' }, e.abs())
+    }
 }
 
 /// `unix_s` (UTC) formatted as Python's `strftime` would, for the directives chat
@@ -455,6 +680,129 @@ mod tests {
             .encode_chat(&[turn("system", "x")], &ChatOptions::default())
             .unwrap_err();
         assert!(e.to_string().contains("no system"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// A tokenizer directory whose `tokenizer_config.json` holds `config`.
+    fn with_config(name: &str, config: serde_json::Value) -> (std::path::PathBuf, Tokenizer) {
+        let dir = std::env::temp_dir().join(format!("kvroute-tok-{name}-{}", std::process::id()));
+        write_tokenizer(&dir, false);
+        std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+        let t = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
+        (dir, t)
+    }
+
+    fn chat(value: serde_json::Value) -> (Vec<ChatMessage>, ChatOptions) {
+        let mut request: crate::ingress::openai::ChatRequest =
+            serde_json::from_value(value).unwrap();
+        let options = request.take_options();
+        (request.messages, options)
+    }
+
+    /// Tools and tool calls reach the template as vLLM hands them over: each tool through
+    /// its pydantic model (`type`, then `function` with `name`, `description`,
+    /// `parameters`, nulls included, in that order), arguments parsed from their JSON
+    /// string; and `tojson` writes them as Python's `json.dumps` does (its separators,
+    /// the maps' order, nothing HTML-escaped, non-ASCII as it is).
+    #[test]
+    fn tools_and_tool_calls_render_as_in_vllm() {
+        let (dir, t) = with_config(
+            "tojson",
+            serde_json::json!({"chat_template": "{{ tools | tojson }}|{% for m in messages %}{% if m.tool_calls %}{{ m.tool_calls[0].function.arguments | tojson }}|{{ m.tool_calls | length }}{% endif %}{% endfor %}|{{ tools[0] | tojson(indent=2) }}"}),
+        );
+        let (messages, options) = chat(serde_json::json!({
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": null, "tool_calls": [
+                    {"id": "1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Zürich\", \"days\": 2}"}}]},
+                {"role": "assistant", "content": "none", "tool_calls": []}
+            ],
+            "tools": [{"function": {"parameters": {"type": "object", "properties": {"city": {"type": "string"}}}, "name": "get_weather", "strict": true}, "type": "function"}]
+        }));
+        assert!(
+            !messages[2].extra.contains_key("tool_calls"),
+            "an empty tool_calls is dropped"
+        );
+        let text = t.render(&messages, &options).unwrap();
+        let (tools, rest) = text.split_once('|').unwrap();
+        assert_eq!(
+            tools,
+            r#"[{"type": "function", "function": {"name": "get_weather", "description": null, "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}, "strict": true}}]"#
+        );
+        let (arguments, indented) = rest
+            .split_once("||")
+            .unwrap_or_else(|| rest.rsplit_once('|').unwrap());
+        assert_eq!(arguments, r#"{"city": "Zürich", "days": 2}|1"#);
+        assert!(
+            indented.starts_with("{\n  \"type\": \"function\",\n  \"function\": {\n    \"name\""),
+            "{indented}"
+        );
+        // Python's escapes, not HTML's; floats as Python writes them.
+        let env = chat_environment();
+        let render = |src: &str, ctx: serde_json::Value| {
+            env.render_str(src, minijinja::Value::from(minijinja::value::Serde(&ctx)))
+                .unwrap()
+        };
+        assert_eq!(
+            render(
+                "{{ x | tojson }}",
+                serde_json::json!({"x": ["<a href='b'>&", "tab\t", 1.0, 0.5, 1e20, 3]})
+            ),
+            r#"["<a href='b'>&", "tab\t", 1.0, 0.5, 1e+20, 3]"#
+        );
+        assert_eq!(
+            render(
+                "{{ x | tojson(ensure_ascii=true) }}",
+                serde_json::json!({"x": "é"})
+            ),
+            r#""\u00e9""#
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// As in transformers' Jinja2 environment: a block tag alone on its line leaves no blank
+    /// line or indentation (`trim_blocks`, `lstrip_blocks`), `{% break %}` and macros work;
+    /// `chat_template_kwargs` win over `add_generation_prompt` (vLLM's `_preprocess_chat`);
+    /// with tools, a `tool_use` template is used where the model names one; and
+    /// `chat_template.jinja` beside the tokenizer wins over the config's template.
+    #[test]
+    fn templates_render_in_transformers_environment() {
+        let template = "{% macro turn(m) %}<{{ m.role }}>{{ m.content }}{% endmacro %}\n{% for m in messages %}\n    {% if loop.index > 1 %}\n        {% break %}\n    {% endif %}\n{{ turn(m) }}\n{% endfor %}\n{% if add_generation_prompt %}\n<assistant>\n{% endif %}";
+        let (dir, t) = with_config(
+            "env",
+            serde_json::json!({"chat_template": [
+                {"name": "default", "template": template},
+                {"name": "tool_use", "template": "tools:{{ tools | length }}"}
+            ]}),
+        );
+        let two = [
+            ChatMessage::text("user", "hi"),
+            ChatMessage::text("user", "again"),
+        ];
+        assert_eq!(
+            t.render(&two, &ChatOptions::default()).unwrap(),
+            "<user>hi\n<assistant>\n"
+        );
+        let mut kwargs = serde_json::Map::new();
+        kwargs.insert("add_generation_prompt".into(), false.into());
+        let no_prompt = ChatOptions {
+            kwargs,
+            ..ChatOptions::default()
+        };
+        assert_eq!(t.render(&two, &no_prompt).unwrap(), "<user>hi\n");
+        let tools = ChatOptions {
+            tools: Some(serde_json::json!([{"type": "function", "function": {"name": "f"}}])),
+            ..ChatOptions::default()
+        };
+        assert_eq!(t.render(&two, &tools).unwrap(), "tools:1");
+        std::fs::write(
+            dir.join("chat_template.jinja"),
+            "file:{{ messages | length }}",
+        )
+        .unwrap();
+        let t = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
+        assert_eq!(t.render(&two, &ChatOptions::default()).unwrap(), "file:2");
         std::fs::remove_dir_all(&dir).ok();
     }
 
