@@ -1224,9 +1224,12 @@ impl Scheduler {
 }
 
 /// Whether `work` fits beside `booked` under `budget` (tokens): always when the budget is
-/// off (0) or nothing is booked, so an idle worker takes a request however large.
+/// off (0) or nothing is booked, so an idle worker takes a request however large. Work over
+/// half the budget counts as half: such a request goes to a worker at most half booked,
+/// where otherwise it would wait for one to drain completely (which, under steady load,
+/// may not come before its deadline) and hold back its model's whole queue meanwhile.
 fn fits(booked: f64, work: f64, budget: f64) -> bool {
-    budget == 0.0 || booked <= 0.0 || booked + work <= budget
+    budget == 0.0 || booked <= 0.0 || booked + work.min(budget / 2.0) <= budget
 }
 
 #[cfg(test)]

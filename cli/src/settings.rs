@@ -102,7 +102,8 @@ pub struct ServeFlags {
     /// Weight of blocks held by running decodes, finite, >= 0 [default: 0.1].
     #[arg(long, env = "KVROUTE_DECODE_WEIGHT")]
     pub decode_weight: Option<f64>,
-    /// Softmax temperature over costs; 0 picks the cheapest [default: 0].
+    /// Softmax temperature over costs, scaled to 0..1 over their spread (as Dynamo's); 0
+    /// picks the cheapest [default: 0].
     #[arg(long, env = "KVROUTE_TEMPERATURE")]
     pub temperature: Option<f64>,
     /// This replica's id when several routers share load [default: random].

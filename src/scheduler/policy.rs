@@ -129,18 +129,22 @@ impl Policy for KvPolicy {
         if self.temperature <= 0.0 {
             return argmin_random(candidates, rng, |c| c.cost);
         }
-        let max = candidates
+        // Costs scaled to 0..1 over their spread (as Dynamo's `softmax_sample` does), so a
+        // temperature means the same idle and loaded: scaled by the largest cost instead,
+        // the same cache hit that decides an idle fleet (0 against 800) was a coin toss
+        // under load (10,000 against 10,800), when reuse matters most.
+        let (min, max) = candidates
             .iter()
-            .map(|c| c.cost)
-            .fold(0.0, f64::max)
-            .max(1e-9);
-        let min = candidates
-            .iter()
-            .map(|c| c.cost / max)
-            .fold(f64::INFINITY, f64::min);
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), c| {
+                (lo.min(c.cost), hi.max(c.cost))
+            });
+        let spread = max - min;
+        if spread.is_nan() || spread <= 1e-12 {
+            return argmin_random(candidates, rng, |c| c.cost);
+        }
         let weights: Vec<f64> = candidates
             .iter()
-            .map(|c| (-(c.cost / max - min) / self.temperature).exp())
+            .map(|c| (-((c.cost - min) / spread) / self.temperature).exp())
             .collect();
         let mut x = rng.unit() * weights.iter().sum::<f64>();
         for (i, w) in weights.iter().enumerate() {

@@ -300,6 +300,40 @@ fn temperature_samples_mostly_the_cheapest() {
     assert!(hits > 180, "{hits}/200");
 }
 
+/// A temperature means the same on a loaded fleet as on an idle one: the costs are scaled
+/// over their spread, not by the largest cost, which under load made the same cache hit a
+/// coin toss.
+#[test]
+fn temperature_means_the_same_under_load() {
+    let mut s = Scheduler::new(Config {
+        temperature: 0.05,
+        ..unit_weights()
+    })
+    .unwrap();
+    s.add_worker(key(0), 1_000_000, "m");
+    s.add_worker(key(1), 1_000_000, "m");
+    // Both engines 90 % full: a large cost on each, the same on both.
+    for w in 0..2 {
+        s.set_engine_load(
+            WorkerId(w),
+            Some(crate::engines::metrics::EngineLoad {
+                running: 50,
+                waiting: 0,
+                kv_usage_permille: 900,
+            }),
+        );
+    }
+    let b = blocks(10, 0);
+    let o = scores(&[(1, 10, 0, 0)]);
+    let mut hits = 0;
+    for _ in 0..200 {
+        let d = s.route(0, &request(&b, 160, &o)).unwrap();
+        hits += usize::from(d.chosen.key == key(1));
+        s.complete(d.booking);
+    }
+    assert!(hits > 180, "{hits}/200");
+}
+
 #[test]
 fn baselines_behave_as_named() {
     let none = scores(&[]);
@@ -698,6 +732,36 @@ fn an_idle_worker_takes_a_request_larger_than_its_budget() {
     assert!(!s.candidates(0, &request(&b, 160, &none))[0].room);
     s.complete(d.booking);
     routed(s.admit(0, &request(&b, 160, &none)));
+}
+
+/// A request larger than the budget (many sequences, a huge `max_tokens`) does not wait for
+/// a worker to drain completely: it takes one at most half booked.
+#[test]
+fn a_request_larger_than_the_budget_takes_a_half_booked_worker() {
+    // One request's work: 160 + min(16, 100) = 176 tokens; the large one's 160 + 100 × 64.
+    let mut s = budgeted(400, 0, 1);
+    let none = scores(&[]);
+    let small = routed(s.admit(0, &request(&blocks(10, 0), 160, &none)));
+    let big_blocks = blocks(10, 1000);
+    let big = RouteRequest {
+        max_tokens: 1000,
+        n: 64,
+        ..request(&big_blocks, 160, &none)
+    };
+    let d = routed(s.admit(0, &big));
+    // Now over the budget: nothing else fits until it is done.
+    assert_eq!(
+        s.admit(0, &request(&blocks(10, 2000), 160, &none)),
+        Admission::Wait
+    );
+    s.complete(d.booking);
+    s.complete(small.booking);
+    // Past half booked, the large one waits.
+    let a = routed(s.admit(0, &request(&blocks(10, 3000), 160, &none)));
+    let b = routed(s.admit(0, &request(&blocks(10, 4000), 160, &none)));
+    assert_eq!(s.admit(0, &big), Admission::Wait);
+    s.complete(a.booking);
+    s.complete(b.booking);
 }
 
 #[test]
