@@ -1076,13 +1076,14 @@ async fn completions(
     let mut inflight = Some(InFlight::take(router)?);
     let prepared = Prepared::parse(router, body, held, chat).await?;
     let p = &prepared.parsed;
-    let class = Class::read(
+    let mut class = Class::read(
         &router.config.headers,
         &headers,
         api_key,
         p.priority,
         p.service_tier.as_deref(),
     )?;
+    class.scope_session(&p.model);
     let body = proxy::Upstream {
         generate: Bytes::from(generate_body(p, prepared.salt, chat).to_string()),
         raw: prepared.raw.clone(),

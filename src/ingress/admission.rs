@@ -78,6 +78,16 @@ pub struct Class {
 }
 
 impl Class {
+    /// The session's id within its tenant and `model`: two tenants' sessions named alike
+    /// (`"1"`) would move each other's turns, and a session whose turns alternate between
+    /// two models (served by different workers) would move at every turn, keeping
+    /// affinity for neither.
+    pub fn scope_session(&mut self, model: &str) {
+        if let Some((id, _)) = &mut self.session {
+            *id = format!("{}\u{1f}{model}\u{1f}{id}", self.tenant);
+        }
+    }
+
     /// Reads the class from the headers (names in `names`), falling back to the body's
     /// `priority` and `service_tier` and, for the tenant, to the API key's index.
     pub fn read(

@@ -352,6 +352,24 @@ fn a_key_s_requests_cannot_raise_their_band_unless_trusted() {
     assert_eq!(band(&untrusted, None, Some(0), None, Some("flex")), -1);
 }
 
+/// Sessions are the tenant's and the model's: alike-named sessions of two tenants, or one
+/// session's turns for two models, are kept apart.
+#[test]
+fn sessions_are_scoped_by_tenant_and_model() {
+    use super::admission::{Class, ClassHeaders};
+    let class = |tenant: &str, model: &str| {
+        let mut headers = hyper::HeaderMap::new();
+        headers.insert("x-kvroute-tenant", tenant.parse().unwrap());
+        headers.insert("x-kvroute-session", "1".parse().unwrap());
+        let mut c = Class::read(&ClassHeaders::default(), &headers, None, None, None).unwrap();
+        c.scope_session(model);
+        c.session.unwrap().0
+    };
+    assert_eq!(class("a", "m"), class("a", "m"));
+    assert_ne!(class("a", "m"), class("b", "m"));
+    assert_ne!(class("a", "m"), class("a", "n"));
+}
+
 mod queue {
     //! The queue's driver on a router over an in-process plane: workers are registrations
     //! only, and requests are admitted or queued (nothing is sent anywhere).
@@ -450,8 +468,8 @@ mod queue {
     #[tokio::test(start_paused = true)]
     async fn a_hard_session_s_worker_is_kept_for_it() {
         let (router, _plane) = router(100, ["a", "a"]).await;
-        // 50 tokens of work on the session's worker, 100 on the other.
-        let Entered::Admitted(first) = enter_with(&router, "a", 46, Some("s")) else {
+        // 60 tokens of work on the session's worker, 100 on the other.
+        let Entered::Admitted(first) = enter_with(&router, "a", 56, Some("s")) else {
             panic!("an idle fleet admits");
         };
         let pinned = first.0.chosen.key;
@@ -459,7 +477,8 @@ mod queue {
             panic!("the other worker is idle");
         };
         assert_ne!(other.0.chosen.key, pinned);
-        // 64 tokens do not fit the session's worker; 14 would.
+        // 64 tokens do not fit the session's worker (over half its budget, counted as 50:
+        // 110 > 100); 14 would.
         let Entered::Queued {
             guard: _h,
             rx: mut turn,
