@@ -32,7 +32,10 @@ pub fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     kvroute::process::raise_open_files_limit(kvroute::process::limits::descriptors_for(
         settings.ingress.http.max_connections,
     ));
-    let tokenizer = load_tokenizer(settings.tokenizer.as_deref())?;
+    let tokenizer = load_tokenizer(
+        settings.tokenizer.as_deref(),
+        settings.chat_template.as_deref(),
+    )?;
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         let signals = kvroute::process::signals();
@@ -251,10 +254,14 @@ impl Listeners {
     }
 }
 
-/// The tokenizer file, or bytes.
-pub fn load_tokenizer(path: Option<&std::path::Path>) -> anyhow::Result<Tokenizer> {
+/// The tokenizer file (with a chat template file in place of the model's), or bytes.
+pub fn load_tokenizer(
+    path: Option<&std::path::Path>,
+    chat_template: Option<&std::path::Path>,
+) -> anyhow::Result<Tokenizer> {
     Ok(match path {
-        Some(path) => Tokenizer::load(path)?,
+        Some(path) => Tokenizer::load_with(path, chat_template)?,
+        None if chat_template.is_some() => anyhow::bail!("--chat-template needs --tokenizer"),
         None => Tokenizer::Bytes,
     })
 }

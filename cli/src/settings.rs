@@ -243,6 +243,11 @@ pub struct ServeFlags {
     /// template) [default: one token per UTF-8 byte].
     #[arg(long, env = "KVROUTE_TOKENIZER")]
     pub tokenizer: Option<PathBuf>,
+    /// A chat template file used instead of the model's: set it when the engines run with
+    /// `--chat-template FILE` (vLLM, SGLang), or chats render differently here and their
+    /// prefixes are never found [default: the model's, from --tokenizer's directory].
+    #[arg(long, env = "KVROUTE_CHAT_TEMPLATE")]
+    pub chat_template: Option<PathBuf>,
     /// Log lines as `text` (colour only on a terminal) or `json` [default: text].
     #[arg(long, env = "KVROUTE_LOG_FORMAT")]
     pub log_format: Option<LogFormat>,
@@ -288,6 +293,8 @@ pub struct Settings {
     pub drain_timeout_ms: u64,
     /// Tokenizer file; `None`: bytes.
     pub tokenizer: Option<PathBuf>,
+    /// Chat template file in place of the model's.
+    pub chat_template: Option<PathBuf>,
     /// Log format.
     pub log_format: LogFormat,
     /// Direct mode's engines (empty: workers register over NATS).
@@ -722,6 +729,7 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
             .or(file.drain_timeout_ms)
             .unwrap_or(30_000),
         tokenizer: flags.tokenizer.or(file.tokenizer),
+        chat_template: flags.chat_template.or(file.chat_template),
         log_format: flags.log_format.or(file.log_format).unwrap_or_default(),
         backends: flags
             .backends

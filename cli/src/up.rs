@@ -83,8 +83,8 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     kvroute::process::raise_open_files_limit(kvroute::process::limits::descriptors_for(
         settings.ingress.http.max_connections,
     ));
-    let tokenizer = load_tokenizer(args.tokenizer.as_deref())?;
-    let worker_tokenizer = Arc::new(load_tokenizer(args.tokenizer.as_deref())?);
+    let tokenizer = load_tokenizer(args.tokenizer.as_deref(), None)?;
+    let worker_tokenizer = Arc::new(load_tokenizer(args.tokenizer.as_deref(), None)?);
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         let signals = kvroute::process::signals();

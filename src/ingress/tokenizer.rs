@@ -85,6 +85,15 @@ impl Tokenizer {
     /// `chat_template.jinja` (where recent transformers save the template; it wins over
     /// the config's, as in transformers).
     pub fn load(path: &Path) -> Result<Tokenizer, TokenizerError> {
+        Tokenizer::load_with(path, None)
+    }
+
+    /// As [`Tokenizer::load`], with the chat template of the file `chat_template` instead
+    /// of the model's (what vLLM's and SGLang's `--chat-template FILE` do).
+    pub fn load_with(
+        path: &Path,
+        chat_template: Option<&Path>,
+    ) -> Result<Tokenizer, TokenizerError> {
         let err = |reason: String| TokenizerError::Load {
             path: path.display().to_string(),
             reason,
@@ -106,11 +115,19 @@ impl Tokenizer {
                 .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
             _ => None,
         };
-        let file = path.with_file_name("chat_template.jinja");
-        let template = match std::fs::read_to_string(&file) {
-            Ok(source) => Some(source),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => named("default"),
-            Err(e) => return Err(err(format!("{}: {e}", file.display()))),
+        let template = match chat_template {
+            Some(file) => Some(
+                std::fs::read_to_string(file)
+                    .map_err(|e| err(format!("chat template {}: {e}", file.display())))?,
+            ),
+            None => {
+                let file = path.with_file_name("chat_template.jinja");
+                match std::fs::read_to_string(&file) {
+                    Ok(source) => Some(source),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => named("default"),
+                    Err(e) => return Err(err(format!("{}: {e}", file.display()))),
+                }
+            }
         };
         let chat = match template {
             Some(source) => {
@@ -803,6 +820,11 @@ mod tests {
         .unwrap();
         let t = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
         assert_eq!(t.render(&two, &ChatOptions::default()).unwrap(), "file:2");
+        // The engine's `--chat-template FILE`, given to the router, wins over both.
+        std::fs::write(dir.join("mine.jinja"), "mine:{{ messages[0].content }}").unwrap();
+        let t = Tokenizer::load_with(&dir.join("tokenizer.json"), Some(&dir.join("mine.jinja")))
+            .unwrap();
+        assert_eq!(t.render(&two, &ChatOptions::default()).unwrap(), "mine:hi");
         std::fs::remove_dir_all(&dir).ok();
     }
 

@@ -289,6 +289,12 @@ fn temperature_samples_mostly_the_cheapest() {
     .unwrap();
     s.add_worker(key(0), 1_000_000, "m");
     s.add_worker(key(1), 1_000_000, "m");
+    let hits = cached_picks(&mut s);
+    assert!(hits > 180, "{hits}/200");
+}
+
+/// Of 200 requests whose 10 blocks worker 1 caches, how many `s` sends there.
+fn cached_picks(s: &mut Scheduler) -> usize {
     let b = blocks(10, 0);
     let o = scores(&[(1, 10, 0, 0)]);
     let mut hits = 0;
@@ -297,7 +303,7 @@ fn temperature_samples_mostly_the_cheapest() {
         hits += usize::from(d.chosen.key == key(1));
         s.complete(d.booking);
     }
-    assert!(hits > 180, "{hits}/200");
+    hits
 }
 
 /// A temperature means the same on a loaded fleet as on an idle one: the costs are scaled
@@ -323,14 +329,7 @@ fn temperature_means_the_same_under_load() {
             }),
         );
     }
-    let b = blocks(10, 0);
-    let o = scores(&[(1, 10, 0, 0)]);
-    let mut hits = 0;
-    for _ in 0..200 {
-        let d = s.route(0, &request(&b, 160, &o)).unwrap();
-        hits += usize::from(d.chosen.key == key(1));
-        s.complete(d.booking);
-    }
+    let hits = cached_picks(&mut s);
     assert!(hits > 180, "{hits}/200");
 }
 

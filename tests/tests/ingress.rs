@@ -598,6 +598,30 @@ fn gauge(scrape: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// A connection to the router with a completion's head announcing `length` body bytes and
+/// the `first` of them sent: an upload under way.
+async fn start_upload(f: &Fleet, length: usize, first: &[u8]) -> TcpStream {
+    let mut s = TcpStream::connect(f.url().trim_start_matches("http://"))
+        .await
+        .unwrap();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {length}\r\n\r\n"
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(first).await.unwrap();
+    s
+}
+
+/// Whether the router's `kvroute_request_body_bytes_held` comes to satisfy `check`.
+async fn bodies_held(f: &Fleet, check: impl Fn(f64) -> bool) -> bool {
+    f.until(Duration::from_secs(20), || async {
+        f.scrape()
+            .await
+            .is_ok_and(|m| check(gauge(&m, "kvroute_request_body_bytes_held")))
+    })
+    .await
+}
+
 /// Request bodies held at once share `--body-memory-bytes`: with two large bodies on the
 /// way holding all of it, a third request gets 429 at once, and requests pass again once
 /// the two are gone. Without the budget, in-flight count × body cap bounds nothing useful.
@@ -621,24 +645,10 @@ async fn request_bodies_share_a_memory_budget() {
     // the whole budget.
     let mut held = Vec::new();
     for _ in 0..2 {
-        let mut s = TcpStream::connect(f.url().trim_start_matches("http://"))
-            .await
-            .unwrap();
-        let head = format!(
-            "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-            500 << 10
-        );
-        s.write_all(head.as_bytes()).await.unwrap();
-        s.write_all(&vec![b' '; 450 << 10]).await.unwrap();
-        held.push(s);
+        held.push(start_upload(&f, 500 << 10, &vec![b' '; 450 << 10]).await);
     }
     assert!(
-        f.until(Duration::from_secs(20), || async {
-            f.scrape().await.is_ok_and(|m| {
-                gauge(&m, "kvroute_request_body_bytes_held") >= f64::from(1u32 << 20)
-            })
-        })
-        .await,
+        bodies_held(&f, |bytes| bytes >= f64::from(1u32 << 20)).await,
         "the two bodies never held the budget"
     );
     let url = format!("{}/v1/completions", f.url());
@@ -672,22 +682,10 @@ async fn a_slow_upload_holds_no_in_flight_slot() {
     })
     .await
     .unwrap();
-    let mut slow = TcpStream::connect(f.url().trim_start_matches("http://"))
-        .await
-        .unwrap();
-    slow.write_all(
-        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n{\"model\":",
-    )
-    .await
-    .unwrap();
+    let slow = start_upload(&f, 1000, b"{\"model\":").await;
     // Its first bytes are read (they hold a share of the bodies' budget).
     assert!(
-        f.until(Duration::from_secs(20), || async {
-            f.scrape()
-                .await
-                .is_ok_and(|m| gauge(&m, "kvroute_request_body_bytes_held") > 0.0)
-        })
-        .await,
+        bodies_held(&f, |bytes| bytes > 0.0).await,
         "the slow upload was never read"
     );
     let url = format!("{}/v1/completions", f.url());

@@ -326,6 +326,9 @@ drain_timeout_ms = {{ $r.drainTimeoutMs | int64 }}
 {{- with $r.tokenizer }}
 tokenizer = {{ . | toJson }}
 {{- end }}
+{{- with $r.chatTemplate }}
+chat_template = {{ . | toJson }}
+{{- end }}
 log_format = {{ $r.logFormat | toJson }}
 {{- with $r.backends }}
 backends = {{ . | toJson }}
