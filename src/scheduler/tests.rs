@@ -282,6 +282,13 @@ fn baselines_ignore_busy_workers_unless_named_for_it() {
 
 #[test]
 fn temperature_samples_mostly_the_cheapest() {
+    let mut s = sampling_pair();
+    let hits = cached_picks(&mut s);
+    assert!(hits > 180, "{hits}/200");
+}
+
+/// Two workers and a softmax temperature of 0.05.
+fn sampling_pair() -> Scheduler {
     let mut s = Scheduler::new(Config {
         temperature: 0.05,
         ..unit_weights()
@@ -289,8 +296,7 @@ fn temperature_samples_mostly_the_cheapest() {
     .unwrap();
     s.add_worker(key(0), 1_000_000, "m");
     s.add_worker(key(1), 1_000_000, "m");
-    let hits = cached_picks(&mut s);
-    assert!(hits > 180, "{hits}/200");
+    s
 }
 
 /// Of 200 requests whose 10 blocks worker 1 caches, how many `s` sends there.
@@ -311,13 +317,7 @@ fn cached_picks(s: &mut Scheduler) -> usize {
 /// coin toss.
 #[test]
 fn temperature_means_the_same_under_load() {
-    let mut s = Scheduler::new(Config {
-        temperature: 0.05,
-        ..unit_weights()
-    })
-    .unwrap();
-    s.add_worker(key(0), 1_000_000, "m");
-    s.add_worker(key(1), 1_000_000, "m");
+    let mut s = sampling_pair();
     // Both engines 90 % full: a large cost on each, the same on both.
     for w in 0..2 {
         s.set_engine_load(

@@ -651,15 +651,19 @@ async fn request_bodies_share_a_memory_budget() {
         bodies_held(&f, |bytes| bytes >= f64::from(1u32 << 20)).await,
         "the two bodies never held the budget"
     );
-    let url = format!("{}/v1/completions", f.url());
     let r = f
         .http
-        .call("POST", &url, request(1, 0, false))
+        .call(
+            "POST",
+            &format!("{}/v1/completions", f.url()),
+            request(1, 0, false),
+        )
         .await
         .unwrap();
     assert_eq!(r.status, 429, "{}", r.body);
     assert!(r.body.contains("budget of 1048576 bytes"), "{}", r.body);
     drop(held);
+    let url = format!("{}/v1/completions", f.url());
     assert!(
         f.until(Duration::from_secs(20), || async {
             let r = f.http.call("POST", &url, request(1, 1, false)).await;
@@ -688,10 +692,13 @@ async fn a_slow_upload_holds_no_in_flight_slot() {
         bodies_held(&f, |bytes| bytes > 0.0).await,
         "the slow upload was never read"
     );
-    let url = format!("{}/v1/completions", f.url());
     let r = f
         .http
-        .call("POST", &url, request(1, 0, false))
+        .call(
+            "POST",
+            &format!("{}/v1/completions", f.url()),
+            request(1, 0, false),
+        )
         .await
         .unwrap();
     assert_eq!(r.status, 200, "{}", r.body);
