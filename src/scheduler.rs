@@ -726,11 +726,26 @@ impl Scheduler {
         let prompt_blocks = request.prompt_tokens as f64 / bs;
         let decode_tokens = request.expected_decode(c.admission.decode_cap_tokens);
         let budget = c.admission.worker_budget_tokens as f64;
+        // One lookup per candidate: `OverlapScores::get` searches its list, which made a
+        // decision quadratic in the ranks where a shared prefix is cached on all of them
+        // (512 ranks: 262,144 comparisons, under the scheduler's lock).
+        let overlaps: FxHashMap<(WorkerId, DpRank), Overlap> = request
+            .overlaps
+            .workers
+            .iter()
+            .map(|o| ((o.worker, o.dp_rank), *o))
+            .collect();
         self.workers
             .iter()
             .filter(|(_, state)| state.serves(request.model))
             .map(|(key, state)| {
-                let overlap = request.overlaps.get(key.0, key.1);
+                let overlap = overlaps.get(&(key.0, key.1)).copied().unwrap_or(Overlap {
+                    worker: key.0,
+                    dp_rank: key.1,
+                    device: 0,
+                    host: 0,
+                    disk: 0,
+                });
                 // Blocks of requests this router sent there are being computed or held: by
                 // the time this request is admitted they are G1 hits, though no event has
                 // announced them yet (a burst of requests sharing a prefix, or event lag).

@@ -231,7 +231,7 @@ fn indexer(c: &mut Criterion) {
 /// holds through a booking: the booked-prefix check per worker is the cost that grows with
 /// fleet and prompt.
 fn scheduler(c: &mut Criterion) {
-    use kvroute::indexer::OverlapScores;
+    use kvroute::indexer::{Overlap, OverlapScores};
     use kvroute::scheduler::{BookingId, Config, RouteRequest, Scheduler, SharedBooking};
     let mut group = c.benchmark_group("scheduler/candidates");
     let blocks = hash_blocks(
@@ -239,7 +239,7 @@ fn scheduler(c: &mut Criterion) {
         NonZeroUsize::new(16).expect("16 > 0"),
         Salt::NONE,
     );
-    for workers in [8u64, 256] {
+    for workers in [8u64, 256, 1024] {
         let mut s = Scheduler::new(Config::default()).expect("the default config is valid");
         for w in 0..workers {
             s.add_worker((WorkerId(w), DpRank(0)), 1 << 20, "m");
@@ -258,22 +258,36 @@ fn scheduler(c: &mut Criterion) {
             )
             .expect("a known worker");
         }
-        let overlaps = OverlapScores {
-            workers: Vec::new(),
+        // None cached, or a shared system prompt (64 blocks) cached on every worker.
+        let cached = OverlapScores {
+            workers: (0..workers)
+                .map(|w| Overlap {
+                    worker: WorkerId(w),
+                    dp_rank: DpRank(0),
+                    device: 64,
+                    host: 0,
+                    disk: 0,
+                })
+                .collect(),
         };
-        let request = RouteRequest {
-            model: "m",
-            blocks: &blocks,
-            prompt_tokens: blocks.len() * 16,
-            block_size: 16,
-            overlaps: &overlaps,
-            max_tokens: 16,
-            n: 1,
-            session: None,
-        };
-        group.bench_function(format!("512_booked_blocks/{workers}_workers"), |b| {
-            b.iter(|| s.candidates(0, black_box(&request)))
-        });
+        for (name, overlaps) in [
+            ("none_cached", OverlapScores::default()),
+            ("all_cached", cached),
+        ] {
+            let request = RouteRequest {
+                model: "m",
+                blocks: &blocks,
+                prompt_tokens: blocks.len() * 16,
+                block_size: 16,
+                overlaps: &overlaps,
+                max_tokens: 16,
+                n: 1,
+                session: None,
+            };
+            group.bench_function(format!("512_booked_blocks/{name}/{workers}_workers"), |b| {
+                b.iter(|| s.candidates(0, black_box(&request)))
+            });
+        }
     }
     group.finish();
 }
