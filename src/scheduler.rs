@@ -1123,9 +1123,17 @@ impl Scheduler {
         self.next_booking + 1
     }
 
-    /// A peer says which of its bookings numbered below `next` it still holds (`open`,
-    /// inclusive ranges): the others are completed here. Returns how many.
-    pub fn reconcile_origin(&mut self, origin: u64, open: &[(u64, u64)], next: u64) -> usize {
+    /// A peer says at `now_ms` which of its bookings numbered below `next` it still holds
+    /// (`open`, inclusive ranges): the others are completed here. Those it holds run on,
+    /// however long (a stream may outlast any fixed time): their TTL starts again once they
+    /// are half way through it. Returns how many were completed.
+    pub fn reconcile_origin(
+        &mut self,
+        origin: u64,
+        open: &[(u64, u64)],
+        next: u64,
+        now_ms: u64,
+    ) -> usize {
         // Ranges come sorted and apart from a heartbeat (made so here if a peer sent them
         // otherwise): each booking is then found by bisection, not by a scan of thousands
         // of ranges under the scheduler's lock.
@@ -1149,12 +1157,20 @@ impl Scheduler {
             let at = open.partition_point(|(a, _)| *a <= seq);
             at > 0 && seq <= open[at - 1].1
         };
-        let stale: Vec<BookingId> = self
-            .bookings
-            .keys()
-            .filter(|id| id.origin == origin && id.seq < next && !held(id.seq))
-            .copied()
-            .collect();
+        let refresh_after = self.config.booking_ttl_ms / 2;
+        let mut stale = Vec::new();
+        for (id, b) in &mut self.bookings {
+            if id.origin != origin || id.seq >= next {
+                continue;
+            }
+            if !held(id.seq) {
+                stale.push(*id);
+            } else if now_ms.saturating_sub(b.booked_ms) > refresh_after {
+                // Its entry of the old age no longer expires it (`expire` matches ages).
+                b.booked_ms = now_ms;
+                self.by_age.push_back((now_ms, *id));
+            }
+        }
         for id in &stale {
             self.complete(*id);
         }

@@ -226,7 +226,7 @@ impl Peers {
                 LoadMessage::FirstToken { id } => scheduler.first_token(id),
                 LoadMessage::Complete { id } => scheduler.complete(id),
                 LoadMessage::Heartbeat { open, next, .. } => {
-                    let dropped = scheduler.reconcile_origin(origin, &open, next);
+                    let dropped = scheduler.reconcile_origin(origin, &open, next, now_ms);
                     if dropped > 0 {
                         metrics::counter!("kvroute_load_reconciled_total")
                             .increment(dropped as u64);

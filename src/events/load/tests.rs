@@ -200,9 +200,32 @@ fn reconciling_with_a_heartbeat_keeps_exactly_the_named_bookings() {
         for seq in 1..=8 {
             s.book_shared(0, shared(7, seq, 2, 1.0)).unwrap();
         }
-        s.reconcile_origin(7, &open, 8);
+        s.reconcile_origin(7, &open, 8, 0);
         assert_eq!(s.open_seqs(7), vec![2, 3, 6, 8], "{open:?}");
     }
+}
+
+/// A peer's booking it keeps naming in its heartbeats runs on past the booking TTL (a long
+/// stream on a live peer); one it stops naming is completed, and one whose peer says
+/// nothing more expires with the TTL, the backstop.
+#[test]
+fn a_booking_a_live_peer_still_holds_outlives_the_ttl() {
+    let mut s = scheduler(1);
+    let ttl = 600_000;
+    s.book_shared(0, shared(7, 1, 2, 1.0)).unwrap();
+    s.book_shared(0, shared(8, 1, 2, 1.0)).unwrap();
+    // Heartbeats every 100 s name peer 7's booking; peer 8 says nothing more.
+    for t in (100_000..=2 * ttl).step_by(100_000) {
+        s.reconcile_origin(7, &[(1, 1)], 2, t);
+        s.expire(t);
+    }
+    assert_eq!(s.open_seqs(7), vec![1], "the live peer's booking expired");
+    assert!(
+        s.open_seqs(8).is_empty(),
+        "the silent peer's booking outlived the TTL"
+    );
+    s.reconcile_origin(7, &[], 2, 2 * ttl);
+    assert!(s.open_seqs(7).is_empty());
 }
 
 /// A replica that stops heartbeating loses its bookings on its peers after the replica
