@@ -436,10 +436,14 @@ impl Router {
                 };
                 drop(scheduler);
                 match admission {
-                    Admission::Wait => match &routable.session {
-                        Some((session, true)) => {
+                    // A hard session waiting for its own worker holds back only its later
+                    // turns, and keeps that worker's room. One whose session has no worker
+                    // yet (new, or its worker left) waits like any request: for room
+                    // anywhere, which later requests of its model must not take first.
+                    Admission::Wait => match (&routable.session, pinned) {
+                        (Some((session, true)), Some(worker)) => {
                             blocked_sessions.insert(session.clone());
-                            reserved.extend(pinned);
+                            reserved.push(worker);
                         }
                         _ => {
                             blocked_models.insert(routable.model.clone());

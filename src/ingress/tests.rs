@@ -509,6 +509,49 @@ mod queue {
         drop(other);
     }
 
+    /// A hard-session request whose session has no worker yet waits like any request: a
+    /// later, smaller one of its model does not take the room it waits for first.
+    #[tokio::test(start_paused = true)]
+    async fn a_new_hard_session_is_not_overtaken() {
+        let (router, _plane) = router(100, ["a", "a"]).await;
+        // 60 tokens of work on one worker, 100 on the other.
+        let Entered::Admitted(first) = enter_with(&router, "a", 56, None) else {
+            panic!("an idle fleet admits");
+        };
+        let Entered::Admitted(second) = enter_with(&router, "a", 96, None) else {
+            panic!("the other worker is idle");
+        };
+        // 44 tokens fit nowhere (60 + 44 > 100); 14 would fit beside the 60.
+        let Entered::Queued {
+            guard: _h,
+            rx: mut turn,
+            ..
+        } = enter_with(&router, "a", 40, Some("new"))
+        else {
+            panic!("no worker has room");
+        };
+        let Entered::Queued {
+            guard: _p,
+            rx: mut small,
+            ..
+        } = enter_with(&router, "a", 10, None)
+        else {
+            panic!("its model has a request waiting");
+        };
+        router.pump();
+        assert!(
+            small.try_recv().is_err(),
+            "a later request overtook the new session's first turn"
+        );
+        drop(first);
+        router.pump();
+        assert!(
+            matches!(turn.try_recv(), Ok(Ok(_))),
+            "the session's first turn was not admitted"
+        );
+        drop(second);
+    }
+
     /// A non-streamed request's prefill is released once its prompt's last block shows in
     /// its worker's index; not for a worker whose index entries are guesses made when the
     /// request was routed (an engine without KV events), where it shows at once.
