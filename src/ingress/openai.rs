@@ -147,20 +147,30 @@ struct RawChatMessage {
     extra: serde_json::Map<String, serde_json::Value>,
 }
 
-/// A message's `content`: text, or an array of typed parts.
+/// A message's `content`: text, or an array of parts (typed objects, or bare strings, which
+/// vLLM takes as text).
 #[derive(Deserialize)]
 #[serde(untagged)]
 enum RawContent {
     Text(String),
-    Parts(Vec<ContentPart>),
+    Parts(Vec<RawPart>),
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RawPart {
+    Text(String),
+    Typed(ContentPart),
 }
 
 #[derive(Deserialize)]
 struct ContentPart {
-    #[serde(rename = "type")]
-    kind: String,
+    #[serde(rename = "type", default)]
+    kind: Option<String>,
     #[serde(default)]
     text: Option<String>,
+    #[serde(default)]
+    refusal: Option<String>,
 }
 
 impl TryFrom<RawChatMessage> for ChatMessage {
@@ -172,12 +182,26 @@ impl TryFrom<RawChatMessage> for ChatMessage {
             None => String::new(),
             Some(RawContent::Text(text)) => text,
             Some(RawContent::Parts(parts)) => {
+                // vLLM's `MM_PARSER_MAP` (vllm/entrypoints/chat_utils.py): `text`,
+                // `input_text` and `output_text` parts give their `text`, `refusal` its
+                // `refusal`, a part without `type` is text; a part whose text is null adds
+                // nothing. Any other part (images, audio, video, `thinking`) gets tokens or
+                // a place the router does not know.
                 let mut texts = Vec::with_capacity(parts.len());
                 for p in parts {
-                    match (p.kind.as_str(), p.text) {
-                        ("text", Some(text)) => texts.push(text),
-                        ("text", None) => return Err("a text content part without text".into()),
-                        _ => media = true,
+                    let p = match p {
+                        RawPart::Text(text) => {
+                            texts.push(text);
+                            continue;
+                        }
+                        RawPart::Typed(p) => p,
+                    };
+                    match p.kind.as_deref() {
+                        None | Some("text" | "input_text" | "output_text") => {
+                            texts.extend(p.text);
+                        }
+                        Some("refusal") => texts.extend(p.refusal),
+                        Some(_) => media = true,
                     }
                 }
                 texts.join("\n")

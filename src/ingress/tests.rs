@@ -174,6 +174,28 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
     )
     .unwrap();
     assert_eq!(parts.tokens, joined.tokens);
+    // The other part forms vLLM reads as text: bare strings, `input_text`, `output_text`,
+    // `refusal`, untyped parts; a null text adds nothing. None of them is media.
+    let forms = parse(
+        &t,
+        br#"{"model":"m","messages":[{"role":"assistant","content":[{"type":"output_text","text":null}]},{"role":"user","content":["a",{"type":"input_text","text":"b"}]}]}"#,
+        true,
+    )
+    .unwrap();
+    assert_eq!((forms.media, &forms.tokens), (false, &joined.tokens));
+    let refusal = parse(
+        &t,
+        br#"{"model":"m","messages":[{"role":"assistant","content":[{"type":"refusal","refusal":"no"}]},{"role":"user","content":[{"text":"a\nb"}]}]}"#,
+        true,
+    )
+    .unwrap();
+    let said = parse(
+        &t,
+        br#"{"model":"m","messages":[{"role":"assistant","content":"no"},{"role":"user","content":"a\nb"}]}"#,
+        true,
+    )
+    .unwrap();
+    assert_eq!((refusal.media, &refusal.tokens), (false, &said.tokens));
     // Images get tokens only the engine knows: the conversation before the first message
     // with one is hashed (rendered without a generation prompt: a prefix of the whole), the
     // request goes on as it came, and a bundled worker is told to refuse it.
