@@ -47,7 +47,7 @@ pub struct IngressConfig {
     /// Bytes of request bodies held at once, all requests together (read, queued or being
     /// proxied), and of non-streamed answers being relayed; a body or answer that would
     /// pass it gets 429. The parsed prompt and the body sent on take about twice as much
-    /// again. At least `max_body_bytes`.
+    /// again. At least `max_body_bytes` and `max_upstream_body_bytes`.
     pub body_memory_bytes: usize,
     /// Requests accepted at once, queued or in flight, counted from when their body is in
     /// (bodies being read are bounded by `body_memory_bytes`); beyond it new ones get 429. What
@@ -151,7 +151,7 @@ impl IngressConfig {
             (
                 "body_memory_bytes",
                 self.body_memory_bytes as u64,
-                self.max_body_bytes as u64,
+                self.max_body_bytes.max(self.max_upstream_body_bytes) as u64,
             ),
             ("max_inflight", self.max_inflight as u64, 1),
             ("worker_timeout_ms", self.worker_timeout_ms, 1),
@@ -850,14 +850,17 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
             // turn after it) where it takes the whole one, which the engine renders: the
             // request is then routed without a prefix, not refused.
             Some(k) => tokenizer
-                .encode_chat(
-                    &r.messages[..k],
-                    &openai::ChatOptions {
+                .encode_chat(&r.messages[..k], &{
+                    let mut before = openai::ChatOptions {
                         add_generation_prompt: false,
                         continue_final_message: false,
                         ..options
-                    },
-                )
+                    };
+                    // The kwargs win over the fixed variables: not over this one, or the
+                    // text before the media would not be a prefix of the whole.
+                    before.kwargs.shift_remove("add_generation_prompt");
+                    before
+                })
                 .unwrap_or_default(),
         };
         Parsed {

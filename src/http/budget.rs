@@ -15,8 +15,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::BodyError;
 
-/// Reservations grow in steps of 64 KiB (the budget counts in these units).
-pub const GRAIN: usize = 64 << 10;
+/// Reservations grow in steps of 1 KiB (the budget counts in these units): small enough
+/// that thousands of short prompts reserve about what they hold.
+pub const GRAIN: usize = 1 << 10;
 
 /// Bytes of request bodies that may be held at once, shared by every request.
 #[derive(Clone, Debug)]
@@ -44,7 +45,7 @@ impl BodyBudget {
         let grains = bytes.div_ceil(GRAIN).clamp(1, Semaphore::MAX_PERMITS);
         BodyBudget {
             grains: Arc::new(Semaphore::new(grains)),
-            bytes: grains * GRAIN,
+            bytes: grains.saturating_mul(GRAIN),
         }
     }
 

@@ -171,6 +171,9 @@ struct ContentPart {
     text: Option<String>,
     #[serde(default)]
     refusal: Option<String>,
+    /// Its other fields: an untyped part is named by them (`image_url`, `input_audio`, …).
+    #[serde(flatten)]
+    rest: serde_json::Map<String, serde_json::Value>,
 }
 
 impl TryFrom<RawChatMessage> for ChatMessage {
@@ -197,6 +200,9 @@ impl TryFrom<RawChatMessage> for ChatMessage {
                         RawPart::Typed(p) => p,
                     };
                     match p.kind.as_deref() {
+                        // vLLM names an untyped part by its fields: anything but text is
+                        // media (or unknown) to the router.
+                        None if p.text.is_none() && !p.rest.is_empty() => media = true,
                         None | Some("text" | "input_text" | "output_text") => {
                             texts.extend(p.text);
                         }
@@ -223,7 +229,7 @@ impl TryFrom<RawChatMessage> for ChatMessage {
                 && (k != "name" || v.is_string())
         });
         if raw.role == "assistant" {
-            assistant_fields(&mut extra)?;
+            assistant_fields(&mut extra);
         }
         Ok(ChatMessage {
             role: raw.role,
@@ -238,9 +244,10 @@ impl TryFrom<RawChatMessage> for ChatMessage {
 /// (`_postprocess_messages` and `_parse_chat_message_content` in vllm/entrypoints/
 /// chat_utils.py): an empty `tool_calls` is dropped (templates take the plain path); each
 /// call's `arguments`, a JSON string as OpenAI sends it, is parsed into its object (`{}`
-/// when null or empty), since templates render it as one (`arguments | tojson`, or
-/// iterate it); `reasoning` and `reasoning_content` are both set from whichever came.
-fn assistant_fields(extra: &mut serde_json::Map<String, serde_json::Value>) -> Result<(), String> {
+/// when null, empty or not JSON, as a generation cut off by its `max_tokens` leaves it),
+/// since templates render it as one (`arguments | tojson`, or iterate it); `reasoning` and
+/// `reasoning_content` are both set from whichever came.
+fn assistant_fields(extra: &mut serde_json::Map<String, serde_json::Value>) {
     use serde_json::Value;
     if let Some(Value::Array(calls)) = extra.get_mut("tool_calls") {
         if calls.is_empty() {
@@ -252,7 +259,7 @@ fn assistant_fields(extra: &mut serde_json::Map<String, serde_json::Value>) -> R
                 };
                 let parsed = match function.get("arguments") {
                     Some(Value::String(s)) if !s.is_empty() => serde_json::from_str(s)
-                        .map_err(|e| format!("tool call arguments are not JSON: {e}"))?,
+                        .unwrap_or_else(|_| Value::Object(serde_json::Map::new())),
                     Some(Value::Object(_) | Value::Array(_)) => continue,
                     _ => Value::Object(serde_json::Map::new()),
                 };
@@ -269,7 +276,6 @@ fn assistant_fields(extra: &mut serde_json::Map<String, serde_json::Value>) -> R
         extra.insert("reasoning".into(), r.clone());
         extra.insert("reasoning_content".into(), r);
     }
-    Ok(())
 }
 
 /// `POST /v1/chat/completions`. Fields clients may send as `null` read as absent.

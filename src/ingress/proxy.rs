@@ -528,14 +528,15 @@ pub(super) async fn forward(
         drop(booking);
         metrics::histogram!("kvroute_e2e_seconds", "worker" => label)
             .record(started.elapsed().as_secs_f64());
-        let body = futures_util::stream::unfold(Some((bytes, held)), |state| async move {
-            // The reservation goes with the state once the answer has been taken.
-            let (bytes, _held) = state?;
-            Some((Ok::<_, Infallible>(Frame::data(bytes)), None))
+        // The reservation lives as long as the body, which hyper drops once written out; its
+        // length stays known (`Content-Length`).
+        let body = Full::new(bytes).map_frame(move |frame| {
+            let _held = &held;
+            frame
         });
         return Ok(builder
             .header(header::CONTENT_TYPE, "application/json")
-            .body(BodyExt::boxed(StreamBody::new(body)))
+            .body(BodyExt::boxed(body))
             .expect("invariant: static response parts are valid"));
     }
     let (tx, rx) = mpsc::channel::<Bytes>(64);

@@ -196,6 +196,14 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
     )
     .unwrap();
     assert_eq!((refusal.media, &refusal.tokens), (false, &said.tokens));
+    // An untyped part that is not text (vLLM names it by its field) is media.
+    let untyped = parse(
+        &t,
+        br#"{"model":"m","messages":[{"role":"user","content":[{"image_url":{"url":"x"}}]}]}"#,
+        true,
+    )
+    .unwrap();
+    assert!(untyped.media && untyped.tokens.is_empty());
     // Images get tokens only the engine knows: the conversation before the first message
     // with one is hashed (rendered without a generation prompt: a prefix of the whole), the
     // request goes on as it came, and a bundled worker is told to refuse it.
@@ -283,16 +291,16 @@ fn config_limits_are_checked() {
             ..
         })
     ));
-    // The largest body allowed must fit in the bodies' budget.
+    // The largest body and the largest non-streamed answer must fit in the bodies' budget.
     let small = IngressConfig {
-        body_memory_bytes: (8 << 20) - 1,
+        body_memory_bytes: (64 << 20) - 1,
         ..IngressConfig::default()
     };
     assert_eq!(
         small.validate(),
         Err(IngressConfigError::TooSmall {
             field: "body_memory_bytes",
-            min: 8 << 20
+            min: 64 << 20
         })
     );
 }

@@ -115,16 +115,24 @@ impl Tokenizer {
                 .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
             _ => None,
         };
-        let template = match chat_template {
-            Some(file) => Some(
-                std::fs::read_to_string(file)
-                    .map_err(|e| err(format!("chat template {}: {e}", file.display())))?,
+        // The config's `tool_use` template counts only beside its `default` one: a template
+        // file (the engine's `--chat-template`, or `chat_template.jinja`, which makes
+        // transformers ignore the config's) serves every request.
+        let (template, tool_use) = match chat_template {
+            Some(file) => (
+                Some(
+                    std::fs::read_to_string(file)
+                        .map_err(|e| err(format!("chat template {}: {e}", file.display())))?,
+                ),
+                None,
             ),
             None => {
                 let file = path.with_file_name("chat_template.jinja");
                 match std::fs::read_to_string(&file) {
-                    Ok(source) => Some(source),
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => named("default"),
+                    Ok(source) => (Some(source), None),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                        (named("default"), named("tool_use"))
+                    }
                     Err(e) => return Err(err(format!("{}: {e}", file.display()))),
                 }
             }
@@ -136,7 +144,7 @@ impl Tokenizer {
                 };
                 let mut env = chat_environment();
                 env.add_template_owned("chat", source).map_err(compile)?;
-                if let Some(tool_use) = named("tool_use") {
+                if let Some(tool_use) = tool_use {
                     env.add_template_owned("chat_tool_use", tool_use)
                         .map_err(compile)?;
                 }
@@ -437,7 +445,7 @@ impl JsonStyle {
                 '\t' => out.push_str("\\t"),
                 '\u{8}' => out.push_str("\\b"),
                 '\u{c}' => out.push_str("\\f"),
-                c if (c as u32) < 0x20 || (self.ascii && !c.is_ascii()) => {
+                c if (c as u32) < 0x20 || (self.ascii && (c as u32) > 0x7e) => {
                     let mut units = [0u16; 2];
                     for u in c.encode_utf16(&mut units) {
                         out.push_str(&format!("\\u{u:04x}"));
@@ -465,20 +473,21 @@ fn python_number(v: &minijinja::Value) -> String {
     if f.is_infinite() {
         return if f > 0.0 { "Infinity" } else { "-Infinity" }.into();
     }
-    let exp = if f == 0.0 {
-        0
-    } else {
-        f.abs().log10().floor() as i32
-    };
+    // Python's repr: the shortest digits that read back (Rust's `{:e}` gives the same),
+    // positional when the decimal exponent is in -4..16, else exponent form with a sign
+    // and at least two digits.
+    let shortest = format!("{f:e}");
+    let (mantissa, e) = shortest.split_once('e').unwrap_or((&shortest, "0"));
+    let exp: i32 = e.parse().unwrap_or(0);
     if (-4..16).contains(&exp) {
         let s = format!("{f}");
         if s.contains('.') { s } else { format!("{s}.0") }
     } else {
-        // Python's repr: the shortest digits, in exponent form with a sign and two digits.
-        let s = format!("{f:e}");
-        let (mantissa, e) = s.split_once('e').unwrap_or((&s, "0"));
-        let e: i32 = e.parse().unwrap_or(0);
-        format!("{mantissa}e{}{:02}", if e < 0 { '-' } else { '+' }, e.abs())
+        format!(
+            "{mantissa}e{}{:02}",
+            if exp < 0 { '-' } else { '+' },
+            exp.abs()
+        )
     }
 }
 
@@ -733,13 +742,20 @@ mod tests {
                 {"role": "user", "content": "weather?"},
                 {"role": "assistant", "content": null, "tool_calls": [
                     {"id": "1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Zürich\", \"days\": 2}"}}]},
-                {"role": "assistant", "content": "none", "tool_calls": []}
+                {"role": "assistant", "content": "none", "tool_calls": []},
+                {"role": "assistant", "content": null, "tool_calls": [
+                    {"id": "2", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Ber"}}]}
             ],
             "tools": [{"function": {"parameters": {"type": "object", "properties": {"city": {"type": "string"}}}, "name": "get_weather", "strict": true}, "type": "function"}]
         }));
         assert!(
             !messages[2].extra.contains_key("tool_calls"),
             "an empty tool_calls is dropped"
+        );
+        // Arguments cut off mid-JSON (a generation that hit its max_tokens) read as {}.
+        assert_eq!(
+            messages[3].extra["tool_calls"][0]["function"]["arguments"],
+            serde_json::json!({})
         );
         let text = t.render(&messages, &options).unwrap();
         let (tools, rest) = text.split_once('|').unwrap();
@@ -750,7 +766,7 @@ mod tests {
         let (arguments, indented) = rest
             .split_once("||")
             .unwrap_or_else(|| rest.rsplit_once('|').unwrap());
-        assert_eq!(arguments, r#"{"city": "Zürich", "days": 2}|1"#);
+        assert_eq!(arguments, r#"{"city": "Zürich", "days": 2}|1{}|1"#);
         assert!(
             indented.starts_with("{\n  \"type\": \"function\",\n  \"function\": {\n    \"name\""),
             "{indented}"
@@ -771,9 +787,17 @@ mod tests {
         assert_eq!(
             render(
                 "{{ x | tojson(ensure_ascii=true) }}",
-                serde_json::json!({"x": "é"})
+                serde_json::json!({"x": "é\u{7f}"})
             ),
-            r#""\u00e9""#
+            r#""\u00e9\u007f""#
+        );
+        // Python's repr at the edges of its positional range.
+        assert_eq!(
+            render(
+                "{{ x | tojson }}",
+                serde_json::json!({"x": [9999999999999998.0, 9.999999999999999e-05, 1e16, 0.0001]})
+            ),
+            "[9999999999999998.0, 9.999999999999999e-05, 1e+16, 0.0001]"
         );
         std::fs::remove_dir_all(&dir).ok();
     }
@@ -820,6 +844,9 @@ mod tests {
         .unwrap();
         let t = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
         assert_eq!(t.render(&two, &ChatOptions::default()).unwrap(), "file:2");
+        // A template file serves every request: the config's tool_use template no longer
+        // counts (transformers ignores the config's templates then).
+        assert_eq!(t.render(&two, &tools).unwrap(), "file:2");
         // The engine's `--chat-template FILE`, given to the router, wins over both.
         std::fs::write(dir.join("mine.jinja"), "mine:{{ messages[0].content }}").unwrap();
         let t = Tokenizer::load_with(&dir.join("tokenizer.json"), Some(&dir.join("mine.jinja")))

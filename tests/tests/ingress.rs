@@ -630,7 +630,9 @@ async fn request_bodies_share_a_memory_budget() {
     let f = Fleet::start(FleetSpec {
         router_args: [
             "--max-body-bytes",
-            "524288",
+            "614400",
+            "--max-upstream-body-bytes",
+            "1048576",
             "--body-memory-bytes",
             "1048576",
         ]
@@ -641,11 +643,10 @@ async fn request_bodies_share_a_memory_budget() {
     })
     .await
     .unwrap();
-    // Two clients each send 450 KiB of a 500 KiB body and stop: 8 grains of 64 KiB each,
-    // the whole budget.
+    // Two clients each send 512 KiB of a 600 KiB body and stop: the whole budget.
     let mut held = Vec::new();
     for _ in 0..2 {
-        held.push(start_upload(&f, 500 << 10, &vec![b' '; 450 << 10]).await);
+        held.push(start_upload(&f, 600 << 10, &vec![b' '; 512 << 10]).await);
     }
     assert!(
         bodies_held(&f, |bytes| bytes >= f64::from(1u32 << 20)).await,
