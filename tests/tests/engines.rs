@@ -514,14 +514,23 @@ async fn an_engine_with_an_api_key_is_reached_with_the_engine_key() {
             }
         }
     }
-    let refused = http
-        .call(
-            "POST",
-            &format!("{without_url}/v1/completions"),
-            completion("keyed", "a prompt for a keyed engine", 2, false),
-        )
-        .await
-        .unwrap();
+    // Once the router without the key has the engine registered (it may still be starting:
+    // "no worker registered").
+    let refused = loop {
+        let r = http
+            .call(
+                "POST",
+                &format!("{without_url}/v1/completions"),
+                completion("keyed", "a prompt for a keyed engine", 2, false),
+            )
+            .await
+            .unwrap();
+        if !r.body.contains("no worker registered") {
+            break r;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{}", r.body);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     // The engine's 401 is the router's misconfiguration, not the client's key: a 503 that
     // says so, not a 401 the client would take for its own.
     assert_eq!(refused.status, 503, "{}", refused.body);
