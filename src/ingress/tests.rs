@@ -492,30 +492,32 @@ mod queue {
             .unwrap_or_else(|e| panic!("{model}: {e:?}"))
     }
 
-    /// A request waiting for its hard session's worker keeps that worker's room: a later,
-    /// smaller request does not take it (which would keep the first waiting, perhaps to its
-    /// deadline), and the first gets the worker once it frees up.
-    #[tokio::test(start_paused = true)]
-    async fn a_hard_session_s_worker_is_kept_for_it() {
+    /// Fills two workers with a budget of 100 tokens (60 tokens of work on the first, in
+    /// `first_session`, 100 on the second), then queues a hard-session request of
+    /// `prompt_tokens` in `session` and a later 10-token one of the same model, which would
+    /// fit beside the 60: the later one must not take that room first, and the first gets
+    /// the worker once it frees up. The first worker, and where the queued request went.
+    async fn a_later_request_waits_behind(
+        first_session: Option<&str>,
+        prompt_tokens: usize,
+        session: &str,
+    ) -> (crate::scheduler::WorkerKey, crate::scheduler::WorkerKey) {
         let (router, _plane) = router(100, ["a", "a"]).await;
-        // 60 tokens of work on the session's worker, 100 on the other.
-        let Entered::Admitted(first) = enter_with(&router, "a", 56, Some("s")) else {
+        let Entered::Admitted(first) = enter_with(&router, "a", 56, first_session) else {
             panic!("an idle fleet admits");
         };
-        let pinned = first.0.chosen.key;
+        let filled = first.0.chosen.key;
         let Entered::Admitted(other) = enter_with(&router, "a", 96, None) else {
             panic!("the other worker is idle");
         };
-        assert_ne!(other.0.chosen.key, pinned);
-        // 64 tokens do not fit the session's worker (over half its budget, counted as 50:
-        // 110 > 100); 14 would.
+        assert_ne!(other.0.chosen.key, filled);
         let Entered::Queued {
             guard: _h,
             rx: mut turn,
             ..
-        } = enter_with(&router, "a", 60, Some("s"))
+        } = enter_with(&router, "a", prompt_tokens, Some(session))
         else {
-            panic!("the session's worker has no room");
+            panic!("the request fits nowhere it may go");
         };
         let Entered::Queued {
             guard: _p,
@@ -528,58 +530,33 @@ mod queue {
         router.pump();
         assert!(
             small.try_recv().is_err(),
-            "a later request took the room kept for the session"
+            "a later request took the room the first waits for"
         );
         drop(first);
         router.pump();
-        match turn.try_recv() {
-            Ok(Ok((d, _))) => assert_eq!(d.chosen.key, pinned),
-            _ => panic!("the session's request was not admitted"),
-        }
+        let Ok(Ok((d, _))) = turn.try_recv() else {
+            panic!("the waiting request was not admitted");
+        };
         drop(other);
+        (filled, d.chosen.key)
+    }
+
+    /// A request waiting for its hard session's worker keeps that worker's room: a later,
+    /// smaller request does not take it (which would keep the first waiting, perhaps to its
+    /// deadline), and the first gets the worker once it frees up. 64 tokens do not fit the
+    /// session's worker (over half its budget, counted as 50: 110 > 100); 14 would.
+    #[tokio::test(start_paused = true)]
+    async fn a_hard_session_s_worker_is_kept_for_it() {
+        let (pinned, went) = a_later_request_waits_behind(Some("s"), 60, "s").await;
+        assert_eq!(went, pinned);
     }
 
     /// A hard-session request whose session has no worker yet waits like any request: a
-    /// later, smaller one of its model does not take the room it waits for first.
+    /// later, smaller one of its model does not take the room it waits for first (44 tokens
+    /// fit nowhere: 60 + 44 > 100; 14 would fit beside the 60).
     #[tokio::test(start_paused = true)]
     async fn a_new_hard_session_is_not_overtaken() {
-        let (router, _plane) = router(100, ["a", "a"]).await;
-        // 60 tokens of work on one worker, 100 on the other.
-        let Entered::Admitted(first) = enter_with(&router, "a", 56, None) else {
-            panic!("an idle fleet admits");
-        };
-        let Entered::Admitted(second) = enter_with(&router, "a", 96, None) else {
-            panic!("the other worker is idle");
-        };
-        // 44 tokens fit nowhere (60 + 44 > 100); 14 would fit beside the 60.
-        let Entered::Queued {
-            guard: _h,
-            rx: mut turn,
-            ..
-        } = enter_with(&router, "a", 40, Some("new"))
-        else {
-            panic!("no worker has room");
-        };
-        let Entered::Queued {
-            guard: _p,
-            rx: mut small,
-            ..
-        } = enter_with(&router, "a", 10, None)
-        else {
-            panic!("its model has a request waiting");
-        };
-        router.pump();
-        assert!(
-            small.try_recv().is_err(),
-            "a later request overtook the new session's first turn"
-        );
-        drop(first);
-        router.pump();
-        assert!(
-            matches!(turn.try_recv(), Ok(Ok(_))),
-            "the session's first turn was not admitted"
-        );
-        drop(second);
+        a_later_request_waits_behind(None, 40, "new").await;
     }
 
     /// A non-streamed request's prefill is released once its prompt's last block shows in
