@@ -14,7 +14,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Limited};
 use hyper::Response;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -320,17 +319,9 @@ where
     B: hyper::body::Body<Data = Bytes>,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let collected = tokio::time::timeout(deadline, Limited::new(body, limit).collect()).await;
-    match collected {
-        Ok(Ok(c)) => Ok(c.to_bytes()),
-        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
-            Err(BodyError::TooLarge { limit })
-        }
-        Ok(Err(e)) => Err(BodyError::Io(e)),
-        Err(_) => Err(BodyError::TimedOut {
-            ms: deadline.as_millis() as u64,
-        }),
-    }
+    budget::collect(body, limit, deadline, None)
+        .await
+        .map(|(bytes, _)| bytes)
 }
 
 #[cfg(test)]

@@ -463,7 +463,7 @@ pub async fn serve_status(
 
 fn handle_status(router: &Router, req: &hyper::Request<Incoming>) -> Response<Body> {
     let result = match (req.method(), req.uri().path()) {
-        (&Method::GET, "/health") => Ok(json(StatusCode::OK, r#"{"status":"ok"}"#.into())),
+        (&Method::GET, "/health") => Ok(health()),
         (&Method::GET, "/ready") => Ok(ready(router)),
         (&Method::GET, "/metrics") => Ok(metrics_text(router)),
         _ => Err(ApiError::not_found()),
@@ -540,7 +540,7 @@ async fn handle(router: Arc<Router>, req: hyper::Request<Incoming>) -> Response<
         return api_error(&ApiError::unauthorized());
     }
     let result = match (req.method().clone(), path.as_str()) {
-        (Method::GET, "/health") => Ok(json(StatusCode::OK, r#"{"status":"ok"}"#.into())),
+        (Method::GET, "/health") => Ok(health()),
         (Method::GET, "/ready") => Ok(ready(&router)),
         (Method::GET, "/metrics") => Ok(metrics_text(&router)),
         (Method::GET, "/v1/models") => Ok(models(&router)),
@@ -559,7 +559,7 @@ async fn handle_admin(router: Arc<Router>, req: hyper::Request<Incoming>) -> Res
     }
     let path = req.uri().path().to_owned();
     let result = match (req.method().clone(), path.as_str()) {
-        (Method::GET, "/health") => Ok(json(StatusCode::OK, r#"{"status":"ok"}"#.into())),
+        (Method::GET, "/health") => Ok(health()),
         (Method::GET, "/metrics") => Ok(metrics_text(&router)),
         (Method::GET, "/admin/workers") => Ok(admin_workers(&router)),
         (Method::GET, "/admin/index") => Ok(admin_index(&router)),
@@ -589,6 +589,11 @@ async fn read_body(
             BodyError::OverBudget { budget } => ApiError::bodies_over_budget(budget),
             BodyError::Io(e) => ApiError::bad_request(format!("reading the request body: {e}")),
         })
+}
+
+/// Liveness: the process answers.
+fn health() -> Response<Body> {
+    json(StatusCode::OK, r#"{"status":"ok"}"#.into())
 }
 
 fn ready(router: &Router) -> Response<Body> {

@@ -29,9 +29,7 @@ pub fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     kvroute::process::init_logging(settings.log_format);
-    kvroute::process::raise_open_files_limit(kvroute::process::limits::descriptors_for(
-        settings.ingress.http.max_connections,
-    ));
+    kvroute::process::raise_open_files_limit(settings.ingress.http.max_connections);
     let tokenizer = load_tokenizer(
         settings.tokenizer.as_deref(),
         settings.chat_template.as_deref(),

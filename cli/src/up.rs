@@ -80,9 +80,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         ServeFlags::default(),
     )?;
     kvroute::process::init_logging(settings.log_format);
-    kvroute::process::raise_open_files_limit(kvroute::process::limits::descriptors_for(
-        settings.ingress.http.max_connections,
-    ));
+    kvroute::process::raise_open_files_limit(settings.ingress.http.max_connections);
     let tokenizer = load_tokenizer(args.tokenizer.as_deref(), None)?;
     let worker_tokenizer = Arc::new(load_tokenizer(args.tokenizer.as_deref(), None)?);
     let runtime = tokio::runtime::Runtime::new()?;

@@ -97,6 +97,24 @@ where
     B: hyper::body::Body<Data = Bytes>,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    collect(body, limit, deadline, Some(budget)).await
+}
+
+/// The one body-reading loop: [`collect_within`], and `collect_body` without a budget. A
+/// body whose announced length is over `limit` is refused before anything is read.
+pub(super) async fn collect<B>(
+    body: B,
+    limit: usize,
+    deadline: Duration,
+    budget: Option<&BodyBudget>,
+) -> Result<(Bytes, Reservation), BodyError>
+where
+    B: hyper::body::Body<Data = Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    if body.size_hint().lower() > limit as u64 {
+        return Err(BodyError::TooLarge { limit });
+    }
     let read = async {
         let mut held = Reservation::default();
         let mut chunks: Vec<Bytes> = Vec::new();
@@ -111,7 +129,9 @@ where
             if total > limit {
                 return Err(BodyError::TooLarge { limit });
             }
-            if !budget.cover(&mut held, total) {
+            if let Some(budget) = budget
+                && !budget.cover(&mut held, total)
+            {
                 return Err(BodyError::OverBudget {
                     budget: budget.bytes(),
                 });

@@ -11,22 +11,14 @@ pub fn descriptors_for(connections: usize) -> u64 {
     (connections as u64).saturating_mul(2).saturating_add(1024)
 }
 
-/// What [`raise_open_files_limit`] found and did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct OpenFiles {
-    /// The soft limit at start.
-    pub was: u64,
-    /// The soft limit now (the hard limit, unless that could not be set).
-    pub now: u64,
-    /// The hard limit.
-    pub hard: u64,
-}
-
-/// Raises the soft open-files limit to the hard one and logs it; warns when the limit is
-/// still below `needed` (see [`descriptors_for`]), naming what to change. `None` where the
-/// limit cannot be read (not on Unix).
-pub fn raise_open_files_limit(needed: u64) -> Option<OpenFiles> {
-    let (was, hard) = sys::get()?;
+/// Raises the soft open-files limit to the hard one and logs it; warns, naming what to
+/// change, when the limit is still below what serving `connections` client connections
+/// needs ([`descriptors_for`]). Does nothing where the limit cannot be read (not on Unix).
+pub fn raise_open_files_limit(connections: usize) {
+    let needed = descriptors_for(connections);
+    let Some((was, hard)) = sys::get() else {
+        return;
+    };
     let now = if was < hard {
         match sys::set_soft(hard) {
             Ok(()) => hard,
@@ -50,7 +42,6 @@ pub fn raise_open_files_limit(needed: u64) -> Option<OpenFiles> {
              or lower --max-connections"
         );
     }
-    Some(OpenFiles { was, now, hard })
 }
 
 /// The system calls, through the `rlimit` crate (this crate forbids `unsafe`).

@@ -590,6 +590,27 @@ async fn requests_over_the_in_flight_limit_get_429() {
     assert_eq!(r.header("retry-after"), Some("1"));
 }
 
+/// A router with `router_args` in front of one fast worker.
+async fn one_worker(router_args: &[&str]) -> Fleet {
+    Fleet::start(FleetSpec {
+        router_args: router_args.iter().map(|a| a.to_string()).collect(),
+        ..spec(1, 20.0)
+    })
+    .await
+    .unwrap()
+}
+
+/// A non-streamed completion of group 1 through the router.
+async fn complete(f: &Fleet, i: usize) -> anyhow::Result<kvroute_e2e::procs::Reply> {
+    f.http
+        .call(
+            "POST",
+            &format!("{}/v1/completions", f.url()),
+            request(1, i, false),
+        )
+        .await
+}
+
 /// The gauge `name`'s value in a scrape (0 if absent).
 fn gauge(scrape: &str, name: &str) -> f64 {
     scrape
@@ -627,22 +648,15 @@ async fn bodies_held(f: &Fleet, check: impl Fn(f64) -> bool) -> bool {
 /// the two are gone. Without the budget, in-flight count × body cap bounds nothing useful.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_bodies_share_a_memory_budget() {
-    let f = Fleet::start(FleetSpec {
-        router_args: [
-            "--max-body-bytes",
-            "614400",
-            "--max-upstream-body-bytes",
-            "1048576",
-            "--body-memory-bytes",
-            "1048576",
-        ]
-        .iter()
-        .map(|a| a.to_string())
-        .collect(),
-        ..spec(1, 20.0)
-    })
-    .await
-    .unwrap();
+    let f = one_worker(&[
+        "--max-body-bytes",
+        "614400",
+        "--max-upstream-body-bytes",
+        "1048576",
+        "--body-memory-bytes",
+        "1048576",
+    ])
+    .await;
     // Two clients each send 512 KiB of a 600 KiB body and stop: the whole budget.
     let mut held = Vec::new();
     for _ in 0..2 {
@@ -652,23 +666,13 @@ async fn request_bodies_share_a_memory_budget() {
         bodies_held(&f, |bytes| bytes >= f64::from(1u32 << 20)).await,
         "the two bodies never held the budget"
     );
-    let r = f
-        .http
-        .call(
-            "POST",
-            &format!("{}/v1/completions", f.url()),
-            request(1, 0, false),
-        )
-        .await
-        .unwrap();
+    let r = complete(&f, 0).await.unwrap();
     assert_eq!(r.status, 429, "{}", r.body);
     assert!(r.body.contains("budget of 1048576 bytes"), "{}", r.body);
     drop(held);
-    let url = format!("{}/v1/completions", f.url());
     assert!(
         f.until(Duration::from_secs(20), || async {
-            let r = f.http.call("POST", &url, request(1, 1, false)).await;
-            r.is_ok_and(|r| r.status == 200)
+            complete(&f, 1).await.is_ok_and(|r| r.status == 200)
         })
         .await,
         "requests were still refused after the bodies were dropped"
@@ -681,27 +685,14 @@ async fn request_bodies_share_a_memory_budget() {
 /// one slow upload under way, another request is served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_upload_holds_no_in_flight_slot() {
-    let f = Fleet::start(FleetSpec {
-        router_args: vec!["--max-inflight".into(), "1".into()],
-        ..spec(1, 20.0)
-    })
-    .await
-    .unwrap();
+    let f = one_worker(&["--max-inflight", "1"]).await;
     let slow = start_upload(&f, 1000, b"{\"model\":").await;
     // Its first bytes are read (they hold a share of the bodies' budget).
     assert!(
         bodies_held(&f, |bytes| bytes > 0.0).await,
         "the slow upload was never read"
     );
-    let r = f
-        .http
-        .call(
-            "POST",
-            &format!("{}/v1/completions", f.url()),
-            request(1, 0, false),
-        )
-        .await
-        .unwrap();
+    let r = complete(&f, 0).await.unwrap();
     assert_eq!(r.status, 200, "{}", r.body);
     drop(slow);
 }

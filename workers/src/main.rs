@@ -245,9 +245,7 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
         return Ok(());
     }
     kvroute::process::init_logging(args.log_format);
-    kvroute::process::raise_open_files_limit(kvroute::process::limits::descriptors_for(
-        args.max_connections,
-    ));
+    kvroute::process::raise_open_files_limit(args.max_connections);
     if let Device::Cuda(ordinal) = args.device {
         // Fail before touching NATS, naming what is missing (driver, NVRTC, device).
         let gpu = kvroute_kernels::cuda::Gpu::new(ordinal)
