@@ -226,6 +226,15 @@ impl Default for LeaseConfig {
 pub enum RegistryEvent {
     /// A worker registered or refreshed its registration (validated).
     Put(WorkerInfo),
+    /// A registration read back from the registry's history as a watch starts, written
+    /// `age_ms` before the registry's newest entry (both the registry's timestamps, so the
+    /// router's clock does not enter). A worker that stopped without a goodbye left one.
+    Replayed {
+        /// The registration.
+        info: WorkerInfo,
+        /// How much older it is than the registry's newest entry, ms.
+        age_ms: u64,
+    },
     /// A worker said goodbye.
     Delete(WorkerId),
 }
@@ -551,7 +560,7 @@ async fn watch_bucket(
     use futures_util::StreamExt;
     let mut backoff = Duration::from_millis(200);
     loop {
-        // Deaf until the new watch delivers its first entry.
+        // Deaf until the new watch has delivered the bucket's history.
         healthy.send_replace(false);
         let mut watch = match store.watch_with_history(">").await {
             Ok(w) => w,
@@ -568,6 +577,9 @@ async fn watch_bucket(
         backoff = Duration::from_millis(200);
         let mut heard = false;
         let mut last_entry = tokio::time::Instant::now();
+        // The history, held until the watch has caught up with the bucket, so that each
+        // registration's age is counted from the newest entry.
+        let mut history = Some(History::default());
         loop {
             let entry = tokio::select! {
                 entry = tokio::time::timeout_at(last_entry + stale_after, watch.next()) => entry,
@@ -598,44 +610,98 @@ async fn watch_bucket(
                 }
             };
             last_entry = tokio::time::Instant::now();
-            if !heard {
-                heard = true;
-                healthy.send_replace(*writable.borrow());
-            }
-            let event = match entry {
-                Ok(entry) if entry.key.starts_with(PROBE_PREFIX) => continue,
-                Ok(entry) => match entry.operation {
-                    Operation::Put => match WorkerInfo::decode(&entry.value) {
-                        Ok(info) => RegistryEvent::Put(info),
-                        Err(e) => {
-                            metrics::counter!("kvroute_registry_invalid_total").increment(1);
-                            tracing::warn!(key = %entry.key, error = %e, "ignoring invalid worker registration");
-                            continue;
-                        }
-                    },
-                    Operation::Delete | Operation::Purge => match entry.key.parse::<u64>() {
-                        Ok(id) => RegistryEvent::Delete(WorkerId(id)),
-                        Err(_) => continue,
-                    },
-                },
+            let entry = match entry {
+                Ok(entry) => entry,
                 Err(e) => {
                     tracing::warn!(error = %e, "worker registry watch error");
                     break;
                 }
             };
-            if tx.send(event).await.is_err() {
-                return;
+            let caught_up = entry.seen_current;
+            let created_ms = unix_ms(entry.created.unix_timestamp_nanos());
+            if let Some(h) = &mut history {
+                h.newest_ms = h.newest_ms.max(created_ms);
+            }
+            let event = if entry.key.starts_with(PROBE_PREFIX) {
+                None
+            } else {
+                match entry.operation {
+                    Operation::Put => match WorkerInfo::decode(&entry.value) {
+                        Ok(info) => Some(RegistryEvent::Put(info)),
+                        Err(e) => {
+                            metrics::counter!("kvroute_registry_invalid_total").increment(1);
+                            tracing::warn!(key = %entry.key, error = %e, "ignoring invalid worker registration");
+                            None
+                        }
+                    },
+                    Operation::Delete | Operation::Purge => entry
+                        .key
+                        .parse::<u64>()
+                        .ok()
+                        .map(|id| RegistryEvent::Delete(WorkerId(id))),
+                }
+            };
+            let events = match &mut history {
+                Some(h) => {
+                    h.events.extend(event.map(|e| (e, created_ms)));
+                    if !caught_up {
+                        continue;
+                    }
+                    history.take().map_or_else(Vec::new, History::aged)
+                }
+                None => event.into_iter().collect(),
+            };
+            for event in events {
+                if tx.send(event).await.is_err() {
+                    return;
+                }
+            }
+            if !heard {
+                // Heard once the history is delivered.
+                heard = true;
+                healthy.send_replace(*writable.borrow());
             }
         }
         // The watch ended (server restart, leader change) or went stale: watch again;
-        // current entries come back as puts, and goodbyes missed meanwhile lapse with their
-        // leases.
+        // current entries come back, aged by when they were written, and goodbyes missed
+        // meanwhile lapse with their leases.
         healthy.send_replace(false);
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(200)) => {}
             _ = tx.closed() => return,
         }
     }
+}
+
+/// The entries a watch reads back before it has caught up with the bucket.
+#[derive(Default)]
+struct History {
+    /// With each entry's write time, ms since the Unix epoch (the server's clock).
+    events: Vec<(RegistryEvent, i64)>,
+    /// The newest write time among them, probes included.
+    newest_ms: i64,
+}
+
+impl History {
+    /// The entries in order, registrations with their age against the newest entry.
+    fn aged(self) -> Vec<RegistryEvent> {
+        let newest = self.newest_ms;
+        self.events
+            .into_iter()
+            .map(|(event, created_ms)| match event {
+                RegistryEvent::Put(info) => RegistryEvent::Replayed {
+                    info,
+                    age_ms: u64::try_from(newest.saturating_sub(created_ms)).unwrap_or(0),
+                },
+                other => other,
+            })
+            .collect()
+    }
+}
+
+/// A JetStream timestamp (ns since the Unix epoch) in ms.
+fn unix_ms(unix_ns: i128) -> i64 {
+    i64::try_from(unix_ns / 1_000_000).unwrap_or(0)
 }
 
 /// Forwards an in-process registry's changes. A subscriber that falls behind the broadcast

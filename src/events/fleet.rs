@@ -118,6 +118,9 @@ pub struct FleetStats {
     pub refused: u64,
     /// Heartbeats of an incarnation that had already said goodbye, ignored.
     pub zombie_heartbeats: u64,
+    /// Registrations read back from the registry's history whose lease had already lapsed
+    /// (their worker stopped without a goodbye), ignored.
+    pub stale_registrations: u64,
 }
 
 /// Why a registration was refused.
@@ -143,7 +146,9 @@ pub enum Refusal {
 #[derive(Clone, Debug)]
 struct Member {
     info: WorkerInfo,
-    renewed_ms: u64,
+    /// When the lease was last renewed, on the fleet's clock; before its zero for a
+    /// registration that was already old when this fleet read it.
+    renewed_ms: i64,
 }
 
 /// The fleet.
@@ -210,6 +215,38 @@ impl Fleet {
         info: WorkerInfo,
         out: &mut Vec<FleetCommand>,
     ) -> Result<(), Refusal> {
+        self.register(now_ms, info, 0, out)
+    }
+
+    /// A registration read back from the registry's history as a watch starts (a router
+    /// starting, or watching again), last written `age_ms` before the registry's newest
+    /// entry. Its lease runs from then, not from now: a worker that stopped without a
+    /// goodbye (killed, its node lost) left a registration that lives on in the bucket, and
+    /// read as new it would be routed to for a whole lease. One already older than the lease
+    /// is ignored (counted in [`FleetStats::stale_registrations`]); a live worker's next
+    /// heartbeat registers it again.
+    pub fn on_replayed_registration(
+        &mut self,
+        now_ms: u64,
+        info: WorkerInfo,
+        age_ms: u64,
+        out: &mut Vec<FleetCommand>,
+    ) -> Result<(), Refusal> {
+        let lapsed = self.config.lease_ttl_ms.is_some_and(|ttl| age_ms > ttl);
+        if lapsed && !self.members.contains_key(&info.id) {
+            self.stats.stale_registrations += 1;
+            return Ok(());
+        }
+        self.register(now_ms, info, age_ms, out)
+    }
+
+    fn register(
+        &mut self,
+        now_ms: u64,
+        info: WorkerInfo,
+        age_ms: u64,
+        out: &mut Vec<FleetCommand>,
+    ) -> Result<(), Refusal> {
         let id = info.id;
         if let Some(&(epoch, _, reason)) = self.tombstones.get(&id) {
             if epoch == info.epoch && reason == Departure::Left {
@@ -241,11 +278,18 @@ impl Fleet {
             }
             return Err(refusal);
         }
+        // A lease runs from the latest of its renewals: an old registration read back does
+        // not shorten what a heartbeat or a batch renewed since.
+        let written_ms = clock(now_ms).saturating_sub(clock(age_ms));
+        let renewed_ms = self
+            .members
+            .get(&id)
+            .map_or(written_ms, |m| m.renewed_ms.max(written_ms));
         let previous = self.members.insert(
             id,
             Member {
                 info: info.clone(),
-                renewed_ms: now_ms,
+                renewed_ms,
             },
         );
         let old: BTreeSet<DpRank> = previous
@@ -306,7 +350,7 @@ impl Fleet {
     pub fn on_batch(&mut self, now_ms: u64, key: StreamKey) -> BatchVerdict {
         let verdict = match self.members.get_mut(&key.0) {
             Some(m) if key.1.0 < m.info.dp_size => {
-                m.renewed_ms = m.renewed_ms.max(now_ms);
+                m.renewed_ms = m.renewed_ms.max(clock(now_ms));
                 BatchVerdict::Deliver
             }
             Some(_) => BatchVerdict::NoSuchRank,
@@ -326,7 +370,7 @@ impl Fleet {
     /// in that time says nothing of the workers, so every lease runs afresh from now.
     pub fn renew_all(&mut self, now_ms: u64) {
         for member in self.members.values_mut() {
-            member.renewed_ms = member.renewed_ms.max(now_ms);
+            member.renewed_ms = member.renewed_ms.max(clock(now_ms));
         }
     }
 
@@ -336,7 +380,7 @@ impl Fleet {
             let lapsed: Vec<WorkerId> = self
                 .members
                 .values()
-                .filter(|m| now_ms.saturating_sub(m.renewed_ms) > ttl)
+                .filter(|m| clock(now_ms).saturating_sub(m.renewed_ms) > clock(ttl))
                 .map(|m| m.info.id)
                 .collect();
             for id in lapsed {
@@ -384,6 +428,12 @@ impl Fleet {
     fn sweep_tombstones(&mut self, now_ms: u64) {
         self.tombstones.retain(|_, (_, until, _)| now_ms <= *until);
     }
+}
+
+/// A time or span in ms as the leases count it (signed: a lease read back from the
+/// registry's history began before the fleet's clock started).
+fn clock(ms: u64) -> i64 {
+    i64::try_from(ms).unwrap_or(i64::MAX)
 }
 
 fn ranks(info: &WorkerInfo) -> impl Iterator<Item = DpRank> + use<> {

@@ -570,38 +570,63 @@ impl FleetOwner {
     fn on_registry(&mut self, event: RegistryEvent) {
         let now = self.now_ms();
         match event {
-            RegistryEvent::Put(info) => {
-                // Every registry's reports pass here: bound them before they cost anything.
-                if let Err(e) = info.validate() {
-                    metrics::counter!("kvroute_registry_invalid_total").increment(1);
-                    tracing::warn!(error = %e, "ignoring invalid worker registration");
-                    return;
-                }
-                let changed = self
-                    .fleet
-                    .worker(info.id)
-                    .is_none_or(|old| !same_shape(old, &info));
-                let reported = (info.id, info.engine_load);
-                if let Err(refusal) = self.fleet.on_registration(now, info, &mut self.commands) {
-                    self.shared
-                        .counters
-                        .registrations_refused
-                        .fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!("kvroute_fleet_registrations_refused_total").increment(1);
-                    tracing::error!(%refusal, "refusing a worker registration");
-                }
-                self.execute();
-                if let (Some(s), (id, load)) = (&self.shared.scheduler, reported) {
-                    s.lock().set_engine_load(id, load);
-                }
-                if changed {
-                    self.publish_view();
-                }
+            RegistryEvent::Put(info) => self.on_registration(now, info, None),
+            RegistryEvent::Replayed { info, age_ms } => {
+                self.on_registration(now, info, Some(age_ms));
             }
             RegistryEvent::Delete(id) => {
                 self.fleet.on_goodbye(now, id, &mut self.commands);
                 self.execute();
             }
+        }
+    }
+
+    /// A registration, live or (with its age) read back from the registry's history.
+    fn on_registration(&mut self, now: u64, info: WorkerInfo, replayed_age_ms: Option<u64>) {
+        // Every registry's reports pass here: bound them before they cost anything.
+        if let Err(e) = info.validate() {
+            metrics::counter!("kvroute_registry_invalid_total").increment(1);
+            tracing::warn!(error = %e, "ignoring invalid worker registration");
+            return;
+        }
+        let changed = self
+            .fleet
+            .worker(info.id)
+            .is_none_or(|old| !same_shape(old, &info));
+        let reported = (info.id, info.engine_load);
+        let registered = match replayed_age_ms {
+            None => self.fleet.on_registration(now, info, &mut self.commands),
+            Some(age_ms) => {
+                let stale = self.fleet.stats().stale_registrations;
+                let registered =
+                    self.fleet
+                        .on_replayed_registration(now, info, age_ms, &mut self.commands);
+                if self.fleet.stats().stale_registrations > stale {
+                    metrics::counter!("kvroute_registry_stale_total").increment(1);
+                    tracing::info!(
+                        worker = %reported.0,
+                        age_ms,
+                        "ignoring a registration older than its lease (its worker stopped without a goodbye)"
+                    );
+                    return;
+                }
+                registered
+            }
+        };
+        if let Err(refusal) = registered {
+            self.shared
+                .counters
+                .registrations_refused
+                .fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("kvroute_fleet_registrations_refused_total").increment(1);
+            tracing::error!(%refusal, "refusing a worker registration");
+        }
+        self.execute();
+        if let (Some(s), (id, load)) = (&self.shared.scheduler, reported) {
+            s.lock().set_engine_load(id, load);
+        }
+        if changed {
+            self.publish_view();
         }
     }
 

@@ -264,6 +264,44 @@ async fn a_restart_in_place_and_a_crash_leave_no_stale_entries() {
     assert_exact(&r, &sims).await;
 }
 
+/// A router starting after a worker crashed reads the crashed worker's registration back
+/// from the bucket (it stays until the bucket's max age, two leases): older than the lease
+/// by the bucket's own timestamps, it is never routed to, while the live worker is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_started_after_a_crash_does_not_route_to_the_crashed_worker() {
+    let server = NatsServer::start().unwrap();
+    let (transport, registry) = nats(&server, "workers").await;
+    let sims = workers(&transport, &registry, 0..2, Faults::default()).await;
+    let mut sims = sims.into_iter();
+    let (live, crashed) = (sims.next().unwrap(), sims.next().unwrap());
+    crashed.stop(false).await;
+    // The crashed worker's last heartbeat ages past the lease (1 s) while the live one's
+    // go on; the bucket drops it at two leases. (JetStream stamps entries with the server's
+    // clock, so the age is real time: no paused clock can stand in for it.)
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    let (rt, rreg) = nats(&server, "router").await;
+    let r = router(rt, &rreg).await;
+    let heard = eventually(Duration::from_secs(10), || {
+        r.plane.worker(WorkerId(0)).is_some()
+    })
+    .await;
+    assert!(heard, "the live worker never registered");
+    // The bucket's history is delivered in one go, the crashed worker's entry (older)
+    // first: by now it has been read, and ignored.
+    assert!(
+        r.plane.worker(WorkerId(1)).is_none(),
+        "the crashed worker's stale registration was taken as live"
+    );
+    assert!(
+        r.scheduler
+            .lock()
+            .workers()
+            .all(|(k, _)| k.0 == WorkerId(0)),
+        "the crashed worker is routable"
+    );
+    live.stop(true).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_server_restart_mid_run() {
     let mut server = NatsServer::start().unwrap();

@@ -228,6 +228,60 @@ fn event_batches_renew_a_lease() {
     assert!(!out.is_empty(), "an absent rank's batch renewed the lease");
 }
 
+/// A registration read back from the registry's history as a watch starts is aged by when
+/// it was written: one older than the lease (a worker that stopped without a goodbye) is
+/// not brought back, a younger one lapses when its lease would have, and an old copy read
+/// back does not shorten a lease renewed since.
+#[test]
+fn a_replayed_registration_keeps_its_age() {
+    let mut fleet = Fleet::new(config());
+    let mut out = Vec::new();
+    let mut d = Driver::default();
+    fleet
+        .on_replayed_registration(0, info(1, 7, 1, "m", 16), 1_500, &mut out)
+        .unwrap();
+    assert!(out.is_empty(), "a lapsed registration opened {out:?}");
+    assert!(fleet.worker(WorkerId(1)).is_none());
+    assert_eq!(fleet.stats().stale_registrations, 1);
+    assert_eq!(fleet.stats().joined, 0);
+    // Written 600 ms before the newest entry: 400 ms of its lease are left.
+    fleet
+        .on_replayed_registration(0, info(2, 7, 1, "m", 16), 600, &mut out)
+        .unwrap();
+    d.apply(&mut out);
+    assert_eq!(d.routable.len(), 1);
+    fleet.on_tick(400, &mut out);
+    assert!(out.is_empty());
+    fleet.on_tick(401, &mut out);
+    assert!(out.contains(&FleetCommand::Departed {
+        id: WorkerId(2),
+        reason: Departure::Expired
+    }));
+    d.apply(&mut out);
+    assert!(d.routable.is_empty());
+    // A live member's lease is not shortened by an old copy read back (a watch re-created),
+    // even one past the lease: it is still a member, so its shape is taken.
+    fleet
+        .on_registration(1_000, info(3, 7, 1, "m", 16), &mut out)
+        .unwrap();
+    fleet
+        .on_replayed_registration(1_100, info(3, 7, 1, "m", 16), 5_000, &mut out)
+        .unwrap();
+    d.apply(&mut out);
+    fleet.on_tick(2_000, &mut out);
+    assert!(out.is_empty(), "the old copy shortened the lease: {out:?}");
+    assert!(fleet.worker(WorkerId(3)).is_some());
+    // Without a lease (a static list) nothing is stale.
+    let mut fleet = Fleet::new(FleetConfig {
+        lease_ttl_ms: None,
+        ..config()
+    });
+    fleet
+        .on_replayed_registration(0, info(4, 7, 1, "m", 16), u64::MAX, &mut out)
+        .unwrap();
+    assert!(fleet.worker(WorkerId(4)).is_some());
+}
+
 #[test]
 fn a_model_keeps_one_block_size() {
     let mut fleet = Fleet::new(config());
@@ -286,6 +340,12 @@ enum Op {
         dp: u32,
         big_block: bool,
     },
+    Replayed {
+        id: u64,
+        epoch: u64,
+        dp: u32,
+        age_ms: u64,
+    },
     Goodbye(u64),
     Batch {
         id: u64,
@@ -298,6 +358,8 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (0u64..6, 0u64..3, 1u32..4, proptest::bool::weighted(0.1))
             .prop_map(|(id, epoch, dp, big_block)| Op::Register { id, epoch, dp, big_block }),
+        2 => (0u64..6, 0u64..3, 1u32..4, 0u64..3_000)
+            .prop_map(|(id, epoch, dp, age_ms)| Op::Replayed { id, epoch, dp, age_ms }),
         1 => (0u64..6).prop_map(Op::Goodbye),
         4 => (0u64..7, 0u32..4).prop_map(|(id, rank)| Op::Batch { id, rank }),
         2 => (1u64..800).prop_map(Op::Tick),
@@ -324,6 +386,14 @@ proptest! {
                 Op::Register { id, epoch, dp, big_block } => {
                     let bs = if big_block { 32 } else { 16 };
                     let _ = fleet.on_registration(now, info(id, epoch, dp, "m", bs), &mut out);
+                }
+                Op::Replayed { id, epoch, dp, age_ms } => {
+                    let _ = fleet.on_replayed_registration(
+                        now,
+                        info(id, epoch, dp, "m", 16),
+                        age_ms,
+                        &mut out,
+                    );
                 }
                 Op::Goodbye(id) => fleet.on_goodbye(now, WorkerId(id), &mut out),
                 Op::Batch { id, rank } => d.batch(&mut fleet, now, (WorkerId(id), DpRank(rank))),
