@@ -29,6 +29,10 @@ use crate::protocol::Tier;
 pub const MAX_PAYLOAD_BYTES: usize = 16 << 20;
 /// Deepest nesting accepted (events nest four levels; extra keys a few more).
 const MAX_DEPTH: usize = 16;
+/// Most msgpack values a payload may hold. Each becomes a 32-byte node of the decoded tree,
+/// from as little as one byte (a nil, a small int), so this bounds the tree (64 MiB) where
+/// the payload limit alone allowed 512 MiB. A 128 k-token prefill is about 140 k values.
+pub const MAX_VALUES: usize = 1 << 21;
 /// Highest `group_idx` accepted (a hybrid model has a handful of KV-cache groups).
 pub const MAX_GROUP: u32 = 63;
 
@@ -154,6 +158,9 @@ pub enum WireError {
     /// Over [`MAX_PAYLOAD_BYTES`].
     #[error("payload of {0} bytes is over the {MAX_PAYLOAD_BYTES}-byte limit")]
     TooLarge(usize),
+    /// More than [`MAX_VALUES`] msgpack values.
+    #[error("payload holds more than {MAX_VALUES} msgpack values")]
+    TooManyValues,
     /// Not msgpack, nested too deeply, or bytes left after the value.
     #[error("not a msgpack value: {0}")]
     Msgpack(String),
@@ -171,6 +178,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<EngineBatch, WireError> {
     if payload.len() > MAX_PAYLOAD_BYTES {
         return Err(WireError::TooLarge(payload.len()));
     }
+    count_values(payload, MAX_VALUES)?;
     let mut rest = payload;
     let value = rmpv::decode::read_value_ref_with_max_depth(&mut rest, MAX_DEPTH)
         .map_err(|e| WireError::Msgpack(e.to_string()))?;
@@ -218,6 +226,83 @@ pub fn decode_batch(payload: &[u8]) -> Result<EngineBatch, WireError> {
         events,
         dp_rank,
     })
+}
+
+/// Walks the first msgpack value of `payload` without building it, refusing it past `limit`
+/// values (containers and their elements each count). Linear in the bytes walked; what it
+/// lets through, [`rmpv`] reads again and checks fully.
+fn count_values(payload: &[u8], limit: usize) -> Result<(), WireError> {
+    use rmp::Marker;
+    let truncated = || WireError::Msgpack("truncated payload".into());
+    let mut rest = payload;
+    // Values still to walk (an array of n adds n, a map of n adds 2n).
+    let mut pending: u64 = 1;
+    let mut seen = 0usize;
+    // A length of `n` bytes after the marker, big-endian.
+    let length = |rest: &mut &[u8], n: usize| -> Result<u64, WireError> {
+        let (bytes, tail) = rest.split_at_checked(n).ok_or_else(truncated)?;
+        *rest = tail;
+        Ok(bytes.iter().fold(0u64, |l, b| l << 8 | u64::from(*b)))
+    };
+    while pending > 0 {
+        pending -= 1;
+        seen += 1;
+        if seen > limit {
+            return Err(WireError::TooManyValues);
+        }
+        let (&first, tail) = rest.split_first().ok_or_else(truncated)?;
+        rest = tail;
+        let skip = match Marker::from_u8(first) {
+            Marker::FixPos(_) | Marker::FixNeg(_) | Marker::Null | Marker::True => 0,
+            Marker::False => 0,
+            Marker::U8 | Marker::I8 => 1,
+            Marker::U16 | Marker::I16 => 2,
+            Marker::U32 | Marker::I32 | Marker::F32 => 4,
+            Marker::U64 | Marker::I64 | Marker::F64 => 8,
+            Marker::FixStr(n) => u64::from(n),
+            Marker::Str8 | Marker::Bin8 => length(&mut rest, 1)?,
+            Marker::Str16 | Marker::Bin16 => length(&mut rest, 2)?,
+            Marker::Str32 | Marker::Bin32 => length(&mut rest, 4)?,
+            Marker::FixExt1 => 2,
+            Marker::FixExt2 => 3,
+            Marker::FixExt4 => 5,
+            Marker::FixExt8 => 9,
+            Marker::FixExt16 => 17,
+            Marker::Ext8 => length(&mut rest, 1)? + 1,
+            Marker::Ext16 => length(&mut rest, 2)? + 1,
+            Marker::Ext32 => length(&mut rest, 4)? + 1,
+            Marker::FixArray(n) => {
+                pending += u64::from(n);
+                0
+            }
+            Marker::Array16 => {
+                pending += length(&mut rest, 2)?;
+                0
+            }
+            Marker::Array32 => {
+                pending += length(&mut rest, 4)?;
+                0
+            }
+            Marker::FixMap(n) => {
+                pending += 2 * u64::from(n);
+                0
+            }
+            Marker::Map16 => {
+                pending += 2 * length(&mut rest, 2)?;
+                0
+            }
+            Marker::Map32 => {
+                pending += 2 * length(&mut rest, 4)?;
+                0
+            }
+            Marker::Reserved => {
+                return Err(WireError::Msgpack("reserved msgpack marker 0xc1".into()));
+            }
+        };
+        let skip = usize::try_from(skip).map_err(|_| truncated())?;
+        rest = rest.get(skip..).ok_or_else(truncated)?;
+    }
+    Ok(())
 }
 
 /// An event's fields by name, whichever shape it came in.

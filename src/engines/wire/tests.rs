@@ -336,3 +336,58 @@ fn bad_payloads_are_refused_with_a_reason() {
         Err(WireError::Msgpack(_))
     ));
 }
+
+/// A payload of one-byte values is refused before it is decoded into a tree 32 times its
+/// size; the walk counts every container and element of every encoding as rmpv reads them.
+#[test]
+fn a_payload_of_too_many_values_is_refused_before_decoding() {
+    // [0.0, [nil × MAX_VALUES]]: 2 MiB of bytes, a 64 MiB tree.
+    let mut payload = vec![0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd];
+    payload.extend((MAX_VALUES as u32).to_be_bytes());
+    payload.resize(payload.len() + MAX_VALUES, 0xc0);
+    assert_eq!(decode_batch(&payload), Err(WireError::TooManyValues));
+    // The count is exact: every value of every kind counts once.
+    let every_kind = Value::Array(vec![
+        Value::Nil,
+        Value::Boolean(true),
+        Value::from(7),
+        Value::from(-3),
+        Value::from(300),
+        Value::from(70_000),
+        Value::from(1u64 << 40),
+        Value::from(-(1i64 << 40)),
+        Value::F32(1.5),
+        Value::F64(2.5),
+        s("short"),
+        s(&"x".repeat(300)),
+        s(&"y".repeat(70_000)),
+        Value::Binary(vec![1; 40]),
+        Value::Binary(vec![1; 300]),
+        Value::Binary(vec![1; 70_000]),
+        Value::Ext(1, vec![0; 1]),
+        Value::Ext(1, vec![0; 16]),
+        Value::Ext(1, vec![0; 3]),
+        Value::Ext(1, vec![0; 300]),
+        Value::Ext(1, vec![0; 70_000]),
+        ints(&[1, 2, 3]),
+        Value::Array(vec![Value::Nil; 20]),
+        Value::Array(vec![Value::Nil; 70_000]),
+        map(vec![("a", Value::Nil), ("b", Value::from(1))]),
+        Value::Map(vec![(Value::Nil, Value::Nil); 20]),
+        Value::Map(vec![(Value::Nil, Value::Nil); 70_000]),
+    ]);
+    let bytes = encode(&every_kind);
+    let values = 1 + 21 + (1 + 3) + (1 + 20) + (1 + 70_000) + (1 + 4) + (1 + 40) + (1 + 140_000);
+    assert_eq!(count_values(&bytes, values), Ok(()));
+    assert_eq!(
+        count_values(&bytes, values - 1),
+        Err(WireError::TooManyValues)
+    );
+    // A cut-off payload is refused, not read past its end.
+    for cut in [1, 5, bytes.len() / 2, bytes.len() - 1] {
+        assert!(matches!(
+            count_values(&bytes[..cut], usize::MAX),
+            Err(WireError::Msgpack(_))
+        ));
+    }
+}
