@@ -33,8 +33,8 @@ pub struct Args {
     /// Seed of the input generator (a run is reproducible from it).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Only this decoder (event_batch, snapshot_chunk, worker_info, load_message,
-    /// openai_body, generate_body, toml_config).
+    /// Only this decoder (event_batch, engine_batch, engine_metrics, backend_spec,
+    /// snapshot_chunk, worker_info, load_message, openai_body, generate_body, toml_config).
     #[arg(long)]
     pub target: Option<String>,
     /// Where to write inputs that panicked (one file each).
