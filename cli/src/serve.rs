@@ -30,10 +30,11 @@ pub fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     kvroute::process::init_logging(settings.log_format);
     kvroute::process::raise_open_files_limit(settings.ingress.http.max_connections);
-    let tokenizer = load_tokenizer(
+    let mut tokenizer = load_tokenizer(
         settings.tokenizer.as_deref(),
         settings.chat_template.as_deref(),
     )?;
+    tokenizer.set_content_format(settings.chat_template_content_format);
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         let signals = kvroute::process::signals();

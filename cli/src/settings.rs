@@ -12,6 +12,7 @@ use anyhow::{Context, bail};
 use kvroute::auth::{NatsAuth, Secret};
 use kvroute::http::HttpConfig;
 use kvroute::ingress::IngressConfig;
+use kvroute::ingress::tokenizer::ContentFormatOption;
 use kvroute::process::LogFormat;
 use kvroute::scheduler::{self, PolicyKind};
 use serde::{Deserialize, Serialize};
@@ -248,6 +249,11 @@ pub struct ServeFlags {
     /// prefixes are never found [default: the model's, from --tokenizer's directory].
     #[arg(long, env = "KVROUTE_CHAT_TEMPLATE")]
     pub chat_template: Option<PathBuf>,
+    /// How message content reaches the chat template: `auto` (as vLLM detects it: a list
+    /// of parts for templates that loop over content, else a string), `string` or `openai`;
+    /// set it when the engines run with `--chat-template-content-format` [default: auto].
+    #[arg(long, env = "KVROUTE_CHAT_TEMPLATE_CONTENT_FORMAT")]
+    pub chat_template_content_format: Option<ContentFormatOption>,
     /// Log lines as `text` (colour only on a terminal) or `json` [default: text].
     #[arg(long, env = "KVROUTE_LOG_FORMAT")]
     pub log_format: Option<LogFormat>,
@@ -295,6 +301,8 @@ pub struct Settings {
     pub tokenizer: Option<PathBuf>,
     /// Chat template file in place of the model's.
     pub chat_template: Option<PathBuf>,
+    /// How message content reaches the chat template.
+    pub chat_template_content_format: ContentFormatOption,
     /// Log format.
     pub log_format: LogFormat,
     /// Direct mode's engines (empty: workers register over NATS).
@@ -730,6 +738,10 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
             .unwrap_or(30_000),
         tokenizer: flags.tokenizer.or(file.tokenizer),
         chat_template: flags.chat_template.or(file.chat_template),
+        chat_template_content_format: flags
+            .chat_template_content_format
+            .or(file.chat_template_content_format)
+            .unwrap_or_default(),
         log_format: flags.log_format.or(file.log_format).unwrap_or_default(),
         backends: flags
             .backends

@@ -111,10 +111,16 @@ pub fn include_usage(options: Option<StreamOptions>) -> bool {
 pub struct ChatMessage {
     /// `system`, `user`, `assistant`, …
     pub role: String,
-    /// Its text: a string, the text parts of an array (joined with newlines), or null /
-    /// absent (an assistant turn of tool calls) for none, as vLLM reads it
-    /// (`_parse_chat_message_content` in vllm/entrypoints/chat_utils.py).
+    /// Its text as a template that takes content as a string gets it: a string, the
+    /// non-empty text parts of an array joined with newlines, or null / absent (an
+    /// assistant turn of tool calls) for none, as vLLM reads it (`_parse_chat_message_content`
+    /// in vllm/entrypoints/chat_utils.py).
     pub content: String,
+    /// Its content as a template that loops over content parts gets it (vLLM's "openai"
+    /// format): one `{"type": "text", "text": …}` for each text part (a string content is
+    /// one), none for null.
+    #[serde(skip)]
+    pub parts: Vec<serde_json::Value>,
     /// It has parts other than text (images, audio): the router cannot tell the tokens an
     /// engine gives them, so it hashes only the conversation before such a message.
     #[serde(skip)]
@@ -131,6 +137,7 @@ impl ChatMessage {
         ChatMessage {
             role: role.to_owned(),
             content: content.to_owned(),
+            parts: vec![text_part(Some(content))],
             media: false,
             extra: serde_json::Map::new(),
         }
@@ -171,6 +178,8 @@ struct ContentPart {
     text: Option<String>,
     #[serde(default)]
     refusal: Option<String>,
+    #[serde(default)]
+    thinking: Option<String>,
     /// Its other fields: an untyped part is named by them (`image_url`, `input_audio`, …).
     #[serde(flatten)]
     rest: serde_json::Map<String, serde_json::Value>,
@@ -181,20 +190,22 @@ impl TryFrom<RawChatMessage> for ChatMessage {
 
     fn try_from(raw: RawChatMessage) -> Result<ChatMessage, String> {
         let mut media = false;
-        let content = match raw.content {
-            None => String::new(),
-            Some(RawContent::Text(text)) => text,
+        // Each text part's text; `None` for a part vLLM keeps with a null text.
+        let mut texts: Vec<Option<String>> = Vec::new();
+        match raw.content {
+            None => {}
+            Some(RawContent::Text(text)) => texts.push(Some(text)),
             Some(RawContent::Parts(parts)) => {
-                // vLLM's `MM_PARSER_MAP` (vllm/entrypoints/chat_utils.py): `text`,
-                // `input_text` and `output_text` parts give their `text`, `refusal` its
-                // `refusal`, a part without `type` is text; a part whose text is null adds
-                // nothing. Any other part (images, audio, video, `thinking`) gets tokens or
-                // a place the router does not know.
-                let mut texts = Vec::with_capacity(parts.len());
+                // vLLM's `MM_PARSER_MAP` and `_parse_chat_message_content_part`
+                // (vllm/entrypoints/chat_utils.py): `text`, `input_text`, `output_text` give
+                // their `text`, `thinking` its `thinking`, `refusal` its `refusal`, a bare
+                // string or a part without `type` is text. A `text` or `refusal` part whose
+                // text is null is skipped; the others keep their null. Any other part
+                // (images, audio, video) gets tokens or a place the router does not know.
                 for p in parts {
                     let p = match p {
                         RawPart::Text(text) => {
-                            texts.push(text);
+                            texts.push(Some(text));
                             continue;
                         }
                         RawPart::Typed(p) => p,
@@ -203,16 +214,25 @@ impl TryFrom<RawChatMessage> for ChatMessage {
                         // vLLM names an untyped part by its fields: anything but text is
                         // media (or unknown) to the router.
                         None if p.text.is_none() && !p.rest.is_empty() => media = true,
-                        None | Some("text" | "input_text" | "output_text") => {
-                            texts.extend(p.text);
-                        }
-                        Some("refusal") => texts.extend(p.refusal),
+                        None | Some("text") => texts.extend(p.text.map(Some)),
+                        Some("refusal") => texts.extend(p.refusal.map(Some)),
+                        Some("input_text" | "output_text") => texts.push(p.text),
+                        Some("thinking") => texts.push(p.thinking),
                         Some(_) => media = true,
                     }
                 }
-                texts.join("\n")
             }
-        };
+        }
+        // The string format drops empty and null texts (vLLM keeps a part only if it is
+        // truthy) and joins the rest with newlines; the parts format keeps every part.
+        let content = texts
+            .iter()
+            .flatten()
+            .filter(|t| !t.is_empty())
+            .map(String::as_str)
+            .collect::<Vec<_>>()
+            .join("\n");
+        let parts = texts.iter().map(|t| text_part(t.as_deref())).collect();
         // What vLLM's message for the template keeps besides role and content
         // (`_parse_chat_message_content`): a template that asks whether some other field
         // is defined would otherwise render differently here.
@@ -234,10 +254,16 @@ impl TryFrom<RawChatMessage> for ChatMessage {
         Ok(ChatMessage {
             role: raw.role,
             content,
+            parts,
             media,
             extra,
         })
     }
+}
+
+/// A text part as vLLM hands it to a template that loops over content parts.
+fn text_part(text: Option<&str>) -> serde_json::Value {
+    serde_json::json!({"type": "text", "text": text})
 }
 
 /// An assistant message's fields as vLLM hands them to the template

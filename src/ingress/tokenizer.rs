@@ -8,6 +8,9 @@ use serde::Deserialize;
 
 use super::openai::{ChatMessage, ChatOptions, byte_tokens, render_chat};
 
+mod content_format;
+pub use content_format::{ContentFormat, ContentFormatOption};
+
 /// Why a tokenizer could not be loaded or used.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
@@ -56,6 +59,8 @@ pub struct HfTokenizer {
     /// The template environment (template `chat`, and `chat_tool_use` if the model names a
     /// `tool_use` template), if the model has a chat template.
     chat: Option<minijinja::Environment<'static>>,
+    /// The content format each template wants: `chat`'s, and `chat_tool_use`'s.
+    formats: (ContentFormat, ContentFormat),
     bos_token: String,
     eos_token: String,
 }
@@ -137,17 +142,24 @@ impl Tokenizer {
                 }
             }
         };
+        let mut formats = (ContentFormat::String, ContentFormat::String);
         let chat = match template {
             Some(source) => {
                 let compile = |e: minijinja::Error| TokenizerError::Template {
                     reason: e.to_string(),
                 };
                 let mut env = chat_environment();
+                formats.0 = content_format::detect(&source);
                 env.add_template_owned("chat", source).map_err(compile)?;
                 if let Some(tool_use) = tool_use {
+                    formats.1 = content_format::detect(&tool_use);
                     env.add_template_owned("chat_tool_use", tool_use)
                         .map_err(compile)?;
                 }
+                tracing::info!(
+                    format = ?formats.0,
+                    "the chat template takes message content in this format (as vLLM detects it)"
+                );
                 Some(env)
             }
             None => None,
@@ -155,9 +167,23 @@ impl Tokenizer {
         Ok(Tokenizer::Hf(Box::new(HfTokenizer {
             tokenizer,
             chat,
+            formats,
             bos_token: token_text(config.bos_token),
             eos_token: token_text(config.eos_token),
         })))
+    }
+
+    /// The content format the chat templates get: as each wants it (`Auto`, the default),
+    /// or the one the engines are told (vLLM's `--chat-template-content-format`).
+    pub fn set_content_format(&mut self, option: ContentFormatOption) {
+        let given = match option {
+            ContentFormatOption::Auto => return,
+            ContentFormatOption::String => ContentFormat::String,
+            ContentFormatOption::OpenAi => ContentFormat::OpenAi,
+        };
+        if let Tokenizer::Hf(hf) = self {
+            hf.formats = (given, given);
+        }
     }
 
     /// Token ids of a prompt; with `add_special_tokens`, the tokenizer's own (BOS) added as
@@ -198,6 +224,7 @@ impl Tokenizer {
         let template_error = |e: minijinja::Error| TokenizerError::Template {
             reason: e.to_string(),
         };
+        let mut format = ContentFormat::String;
         let text = match self {
             Tokenizer::Hf(hf) => match &hf.chat {
                 Some(env) => {
@@ -221,16 +248,19 @@ impl Tokenizer {
                     for (k, v) in &options.kwargs {
                         context.insert(k.clone(), value(v));
                     }
-                    context.insert(
-                        "messages".into(),
-                        minijinja::Value::from(minijinja::value::Serde(messages)),
-                    );
                     let tools = options.tools.as_ref().is_some_and(|t| !t.is_null());
                     let name = if tools && env.get_template("chat_tool_use").is_ok() {
+                        format = hf.formats.1;
                         "chat_tool_use"
                     } else {
+                        format = hf.formats.0;
                         "chat"
                     };
+                    let messages = match format {
+                        ContentFormat::String => value(&messages),
+                        ContentFormat::OpenAi => value(&with_parts(messages)?),
+                    };
+                    context.insert("messages".into(), messages);
                     env.get_template(name)
                         .map_err(template_error)?
                         .render(context)
@@ -241,18 +271,45 @@ impl Tokenizer {
             Tokenizer::Bytes => render_chat(messages, options.add_generation_prompt),
         };
         if options.continue_final_message {
-            continued(&text, messages)
+            continued(&text, messages, format)
         } else {
             Ok(text)
         }
     }
 }
 
+/// The messages with each one's content as its list of parts (the "openai" format).
+fn with_parts(messages: &[ChatMessage]) -> Result<Vec<serde_json::Value>, TokenizerError> {
+    messages
+        .iter()
+        .map(|m| {
+            let mut v = serde_json::to_value(m).map_err(|e| TokenizerError::Template {
+                reason: e.to_string(),
+            })?;
+            if let Some(content) = v.get_mut("content") {
+                *content = serde_json::Value::Array(m.parts.clone());
+            }
+            Ok(v)
+        })
+        .collect()
+}
+
 /// The rendered chat cut right after the last message's content, so the model continues it
 /// (Hugging Face's `continue_final_message`: the content's last occurrence, or its trimmed
-/// form's, since some templates strip whitespace).
-fn continued(text: &str, messages: &[ChatMessage]) -> Result<String, TokenizerError> {
-    let last = messages.last().map_or("", |m| m.content.as_str());
+/// form's, since some templates strip whitespace; of a list of parts, the last part's text).
+fn continued(
+    text: &str,
+    messages: &[ChatMessage],
+    format: ContentFormat,
+) -> Result<String, TokenizerError> {
+    let last = messages.last().map_or("", |m| match format {
+        ContentFormat::String => m.content.as_str(),
+        ContentFormat::OpenAi => m
+            .parts
+            .last()
+            .and_then(|p| p.get("text")?.as_str())
+            .unwrap_or(""),
+    });
     for needle in [last, last.trim()] {
         if let Some(at) = text.rfind(needle) {
             return Ok(text[..at + needle.len()].to_owned());
@@ -723,6 +780,41 @@ mod tests {
             serde_json::from_value(value).unwrap();
         let options = request.take_options();
         (request.messages, options)
+    }
+
+    /// Content reaches a template in the shape vLLM hands it over: a template that loops
+    /// over content parts (Llama 4's shape, which trims each text part) gets a list of text
+    /// parts for every message, a string content as one part and null as none; any other
+    /// template gets the non-empty text parts joined with newlines.
+    #[test]
+    fn content_reaches_the_template_in_the_shape_it_loops_over() {
+        let looping = "{% for m in messages %}<{{ m.role }}>{% if m['content'] is string %}{{ m['content'] }}{% else %}[{% for p in m['content'] %}{{ p['text'] | trim }}|{% endfor %}]{% endif %}{% endfor %}";
+        let messages = serde_json::json!({
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": " Be brief. "},
+                {"role": "user", "content": [
+                    {"type": "text", "text": "a "}, {"type": "text", "text": ""},
+                    "b", {"type": "input_text", "text": " c"},
+                    {"type": "thinking", "thinking": "t"}, {"type": "text", "text": null}]},
+                {"role": "assistant", "content": null},
+            ],
+        });
+        let (dir, t) = with_config("parts", serde_json::json!({"chat_template": looping}));
+        let (m, options) = chat(messages.clone());
+        assert_eq!(
+            t.render(&m, &options).unwrap(),
+            "<system>[Be brief.|]<user>[a||b|c|t|]<assistant>[]"
+        );
+        std::fs::remove_dir_all(&dir).ok();
+        let whole = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}";
+        let (dir, t) = with_config("whole", serde_json::json!({"chat_template": whole}));
+        let (m, options) = chat(messages);
+        assert_eq!(
+            t.render(&m, &options).unwrap(),
+            "<system> Be brief. <user>a \nb\n c\nt<assistant>"
+        );
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     /// Tools and tool calls reach the template as vLLM hands them over: each tool through

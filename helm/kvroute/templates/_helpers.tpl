@@ -329,6 +329,9 @@ tokenizer = {{ . | toJson }}
 {{- with $r.chatTemplate }}
 chat_template = {{ . | toJson }}
 {{- end }}
+{{- with $r.chatTemplateContentFormat }}
+chat_template_content_format = {{ . | toJson }}
+{{- end }}
 log_format = {{ $r.logFormat | toJson }}
 {{- with $r.backends }}
 backends = {{ . | toJson }}
