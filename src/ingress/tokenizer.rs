@@ -72,6 +72,63 @@ struct TokenizerConfig {
     eos_token: Option<serde_json::Value>,
 }
 
+/// The special tokens an encoding gets, as transformers sets them: a `tokenizer_config.json`
+/// that names `add_bos_token` or `add_eos_token` replaces `tokenizer.json`'s post-processor
+/// with one adding the BOS and EOS tokens it asks for (`TokenizersBackend.__init__` and
+/// `update_post_processor` in transformers 5; in 4.x, Llama's, Gemma's and their kin's
+/// tokenizer classes). DeepSeek's distilled Qwen models, say, add their BOS that way to
+/// every completion, where their `tokenizer.json` adds none: without it every block of a
+/// completion's prompt is one token off the engine's.
+fn special_tokens_as_configured(
+    tokenizer: &mut tokenizers::Tokenizer,
+    config: &serde_json::Value,
+    bos: &str,
+    eos: &str,
+) -> Result<(), String> {
+    let (add_bos, add_eos) = (config.get("add_bos_token"), config.get("add_eos_token"));
+    if add_bos.is_none() && add_eos.is_none() {
+        return Ok(());
+    }
+    let null = serde_json::Value::Null;
+    let (add_bos, add_eos) = (add_bos.unwrap_or(&null), add_eos.unwrap_or(&null));
+    // A flag is set by a truthy value. (A token the vocabulary lacks, which transformers
+    // would add to it under a new id, is left out.)
+    let token = |flag: &serde_json::Value, text: &str| {
+        let on = match flag {
+            serde_json::Value::Bool(b) => *b,
+            serde_json::Value::Number(n) => n.as_f64().is_some_and(|n| n != 0.0),
+            _ => false,
+        };
+        on.then(|| tokenizer.token_to_id(text).map(|id| (text.to_owned(), id)))
+            .flatten()
+    };
+    let (bos, eos) = (token(add_bos, bos), token(add_eos, eos));
+    let single = [
+        bos.as_ref().map(|(t, _)| format!("{t}:0")),
+        Some("$A:0".to_owned()),
+        eos.as_ref().map(|(t, _)| format!("{t}:0")),
+    ];
+    let pair = [
+        bos.as_ref().map(|(t, _)| format!("{t}:1")),
+        Some("$B:1".to_owned()),
+        eos.as_ref().map(|(t, _)| format!("{t}:1")),
+    ];
+    let single: Vec<String> = single.into_iter().flatten().collect();
+    let pair: Vec<String> = single
+        .iter()
+        .cloned()
+        .chain(pair.into_iter().flatten())
+        .collect();
+    let processor = tokenizers::processors::template::TemplateProcessing::builder()
+        .try_single(single.join(" "))?
+        .try_pair(pair.join(" "))?
+        .special_tokens(bos.into_iter().chain(eos).collect::<Vec<_>>())
+        .build()
+        .map_err(|e| e.to_string())?;
+    tokenizer.with_post_processor(Some(processor));
+    Ok(())
+}
+
 /// A special token in `tokenizer_config.json`: a string or `{"content": …}`.
 fn token_text(v: Option<serde_json::Value>) -> String {
     match v {
@@ -103,13 +160,20 @@ impl Tokenizer {
             path: path.display().to_string(),
             reason,
         };
-        let tokenizer = tokenizers::Tokenizer::from_file(path).map_err(|e| err(e.to_string()))?;
+        let mut tokenizer =
+            tokenizers::Tokenizer::from_file(path).map_err(|e| err(e.to_string()))?;
         let config_path = path.with_file_name("tokenizer_config.json");
-        let config: TokenizerConfig = match std::fs::read_to_string(&config_path) {
+        let raw: serde_json::Value = match std::fs::read_to_string(&config_path) {
             Ok(text) => serde_json::from_str(&text)
                 .map_err(|e| err(format!("{}: {e}", config_path.display())))?,
-            Err(_) => TokenizerConfig::default(),
+            Err(_) => serde_json::json!({}),
         };
+        let config = TokenizerConfig::deserialize(&raw)
+            .map_err(|e| err(format!("{}: {e}", config_path.display())))?;
+        let bos_token = token_text(config.bos_token.clone());
+        let eos_token = token_text(config.eos_token.clone());
+        special_tokens_as_configured(&mut tokenizer, &raw, &bos_token, &eos_token)
+            .map_err(|e| err(format!("{}: {e}", config_path.display())))?;
         // A template is a string, or a list of named templates: "default", and "tool_use"
         // for requests with tools (transformers' `get_chat_template`).
         let named = |name: &str| match &config.chat_template {
@@ -168,8 +232,8 @@ impl Tokenizer {
             tokenizer,
             chat,
             formats,
-            bos_token: token_text(config.bos_token),
-            eos_token: token_text(config.eos_token),
+            bos_token,
+            eos_token,
         })))
     }
 
@@ -692,6 +756,35 @@ mod tests {
                 .is_empty()
         );
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// `add_bos_token` / `add_eos_token` in `tokenizer_config.json` decide the special
+    /// tokens of an encoding, whatever `tokenizer.json`'s post-processor adds (transformers
+    /// rebuilds it from them); without either flag, the post-processor stands.
+    #[test]
+    fn configured_bos_and_eos_replace_the_post_processor() {
+        let cases = [
+            (serde_json::json!({}), vec![6, 1, 2]),
+            (serde_json::json!({"add_bos_token": false}), vec![1, 2]),
+            (
+                serde_json::json!({"add_bos_token": true, "add_eos_token": true, "eos_token": "tool"}),
+                vec![6, 1, 2, 7],
+            ),
+            (
+                serde_json::json!({"add_eos_token": true, "eos_token": "tool"}),
+                vec![1, 2, 7],
+            ),
+        ];
+        for (i, (config, ids)) in cases.into_iter().enumerate() {
+            let mut config = config;
+            if config.get("bos_token").is_none() {
+                config["bos_token"] = "BOS".into();
+            }
+            let (dir, t) = with_config(&format!("special-{i}"), config.clone());
+            assert_eq!(t.encode("hello world", true).unwrap(), ids, "{config}");
+            assert_eq!(t.encode("hello world", false).unwrap(), vec![1, 2]);
+            std::fs::remove_dir_all(&dir).ok();
+        }
     }
 
     /// The template sees what Hugging Face's `apply_chat_template` gives it in vLLM: tools,
