@@ -246,9 +246,10 @@ pub struct Watch {
     pub events: mpsc::Receiver<RegistryEvent>,
     /// A registration not refreshed for this long has expired, ms (`None`: a static list).
     pub lease_ttl_ms: Option<u64>,
-    /// Whether the registry takes writes now and this watch hears them. While it does not
-    /// (a JetStream cluster electing the bucket's leader or short of a quorum, or a watch
-    /// being re-created), silence says nothing of the workers and no lease may lapse.
+    /// Whether the registry takes writes now (this router's, or the workers' heartbeats)
+    /// and this watch hears them. While it does not (a JetStream cluster electing the
+    /// bucket's leader or short of a quorum, or a watch being re-created), silence says
+    /// nothing of the workers and no lease may lapse.
     pub healthy: watch::Receiver<bool>,
 }
 
@@ -448,7 +449,7 @@ async fn probe_bucket(
         match (was, error) {
             (true, Some(error)) => tracing::warn!(
                 %error,
-                "the worker registry takes no writes: no lease lapses until it does"
+                "the worker registry takes no writes from this router: no lease lapses while no worker's heartbeat arrives either"
             ),
             (false, None) => tracing::info!("the worker registry takes writes again"),
             _ => {}
@@ -544,8 +545,9 @@ async fn raise_replicas(js: &async_nats::jetstream::Context, bucket: &str, wante
     }
 }
 
-/// Follows the bucket: every registration as `Put`, then changes. `healthy` says whether
-/// the bucket takes writes (`writable`, from the probe) and this watch hears them: a watch
+/// Follows the bucket: its history as `Replayed` (aged), then changes. `healthy` says
+/// whether the bucket takes writes (`writable`, from this router's probe, or workers'
+/// heartbeats heard within `stale_after`) and this watch hears them: a watch
 /// that hears nothing for `stale_after` while the bucket takes writes (a consumer left behind
 /// by a leader change, which would otherwise go quiet for good) is re-created, and reads
 /// every current registration again.
@@ -580,14 +582,34 @@ async fn watch_bucket(
         // The history, held until the watch has caught up with the bucket, so that each
         // registration's age is counted from the newest entry.
         let mut history = Some(History::default());
+        // When a worker's registration was last written, live: while workers' heartbeats
+        // arrive the registry takes writes, whatever this router's probe says (a router
+        // whose NATS account may not write the bucket), and silent workers are gone.
+        let mut heartbeat_at: Option<tokio::time::Instant> = None;
+        let takes_writes = |writable: bool, heartbeat_at: Option<tokio::time::Instant>| {
+            writable || heartbeat_at.is_some_and(|at| at.elapsed() < stale_after)
+        };
         loop {
+            let heartbeats_stop = heartbeat_at
+                .filter(|_| !*writable.borrow())
+                .map(|at| at + stale_after);
             let entry = tokio::select! {
                 entry = tokio::time::timeout_at(last_entry + stale_after, watch.next()) => entry,
                 changed = writable.changed() => {
                     if changed.is_err() {
                         return;
                     }
-                    healthy.send_replace(heard && *writable.borrow());
+                    healthy.send_replace(heard && takes_writes(*writable.borrow(), heartbeat_at));
+                    continue;
+                }
+                () = async {
+                    match heartbeats_stop {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    healthy.send_replace(heard && takes_writes(*writable.borrow(), heartbeat_at));
+                    heartbeat_at = None;
                     continue;
                 }
                 _ = tx.closed() => return,
@@ -641,6 +663,16 @@ async fn watch_bucket(
                         .map(|id| RegistryEvent::Delete(WorkerId(id))),
                 }
             };
+            if history.is_none() && matches!(event, Some(RegistryEvent::Put(_))) {
+                let was = takes_writes(*writable.borrow(), heartbeat_at);
+                heartbeat_at = Some(tokio::time::Instant::now());
+                if !was && heard {
+                    tracing::warn!(
+                        "workers' heartbeats reach the worker registry while this router's writes do not (its NATS account may lack write access to the bucket): leases lapse again"
+                    );
+                    healthy.send_replace(true);
+                }
+            }
             let events = match &mut history {
                 Some(h) => {
                     h.events.extend(event.map(|e| (e, created_ms)));
@@ -659,7 +691,7 @@ async fn watch_bucket(
             if !heard {
                 // Heard once the history is delivered.
                 heard = true;
-                healthy.send_replace(*writable.borrow());
+                healthy.send_replace(takes_writes(*writable.borrow(), heartbeat_at));
             }
         }
         // The watch ended (server restart, leader change) or went stale: watch again;

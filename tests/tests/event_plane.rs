@@ -302,6 +302,59 @@ async fn a_router_started_after_a_crash_does_not_route_to_the_crashed_worker() {
     live.stop(true).await;
 }
 
+/// A router whose own writes to the registry fail (its NATS account may not write the
+/// bucket) while the workers' heartbeats arrive still lapses a crashed worker's lease: the
+/// registry takes writes, so a silent worker is gone. (Only while nobody's writes land,
+/// an election or a lost quorum, do leases wait.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_that_cannot_write_the_registry_still_lapses_a_crashed_worker() {
+    let server = NatsServer::start_with_config(
+        r#"authorization {
+  users = [
+    {user: "worker", password: "w"}
+    {user: "router", password: "r", permissions: {publish: {allow: [">"], deny: ["$KV.kvroute-test-workers._probe.>"]}}}
+  ]
+}"#,
+    )
+    .unwrap();
+    let connect = |user: &str, password: &str| {
+        let auth = kvroute::auth::NatsAuth {
+            nats_user: Some(user.into()),
+            nats_password: Some(kvroute::auth::Secret::new(password)),
+            ..Default::default()
+        };
+        let (url, user) = (server.url(), user.to_owned());
+        async move {
+            let transport = Transport::connect_nats(&url, &user, &auth).await.unwrap();
+            let client = transport.nats_client().unwrap().clone();
+            let registry = Registry::nats(client, CLUSTER, &lease(), 1).await.unwrap();
+            (transport, registry)
+        }
+    };
+    let (transport, registry) = connect("worker", "w").await;
+    let sims = workers(&transport, &registry, 0..2, Faults::default()).await;
+    let (rt, rreg) = connect("router", "r").await;
+    let r = router(rt, &rreg).await;
+    let both = eventually(Duration::from_secs(10), || {
+        r.plane.worker(WorkerId(0)).is_some() && r.plane.worker(WorkerId(1)).is_some()
+    })
+    .await;
+    assert!(both, "the workers never registered");
+    let mut sims = sims.into_iter();
+    let (live, crashed) = (sims.next().unwrap(), sims.next().unwrap());
+    crashed.stop(false).await;
+    let gone = eventually(Duration::from_secs(10), || {
+        r.plane.worker(WorkerId(1)).is_none()
+    })
+    .await;
+    assert!(gone, "the crashed worker's lease never lapsed");
+    assert!(
+        r.plane.worker(WorkerId(0)).is_some(),
+        "the live worker lapsed"
+    );
+    live.stop(true).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_server_restart_mid_run() {
     let mut server = NatsServer::start().unwrap();
