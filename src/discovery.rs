@@ -358,8 +358,9 @@ impl Registry {
         }
     }
 
-    /// Watches the registry: every current registration as `Put`, then changes, until the
-    /// receiver is dropped. `lease` says how long a silent registration lives.
+    /// Watches the registry until the receiver is dropped: every current registration
+    /// (as `Replayed` from a NATS bucket, with its age; as `Put` otherwise), then changes.
+    /// `lease` says how long a silent registration lives.
     pub fn watch(&self, lease: LeaseConfig) -> Watch {
         let (tx, events) = mpsc::channel(1024);
         // In-process and static registries always take writes.
@@ -369,8 +370,22 @@ impl Registry {
             Registry::Nats(store) => {
                 let period = probe_period(lease.ttl_ms);
                 let (writable_tx, writable) = watch::channel(true);
-                tokio::spawn(probe_bucket((*store).clone(), writable_tx, period));
-                tokio::spawn(watch_bucket(*store, tx, writable, healthy_tx, 3 * period));
+                let (acked_tx, acked) = watch::channel(0);
+                tokio::spawn(probe_bucket(
+                    (*store).clone(),
+                    writable_tx,
+                    acked_tx,
+                    period,
+                ));
+                tokio::spawn(watch_bucket(
+                    *store,
+                    tx,
+                    writable,
+                    acked,
+                    healthy_tx,
+                    3 * period,
+                    Duration::from_millis(lease.ttl_ms),
+                ));
                 Some(lease.ttl_ms)
             }
             Registry::Local(local) => {
@@ -416,6 +431,7 @@ fn probe_period(ttl_ms: u64) -> Duration {
 async fn probe_bucket(
     store: async_nats::jetstream::kv::Store,
     writable: watch::Sender<bool>,
+    acked: watch::Sender<u64>,
     period: Duration,
 ) {
     use std::hash::{BuildHasher, Hasher};
@@ -439,6 +455,9 @@ async fn probe_bucket(
             Err(_) => Some(format!("no acknowledgement within {:?}", 2 * period)),
         };
         let now = error.is_none();
+        if now {
+            acked.send_modify(|n| *n += 1);
+        }
         let mut was = now;
         // Receivers are woken by a change only (the watch times its silence from entries).
         writable.send_if_modified(|w| {
@@ -546,24 +565,38 @@ async fn raise_replicas(js: &async_nats::jetstream::Context, bucket: &str, wante
 }
 
 /// Follows the bucket: its history as `Replayed` (aged), then changes. `healthy` says
-/// whether the bucket takes writes (`writable`, from this router's probe, or workers'
-/// heartbeats heard within `stale_after`) and this watch hears them: a watch
-/// that hears nothing for `stale_after` while the bucket takes writes (a consumer left behind
-/// by a leader change, which would otherwise go quiet for good) is re-created, and reads
-/// every current registration again.
+/// whether the bucket takes writes and this watch hears them. The bucket takes writes while
+/// this router's probe is acknowledged (`writable`), or while workers' heartbeats arrive
+/// within a `lease` of each other (a router whose NATS account may not write the bucket):
+/// a silent worker is then gone, not cut off. A watch that hears nothing for `stale_after`
+/// while this router's probes land (a consumer left behind by a leader change, which would
+/// otherwise go quiet for good), or for a lease after heartbeats were heard, is re-created
+/// and reads every registration again.
 async fn watch_bucket(
     store: async_nats::jetstream::kv::Store,
     tx: mpsc::Sender<RegistryEvent>,
     mut writable: watch::Receiver<bool>,
+    mut acked: watch::Receiver<u64>,
     healthy: watch::Sender<bool>,
     stale_after: Duration,
+    lease: Duration,
 ) {
-    use async_nats::jetstream::kv::Operation;
     use futures_util::StreamExt;
+    use tokio::time::Instant;
     let mut backoff = Duration::from_millis(200);
     loop {
         // Deaf until the new watch has delivered the bucket's history.
         healthy.send_replace(false);
+        // A probe acknowledged from now on is in the history the watch reads, so the
+        // history's newest entry, which ages every registration, is about now (unless this
+        // router cannot write; then the workers' newest heartbeat is).
+        acked.borrow_and_update();
+        if *writable.borrow() {
+            tokio::select! {
+                _ = tokio::time::timeout(stale_after, acked.changed()) => {}
+                _ = tx.closed() => return,
+            }
+        }
         let mut watch = match store.watch_with_history(">").await {
             Ok(w) => w,
             Err(e) => {
@@ -578,21 +611,19 @@ async fn watch_bucket(
         };
         backoff = Duration::from_millis(200);
         let mut heard = false;
-        let mut last_entry = tokio::time::Instant::now();
+        let mut last_entry = Instant::now();
         // The history, held until the watch has caught up with the bucket, so that each
         // registration's age is counted from the newest entry.
         let mut history = Some(History::default());
-        // When a worker's registration was last written, live: while workers' heartbeats
-        // arrive the registry takes writes, whatever this router's probe says (a router
-        // whose NATS account may not write the bucket), and silent workers are gone.
-        let mut heartbeat_at: Option<tokio::time::Instant> = None;
-        let takes_writes = |writable: bool, heartbeat_at: Option<tokio::time::Instant>| {
-            writable || heartbeat_at.is_some_and(|at| at.elapsed() < stale_after)
+        // When a worker's registration was last written, live.
+        let mut heartbeat_at: Option<Instant> = None;
+        let takes_writes = |writable: bool, heartbeat_at: Option<Instant>| {
+            writable || heartbeat_at.is_some_and(|at| at.elapsed() < lease)
         };
         loop {
             let heartbeats_stop = heartbeat_at
                 .filter(|_| !*writable.borrow())
-                .map(|at| at + stale_after);
+                .map(|at| at + lease);
             let entry = tokio::select! {
                 entry = tokio::time::timeout_at(last_entry + stale_after, watch.next()) => entry,
                 changed = writable.changed() => {
@@ -608,88 +639,73 @@ async fn watch_bucket(
                         None => std::future::pending().await,
                     }
                 } => {
-                    healthy.send_replace(heard && takes_writes(*writable.borrow(), heartbeat_at));
-                    heartbeat_at = None;
-                    continue;
+                    // No heartbeat for a lease, and this router cannot write: every worker
+                    // is gone, or this watch is stale. Read the bucket afresh.
+                    tracing::warn!(
+                        "no worker's heartbeat for a lease while this router cannot write the registry; watching it again"
+                    );
+                    break;
                 }
                 _ = tx.closed() => return,
             };
             let entry = match entry {
-                Ok(Some(entry)) => entry,
-                Ok(None) => break,
-                Err(_) if *writable.borrow() => {
-                    metrics::counter!("kvroute_registry_watch_restarts_total").increment(1);
-                    tracing::warn!(
-                        silent = ?stale_after,
-                        "the worker registry watch hears nothing while the registry takes writes; re-creating it"
-                    );
-                    break;
-                }
-                Err(_) => {
-                    // Silence is expected while nothing can be written.
-                    last_entry = tokio::time::Instant::now();
-                    continue;
-                }
-            };
-            last_entry = tokio::time::Instant::now();
-            let entry = match entry {
-                Ok(entry) => entry,
-                Err(e) => {
+                Ok(Some(Ok(entry))) => entry,
+                Ok(Some(Err(e))) => {
                     tracing::warn!(error = %e, "worker registry watch error");
                     break;
                 }
+                Ok(None) => break,
+                Err(_) => {
+                    if let Some(h) = history.take() {
+                        // The history's last entry never said it was the last (entries
+                        // removed before delivery): silence says so.
+                        if send_all(&tx, h.aged()).await.is_err() {
+                            return;
+                        }
+                        heard = true;
+                        healthy.send_replace(takes_writes(*writable.borrow(), heartbeat_at));
+                    } else if *writable.borrow() {
+                        metrics::counter!("kvroute_registry_watch_restarts_total").increment(1);
+                        tracing::warn!(
+                            silent = ?stale_after,
+                            "the worker registry watch hears nothing while the registry takes writes; re-creating it"
+                        );
+                        break;
+                    }
+                    // Silence is expected while nothing can be written.
+                    last_entry = Instant::now();
+                    continue;
+                }
             };
+            last_entry = Instant::now();
             let caught_up = entry.seen_current;
             let created_ms = unix_ms(entry.created.unix_timestamp_nanos());
-            if let Some(h) = &mut history {
-                h.newest_ms = h.newest_ms.max(created_ms);
-            }
-            let event = if entry.key.starts_with(PROBE_PREFIX) {
-                None
-            } else {
-                match entry.operation {
-                    Operation::Put => match WorkerInfo::decode(&entry.value) {
-                        Ok(info) => Some(RegistryEvent::Put(info)),
-                        Err(e) => {
-                            metrics::counter!("kvroute_registry_invalid_total").increment(1);
-                            tracing::warn!(key = %entry.key, error = %e, "ignoring invalid worker registration");
-                            None
-                        }
-                    },
-                    Operation::Delete | Operation::Purge => entry
-                        .key
-                        .parse::<u64>()
-                        .ok()
-                        .map(|id| RegistryEvent::Delete(WorkerId(id))),
-                }
-            };
-            if history.is_none() && matches!(event, Some(RegistryEvent::Put(_))) {
-                let was = takes_writes(*writable.borrow(), heartbeat_at);
-                heartbeat_at = Some(tokio::time::Instant::now());
-                if !was && heard {
-                    tracing::warn!(
-                        "workers' heartbeats reach the worker registry while this router's writes do not (its NATS account may lack write access to the bucket): leases lapse again"
-                    );
-                    healthy.send_replace(true);
-                }
-            }
-            let events = match &mut history {
-                Some(h) => {
-                    h.events.extend(event.map(|e| (e, created_ms)));
-                    if !caught_up {
-                        continue;
+            let event = registry_event(&entry);
+            let Some(h) = &mut history else {
+                if matches!(event, Some(RegistryEvent::Put(_))) {
+                    let was = takes_writes(*writable.borrow(), heartbeat_at);
+                    heartbeat_at = Some(Instant::now());
+                    if !was {
+                        tracing::warn!(
+                            "workers' heartbeats reach the worker registry while this router's writes do not (its NATS account may lack write access to the bucket): leases lapse again"
+                        );
+                        healthy.send_replace(true);
                     }
-                    history.take().map_or_else(Vec::new, History::aged)
                 }
-                None => event.into_iter().collect(),
-            };
-            for event in events {
-                if tx.send(event).await.is_err() {
+                if let Some(event) = event
+                    && tx.send(event).await.is_err()
+                {
                     return;
                 }
-            }
-            if !heard {
-                // Heard once the history is delivered.
+                continue;
+            };
+            h.newest_ms = h.newest_ms.max(created_ms);
+            h.events.extend(event.map(|e| (e, created_ms)));
+            if caught_up {
+                let events = history.take().map_or_else(Vec::new, History::aged);
+                if send_all(&tx, events).await.is_err() {
+                    return;
+                }
                 heard = true;
                 healthy.send_replace(takes_writes(*writable.borrow(), heartbeat_at));
             }
@@ -703,6 +719,40 @@ async fn watch_bucket(
             _ = tx.closed() => return,
         }
     }
+}
+
+/// What a registry entry reports, if anything (probes and invalid entries report nothing).
+fn registry_event(entry: &async_nats::jetstream::kv::Entry) -> Option<RegistryEvent> {
+    use async_nats::jetstream::kv::Operation;
+    if entry.key.starts_with(PROBE_PREFIX) {
+        return None;
+    }
+    match entry.operation {
+        Operation::Put => match WorkerInfo::decode(&entry.value) {
+            Ok(info) => Some(RegistryEvent::Put(info)),
+            Err(e) => {
+                metrics::counter!("kvroute_registry_invalid_total").increment(1);
+                tracing::warn!(key = %entry.key, error = %e, "ignoring invalid worker registration");
+                None
+            }
+        },
+        Operation::Delete | Operation::Purge => entry
+            .key
+            .parse::<u64>()
+            .ok()
+            .map(|id| RegistryEvent::Delete(WorkerId(id))),
+    }
+}
+
+/// Sends `events` in order; `Err` once the receiver is gone.
+async fn send_all(
+    tx: &mpsc::Sender<RegistryEvent>,
+    events: Vec<RegistryEvent>,
+) -> Result<(), mpsc::error::SendError<RegistryEvent>> {
+    for event in events {
+        tx.send(event).await?;
+    }
+    Ok(())
 }
 
 /// The entries a watch reads back before it has caught up with the bucket.

@@ -119,8 +119,11 @@ pub struct FleetStats {
     /// Heartbeats of an incarnation that had already said goodbye, ignored.
     pub zombie_heartbeats: u64,
     /// Registrations read back from the registry's history whose lease had already lapsed
-    /// (their worker stopped without a goodbye), ignored.
+    /// (their worker stopped without a goodbye, or cannot write the registry), kept aside
+    /// until a batch of theirs shows the worker alive.
     pub stale_registrations: u64,
+    /// Workers registered from such a registration by a batch of theirs.
+    pub woken: u64,
 }
 
 /// Why a registration was refused.
@@ -149,6 +152,18 @@ struct Member {
     /// When the lease was last renewed, on the fleet's clock; before its zero for a
     /// registration that was already old when this fleet read it.
     renewed_ms: i64,
+    /// Set while the lease runs from a registration read back from the registry's history:
+    /// how old it was then. While the router is deaf such a lease keeps that age (its age
+    /// is the registry's own measure), where a lease heard live runs afresh.
+    replay_age_ms: Option<u64>,
+}
+
+/// A registration read back older than its lease: not a member (not routed to), until a
+/// batch of the worker's arrives before `forget_ms`.
+#[derive(Clone, Debug)]
+struct Dormant {
+    info: WorkerInfo,
+    forget_ms: u64,
 }
 
 /// The fleet.
@@ -158,6 +173,8 @@ pub struct Fleet {
     members: BTreeMap<WorkerId, Member>,
     /// Workers that left: (the incarnation that left, when the tombstone goes, why it left).
     tombstones: BTreeMap<WorkerId, (u64, u64, Departure)>,
+    /// Registrations read back older than their lease.
+    dormant: BTreeMap<WorkerId, Dormant>,
     stats: FleetStats,
 }
 
@@ -168,6 +185,7 @@ impl Fleet {
             config,
             members: BTreeMap::new(),
             tombstones: BTreeMap::new(),
+            dormant: BTreeMap::new(),
             stats: FleetStats::default(),
         }
     }
@@ -190,6 +208,11 @@ impl Fleet {
     /// Workers remembered as departed.
     pub fn tombstones(&self) -> usize {
         self.tombstones.len()
+    }
+
+    /// Registrations read back older than their lease, kept aside.
+    pub fn dormant(&self) -> usize {
+        self.dormant.len()
     }
 
     /// Every stream that should exist now: each rank of each registered worker.
@@ -215,7 +238,8 @@ impl Fleet {
         info: WorkerInfo,
         out: &mut Vec<FleetCommand>,
     ) -> Result<(), Refusal> {
-        self.register(now_ms, info, 0, out)
+        self.dormant.remove(&info.id);
+        self.register(now_ms, info, None, out)
     }
 
     /// A registration read back from the registry's history as a watch starts (a router
@@ -223,8 +247,9 @@ impl Fleet {
     /// entry. Its lease runs from then, not from now: a worker that stopped without a
     /// goodbye (killed, its node lost) left a registration that lives on in the bucket, and
     /// read as new it would be routed to for a whole lease. One already older than the lease
-    /// is ignored (counted in [`FleetStats::stale_registrations`]); a live worker's next
-    /// heartbeat registers it again.
+    /// is kept aside, not routed to (counted in [`FleetStats::stale_registrations`]): the
+    /// worker's next heartbeat, or a batch of its events (a worker alive whose heartbeats
+    /// cannot reach the registry), registers it.
     pub fn on_replayed_registration(
         &mut self,
         now_ms: u64,
@@ -234,30 +259,41 @@ impl Fleet {
     ) -> Result<(), Refusal> {
         let lapsed = self.config.lease_ttl_ms.is_some_and(|ttl| age_ms > ttl);
         if lapsed && !self.members.contains_key(&info.id) {
-            self.stats.stale_registrations += 1;
+            if !self.is_zombie(&info) {
+                self.stats.stale_registrations += 1;
+                let forget_ms = now_ms.saturating_add(self.config.tombstone_ttl_ms);
+                self.dormant.insert(info.id, Dormant { info, forget_ms });
+            }
             return Ok(());
         }
-        self.register(now_ms, info, age_ms, out)
+        self.dormant.remove(&info.id);
+        self.register(now_ms, info, Some(age_ms), out)
     }
 
+    /// Whether `info` is a heartbeat of the incarnation that said goodbye.
+    fn is_zombie(&self, info: &WorkerInfo) -> bool {
+        self.tombstones
+            .get(&info.id)
+            .is_some_and(|&(epoch, _, reason)| epoch == info.epoch && reason == Departure::Left)
+    }
+
+    /// `replay_age_ms`: `Some` for a registration read back from the registry's history.
     fn register(
         &mut self,
         now_ms: u64,
         info: WorkerInfo,
-        age_ms: u64,
+        replay_age_ms: Option<u64>,
         out: &mut Vec<FleetCommand>,
     ) -> Result<(), Refusal> {
         let id = info.id;
-        if let Some(&(epoch, _, reason)) = self.tombstones.get(&id) {
-            if epoch == info.epoch && reason == Departure::Left {
-                // A heartbeat that crossed the goodbye of its own incarnation.
-                self.stats.zombie_heartbeats += 1;
-                return Ok(());
-            }
-            // A new incarnation, or one that was only out of earshot (its lease lapsed, as
-            // in a NATS outage) or refused: it is back, and its stream starts from a snapshot.
-            self.tombstones.remove(&id);
+        if self.is_zombie(&info) {
+            // A heartbeat that crossed the goodbye of its own incarnation.
+            self.stats.zombie_heartbeats += 1;
+            return Ok(());
         }
+        // A new incarnation, or one that was only out of earshot (its lease lapsed, as in a
+        // NATS outage) or refused: it is back, and its stream starts from a snapshot.
+        self.tombstones.remove(&id);
         if let Some(fleet_block_size) = self
             .members
             .values()
@@ -280,16 +316,17 @@ impl Fleet {
         }
         // A lease runs from the latest of its renewals: an old registration read back does
         // not shorten what a heartbeat or a batch renewed since.
-        let written_ms = clock(now_ms).saturating_sub(clock(age_ms));
-        let renewed_ms = self
-            .members
-            .get(&id)
-            .map_or(written_ms, |m| m.renewed_ms.max(written_ms));
+        let written_ms = clock(now_ms).saturating_sub(clock(replay_age_ms.unwrap_or(0)));
+        let (renewed_ms, replay_age_ms) = match self.members.get(&id) {
+            Some(m) if m.renewed_ms >= written_ms => (m.renewed_ms, m.replay_age_ms),
+            _ => (written_ms, replay_age_ms),
+        };
         let previous = self.members.insert(
             id,
             Member {
                 info: info.clone(),
                 renewed_ms,
+                replay_age_ms,
             },
         );
         let old: BTreeSet<DpRank> = previous
@@ -337,6 +374,7 @@ impl Fleet {
 
     /// A worker said goodbye.
     pub fn on_goodbye(&mut self, now_ms: u64, id: WorkerId, out: &mut Vec<FleetCommand>) {
+        self.dormant.remove(&id);
         if self.members.contains_key(&id) {
             self.remove(now_ms, id, Departure::Left, out);
         }
@@ -346,11 +384,27 @@ impl Fleet {
     /// A batch arrived from `key` at `now_ms`: deliver it or drop it (counted). A delivered
     /// batch renews its worker's lease as a heartbeat does: a worker that publishes events is
     /// alive, even while its heartbeats cannot reach the registry (a JetStream election, or
-    /// a server its connection cannot write the bucket through).
-    pub fn on_batch(&mut self, now_ms: u64, key: StreamKey) -> BatchVerdict {
+    /// a server its connection cannot write the bucket through). A worker whose registration
+    /// was read back older than its lease is registered by it (its commands in `out`, to be
+    /// carried out before the batch is delivered).
+    pub fn on_batch(
+        &mut self,
+        now_ms: u64,
+        key: StreamKey,
+        out: &mut Vec<FleetCommand>,
+    ) -> BatchVerdict {
+        if !self.members.contains_key(&key.0)
+            && let Some(dormant) = self.dormant.remove(&key.0)
+            && self.register(now_ms, dormant.info, None, out).is_ok()
+        {
+            self.stats.woken += 1;
+        }
         let verdict = match self.members.get_mut(&key.0) {
             Some(m) if key.1.0 < m.info.dp_size => {
-                m.renewed_ms = m.renewed_ms.max(clock(now_ms));
+                if clock(now_ms) >= m.renewed_ms {
+                    m.renewed_ms = clock(now_ms);
+                    m.replay_age_ms = None;
+                }
                 BatchVerdict::Deliver
             }
             Some(_) => BatchVerdict::NoSuchRank,
@@ -366,11 +420,14 @@ impl Fleet {
         verdict
     }
 
-    /// The router was out of earshot (its NATS connection dropped) until `now_ms`: silence
-    /// in that time says nothing of the workers, so every lease runs afresh from now.
+    /// The router was out of earshot (its NATS connection dropped, or the registry took no
+    /// writes) until `now_ms`: silence in that time says nothing of the workers, so every
+    /// lease runs afresh from now; one read back from the registry's history keeps the age
+    /// the registry gave it.
     pub fn renew_all(&mut self, now_ms: u64) {
         for member in self.members.values_mut() {
-            member.renewed_ms = member.renewed_ms.max(clock(now_ms));
+            let from = clock(now_ms).saturating_sub(clock(member.replay_age_ms.unwrap_or(0)));
+            member.renewed_ms = member.renewed_ms.max(from);
         }
     }
 
@@ -427,6 +484,7 @@ impl Fleet {
 
     fn sweep_tombstones(&mut self, now_ms: u64) {
         self.tombstones.retain(|_, (_, until, _)| now_ms <= *until);
+        self.dormant.retain(|_, d| now_ms <= d.forget_ms);
     }
 }
 

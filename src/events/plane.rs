@@ -552,7 +552,21 @@ impl FleetOwner {
             return;
         }
         let key = (batch.worker, batch.dp_rank);
-        let verdict = self.fleet.on_batch(self.now_ms(), key);
+        let member = self.fleet.worker(key.0).is_some();
+        let verdict = self.fleet.on_batch(self.now_ms(), key, &mut self.commands);
+        if !member && let Some(info) = self.fleet.worker(key.0) {
+            // Registered by its batch: its registration was read back older than its lease.
+            tracing::info!(
+                worker = %key.0,
+                "a worker whose registration was older than its lease publishes events: registered"
+            );
+            let load = info.engine_load;
+            self.execute();
+            if let Some(s) = &self.shared.scheduler {
+                s.lock().set_engine_load(key.0, load);
+            }
+            self.publish_view();
+        }
         let reason = match verdict {
             BatchVerdict::Deliver => return self.shared.send(key, Input::Batch(batch)),
             BatchVerdict::Unregistered => "unregistered",

@@ -342,7 +342,10 @@ impl Tokenizer {
     }
 }
 
-/// The messages with each one's content as its list of parts (the "openai" format).
+/// The messages with each one's content as its list of parts (the "openai" format). A tool
+/// result's text parts are joined back into a string with newlines, since most templates
+/// take a tool result as a string (vLLM's `_parse_chat_message_content`, which keeps a list
+/// only for parts other than text).
 fn with_parts(messages: &[ChatMessage]) -> Result<Vec<serde_json::Value>, TokenizerError> {
     messages
         .iter()
@@ -351,7 +354,16 @@ fn with_parts(messages: &[ChatMessage]) -> Result<Vec<serde_json::Value>, Tokeni
                 reason: e.to_string(),
             })?;
             if let Some(content) = v.get_mut("content") {
-                *content = serde_json::Value::Array(m.parts.clone());
+                *content = if m.role == "tool" {
+                    let texts: Vec<&str> = m
+                        .parts
+                        .iter()
+                        .map(|p| p.get("text").and_then(|t| t.as_str()).unwrap_or(""))
+                        .collect();
+                    serde_json::Value::String(texts.join("\n"))
+                } else {
+                    serde_json::Value::Array(m.parts.clone())
+                };
             }
             Ok(v)
         })
@@ -891,13 +903,15 @@ mod tests {
                     "b", {"type": "input_text", "text": " c"},
                     {"type": "thinking", "thinking": "t"}, {"type": "text", "text": null}]},
                 {"role": "assistant", "content": null},
+                {"role": "tool", "content": [{"type": "text", "text": "r1"}, {"type": "text", "text": ""}, "r2"]},
             ],
         });
         let (dir, t) = with_config("parts", serde_json::json!({"chat_template": looping}));
         let (m, options) = chat(messages.clone());
+        // A tool result's text parts come back as one string (vLLM joins them).
         assert_eq!(
             t.render(&m, &options).unwrap(),
-            "<system>[Be brief.|]<user>[a||b|c|t|]<assistant>[]"
+            "<system>[Be brief.|]<user>[a||b|c|t|]<assistant>[]<tool>r1\n\nr2"
         );
         std::fs::remove_dir_all(&dir).ok();
         let whole = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}";
@@ -905,7 +919,7 @@ mod tests {
         let (m, options) = chat(messages);
         assert_eq!(
             t.render(&m, &options).unwrap(),
-            "<system> Be brief. <user>a \nb\n c\nt<assistant>"
+            "<system> Be brief. <user>a \nb\n c\nt<assistant><tool>r1\nr2"
         );
         std::fs::remove_dir_all(&dir).ok();
     }
