@@ -83,6 +83,12 @@ pub struct Args {
     /// Delay between an engine publishing events and the indexer applying them, ms.
     #[arg(long, default_value_t = 5.0)]
     pub event_delay_ms: f64,
+    /// Keep the router's index for the policies that do not read it (round_robin, random,
+    /// least_loaded, …), for their decision figures (regret) in the JSON. By default only
+    /// kv keeps one, as only a KV-aware router would (a router queueing on a work budget,
+    /// `--worker-budget-tokens`, reads it for every policy and keeps it too).
+    #[arg(long)]
+    pub baseline_index: bool,
     /// Scheduler weight of uncached prefill (`scheduler.prefill_scale`).
     #[arg(long)]
     pub prefill_scale: Option<f64>,
@@ -177,8 +183,9 @@ pub struct PolicyResult {
     pub queue_expired: u64,
     /// Time requests waited in the router's queue, ms.
     pub queue_wait_ms: Summary,
-    /// Decision quality, summed as `kvroute_route_*` (cached vs reachable blocks).
-    pub decisions: DecisionReport,
+    /// Decision quality, summed as `kvroute_route_*` (cached vs reachable blocks); `None`
+    /// for a policy run without the router's index (`--baseline-index` keeps one).
+    pub decisions: Option<DecisionReport>,
     /// Session affinity.
     pub sessions: SessionStats,
     /// Per tenant, when the trace has more than one.
@@ -286,7 +293,8 @@ struct Tracked {
 
 /// The router side of the replay, fed by the fleet.
 struct Router {
-    indexer: Indexer,
+    /// `None` for a policy that does not read it (the engines' events are dropped).
+    indexer: Option<Indexer>,
     scheduler: Scheduler,
     delay_us: u64,
     pending: VecDeque<(u64, EventBatch)>,
@@ -355,6 +363,9 @@ impl FleetSink for Router {
     }
 
     fn batches(&mut self, _: usize, at_us: u64, batches: Vec<EventBatch>) {
+        if self.indexer.is_none() {
+            return;
+        }
         for b in batches {
             self.pending.push_back((at_us + self.delay_us, b));
         }
@@ -370,10 +381,21 @@ impl Router {
     }
 
     fn deliver_events(&mut self, now_us: u64) {
+        let Some(indexer) = &self.indexer else {
+            return;
+        };
         while self.pending.front().is_some_and(|(at, _)| *at <= now_us) {
             let (_, batch) = self.pending.pop_front().expect("invariant: peeked");
-            self.indexer.apply(&batch);
+            indexer.apply(&batch);
         }
+    }
+
+    /// Each worker's cached prefix of `seqs`, as the router's index has it (none without
+    /// one).
+    fn overlaps(&self, seqs: &[SeqHash]) -> OverlapScores {
+        self.indexer
+            .as_ref()
+            .map_or_else(OverlapScores::default, |i| i.find_matches_seq(seqs))
     }
 }
 
@@ -785,8 +807,14 @@ fn run_policy(
         highest_band: i32::MAX,
         ..QueueConfig::default()
     });
+    // Only a router whose policy or queue reads the index keeps one: the round robin a
+    // platform team would otherwise run keeps none (nor does Dynamo's replay for it).
+    let keeps_index =
+        policy == PolicyKind::Kv || args.baseline_index || args.worker_budget_tokens > 0;
     let mut router = Router {
-        indexer: Indexer::new(indexer::Config::default())?,
+        indexer: keeps_index
+            .then(|| Indexer::new(indexer::Config::default()))
+            .transpose()?,
         scheduler,
         delay_us: (args.event_delay_ms * 1000.0).round() as u64,
         pending: VecDeque::new(),
@@ -859,7 +887,7 @@ fn run_policy(
             let p = &prompts[i];
             seqs.clear();
             seqs.extend(p.blocks.iter().map(|b| b.seq));
-            let overlaps = router.indexer.find_matches_seq(&seqs);
+            let overlaps = router.overlaps(&seqs);
             let work = router
                 .scheduler
                 .queue_work(&p.request(&overlaps, args.block_size));
@@ -891,7 +919,7 @@ fn run_policy(
             let p = &prompts[i];
             seqs.clear();
             seqs.extend(p.blocks.iter().map(|b| b.seq));
-            let overlaps = router.indexer.find_matches_seq(&seqs);
+            let overlaps = router.overlaps(&seqs);
             let request = RouteRequest {
                 model: REPLAY_MODEL,
                 blocks: &p.blocks,
@@ -987,7 +1015,10 @@ fn run_policy(
         rejected: router.rejected,
         queue_expired: expired,
         queue_wait_ms: Summary::of(&mut waits),
-        decisions: router.scheduler.decision_stats().into(),
+        decisions: router
+            .indexer
+            .is_some()
+            .then(|| router.scheduler.decision_stats().into()),
         sessions: router.scheduler.session_stats(),
         tenants,
         ttft_sorted_ms: router.ttft,
@@ -1120,6 +1151,7 @@ mod tests {
             recent_weight: None,
             recent_half_life_ms: None,
             session_spread: None,
+            baseline_index: false,
         }
     }
 
@@ -1198,6 +1230,37 @@ mod tests {
         );
         let svg = crate::plot::svg(&first);
         assert!(svg.contains("approx_prefix") && svg.ends_with("</svg>\n"));
+        std::fs::remove_file(trace).ok();
+    }
+
+    /// A policy that does not read the router's index runs without one and routes exactly
+    /// as with it; only its decision figures (which compare with what the index knows) are
+    /// left out, unless `--baseline-index` keeps it. kv always keeps it.
+    #[test]
+    fn baselines_route_the_same_without_the_index() {
+        let trace = synthetic_trace(80, 300);
+        let mut a = args(trace.clone(), "kv");
+        a.policy = vec!["kv".into(), "round_robin".into(), "random".into()];
+        a.g1_blocks = 300;
+        let strip = |mut r: Report| {
+            r.policies.iter_mut().for_each(|p| {
+                p.wall_s = 0.0;
+                p.decisions = None;
+            });
+            (r.wall_s, r.load_s, r.cpu_s) = (0.0, 0.0, 0.0);
+            r
+        };
+        let without = run(&a).unwrap();
+        let kept: Vec<bool> = without
+            .policies
+            .iter()
+            .map(|p| p.decisions.is_some())
+            .collect();
+        assert_eq!(kept, [true, false, false]);
+        a.baseline_index = true;
+        let with = run(&a).unwrap();
+        assert!(with.policies.iter().all(|p| p.decisions.is_some()));
+        assert_eq!(strip(without), strip(with));
         std::fs::remove_file(trace).ok();
     }
 }
