@@ -841,7 +841,7 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
         if r.messages.is_empty() {
             return Err(ApiError::bad_request("messages must not be empty"));
         }
-        let options = r.take_options();
+        let options = tokenizer.with_default_kwargs(r.take_options());
         // Images and audio get tokens only the engine knows: hash the conversation before
         // the first message that has them (its own rendering is a prefix of the whole one's),
         // and forward the request as it came.

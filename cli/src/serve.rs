@@ -35,6 +35,7 @@ pub fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         settings.chat_template.as_deref(),
     )?;
     tokenizer.set_content_format(settings.chat_template_content_format);
+    tokenizer.set_default_chat_kwargs(settings.default_chat_template_kwargs.clone());
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         let signals = kvroute::process::signals();

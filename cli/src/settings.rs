@@ -33,6 +33,37 @@ pub struct ServeArgs {
     pub flags: ServeFlags,
 }
 
+/// A JSON object given as a flag (JSON text) or in the config file (a table, or JSON text).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct JsonObject(pub serde_json::Map<String, serde_json::Value>);
+
+impl std::str::FromStr for JsonObject {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match serde_json::from_str(s) {
+            Ok(serde_json::Value::Object(map)) => Ok(JsonObject(map)),
+            Ok(_) => Err(format!("{s:?} is not a JSON object")),
+            Err(e) => Err(format!("{s:?} is not JSON: {e}")),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for JsonObject {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Form {
+            Text(String),
+            Table(serde_json::Map<String, serde_json::Value>),
+        }
+        match Form::deserialize(d)? {
+            Form::Text(text) => text.parse().map_err(serde::de::Error::custom),
+            Form::Table(map) => Ok(JsonObject(map)),
+        }
+    }
+}
+
 /// Every router setting, optional: as flags (and variables) and as the `--config` file.
 #[derive(clap::Args, Debug, Default, Deserialize)]
 pub struct ServeFlags {
@@ -254,6 +285,12 @@ pub struct ServeFlags {
     /// set it when the engines run with `--chat-template-content-format` [default: auto].
     #[arg(long, env = "KVROUTE_CHAT_TEMPLATE_CONTENT_FORMAT")]
     pub chat_template_content_format: Option<ContentFormatOption>,
+    /// Chat template variables every chat gets unless it sets them, a JSON object (in the
+    /// config file a table or that JSON as a string): the engines' own
+    /// `--default-chat-template-kwargs` (e.g. `{"enable_thinking": false}`), or chats render
+    /// differently here [default: none].
+    #[arg(long, env = "KVROUTE_DEFAULT_CHAT_TEMPLATE_KWARGS")]
+    pub default_chat_template_kwargs: Option<JsonObject>,
     /// Log lines as `text` (colour only on a terminal) or `json` [default: text].
     #[arg(long, env = "KVROUTE_LOG_FORMAT")]
     pub log_format: Option<LogFormat>,
@@ -303,6 +340,8 @@ pub struct Settings {
     pub chat_template: Option<PathBuf>,
     /// How message content reaches the chat template.
     pub chat_template_content_format: ContentFormatOption,
+    /// Chat template variables every chat gets unless it sets them.
+    pub default_chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
     /// Log format.
     pub log_format: LogFormat,
     /// Direct mode's engines (empty: workers register over NATS).
@@ -742,6 +781,11 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
             .chat_template_content_format
             .or(file.chat_template_content_format)
             .unwrap_or_default(),
+        default_chat_template_kwargs: flags
+            .default_chat_template_kwargs
+            .or(file.default_chat_template_kwargs)
+            .map(|o| o.0)
+            .unwrap_or_default(),
         log_format: flags.log_format.or(file.log_format).unwrap_or_default(),
         backends: flags
             .backends
@@ -782,6 +826,27 @@ mod tests {
         assert_eq!(s.ingress.max_inflight, 7);
         assert_eq!(s.ingress.retries, IngressConfig::default().retries);
         assert_eq!(s.cluster, "default");
+    }
+
+    /// The engines' default chat template variables: a table or JSON text in the file, JSON
+    /// text as a flag; anything but an object is refused.
+    #[test]
+    fn default_chat_template_kwargs_come_as_a_table_or_json() {
+        let want: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(r#"{"enable_thinking": false}"#).unwrap();
+        for text in [
+            "default_chat_template_kwargs = { enable_thinking = false }\n",
+            "default_chat_template_kwargs = '{\"enable_thinking\": false}'\n",
+        ] {
+            let s = resolve(ServeFlags::default(), parse_file(text).unwrap()).unwrap();
+            assert_eq!(s.default_chat_template_kwargs, want, "{text}");
+        }
+        let flag: JsonObject = r#"{"enable_thinking": false}"#.parse().unwrap();
+        assert_eq!(flag.0, want);
+        assert!("[1]".parse::<JsonObject>().is_err());
+        assert!(parse_file("default_chat_template_kwargs = 3\n").is_err());
+        let none = resolve(ServeFlags::default(), ServeFlags::default()).unwrap();
+        assert!(none.default_chat_template_kwargs.is_empty());
     }
 
     #[test]

@@ -61,6 +61,9 @@ pub struct HfTokenizer {
     chat: Option<minijinja::Environment<'static>>,
     /// The content format each template wants: `chat`'s, and `chat_tool_use`'s.
     formats: (ContentFormat, ContentFormat),
+    /// Template variables every chat gets unless it sets them itself (the engines'
+    /// `--default-chat-template-kwargs`).
+    default_kwargs: serde_json::Map<String, serde_json::Value>,
     bos_token: String,
     eos_token: String,
 }
@@ -232,6 +235,7 @@ impl Tokenizer {
             tokenizer,
             chat,
             formats,
+            default_kwargs: serde_json::Map::new(),
             bos_token,
             eos_token,
         })))
@@ -248,6 +252,26 @@ impl Tokenizer {
         if let Tokenizer::Hf(hf) = self {
             hf.formats = (given, given);
         }
+    }
+
+    /// Template variables every chat gets unless its `chat_template_kwargs` set them (vLLM's
+    /// and SGLang's `--default-chat-template-kwargs`, e.g. `{"enable_thinking": false}`).
+    pub fn set_default_chat_kwargs(&mut self, kwargs: serde_json::Map<String, serde_json::Value>) {
+        if let Tokenizer::Hf(hf) = self {
+            hf.default_kwargs = kwargs;
+        }
+    }
+
+    /// A chat's options with the default template variables it does not set itself.
+    pub fn with_default_kwargs(&self, mut options: ChatOptions) -> ChatOptions {
+        if let Tokenizer::Hf(hf) = self {
+            for (k, v) in &hf.default_kwargs {
+                if !options.kwargs.contains_key(k) {
+                    options.kwargs.insert(k.clone(), v.clone());
+                }
+            }
+        }
+        options
     }
 
     /// Token ids of a prompt; with `add_special_tokens`, the tokenizer's own (BOS) added as
@@ -766,6 +790,34 @@ mod tests {
                 .encode_chat(&hello, &ChatOptions::default())
                 .unwrap()
                 .is_empty()
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// The engines' default template variables reach every chat that does not set them.
+    #[test]
+    fn default_kwargs_apply_unless_the_chat_sets_them() {
+        let (dir, mut t) = with_config(
+            "defaults",
+            serde_json::json!({"chat_template": "{% if enable_thinking is defined %}{{ enable_thinking }}{% else %}unset{% endif %}"}),
+        );
+        let hello = [ChatMessage::text("user", "hi")];
+        let render = |t: &Tokenizer, kwargs: serde_json::Value| {
+            let mut options = ChatOptions::default();
+            if let serde_json::Value::Object(map) = kwargs {
+                options.kwargs = map;
+            }
+            t.render(&hello, &t.with_default_kwargs(options)).unwrap()
+        };
+        assert_eq!(render(&t, serde_json::json!({})), "unset");
+        let mut defaults = serde_json::Map::new();
+        defaults.insert("enable_thinking".into(), false.into());
+        t.set_default_chat_kwargs(defaults);
+        // (Booleans print as Python's do.)
+        assert_eq!(render(&t, serde_json::json!({})), "False");
+        assert_eq!(
+            render(&t, serde_json::json!({"enable_thinking": true})),
+            "True"
         );
         std::fs::remove_dir_all(&dir).ok();
     }

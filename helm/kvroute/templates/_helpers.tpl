@@ -332,6 +332,9 @@ chat_template = {{ . | toJson }}
 {{- with $r.chatTemplateContentFormat }}
 chat_template_content_format = {{ . | toJson }}
 {{- end }}
+{{- with $r.defaultChatTemplateKwargs }}
+default_chat_template_kwargs = {{ . | toJson | toJson }}
+{{- end }}
 log_format = {{ $r.logFormat | toJson }}
 {{- with $r.backends }}
 backends = {{ . | toJson }}
