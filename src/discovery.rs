@@ -66,6 +66,10 @@ pub struct WorkerInfo {
     /// A real engine's event-stream faults (sidecars report them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub event_faults: Option<crate::engines::metrics::EventFaults>,
+    /// A real engine's KV usage per data-parallel rank, per mille, where its `/metrics`
+    /// shows each rank's (vLLM's `engine` label); `engine_load` has their mean.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub engine_rank_kv_usage: Vec<u16>,
 }
 
 /// How the router talks to a worker.
@@ -181,6 +185,14 @@ impl WorkerInfo {
             return bad(
                 "engine_load",
                 "counts must be finite and non-negative, KV usage within 0..=1".into(),
+            );
+        }
+        if self.engine_rank_kv_usage.len() > self.dp_size as usize
+            || self.engine_rank_kv_usage.iter().any(|u| *u > 1000)
+        {
+            return bad(
+                "engine_rank_kv_usage",
+                "one per-mille figure (0..=1000) per rank at most".into(),
             );
         }
         // Plain HTTP only: the router's client has no TLS, and an https worker could never
@@ -566,12 +578,15 @@ async fn raise_replicas(js: &async_nats::jetstream::Context, bucket: &str, wante
 
 /// Follows the bucket: its history as `Replayed` (aged), then changes. `healthy` says
 /// whether the bucket takes writes and this watch hears them. The bucket takes writes while
-/// this router's probe is acknowledged (`writable`), or while workers' heartbeats arrive
-/// within a `lease` of each other (a router whose NATS account may not write the bucket):
-/// a silent worker is then gone, not cut off. A watch that hears nothing for `stale_after`
-/// while this router's probes land (a consumer left behind by a leader change, which would
-/// otherwise go quiet for good), or for a lease after heartbeats were heard, is re-created
-/// and reads every registration again.
+/// this router's probe is acknowledged (`writable`), or, for a router whose own writes fail
+/// (its NATS account may not write the bucket), while workers' heartbeats heard since then
+/// arrive within half a `lease` of each other: a silent worker is then gone, not cut off.
+/// (Half a lease: longer than a heartbeat period, and short enough that when every write
+/// stops, an election, the router turns deaf before any worker's lease could lapse; the
+/// chart keeps the lease at least two heartbeat periods.) A watch that hears nothing for
+/// `stale_after` while this router's probes land (a consumer left behind by a leader
+/// change, which would otherwise go quiet for good), or for half a lease after heartbeats
+/// were heard, is re-created and reads every registration again.
 async fn watch_bucket(
     store: async_nats::jetstream::kv::Store,
     tx: mpsc::Sender<RegistryEvent>,
@@ -592,8 +607,20 @@ async fn watch_bucket(
         // router cannot write; then the workers' newest heartbeat is).
         acked.borrow_and_update();
         if *writable.borrow() {
+            let landed_or_failed = async {
+                loop {
+                    tokio::select! {
+                        _ = acked.changed() => return,
+                        changed = writable.changed() => {
+                            if changed.is_err() || !*writable.borrow() {
+                                return;
+                            }
+                        }
+                    }
+                }
+            };
             tokio::select! {
-                _ = tokio::time::timeout(stale_after, acked.changed()) => {}
+                _ = tokio::time::timeout(stale_after, landed_or_failed) => {}
                 _ = tx.closed() => return,
             }
         }
@@ -615,20 +642,26 @@ async fn watch_bucket(
         // The history, held until the watch has caught up with the bucket, so that each
         // registration's age is counted from the newest entry.
         let mut history = Some(History::default());
-        // When a worker's registration was last written, live.
+        // When a worker's registration was last written, live, since this router's own
+        // writes last failed.
         let mut heartbeat_at: Option<Instant> = None;
+        let window = lease / 2;
         let takes_writes = |writable: bool, heartbeat_at: Option<Instant>| {
-            writable || heartbeat_at.is_some_and(|at| at.elapsed() < lease)
+            writable || heartbeat_at.is_some_and(|at| at.elapsed() < window)
         };
         loop {
             let heartbeats_stop = heartbeat_at
                 .filter(|_| !*writable.borrow())
-                .map(|at| at + lease);
+                .map(|at| at + window);
             let entry = tokio::select! {
                 entry = tokio::time::timeout_at(last_entry + stale_after, watch.next()) => entry,
                 changed = writable.changed() => {
                     if changed.is_err() {
                         return;
+                    }
+                    if !*writable.borrow() {
+                        // Only heartbeats heard from now on show that others' writes land.
+                        heartbeat_at = None;
                     }
                     healthy.send_replace(heard && takes_writes(*writable.borrow(), heartbeat_at));
                     continue;
@@ -639,10 +672,11 @@ async fn watch_bucket(
                         None => std::future::pending().await,
                     }
                 } => {
-                    // No heartbeat for a lease, and this router cannot write: every worker
-                    // is gone, or this watch is stale. Read the bucket afresh.
+                    // No heartbeat for half a lease, and this router cannot write: every
+                    // write stopped (an election), every worker is gone, or this watch is
+                    // stale. Deaf until heard again; read the bucket afresh.
                     tracing::warn!(
-                        "no worker's heartbeat for a lease while this router cannot write the registry; watching it again"
+                        "no worker's heartbeat for half a lease while this router cannot write the registry; watching it again"
                     );
                     break;
                 }
@@ -656,9 +690,11 @@ async fn watch_bucket(
                 }
                 Ok(None) => break,
                 Err(_) => {
-                    if let Some(h) = history.take() {
-                        // The history's last entry never said it was the last (entries
-                        // removed before delivery): silence says so.
+                    if !*writable.borrow()
+                        && let Some(h) = history.take()
+                    {
+                        // Nothing is written, so nothing will say the history is over (its
+                        // last entry removed before delivery): silence does.
                         if send_all(&tx, h.aged()).await.is_err() {
                             return;
                         }
@@ -969,6 +1005,7 @@ mod tests {
             adapters: Vec::new(),
             engine_load: None,
             event_faults: None,
+            engine_rank_kv_usage: Vec::new(),
         };
         assert!(info.validate().is_ok());
         // https too: the router has no TLS client, so it could never reach such a worker.

@@ -643,17 +643,24 @@ impl Scheduler {
     }
 
     /// A real engine's own report of its load (every rank of `worker`): its KV usage counts
-    /// as held decode blocks where it exceeds what this router booked there. `None` (the
-    /// sidecar's scrape failed) forgets the last report: a stale high usage would keep the
-    /// worker looking busy for as long as its metrics stay unreadable.
+    /// as held decode blocks where it exceeds what this router booked there, each rank's own
+    /// where `rank_usage_permille` has one (a full rank is busy though its siblings are
+    /// idle), else the mean. `None` (the sidecar's scrape failed) forgets the last report: a
+    /// stale high usage would keep the worker looking busy for as long as its metrics stay
+    /// unreadable.
     pub fn set_engine_load(
         &mut self,
         worker: WorkerId,
         load: Option<crate::engines::metrics::EngineLoad>,
+        rank_usage_permille: &[u16],
     ) {
-        for (_, state) in self.workers.range_mut(ranks_of(worker)) {
-            state.engine_used_blocks =
-                load.map_or(0.0, |l| l.kv_usage() * state.capacity_blocks as f64);
+        for (key, state) in self.workers.range_mut(ranks_of(worker)) {
+            let usage = load.map(|l| {
+                rank_usage_permille
+                    .get(key.1.0 as usize)
+                    .map_or(l.kv_usage(), |u| f64::from(*u) / 1000.0)
+            });
+            state.engine_used_blocks = usage.map_or(0.0, |u| u * state.capacity_blocks as f64);
         }
     }
 

@@ -198,6 +198,7 @@ pub async fn run(args: &Args) -> anyhow::Result<Report> {
                     adapters: Vec::new(),
                     engine_load: None,
                     event_faults: None,
+                    engine_rank_kv_usage: Vec::new(),
                 })
                 .collect(),
         )

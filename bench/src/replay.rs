@@ -83,10 +83,10 @@ pub struct Args {
     /// Delay between an engine publishing events and the indexer applying them, ms.
     #[arg(long, default_value_t = 5.0)]
     pub event_delay_ms: f64,
-    /// Keep the router's index for the policies that do not read it (round_robin, random,
-    /// least_loaded, …), for their decision figures (regret) in the JSON. By default only
-    /// kv keeps one, as only a KV-aware router would (a router queueing on a work budget,
-    /// `--worker-budget-tokens`, reads it for every policy and keeps it too).
+    /// Keep the router's index for round_robin and random, which do not read it, for their
+    /// decision figures (regret) in the JSON. By default they run without one, as a router
+    /// running them would, unless the queue reads it: several classes of requests, or a
+    /// work budget (`--worker-budget-tokens`).
     #[arg(long)]
     pub baseline_index: bool,
     /// Scheduler weight of uncached prefill (`scheduler.prefill_scale`).
@@ -809,8 +809,16 @@ fn run_policy(
     });
     // Only a router whose policy or queue reads the index keeps one: the round robin a
     // platform team would otherwise run keeps none (nor does Dynamo's replay for it).
-    let keeps_index =
-        policy == PolicyKind::Kv || args.baseline_index || args.worker_budget_tokens > 0;
+    // least_loaded and approx_prefix weigh the prefill a cached prefix saves, and the
+    // queue orders several classes by their work (cached prefixes off), so those keep it.
+    let one_class = args.ignore_classes
+        || prompts
+            .windows(2)
+            .all(|w| w[0].tenant == w[1].tenant && w[0].band == w[1].band);
+    let reads_index = !matches!(policy, PolicyKind::RoundRobin | PolicyKind::Random)
+        || !one_class
+        || args.worker_budget_tokens > 0;
+    let keeps_index = reads_index || args.baseline_index;
     let mut router = Router {
         indexer: keeps_index
             .then(|| Indexer::new(indexer::Config::default()))
@@ -1233,14 +1241,18 @@ mod tests {
         std::fs::remove_file(trace).ok();
     }
 
-    /// A policy that does not read the router's index runs without one and routes exactly
-    /// as with it; only its decision figures (which compare with what the index knows) are
-    /// left out, unless `--baseline-index` keeps it. kv always keeps it.
+    /// round_robin and random run without the router's index and route exactly as with it;
+    /// only their decision figures (which compare with what the index knows) are left out,
+    /// unless `--baseline-index` keeps it. Every other policy, and any policy under a queue
+    /// of several classes, keeps it.
     #[test]
     fn baselines_route_the_same_without_the_index() {
         let trace = synthetic_trace(80, 300);
         let mut a = args(trace.clone(), "kv");
-        a.policy = vec!["kv".into(), "round_robin".into(), "random".into()];
+        a.policy = PolicyKind::ALL
+            .iter()
+            .map(|p| p.name().to_owned())
+            .collect();
         a.g1_blocks = 300;
         let strip = |mut r: Report| {
             r.policies.iter_mut().for_each(|p| {
@@ -1251,16 +1263,36 @@ mod tests {
             r
         };
         let without = run(&a).unwrap();
-        let kept: Vec<bool> = without
+        let kept: Vec<(&str, bool)> = without
             .policies
             .iter()
-            .map(|p| p.decisions.is_some())
+            .map(|p| (p.policy.as_str(), p.decisions.is_some()))
             .collect();
-        assert_eq!(kept, [true, false, false]);
+        assert_eq!(
+            kept,
+            [
+                ("kv", true),
+                ("round_robin", false),
+                ("round_robin_skip_busy", true),
+                ("random", false),
+                ("least_loaded", true),
+                ("approx_prefix", true)
+            ]
+        );
         a.baseline_index = true;
         let with = run(&a).unwrap();
         assert!(with.policies.iter().all(|p| p.decisions.is_some()));
         assert_eq!(strip(without), strip(with));
+        // Two classes: the queue orders them by their work, cached prefixes off.
+        a.baseline_index = false;
+        a.assign_classes = Some("a:0:1,b:1:1".into());
+        assert!(
+            run(&a)
+                .unwrap()
+                .policies
+                .iter()
+                .all(|p| p.decisions.is_some())
+        );
         std::fs::remove_file(trace).ok();
     }
 }

@@ -56,18 +56,27 @@ pub struct EventFaults {
 }
 
 /// What one scrape found.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Scraped {
     /// The load, if the text has any of its metrics.
     pub load: Option<EngineLoad>,
     /// G1 blocks (vLLM's `num_gpu_blocks`).
     pub g1_blocks: Option<usize>,
+    /// KV usage per data-parallel rank, per mille, indexed by rank: vLLM labels each engine
+    /// core's figures `engine="<rank>"`. Empty unless every usage sample names a rank below
+    /// [`MAX_RANKS`] and no rank is missing below the highest.
+    pub rank_kv_usage_permille: Vec<u16>,
 }
+
+/// Highest count of ranks read from an engine's labels.
+pub const MAX_RANKS: usize = 1024;
 
 /// Reads the engine's metrics from Prometheus text (unknown lines are skipped).
 pub fn scrape(text: &str) -> Scraped {
     let (mut running, mut waiting) = (None::<f64>, None::<f64>);
     let (mut usage_sum, mut usage_n) = (0.0, 0u32);
+    // Per rank (vLLM's `engine` label); `None` once a sample has no usable rank.
+    let mut by_rank: Option<Vec<Option<f64>>> = Some(Vec::new());
     let mut g1_blocks = None;
     for line in text.lines() {
         if line.starts_with('#') {
@@ -88,6 +97,19 @@ pub fn scrape(text: &str) -> Scraped {
             "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" | "sglang:token_usage" => {
                 usage_sum += value;
                 usage_n += 1;
+                let rank = label(labels, "engine")
+                    .and_then(|r| r.parse::<usize>().ok())
+                    .filter(|r| *r < MAX_RANKS);
+                by_rank = match (by_rank, rank) {
+                    (Some(mut ranks), Some(r)) if (0.0..=1.0).contains(&value) => {
+                        if ranks.len() <= r {
+                            ranks.resize(r + 1, None);
+                        }
+                        ranks[r] = Some(value);
+                        Some(ranks)
+                    }
+                    _ => None,
+                };
             }
             "vllm:cache_config_info" => {
                 g1_blocks = label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok());
@@ -115,9 +137,18 @@ pub fn scrape(text: &str) -> Scraped {
         }),
         _ => None,
     };
+    let rank_kv_usage_permille = by_rank
+        .and_then(|ranks| {
+            ranks
+                .into_iter()
+                .map(|u| u.map(|u| (u * 1000.0).round() as u16))
+                .collect::<Option<Vec<u16>>>()
+        })
+        .unwrap_or_default();
     Scraped {
         load: load.filter(|_| any),
         g1_blocks: g1_blocks.filter(|n| *n > 0),
+        rank_kv_usage_permille,
     }
 }
 
@@ -168,6 +199,8 @@ vllm:prompt_tokens_total{model_name="Qwen/Qwen3-8B"} 123456.0
             })
         );
         assert_eq!(s.g1_blocks, Some(27000));
+        // Each engine core's (data-parallel rank's) usage, by its `engine` label.
+        assert_eq!(s.rank_kv_usage_permille, vec![250, 750]);
         let sglang = "sglang:num_running_reqs{model_name=\"m\"} 7\nsglang:num_queue_reqs{model_name=\"m\"} 4 1700000000000\nsglang:token_usage{model_name=\"m\"} 0.9\n";
         let s = scrape(sglang);
         assert_eq!(
@@ -179,6 +212,14 @@ vllm:prompt_tokens_total{model_name="Qwen/Qwen3-8B"} 123456.0
             })
         );
         assert_eq!(s.g1_blocks, None);
+        assert!(s.rank_kv_usage_permille.is_empty(), "no rank label");
+        // A rank missing below the highest, or a rank past the cap: no per-rank figures.
+        for gap in [
+            "vllm:kv_cache_usage_perc{engine=\"0\"} 0.1\nvllm:kv_cache_usage_perc{engine=\"2\"} 0.3\n",
+            "vllm:kv_cache_usage_perc{engine=\"5000\"} 0.1\n",
+        ] {
+            assert!(scrape(gap).rank_kv_usage_permille.is_empty(), "{gap}");
+        }
         // vLLM before 0.9.2 names the usage gpu_cache_usage_perc.
         let old = "vllm:num_requests_running 1\nvllm:gpu_cache_usage_perc 0.6\n";
         assert_eq!(scrape(old).load.map(|l| l.kv_usage_permille), Some(600));

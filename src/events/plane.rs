@@ -553,17 +553,27 @@ impl FleetOwner {
         }
         let key = (batch.worker, batch.dp_rank);
         let member = self.fleet.worker(key.0).is_some();
+        let refused = self.fleet.stats().refused;
         let verdict = self.fleet.on_batch(self.now_ms(), key, &mut self.commands);
+        if self.fleet.stats().refused > refused {
+            // A registration kept aside, woken by this batch, conflicts with the fleet.
+            self.shared
+                .counters
+                .registrations_refused
+                .fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("kvroute_fleet_registrations_refused_total").increment(1);
+            tracing::error!(worker = %key.0, "refusing a worker registration kept aside: its block size conflicts with its model's other workers");
+        }
         if !member && let Some(info) = self.fleet.worker(key.0) {
             // Registered by its batch: its registration was read back older than its lease.
             tracing::info!(
                 worker = %key.0,
                 "a worker whose registration was older than its lease publishes events: registered"
             );
-            let load = info.engine_load;
+            let (load, ranks) = (info.engine_load, info.engine_rank_kv_usage.clone());
             self.execute();
             if let Some(s) = &self.shared.scheduler {
-                s.lock().set_engine_load(key.0, load);
+                s.lock().set_engine_load(key.0, load, &ranks);
             }
             self.publish_view();
         }
@@ -607,7 +617,7 @@ impl FleetOwner {
             .fleet
             .worker(info.id)
             .is_none_or(|old| !same_shape(old, &info));
-        let reported = (info.id, info.engine_load);
+        let reported = (info.id, info.engine_load, info.engine_rank_kv_usage.clone());
         let registered = match replayed_age_ms {
             None => self.fleet.on_registration(now, info, &mut self.commands),
             Some(age_ms) => {
@@ -620,7 +630,7 @@ impl FleetOwner {
                     tracing::info!(
                         worker = %reported.0,
                         age_ms,
-                        "ignoring a registration older than its lease (its worker stopped without a goodbye)"
+                        "keeping aside a registration older than its lease (its worker stopped without a goodbye, or cannot reach the registry): not routed to until a batch of its events arrives"
                     );
                     return;
                 }
@@ -636,8 +646,8 @@ impl FleetOwner {
             tracing::error!(%refusal, "refusing a worker registration");
         }
         self.execute();
-        if let (Some(s), (id, load)) = (&self.shared.scheduler, reported) {
-            s.lock().set_engine_load(id, load);
+        if let (Some(s), (id, load, ranks)) = (&self.shared.scheduler, reported) {
+            s.lock().set_engine_load(id, load, &ranks);
         }
         if changed {
             self.publish_view();

@@ -921,6 +921,7 @@ mod tests {
             adapters: Vec::new(),
             engine_load: None,
             event_faults: None,
+            engine_rank_kv_usage: Vec::new(),
         }
     }
 

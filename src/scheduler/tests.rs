@@ -327,6 +327,7 @@ fn temperature_means_the_same_under_load() {
                 waiting: 0,
                 kv_usage_permille: 900,
             }),
+            &[],
         );
     }
     let hits = cached_picks(&mut s);
@@ -655,17 +656,48 @@ fn an_engine_s_own_kv_usage_counts_where_it_exceeds_the_bookings() {
         waiting: 2,
         kv_usage_permille: 600,
     };
-    s.set_engine_load(WorkerId(1), Some(busy));
+    s.set_engine_load(WorkerId(1), Some(busy), &[]);
     assert_eq!(cost(&s, 1) - cost(&s, 0), 600.0);
     // The sidecar could not read the engine's metrics: the last report does not linger.
-    s.set_engine_load(WorkerId(1), None);
+    s.set_engine_load(WorkerId(1), None, &[]);
     assert_eq!(cost(&s, 1), cost(&s, 0));
-    s.set_engine_load(WorkerId(1), Some(busy));
+    s.set_engine_load(WorkerId(1), Some(busy), &[]);
     let d = s.route(0, &request(&b, 64, &none)).unwrap();
     assert_eq!(d.chosen.key, key(0), "the idle engine is cheaper");
     // Engine 1 idle again, engine 0 holding what this router booked there: 1 is cheaper.
-    s.set_engine_load(WorkerId(1), Some(EngineLoad::default()));
+    s.set_engine_load(WorkerId(1), Some(EngineLoad::default()), &[]);
     assert!(cost(&s, 1) < cost(&s, 0));
+}
+
+/// An engine with data-parallel ranks reports each rank's KV usage: a full rank costs more
+/// than its idle siblings, which the mean over ranks would hide.
+#[test]
+fn each_rank_s_own_kv_usage_counts() {
+    use crate::engines::metrics::EngineLoad;
+    let mut s = Scheduler::new(unit_weights()).unwrap();
+    for rank in 0..2 {
+        s.add_worker((WorkerId(7), DpRank(rank)), 1000, "m");
+    }
+    let b = blocks(4, 0);
+    let none = scores(&[]);
+    let cost = |s: &Scheduler, rank: u32| {
+        s.candidates(0, &request(&b, 64, &none))
+            .into_iter()
+            .find(|c| c.key == (WorkerId(7), DpRank(rank)))
+            .unwrap()
+            .cost
+    };
+    // Mean 450 ‰: rank 0 at 900, rank 1 idle.
+    let load = EngineLoad {
+        running: 9,
+        waiting: 0,
+        kv_usage_permille: 450,
+    };
+    s.set_engine_load(WorkerId(7), Some(load), &[900, 0]);
+    assert_eq!(cost(&s, 0) - cost(&s, 1), 900.0);
+    // Without per-rank figures, the mean stands for every rank.
+    s.set_engine_load(WorkerId(7), Some(load), &[]);
+    assert_eq!(cost(&s, 0), cost(&s, 1));
 }
 
 fn budgeted(worker_budget: u64, fleet_budget: u64, workers: u64) -> Scheduler {

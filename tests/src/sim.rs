@@ -113,6 +113,7 @@ impl SimWorker {
             adapters: Vec::new(),
             engine_load: None,
             event_faults: None,
+            engine_rank_kv_usage: Vec::new(),
         }));
         let lease = LeaseConfig {
             heartbeat_ms: 200,

@@ -114,6 +114,7 @@ pub async fn run(
         adapters: Vec::new(),
         engine_load: None,
         event_faults: None,
+        engine_rank_kv_usage: Vec::new(),
     }));
     if !config.model.is_empty() {
         info.lock().validate()?;
@@ -214,6 +215,13 @@ pub async fn run(
                     let scraped = text.map(|t| metrics::scrape(&String::from_utf8_lossy(&t))).unwrap_or_default();
                     let mut i = info.lock();
                     i.engine_load = scraped.load;
+                    // One figure per registered rank, or none (an engine showing other ranks
+                    // than it registers: the mean stands for all of them).
+                    i.engine_rank_kv_usage = if scraped.rank_kv_usage_permille.len() == i.dp_size as usize {
+                        scraped.rank_kv_usage_permille
+                    } else {
+                        Vec::new()
+                    };
                     if let (None, Some(blocks)) = (&registration, scraped.g1_blocks) {
                         i.g1_blocks = blocks;
                     }

@@ -198,6 +198,7 @@ mod tests {
             adapters: Vec::new(),
             engine_load: None,
             event_faults: None,
+            engine_rank_kv_usage: Vec::new(),
         }));
         let plane = WorkerPlane::new(Transport::Local(LocalBus::new()), "c", Arc::clone(&info));
         plane.note_sent(&batch(0, 9));

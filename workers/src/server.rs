@@ -158,6 +158,7 @@ impl Worker {
             adapters: Vec::new(),
             engine_load: None,
             event_faults: None,
+            engine_rank_kv_usage: Vec::new(),
         }));
         info.lock().validate()?;
         let plane = WorkerPlane::new(transport.clone(), &config.cluster, Arc::clone(&info));

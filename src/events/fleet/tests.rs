@@ -19,6 +19,7 @@ fn info(id: u64, epoch: u64, dp_size: u32, model: &str, block_size: usize) -> Wo
         adapters: Vec::new(),
         engine_load: None,
         event_faults: None,
+        engine_rank_kv_usage: Vec::new(),
     }
 }
 
@@ -382,6 +383,8 @@ enum Op {
         age_ms: u64,
     },
     Goodbye(u64),
+    /// The router out of earshot (NATS down, or the registry taking no writes).
+    Deaf,
     Batch {
         id: u64,
         rank: u32,
@@ -396,6 +399,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0u64..6, 0u64..3, 1u32..4, 0u64..3_000)
             .prop_map(|(id, epoch, dp, age_ms)| Op::Replayed { id, epoch, dp, age_ms }),
         1 => (0u64..6).prop_map(Op::Goodbye),
+        1 => Just(Op::Deaf),
         4 => (0u64..7, 0u32..4).prop_map(|(id, rank)| Op::Batch { id, rank }),
         2 => (1u64..800).prop_map(Op::Tick),
     ]
@@ -431,6 +435,7 @@ proptest! {
                     );
                 }
                 Op::Goodbye(id) => fleet.on_goodbye(now, WorkerId(id), &mut out),
+                Op::Deaf => fleet.renew_all(now),
                 Op::Batch { id, rank } => d.batch(&mut fleet, now, (WorkerId(id), DpRank(rank))),
                 Op::Tick(ms) => {
                     now += ms;
@@ -452,5 +457,6 @@ proptest! {
         prop_assert!(d.streams.is_empty() && d.routable.is_empty() && d.lanes.is_empty());
         prop_assert_eq!(fleet.workers().count(), 0);
         prop_assert_eq!(fleet.tombstones(), 0);
+        prop_assert_eq!(fleet.dormant(), 0);
     }
 }

@@ -21,6 +21,7 @@ pub(crate) fn info(id: u64, dp_size: u32) -> WorkerInfo {
         adapters: Vec::new(),
         engine_load: None,
         event_faults: None,
+        engine_rank_kv_usage: Vec::new(),
     }
 }
 
