@@ -581,9 +581,10 @@ async fn raise_replicas(js: &async_nats::jetstream::Context, bucket: &str, wante
 /// this router's probe is acknowledged (`writable`), or, for a router whose own writes fail
 /// (its NATS account may not write the bucket), while workers' heartbeats heard since then
 /// arrive within half a `lease` of each other: a silent worker is then gone, not cut off.
-/// (Half a lease: longer than a heartbeat period, and short enough that when every write
-/// stops, an election, the router turns deaf before any worker's lease could lapse; the
-/// chart keeps the lease at least two heartbeat periods.) A watch that hears nothing for
+/// (Half a lease: with the default lease of five heartbeat periods, longer than a
+/// heartbeat period, and short enough that when every write stops, an election, the router
+/// turns deaf before any worker's lease could lapse. The chart allows a lease of two
+/// periods, where both margins are gone.) A watch that hears nothing for
 /// `stale_after` while this router's probes land (a consumer left behind by a leader
 /// change, which would otherwise go quiet for good), or for half a lease after heartbeats
 /// were heard, is re-created and reads every registration again.
@@ -722,7 +723,8 @@ async fn watch_bucket(
                     let was = takes_writes(*writable.borrow(), heartbeat_at);
                     heartbeat_at = Some(Instant::now());
                     if !was {
-                        tracing::warn!(
+                        // (Also after a single late acknowledgement of this router's probe.)
+                        tracing::info!(
                             "workers' heartbeats reach the worker registry while this router's writes do not (its NATS account may lack write access to the bucket): leases lapse again"
                         );
                         healthy.send_replace(true);

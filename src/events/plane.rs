@@ -564,16 +564,16 @@ impl FleetOwner {
             metrics::counter!("kvroute_fleet_registrations_refused_total").increment(1);
             tracing::error!(worker = %key.0, "refusing a worker registration kept aside: its block size conflicts with its model's other workers");
         }
-        if !member && let Some(info) = self.fleet.worker(key.0) {
+        if !member && self.fleet.worker(key.0).is_some() {
             // Registered by its batch: its registration was read back older than its lease.
             tracing::info!(
                 worker = %key.0,
                 "a worker whose registration was older than its lease publishes events: registered"
             );
-            let (load, ranks) = (info.engine_load, info.engine_rank_kv_usage.clone());
             self.execute();
+            // Its registration's engine load is older than a lease: none is better.
             if let Some(s) = &self.shared.scheduler {
-                s.lock().set_engine_load(key.0, load, &ranks);
+                s.lock().set_engine_load(key.0, None, &[]);
             }
             self.publish_view();
         }
