@@ -431,7 +431,12 @@ impl Registry {
 /// was refreshed just before it could lapse. The watch hears each probe, so a watch silent
 /// for three periods while the bucket takes writes has gone stale.
 fn probe_period(ttl_ms: u64) -> Duration {
-    Duration::from_millis(ttl_ms / 5).clamp(Duration::from_millis(50), Duration::from_secs(1))
+    Duration::from_millis(probe_period_ms(ttl_ms))
+}
+
+/// [`probe_period`] in ms.
+pub fn probe_period_ms(ttl_ms: u64) -> u64 {
+    (ttl_ms / 5).clamp(50, 1000)
 }
 
 /// Writes a key of this router's own into the bucket every `period` and reports whether

@@ -175,6 +175,8 @@ pub struct Fleet {
     tombstones: BTreeMap<WorkerId, (u64, u64, Departure)>,
     /// Registrations read back older than their lease.
     dormant: BTreeMap<WorkerId, Dormant>,
+    /// Since when the router has been out of earshot ([`Fleet::on_deaf_tick`]).
+    deaf_since: Option<u64>,
     stats: FleetStats,
 }
 
@@ -186,6 +188,7 @@ impl Fleet {
             members: BTreeMap::new(),
             tombstones: BTreeMap::new(),
             dormant: BTreeMap::new(),
+            deaf_since: None,
             stats: FleetStats::default(),
         }
     }
@@ -431,8 +434,41 @@ impl Fleet {
         }
     }
 
+    /// The clock while the router is out of earshot (its NATS connection down, or the
+    /// registry taking no writes): no lease lapses. A deafness shorter than a registry probe
+    /// period (one late acknowledgement) pauses the leases, its time not counted; a longer
+    /// one says nothing of the workers, whose heartbeats could not land, so every lease runs
+    /// afresh ([`Fleet::renew_all`]) from its end. (Renewing at once on a blip gave a crashed
+    /// worker a new lease with every late acknowledgement.)
+    pub fn on_deaf_tick(&mut self, now_ms: u64) {
+        let since = *self.deaf_since.get_or_insert(now_ms);
+        if now_ms.saturating_sub(since) >= self.deaf_grace_ms() {
+            self.renew_all(now_ms);
+        }
+        self.sweep_tombstones(now_ms);
+    }
+
+    /// How long a deafness pauses leases before they are renewed: a registry probe period.
+    fn deaf_grace_ms(&self) -> u64 {
+        self.config
+            .lease_ttl_ms
+            .map_or(1_000, crate::discovery::probe_period_ms)
+    }
+
     /// The clock: expires lapsed leases and forgets old tombstones.
     pub fn on_tick(&mut self, now_ms: u64, out: &mut Vec<FleetCommand>) {
+        if let Some(since) = self.deaf_since.take() {
+            let deaf = now_ms.saturating_sub(since);
+            if deaf < self.deaf_grace_ms() {
+                // A short deafness: its time does not count against any lease.
+                for member in self.members.values_mut() {
+                    member.renewed_ms = member
+                        .renewed_ms
+                        .saturating_add(clock(deaf))
+                        .min(member.renewed_ms.max(clock(now_ms)));
+                }
+            }
+        }
         if let Some(ttl) = self.config.lease_ttl_ms {
             let lapsed: Vec<WorkerId> = self
                 .members

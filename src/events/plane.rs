@@ -492,9 +492,10 @@ impl FleetOwner {
                         // Deaf, not abandoned: no lease lapses while NATS is out of reach or
                         // the registry takes no heartbeats (the workers' HTTP may well be
                         // fine; routing to them goes on).
-                        self.fleet.renew_all(now);
+                        self.fleet.on_deaf_tick(now);
+                    } else {
+                        self.fleet.on_tick(now, &mut self.commands);
                     }
-                    self.fleet.on_tick(now, &mut self.commands);
                     self.execute();
                     if now.saturating_sub(last_sweep) >= sweep_every {
                         last_sweep = now;

@@ -232,6 +232,44 @@ fn event_batches_renew_a_lease() {
     assert!(!out.is_empty(), "an absent rank's batch renewed the lease");
 }
 
+/// While the router is deaf no lease lapses; a short deafness (a late acknowledgement of
+/// its probe) pauses the leases, so a crashed worker's lapse moves by that much only, where
+/// a longer one gives every lease a fresh start.
+#[test]
+fn a_short_deafness_pauses_leases_and_a_long_one_renews_them() {
+    // Lease 1,000 ms: the grace is a probe period, 200 ms.
+    let mut fleet = Fleet::new(config());
+    let mut out = Vec::new();
+    fleet
+        .on_registration(0, info(1, 7, 1, "m", 16), &mut out)
+        .unwrap();
+    out.clear();
+    for at in [500, 550, 600] {
+        fleet.on_deaf_tick(at);
+    }
+    fleet.on_tick(650, &mut out);
+    fleet.on_tick(1_150, &mut out);
+    assert!(out.is_empty(), "lapsed though 150 ms were deaf: {out:?}");
+    fleet.on_tick(1_151, &mut out);
+    assert!(
+        !out.is_empty(),
+        "a blip gave the lease more than its length"
+    );
+    // Deaf for longer than the grace, past the lease's end: renewed from the deafness's end.
+    let mut fleet = Fleet::new(config());
+    fleet
+        .on_registration(0, info(2, 7, 1, "m", 16), &mut out)
+        .unwrap();
+    out.clear();
+    for at in (500..=1_500).step_by(50) {
+        fleet.on_deaf_tick(at);
+    }
+    fleet.on_tick(2_500, &mut out);
+    assert!(out.is_empty(), "{out:?}");
+    fleet.on_tick(2_501, &mut out);
+    assert!(!out.is_empty());
+}
+
 /// A registration read back from the registry's history as a watch starts is aged by when
 /// it was written: one older than the lease (a worker that stopped without a goodbye) is
 /// kept aside, not routed to, until a batch of the worker's shows it alive; a younger one
@@ -435,7 +473,7 @@ proptest! {
                     );
                 }
                 Op::Goodbye(id) => fleet.on_goodbye(now, WorkerId(id), &mut out),
-                Op::Deaf => fleet.renew_all(now),
+                Op::Deaf => fleet.on_deaf_tick(now),
                 Op::Batch { id, rank } => d.batch(&mut fleet, now, (WorkerId(id), DpRank(rank))),
                 Op::Tick(ms) => {
                     now += ms;
