@@ -231,7 +231,7 @@ async fn tokenize(
 /// (same tokenizer options), so any OpenAI client or other router can drive the worker.
 async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Response<Body> {
     use kvroute::ingress::openai::{ChatRequest, CompletionRequest, Prompt};
-    let (model, token_ids, max_tokens, n, stream, options) = if chat {
+    let (model, token_ids, max_tokens, n, stream, options, cache_salt) = if chat {
         match read_json::<ChatRequest>(&state, req).await {
             Ok(r) if r.messages.iter().any(|m| m.media) => {
                 return bad_request(
@@ -250,6 +250,7 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                         r.n,
                         r.stream,
                         r.stream_options,
+                        r.cache_salt.take(),
                     ),
                     Err(response) => return response,
                 }
@@ -270,20 +271,31 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                     }
                     Prompt::Tokens(t) => t,
                 };
-                (r.model, tokens, max_tokens, r.n, r.stream, r.stream_options)
+                (
+                    r.model,
+                    tokens,
+                    max_tokens,
+                    r.n,
+                    r.stream,
+                    r.stream_options,
+                    r.cache_salt,
+                )
             }
             Err(response) => return response,
         }
     };
-    // A LoRA adapter of the test engine: its blocks are salted with its name, as vLLM's are.
+    // A LoRA adapter of the test engine, and the request's `cache_salt`, salt its blocks as
+    // vLLM's are (and as the router hashes them): a salted prompt shares no cache with
+    // another salt's, or with an unsalted one.
     let adapter = state
         .emulate
         .as_ref()
         .is_some_and(|e| e.adapters.contains(&model));
-    let salt = match adapter {
-        true => kvroute::engines::engine_salt(Some(&model), None).0,
-        false => 0,
-    };
+    if cache_salt.as_deref() == Some("") {
+        return bad_request("cache_salt must be a non-empty string if provided");
+    }
+    let salt =
+        kvroute::engines::engine_salt(adapter.then_some(model.as_str()), cache_salt.as_deref()).0;
     if model != state.model && !adapter {
         return full(
             StatusCode::NOT_FOUND,

@@ -217,6 +217,47 @@ async fn answers_carry_unique_ids_created_and_openai_fields() {
     w.stop().await;
 }
 
+/// A completion's `cache_salt` salts its blocks, as vLLM's does: the same prompt under
+/// another salt, or none, finds nothing cached; under the same salt it does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_salt_keeps_a_prompt_s_blocks_apart() {
+    let bus = LocalBus::new();
+    let w = worker(&bus).await;
+    let model = config().model;
+    let prompt = "x".repeat(200);
+    let cached = |salt: Option<&str>| {
+        let mut body = serde_json::json!({"model": model, "prompt": prompt, "max_tokens": 1});
+        if let Some(salt) = salt {
+            body["cache_salt"] = salt.into();
+        }
+        let addr = w.addr;
+        async move {
+            let r = post(addr, "/v1/completions", &body.to_string()).await;
+            assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+            let v: serde_json::Value = serde_json::from_str(super::tests::body(&r)).unwrap();
+            v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+        }
+    };
+    assert_eq!(cached(Some("a")).await, 0);
+    assert_eq!(
+        cached(None).await,
+        0,
+        "an unsalted prompt reused a salted one's blocks"
+    );
+    assert_eq!(cached(Some("b")).await, 0, "another salt reused the blocks");
+    assert!(cached(Some("a")).await > 0, "the same salt found nothing");
+    let r = post(
+        w.addr,
+        "/v1/completions",
+        &serde_json::json!({"model": model, "prompt": "hi", "cache_salt": ""}).to_string(),
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 400"), "{r}");
+    w.stop().await;
+}
+
 /// A client that reads nothing while the engine writes far more than the request's buffer
 /// is cut off with an error event: tokens are never dropped silently.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
