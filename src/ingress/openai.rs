@@ -94,15 +94,24 @@ impl CompletionRequest {
 /// Options of a streamed answer.
 #[derive(Clone, Copy, Debug, Default, Deserialize)]
 pub struct StreamOptions {
-    /// Send the usage in a last chunk (with no choices) before `[DONE]`. vLLM's default
-    /// once `stream_options` is sent: true.
-    #[serde(default)]
-    pub include_usage: Option<bool>,
+    /// Send the usage in a last chunk (with no choices) before `[DONE]`: absent, vLLM's
+    /// default once `stream_options` is sent, true; sent as null, vLLM's `None`, which it
+    /// reads as false (`Some(None)` here).
+    #[serde(default, deserialize_with = "present")]
+    pub include_usage: Option<Option<bool>>,
+}
+
+/// A field that was sent, null or not (`Some`), apart from one that was not (`None`, by
+/// `#[serde(default)]`).
+fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> Result<Option<Option<T>>, D::Error> {
+    Option::<T>::deserialize(d).map(Some)
 }
 
 /// Whether a request's `stream_options` ask for the usage chunk.
 pub fn include_usage(options: Option<StreamOptions>) -> bool {
-    options.is_some_and(|o| o.include_usage.unwrap_or(true))
+    options.is_some_and(|o| o.include_usage.unwrap_or(Some(true)).unwrap_or(false))
 }
 
 /// One chat message.

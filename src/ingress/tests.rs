@@ -125,6 +125,18 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
         // Booked per sequence: the scheduler counts it `n` times.
         (Some(7), 3, 7, false, true)
     );
+    // An include_usage sent as null is vLLM's None: no usage chunk.
+    for (options, usage) in [
+        (r#"{"include_usage":null}"#, false),
+        (r#"{"include_usage":false}"#, false),
+        (r#"{"include_usage":true}"#, true),
+        ("null", false),
+    ] {
+        let body =
+            format!(r#"{{"model":"m","prompt":"hi","stream":true,"stream_options":{options}}}"#);
+        let p = parse(&t, body.as_bytes(), false).unwrap();
+        assert_eq!(p.include_usage, usage, "{options}");
+    }
     let body = generate_body(&nulls, crate::protocol::Salt(9), true);
     assert_eq!(
         (
