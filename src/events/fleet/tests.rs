@@ -23,6 +23,15 @@ fn info(id: u64, epoch: u64, dp_size: u32, model: &str, block_size: usize) -> Wo
     }
 }
 
+/// A fleet in which worker `id` (one rank, model "m") registered at 0.
+fn registered(id: u64) -> Fleet {
+    let mut fleet = Fleet::new(config());
+    fleet
+        .on_registration(0, info(id, 7, 1, "m", 16), &mut Vec::new())
+        .unwrap();
+    fleet
+}
+
 fn config() -> FleetConfig {
     FleetConfig {
         lease_ttl_ms: Some(1_000),
@@ -200,12 +209,8 @@ fn a_lapsed_lease_expires_a_renewed_one_does_not_and_a_lapsed_worker_can_return(
 /// from its last batch; once both stop, it lapses a lease later.
 #[test]
 fn event_batches_renew_a_lease() {
-    let mut fleet = Fleet::new(config());
+    let mut fleet = registered(1);
     let mut out = Vec::new();
-    fleet
-        .on_registration(0, info(1, 7, 1, "m", 16), &mut out)
-        .unwrap();
-    out.clear();
     for at in [600, 1_200, 1_800] {
         assert_eq!(
             fleet.on_batch(at, (WorkerId(1), DpRank(0)), &mut out),
@@ -222,10 +227,7 @@ fn event_batches_renew_a_lease() {
         reason: Departure::Expired
     }));
     // A batch for a rank the worker does not have renews nothing.
-    let mut fleet = Fleet::new(config());
-    fleet
-        .on_registration(0, info(2, 7, 1, "m", 16), &mut out)
-        .unwrap();
+    let mut fleet = registered(2);
     out.clear();
     fleet.on_batch(900, (WorkerId(2), DpRank(5)), &mut out);
     fleet.on_tick(1_001, &mut out);
@@ -238,12 +240,8 @@ fn event_batches_renew_a_lease() {
 #[test]
 fn a_short_deafness_pauses_leases_and_a_long_one_renews_them() {
     // Lease 1,000 ms: the grace is a probe period, 200 ms.
-    let mut fleet = Fleet::new(config());
+    let mut fleet = registered(1);
     let mut out = Vec::new();
-    fleet
-        .on_registration(0, info(1, 7, 1, "m", 16), &mut out)
-        .unwrap();
-    out.clear();
     for at in [500, 550, 600] {
         fleet.on_deaf_tick(at);
     }
@@ -256,10 +254,7 @@ fn a_short_deafness_pauses_leases_and_a_long_one_renews_them() {
         "a blip gave the lease more than its length"
     );
     // Deaf for longer than the grace, past the lease's end: renewed from the deafness's end.
-    let mut fleet = Fleet::new(config());
-    fleet
-        .on_registration(0, info(2, 7, 1, "m", 16), &mut out)
-        .unwrap();
+    let mut fleet = registered(2);
     out.clear();
     for at in (500..=1_500).step_by(50) {
         fleet.on_deaf_tick(at);
