@@ -643,10 +643,10 @@ async fn watch_bucket(
             }
         };
         backoff = Duration::from_millis(200);
-        let mut heard = false;
         let mut last_entry = Instant::now();
         // The history, held until the watch has caught up with the bucket, so that each
-        // registration's age is counted from the newest entry.
+        // registration's age is counted from the newest entry; the watch is heard once it
+        // is delivered.
         let mut history = Some(History::default());
         // When a worker's registration was last written, live, since this router's own
         // writes last failed.
@@ -669,7 +669,9 @@ async fn watch_bucket(
                         // Only heartbeats heard from now on show that others' writes land.
                         heartbeat_at = None;
                     }
-                    healthy.send_replace(heard && takes_writes(*writable.borrow(), heartbeat_at));
+                    healthy.send_replace(
+                        history.is_none() && takes_writes(*writable.borrow(), heartbeat_at),
+                    );
                     continue;
                 }
                 () = async {
@@ -704,7 +706,6 @@ async fn watch_bucket(
                         if send_all(&tx, h.aged()).await.is_err() {
                             return;
                         }
-                        heard = true;
                         healthy.send_replace(takes_writes(*writable.borrow(), heartbeat_at));
                     } else if *writable.borrow() {
                         metrics::counter!("kvroute_registry_watch_restarts_total").increment(1);
@@ -749,7 +750,6 @@ async fn watch_bucket(
                 if send_all(&tx, events).await.is_err() {
                     return;
                 }
-                heard = true;
                 healthy.send_replace(takes_writes(*writable.borrow(), heartbeat_at));
             }
         }

@@ -126,6 +126,16 @@ pub struct FleetStats {
     pub woken: u64,
 }
 
+/// What became of a registration read back from the registry's history.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Replayed {
+    /// Registered (or renewed), its lease aged.
+    Registered,
+    /// Older than its lease: kept aside until a batch of the worker's arrives
+    /// ([`Fleet::wake`]).
+    KeptAside,
+}
+
 /// Why a registration was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {
@@ -259,18 +269,41 @@ impl Fleet {
         info: WorkerInfo,
         age_ms: u64,
         out: &mut Vec<FleetCommand>,
-    ) -> Result<(), Refusal> {
+    ) -> Result<Replayed, Refusal> {
         let lapsed = self.config.lease_ttl_ms.is_some_and(|ttl| age_ms > ttl);
         if lapsed && !self.members.contains_key(&info.id) {
-            if !self.is_zombie(&info) {
-                self.stats.stale_registrations += 1;
-                let forget_ms = now_ms.saturating_add(self.config.tombstone_ttl_ms);
-                self.dormant.insert(info.id, Dormant { info, forget_ms });
+            if self.is_zombie(&info) {
+                return Ok(Replayed::Registered);
             }
-            return Ok(());
+            self.stats.stale_registrations += 1;
+            let forget_ms = now_ms.saturating_add(self.config.tombstone_ttl_ms);
+            self.dormant.insert(info.id, Dormant { info, forget_ms });
+            return Ok(Replayed::KeptAside);
         }
         self.dormant.remove(&info.id);
         self.register(now_ms, info, Some(age_ms), out)
+            .map(|()| Replayed::Registered)
+    }
+
+    /// A batch of worker `id` arrived while it is not a member: if its registration was
+    /// kept aside ([`Replayed::KeptAside`]), the worker is alive (its heartbeats do not
+    /// reach the registry) and is registered now, its commands in `out` to be carried out
+    /// before the batch is delivered. `None` if nothing was kept aside for it.
+    pub fn wake(
+        &mut self,
+        now_ms: u64,
+        id: WorkerId,
+        out: &mut Vec<FleetCommand>,
+    ) -> Option<Result<(), Refusal>> {
+        if self.members.contains_key(&id) {
+            return None;
+        }
+        let dormant = self.dormant.remove(&id)?;
+        let registered = self.register(now_ms, dormant.info, None, out);
+        if registered.is_ok() {
+            self.stats.woken += 1;
+        }
+        Some(registered)
     }
 
     /// Whether `info` is a heartbeat of the incarnation that said goodbye.
@@ -387,21 +420,9 @@ impl Fleet {
     /// A batch arrived from `key` at `now_ms`: deliver it or drop it (counted). A delivered
     /// batch renews its worker's lease as a heartbeat does: a worker that publishes events is
     /// alive, even while its heartbeats cannot reach the registry (a JetStream election, or
-    /// a server its connection cannot write the bucket through). A worker whose registration
-    /// was read back older than its lease is registered by it (its commands in `out`, to be
-    /// carried out before the batch is delivered).
-    pub fn on_batch(
-        &mut self,
-        now_ms: u64,
-        key: StreamKey,
-        out: &mut Vec<FleetCommand>,
-    ) -> BatchVerdict {
-        if !self.members.contains_key(&key.0)
-            && let Some(dormant) = self.dormant.remove(&key.0)
-            && self.register(now_ms, dormant.info, None, out).is_ok()
-        {
-            self.stats.woken += 1;
-        }
+    /// a server its connection cannot write the bucket through). (A worker whose
+    /// registration was kept aside is woken first: [`Fleet::wake`].)
+    pub fn on_batch(&mut self, now_ms: u64, key: StreamKey) -> BatchVerdict {
         let verdict = match self.members.get_mut(&key.0) {
             Some(m) if key.1.0 < m.info.dp_size => {
                 if clock(now_ms) >= m.renewed_ms {

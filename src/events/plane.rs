@@ -15,7 +15,9 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
-use super::fleet::{BatchVerdict, Departure, Fleet, FleetCommand, FleetConfig, StreamKey};
+use super::fleet::{
+    BatchVerdict, Departure, Fleet, FleetCommand, FleetConfig, Refusal, Replayed, StreamKey,
+};
 use super::stream::{Command, StreamConfig, StreamStats, WorkerStream};
 use super::transport::Transport;
 use crate::discovery::{RegistryEvent, Watch, WorkerInfo};
@@ -553,32 +555,24 @@ impl FleetOwner {
             return;
         }
         let key = (batch.worker, batch.dp_rank);
-        let member = self.fleet.worker(key.0).is_some();
-        let refused = self.fleet.stats().refused;
-        let verdict = self.fleet.on_batch(self.now_ms(), key, &mut self.commands);
-        if self.fleet.stats().refused > refused {
-            // A registration kept aside, woken by this batch, conflicts with the fleet.
-            self.shared
-                .counters
-                .registrations_refused
-                .fetch_add(1, Ordering::Relaxed);
-            metrics::counter!("kvroute_fleet_registrations_refused_total").increment(1);
-            tracing::error!(worker = %key.0, "refusing a worker registration kept aside: its block size conflicts with its model's other workers");
-        }
-        if !member && self.fleet.worker(key.0).is_some() {
-            // Registered by its batch: its registration was read back older than its lease.
-            tracing::info!(
-                worker = %key.0,
-                "a worker whose registration was older than its lease publishes events: registered"
-            );
-            self.execute();
-            // Its registration's engine load is older than a lease: none is better.
-            if let Some(s) = &self.shared.scheduler {
-                s.lock().set_engine_load(key.0, None, &[]);
+        match self.fleet.wake(self.now_ms(), key.0, &mut self.commands) {
+            None => {}
+            Some(Err(refusal)) => self.refused(&refusal),
+            Some(Ok(())) => {
+                // Its registration was read back older than its lease.
+                tracing::info!(
+                    worker = %key.0,
+                    "a worker whose registration was older than its lease publishes events: registered"
+                );
+                self.execute();
+                // Its registration's engine load is older than a lease: none is better.
+                if let Some(s) = &self.shared.scheduler {
+                    s.lock().set_engine_load(key.0, None, &[]);
+                }
+                self.publish_view();
             }
-            self.publish_view();
         }
-        let reason = match verdict {
+        let reason = match self.fleet.on_batch(self.now_ms(), key) {
             BatchVerdict::Deliver => return self.shared.send(key, Input::Batch(batch)),
             BatchVerdict::Unregistered => "unregistered",
             BatchVerdict::Departed => "departed",
@@ -622,29 +616,25 @@ impl FleetOwner {
         let registered = match replayed_age_ms {
             None => self.fleet.on_registration(now, info, &mut self.commands),
             Some(age_ms) => {
-                let stale = self.fleet.stats().stale_registrations;
-                let registered =
-                    self.fleet
-                        .on_replayed_registration(now, info, age_ms, &mut self.commands);
-                if self.fleet.stats().stale_registrations > stale {
-                    metrics::counter!("kvroute_registry_stale_total").increment(1);
-                    tracing::info!(
-                        worker = %reported.0,
-                        age_ms,
-                        "keeping aside a registration older than its lease (its worker stopped without a goodbye, or cannot reach the registry): not routed to until a batch of its events arrives"
-                    );
-                    return;
+                match self
+                    .fleet
+                    .on_replayed_registration(now, info, age_ms, &mut self.commands)
+                {
+                    Ok(Replayed::KeptAside) => {
+                        metrics::counter!("kvroute_registry_stale_total").increment(1);
+                        tracing::info!(
+                            worker = %reported.0,
+                            age_ms,
+                            "keeping aside a registration older than its lease (its worker stopped without a goodbye, or cannot reach the registry): not routed to until a batch of its events arrives"
+                        );
+                        return;
+                    }
+                    registered => registered.map(|_| ()),
                 }
-                registered
             }
         };
         if let Err(refusal) = registered {
-            self.shared
-                .counters
-                .registrations_refused
-                .fetch_add(1, Ordering::Relaxed);
-            metrics::counter!("kvroute_fleet_registrations_refused_total").increment(1);
-            tracing::error!(%refusal, "refusing a worker registration");
+            self.refused(&refusal);
         }
         self.execute();
         if let (Some(s), (id, load, ranks)) = (&self.shared.scheduler, reported) {
@@ -653,6 +643,16 @@ impl FleetOwner {
         if changed {
             self.publish_view();
         }
+    }
+
+    /// Counts and reports a registration the fleet refused.
+    fn refused(&self, refusal: &Refusal) {
+        self.shared
+            .counters
+            .registrations_refused
+            .fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("kvroute_fleet_registrations_refused_total").increment(1);
+        tracing::error!(%refusal, "refusing a worker registration");
     }
 
     /// Carries out the fleet's commands.

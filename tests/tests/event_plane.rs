@@ -59,7 +59,15 @@ async fn router(transport: Transport, registry: &Registry) -> Router {
 }
 
 async fn nats(server: &NatsServer, name: &str) -> (Transport, Registry) {
-    let transport = Transport::connect_nats(&server.url(), name, &Default::default())
+    nats_as(server, name, &Default::default()).await
+}
+
+async fn nats_as(
+    server: &NatsServer,
+    name: &str,
+    auth: &kvroute::auth::NatsAuth,
+) -> (Transport, Registry) {
+    let transport = Transport::connect_nats(&server.url(), name, auth)
         .await
         .unwrap();
     let client = transport.nats_client().unwrap().clone();
@@ -317,23 +325,14 @@ async fn a_router_that_cannot_write_the_registry_still_lapses_a_crashed_worker()
 }"#,
     )
     .unwrap();
-    let connect = |user: &str, password: &str| {
-        let auth = kvroute::auth::NatsAuth {
-            nats_user: Some(user.into()),
-            nats_password: Some(kvroute::auth::Secret::new(password)),
-            ..Default::default()
-        };
-        let (url, user) = (server.url(), user.to_owned());
-        async move {
-            let transport = Transport::connect_nats(&url, &user, &auth).await.unwrap();
-            let client = transport.nats_client().unwrap().clone();
-            let registry = Registry::nats(client, CLUSTER, &lease(), 1).await.unwrap();
-            (transport, registry)
-        }
+    let user = |user: &str, password: &str| kvroute::auth::NatsAuth {
+        nats_user: Some(user.into()),
+        nats_password: Some(kvroute::auth::Secret::new(password)),
+        ..Default::default()
     };
-    let (transport, registry) = connect("worker", "w").await;
+    let (transport, registry) = nats_as(&server, "worker", &user("worker", "w")).await;
     let sims = workers(&transport, &registry, 0..2, Faults::default()).await;
-    let (rt, rreg) = connect("router", "r").await;
+    let (rt, rreg) = nats_as(&server, "router", &user("router", "r")).await;
     let r = router(rt, &rreg).await;
     let both = eventually(Duration::from_secs(10), || {
         r.plane.worker(WorkerId(0)).is_some() && r.plane.worker(WorkerId(1)).is_some()

@@ -79,9 +79,9 @@ impl Driver {
 
     fn batch(&mut self, fleet: &mut Fleet, now_ms: u64, key: StreamKey) {
         let mut out = Vec::new();
-        let verdict = fleet.on_batch(now_ms, key, &mut out);
+        let _ = fleet.wake(now_ms, key.0, &mut out);
         self.apply(&mut out);
-        if verdict == BatchVerdict::Deliver {
+        if fleet.on_batch(now_ms, key) == BatchVerdict::Deliver {
             assert!(
                 self.streams.contains(&key),
                 "delivered to a closed stream: {key:?}"
@@ -126,11 +126,11 @@ fn a_batch_after_goodbye_is_dropped_and_does_not_resurrect_the_worker() {
     d.apply(&mut out);
     // A straggler of the departed worker, and one of a worker never seen.
     assert_eq!(
-        fleet.on_batch(0, (WorkerId(1), DpRank(0)), &mut out),
+        fleet.on_batch(0, (WorkerId(1), DpRank(0))),
         BatchVerdict::Departed
     );
     assert_eq!(
-        fleet.on_batch(0, (WorkerId(2), DpRank(0)), &mut out),
+        fleet.on_batch(0, (WorkerId(2), DpRank(0))),
         BatchVerdict::Unregistered
     );
     assert!(d.streams.is_empty() && d.lanes.is_empty());
@@ -213,7 +213,7 @@ fn event_batches_renew_a_lease() {
     let mut out = Vec::new();
     for at in [600, 1_200, 1_800] {
         assert_eq!(
-            fleet.on_batch(at, (WorkerId(1), DpRank(0)), &mut out),
+            fleet.on_batch(at, (WorkerId(1), DpRank(0))),
             BatchVerdict::Deliver
         );
         fleet.on_tick(at + 500, &mut out);
@@ -229,7 +229,7 @@ fn event_batches_renew_a_lease() {
     // A batch for a rank the worker does not have renews nothing.
     let mut fleet = registered(2);
     out.clear();
-    fleet.on_batch(900, (WorkerId(2), DpRank(5)), &mut out);
+    fleet.on_batch(900, (WorkerId(2), DpRank(5)));
     fleet.on_tick(1_001, &mut out);
     assert!(!out.is_empty(), "an absent rank's batch renewed the lease");
 }
@@ -372,7 +372,7 @@ fn a_model_keeps_one_block_size() {
     assert_eq!(fleet.block_size("a"), Some(16));
     assert_eq!(fleet.block_size("b"), Some(32));
     assert_eq!(
-        fleet.on_batch(0, (WorkerId(3), DpRank(0)), &mut out),
+        fleet.on_batch(0, (WorkerId(3), DpRank(0))),
         BatchVerdict::Unregistered
     );
 }
@@ -392,7 +392,7 @@ fn fewer_ranks_close_the_extra_streams() {
     d.apply(&mut out);
     assert_eq!(d.streams.len(), 2);
     assert_eq!(
-        fleet.on_batch(0, (WorkerId(1), DpRank(3)), &mut out),
+        fleet.on_batch(0, (WorkerId(1), DpRank(3))),
         BatchVerdict::NoSuchRank
     );
     assert_eq!(

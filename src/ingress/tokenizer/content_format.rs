@@ -72,14 +72,15 @@ pub fn detect(source: &str) -> ContentFormat {
     let mut sets = Vec::new();
     let mut loops = Vec::new();
     collect(&root, &mut sets, &mut loops);
-    match loops_over_content(&sets, &loops) {
-        Some(true) => ContentFormat::OpenAi,
-        Some(false) | None => ContentFormat::String,
+    if loops_over_content(&sets, &loops) {
+        ContentFormat::OpenAi
+    } else {
+        ContentFormat::String
     }
 }
 
-/// `Some(found)`, or `None` where vLLM's walk fails.
-fn loops_over_content(sets: &[(&Expr, &Expr)], loops: &[(&Expr, &Expr)]) -> Option<bool> {
+/// Whether some loop runs over a message's content; false where vLLM's walk fails.
+fn loops_over_content(sets: &[(&Expr, &Expr)], loops: &[(&Expr, &Expr)]) -> bool {
     // The messages' names, breadth first through the `set`s.
     let mut lists = vec!["messages"];
     let mut next = 0;
@@ -88,7 +89,7 @@ fn loops_over_content(sets: &[(&Expr, &Expr)], loops: &[(&Expr, &Expr)]) -> Opti
         for (target, value) in sets {
             if stands_for(value, name, None) {
                 let Expr::Var(var) = target else {
-                    return None;
+                    return false;
                 };
                 if !lists.contains(&var.id) {
                     lists.push(var.id);
@@ -101,7 +102,7 @@ fn loops_over_content(sets: &[(&Expr, &Expr)], loops: &[(&Expr, &Expr)]) -> Opti
     for (target, iter) in loops {
         if lists.iter().any(|name| stands_for(iter, name, None)) {
             let Expr::Var(var) = target else {
-                return None;
+                return false;
             };
             items.push(var.id);
         }
@@ -112,10 +113,10 @@ fn loops_over_content(sets: &[(&Expr, &Expr)], loops: &[(&Expr, &Expr)]) -> Opti
             .iter()
             .any(|name| stands_for(iter, name, Some("content")))
         {
-            return matches!(target, Expr::Var(_)).then_some(true);
+            return matches!(target, Expr::Var(_));
         }
     }
-    Some(false)
+    false
 }
 
 /// Whether `expr` is `name` (or, with a key, `name[key]` / `name.key`), possibly filtered,
