@@ -1,8 +1,9 @@
 //! The HTTP/1.1 server both binaries run (router and worker), and deadline-bounded body
 //! reads: a connection cap, a header-read timeout (slow-loris clients are cut off), a
 //! write-stall timeout (clients that stop reading are cut off), accept errors backed off
-//! instead of spun on, TCP_NODELAY, and bodies collected under a size cap and a total
-//! deadline.
+//! instead of spun on, TCP_NODELAY, lingering closes (an answer given before the body was
+//! read, such as a 413, reaches a client still uploading), and bodies collected under a
+//! size cap and a total deadline.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -149,7 +150,7 @@ pub async fn serve_http<F, Fut>(
                 // gigabytes over the connection cap, for clients that never finish them.
                 .max_buf_size(MAX_HEAD_BYTES)
                 .serve_connection(
-                    TokioIo::new(WriteDeadline::new(stream, write_stall)),
+                    TokioIo::new(Linger::new(WriteDeadline::new(stream, write_stall))),
                     service,
                 );
             tokio::pin!(connection);
@@ -175,6 +176,108 @@ pub async fn serve_http<F, Fut>(
     drop(listener);
     let all = u32::try_from(config.max_connections.max(1)).unwrap_or(u32::MAX);
     let _ = permits.acquire_many(all).await;
+}
+
+/// Longest a closing connection reads and discards what its client still sends.
+const LINGER_MAX: Duration = Duration::from_secs(5);
+/// A closing connection whose client sends nothing for this long is closed at once.
+const LINGER_IDLE: Duration = Duration::from_millis(250);
+/// Most bytes a closing connection discards.
+const LINGER_MAX_BYTES: usize = 64 << 20;
+
+/// A connection's I/O that closes lingering: its shutdown sends FIN, then reads and drops
+/// what the client still sends until the client closes too, goes quiet for `LINGER_IDLE`,
+/// or `LINGER_MAX` or `LINGER_MAX_BYTES` is reached. A server that closes a socket with
+/// unread bytes in it makes the kernel answer with a reset, and a reset discards what the
+/// client had not read yet: a client still uploading a body refused with 413 (or any answer
+/// given before its body was read) would see its connection reset instead of the answer.
+struct Linger<S> {
+    io: S,
+    /// Set once the write half is shut: then the deadlines, and the bytes discarded.
+    closing: Option<Closing>,
+}
+
+struct Closing {
+    until: Pin<Box<tokio::time::Sleep>>,
+    quiet: Pin<Box<tokio::time::Sleep>>,
+    discarded: usize,
+}
+
+impl<S> Linger<S> {
+    fn new(io: S) -> Linger<S> {
+        Linger { io, closing: None }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Linger<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Linger<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if this.closing.is_none() {
+            std::task::ready!(Pin::new(&mut this.io).poll_shutdown(cx))?;
+            this.closing = Some(Closing {
+                until: Box::pin(tokio::time::sleep(LINGER_MAX)),
+                quiet: Box::pin(tokio::time::sleep(LINGER_IDLE)),
+                discarded: 0,
+            });
+        }
+        let closing = this.closing.as_mut().expect("invariant: set above");
+        let mut scratch = [0u8; 8192];
+        loop {
+            if closing.until.as_mut().poll(cx).is_ready() || closing.discarded >= LINGER_MAX_BYTES {
+                return Poll::Ready(Ok(()));
+            }
+            let mut buf = ReadBuf::new(&mut scratch);
+            match Pin::new(&mut this.io).poll_read(cx, &mut buf) {
+                Poll::Ready(Ok(())) if !buf.filled().is_empty() => {
+                    closing.discarded += buf.filled().len();
+                    let quiet = tokio::time::Instant::now() + LINGER_IDLE;
+                    closing.quiet.as_mut().reset(quiet);
+                }
+                // The client closed too, or its connection failed: nothing to protect.
+                Poll::Ready(_) => return Poll::Ready(Ok(())),
+                Poll::Pending => {
+                    return match closing.quiet.as_mut().poll(cx) {
+                        Poll::Ready(()) => Poll::Ready(Ok(())),
+                        Poll::Pending => Poll::Pending,
+                    };
+                }
+            }
+        }
+    }
 }
 
 /// A connection's I/O whose writes fail with `TimedOut` once they have made no progress
