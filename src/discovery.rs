@@ -224,6 +224,48 @@ pub struct LeaseConfig {
     pub ttl_ms: u64,
 }
 
+/// The fewest heartbeat periods a lease may span. A router whose own writes to the registry
+/// fail counts workers' heartbeats that arrive within half a lease of each other as the
+/// registry taking writes (discovery's watch): half a lease must span two periods, so that
+/// one late heartbeat does not turn the router deaf, and it keeps crashed workers lapsing.
+pub const MIN_LEASE_HEARTBEATS: u64 = 4;
+
+/// Why lease timing cannot work.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LeaseError {
+    /// A heartbeat period of zero.
+    #[error("the heartbeat period must be at least 1 ms")]
+    NoHeartbeat,
+    /// A lease shorter than `MIN_LEASE_HEARTBEATS` heartbeat periods.
+    #[error(
+        "a lease of {ttl_ms} ms is under {MIN_LEASE_HEARTBEATS} heartbeat periods of {heartbeat_ms} ms: \
+         a worker would lapse after one lost heartbeat, and a router cut off from the registry's \
+         writes would take the late heartbeats for an outage"
+    )]
+    TooShort {
+        /// The lease, ms.
+        ttl_ms: u64,
+        /// The heartbeat period, ms.
+        heartbeat_ms: u64,
+    },
+}
+
+impl LeaseConfig {
+    /// Checks that the lease spans at least [`MIN_LEASE_HEARTBEATS`] heartbeat periods.
+    pub fn validate(&self) -> Result<(), LeaseError> {
+        if self.heartbeat_ms == 0 {
+            return Err(LeaseError::NoHeartbeat);
+        }
+        if self.ttl_ms < MIN_LEASE_HEARTBEATS.saturating_mul(self.heartbeat_ms) {
+            return Err(LeaseError::TooShort {
+                ttl_ms: self.ttl_ms,
+                heartbeat_ms: self.heartbeat_ms,
+            });
+        }
+        Ok(())
+    }
+}
+
 impl Default for LeaseConfig {
     fn default() -> Self {
         LeaseConfig {
@@ -995,6 +1037,25 @@ pub fn model_name_ok(name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A lease spans at least four heartbeat periods (the default spans five).
+    #[test]
+    fn a_lease_under_four_heartbeats_is_refused() {
+        let lease = |heartbeat_ms, ttl_ms| LeaseConfig {
+            heartbeat_ms,
+            ttl_ms,
+        };
+        assert_eq!(LeaseConfig::default().validate(), Ok(()));
+        assert_eq!(lease(1_000, 4_000).validate(), Ok(()));
+        assert_eq!(
+            lease(1_000, 3_999).validate(),
+            Err(LeaseError::TooShort {
+                ttl_ms: 3_999,
+                heartbeat_ms: 1_000
+            })
+        );
+        assert_eq!(lease(0, 5_000).validate(), Err(LeaseError::NoHeartbeat));
+    }
 
     #[test]
     fn a_url_the_router_cannot_build_a_request_from_is_refused() {

@@ -89,7 +89,7 @@ struct Args {
     /// Registration heartbeat, ms.
     #[arg(long, env = "KVROUTE_HEARTBEAT_MS", default_value_t = LeaseConfig::default().heartbeat_ms)]
     heartbeat_ms: u64,
-    /// Registration TTL, ms.
+    /// Registration TTL, ms: at least four heartbeat periods.
     #[arg(long, env = "KVROUTE_LEASE_TTL_MS", default_value_t = LeaseConfig::default().ttl_ms)]
     lease_ttl_ms: u64,
     /// Client connections served at once.
@@ -224,11 +224,12 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
         ..EngineConfig::default()
     };
     engine.validate().context("engine configuration")?;
-    if args.heartbeat_ms == 0 || args.lease_ttl_ms < 2 * args.heartbeat_ms {
-        bail!(
-            "--lease-ttl-ms must be at least twice --heartbeat-ms (a lease survives one lost heartbeat)"
-        );
+    LeaseConfig {
+        heartbeat_ms: args.heartbeat_ms,
+        ttl_ms: args.lease_ttl_ms,
     }
+    .validate()
+    .context("--lease-ttl-ms and --heartbeat-ms")?;
     let http = HttpConfig {
         max_connections: args.max_connections,
         header_read_timeout_ms: args.header_read_timeout_ms,
