@@ -122,6 +122,7 @@ pub async fn run(
         mirror: EngineMirror::new(block_size),
         seq: SeqTracker::default(),
         replayed_from: None,
+        publisher: None,
         stats: IngestStats::default(),
         changes: Vec::new(),
         endpoint,
@@ -185,6 +186,9 @@ struct Ingest {
     /// Where the last replay started: live batches from there up to the expected seq were
     /// covered by it and are skipped, not taken for a restart.
     replayed_from: Option<u64>,
+    /// The publisher's identity, when its sequence frames carry one (vLLM with a snapshot
+    /// endpoint): a new identity is a restarted engine, whatever its numbering says.
+    publisher: Option<Publisher>,
     stats: IngestStats,
     changes: Vec<BlockChange>,
     endpoint: EngineEndpoint,
@@ -254,9 +258,24 @@ impl Ingest {
             };
             let Some((seq, payload)) = live_message(&frames) else {
                 self.stats.decode_errors += 1;
+                if self.stats.decode_errors == 1 {
+                    let shape: Vec<usize> = frames.iter().map(|f| f.len()).collect();
+                    tracing::warn!(endpoint = %self.endpoint.events, frame_bytes = ?shape, "an engine message not shaped (topic, 8- or 24-byte sequence, batch); dropped");
+                }
                 continue;
             };
-            self.live(seq, &payload).await;
+            let renamed = seq.publisher.is_some() && self.publisher != seq.publisher;
+            let restarted = renamed && self.publisher.is_some();
+            if renamed {
+                self.publisher = seq.publisher;
+            }
+            if restarted {
+                // A new publisher, numbering from 0 again: whatever its numbers, not a late
+                // or replayed batch of the old one.
+                self.restart_at(seq.n, &payload).await;
+            } else {
+                self.live(seq.n, &payload).await;
+            }
             self.flush(tx).await?;
         }
     }
@@ -293,19 +312,25 @@ impl Ingest {
                     // Sent live while a replay brought it too.
                     return;
                 }
-                self.restarted(seq);
-                if seq > 0
-                    && self.endpoint.replay.is_some()
-                    && let Err(e) = self.replay(0, false).await
-                {
-                    // The new engine's batches before this one were missed.
-                    tracing::warn!(endpoint = ?self.endpoint.replay, error = %e, "replay failed");
-                }
-                if !matches!(self.seq.check(seq), SeqCheck::Restarted) {
-                    // Not brought by the replay (it failed, or there is none).
-                    self.apply(seq, payload);
-                }
+                self.restart_at(seq, payload).await;
             }
+        }
+    }
+
+    /// The engine restarted and sent `seq`: drops what the old one held, replays the new
+    /// one's batches before `seq`, and applies `seq` unless the replay brought it.
+    async fn restart_at(&mut self, seq: u64, payload: &[u8]) {
+        self.restarted(seq);
+        if seq > 0
+            && self.endpoint.replay.is_some()
+            && let Err(e) = self.replay(0, false).await
+        {
+            // The new engine's batches before this one were missed.
+            tracing::warn!(endpoint = ?self.endpoint.replay, error = %e, "replay failed");
+        }
+        if !matches!(self.seq.check(seq), SeqCheck::Restarted) {
+            // Not brought by the replay (it failed, or there is none).
+            self.apply(seq, payload);
         }
     }
 
@@ -409,12 +434,35 @@ impl Ingest {
     }
 }
 
-fn seq_of(frame: &[u8]) -> Option<u64> {
-    Some(u64::from_be_bytes(frame.try_into().ok()?))
+/// A publisher lifetime's identity: the 16 bytes after the sequence number.
+type Publisher = [u8; 16];
+
+/// A data message's sequence frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Seq {
+    /// The sequence number, big-endian unsigned.
+    n: u64,
+    /// Who numbered it, in the 24-byte form.
+    publisher: Option<Publisher>,
+}
+
+/// An 8-byte sequence number, or (vLLM with `snapshot_endpoint` set, which "extends each live
+/// and replay data message's sequence frame from 8 to 24 bytes": vLLM's
+/// `docs/features/kv_events.md`) the number followed by the publisher's 16-byte identity.
+fn seq_of(frame: &[u8]) -> Option<Seq> {
+    let (n, publisher) = match frame.len() {
+        8 => (frame, None),
+        24 => (&frame[..8], Some(frame[8..].try_into().ok()?)),
+        _ => return None,
+    };
+    Some(Seq {
+        n: u64::from_be_bytes(n.try_into().ok()?),
+        publisher,
+    })
 }
 
 /// A live message: `(topic, seq, payload)`.
-fn live_message(frames: &[Bytes]) -> Option<(u64, Bytes)> {
+fn live_message(frames: &[Bytes]) -> Option<(Seq, Bytes)> {
     match frames {
         [_topic, seq, payload] => Some((seq_of(seq)?, payload.clone())),
         _ => None,
@@ -429,8 +477,8 @@ fn replay_message(frames: &[Bytes]) -> Option<(u64, Bytes)> {
         _ => frames,
     };
     match frames {
-        [_topic, seq, payload] => Some((seq_of(seq)?, payload.clone())),
-        [seq, payload] => Some((seq_of(seq)?, payload.clone())),
+        [_topic, seq, payload] => Some((seq_of(seq)?.n, payload.clone())),
+        [seq, payload] => Some((seq_of(seq)?.n, payload.clone())),
         _ => None,
     }
 }

@@ -1,7 +1,9 @@
 //! An engine's side of the KV-event sockets, as vLLM's `ZmqEventPublisher` behaves: a PUB
 //! that sends `(topic, seq as 8-byte big-endian, payload)` with seq counting from 0, and a
 //! replay ROUTER that answers a DEALER's `("", start seq)` with every buffered batch from
-//! there and an end marker. The test engine (`kvroute-worker --emulate`) publishes through
+//! there and an end marker; with an identity, as vLLM with a `snapshot_endpoint`, each data
+//! message's seq frame is 24 bytes, the seq then the publisher's 16-byte identity (the end
+//! marker stays 8). The test engine (`kvroute-worker --emulate`) publishes through
 //! it; so do the tests of the ingest. It can lose batches on purpose.
 
 use std::collections::VecDeque;
@@ -27,6 +29,17 @@ struct Buffer {
     batches: VecDeque<(u64, Bytes)>,
     /// Live sends still to skip (a lossy network, on purpose).
     drop_live: u32,
+    /// This publisher lifetime's identity, sent after each data message's seq.
+    identity: Option<[u8; 16]>,
+}
+
+impl Buffer {
+    /// The seq frame of data message `seq`.
+    fn seq_frame(&self, seq: u64) -> Bytes {
+        let mut frame = seq.to_be_bytes().to_vec();
+        frame.extend_from_slice(self.identity.as_ref().map_or(&[][..], |id| &id[..]));
+        Bytes::from(frame)
+    }
 }
 
 /// A bound engine event publisher.
@@ -94,13 +107,26 @@ impl EnginePublisher {
             b.drop_live -= 1;
             return seq;
         }
+        let seq_frame = b.seq_frame(seq);
         drop(b);
-        self.pubs.publish(vec![
-            self.topic.clone(),
-            Bytes::copy_from_slice(&seq.to_be_bytes()),
-            payload,
-        ]);
+        self.pubs
+            .publish(vec![self.topic.clone(), seq_frame, payload]);
         seq
+    }
+
+    /// Sends 24-byte seq frames with this identity from now on (vLLM's form with a snapshot
+    /// endpoint); a new identity is what a restarted engine sends.
+    pub fn set_identity(&self, identity: [u8; 16]) {
+        self.buffer.lock().identity = Some(identity);
+    }
+
+    /// Plays a restarted engine on the same sockets: a new identity, nothing buffered, and
+    /// numbers from `next_seq` on.
+    pub fn restart_as(&self, identity: [u8; 16], next_seq: u64) {
+        let mut b = self.buffer.lock();
+        b.identity = Some(identity);
+        b.batches.clear();
+        b.next_seq = next_seq;
     }
 
     /// The next `n` batches are buffered for replay but not sent live.
@@ -124,7 +150,11 @@ fn answer(b: &Buffer, topic: &Bytes, form: ReplayForm, request: &[Bytes]) -> Vec
     };
     let empty = Bytes::new();
     let message = |seq: u64, payload: Bytes| {
-        let seq = Bytes::copy_from_slice(&seq.to_be_bytes());
+        let seq = if seq == u64::MAX {
+            Bytes::copy_from_slice(&seq.to_be_bytes())
+        } else {
+            b.seq_frame(seq)
+        };
         match form {
             ReplayForm::WithTopic => vec![empty.clone(), topic.clone(), seq, payload],
             ReplayForm::NoTopic => vec![empty.clone(), seq, payload],

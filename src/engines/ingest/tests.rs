@@ -364,3 +364,58 @@ fn data_parallel_ranks_offset_the_port() {
         .is_err()
     );
 }
+
+/// A sequence frame is 8 bytes, or 24 with the publisher's identity after the number (vLLM
+/// with a snapshot endpoint); anything else is not a data message.
+#[test]
+fn sequence_frames_of_8_and_24_bytes_are_read() {
+    let mut frame = 7u64.to_be_bytes().to_vec();
+    assert_eq!(
+        seq_of(&frame),
+        Some(Seq {
+            n: 7,
+            publisher: None
+        })
+    );
+    frame.extend_from_slice(&[9; 16]);
+    assert_eq!(
+        seq_of(&frame),
+        Some(Seq {
+            n: 7,
+            publisher: Some([9; 16])
+        })
+    );
+    for len in [0, 7, 9, 16, 23, 25] {
+        assert_eq!(seq_of(&vec![0; len]), None, "{len} bytes");
+    }
+}
+
+/// With identities on its seq frames, an engine is followed through replay as without, and
+/// a new identity is a restart even where its numbers continue the old one's: the old
+/// engine's blocks go.
+#[tokio::test]
+async fn a_new_publisher_identity_is_a_restart_whatever_its_numbers() {
+    let engine = engine_at(0, 0).await;
+    engine.set_identity([1; 16]);
+    for b in [store(1, None), store(2, Some(1))] {
+        engine.publish(b);
+    }
+    let mut owner = start(&engine, true).await;
+    owner.until("replayed", |o| o.held.len() == 2).await;
+    // Live batches of the same publisher apply as usual.
+    churn_until(&engine, &mut owner, 4, "live", |o| {
+        o.stats.mirror.batches > 2
+    })
+    .await;
+    engine.publish(store(3, Some(2)));
+    owner.until("3 held", |o| o.held.len() == 3).await;
+    assert_eq!(owner.stats.restarts, 0);
+    // A new lifetime whose next seq is the one expected: only its identity tells.
+    engine.restart_as([2; 16], engine.next_seq());
+    engine.publish(store(7, None));
+    let want = hashes_of(&[(7, None)]);
+    owner
+        .until("only the new engine's block is left", |o| o.held == want)
+        .await;
+    assert_eq!(owner.stats.restarts, 1);
+}
