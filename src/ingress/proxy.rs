@@ -709,15 +709,19 @@ impl Relay {
     async fn pump(&mut self) -> RelayEnd {
         let mut first = true;
         let mut last = self.started;
-        // `[DONE]` was relayed: the answer is whole, only the body's end is awaited.
-        let mut done = false;
+        // The first token is due by then, whatever arrives before it (keep-alive comments
+        // from a proxy in front of the worker do not push it back).
+        let first_by = self.started + self.first_frame;
+        // `[DONE]` was relayed: the answer is whole, only the body's end is awaited, until
+        // then at the latest (a worker or a proxy that keeps sending after it does not hold
+        // the stream, its booking and its slot).
+        let mut done_by: Option<Instant> = None;
         loop {
-            let wait = if done {
-                self.idle.min(DONE_GRACE)
-            } else if first {
-                self.first_frame
-            } else {
-                self.idle
+            let done = done_by.is_some();
+            let wait = match done_by {
+                Some(by) => by,
+                None if first => first_by,
+                None => Instant::now() + self.idle,
             };
             // A client that leaves is noticed at once, not at the next frame: before the
             // first one that can be the whole prefill and the engine's queue, during which
@@ -726,7 +730,7 @@ impl Relay {
             let next = tokio::select! {
                 biased;
                 () = self.tx.closed() => return RelayEnd::ClientGone,
-                next = tokio::time::timeout(wait, self.upstream.frame()) => next,
+                next = tokio::time::timeout_at(wait, self.upstream.frame()) => next,
             };
             let frame = match next {
                 // A worker (or a proxy before it) that keeps the body open after `[DONE]`
@@ -760,18 +764,6 @@ impl Relay {
             if done {
                 continue; // nothing follows `[DONE]`
             }
-            let now = Instant::now();
-            let (histogram, since) = if first {
-                (&self.ttft, self.started)
-            } else {
-                (&self.itl, last)
-            };
-            histogram.record(now.duration_since(since).as_secs_f64());
-            last = now;
-            if first {
-                first = false;
-                self.booking.first_token();
-            }
             let data = match self.events.push(data) {
                 Ok(Some(events)) => events,
                 Ok(None) => continue,
@@ -780,7 +772,24 @@ impl Relay {
                     return RelayEnd::WorkerFailed;
                 }
             };
-            done = ends_stream(data.trim_ascii_end());
+            // Comments alone (`: keep-alive`) are relayed but are no token.
+            if carries_data(&data) {
+                let now = Instant::now();
+                let (histogram, since) = if first {
+                    (&self.ttft, self.started)
+                } else {
+                    (&self.itl, last)
+                };
+                histogram.record(now.duration_since(since).as_secs_f64());
+                last = now;
+                if first {
+                    first = false;
+                    self.booking.first_token();
+                }
+            }
+            if ends_stream(data.trim_ascii_end()) {
+                done_by = Some(Instant::now() + self.idle.min(DONE_GRACE));
+            }
             match tokio::time::timeout(self.idle, self.tx.send(data)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(_)) => return RelayEnd::ClientGone,
@@ -792,6 +801,14 @@ impl Relay {
 
 /// How long the relay waits for a worker's body to end once `[DONE]` has been relayed.
 const DONE_GRACE: Duration = Duration::from_secs(1);
+
+/// Whether whole server-sent events hold a `data` field (a line starting `data`), not only
+/// comments (lines starting `:`) or other fields.
+fn carries_data(events: &[u8]) -> bool {
+    events
+        .split(|&b| b == b'\n')
+        .any(|line| line.starts_with(b"data:") || line.trim_ascii_end() == b"data")
+}
 
 /// Whether server-sent events (trailing whitespace trimmed) end with OpenAI's stream
 /// terminator, `data: [DONE]`.

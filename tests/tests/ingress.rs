@@ -484,6 +484,47 @@ async fn a_first_token_later_than_the_idle_timeout_is_waited_for() {
     assert!(rest.contains("data: [DONE]"), "{rest}");
 }
 
+/// A proxy in front of an engine that keeps sending comments (`: keep-alive`) after
+/// `[DONE]` does not hold the stream: it ends a grace period after `[DONE]`, and its booking
+/// and in-flight slot go with it. (The grace restarted at each comment: never.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn comments_after_done_do_not_hold_the_stream() {
+    let f = faulty_worker(
+        &["--relay-idle-timeout-ms", "300"],
+        serde_json::json!({"pings_ms": 50}),
+    )
+    .await;
+    let mut s = open_stream(&f, 8).await;
+    let rest = read_rest(&mut s, Duration::from_secs(30)).await;
+    assert!(rest.contains("data: [DONE]"), "{rest}");
+    assert!(!rest.contains("error"), "{rest}");
+    let closed = tokio::time::timeout(Duration::from_secs(30), async {
+        while !all_bookings_closed(&f).await {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(
+        closed.is_ok(),
+        "the stream's booking stayed open after [DONE]"
+    );
+}
+
+/// Comments before the first token are no token: the first-token deadline still runs from
+/// the request, and the stream ends with an error event when it passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn comments_before_the_first_token_do_not_extend_its_deadline() {
+    let f = faulty_worker(
+        &["--first-token-timeout-ms", "1000"],
+        serde_json::json!({"pings_ms": 50, "first_chunk_delay_ms": 20000}),
+    )
+    .await;
+    let mut s = open_stream(&f, 8).await;
+    let rest = read_rest(&mut s, Duration::from_secs(15)).await;
+    assert!(rest.contains("sent no token within 1000 ms"), "{rest}");
+    assert!(rest.contains("data: [DONE]"), "{rest}");
+}
+
 /// Half-sent requests (slow-loris) are cut off at the header timeout instead of piling up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn half_sent_requests_are_cut_off() {

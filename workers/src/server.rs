@@ -113,6 +113,9 @@ pub struct Faults {
     /// Streams: send the headers, then wait this long before the first chunk (a long
     /// prefill, or the engine's own queue).
     pub first_chunk_delay_ms: Option<u64>,
+    /// Streams: an SSE comment (`: keep-alive`) every this many ms, from the headers on and
+    /// after `[DONE]` without end, as a proxy in front of an engine may send.
+    pub pings_ms: Option<u64>,
 }
 
 /// Events queued for the publisher; beyond, batches are dropped (the heartbeat still

@@ -546,11 +546,13 @@ async fn run(state: State, g: Generate) -> Response<Body> {
         return full(StatusCode::OK, "application/json", body.to_string());
     }
     let include_usage = g.include_usage;
-    let first_delay = state
-        .faults
-        .as_ref()
-        .and_then(|f| f.borrow().first_chunk_delay_ms)
+    let faults = state.faults.as_ref().map(|f| *f.borrow());
+    let first_delay = faults
+        .and_then(|f| f.first_chunk_delay_ms)
         .map(Duration::from_millis);
+    let pings = faults
+        .and_then(|f| f.pings_ms)
+        .map(|ms| Duration::from_millis(ms.max(1)));
     // State: the outputs, the framing, the active count, done, first chunk, and the cached
     // prompt tokens and tokens generated so far (for the usage chunk).
     let stream = futures_util::stream::unfold(
@@ -603,11 +605,26 @@ async fn run(state: State, g: Generate) -> Response<Body> {
             }
         },
     );
+    let body = match pings {
+        None => BodyExt::boxed(StreamBody::new(stream)),
+        Some(every) => {
+            // The answer, with comments interleaved and going on after it: a body that never
+            // ends, whose reader must stop at `[DONE]`.
+            let comments = futures_util::stream::unfold((), move |()| async move {
+                tokio::time::sleep(every).await;
+                let ping = Frame::data(Bytes::from_static(b": keep-alive\n\n"));
+                Some((Ok::<_, Infallible>(ping), ()))
+            });
+            BodyExt::boxed(StreamBody::new(futures_util::stream::select(
+                stream, comments,
+            )))
+        }
+    };
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")
-        .body(BodyExt::boxed(StreamBody::new(stream)))
+        .body(body)
         .expect("invariant: static response parts are valid")
 }
 
