@@ -381,23 +381,16 @@ impl Router {
     }
 
     /// What a request learnt of `key`'s reachability: a worker that could not be reached
-    /// counts towards its ejection; one that answered (with anything) is reachable.
-    fn note_reachability(&self, key: WorkerKey, error: Option<&ProxyError>) {
-        let mut scheduler = self.scheduler.lock();
-        match error {
+    /// counts towards its ejection; one that answered (with anything) is reachable. A
+    /// stream's headers say neither: its relay reports its first token, or its silence.
+    fn note_reachability(&self, key: WorkerKey, outcome: Result<(), &ProxyError>, stream: bool) {
+        let reach = proxy::Reach::new(self, key.0);
+        match outcome {
+            Ok(()) if stream => {}
             // Says nothing of reachability: gone, or slow to generate a whole answer.
-            Some(ProxyError::WorkerLeft { .. } | ProxyError::AnswerTimeout { .. }) => return,
-            Some(e) if e.unreachable() => {}
-            _ => {
-                scheduler.worker_answered(key.0);
-                return;
-            }
-        }
-        if let Some(ms) = scheduler.worker_unreachable(key.0, self.now_ms()) {
-            drop(scheduler);
-            metrics::counter!("kvroute_worker_ejections_total", "worker" => key.0.to_string())
-                .increment(1);
-            tracing::warn!(worker = %key.0, ejected_ms = ms, "worker unreachable several times in a row; it sits out");
+            Err(ProxyError::WorkerLeft { .. } | ProxyError::AnswerTimeout { .. }) => {}
+            Err(e) if e.unreachable() => reach.failed(),
+            _ => reach.answered(),
         }
     }
 
@@ -1127,7 +1120,7 @@ async fn completions(
             .expecting(decision.chosen.key.0, prepared.blocks.last().map(|b| b.seq));
         let key = decision.chosen.key;
         let outcome = forward(router, &decision, booking, &body, p.stream, &mut inflight).await;
-        router.note_reachability(key, outcome.as_ref().err());
+        router.note_reachability(key, outcome.as_ref().map(|_| ()), p.stream);
         match outcome {
             Ok(response) => {
                 // Reported once the worker has taken the prompt (a stream's headers, a whole

@@ -107,6 +107,44 @@ impl Drop for Booking {
     }
 }
 
+/// What requests learn of a worker's health, for the scheduler's ejection
+/// (`scheduler.ejection`): one that answers is reachable, one that cannot be reached, or
+/// whose stream brings no token in time, counts towards sitting out.
+pub(super) struct Reach {
+    scheduler: Arc<Mutex<Scheduler>>,
+    worker: WorkerId,
+    clock: Instant,
+}
+
+impl Reach {
+    pub(super) fn new(router: &Router, worker: WorkerId) -> Reach {
+        Reach {
+            scheduler: Arc::clone(&router.scheduler),
+            worker,
+            clock: router.started,
+        }
+    }
+
+    /// The worker answered: reachable, and no longer ejected.
+    pub(super) fn answered(&self) {
+        self.scheduler.lock().worker_answered(self.worker);
+    }
+
+    /// The worker failed a request as a dead or hung one does.
+    pub(super) fn failed(&self) {
+        let now_ms = self.clock.elapsed().as_millis() as u64;
+        let ejected = self
+            .scheduler
+            .lock()
+            .worker_unreachable(self.worker, now_ms);
+        if let Some(ms) = ejected {
+            metrics::counter!("kvroute_worker_ejections_total", "worker" => self.worker.to_string())
+                .increment(1);
+            tracing::warn!(worker = %self.worker, ejected_ms = ms, "worker unreachable or silent several times in a row; it sits out");
+        }
+    }
+}
+
 /// Why a routed request failed. One value decides whether another worker is tried, what
 /// the client sees and which metric counts it.
 #[derive(Debug, thiserror::Error)]
@@ -543,6 +581,7 @@ pub(super) async fn forward(
     let relay = Relay {
         upstream: response.into_body(),
         booking,
+        reach: Reach::new(router, worker),
         inflight: inflight.take(),
         tx,
         idle: Duration::from_millis(config.relay_idle_timeout_ms),
@@ -619,6 +658,9 @@ pub(super) async fn watch_prefill<F: std::future::Future>(
 struct Relay {
     upstream: hyper::body::Incoming,
     booking: Booking,
+    /// Told of the first token, or of a worker silent past a deadline: a hung engine still
+    /// sends its headers, and would otherwise look healthy and idle.
+    reach: Reach,
     inflight: Option<InFlight>,
     tx: mpsc::Sender<Bytes>,
     /// Longest wait for the worker's next frame, and for the client to take one.
@@ -671,6 +713,9 @@ impl RelayEnd {
 impl Relay {
     async fn run(mut self) {
         let end = self.pump().await;
+        if matches!(end, RelayEnd::NoFirstFrame | RelayEnd::WorkerStalled) {
+            self.reach.failed();
+        }
         if matches!(
             end,
             RelayEnd::WorkerStalled
@@ -785,6 +830,7 @@ impl Relay {
                 if first {
                     first = false;
                     self.booking.first_token();
+                    self.reach.answered();
                 }
             }
             if ends_stream(data.trim_ascii_end()) {

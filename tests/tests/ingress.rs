@@ -525,6 +525,58 @@ async fn comments_before_the_first_token_do_not_extend_its_deadline() {
     assert!(rest.contains("data: [DONE]"), "{rest}");
 }
 
+/// A hung engine still answers with headers, then sends nothing: its streams end at the
+/// first-token deadline, and after three in a row it sits out like an unreachable worker
+/// (it looked healthy and idle before, and kept drawing streams).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_streams_bring_no_token_sits_out() {
+    let f = Fleet::start(FleetSpec {
+        lease_ttl_ms: 120_000,
+        router_args: vec![
+            "--eject-ms".into(),
+            "600000".into(),
+            "--first-token-timeout-ms".into(),
+            "300".into(),
+        ],
+        workers: vec![
+            WorkerSpec {
+                model: MODEL.into(),
+                args: vec!["--fault-injection".into()],
+            },
+            WorkerSpec::model(MODEL),
+        ],
+        ..spec(2, 50.0)
+    })
+    .await
+    .unwrap();
+    f.faults(0, serde_json::json!({"first_chunk_delay_ms": 600000}))
+        .await
+        .unwrap();
+    let url = format!("{}/v1/completions", f.url());
+    let mut silent = 0;
+    for i in 0..30 {
+        let r = f
+            .http
+            .call("POST", &url, request(i, 8, true))
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        if r.body.contains("sent no token within") {
+            silent += 1;
+        }
+    }
+    assert!(
+        (1..=3).contains(&silent),
+        "{silent} streams went to the hung worker"
+    );
+    let scrape = f.scrape().await.unwrap();
+    assert_eq!(
+        counter_sum(&scrape, "kvroute_worker_ejections_total", "worker="),
+        1.0,
+        "{scrape}"
+    );
+}
+
 /// Half-sent requests (slow-loris) are cut off at the header timeout instead of piling up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn half_sent_requests_are_cut_off() {
