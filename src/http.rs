@@ -180,8 +180,10 @@ pub async fn serve_http<F, Fut>(
 
 /// Longest a closing connection reads and discards what its client still sends.
 const LINGER_MAX: Duration = Duration::from_secs(5);
-/// A closing connection whose client sends nothing for this long is closed at once.
-const LINGER_IDLE: Duration = Duration::from_millis(250);
+/// A closing connection whose client sends nothing for this long is closed at once: longer
+/// than a round trip on a slow link, where the client's next segment is still on its way
+/// (nginx waits 5 s, `lingering_timeout`); an idle kept-alive client costs a drain this.
+const LINGER_IDLE: Duration = Duration::from_secs(1);
 /// Most bytes a closing connection discards.
 const LINGER_MAX_BYTES: usize = 64 << 20;
 
