@@ -233,6 +233,11 @@ pub struct RoutedPrompt {
     pub blocks: Vec<crate::protocol::BlockHash>,
 }
 
+/// How long an idle connection to a worker is kept for the next request: under the 5 s
+/// keep-alive of the engines' servers (uvicorn's `timeout_keep_alive` default, which vLLM
+/// and SGLang keep).
+const WORKER_POOL_IDLE: Duration = Duration::from_secs(4);
+
 impl Router {
     /// A router over a running plane (which keeps the scheduler's workers in step with the
     /// fleet).
@@ -248,7 +253,14 @@ impl Router {
         // Streamed chunks must not wait for Nagle's algorithm (40 ms stalls per first byte).
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_millis(config.worker_timeout_ms)));
-        let client = Client::builder(TokioExecutor::new()).build(connector);
+        // Idle connections to workers are dropped before the engines drop them: vLLM's and
+        // SGLang's servers (uvicorn) close a connection idle for 5 s, and a request sent on
+        // one as it closes fails ("connection closed before message completed"), counted
+        // against the worker. hyper-util keeps them 90 s by default.
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(WORKER_POOL_IDLE)
+            .pool_timer(hyper_util::rt::TokioTimer::new())
+            .build(connector);
         let bodies = BodyBudget::new(config.body_memory_bytes);
         let queue = scheduler::queue::AdmissionQueue::new(scheduler.lock().config().queue.clone());
         let threads = match config.tokenizer_threads {
