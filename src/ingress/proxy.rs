@@ -739,11 +739,11 @@ impl Relay {
                 }
                 _ => format!("worker {} failed mid-stream", self.worker),
             });
-            // Best effort: a client that is not reading does not get it.
-            let _ = self.tx.try_send(Bytes::from(format!(
-                "data: {}\n\ndata: [DONE]\n\n",
-                err.body()
-            )));
+            // A client that reads gets it, behind what it has not read yet; one that has not
+            // read for a while does not hold the relay longer than this.
+            let event = Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", err.body()));
+            let _ =
+                tokio::time::timeout(self.idle.min(ERROR_EVENT_WAIT), self.tx.send(event)).await;
         }
         metrics::counter!("kvroute_relay_ended_total", "how" => end.label()).increment(1);
         metrics::histogram!("kvroute_e2e_seconds", "worker" => self.worker.clone())
@@ -844,6 +844,10 @@ impl Relay {
         }
     }
 }
+
+/// How long a relay that failed waits for room to send its client the error event: a full
+/// channel is a client behind by 64 events, and the stream must not end without saying why.
+const ERROR_EVENT_WAIT: Duration = Duration::from_secs(1);
 
 /// How long the relay waits for a worker's body to end once `[DONE]` has been relayed.
 const DONE_GRACE: Duration = Duration::from_secs(1);
