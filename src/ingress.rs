@@ -234,8 +234,8 @@ pub struct RoutedPrompt {
 }
 
 /// How long an idle connection to a worker is kept for the next request: under the 5 s
-/// keep-alive of the engines' servers (uvicorn's `timeout_keep_alive` default, which vLLM
-/// and SGLang keep).
+/// keep-alive of the engines' servers (uvicorn's `timeout_keep_alive`: vLLM passes
+/// `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, 5 by default; SGLang keeps uvicorn's 5).
 const WORKER_POOL_IDLE: Duration = Duration::from_secs(4);
 
 impl Router {
