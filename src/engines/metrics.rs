@@ -85,6 +85,12 @@ pub fn scrape(text: &str) -> Scraped {
         let Some((name, labels, value)) = sample(line) else {
             continue;
         };
+        // SGLang with priority scheduling sets a queue count's total under `priority=""` and
+        // each priority's share under `priority="<n>"` (`_log_gauge_queue_count` in its
+        // metrics collector): the shares are already in the total.
+        if label(labels, "priority").is_some_and(|p| !p.is_empty()) {
+            continue;
+        }
         match name {
             "vllm:num_requests_running" | "sglang:num_running_reqs" => {
                 *running.get_or_insert(0.0) += value
@@ -97,7 +103,9 @@ pub fn scrape(text: &str) -> Scraped {
             "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" | "sglang:token_usage" => {
                 usage_sum += value;
                 usage_n += 1;
+                // vLLM labels an engine core `engine`, SGLang a data-parallel rank `dp_rank`.
                 let rank = label(labels, "engine")
+                    .or_else(|| label(labels, "dp_rank"))
                     .and_then(|r| r.parse::<usize>().ok())
                     .filter(|r| *r < MAX_RANKS);
                 by_rank = match (by_rank, rank) {
@@ -213,6 +221,28 @@ vllm:prompt_tokens_total{model_name="Qwen/Qwen3-8B"} 123456.0
         );
         assert_eq!(s.g1_blocks, None);
         assert!(s.rank_kv_usage_permille.is_empty(), "no rank label");
+        // SGLang with priority scheduling: the totals under priority="", each priority's
+        // share besides (not added again); data-parallel ranks labelled dp_rank.
+        let priorities = concat!(
+            "sglang:num_running_reqs{dp_rank=\"0\",priority=\"\"} 6\n",
+            "sglang:num_running_reqs{dp_rank=\"0\",priority=\"0\"} 2\n",
+            "sglang:num_running_reqs{dp_rank=\"0\",priority=\"5\"} 4\n",
+            "sglang:num_running_reqs{dp_rank=\"1\",priority=\"\"} 1\n",
+            "sglang:num_queue_reqs{dp_rank=\"0\",priority=\"\"} 3\n",
+            "sglang:num_queue_reqs{dp_rank=\"0\",priority=\"5\"} 3\n",
+            "sglang:token_usage{dp_rank=\"0\"} 0.2\n",
+            "sglang:token_usage{dp_rank=\"1\"} 0.6\n",
+        );
+        let s = scrape(priorities);
+        assert_eq!(
+            s.load,
+            Some(EngineLoad {
+                running: 7,
+                waiting: 3,
+                kv_usage_permille: 400
+            })
+        );
+        assert_eq!(s.rank_kv_usage_permille, vec![200, 600]);
         // A rank missing below the highest, or a rank past the cap: no per-rank figures.
         for gap in [
             "vllm:kv_cache_usage_perc{engine=\"0\"} 0.1\nvllm:kv_cache_usage_perc{engine=\"2\"} 0.3\n",
