@@ -10,7 +10,7 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 
 use super::mirror::{EngineMirror, MirrorStats, SeqCheck, SeqTracker};
-use super::wire::decode_batch;
+use super::wire::{EngineEvent, decode_batch};
 use super::zmtp::{Connection, ZmtpError};
 use crate::protocol::BlockChange;
 
@@ -346,7 +346,17 @@ impl Ingest {
     fn apply(&mut self, seq: u64, payload: &[u8]) {
         self.seq.advance(seq);
         match decode_batch(payload) {
-            Ok(batch) => self.mirror.apply(&batch, &mut self.changes),
+            Ok(batch) => {
+                if self.mirror.stats().unknown_events == 0
+                    && let Some(tag) = batch.events.iter().find_map(|e| match e {
+                        EngineEvent::Other(tag) => Some(tag),
+                        _ => None,
+                    })
+                {
+                    tracing::warn!(endpoint = %self.endpoint.events, kind = %tag, "engine events of a kind kvroute does not know; skipped (counted in unknown_events)");
+                }
+                self.mirror.apply(&batch, &mut self.changes);
+            }
             Err(e) => {
                 self.stats.decode_errors += 1;
                 tracing::warn!(endpoint = %self.endpoint.events, seq, error = %e, "undecodable engine batch; dropping the engine's blocks until they are stored again");

@@ -53,6 +53,9 @@ pub struct EventFaults {
     /// not indexed, since the router salts an adapter's blocks by its name.
     #[serde(default)]
     pub unnamed_lora_blocks: u64,
+    /// Events of a kind kvroute does not know (skipped; the rest of their batch applies).
+    #[serde(default)]
+    pub unknown_events: u64,
 }
 
 /// What one scrape found.

@@ -71,6 +71,8 @@ pub struct MirrorStats {
     /// salts an adapter's blocks with its name, so they are not indexed (as base-model
     /// blocks they would be false hits).
     pub unnamed_lora: u64,
+    /// Events of a kind kvroute does not know: skipped.
+    pub unknown_events: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -164,6 +166,7 @@ impl EngineMirror {
                 // costs some reuse until they are stored again, routing to blocks that are
                 // gone costs every request that trusts them.
                 EngineEvent::Cleared => self.clear(out),
+                EngineEvent::Other(_) => self.stats.unknown_events += 1,
             }
         }
     }

@@ -139,6 +139,9 @@ pub enum EngineEvent {
     },
     /// The engine's whole cache is gone.
     Cleared,
+    /// An event kind kvroute does not know (a fork's, or a newer engine's), by its tag:
+    /// skipped, and counted, so that the rest of its batch still applies.
+    Other(String),
 }
 
 /// One engine step's events.
@@ -339,6 +342,9 @@ const STORED_POSITIONS: &[&str] = &[
 ];
 const REMOVED_POSITIONS: &[&str] = &["block_hashes", "medium", "group_idx"];
 
+/// The longest tag kept of an unknown event (for the log).
+const MAX_TAG_CHARS: usize = 64;
+
 fn decode_event(value: &ValueRef<'_>) -> Result<EngineEvent, String> {
     let tag = match value {
         ValueRef::Array(items) => items.first().and_then(as_str),
@@ -360,7 +366,13 @@ fn decode_event(value: &ValueRef<'_>) -> Result<EngineEvent, String> {
             })
         }
         "AllBlocksCleared" => Ok(EngineEvent::Cleared),
-        other => Err(format!("unknown event type {other:?}")),
+        // vLLM's contract (tests/v1/core/test_kv_events_contract.py) promises decoders
+        // tolerance of new fields, not of new kinds; forks publish kinds of their own in
+        // the same batches. Refusing the batch would drop the engine's whole mirror for
+        // each one.
+        other => Ok(EngineEvent::Other(
+            other.chars().take(MAX_TAG_CHARS).collect(),
+        )),
     }
 }
 

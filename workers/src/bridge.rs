@@ -312,6 +312,7 @@ fn event_faults(ranks: &[IngestStats]) -> metrics::EventFaults {
         f.unrepaired_gaps += r.unrepaired;
         f.restarts += r.restarts;
         f.unnamed_lora_blocks += r.mirror.unnamed_lora;
+        f.unknown_events += r.mirror.unknown_events;
     }
     f
 }

@@ -131,6 +131,25 @@ fn token_less_offload_stores_resolve_through_the_engine_hash() {
     );
 }
 
+/// An event of an unknown kind between two known ones is counted and skipped: the others
+/// apply, and nothing already mirrored is dropped.
+#[test]
+fn unknown_events_are_counted_and_the_rest_applies() {
+    let toks = tokens(2 * BS);
+    let mut m = EngineMirror::new(bs());
+    let out = apply(
+        &mut m,
+        vec![
+            stored(&[1], None, &toks[..BS], Medium::Gpu),
+            EngineEvent::Other("TransferInitiated".into()),
+            stored(&[2], Some(1), &toks[BS..], Medium::Gpu),
+        ],
+    );
+    assert_eq!(out.len(), 2);
+    assert_eq!(m.stats().unknown_events, 1);
+    assert_eq!(m.stats().stored, 2);
+}
+
 #[test]
 fn a_block_stored_twice_stays_until_removed_twice() {
     let toks = tokens(BS);
