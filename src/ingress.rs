@@ -549,6 +549,10 @@ async fn handle(router: Arc<Router>, req: hyper::Request<Incoming>) -> Response<
         (Method::GET, "/ready") => Ok(ready(&router)),
         (Method::GET, "/metrics") => Ok(metrics_text(&router)),
         (Method::GET, "/v1/models") => Ok(models(&router)),
+        // OpenAI's "retrieve model" (`client.models.retrieve(id)`); an id may hold slashes.
+        (Method::GET, p) if p.starts_with("/v1/models/") => {
+            model(&router, &p["/v1/models/".len()..])
+        }
         (Method::POST, "/v1/completions") => completions(&router, req, false).await,
         (Method::POST, "/v1/chat/completions") => completions(&router, req, true).await,
         _ => Err(ApiError::not_found()),
@@ -616,17 +620,27 @@ fn ready(router: &Router) -> Response<Body> {
     )
 }
 
+/// A model as OpenAI's API describes it.
+fn model_object(id: &str) -> serde_json::Value {
+    serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "kvroute"})
+}
+
 fn models(router: &Router) -> Response<Body> {
     let view = router.plane.view();
-    let data: Vec<_> = view
-        .models()
-        .iter()
-        .map(|m| serde_json::json!({"id": m, "object": "model", "created": 0, "owned_by": "kvroute"}))
-        .collect();
+    let data: Vec<_> = view.models().iter().map(|m| model_object(m)).collect();
     json(
         StatusCode::OK,
         serde_json::json!({"object": "list", "data": data}).to_string(),
     )
+}
+
+/// One model served here, or 404 `model_not_found`.
+fn model(router: &Router, id: &str) -> Result<Response<Body>, ApiError> {
+    let view = router.plane.view();
+    match view.models().into_iter().find(|m| *m == id) {
+        Some(m) => Ok(json(StatusCode::OK, model_object(m).to_string())),
+        None => Err(ApiError::model_not_found(id)),
+    }
 }
 
 fn admin_workers(router: &Router) -> Response<Body> {

@@ -658,6 +658,36 @@ async fn two_models_never_cross() {
             assert_eq!(v["model"], model);
         }
     }
+    // Both are listed, and each can be retrieved by its id (OpenAI's `models.retrieve`).
+    let list = f
+        .http
+        .call("GET", &format!("{}/v1/models", f.url()), "")
+        .await
+        .unwrap();
+    let ids: Vec<String> = serde_json::from_str::<serde_json::Value>(&list.body).unwrap()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(ids, ["model-a", "model-b"]);
+    for (id, status) in [("model-a", 200), ("model-b", 200), ("model-c", 404)] {
+        let r = f
+            .http
+            .call("GET", &format!("{}/v1/models/{id}", f.url()), "")
+            .await
+            .unwrap();
+        assert_eq!(r.status, status, "{id}: {}", r.body);
+        if status == 200 {
+            let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+            assert_eq!(
+                (v["id"].as_str(), v["object"].as_str()),
+                (Some(id), Some("model"))
+            );
+        } else {
+            assert!(r.body.contains("model_not_found"), "{}", r.body);
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
