@@ -366,23 +366,45 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<S> {
 }
 
 /// Runs `f` (CPU work such as tokenizing a request body) on the blocking pool once one of
-/// `permits` is free, so that it never stalls the async threads. The blocking task holds
-/// the permit until `f` returns: a client that leaves drops the caller's future, not work
-/// already started, which still counts until it ends.
+/// `permits` is free, so that it never stalls the async threads; a caller that finds none
+/// free within `wait` gets [`BlockingError::Busy`] (every thread taken by large prompts:
+/// the request is answered 503 instead of waiting without end, holding its in-flight slot
+/// and its body). The blocking task holds the permit until `f` returns: a client that
+/// leaves drops the caller's future, not work already started, which still counts until it
+/// ends.
 pub async fn run_blocking<T: Send + 'static>(
     permits: &Arc<Semaphore>,
+    wait: Duration,
     f: impl FnOnce() -> T + Send + 'static,
-) -> Result<T, tokio::task::JoinError> {
-    let permit = Arc::clone(permits)
-        .acquire_owned()
+) -> Result<T, BlockingError> {
+    let permit = tokio::time::timeout(wait, Arc::clone(permits).acquire_owned())
         .await
+        .map_err(|_| BlockingError::Busy { wait })?
         .expect("invariant: the semaphore is never closed");
     tokio::task::spawn_blocking(move || {
         let _permit = permit;
         f()
     })
     .await
+    .map_err(|_| BlockingError::Failed)
 }
+
+/// Why [`run_blocking`] did not run its work.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BlockingError {
+    /// No permit came free in time.
+    #[error("every tokenizer thread stayed busy for {wait:?}; retry later")]
+    Busy {
+        /// How long it waited.
+        wait: Duration,
+    },
+    /// The work panicked.
+    #[error("the work failed")]
+    Failed,
+}
+
+/// Longest wait for a tokenizer thread before a request is answered 503.
+pub const TOKENIZER_WAIT: Duration = Duration::from_secs(10);
 
 /// Socket options of every accepted connection: streamed chunks must not wait for Nagle's
 /// algorithm (≈ 40 ms per first byte on a reused connection, with delayed ACKs).

@@ -29,7 +29,9 @@ use crate::auth::{Secret, bearer_key, bearer_ok};
 use crate::events::load::LoadShare;
 use crate::events::plane::EventPlane;
 use crate::http::budget::{BodyBudget, Reservation, collect_within};
-use crate::http::{Body, BodyError, HttpConfig, run_blocking, serve_http};
+use crate::http::{
+    BlockingError, Body, BodyError, HttpConfig, TOKENIZER_WAIT, run_blocking, serve_http,
+};
 use crate::protocol::{SeqHash, WorkerId, hash_blocks};
 use crate::scheduler::mismatch::{MismatchAlarm, MismatchConfig};
 use crate::scheduler::{self, RouteRequest, Scheduler, WorkerKey};
@@ -387,9 +389,12 @@ impl Router {
         &self,
         f: impl FnOnce() -> T + Send + 'static,
     ) -> Result<T, ApiError> {
-        run_blocking(&self.tokenize_permits, f)
+        run_blocking(&self.tokenize_permits, TOKENIZER_WAIT, f)
             .await
-            .map_err(|_| ApiError::unavailable("tokenizer failed"))
+            .map_err(|e| match e {
+                BlockingError::Busy { wait } => ApiError::tokenizer_busy(wait),
+                BlockingError::Failed => ApiError::unavailable("tokenizer failed"),
+            })
     }
 
     /// What a request learnt of `key`'s reachability: a worker that could not be reached

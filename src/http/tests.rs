@@ -293,7 +293,7 @@ async fn tokenizing_keeps_its_permit_after_the_client_left() {
     let call = tokio::spawn({
         let permits = Arc::clone(&permits);
         async move {
-            run_blocking(&permits, move || {
+            run_blocking(&permits, Duration::from_secs(60), move || {
                 started_tx.send(()).unwrap();
                 go_rx.recv().unwrap();
             })
@@ -400,4 +400,30 @@ async fn shutdown_closes_kept_alive_connections_once_their_request_is_done() {
         .await
         .expect("the server did not return once every connection closed")
         .unwrap();
+}
+
+/// With every permit held, a caller waits at most its `wait` and is told the pool is busy;
+/// the work is not run. (Paused clock: the wait elapses at once.)
+#[tokio::test(start_paused = true)]
+async fn a_caller_finding_every_permit_taken_gives_up_after_its_wait() {
+    let permits = Arc::new(Semaphore::new(1));
+    let held = Arc::clone(&permits).acquire_owned().await.unwrap();
+    let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let r = run_blocking(&permits, Duration::from_secs(10), {
+        let ran = Arc::clone(&ran);
+        move || ran.store(true, std::sync::atomic::Ordering::SeqCst)
+    })
+    .await;
+    assert_eq!(
+        r,
+        Err(BlockingError::Busy {
+            wait: Duration::from_secs(10)
+        })
+    );
+    assert!(!ran.load(std::sync::atomic::Ordering::SeqCst));
+    drop(held);
+    assert_eq!(
+        run_blocking(&permits, Duration::from_secs(10), || 7).await,
+        Ok(7)
+    );
 }

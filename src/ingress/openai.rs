@@ -586,6 +586,19 @@ impl ApiError {
         )
     }
 
+    /// 429: every tokenizer thread stayed busy for the router's wait.
+    pub fn tokenizer_busy(wait: std::time::Duration) -> Self {
+        ApiError::new(
+            429,
+            "rate_limit_error",
+            Fault::Router,
+            format!(
+                "every tokenizer thread stayed busy for {} ms; retry shortly",
+                wait.as_millis()
+            ),
+        )
+    }
+
     /// 429: the request bodies the router holds would pass their memory budget.
     pub fn bodies_over_budget(budget: usize) -> Self {
         ApiError::new(

@@ -220,10 +220,11 @@ async fn tokenize(
     + 'static,
 ) -> Result<Vec<u32>, Response<Body>> {
     let tokenizer = Arc::clone(&state.tokenizer);
-    match kvroute::http::run_blocking(&state.tokenize_permits, move || f(&tokenizer)).await {
+    let wait = kvroute::http::TOKENIZER_WAIT;
+    match kvroute::http::run_blocking(&state.tokenize_permits, wait, move || f(&tokenizer)).await {
         Ok(Ok(tokens)) => Ok(tokens),
         Ok(Err(e)) => Err(bad_request(&e.to_string())),
-        Err(_) => Err(unavailable("tokenizer failed")),
+        Err(e) => Err(unavailable(&e.to_string())),
     }
 }
 
