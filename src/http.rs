@@ -149,10 +149,7 @@ pub async fn serve_http<F, Fut>(
                 // closed: hyper's default lets one connection buffer ~400 KiB of headers,
                 // gigabytes over the connection cap, for clients that never finish them.
                 .max_buf_size(MAX_HEAD_BYTES)
-                .serve_connection(
-                    TokioIo::new(Linger::new(WriteDeadline::new(stream, write_stall))),
-                    service,
-                );
+                .serve_connection(TokioIo::new(ClientIo::new(stream, write_stall)), service);
             tokio::pin!(connection);
             // On shutdown a kept-alive connection must not take new requests: the request
             // in progress (its stream included) finishes, then the connection closes; an
@@ -187,15 +184,25 @@ const LINGER_IDLE: Duration = Duration::from_secs(1);
 /// Most bytes a closing connection discards.
 const LINGER_MAX_BYTES: usize = 64 << 20;
 
-/// A connection's I/O that closes lingering: its shutdown sends FIN, then reads and drops
-/// what the client still sends until the client closes too, goes quiet for `LINGER_IDLE`,
-/// or `LINGER_MAX` or `LINGER_MAX_BYTES` is reached. A server that closes a socket with
-/// unread bytes in it makes the kernel answer with a reset, and a reset discards what the
-/// client had not read yet: a client still uploading a body refused with 413 (or any answer
-/// given before its body was read) would see its connection reset instead of the answer.
-struct Linger<S> {
+/// A client connection's I/O.
+///
+/// Its writes fail with `TimedOut` once they have made no progress for `stall`: hyper has
+/// no write timeout, and a write to a client that reads nothing waits for as long as the
+/// peer's TCP stack acknowledges window probes.
+///
+/// It closes lingering: its shutdown sends FIN, then reads and drops what the client still
+/// sends until the client closes too, goes quiet for `LINGER_IDLE`, or `LINGER_MAX` or
+/// `LINGER_MAX_BYTES` is reached. A server that closes a socket with unread bytes in it
+/// makes the kernel answer with a reset, and a reset discards what the client had not read
+/// yet: a client still uploading a body refused with 413 (or any answer given before its
+/// body was read) would see its connection reset instead of the answer.
+struct ClientIo<S> {
     io: S,
-    /// Set once the write half is shut: then the deadlines, and the bytes discarded.
+    stall: Duration,
+    /// Armed when a write finds the socket full; disarmed when one makes progress.
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Set once the write half is shut: then the linger's deadlines, and the bytes
+    /// discarded.
     closing: Option<Closing>,
 }
 
@@ -205,13 +212,37 @@ struct Closing {
     discarded: usize,
 }
 
-impl<S> Linger<S> {
-    fn new(io: S) -> Linger<S> {
-        Linger { io, closing: None }
+impl<S> ClientIo<S> {
+    fn new(io: S, stall: Duration) -> ClientIo<S> {
+        ClientIo {
+            io,
+            stall,
+            deadline: None,
+            closing: None,
+        }
+    }
+
+    /// What a write that returned `poll` means, the deadline considered.
+    fn check<T>(&mut self, cx: &mut Context<'_>, poll: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        if poll.is_ready() {
+            self.deadline = None;
+            return poll;
+        }
+        let stall = self.stall;
+        let deadline = self
+            .deadline
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(stall)));
+        match deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("the client read nothing for {stall:?}"),
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
     }
 }
 
-impl<S: AsyncRead + Unpin> AsyncRead for Linger<S> {
+impl<S: AsyncRead + Unpin> AsyncRead for ClientIo<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -221,13 +252,14 @@ impl<S: AsyncRead + Unpin> AsyncRead for Linger<S> {
     }
 }
 
-impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Linger<S> {
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for ClientIo<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
+        let poll = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.check(cx, poll)
     }
 
     fn poll_write_vectored(
@@ -235,7 +267,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Linger<S> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+        let poll = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.check(cx, poll)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -243,13 +276,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Linger<S> {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
+        let poll = Pin::new(&mut self.io).poll_flush(cx);
+        self.check(cx, poll)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = &mut *self;
         if this.closing.is_none() {
-            std::task::ready!(Pin::new(&mut this.io).poll_shutdown(cx))?;
+            let poll = Pin::new(&mut this.io).poll_shutdown(cx);
+            std::task::ready!(this.check(cx, poll))?;
             this.closing = Some(Closing {
                 until: Box::pin(tokio::time::sleep(LINGER_MAX)),
                 quiet: Box::pin(tokio::time::sleep(LINGER_IDLE)),
@@ -279,89 +314,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Linger<S> {
                 }
             }
         }
-    }
-}
-
-/// A connection's I/O whose writes fail with `TimedOut` once they have made no progress
-/// for `stall`: hyper has no write timeout, and a write to a client that reads nothing
-/// waits for as long as the peer's TCP stack acknowledges window probes.
-struct WriteDeadline<S> {
-    io: S,
-    stall: Duration,
-    /// Armed when a write finds the socket full; disarmed when one makes progress.
-    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
-}
-
-impl<S> WriteDeadline<S> {
-    fn new(io: S, stall: Duration) -> WriteDeadline<S> {
-        WriteDeadline {
-            io,
-            stall,
-            deadline: None,
-        }
-    }
-
-    /// What a write that returned `poll` means, the deadline considered.
-    fn check<T>(&mut self, cx: &mut Context<'_>, poll: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
-        if poll.is_ready() {
-            self.deadline = None;
-            return poll;
-        }
-        let stall = self.stall;
-        let deadline = self
-            .deadline
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(stall)));
-        match deadline.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("the client read nothing for {stall:?}"),
-            ))),
-            Poll::Pending => Poll::Pending,
-        }
-    }
-}
-
-impl<S: AsyncRead + Unpin> AsyncRead for WriteDeadline<S> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
-    }
-}
-
-impl<S: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<S> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let poll = Pin::new(&mut self.io).poll_write(cx, buf);
-        self.check(cx, poll)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let poll = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
-        self.check(cx, poll)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let poll = Pin::new(&mut self.io).poll_flush(cx);
-        self.check(cx, poll)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let poll = Pin::new(&mut self.io).poll_shutdown(cx);
-        self.check(cx, poll)
     }
 }
 
