@@ -754,9 +754,10 @@ impl Relay {
     async fn pump(&mut self) -> RelayEnd {
         let mut first = true;
         let mut last = self.started;
-        // The first token is due by then, whatever arrives before it (keep-alive comments
-        // from a proxy in front of the worker do not push it back).
-        let first_by = self.started + self.first_frame;
+        // The first token is due by then, `first_frame` after the headers (the relay starts
+        // once they came; a prompt's media was fetched before them), whatever arrives before
+        // it: keep-alive comments from a proxy in front of the worker do not push it back.
+        let first_by = Instant::now() + self.first_frame;
         // `[DONE]` was relayed: the answer is whole, only the body's end is awaited, until
         // then at the latest (a worker or a proxy that keeps sending after it does not hold
         // the stream, its booking and its slot).
@@ -766,7 +767,8 @@ impl Relay {
             let wait = match done_by {
                 Some(by) => by,
                 None if first => first_by,
-                None => Instant::now() + self.idle,
+                // The next token: comments in between do not make a stalled worker live.
+                None => last + self.idle,
             };
             // A client that leaves is noticed at once, not at the next frame: before the
             // first one that can be the whole prefill and the engine's queue, during which
@@ -787,7 +789,7 @@ impl Relay {
                 Ok(None) => {
                     // Whatever the worker left unterminated goes as it is.
                     let rest = self.events.finish();
-                    let whole = ends_stream(rest.trim_ascii_end());
+                    let whole = holds_done(&rest);
                     if !rest.is_empty() {
                         let _ = tokio::time::timeout(self.idle, self.tx.send(rest)).await;
                     }
@@ -833,7 +835,7 @@ impl Relay {
                     self.reach.answered();
                 }
             }
-            if ends_stream(data.trim_ascii_end()) {
+            if holds_done(&data) {
                 done_by = Some(Instant::now() + self.idle.min(DONE_GRACE));
             }
             match tokio::time::timeout(self.idle, self.tx.send(data)).await {
@@ -860,10 +862,13 @@ fn carries_data(events: &[u8]) -> bool {
         .any(|line| line.starts_with(b"data:") || line.trim_ascii_end() == b"data")
 }
 
-/// Whether server-sent events (trailing whitespace trimmed) end with OpenAI's stream
-/// terminator, `data: [DONE]`.
-fn ends_stream(events: &[u8]) -> bool {
-    events.ends_with(b"data: [DONE]") || events.ends_with(b"data:[DONE]")
+/// Whether server-sent events hold OpenAI's stream terminator, `data: [DONE]`, as an event
+/// of its own (a proxy may send comments after it in the same chunk).
+fn holds_done(events: &[u8]) -> bool {
+    events.split(|&b| b == b'\n').any(|line| {
+        let line = line.trim_ascii_end();
+        line == b"data: [DONE]" || line == b"data:[DONE]"
+    })
 }
 
 /// Largest server-sent event held back for its end, bytes.
@@ -936,6 +941,20 @@ mod tests {
 
     /// Events cut anywhere reach the client whole; an unterminated event waits, and what
     /// is left at the end is sent as it is.
+    /// `[DONE]` is found as an event of its own wherever it is among the events, not only
+    /// at their end; data is told from comments.
+    #[test]
+    fn done_and_data_are_found_among_the_events() {
+        assert!(holds_done(b"data: {}\n\ndata: [DONE]\n\n"));
+        assert!(holds_done(b"data:[DONE]\r\n\r\n: keep-alive\n\n"));
+        assert!(!holds_done(b"data: {\"text\":\"data: [DONE]\"}\n\n"));
+        assert!(!holds_done(b": data: [DONE]\n\n"));
+        assert!(carries_data(b": keep-alive\n\ndata: {}\n\n"));
+        assert!(carries_data(b"data\n\n"));
+        assert!(!carries_data(b": keep-alive\n\n: ping\n\n"));
+        assert!(!carries_data(b"event: ping\n\n"));
+    }
+
     #[test]
     fn sse_bytes_are_forwarded_in_whole_events() {
         let mut e = SseEvents::default();

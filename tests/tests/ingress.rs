@@ -510,6 +510,23 @@ async fn comments_after_done_do_not_hold_the_stream() {
     );
 }
 
+/// A worker hung mid-stream behind a proxy that keeps sending comments is still seen
+/// stalled: comments are no token, and the idle timeout runs from the last one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn comments_do_not_keep_a_stalled_stream_alive() {
+    let f = faulty_worker(
+        &["--relay-idle-timeout-ms", "500"],
+        serde_json::json!({"pings_ms": 50, "stall_after_first_chunk": true}),
+    )
+    .await;
+    let mut s = open_stream(&f, 8).await;
+    let rest = read_rest(&mut s, Duration::from_secs(15)).await;
+    assert!(
+        rest.contains("sent nothing for 500 ms mid-stream"),
+        "{rest}"
+    );
+}
+
 /// Comments before the first token are no token: the first-token deadline still runs from
 /// the request, and the stream ends with an error event when it passes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

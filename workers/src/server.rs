@@ -116,6 +116,8 @@ pub struct Faults {
     /// Streams: an SSE comment (`: keep-alive`) every this many ms, from the headers on and
     /// after `[DONE]` without end, as a proxy in front of an engine may send.
     pub pings_ms: Option<u64>,
+    /// Streams: send the first chunk, then nothing more (an engine hung mid-decode).
+    pub stall_after_first_chunk: bool,
 }
 
 /// Events queued for the publisher; beyond, batches are dropped (the heartbeat still

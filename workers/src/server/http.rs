@@ -554,6 +554,7 @@ async fn run(state: State, g: Generate) -> Response<Body> {
     let pings = faults
         .and_then(|f| f.pings_ms)
         .map(|ms| Duration::from_millis(ms.max(1)));
+    let stall_after_first = faults.is_some_and(|f| f.stall_after_first_chunk);
     // State: the outputs, the framing, the active count, done, first chunk, and the cached
     // prompt tokens and tokens generated so far (for the usage chunk).
     let stream = futures_util::stream::unfold(
@@ -564,6 +565,9 @@ async fn run(state: State, g: Generate) -> Response<Body> {
             }
             if first && let Some(delay) = first_delay {
                 tokio::time::sleep(delay).await;
+            }
+            if !first && stall_after_first {
+                std::future::pending::<()>().await;
             }
             loop {
                 let Some(o) = rx.recv().await else {
