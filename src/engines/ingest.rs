@@ -403,6 +403,12 @@ impl Ingest {
                     frames.len()
                 )));
             };
+            if seq.publisher.is_some() {
+                // What the replay brought is this publisher's: its live batches that follow
+                // are not a restart (a reconnect's replay already handled one).
+                self.publisher = seq.publisher;
+            }
+            let seq = seq.n;
             if seq == u64::MAX {
                 return Ok(last);
             }
@@ -481,14 +487,14 @@ fn live_message(frames: &[Bytes]) -> Option<(Seq, Bytes)> {
 
 /// A replay reply after the empty delimiter: `(topic, seq, payload)` (vLLM ≥ 0.26) or
 /// `(seq, payload)` (SGLang, older vLLM); the end is seq `0xFF…FF` (-1 as a signed int).
-fn replay_message(frames: &[Bytes]) -> Option<(u64, Bytes)> {
+fn replay_message(frames: &[Bytes]) -> Option<(Seq, Bytes)> {
     let frames = match frames.first() {
         Some(f) if f.is_empty() => &frames[1..],
         _ => frames,
     };
     match frames {
-        [_topic, seq, payload] => Some((seq_of(seq)?.n, payload.clone())),
-        [seq, payload] => Some((seq_of(seq)?.n, payload.clone())),
+        [_topic, seq, payload] => Some((seq_of(seq)?, payload.clone())),
+        [seq, payload] => Some((seq_of(seq)?, payload.clone())),
         _ => None,
     }
 }

@@ -243,6 +243,49 @@ async fn seen_restarted_once(engine: &EnginePublisher, owner: &mut Owner) {
     assert_eq!(owner.stats.restarts, 1);
 }
 
+/// With identities on the seq frames (vLLM with a snapshot endpoint), a restarted engine
+/// is handled once: the replay that rebuilds the mirror on reconnecting brings the new
+/// identity, so the live batches that follow are not taken for another restart (which
+/// cleared the mirror and replayed all over again).
+#[tokio::test]
+async fn a_reconnect_s_replay_brings_the_new_identity() {
+    let engine = engine_at(0, 0).await;
+    engine.set_identity([1; 16]);
+    let (pub_port, replay_port) = (engine.pub_port(), engine.replay_port().unwrap());
+    for b in [store(1, None), store(2, Some(1)), store(3, Some(2))] {
+        engine.publish(b);
+    }
+    let mut owner = start(&engine, true).await;
+    owner.until("replayed", |o| o.held.len() == 3).await;
+    // The old engine's identity also arrives live.
+    churn_until(&engine, &mut owner, 4, "live", |o| {
+        o.stats.mirror.batches > 3
+    })
+    .await;
+    drop(engine);
+    let engine = engine_at(pub_port, replay_port).await;
+    engine.set_identity([2; 16]);
+    // Only in the new engine's replay buffer: the follower gets it by replay.
+    engine.drop_next(1);
+    engine.publish(store(7, None));
+    let want = hashes_of(&[(7, None)]);
+    owner
+        .until("rebuilt from the new engine's replay", |o| o.held == want)
+        .await;
+    let (restarts, replayed) = (owner.stats.restarts, owner.stats.replayed);
+    let batches = owner.stats.mirror.batches;
+    churn_until(&engine, &mut owner, 4, "live", |o| {
+        o.stats.mirror.batches > batches + 1
+    })
+    .await;
+    owner.until("7 still held", |o| o.held == want).await;
+    assert_eq!(
+        (owner.stats.restarts, owner.stats.replayed),
+        (restarts, replayed),
+        "live batches of the new engine were taken for a restart"
+    );
+}
+
 /// A restarted engine whose replay cannot be had (here it has none) is still seen restarted
 /// on the live stream: what the replay of the old engine covered does not make the new
 /// engine's first batches duplicates.
