@@ -639,13 +639,44 @@ fn models(router: &Router) -> Response<Body> {
     )
 }
 
-/// One model served here, or 404 `model_not_found`.
+/// One model served here, or 404 `model_not_found`. The id may come percent-encoded (SDKs
+/// encode a path parameter: `Qwen%2FQwen3-8B`).
 fn model(router: &Router, id: &str) -> Result<Response<Body>, ApiError> {
+    let id = percent_decoded(id);
+    let id = id.as_ref();
     let view = router.plane.view();
     match view.models().into_iter().find(|m| *m == id) {
         Some(m) => Ok(json(StatusCode::OK, model_object(m).to_string())),
         None => Err(ApiError::model_not_found(id)),
     }
+}
+
+/// `s` with its `%XX` escapes decoded; `s` itself where an escape is malformed or the
+/// result is not UTF-8.
+fn percent_decoded(s: &str) -> std::borrow::Cow<'_, str> {
+    if !s.contains('%') {
+        return s.into();
+    }
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes
+                .get(i + 1..i + 3)
+                .and_then(|h| std::str::from_utf8(h).ok())
+                .and_then(|h| u8::from_str_radix(h, 16).ok());
+            let Some(byte) = hex else {
+                return s.into();
+            };
+            out.push(byte);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_or(s.into(), Into::into)
 }
 
 fn admin_workers(router: &Router) -> Response<Body> {

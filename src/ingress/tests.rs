@@ -672,3 +672,15 @@ fn local_exhaustion_is_found_in_an_error_chain() {
     ))));
     assert!(!local_exhaustion(&std::fmt::Error));
 }
+
+/// Percent escapes decode; a malformed one, or bytes that are not UTF-8, leave the text as
+/// it came.
+#[test]
+fn path_parameters_are_percent_decoded() {
+    assert_eq!(percent_decoded("Qwen%2FQwen3-8B"), "Qwen/Qwen3-8B");
+    assert_eq!(percent_decoded("plain"), "plain");
+    assert_eq!(percent_decoded("caf%C3%A9"), "café");
+    for raw in ["bad%2", "bad%zz", "bad%FF"] {
+        assert_eq!(percent_decoded(raw), raw);
+    }
+}
