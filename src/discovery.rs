@@ -239,8 +239,9 @@ pub enum LeaseError {
     /// A lease shorter than `MIN_LEASE_HEARTBEATS` heartbeat periods.
     #[error(
         "a lease of {ttl_ms} ms is under {MIN_LEASE_HEARTBEATS} heartbeat periods of {heartbeat_ms} ms: \
-         a worker would lapse after one lost heartbeat, and a router cut off from the registry's \
-         writes would take the late heartbeats for an outage"
+         a router that cannot write the registry counts heartbeats within half a lease of each \
+         other as the registry taking writes, and would take one late heartbeat for an outage \
+         (and stop lapsing crashed workers)"
     )]
     TooShort {
         /// The lease, ms.
@@ -630,8 +631,8 @@ async fn raise_replicas(js: &async_nats::jetstream::Context, bucket: &str, wante
 /// arrive within half a `lease` of each other: a silent worker is then gone, not cut off.
 /// (Half a lease: with the default lease of five heartbeat periods, longer than a
 /// heartbeat period, and short enough that when every write stops, an election, the router
-/// turns deaf before any worker's lease could lapse. The chart allows a lease of two
-/// periods, where both margins are gone.) A watch that hears nothing for
+/// turns deaf before any worker's lease could lapse. Workers and the chart refuse a lease
+/// under `MIN_LEASE_HEARTBEATS` periods, where the first margin is gone.) A watch that hears nothing for
 /// `stale_after` while this router's probes land (a consumer left behind by a leader
 /// change, which would otherwise go quiet for good), or for half a lease after heartbeats
 /// were heard, is re-created and reads every registration again.

@@ -320,8 +320,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for ClientIo<S> {
 /// Runs `f` (CPU work such as tokenizing a request body) on the blocking pool once one of
 /// `permits` is free, so that it never stalls the async threads; a caller that finds none
 /// free within `wait` gets [`BlockingError::Busy`] (every thread taken by large prompts:
-/// the request is answered 503 instead of waiting without end, holding its in-flight slot
-/// and its body). The blocking task holds the permit until `f` returns: a client that
+/// the router answers 429 instead of waiting without end, holding the request's in-flight
+/// slot and its body). The blocking task holds the permit until `f` returns: a client that
 /// leaves drops the caller's future, not work already started, which still counts until it
 /// ends.
 pub async fn run_blocking<T: Send + 'static>(
@@ -338,21 +338,21 @@ pub async fn run_blocking<T: Send + 'static>(
         f()
     })
     .await
-    .map_err(|_| BlockingError::Failed)
+    .map_err(BlockingError::Failed)
 }
 
 /// Why [`run_blocking`] did not run its work.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error)]
 pub enum BlockingError {
     /// No permit came free in time.
-    #[error("every tokenizer thread stayed busy for {wait:?}; retry later")]
+    #[error("every thread for this work stayed busy for {wait:?}; retry later")]
     Busy {
         /// How long it waited.
         wait: Duration,
     },
-    /// The work panicked.
+    /// The work panicked, or the runtime shut down under it.
     #[error("the work failed")]
-    Failed,
+    Failed(#[source] tokio::task::JoinError),
 }
 
 /// Longest wait for a tokenizer thread before a request is answered 503.

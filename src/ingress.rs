@@ -393,7 +393,7 @@ impl Router {
             .await
             .map_err(|e| match e {
                 BlockingError::Busy { wait } => ApiError::tokenizer_busy(wait),
-                BlockingError::Failed => ApiError::unavailable("tokenizer failed"),
+                BlockingError::Failed(_) => ApiError::unavailable("tokenizer failed"),
             })
     }
 
