@@ -65,6 +65,9 @@ pub struct IngressConfig {
     /// frames (or a client that reads nothing this long) ends the stream and frees its slot
     /// and booking.
     pub relay_idle_timeout_ms: u64,
+    /// How long an idle connection to a worker is kept for the next request, ms: under the
+    /// engines' own keep-alive ([`DEFAULT_WORKER_POOL_IDLE_MS`]).
+    pub worker_pool_idle_ms: u64,
     /// Deadline for a whole non-streamed worker answer, headers included (or an error
     /// body), ms.
     pub upstream_body_timeout_ms: u64,
@@ -114,6 +117,7 @@ impl Default for IngressConfig {
             retries: 2,
             worker_timeout_ms: 10_000,
             relay_idle_timeout_ms: 30_000,
+            worker_pool_idle_ms: DEFAULT_WORKER_POOL_IDLE_MS,
             upstream_body_timeout_ms: 600_000,
             first_token_timeout_ms: 60_000,
             max_upstream_body_bytes: 64 << 20,
@@ -158,6 +162,7 @@ impl IngressConfig {
             ("max_inflight", self.max_inflight as u64, 1),
             ("worker_timeout_ms", self.worker_timeout_ms, 1),
             ("relay_idle_timeout_ms", self.relay_idle_timeout_ms, 1),
+            ("worker_pool_idle_ms", self.worker_pool_idle_ms, 1),
             ("upstream_body_timeout_ms", self.upstream_body_timeout_ms, 1),
             ("first_token_timeout_ms", self.first_token_timeout_ms, 1),
             (
@@ -235,10 +240,12 @@ pub struct RoutedPrompt {
     pub blocks: Vec<crate::protocol::BlockHash>,
 }
 
-/// How long an idle connection to a worker is kept for the next request: under the 5 s
-/// keep-alive of the engines' servers (uvicorn's `timeout_keep_alive`: vLLM passes
-/// `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, 5 by default; SGLang keeps uvicorn's 5).
-const WORKER_POOL_IDLE: Duration = Duration::from_secs(4);
+/// How long an idle connection to an engine is kept for the next request by default, ms:
+/// under the 5 s keep-alive of the engines' servers (uvicorn's `timeout_keep_alive`: vLLM
+/// passes `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, 5 by default; SGLang keeps uvicorn's 5). An
+/// engine that closes a connection as a request is sent on it fails the request
+/// ("connection closed before message completed"); hyper-util keeps them 90 s.
+pub const DEFAULT_WORKER_POOL_IDLE_MS: u64 = 4_000;
 
 impl Router {
     /// A router over a running plane (which keeps the scheduler's workers in step with the
@@ -255,12 +262,10 @@ impl Router {
         // Streamed chunks must not wait for Nagle's algorithm (40 ms stalls per first byte).
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_millis(config.worker_timeout_ms)));
-        // Idle connections to workers are dropped before the engines drop them: vLLM's and
-        // SGLang's servers (uvicorn) close a connection idle for 5 s, and a request sent on
-        // one as it closes fails ("connection closed before message completed"), counted
-        // against the worker. hyper-util keeps them 90 s by default.
+        // Idle connections to workers are dropped before the engines drop them (a request
+        // failed that way counts against its worker).
         let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(WORKER_POOL_IDLE)
+            .pool_idle_timeout(Duration::from_millis(config.worker_pool_idle_ms))
             .pool_timer(hyper_util::rt::TokioTimer::new())
             .build(connector);
         let bodies = BodyBudget::new(config.body_memory_bytes);

@@ -239,6 +239,10 @@ pub struct ServeFlags {
     /// client, ms [default: 30000].
     #[arg(long, env = "KVROUTE_RELAY_IDLE_TIMEOUT_MS")]
     pub relay_idle_timeout_ms: Option<u64>,
+    /// How long an idle connection to a worker is kept for the next request, ms: under the
+    /// engines' keep-alive (vLLM's and SGLang's: 5 s) [default: 4000].
+    #[arg(long, env = "KVROUTE_WORKER_POOL_IDLE_MS")]
+    pub worker_pool_idle_ms: Option<u64>,
     /// Deadline for a whole non-streamed worker answer, headers included, ms [default:
     /// 600000].
     #[arg(long, env = "KVROUTE_UPSTREAM_BODY_TIMEOUT_MS")]
@@ -648,6 +652,10 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
             .relay_idle_timeout_ms
             .or(file.relay_idle_timeout_ms)
             .unwrap_or(d.relay_idle_timeout_ms),
+        worker_pool_idle_ms: flags
+            .worker_pool_idle_ms
+            .or(file.worker_pool_idle_ms)
+            .unwrap_or(d.worker_pool_idle_ms),
         upstream_body_timeout_ms: flags
             .upstream_body_timeout_ms
             .or(file.upstream_body_timeout_ms)
@@ -922,6 +930,7 @@ mod tests {
         assert!(bad("decode_weight = nan").is_err());
         assert!(bad("prefill_scale = inf").is_err());
         assert!(bad("relay_idle_timeout_ms = 0").is_err());
+        assert!(bad("worker_pool_idle_ms = 0").is_err());
         assert!(bad("max_connections = 0").is_err());
         assert!(bad("nats_user = \"u\"").is_err());
         assert!(bad("").is_ok());

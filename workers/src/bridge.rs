@@ -96,7 +96,13 @@ pub async fn run(
     let mut connector = HttpConnector::new();
     connector.set_connect_timeout(Some(config.health_every));
     let client = EngineClient {
-        http: Client::builder(TokioExecutor::new()).build(connector),
+        // Its health checks and metrics scrapes reuse connections the engine closes at 5 s.
+        http: Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_millis(
+                kvroute::ingress::DEFAULT_WORKER_POOL_IDLE_MS,
+            ))
+            .pool_timer(hyper_util::rt::TokioTimer::new())
+            .build(connector),
         api_key: config.engine_api_key.clone(),
     };
     let epoch = new_epoch();

@@ -317,6 +317,7 @@ header_read_timeout_ms = {{ $r.headerReadTimeoutMs | int64 }}
 body_read_timeout_ms = {{ $r.bodyReadTimeoutMs | int64 }}
 write_stall_timeout_ms = {{ $r.writeStallTimeoutMs | int64 }}
 relay_idle_timeout_ms = {{ $r.relayIdleTimeoutMs | int64 }}
+worker_pool_idle_ms = {{ $r.workerPoolIdleMs | int64 }}
 upstream_body_timeout_ms = {{ $r.upstreamBodyTimeoutMs | int64 }}
 first_token_timeout_ms = {{ $r.firstTokenTimeoutMs | int64 }}
 max_upstream_body_bytes = {{ $r.maxUpstreamBodyBytes | int64 }}
