@@ -100,6 +100,9 @@ pub struct IngestStats {
     pub decode_errors: u64,
     /// The block size the engine used where it differed from the configured one.
     pub wrong_block_size: Option<u32>,
+    /// The data-parallel rank the engine's last batch named, if it names one (vLLM's
+    /// `data_parallel_rank`): its owner compares it with the rank it follows.
+    pub engine_rank: Option<u32>,
 }
 
 /// What the ingest hands its owner after each batch (or change of connection).
@@ -356,6 +359,9 @@ impl Ingest {
                     tracing::warn!(endpoint = %self.endpoint.events, kind = %tag, "engine events of a kind kvroute does not know; skipped (counted in unknown_events)");
                 }
                 self.mirror.apply(&batch, &mut self.changes);
+                if batch.dp_rank.is_some() {
+                    self.stats.engine_rank = batch.dp_rank;
+                }
             }
             Err(e) => {
                 self.stats.decode_errors += 1;

@@ -175,6 +175,13 @@ pub async fn run(
             Some((rank, update)) = updates.recv() => {
                 let mut changes = update.changes;
                 publish_changes(&mut streams[rank as usize], &mut changes, &plane, registration.is_some(), config.id).await;
+                let named = update.stats.engine_rank;
+                if named.is_some_and(|n| n != rank) && ranks[rank as usize].engine_rank != named {
+                    // vLLM with external or hybrid load balancing numbers a node's ranks
+                    // globally: the port offset (local) and the batch's rank then differ.
+                    tracing::warn!(worker = %config.id, rank, engine_rank = ?named,
+                        "the engine's events at this rank's port name another data-parallel rank: check --kv-events and --dp-size (the port is the base port plus the local rank)");
+                }
                 ranks[rank as usize] = update.stats;
                 let faults = event_faults(&ranks);
                 let mut i = info.lock();

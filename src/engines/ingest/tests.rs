@@ -463,3 +463,29 @@ async fn a_new_publisher_identity_is_a_restart_whatever_its_numbers() {
     engine.restart_as([2; 16], engine.next_seq());
     seen_restarted_once(&engine, &mut owner).await;
 }
+
+/// The rank an engine's batches name is reported to the ingest's owner, which knows the
+/// rank it follows (a mismatch is a port offset gone wrong).
+#[tokio::test]
+async fn the_rank_the_engine_names_is_reported() {
+    let engine = engine_at(0, 0).await;
+    let stored = RawEvent::Stored {
+        hashes: vec![1],
+        parent: None,
+        token_ids: vec![1, 0],
+        block_size: BS as u32,
+        medium: "GPU".into(),
+        lora_name: None,
+    };
+    let enc = Encoding {
+        tagged_maps: true,
+        bytes_hashes: false,
+        signed_hashes: false,
+    };
+    engine.publish(Bytes::from(encode_batch(0.0, &[stored], 3, enc)));
+    let mut owner = start(&engine, true).await;
+    owner
+        .until("the batch applied", |o| o.stats.mirror.batches == 1)
+        .await;
+    assert_eq!(owner.stats.engine_rank, Some(3));
+}
