@@ -409,9 +409,13 @@ impl Ingest {
                     frames.len()
                 )));
             };
+            // Another publisher than the one followed so far: the engine restarted, whatever
+            // its numbers say. Its identity is adopted here, so that its live batches that
+            // follow are not taken for a second restart.
+            let renamed = seq.publisher.is_some()
+                && self.publisher.is_some()
+                && seq.publisher != self.publisher;
             if seq.publisher.is_some() {
-                // What the replay brought is this publisher's: its live batches that follow
-                // are not a restart (a reconnect's replay already handled one).
                 self.publisher = seq.publisher;
             }
             let seq = seq.n;
@@ -427,6 +431,9 @@ impl Ingest {
                     self.mirror.clear(&mut self.changes);
                     self.seq.reset();
                 }
+                self.replayed_from = Some(seq);
+            } else if renamed {
+                self.restarted(seq);
                 self.replayed_from = Some(seq);
             }
             last = Some(seq);
