@@ -632,7 +632,8 @@ async fn raise_replicas(js: &async_nats::jetstream::Context, bucket: &str, wante
 /// (Half a lease: with the default lease of five heartbeat periods, longer than a
 /// heartbeat period, and short enough that when every write stops, an election, the router
 /// turns deaf before any worker's lease could lapse. Workers and the chart refuse a lease
-/// under `MIN_LEASE_HEARTBEATS` periods, where the first margin is gone.) A watch that hears nothing for
+/// under `MIN_LEASE_HEARTBEATS` periods: at fewer, one late heartbeat turns a router whose
+/// writes fail deaf.) A watch that hears nothing for
 /// `stale_after` while this router's probes land (a consumer left behind by a leader
 /// change, which would otherwise go quiet for good), or for half a lease after heartbeats
 /// were heard, is re-created and reads every registration again.

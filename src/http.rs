@@ -355,7 +355,15 @@ pub enum BlockingError {
     Failed(#[source] tokio::task::JoinError),
 }
 
-/// Longest wait for a tokenizer thread before a request is answered 503.
+/// How long an idle connection to an engine is kept for the next request by default, ms:
+/// under the 5 s keep-alive of the engines' servers (uvicorn's `timeout_keep_alive`: vLLM
+/// passes `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, 5 by default; SGLang keeps uvicorn's 5). An
+/// engine that closes a connection as a request is sent on it fails the request
+/// ("connection closed before message completed"); hyper-util keeps them 90 s.
+pub const ENGINE_POOL_IDLE_MS: u64 = 4_000;
+
+/// Longest wait for a tokenizer thread before a request is refused (429 by the router, 503
+/// by kvroute-worker).
 pub const TOKENIZER_WAIT: Duration = Duration::from_secs(10);
 
 /// Socket options of every accepted connection: streamed chunks must not wait for Nagle's

@@ -61,12 +61,12 @@ pub struct IngressConfig {
     /// How long connecting to a worker, and a stream's response headers, may take, ms (a
     /// non-streamed answer's headers come once it is generated: `upstream_body_timeout_ms`).
     pub worker_timeout_ms: u64,
-    /// Longest silence mid-stream, ms: a worker that sends nothing this long between two
-    /// frames (or a client that reads nothing this long) ends the stream and frees its slot
+    /// Longest silence mid-stream, ms: a worker that sends no token this long (comments do
+    /// not count), or a client that reads nothing this long, ends the stream and frees its slot
     /// and booking.
     pub relay_idle_timeout_ms: u64,
     /// How long an idle connection to a worker is kept for the next request, ms: under the
-    /// engines' own keep-alive ([`DEFAULT_WORKER_POOL_IDLE_MS`]).
+    /// engines' own keep-alive ([`crate::http::ENGINE_POOL_IDLE_MS`], the default).
     pub worker_pool_idle_ms: u64,
     /// Deadline for a whole non-streamed worker answer, headers included (or an error
     /// body), ms.
@@ -117,7 +117,7 @@ impl Default for IngressConfig {
             retries: 2,
             worker_timeout_ms: 10_000,
             relay_idle_timeout_ms: 30_000,
-            worker_pool_idle_ms: DEFAULT_WORKER_POOL_IDLE_MS,
+            worker_pool_idle_ms: crate::http::ENGINE_POOL_IDLE_MS,
             upstream_body_timeout_ms: 600_000,
             first_token_timeout_ms: 60_000,
             max_upstream_body_bytes: 64 << 20,
@@ -239,13 +239,6 @@ pub struct RoutedPrompt {
     /// Its full blocks.
     pub blocks: Vec<crate::protocol::BlockHash>,
 }
-
-/// How long an idle connection to an engine is kept for the next request by default, ms:
-/// under the 5 s keep-alive of the engines' servers (uvicorn's `timeout_keep_alive`: vLLM
-/// passes `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, 5 by default; SGLang keeps uvicorn's 5). An
-/// engine that closes a connection as a request is sent on it fails the request
-/// ("connection closed before message completed"); hyper-util keeps them 90 s.
-pub const DEFAULT_WORKER_POOL_IDLE_MS: u64 = 4_000;
 
 impl Router {
     /// A router over a running plane (which keeps the scheduler's workers in step with the
@@ -669,6 +662,7 @@ fn percent_decoded(s: &str) -> std::borrow::Cow<'_, str> {
         if bytes[i] == b'%' {
             let hex = bytes
                 .get(i + 1..i + 3)
+                .filter(|h| h.iter().all(u8::is_ascii_hexdigit))
                 .and_then(|h| std::str::from_utf8(h).ok())
                 .and_then(|h| u8::from_str_radix(h, 16).ok());
             let Some(byte) = hex else {

@@ -235,8 +235,8 @@ pub struct ServeFlags {
     /// [default: 10000]. A non-streamed answer has `--upstream-body-timeout-ms`.
     #[arg(long, env = "KVROUTE_WORKER_TIMEOUT_MS")]
     pub worker_timeout_ms: Option<u64>,
-    /// Longest silence mid-stream between two chunks, from the worker or towards the
-    /// client, ms [default: 30000].
+    /// Longest silence mid-stream between two tokens (keep-alive comments do not count),
+    /// from the worker or towards the client, ms [default: 30000].
     #[arg(long, env = "KVROUTE_RELAY_IDLE_TIMEOUT_MS")]
     pub relay_idle_timeout_ms: Option<u64>,
     /// How long an idle connection to a worker is kept for the next request, ms: under the

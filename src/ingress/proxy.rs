@@ -663,9 +663,10 @@ struct Relay {
     reach: Reach,
     inflight: Option<InFlight>,
     tx: mpsc::Sender<Bytes>,
-    /// Longest wait for the worker's next frame, and for the client to take one.
+    /// Longest wait for the worker's next token, and for the client to take an event.
     idle: Duration,
-    /// Longest wait for the worker's first frame (the prefill, and the engine's queue).
+    /// Longest wait for the worker's first token after its headers (the prefill, and the
+    /// engine's queue).
     first_frame: Duration,
     /// The worker's bytes cut at event boundaries.
     events: SseEvents,
@@ -685,9 +686,9 @@ enum RelayEnd {
     ClientGone,
     /// The client stopped reading for longer than the idle timeout.
     ClientStalled,
-    /// The worker sent nothing for longer than the idle timeout.
+    /// The worker sent no token for longer than the idle timeout.
     WorkerStalled,
-    /// The worker sent no first frame before the answer's deadline.
+    /// The worker sent no first token within the first-token timeout of its headers.
     NoFirstFrame,
     /// The worker's connection failed mid-stream.
     WorkerFailed,
@@ -725,7 +726,7 @@ impl Relay {
         ) {
             let err = ApiError::unavailable(match end {
                 RelayEnd::WorkerStalled => format!(
-                    "worker {} sent nothing for {} ms mid-stream",
+                    "worker {} sent no token for {} ms mid-stream",
                     self.worker,
                     self.idle.as_millis()
                 ),
@@ -762,13 +763,16 @@ impl Relay {
         // then at the latest (a worker or a proxy that keeps sending after it does not hold
         // the stream, its booking and its slot).
         let mut done_by: Option<Instant> = None;
+        // Mid-stream silence is the worker's from here: the last token was relayed then (the
+        // relay reads nothing from the worker while a slow client makes it wait).
+        let mut quiet_from = Instant::now();
         loop {
             let done = done_by.is_some();
             let wait = match done_by {
                 Some(by) => by,
                 None if first => first_by,
                 // The next token: comments in between do not make a stalled worker live.
-                None => last + self.idle,
+                None => quiet_from + self.idle,
             };
             // A client that leaves is noticed at once, not at the next frame: before the
             // first one that can be the whole prefill and the engine's queue, during which
@@ -820,7 +824,8 @@ impl Relay {
                 }
             };
             // Comments alone (`: keep-alive`) are relayed but are no token.
-            if carries_data(&data) {
+            let token = carries_data(&data);
+            if token {
                 let now = Instant::now();
                 let (histogram, since) = if first {
                     (&self.ttft, self.started)
@@ -843,6 +848,9 @@ impl Relay {
                 Ok(Err(_)) => return RelayEnd::ClientGone,
                 Err(_) => return RelayEnd::ClientStalled,
             }
+            if token {
+                quiet_from = Instant::now();
+            }
         }
     }
 }
@@ -854,12 +862,13 @@ const ERROR_EVENT_WAIT: Duration = Duration::from_secs(1);
 /// How long the relay waits for a worker's body to end once `[DONE]` has been relayed.
 const DONE_GRACE: Duration = Duration::from_secs(1);
 
-/// Whether whole server-sent events hold a `data` field (a line starting `data`), not only
-/// comments (lines starting `:`) or other fields.
+/// Whether whole server-sent events hold a `data` field with a value (a token, an error, or
+/// `[DONE]`), not only comments (lines starting `:`), other fields, or empty `data:` pings.
 fn carries_data(events: &[u8]) -> bool {
-    events
-        .split(|&b| b == b'\n')
-        .any(|line| line.starts_with(b"data:") || line.trim_ascii_end() == b"data")
+    events.split(|&b| b == b'\n').any(|line| {
+        line.strip_prefix(b"data:")
+            .is_some_and(|value| !value.trim_ascii().is_empty())
+    })
 }
 
 /// Whether server-sent events hold OpenAI's stream terminator, `data: [DONE]`, as an event
@@ -950,7 +959,7 @@ mod tests {
         assert!(!holds_done(b"data: {\"text\":\"data: [DONE]\"}\n\n"));
         assert!(!holds_done(b": data: [DONE]\n\n"));
         assert!(carries_data(b": keep-alive\n\ndata: {}\n\n"));
-        assert!(carries_data(b"data\n\n"));
+        assert!(!carries_data(b"data\n\ndata: \r\n\r\n"));
         assert!(!carries_data(b": keep-alive\n\n: ping\n\n"));
         assert!(!carries_data(b"event: ping\n\n"));
     }

@@ -680,7 +680,7 @@ fn path_parameters_are_percent_decoded() {
     assert_eq!(percent_decoded("Qwen%2FQwen3-8B"), "Qwen/Qwen3-8B");
     assert_eq!(percent_decoded("plain"), "plain");
     assert_eq!(percent_decoded("caf%C3%A9"), "café");
-    for raw in ["bad%2", "bad%zz", "bad%FF"] {
+    for raw in ["bad%2", "bad%zz", "bad%FF", "bad%+F"] {
         assert_eq!(percent_decoded(raw), raw);
     }
 }

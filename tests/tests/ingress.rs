@@ -522,13 +522,36 @@ async fn comments_do_not_keep_a_stalled_stream_alive() {
     let mut s = open_stream(&f, 8).await;
     let rest = read_rest(&mut s, Duration::from_secs(15)).await;
     assert!(
-        rest.contains("sent nothing for 500 ms mid-stream"),
+        rest.contains("sent no token for 500 ms mid-stream"),
         "{rest}"
     );
 }
 
+/// The first token is due `--first-token-timeout-ms` after the headers, not after the
+/// request: an engine that took most of its header wait (fetching a prompt's media, say)
+/// still has the whole first-token wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_token_is_timed_from_the_headers() {
+    let f = faulty_worker(
+        &[
+            "--worker-timeout-ms",
+            "5000",
+            "--first-token-timeout-ms",
+            "3000",
+        ],
+        serde_json::json!({"headers_delay_ms": 2000, "first_chunk_delay_ms": 2000}),
+    )
+    .await;
+    let body = completion(MODEL, &prompt(7), 8, true);
+    let mut s = send_raw(&f.url(), &body).await.unwrap();
+    let rest = read_rest(&mut s, Duration::from_secs(30)).await;
+    assert!(rest.starts_with("HTTP/1.1 200"), "{rest}");
+    assert!(!rest.contains("error"), "{rest}");
+    assert!(rest.contains("data: [DONE]"), "{rest}");
+}
+
 /// Comments before the first token are no token: the first-token deadline still runs from
-/// the request, and the stream ends with an error event when it passes.
+/// the headers, and the stream ends with an error event when it passes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn comments_before_the_first_token_do_not_extend_its_deadline() {
     let f = faulty_worker(

@@ -98,9 +98,7 @@ pub async fn run(
     let client = EngineClient {
         // Its health checks and metrics scrapes reuse connections the engine closes at 5 s.
         http: Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_millis(
-                kvroute::ingress::DEFAULT_WORKER_POOL_IDLE_MS,
-            ))
+            .pool_idle_timeout(Duration::from_millis(kvroute::http::ENGINE_POOL_IDLE_MS))
             .pool_timer(hyper_util::rt::TokioTimer::new())
             .build(connector),
         api_key: config.engine_api_key.clone(),
@@ -177,10 +175,12 @@ pub async fn run(
                 publish_changes(&mut streams[rank as usize], &mut changes, &plane, registration.is_some(), config.id).await;
                 let named = update.stats.engine_rank;
                 if named.is_some_and(|n| n != rank) && ranks[rank as usize].engine_rank != named {
-                    // vLLM with external or hybrid load balancing numbers a node's ranks
-                    // globally: the port offset (local) and the batch's rank then differ.
-                    tracing::warn!(worker = %config.id, rank, engine_rank = ?named,
-                        "the engine's events at this rank's port name another data-parallel rank: check --kv-events and --dp-size (the port is the base port plus the local rank)");
+                    // Engines offset the port by the rank they stamp on their batches; a node
+                    // of a multi-node deployment numbers its ranks globally, which is right
+                    // when the base port given here was offset to its first rank, and a wrong
+                    // base port otherwise.
+                    tracing::info!(worker = %config.id, rank, engine_rank = ?named,
+                        "the engine's events at this rank's port name another data-parallel rank: right for a node of a multi-node deployment whose --kv-events port was offset to its first rank; otherwise check --kv-events and --dp-size");
                 }
                 ranks[rank as usize] = update.stats;
                 let faults = event_faults(&ranks);

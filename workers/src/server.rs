@@ -118,6 +118,8 @@ pub struct Faults {
     pub pings_ms: Option<u64>,
     /// Streams: send the first chunk, then nothing more (an engine hung mid-decode).
     pub stall_after_first_chunk: bool,
+    /// Streams: wait this long before the headers (an engine fetching a prompt's media).
+    pub headers_delay_ms: Option<u64>,
 }
 
 /// Events queued for the publisher; beyond, batches are dropped (the heartbeat still

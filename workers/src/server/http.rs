@@ -555,6 +555,9 @@ async fn run(state: State, g: Generate) -> Response<Body> {
         .and_then(|f| f.pings_ms)
         .map(|ms| Duration::from_millis(ms.max(1)));
     let stall_after_first = faults.is_some_and(|f| f.stall_after_first_chunk);
+    if let Some(ms) = faults.and_then(|f| f.headers_delay_ms) {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
     // State: the outputs, the framing, the active count, done, first chunk, and the cached
     // prompt tokens and tokens generated so far (for the usage chunk).
     let stream = futures_util::stream::unfold(
