@@ -243,20 +243,27 @@ async fn seen_restarted_once(engine: &EnginePublisher, owner: &mut Owner) {
     assert_eq!(owner.stats.restarts, 1);
 }
 
+/// An engine sending identity [1; 16] with three blocks stored, and a follower (with replay)
+/// that holds them.
+async fn an_identified_engine_followed() -> (EnginePublisher, Owner) {
+    let engine = engine_at(0, 0).await;
+    engine.set_identity([1; 16]);
+    for b in [store(1, None), store(2, Some(1)), store(3, Some(2))] {
+        engine.publish(b);
+    }
+    let mut owner = start(&engine, true).await;
+    owner.until("replayed", |o| o.held.len() == 3).await;
+    (engine, owner)
+}
+
 /// With identities on the seq frames (vLLM with a snapshot endpoint), a restarted engine
 /// is handled once: the replay that rebuilds the mirror on reconnecting brings the new
 /// identity, so the live batches that follow are not taken for another restart (which
 /// cleared the mirror and replayed all over again).
 #[tokio::test]
 async fn a_reconnect_s_replay_brings_the_new_identity() {
-    let engine = engine_at(0, 0).await;
-    engine.set_identity([1; 16]);
+    let (engine, mut owner) = an_identified_engine_followed().await;
     let (pub_port, replay_port) = (engine.pub_port(), engine.replay_port().unwrap());
-    for b in [store(1, None), store(2, Some(1)), store(3, Some(2))] {
-        engine.publish(b);
-    }
-    let mut owner = start(&engine, true).await;
-    owner.until("replayed", |o| o.held.len() == 3).await;
     // The old engine's identity also arrives live.
     churn_until(&engine, &mut owner, 4, "live", |o| {
         o.stats.mirror.batches > 3
@@ -291,14 +298,8 @@ async fn a_reconnect_s_replay_brings_the_new_identity() {
 /// blocks go.
 #[tokio::test]
 async fn a_new_identity_in_a_reconnect_s_replay_is_a_restart() {
-    let engine = engine_at(0, 0).await;
-    engine.set_identity([1; 16]);
+    let (engine, mut owner) = an_identified_engine_followed().await;
     let (pub_port, replay_port) = (engine.pub_port(), engine.replay_port().unwrap());
-    for b in [store(1, None), store(2, Some(1)), store(3, Some(2))] {
-        engine.publish(b);
-    }
-    let mut owner = start(&engine, true).await;
-    owner.until("replayed", |o| o.held.len() == 3).await;
     let next = engine.next_seq();
     drop(engine);
     let engine = engine_at(pub_port, replay_port).await;
