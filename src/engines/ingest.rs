@@ -267,12 +267,7 @@ impl Ingest {
                 }
                 continue;
             };
-            let renamed = seq.publisher.is_some() && self.publisher != seq.publisher;
-            let restarted = renamed && self.publisher.is_some();
-            if renamed {
-                self.publisher = seq.publisher;
-            }
-            if restarted {
+            if self.adopt(seq.publisher) {
                 // A new publisher, numbering from 0 again: whatever its numbers, not a late
                 // or replayed batch of the old one.
                 self.restart_at(seq.n, &payload).await;
@@ -320,6 +315,14 @@ impl Ingest {
         }
     }
 
+    /// Follows `seen`, the identity a batch came with (if its seq frame has one); true if it
+    /// is another publisher than the one followed so far: the engine restarted, whatever
+    /// its numbers say.
+    fn adopt(&mut self, seen: Option<Publisher>) -> bool {
+        let Some(seen) = seen else { return false };
+        self.publisher.replace(seen).is_some_and(|old| old != seen)
+    }
+
     /// The engine restarted and sent `seq`: drops what the old one held, replays the new
     /// one's batches before `seq`, and applies `seq` unless the replay brought it.
     async fn restart_at(&mut self, seq: u64, payload: &[u8]) {
@@ -350,7 +353,11 @@ impl Ingest {
         self.seq.advance(seq);
         match decode_batch(payload) {
             Ok(batch) => {
-                if self.mirror.stats().unknown_events == 0
+                let unknown = self.mirror.stats().unknown_events;
+                self.mirror.apply(&batch, &mut self.changes);
+                // Said once, when the first one is met (no scan of the batches before).
+                if unknown == 0
+                    && self.mirror.stats().unknown_events > 0
                     && let Some(tag) = batch.events.iter().find_map(|e| match e {
                         EngineEvent::Other(tag) => Some(tag),
                         _ => None,
@@ -358,10 +365,7 @@ impl Ingest {
                 {
                     tracing::warn!(endpoint = %self.endpoint.events, kind = %tag, "engine events of a kind kvroute does not know; skipped (counted in unknown_events)");
                 }
-                self.mirror.apply(&batch, &mut self.changes);
-                if batch.dp_rank.is_some() {
-                    self.stats.engine_rank = batch.dp_rank;
-                }
+                self.stats.engine_rank = batch.dp_rank.or(self.stats.engine_rank);
             }
             Err(e) => {
                 self.stats.decode_errors += 1;
@@ -409,15 +413,9 @@ impl Ingest {
                     frames.len()
                 )));
             };
-            // Another publisher than the one followed so far: the engine restarted, whatever
-            // its numbers say. Its identity is adopted here, so that its live batches that
-            // follow are not taken for a second restart.
-            let renamed = seq.publisher.is_some()
-                && self.publisher.is_some()
-                && seq.publisher != self.publisher;
-            if seq.publisher.is_some() {
-                self.publisher = seq.publisher;
-            }
+            // Adopted here too, so that the live batches that follow are not taken for a
+            // second restart.
+            let renamed = self.adopt(seq.publisher);
             let seq = seq.n;
             if seq == u64::MAX {
                 return Ok(last);

@@ -948,8 +948,6 @@ mod tests {
         }
     }
 
-    /// Events cut anywhere reach the client whole; an unterminated event waits, and what
-    /// is left at the end is sent as it is.
     /// `[DONE]` is found as an event of its own wherever it is among the events, not only
     /// at their end; data is told from comments.
     #[test]
@@ -964,6 +962,8 @@ mod tests {
         assert!(!carries_data(b"event: ping\n\n"));
     }
 
+    /// Events cut anywhere reach the client whole; an unterminated event waits, and what
+    /// is left at the end is sent as it is.
     #[test]
     fn sse_bytes_are_forwarded_in_whole_events() {
         let mut e = SseEvents::default();
