@@ -197,14 +197,44 @@ pub fn prompt_tokens(record: &TraceRecord, block_size: usize) -> Arc<[u32]> {
     }
     let ids = &record.hash_ids;
     let len = record.input_length.min(ids.len() * block_size);
-    (0..len)
-        .map(|i| synthetic_token(ids[i / block_size], i % block_size))
-        .collect()
+    let mut tokens = vec![0; len];
+    for (id, block) in ids.iter().zip(tokens.chunks_mut(block_size.max(1))) {
+        block_tokens(*id, block);
+    }
+    tokens.into()
 }
 
-/// Token `j` of the trace block named `id`.
+/// Token `j` of the trace block named `id` ([`block_tokens`]).
 pub fn synthetic_token(id: u64, j: usize) -> u32 {
-    (mix(id.wrapping_mul(0x1_0000_0001) ^ j as u64) % VOCAB) as u32
+    let seed = mix(id);
+    token(seed as u32, (seed >> 32) as u32, j as u32)
+}
+
+/// The first `out.len()` tokens of the trace block named `id`. A token is a function of the
+/// id's 64-bit seed and its position in 32-bit arithmetic only, so the loop runs in vector
+/// lanes: making the conversation trace's 94 M tokens was most of a replay's loading time
+/// with one splitmix64 per token.
+pub fn block_tokens(id: u64, out: &mut [u32]) {
+    let seed = mix(id);
+    let (lo, hi) = (seed as u32, (seed >> 32) as u32);
+    for (j, t) in out.iter_mut().enumerate() {
+        *t = token(lo, hi, j as u32);
+    }
+}
+
+/// Token `j` of the block seeded `(lo, hi)`: the position stepped by the golden ratio from
+/// the low half, one xorshift-multiply-xorshift round (the first half of murmur3's 32-bit
+/// finaliser: Appleby, MurmurHash3, public domain), the high half xored in, and the result
+/// mapped onto `0..VOCAB` by Lemire's multiply-shift ("Fast random integer generation in an
+/// interval", 2019). The round is a bijection, so blocks whose seeds differ in the low half
+/// differ at every position before the mapping, and in the high half by a constant xor.
+#[inline(always)]
+fn token(lo: u32, hi: u32, j: u32) -> u32 {
+    let mut x = lo.wrapping_add(j.wrapping_mul(0x9e37_79b9));
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x85eb_ca6b);
+    x ^= x >> 13;
+    ((u64::from(x ^ hi) * VOCAB) >> 32) as u32
 }
 
 /// A prompt hashed at an engine's block size: what a router and an engine need of it.
@@ -255,9 +285,8 @@ impl LocalMemo {
         let at = match self.at.get(&id) {
             Some(&at) => at,
             None => {
-                self.tokens.clear();
-                self.tokens
-                    .extend((0..self.trace_block_size).map(|j| synthetic_token(id, j)));
+                self.tokens.resize(self.trace_block_size, 0);
+                block_tokens(id, &mut self.tokens);
                 self.scratch.clear();
                 extend_blocks(
                     None,
@@ -393,8 +422,10 @@ mod tests {
         }
     }
 
-    /// Token `j` of id `id`'s block is `mix(id · (2³² + 1) ⊕ j) mod VOCAB` at every block
-    /// size, power of two or not, and the prompt stops at `input_length`.
+    /// Token `j` of id `id`'s block is, with `(lo, hi)` the halves of `mix(id)` and
+    /// `x = lo + j · 0x9e3779b9`, `r(x) = ((x ⊕ x≫16) · 0x85ebca6b) ⊕ (… ≫ 13)`:
+    /// `(r(x) ⊕ hi) · VOCAB ≫ 32`, at every block size, power of two or not, and the prompt
+    /// stops at `input_length`.
     #[test]
     fn tokens_follow_their_definition_at_any_block_size() {
         let r = TraceRecord {
@@ -407,8 +438,12 @@ mod tests {
                 .hash_ids
                 .iter()
                 .flat_map(|&id| {
-                    (0..bs as u64)
-                        .map(move |j| (mix(id.wrapping_mul(0x1_0000_0001) ^ j) % VOCAB) as u32)
+                    let (lo, hi) = (mix(id) as u32, (mix(id) >> 32) as u32);
+                    (0..bs as u32).map(move |j| {
+                        let x = lo.wrapping_add(j.wrapping_mul(0x9e37_79b9));
+                        let x = (x ^ (x >> 16)).wrapping_mul(0x85eb_ca6b);
+                        (((x ^ (x >> 13) ^ hi) as u64 * VOCAB) >> 32) as u32
+                    })
                 })
                 .take(700)
                 .collect();
