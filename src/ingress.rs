@@ -895,6 +895,7 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
         if r.messages.is_empty() {
             return Err(ApiError::bad_request("messages must not be empty"));
         }
+        openai::check_stream_options(r.stream, r.stream_options)?;
         let options = tokenizer.with_default_kwargs(r.take_options());
         // Images and audio get tokens only the engine knows: hash the conversation before
         // the first message that has them (its own rendering is a prefix of the whole one's),
@@ -936,6 +937,7 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
         }
     } else {
         let r: CompletionRequest = serde_json::from_slice(body).map_err(invalid)?;
+        openai::check_stream_options(r.stream, r.stream_options)?;
         let max_tokens = Some(r.max_tokens());
         let tokens = match r.prompt {
             Prompt::Text(t) => tokenizer

@@ -93,12 +93,47 @@ impl CompletionRequest {
 
 /// Options of a streamed answer.
 #[derive(Clone, Copy, Debug, Default, Deserialize)]
+#[serde(from = "RawStreamOptions")]
 pub struct StreamOptions {
     /// Send the usage in a last chunk (with no choices) before `[DONE]`: absent, vLLM's
     /// default once `stream_options` is sent, true; sent as null, vLLM's `None`, which it
     /// reads as false (`Some(None)` here).
-    #[serde(default, deserialize_with = "present")]
     pub include_usage: Option<Option<bool>>,
+    /// The object named any option (null or not): what vLLM refuses without `stream`.
+    pub any: bool,
+}
+
+#[derive(Deserialize)]
+struct RawStreamOptions {
+    #[serde(default, deserialize_with = "present")]
+    include_usage: Option<Option<bool>>,
+    /// vLLM's `continuous_usage_stats` and whatever else was sent: counted, not used.
+    #[serde(flatten)]
+    other: serde_json::Map<String, serde_json::Value>,
+}
+
+impl From<RawStreamOptions> for StreamOptions {
+    fn from(raw: RawStreamOptions) -> Self {
+        StreamOptions {
+            include_usage: raw.include_usage,
+            any: raw.include_usage.is_some() || !raw.other.is_empty(),
+        }
+    }
+}
+
+/// vLLM's rule for `stream_options` (`validate_stream_options` in its `protocol.py`, on
+/// chat and completion requests alike): an object naming any option is refused unless
+/// `stream` is true; null or `{}` pass (Python reads them as false).
+pub fn check_stream_options(
+    stream: Option<bool>,
+    options: Option<StreamOptions>,
+) -> Result<(), ApiError> {
+    if options.is_some_and(|o| o.any) && stream != Some(true) {
+        return Err(ApiError::bad_request(
+            "Stream options can only be defined when `stream=True`.",
+        ));
+    }
+    Ok(())
 }
 
 /// A field that was sent, null or not (`Some`), apart from one that was not (`None`, by

@@ -261,6 +261,51 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
 /// first user message" with a lone system turn) does not get the request refused: the
 /// engine renders the whole conversation, which the template takes; the router routes it
 /// without a prefix.
+/// `stream_options` naming any option is refused without `stream: true`, as vLLM refuses it
+/// (400, its message), on chat and completions alike; null and `{}` pass, as in vLLM.
+#[test]
+fn stream_options_without_stream_are_refused_as_vllm_refuses_them() {
+    let t = Tokenizer::Bytes;
+    for (stream, options, refused) in [
+        ("", r#"{"include_usage":true}"#, true),
+        (
+            r#""stream":false,"#,
+            r#"{"continuous_usage_stats":true}"#,
+            true,
+        ),
+        (r#""stream":null,"#, r#"{"include_usage":null}"#, true),
+        ("", "{}", false),
+        ("", "null", false),
+        (
+            r#""stream":true,"#,
+            r#"{"include_usage":true,"continuous_usage_stats":false}"#,
+            false,
+        ),
+    ] {
+        for chat in [false, true] {
+            let prompt = if chat {
+                r#""messages":[{"role":"user","content":"hi"}]"#
+            } else {
+                r#""prompt":"hi""#
+            };
+            let body = format!(r#"{{"model":"m",{prompt},{stream}"stream_options":{options}}}"#);
+            match parse(&t, body.as_bytes(), chat) {
+                Ok(_) => assert!(!refused, "{body} passed"),
+                Err(e) => {
+                    assert!(refused, "{body}: {}", e.message);
+                    assert_eq!(
+                        (e.status, e.message.as_str()),
+                        (
+                            400,
+                            "Stream options can only be defined when `stream=True`."
+                        )
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn a_template_refusing_the_text_before_an_image_does_not_refuse_the_request() {
     let dir = std::env::temp_dir().join(format!("kvroute-media-tpl-{}", std::process::id()));

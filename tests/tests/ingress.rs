@@ -167,6 +167,19 @@ async fn bad_inputs_get_their_status_codes() {
         .unwrap();
     assert_eq!(unknown.status, 404, "{}", unknown.body);
     assert!(unknown.body.contains("model_not_found"), "{}", unknown.body);
+    // stream_options without stream: refused by the router, and by the worker's own
+    // endpoint, as vLLM refuses it.
+    let options =
+        r#"{"model":"kvroute-sim","prompt":"hi","stream_options":{"include_usage":true}}"#;
+    for base in [f.url(), f.workers[0].url()] {
+        let r = f
+            .http
+            .call("POST", &format!("{base}/v1/completions"), options)
+            .await
+            .unwrap();
+        assert_eq!(r.status, 400, "{base}: {}", r.body);
+        assert!(r.body.contains("stream=True"), "{base}: {}", r.body);
+    }
     let huge = format!(
         r#"{{"model":"kvroute-sim","prompt":"{}"}}"#,
         "x".repeat(9 << 20)

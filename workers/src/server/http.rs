@@ -231,7 +231,7 @@ async fn tokenize(
 /// `/v1/completions` and `/v1/chat/completions` with text, tokenized as the router does
 /// (same tokenizer options), so any OpenAI client or other router can drive the worker.
 async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Response<Body> {
-    use kvroute::ingress::openai::{ChatRequest, CompletionRequest, Prompt};
+    use kvroute::ingress::openai::{ChatRequest, CompletionRequest, Prompt, check_stream_options};
     let (model, token_ids, max_tokens, n, stream, options, cache_salt) = if chat {
         match read_json::<ChatRequest>(&state, req).await {
             Ok(r) if r.messages.iter().any(|m| m.media) => {
@@ -240,6 +240,9 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                 );
             }
             Ok(mut r) => {
+                if let Err(e) = check_stream_options(r.stream, r.stream_options) {
+                    return bad_request(&e.message);
+                }
                 let chat_options = r.take_options();
                 let messages = std::mem::take(&mut r.messages);
                 let encoded = tokenize(&state, move |t| t.encode_chat(&messages, &chat_options));
@@ -261,6 +264,9 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
     } else {
         match read_json::<CompletionRequest>(&state, req).await {
             Ok(r) => {
+                if let Err(e) = check_stream_options(r.stream, r.stream_options) {
+                    return bad_request(&e.message);
+                }
                 let max_tokens = r.max_tokens();
                 let special = r.add_special_tokens.unwrap_or(true);
                 let tokens = match r.prompt {
