@@ -69,7 +69,7 @@ pub struct IngressConfig {
     /// engines' own keep-alive ([`crate::http::ENGINE_POOL_IDLE_MS`], the default).
     pub worker_pool_idle_ms: u64,
     /// Deadline for a whole non-streamed worker answer, headers included (or an error
-    /// body), ms.
+    /// body), ms: one for the request, shared by the workers it is retried on.
     pub upstream_body_timeout_ms: u64,
     /// Deadline for a stream's first chunk after its headers, ms: vLLM sends the headers at
     /// once and its first chunk after the prefill and its own queue, which may take longer
@@ -1164,7 +1164,13 @@ async fn completions(
     let mut booking = Some(booking);
     let mut failed: Vec<WorkerKey> = Vec::new();
     let mut last_error: Option<ProxyError> = None;
+    // One deadline for a non-streamed answer, the retries included: each retry gets what
+    // the workers tried before left of it, not a whole one more.
+    let answer_by = Instant::now() + Duration::from_millis(router.config.upstream_body_timeout_ms);
     for attempt in 0..=router.config.retries {
+        if attempt > 0 && !p.stream && Instant::now() >= answer_by {
+            break;
+        }
         if attempt > 0 {
             // Retried where it was not tried: the request was admitted, the budgets are
             // not applied again.
@@ -1182,7 +1188,16 @@ async fn completions(
             .expect("invariant: every attempt has its booking")
             .expecting(decision.chosen.key.0, prepared.blocks.last().map(|b| b.seq));
         let key = decision.chosen.key;
-        let outcome = forward(router, &decision, booking, &body, p.stream, &mut inflight).await;
+        let outcome = forward(
+            router,
+            &decision,
+            booking,
+            &body,
+            p.stream,
+            answer_by,
+            &mut inflight,
+        )
+        .await;
         router.note_reachability(key, outcome.as_ref().map(|_| ()), p.stream);
         match outcome {
             Ok(response) => {

@@ -450,13 +450,15 @@ impl Upstream {
 }
 
 /// Sends a routed request to its worker and relays the answer. Streams are relayed by a task
-/// that takes over the booking and the in-flight slot.
+/// that takes over the booking and the in-flight slot. A non-streamed answer must arrive by
+/// `answer_by`: one deadline for the request, however many workers it is tried on.
 pub(super) async fn forward(
     router: &Arc<Router>,
     decision: &Decision,
     mut booking: Booking,
     body: &Upstream,
     stream: bool,
+    answer_by: Instant,
     inflight: &mut Option<InFlight>,
 ) -> Result<Response<Body>, ProxyError> {
     let key = decision.chosen.key;
@@ -467,18 +469,19 @@ pub(super) async fn forward(
     router.plane.note_routed(key);
     let config = &router.config;
     let request = body.request(&info, key.1.0, config.engine_api_key.as_ref());
-    let started = Instant::now();
     // A stream's headers come with its first bytes; a non-streamed answer's only once the
-    // whole answer is generated, so it gets the deadline of a whole answer, and the body
-    // what is left of it.
+    // whole answer is generated, so it gets what is left of the request's answer deadline
+    // (all of it on the first worker tried), and the body what is left after the headers.
+    let started = Instant::now();
     let answer_ms = config.upstream_body_timeout_ms;
+    let answer_left = || answer_by.saturating_duration_since(Instant::now());
     let headers_ms = match (stream, body.media) {
         // Slow media is the request's, not the worker's: it gets the first token's
         // deadline, or every worker in turn would be timed out (and counted towards its
         // ejection) on the same slow URL.
         (true, true) => config.worker_timeout_ms.max(config.first_token_timeout_ms),
         (true, false) => config.worker_timeout_ms,
-        (false, _) => answer_ms,
+        (false, _) => answer_left().as_millis() as u64,
     };
     let sent = tokio::time::timeout(
         Duration::from_millis(headers_ms),
@@ -545,7 +548,7 @@ pub(super) async fn forward(
     }
     let label = worker.to_string();
     if !stream {
-        let left = Duration::from_millis(answer_ms).saturating_sub(started.elapsed());
+        let left = answer_left();
         // The answer counts against the bodies' memory budget until it is written out.
         let answer = collect_within(
             response.into_body(),

@@ -393,6 +393,49 @@ async fn worker_errors_decide_retries_and_release_bookings_everywhere() {
     );
 }
 
+/// A non-streamed request has one answer deadline however many workers it is tried on:
+/// every worker answers 503 only after two thirds of it, so the retry gets the third left
+/// and the client is told its answer did not come in time (504), where each retry got a
+/// whole deadline and the client the last worker's 503 after twice the deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_share_the_answer_deadline() {
+    let injectable = WorkerSpec {
+        model: MODEL.into(),
+        args: vec!["--fault-injection".into()],
+    };
+    let f = Fleet::start(FleetSpec {
+        router_args: vec!["--upstream-body-timeout-ms".into(), "3000".into()],
+        workers: vec![injectable.clone(), injectable],
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    for w in 0..2 {
+        f.faults(
+            w,
+            serde_json::json!({"status": 503, "status_delay_ms": 2000}),
+        )
+        .await
+        .unwrap();
+    }
+    let url = format!("{}/v1/completions", f.url());
+    let r = f
+        .http
+        .call("POST", &url, request(0, 0, false))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 504, "{}", r.body);
+    assert!(
+        r.body.contains("no whole answer within 3000 ms"),
+        "{}",
+        r.body
+    );
+    let freed = f
+        .until(Duration::from_secs(10), || all_bookings_closed(&f))
+        .await;
+    assert!(freed, "bookings left after the deadline passed");
+}
+
 /// A worker that sends its headers and then nothing must not hold the client's stream or
 /// the router's in-flight slot: the relay gives up after its idle timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -110,6 +110,9 @@ pub struct Faults {
     pub stall_before_headers: bool,
     /// Answer generate requests with this error status (e.g. 429, 503, 400).
     pub status: Option<u16>,
+    /// Answer `status` this long after the request came (an engine failing late, after
+    /// generating a whole non-streamed answer).
+    pub status_delay_ms: Option<u64>,
     /// Streams: send the headers, then wait this long before the first chunk (a long
     /// prefill, or the engine's own queue).
     pub first_chunk_delay_ms: Option<u64>,

@@ -472,6 +472,9 @@ async fn run(state: State, g: Generate) -> Response<Body> {
             std::future::pending::<()>().await;
         }
         if let Some(code) = f.status {
+            if let Some(ms) = f.status_delay_ms {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
             let status = StatusCode::from_u16(code).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
             return error(status, "server_error", "fault injected");
         }
