@@ -47,9 +47,11 @@ pub struct IngressConfig {
     /// Largest request body, bytes.
     pub max_body_bytes: usize,
     /// Bytes of request bodies held at once, all requests together (read, queued or being
-    /// proxied), and of non-streamed answers being relayed; a body or answer that would
-    /// pass it gets 429. The parsed prompt and the body sent on take about twice as much
-    /// again. At least `max_body_bytes` and `max_upstream_body_bytes`.
+    /// proxied), of non-streamed answers being relayed, and of streamed events on their way
+    /// to their clients; a body or answer that would pass it gets 429, and a stream waits
+    /// for room (ending with an error event past `relay_idle_timeout_ms`). The parsed
+    /// prompt and the body sent on take about twice as much again. At least
+    /// `max_body_bytes` and `max_upstream_body_bytes`.
     pub body_memory_bytes: usize,
     /// Requests accepted at once, queued or in flight, counted from when their body is in
     /// (bodies being read are bounded by `body_memory_bytes`); beyond it new ones get 429. What

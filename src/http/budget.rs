@@ -4,7 +4,9 @@
 //! prompts would get the router OOM-killed, cutting every stream it serves. Each body
 //! reserves what it has read as it arrives, in [`GRAIN`] steps, and keeps the reservation for
 //! as long as the request holds the body; a body that finds the budget spent is refused (the
-//! caller answers 429), not waited for.
+//! caller answers 429), not waited for. Streamed answers reserve what they relay, from the
+//! worker's bytes held for an event's end until the client's connection takes them
+//! (`ingress::proxy`), and wait for room instead.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -59,9 +61,31 @@ impl BodyBudget {
         self.bytes - self.grains.available_permits() * GRAIN
     }
 
+    /// A reservation of `bytes`, waiting up to `wait` for the budget to have them; `None`
+    /// if it has not by then, or never could (more than the whole budget). Streams reserve
+    /// so what they relay: a client reading slowly makes the relay wait, not the router's
+    /// memory grow.
+    pub async fn reserve(&self, bytes: usize, wait: Duration) -> Option<Reservation> {
+        let want = bytes.div_ceil(GRAIN);
+        if want == 0 {
+            return Some(Reservation::default());
+        }
+        if want > self.bytes / GRAIN {
+            return None;
+        }
+        let want = u32::try_from(want).ok()?;
+        let acquire = Arc::clone(&self.grains).acquire_many_owned(want);
+        match tokio::time::timeout(wait, acquire).await {
+            Ok(Ok(permit)) => Some(Reservation {
+                permit: Some(permit),
+            }),
+            _ => None,
+        }
+    }
+
     /// Grows `held` to cover `bytes`; false, and `held` unchanged, if the budget has not
     /// that much left.
-    fn cover(&self, held: &mut Reservation, bytes: usize) -> bool {
+    pub fn cover(&self, held: &mut Reservation, bytes: usize) -> bool {
         let want = bytes.div_ceil(GRAIN);
         let have = held
             .permit
@@ -194,6 +218,30 @@ mod tests {
             .await
             .unwrap();
         assert_eq!((c.len(), held_c.bytes()), (3 * GRAIN, 3 * GRAIN));
+    }
+
+    /// A reservation waits for room, up to its wait; one larger than the whole budget is
+    /// refused at once; an empty one holds nothing.
+    #[tokio::test(start_paused = true)]
+    async fn reservations_wait_for_room_within_their_wait() {
+        let budget = BodyBudget::new(2 * GRAIN);
+        let second = Duration::from_secs(1);
+        let first = budget.reserve(2 * GRAIN, second).await.unwrap();
+        assert_eq!(budget.in_use(), 2 * GRAIN);
+        assert!(
+            budget.reserve(1, second).await.is_none(),
+            "no room within the wait"
+        );
+        let waiting = tokio::spawn({
+            let budget = budget.clone();
+            async move { budget.reserve(GRAIN, second).await.map(|r| r.bytes()) }
+        });
+        tokio::time::sleep(second / 2).await;
+        drop(first);
+        assert_eq!(waiting.await.unwrap(), Some(GRAIN));
+        assert!(budget.reserve(3 * GRAIN, second).await.is_none());
+        assert_eq!(budget.reserve(0, second).await.unwrap().bytes(), 0);
+        assert_eq!(budget.in_use(), 0);
     }
 
     #[tokio::test]

@@ -18,7 +18,7 @@ use super::openai::{ApiError, Fault};
 use super::{InFlight, Router};
 use crate::discovery::{WorkerApi, WorkerInfo};
 use crate::events::load::LoadShare;
-use crate::http::budget::collect_within;
+use crate::http::budget::{BodyBudget, GRAIN, Reservation, collect_within};
 use crate::http::{Body, BodyError};
 use crate::protocol::{SeqHash, WorkerId};
 use crate::scheduler::mismatch::MismatchAlarm;
@@ -580,9 +580,11 @@ pub(super) async fn forward(
             .body(BodyExt::boxed(body))
             .expect("invariant: static response parts are valid"));
     }
-    let (tx, rx) = mpsc::channel::<Bytes>(64);
+    let (tx, rx) = mpsc::channel::<Held>(64);
     let relay = Relay {
         upstream: response.into_body(),
+        bodies: router.bodies.clone(),
+        partial_held: Reservation::default(),
         booking,
         reach: Reach::new(router, worker),
         inflight: inflight.take(),
@@ -596,16 +598,43 @@ pub(super) async fn forward(
         started,
     };
     tokio::spawn(relay.run());
-    let body = StreamBody::new(futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
-    }));
     Ok(builder
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")
-        .body(BodyExt::boxed(body))
+        .body(BodyExt::boxed(client_body(rx)))
         .expect("invariant: static response parts are valid"))
+}
+
+/// Events on their way to the client, with their share of the bodies' budget.
+type Held = (Bytes, Reservation);
+
+/// The client's stream body: each event's reservation goes as the connection takes it.
+fn client_body(
+    rx: mpsc::Receiver<Held>,
+) -> StreamBody<impl futures_util::Stream<Item = Result<Frame<Bytes>, Infallible>>> {
+    StreamBody::new(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|(bytes, _held)| (Ok(Frame::data(bytes)), rx))
+    }))
+}
+
+/// Sends `data` to the client once the bodies' budget has room for it, each wait at most
+/// `wait`.
+async fn send_held(
+    tx: &mpsc::Sender<Held>,
+    bodies: &BodyBudget,
+    data: Bytes,
+    wait: Duration,
+) -> Result<(), RelayEnd> {
+    let Some(held) = bodies.reserve(data.len(), wait).await else {
+        return Err(RelayEnd::OverBudget);
+    };
+    match tokio::time::timeout(wait, tx.send((data, held))).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(_)) => Err(RelayEnd::ClientGone),
+        Err(_) => Err(RelayEnd::ClientStalled),
+    }
 }
 
 /// How often a non-streamed request looks for its prefill's end in the index.
@@ -665,7 +694,12 @@ struct Relay {
     /// sends its headers, and would otherwise look healthy and idle.
     reach: Reach,
     inflight: Option<InFlight>,
-    tx: mpsc::Sender<Bytes>,
+    tx: mpsc::Sender<Held>,
+    /// The router's budget for bodies held: what is relayed counts until the client's
+    /// connection takes it, and an event held back for its end while it grows.
+    bodies: BodyBudget,
+    /// `events`' held-back bytes' share of `bodies`.
+    partial_held: Reservation,
     /// Longest wait for the worker's next token, and for the client to take an event.
     idle: Duration,
     /// Longest wait for the worker's first token after its headers (the prefill, and the
@@ -698,6 +732,9 @@ enum RelayEnd {
     /// The worker's body ended cleanly before `data: [DONE]` (vLLM, SGLang and kvroute's
     /// workers always send it): the client is told the answer is cut off.
     Truncated,
+    /// The router's budget for bodies held had no room for what the worker sent within
+    /// the idle timeout (many clients reading slowly, or an event larger than the budget).
+    OverBudget,
 }
 
 impl RelayEnd {
@@ -710,6 +747,7 @@ impl RelayEnd {
             RelayEnd::NoFirstFrame => "no_first_frame",
             RelayEnd::WorkerFailed => "worker_failed",
             RelayEnd::Truncated => "truncated",
+            RelayEnd::OverBudget => "over_budget",
         }
     }
 }
@@ -726,8 +764,14 @@ impl Relay {
                 | RelayEnd::WorkerFailed
                 | RelayEnd::NoFirstFrame
                 | RelayEnd::Truncated
+                | RelayEnd::OverBudget
         ) {
             let err = ApiError::unavailable(match end {
+                RelayEnd::OverBudget => format!(
+                    "the router's budget of {} bytes for bodies held had no room for the stream within {} ms",
+                    self.bodies.bytes(),
+                    self.idle.as_millis()
+                ),
                 RelayEnd::WorkerStalled => format!(
                     "worker {} sent no token for {} ms mid-stream",
                     self.worker,
@@ -746,6 +790,8 @@ impl Relay {
             // A client that reads gets it, behind what it has not read yet; one that has not
             // read for a while does not hold the relay longer than this.
             let event = Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", err.body()));
+            // Outside the budget: a few hundred bytes, to say why the stream ends.
+            let event = (event, Reservation::default());
             let _ =
                 tokio::time::timeout(self.idle.min(ERROR_EVENT_WAIT), self.tx.send(event)).await;
         }
@@ -798,7 +844,7 @@ impl Relay {
                     let rest = self.events.finish();
                     let whole = holds_done(&rest);
                     if !rest.is_empty() {
-                        let _ = tokio::time::timeout(self.idle, self.tx.send(rest)).await;
+                        let _ = send_held(&self.tx, &self.bodies, rest, self.idle).await;
                     }
                     return if whole {
                         RelayEnd::Done
@@ -818,7 +864,21 @@ impl Relay {
             if done {
                 continue; // nothing follows `[DONE]`
             }
-            let data = match self.events.push(data) {
+            let data = self.events.push(data);
+            // What is held back for its event's end counts against the budget too.
+            match self.events.held() {
+                0 => self.partial_held = Reservation::default(),
+                held => {
+                    if held + GRAIN <= self.partial_held.bytes() {
+                        // What was held went out as whole events: reserve the rest anew.
+                        self.partial_held = Reservation::default();
+                    }
+                    if !self.bodies.cover(&mut self.partial_held, held) {
+                        return RelayEnd::OverBudget;
+                    }
+                }
+            }
+            let data = match data {
                 Ok(Some(events)) => events,
                 Ok(None) => continue,
                 Err(len) => {
@@ -846,10 +906,8 @@ impl Relay {
             if holds_done(&data) {
                 done_by = Some(Instant::now() + self.idle.min(DONE_GRACE));
             }
-            match tokio::time::timeout(self.idle, self.tx.send(data)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(_)) => return RelayEnd::ClientGone,
-                Err(_) => return RelayEnd::ClientStalled,
+            if let Err(end) = send_held(&self.tx, &self.bodies, data, self.idle).await {
+                return end;
             }
             if token {
                 quiet_from = Instant::now();
@@ -914,6 +972,11 @@ impl SseEvents {
         }
     }
 
+    /// Bytes held back for their event's end.
+    fn held(&self) -> usize {
+        self.partial.len()
+    }
+
     /// What is held back (the stream ended).
     fn finish(&mut self) -> Bytes {
         self.partial.split().freeze()
@@ -932,6 +995,36 @@ pub fn event_end(b: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a stream relays counts against the bodies' budget until the client's
+    /// connection takes it: a client that stops reading makes the relay wait for room, and
+    /// end (over budget) past its wait, instead of the router holding more; what the
+    /// client takes frees its share.
+    #[tokio::test(start_paused = true)]
+    async fn relayed_events_hold_their_share_until_the_client_takes_them() {
+        use futures_util::StreamExt;
+        let bodies = BodyBudget::new(2 * GRAIN);
+        let wait = Duration::from_secs(1);
+        let (tx, rx) = mpsc::channel::<Held>(64);
+        let event = || Bytes::from(vec![b'x'; GRAIN]);
+        send_held(&tx, &bodies, event(), wait).await.unwrap();
+        send_held(&tx, &bodies, event(), wait).await.unwrap();
+        assert_eq!(bodies.in_use(), 2 * GRAIN);
+        assert_eq!(
+            send_held(&tx, &bodies, event(), wait).await,
+            Err(RelayEnd::OverBudget)
+        );
+        let mut body = Box::pin(client_body(rx).into_data_stream());
+        assert_eq!(body.next().await.unwrap().unwrap().len(), GRAIN);
+        assert_eq!(bodies.in_use(), GRAIN, "the event taken left the budget");
+        send_held(&tx, &bodies, event(), wait).await.unwrap();
+        drop(body);
+        assert_eq!(bodies.in_use(), 0, "a client gone frees what waited for it");
+        assert_eq!(
+            send_held(&tx, &bodies, event(), wait).await,
+            Err(RelayEnd::ClientGone)
+        );
+    }
 
     /// The worker's message is found in every shape engines answer errors in.
     #[test]
