@@ -21,6 +21,9 @@ use super::BodyError;
 /// that thousands of short prompts reserve about what they hold.
 pub const GRAIN: usize = 1 << 10;
 
+/// How often a reservation waiting for room looks again.
+pub const RESERVE_POLL: Duration = Duration::from_millis(20);
+
 /// Bytes of request bodies that may be held at once, shared by every request.
 #[derive(Clone, Debug)]
 pub struct BodyBudget {
@@ -64,22 +67,24 @@ impl BodyBudget {
     /// A reservation of `bytes`, waiting up to `wait` for the budget to have them; `None`
     /// if it has not by then, or never could (more than the whole budget). Streams reserve
     /// so what they relay: a client reading slowly makes the relay wait, not the router's
-    /// memory grow.
+    /// memory grow. A waiter looks again every [`RESERVE_POLL`] rather than queueing: the
+    /// semaphore's queue is first come first served, and one large event waiting in it
+    /// would hold up every stream's small ones behind it.
     pub async fn reserve(&self, bytes: usize, wait: Duration) -> Option<Reservation> {
-        let want = bytes.div_ceil(GRAIN);
-        if want == 0 {
-            return Some(Reservation::default());
-        }
-        if want > self.bytes / GRAIN {
+        if bytes.div_ceil(GRAIN) > self.bytes / GRAIN {
             return None;
         }
-        let want = u32::try_from(want).ok()?;
-        let acquire = Arc::clone(&self.grains).acquire_many_owned(want);
-        match tokio::time::timeout(wait, acquire).await {
-            Ok(Ok(permit)) => Some(Reservation {
-                permit: Some(permit),
-            }),
-            _ => None,
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let mut held = Reservation::default();
+            if self.cover(&mut held, bytes) {
+                return Some(held);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep_until(deadline.min(tokio::time::Instant::now() + RESERVE_POLL))
+                .await;
         }
     }
 
@@ -242,6 +247,23 @@ mod tests {
         assert!(budget.reserve(3 * GRAIN, second).await.is_none());
         assert_eq!(budget.reserve(0, second).await.unwrap().bytes(), 0);
         assert_eq!(budget.in_use(), 0);
+        // A large reservation waiting does not hold up a small one that fits now.
+        let one = budget.reserve(GRAIN, second).await.unwrap();
+        let large = tokio::spawn({
+            let budget = budget.clone();
+            async move { budget.reserve(2 * GRAIN, second).await.is_some() }
+        });
+        tokio::task::yield_now().await;
+        let small = budget.reserve(GRAIN, Duration::ZERO).await;
+        assert!(
+            small.is_some(),
+            "a small reservation queued behind a large one"
+        );
+        drop((one, small));
+        assert!(
+            large.await.unwrap(),
+            "the large one gets the room once it is free"
+        );
     }
 
     #[tokio::test]
