@@ -1169,8 +1169,14 @@ async fn completions(
     // One deadline for a non-streamed answer, the retries included: each retry gets what
     // the workers tried before left of it, not a whole one more.
     let answer_by = Instant::now() + Duration::from_millis(router.config.upstream_body_timeout_ms);
+    // Less than this left is no chance for a worker (its 504 would blame it): the client
+    // gets the last worker's error instead.
+    let retry_floor = Duration::from_millis(router.config.worker_timeout_ms.min(1_000));
     for attempt in 0..=router.config.retries {
-        if attempt > 0 && !p.stream && Instant::now() >= answer_by {
+        if attempt > 0
+            && !p.stream
+            && answer_by.saturating_duration_since(Instant::now()) < retry_floor
+        {
             break;
         }
         if attempt > 0 {

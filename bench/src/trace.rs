@@ -189,19 +189,20 @@ pub const VOCAB: u64 = 128_000;
 /// (id, position in the block) ([`synthetic_token`]), so equal ids give equal tokens at any
 /// engine block size; the last block is cut to `input_length`.
 ///
-/// Built straight into its shared slice: a position-indexed map over a range has a known
-/// length, so the slice is allocated once and written once.
+/// Built straight into its shared slice: allocated once (zeroed, from an iterator of known
+/// length), then filled a trace block at a time.
 pub fn prompt_tokens(record: &TraceRecord, block_size: usize) -> Arc<[u32]> {
     if let Some(tokens) = &record.tokens {
         return Arc::clone(tokens);
     }
     let ids = &record.hash_ids;
     let len = record.input_length.min(ids.len() * block_size);
-    let mut tokens = vec![0; len];
-    for (id, block) in ids.iter().zip(tokens.chunks_mut(block_size.max(1))) {
+    let mut tokens: Arc<[u32]> = std::iter::repeat_n(0, len).collect();
+    let slice = Arc::get_mut(&mut tokens).expect("invariant: a slice just made has one owner");
+    for (id, block) in ids.iter().zip(slice.chunks_mut(block_size.max(1))) {
         block_tokens(*id, block);
     }
-    tokens.into()
+    tokens
 }
 
 /// Token `j` of the trace block named `id` ([`block_tokens`]).

@@ -42,6 +42,18 @@ impl Reservation {
     pub fn bytes(&self) -> usize {
         self.permit.as_ref().map_or(0, |p| p.num_permits() * GRAIN)
     }
+
+    /// Keeps what covers `keep` bytes and hands over the rest: a relay's held-back bytes
+    /// pass their share to the whole events they complete, without giving it back to the
+    /// budget in between.
+    pub fn split_off(&mut self, keep: usize) -> Reservation {
+        let keep = keep.div_ceil(GRAIN);
+        let permit = self.permit.as_mut().and_then(|p| {
+            let rest = p.num_permits().saturating_sub(keep);
+            p.split(rest).filter(|split| split.num_permits() > 0)
+        });
+        Reservation { permit }
+    }
 }
 
 impl BodyBudget {
@@ -71,20 +83,33 @@ impl BodyBudget {
     /// semaphore's queue is first come first served, and one large event waiting in it
     /// would hold up every stream's small ones behind it.
     pub async fn reserve(&self, bytes: usize, wait: Duration) -> Option<Reservation> {
+        let mut held = Reservation::default();
+        self.grow_until(&mut held, bytes, tokio::time::Instant::now() + wait)
+            .await
+            .then_some(held)
+    }
+
+    /// Grows `held` to cover `bytes`, waiting for room until `deadline` as
+    /// [`BodyBudget::reserve`] does; false, and `held` unchanged, if the budget has not
+    /// had the room by then, or never could.
+    pub async fn grow_until(
+        &self,
+        held: &mut Reservation,
+        bytes: usize,
+        deadline: tokio::time::Instant,
+    ) -> bool {
         if bytes.div_ceil(GRAIN) > self.bytes / GRAIN {
-            return None;
+            return false;
         }
-        let deadline = tokio::time::Instant::now() + wait;
         loop {
-            let mut held = Reservation::default();
-            if self.cover(&mut held, bytes) {
-                return Some(held);
+            if self.cover(held, bytes) {
+                return true;
             }
-            if tokio::time::Instant::now() >= deadline {
-                return None;
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return false;
             }
-            tokio::time::sleep_until(deadline.min(tokio::time::Instant::now() + RESERVE_POLL))
-                .await;
+            tokio::time::sleep_until(deadline.min(now + RESERVE_POLL)).await;
         }
     }
 

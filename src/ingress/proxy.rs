@@ -18,7 +18,7 @@ use super::openai::{ApiError, Fault};
 use super::{InFlight, Router};
 use crate::discovery::{WorkerApi, WorkerInfo};
 use crate::events::load::LoadShare;
-use crate::http::budget::{BodyBudget, GRAIN, Reservation, collect_within};
+use crate::http::budget::{BodyBudget, Reservation, collect_within};
 use crate::http::{Body, BodyError};
 use crate::protocol::{SeqHash, WorkerId};
 use crate::scheduler::mismatch::MismatchAlarm;
@@ -173,9 +173,10 @@ pub enum ProxyError {
         ms: u64,
     },
     /// A non-streamed answer (headers and body, which a worker sends once it has generated
-    /// every token) did not arrive within `upstream_body_timeout_ms`. Not tried elsewhere:
-    /// the worker may still be generating it, and the client has waited the whole deadline.
-    #[error("worker {worker} sent no whole answer within {ms} ms")]
+    /// every token) did not arrive within what the request's `upstream_body_timeout_ms`
+    /// left this worker. Not tried elsewhere: the worker may still be generating it, and the
+    /// client has waited the whole deadline.
+    #[error("worker {worker} sent no whole answer within {ms} ms (the request's deadline)")]
     AnswerTimeout {
         /// The worker.
         worker: WorkerId,
@@ -473,15 +474,17 @@ pub(super) async fn forward(
     // whole answer is generated, so it gets what is left of the request's answer deadline
     // (all of it on the first worker tried), and the body what is left after the headers.
     let started = Instant::now();
-    let answer_ms = config.upstream_body_timeout_ms;
     let answer_left = || answer_by.saturating_duration_since(Instant::now());
+    // What the request's deadline leaves this worker for a whole answer (what its timeout
+    // reports).
+    let answer_ms = answer_left().as_millis() as u64;
     let headers_ms = match (stream, body.media) {
         // Slow media is the request's, not the worker's: it gets the first token's
         // deadline, or every worker in turn would be timed out (and counted towards its
         // ejection) on the same slow URL.
         (true, true) => config.worker_timeout_ms.max(config.first_token_timeout_ms),
         (true, false) => config.worker_timeout_ms,
-        (false, _) => answer_left().as_millis() as u64,
+        (false, _) => answer_ms,
     };
     let sent = tokio::time::timeout(
         Duration::from_millis(headers_ms),
@@ -514,12 +517,13 @@ pub(super) async fn forward(
         // Only its message is kept: the first bytes, read under the headers' deadline (a
         // worker stalling after an error status would otherwise hold the client for the
         // whole answer's).
-        let message = error_body(
-            response.into_body(),
-            Duration::from_millis(config.worker_timeout_ms),
-        )
-        .await
-        .map_err(|source| ProxyError::Body { worker, source })?;
+        let mut wait = Duration::from_millis(config.worker_timeout_ms);
+        if !stream {
+            wait = wait.min(answer_left());
+        }
+        let message = error_body(response.into_body(), wait)
+            .await
+            .map_err(|source| ProxyError::Body { worker, source })?;
         return Err(ProxyError::Status {
             worker,
             status,
@@ -580,11 +584,11 @@ pub(super) async fn forward(
             .body(BodyExt::boxed(body))
             .expect("invariant: static response parts are valid"));
     }
-    let (tx, rx) = mpsc::channel::<Held>(64);
+    let (tx, rx) = mpsc::channel::<Held>(CLIENT_EVENTS);
     let relay = Relay {
         upstream: response.into_body(),
         bodies: router.bodies.clone(),
-        partial_held: Reservation::default(),
+        held: Reservation::default(),
         booking,
         reach: Reach::new(router, worker),
         inflight: inflight.take(),
@@ -619,18 +623,36 @@ fn client_body(
     }))
 }
 
-/// Sends `data` to the client once the bodies' budget has room for it, each wait at most
-/// `wait`.
-async fn send_held(
+/// Events a stream holds for its client, at most (each counted against the bodies' budget
+/// by the KiB, so a client that stops reading holds at most 16 KiB of it for small events).
+const CLIENT_EVENTS: usize = 16;
+
+/// Grows `held` to cover `bytes` of the worker's stream, waiting for the bodies' budget to
+/// have room until `deadline`; a client that leaves meanwhile ends the wait.
+async fn make_room(
     tx: &mpsc::Sender<Held>,
     bodies: &BodyBudget,
-    data: Bytes,
-    wait: Duration,
+    held: &mut Reservation,
+    bytes: usize,
+    deadline: Instant,
 ) -> Result<(), RelayEnd> {
-    let Some(held) = bodies.reserve(data.len(), wait).await else {
-        return Err(RelayEnd::OverBudget);
-    };
-    match tokio::time::timeout(wait, tx.send((data, held))).await {
+    tokio::select! {
+        biased;
+        () = tx.closed() => Err(RelayEnd::ClientGone),
+        room = bodies.grow_until(held, bytes, deadline) => {
+            if room { Ok(()) } else { Err(RelayEnd::OverBudget) }
+        }
+    }
+}
+
+/// Sends whole events to the client with their share of the budget, by `deadline`.
+async fn send_event(
+    tx: &mpsc::Sender<Held>,
+    events: Bytes,
+    share: Reservation,
+    deadline: Instant,
+) -> Result<(), RelayEnd> {
+    match tokio::time::timeout_at(deadline, tx.send((events, share))).await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(_)) => Err(RelayEnd::ClientGone),
         Err(_) => Err(RelayEnd::ClientStalled),
@@ -695,11 +717,12 @@ struct Relay {
     reach: Reach,
     inflight: Option<InFlight>,
     tx: mpsc::Sender<Held>,
-    /// The router's budget for bodies held: what is relayed counts until the client's
-    /// connection takes it, and an event held back for its end while it grows.
+    /// The router's budget for bodies held: what the worker sent counts from when it is
+    /// read until the client's connection takes it.
     bodies: BodyBudget,
-    /// `events`' held-back bytes' share of `bodies`.
-    partial_held: Reservation,
+    /// The share of `bodies` of the bytes read and not yet sent on (an event held back for
+    /// its end); whole events take theirs with them.
+    held: Reservation,
     /// Longest wait for the worker's next token, and for the client to take an event.
     idle: Duration,
     /// Longest wait for the worker's first token after its headers (the prefill, and the
@@ -840,11 +863,15 @@ impl Relay {
                 Err(_) => return RelayEnd::WorkerStalled,
                 Ok(None) if done => return RelayEnd::Done,
                 Ok(None) => {
-                    // Whatever the worker left unterminated goes as it is.
+                    // Whatever the worker left unterminated goes as it is, with its share.
                     let rest = self.events.finish();
                     let whole = holds_done(&rest);
-                    if !rest.is_empty() {
-                        let _ = send_held(&self.tx, &self.bodies, rest, self.idle).await;
+                    let share = self.held.split_off(0);
+                    if !rest.is_empty()
+                        && let Err(end) =
+                            send_event(&self.tx, rest, share, Instant::now() + self.idle).await
+                    {
+                        return end;
                     }
                     return if whole {
                         RelayEnd::Done
@@ -864,21 +891,17 @@ impl Relay {
             if done {
                 continue; // nothing follows `[DONE]`
             }
-            let data = self.events.push(data);
-            // What is held back for its event's end counts against the budget too.
-            match self.events.held() {
-                0 => self.partial_held = Reservation::default(),
-                held => {
-                    if held + GRAIN <= self.partial_held.bytes() {
-                        // What was held went out as whole events: reserve the rest anew.
-                        self.partial_held = Reservation::default();
-                    }
-                    if !self.bodies.cover(&mut self.partial_held, held) {
-                        return RelayEnd::OverBudget;
-                    }
-                }
+            // The bytes read count against the budget before they are kept: the relay waits
+            // for room (a slow client's events still to be taken, other streams' and bodies')
+            // within the idle timeout, for the event and its send together.
+            let deadline = Instant::now() + self.idle;
+            let bytes = self.events.held() + data.len();
+            if let Err(end) =
+                make_room(&self.tx, &self.bodies, &mut self.held, bytes, deadline).await
+            {
+                return end;
             }
-            let data = match data {
+            let data = match self.events.push(data) {
                 Ok(Some(events)) => events,
                 Ok(None) => continue,
                 Err(len) => {
@@ -906,7 +929,8 @@ impl Relay {
             if holds_done(&data) {
                 done_by = Some(Instant::now() + self.idle.min(DONE_GRACE));
             }
-            if let Err(end) = send_held(&self.tx, &self.bodies, data, self.idle).await {
+            let share = self.held.split_off(self.events.held());
+            if let Err(end) = send_event(&self.tx, data, share, deadline).await {
                 return end;
             }
             if token {
@@ -917,7 +941,8 @@ impl Relay {
 }
 
 /// How long a relay that failed waits for room to send its client the error event: a full
-/// channel is a client behind by 64 events, and the stream must not end without saying why.
+/// channel is a client behind by [`CLIENT_EVENTS`] events, and the stream must not end
+/// without saying why.
 const ERROR_EVENT_WAIT: Duration = Duration::from_secs(1);
 
 /// How long the relay waits for a worker's body to end once `[DONE]` has been relayed.
@@ -995,35 +1020,65 @@ pub fn event_end(b: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::http::budget::GRAIN;
 
-    /// What a stream relays counts against the bodies' budget until the client's
-    /// connection takes it: a client that stops reading makes the relay wait for room, and
-    /// end (over budget) past its wait, instead of the router holding more; what the
-    /// client takes frees its share.
+    /// What a stream relays counts against the bodies' budget from when it is read until
+    /// the client's connection takes it: a client that stops reading makes the relay wait
+    /// for room, and end (over budget) past its deadline, instead of the router holding
+    /// more; what the client takes frees its share, and a client that leaves ends the wait
+    /// at once.
     #[tokio::test(start_paused = true)]
     async fn relayed_events_hold_their_share_until_the_client_takes_them() {
         use futures_util::StreamExt;
         let bodies = BodyBudget::new(2 * GRAIN);
-        let wait = Duration::from_secs(1);
-        let (tx, rx) = mpsc::channel::<Held>(64);
-        let event = || Bytes::from(vec![b'x'; GRAIN]);
-        send_held(&tx, &bodies, event(), wait).await.unwrap();
-        send_held(&tx, &bodies, event(), wait).await.unwrap();
+        let soon = || Instant::now() + Duration::from_secs(1);
+        let (tx, rx) = mpsc::channel::<Held>(CLIENT_EVENTS);
+        let mut held = Reservation::default();
+        // Half an event held back, then its end and a whole second one in one read.
+        make_room(&tx, &bodies, &mut held, GRAIN / 2, soon())
+            .await
+            .unwrap();
+        assert_eq!(bodies.in_use(), GRAIN);
+        make_room(&tx, &bodies, &mut held, 2 * GRAIN, soon())
+            .await
+            .unwrap();
         assert_eq!(bodies.in_use(), 2 * GRAIN);
+        let first = held.split_off(GRAIN / 2);
+        assert_eq!((first.bytes(), held.bytes()), (GRAIN, GRAIN));
+        send_event(&tx, Bytes::from(vec![b'x'; GRAIN]), first, soon())
+            .await
+            .unwrap();
+        let rest = held.split_off(0);
+        send_event(&tx, Bytes::from(vec![b'y'; GRAIN]), rest, soon())
+            .await
+            .unwrap();
         assert_eq!(
-            send_held(&tx, &bodies, event(), wait).await,
+            (held.bytes(), bodies.in_use()),
+            (0, 2 * GRAIN),
+            "passed on, not freed"
+        );
+        assert_eq!(
+            make_room(&tx, &bodies, &mut held, 1, soon()).await,
             Err(RelayEnd::OverBudget)
         );
         let mut body = Box::pin(client_body(rx).into_data_stream());
         assert_eq!(body.next().await.unwrap().unwrap().len(), GRAIN);
         assert_eq!(bodies.in_use(), GRAIN, "the event taken left the budget");
-        send_held(&tx, &bodies, event(), wait).await.unwrap();
+        make_room(&tx, &bodies, &mut held, 1, soon()).await.unwrap();
+        let waiting = make_room(&tx, &bodies, &mut held, 2 * GRAIN, soon());
         drop(body);
-        assert_eq!(bodies.in_use(), 0, "a client gone frees what waited for it");
         assert_eq!(
-            send_held(&tx, &bodies, event(), wait).await,
-            Err(RelayEnd::ClientGone)
+            waiting.await,
+            Err(RelayEnd::ClientGone),
+            "a client gone ends the wait"
         );
+        assert_eq!(
+            bodies.in_use(),
+            GRAIN,
+            "what waited for the client went with it"
+        );
+        drop(held);
+        assert_eq!(bodies.in_use(), 0);
     }
 
     /// The worker's message is found in every shape engines answer errors in.
