@@ -269,7 +269,13 @@ mod tests {
         tokio::time::sleep(second / 2).await;
         drop(first);
         assert_eq!(waiting.await.unwrap(), Some(GRAIN));
+        let before = tokio::time::Instant::now();
         assert!(budget.reserve(3 * GRAIN, second).await.is_none());
+        assert_eq!(
+            before,
+            tokio::time::Instant::now(),
+            "refused without waiting"
+        );
         assert_eq!(budget.reserve(0, second).await.unwrap().bytes(), 0);
         assert_eq!(budget.in_use(), 0);
         // A large reservation waiting does not hold up a small one that fits now.

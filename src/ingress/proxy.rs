@@ -18,7 +18,7 @@ use super::openai::{ApiError, Fault};
 use super::{InFlight, Router};
 use crate::discovery::{WorkerApi, WorkerInfo};
 use crate::events::load::LoadShare;
-use crate::http::budget::{BodyBudget, Reservation, collect_within};
+use crate::http::budget::{BodyBudget, GRAIN, Reservation, collect_within};
 use crate::http::{Body, BodyError};
 use crate::protocol::{SeqHash, WorkerId};
 use crate::scheduler::mismatch::MismatchAlarm;
@@ -830,7 +830,7 @@ impl Relay {
         // The first token is due by then, `first_frame` after the headers (the relay starts
         // once they came; a prompt's media was fetched before them), whatever arrives before
         // it: keep-alive comments from a proxy in front of the worker do not push it back.
-        let first_by = Instant::now() + self.first_frame;
+        let mut first_by = Instant::now() + self.first_frame;
         // `[DONE]` was relayed: the answer is whole, only the body's end is awaited, until
         // then at the latest (a worker or a proxy that keeps sending after it does not hold
         // the stream, its booking and its slot).
@@ -894,14 +894,19 @@ impl Relay {
             // The bytes read count against the budget before they are kept: the relay waits
             // for room (a slow client's events still to be taken, other streams' and bodies')
             // within the idle timeout, for the event and its send together.
+            // The wait is the router's: the worker's deadlines move by it.
             let deadline = Instant::now() + self.idle;
+            let room_from = Instant::now();
             let bytes = self.events.held() + data.len();
             if let Err(end) =
                 make_room(&self.tx, &self.bodies, &mut self.held, bytes, deadline).await
             {
                 return end;
             }
-            let data = match self.events.push(data) {
+            let pushed = self.events.push(data);
+            let waited = room_from.elapsed();
+            (quiet_from, first_by) = (quiet_from + waited, first_by + waited);
+            let data = match pushed {
                 Ok(Some(events)) => events,
                 Ok(None) => continue,
                 Err(len) => {
@@ -929,6 +934,17 @@ impl Relay {
             if holds_done(&data) {
                 done_by = Some(Instant::now() + self.idle.min(DONE_GRACE));
             }
+            // Each send takes at least its own bytes' share, rounded up to grains (what the
+            // held-back rest leaves of the rounded whole can be less), and the rest keeps its.
+            let room_from = Instant::now();
+            let bytes = data.len().next_multiple_of(GRAIN) + self.events.held();
+            if let Err(end) =
+                make_room(&self.tx, &self.bodies, &mut self.held, bytes, deadline).await
+            {
+                return end;
+            }
+            let waited = room_from.elapsed();
+            (quiet_from, first_by) = (quiet_from + waited, first_by + waited);
             let share = self.held.split_off(self.events.held());
             if let Err(end) = send_event(&self.tx, data, share, deadline).await {
                 return end;
@@ -1020,65 +1036,94 @@ pub fn event_end(b: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::http::budget::GRAIN;
 
-    /// What a stream relays counts against the bodies' budget from when it is read until
-    /// the client's connection takes it: a client that stops reading makes the relay wait
-    /// for room, and end (over budget) past its deadline, instead of the router holding
-    /// more; what the client takes frees its share, and a client that leaves ends the wait
-    /// at once.
+    /// The steps `Relay::pump` takes for the bytes it reads (room for what is read, room for
+    /// the whole events' own shares, the split, the send) leave every event sent with at
+    /// least its own bytes' share of the bodies' budget, even where a read ends inside an
+    /// event, and the held-back rest with its own; the share goes when the client takes
+    /// the event, and a client that stops reading makes the relay wait for room and end
+    /// over budget past its deadline.
     #[tokio::test(start_paused = true)]
     async fn relayed_events_hold_their_share_until_the_client_takes_them() {
         use futures_util::StreamExt;
-        let bodies = BodyBudget::new(2 * GRAIN);
+        let bodies = BodyBudget::new(3 * GRAIN);
         let soon = || Instant::now() + Duration::from_secs(1);
         let (tx, rx) = mpsc::channel::<Held>(CLIENT_EVENTS);
         let mut held = Reservation::default();
-        // Half an event held back, then its end and a whole second one in one read.
-        make_room(&tx, &bodies, &mut held, GRAIN / 2, soon())
-            .await
-            .unwrap();
-        assert_eq!(bodies.in_use(), GRAIN);
-        make_room(&tx, &bodies, &mut held, 2 * GRAIN, soon())
-            .await
-            .unwrap();
-        assert_eq!(bodies.in_use(), 2 * GRAIN);
-        let first = held.split_off(GRAIN / 2);
-        assert_eq!((first.bytes(), held.bytes()), (GRAIN, GRAIN));
-        send_event(&tx, Bytes::from(vec![b'x'; GRAIN]), first, soon())
-            .await
-            .unwrap();
-        let rest = held.split_off(0);
-        send_event(&tx, Bytes::from(vec![b'y'; GRAIN]), rest, soon())
-            .await
-            .unwrap();
-        assert_eq!(
-            (held.bytes(), bodies.in_use()),
-            (0, 2 * GRAIN),
-            "passed on, not freed"
-        );
-        assert_eq!(
-            make_room(&tx, &bodies, &mut held, 1, soon()).await,
-            Err(RelayEnd::OverBudget)
-        );
-        let mut body = Box::pin(client_body(rx).into_data_stream());
-        assert_eq!(body.next().await.unwrap().unwrap().len(), GRAIN);
-        assert_eq!(bodies.in_use(), GRAIN, "the event taken left the budget");
-        make_room(&tx, &bodies, &mut held, 1, soon()).await.unwrap();
-        let waiting = make_room(&tx, &bodies, &mut held, 2 * GRAIN, soon());
-        drop(body);
-        assert_eq!(
-            waiting.await,
-            Err(RelayEnd::ClientGone),
-            "a client gone ends the wait"
-        );
+        let mut events = SseEvents::default();
+        // Reads of 300 bytes that end in the middle of 300-byte events: 150 held back.
+        let event = |c: u8| {
+            let mut e = vec![c; 298];
+            e.extend_from_slice(b"\n\n");
+            Bytes::from(e)
+        };
+        let a = event(b'a');
+        let b = event(b'b');
+        let reads = [a.slice(..150), Bytes::from([&a[150..], &b[..150]].concat())];
+        for read in reads {
+            make_room(&tx, &bodies, &mut held, events.held() + read.len(), soon())
+                .await
+                .unwrap();
+            let Some(whole) = events.push(read).unwrap() else {
+                assert_eq!(held.bytes(), GRAIN);
+                continue;
+            };
+            let bytes = whole.len().next_multiple_of(GRAIN) + events.held();
+            make_room(&tx, &bodies, &mut held, bytes, soon())
+                .await
+                .unwrap();
+            let share = held.split_off(events.held());
+            assert_eq!(
+                (share.bytes(), held.bytes()),
+                (GRAIN, GRAIN),
+                "the event and the rest"
+            );
+            send_event(&tx, whole, share, soon()).await.unwrap();
+        }
         assert_eq!(
             bodies.in_use(),
-            GRAIN,
-            "what waited for the client went with it"
+            2 * GRAIN,
+            "one event on its way, half of one held back"
         );
-        drop(held);
+        // A client that reads nothing: one more grain, then no room.
+        let mut more = Reservation::default();
+        make_room(&tx, &bodies, &mut more, 1, soon()).await.unwrap();
+        assert_eq!(
+            make_room(&tx, &bodies, &mut held, 2 * GRAIN, soon()).await,
+            Err(RelayEnd::OverBudget)
+        );
+        assert_eq!(held.bytes(), GRAIN, "a failed wait leaves what was held");
+        let mut body = Box::pin(client_body(rx).into_data_stream());
+        assert_eq!(body.next().await.unwrap().unwrap(), a);
+        assert_eq!(
+            bodies.in_use(),
+            2 * GRAIN,
+            "the event taken left the budget"
+        );
+        drop((body, held, more));
         assert_eq!(bodies.in_use(), 0);
+    }
+
+    /// A client that leaves while its relay waits for room ends the wait at once, not at
+    /// the wait's deadline (an over-budget end).
+    #[tokio::test(start_paused = true)]
+    async fn a_client_leaving_ends_the_wait_for_room() {
+        let bodies = BodyBudget::new(GRAIN);
+        let hog = bodies.reserve(GRAIN, Duration::ZERO).await.unwrap();
+        let (tx, rx) = mpsc::channel::<Held>(CLIENT_EVENTS);
+        let waiting = tokio::spawn({
+            let bodies = bodies.clone();
+            async move {
+                let mut held = Reservation::default();
+                let deadline = Instant::now() + Duration::from_secs(30);
+                make_room(&tx, &bodies, &mut held, 1, deadline).await
+            }
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(!waiting.is_finished(), "no room yet");
+        drop(rx);
+        assert_eq!(waiting.await.unwrap(), Err(RelayEnd::ClientGone));
+        drop(hog);
     }
 
     /// The worker's message is found in every shape engines answer errors in.
