@@ -4,6 +4,7 @@
 //! models and metrics; and, on their own listener, the admin views.
 
 pub mod admission;
+mod batch;
 pub mod openai;
 pub mod proxy;
 pub mod tokenizer;
@@ -946,6 +947,7 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
                 .encode(&t, r.add_special_tokens.unwrap_or(true))
                 .map_err(|e| ApiError::bad_request(e.to_string()))?,
             Prompt::Tokens(t) => t,
+            Prompt::Batch(n) => return Err(ApiError::prompt_batch(n)),
         };
         Parsed {
             media: false,
@@ -1135,16 +1137,34 @@ async fn completions(
 ) -> Result<Response<Body>, ApiError> {
     let api_key = bearer_key(req.headers(), &router.api_keys());
     let headers = req.headers().clone();
+    let (body, held) = read_body(router, req).await?;
+    match complete(router, &headers, api_key, body.clone(), held, chat).await {
+        // A completions prompt list: one request per prompt, answers merged.
+        Err(e) if e.code == Some(openai::PROMPT_BATCH) && !chat => {
+            batch::complete_batch(router, &headers, api_key, &body).await
+        }
+        answer => answer,
+    }
+}
+
+/// Answers one request whose body is read.
+async fn complete(
+    router: &Arc<Router>,
+    headers: &hyper::HeaderMap,
+    api_key: Option<usize>,
+    body: Bytes,
+    held: Reservation,
+    chat: bool,
+) -> Result<Response<Body>, ApiError> {
     // The slot is taken once the body is in: a client uploading slowly holds a connection
     // and its body's share of the memory budget, not one of the requests the router
     // processes at once (4,096 slow uploads would otherwise turn everyone away).
-    let (body, held) = read_body(router, req).await?;
     let mut inflight = Some(InFlight::take(router)?);
     let prepared = Prepared::parse(router, body, held, chat).await?;
     let p = &prepared.parsed;
     let mut class = Class::read(
         &router.config.headers,
-        &headers,
+        headers,
         api_key,
         p.priority,
         p.service_tier.as_deref(),

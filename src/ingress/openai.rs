@@ -4,15 +4,17 @@
 use serde::Deserialize;
 
 /// A prompt: text, or token ids used as they are. vLLM also takes a list of either; a list
-/// of one is that prompt, a longer one (a batch) is refused with a clear error: its prompts
-/// would share one worker and one booking.
+/// of one is that prompt, a longer one is a batch, which the router splits into one request
+/// per prompt ([`split_batch`]), each routed on its own.
 #[derive(Debug, Deserialize)]
-#[serde(try_from = "PromptForms")]
+#[serde(from = "PromptForms")]
 pub enum Prompt {
     /// Text, tokenized by the router.
     Text(String),
     /// Token ids.
     Tokens(Vec<u32>),
+    /// A list of this many prompts (the body is split before it is parsed as one request).
+    Batch(usize),
 }
 
 /// The forms `prompt` takes in OpenAI's and vLLM's completions API.
@@ -25,26 +27,64 @@ enum PromptForms {
     TokenLists(Vec<Vec<u32>>),
 }
 
-impl TryFrom<PromptForms> for Prompt {
-    type Error = String;
-
-    fn try_from(forms: PromptForms) -> Result<Prompt, String> {
-        let batch = |n: usize| {
-            format!(
-                "a prompt list of {n} prompts: send one prompt per request (batches are not routed)"
-            )
-        };
+impl From<PromptForms> for Prompt {
+    /// `[]` reads as no tokens (the first form that fits), refused as an empty prompt.
+    fn from(forms: PromptForms) -> Prompt {
         match forms {
-            PromptForms::Text(text) => Ok(Prompt::Text(text)),
-            PromptForms::Tokens(tokens) => Ok(Prompt::Tokens(tokens)),
-            PromptForms::Texts(mut texts) if texts.len() == 1 => Ok(Prompt::Text(texts.remove(0))),
+            PromptForms::Text(text) => Prompt::Text(text),
+            PromptForms::Tokens(tokens) => Prompt::Tokens(tokens),
+            PromptForms::Texts(mut texts) if texts.len() == 1 => Prompt::Text(texts.remove(0)),
             PromptForms::TokenLists(mut lists) if lists.len() == 1 => {
-                Ok(Prompt::Tokens(lists.remove(0)))
+                Prompt::Tokens(lists.remove(0))
             }
-            PromptForms::Texts(texts) => Err(batch(texts.len())),
-            PromptForms::TokenLists(lists) => Err(batch(lists.len())),
+            PromptForms::Texts(texts) => Prompt::Batch(texts.len()),
+            PromptForms::TokenLists(lists) => Prompt::Batch(lists.len()),
         }
     }
+}
+
+/// The code of [`ApiError::prompt_batch`]: the completions handler splits the body then.
+pub const PROMPT_BATCH: &str = "prompt_batch";
+
+/// Most prompts one completions request may list (each becomes a request of its own).
+pub const MAX_BATCH: usize = 1024;
+
+/// A completions body whose `prompt` lists several prompts, split into one body per prompt
+/// (the same request with `prompt` set to that one), in order; `None` if its `prompt` is a
+/// single one. The caller merges the answers ([`crate::ingress::batch`]).
+pub fn split_batch(body: &[u8]) -> Result<Option<Vec<bytes::Bytes>>, ApiError> {
+    let invalid =
+        |e: serde_json::Error| ApiError::bad_request(format!("invalid request body: {e}"));
+    let mut request: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(body).map_err(invalid)?;
+    // A list of texts or of token lists; a list of numbers is one prompt's tokens, and a
+    // mixed list is left to the request's parse to refuse.
+    let prompts = match request.get_mut("prompt") {
+        Some(serde_json::Value::Array(list))
+            if list.len() > 1
+                && (list.iter().all(serde_json::Value::is_string)
+                    || list.iter().all(serde_json::Value::is_array)) =>
+        {
+            std::mem::take(list)
+        }
+        _ => return Ok(None),
+    };
+    if prompts.len() > MAX_BATCH {
+        return Err(ApiError::bad_request(format!(
+            "a prompt list of {} prompts: at most {MAX_BATCH}",
+            prompts.len()
+        )));
+    }
+    prompts
+        .into_iter()
+        .map(|prompt| {
+            request.insert("prompt".into(), prompt);
+            serde_json::to_vec(&request)
+                .map(bytes::Bytes::from)
+                .map_err(invalid)
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
 }
 
 /// `POST /v1/completions`. Fields clients may send as `null` read as absent, as vLLM's
@@ -557,6 +597,17 @@ impl ApiError {
             fault,
             retryable: matches!(status, 429 | 503 | 504),
             retry_after_s: 1,
+        }
+    }
+
+    /// 400: a completions `prompt` lists several prompts, where one request is parsed (the
+    /// router splits such a body before: [`split_batch`]).
+    pub fn prompt_batch(prompts: usize) -> Self {
+        ApiError {
+            code: Some(PROMPT_BATCH),
+            ..ApiError::bad_request(format!(
+                "a prompt list of {prompts} prompts, where one prompt was expected"
+            ))
         }
     }
 

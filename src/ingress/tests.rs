@@ -151,7 +151,8 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
             .get("max_tokens")
             .is_none()
     );
-    // A list of one prompt is that prompt, text or tokens; a batch is a clear 400.
+    // A list of one prompt is that prompt, text or tokens; a longer one is a batch, which
+    // the completions handler splits before (`batch`): parsed as one request, it says so.
     for one in [
         &br#"{"model":"m","prompt":["hi"]}"#[..],
         br#"{"model":"m","prompt":[[104,105]]}"#,
@@ -159,10 +160,15 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
         assert_eq!(parse(&t, one, false).unwrap().tokens, vec![104, 105]);
     }
     let batch = parse(&t, br#"{"model":"m","prompt":["a","b"]}"#, false).unwrap_err();
+    assert_eq!(
+        (batch.status, batch.code),
+        (400, Some(openai::PROMPT_BATCH))
+    );
+    let empty = parse(&t, br#"{"model":"m","prompt":[]}"#, false).unwrap_err();
     assert!(
-        batch.message.contains("one prompt per request"),
+        empty.message.contains("must not be empty"),
         "{}",
-        batch.message
+        empty.message
     );
     // vLLM's cache_salt is kept for hashing; an empty one is refused as vLLM refuses it.
     let salted = parse(

@@ -393,6 +393,65 @@ async fn worker_errors_decide_retries_and_release_bookings_everywhere() {
     );
 }
 
+/// A completions prompt list is split into one request per prompt, routed on its own (the
+/// fleet's workers share the batch), and answered as vLLM answers a batch: prompt i's
+/// choice at index i, the usage summed; streamed, every prompt's chunks, one usage chunk
+/// and one `[DONE]`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_list_is_routed_prompt_by_prompt_and_answered_as_one() {
+    let f = Fleet::start(spec(2, 50.0)).await.unwrap();
+    let url = format!("{}/v1/completions", f.url());
+    let prompts: Vec<String> = (0..4)
+        .map(|g| format!("{} Question {g}.", prompt(g)))
+        .collect();
+    let body = |stream: bool| {
+        serde_json::json!({"model": MODEL, "prompt": prompts, "max_tokens": 3, "stream": stream,
+                           "stream_options": if stream { serde_json::json!({"include_usage": true}) } else { serde_json::Value::Null }})
+        .to_string()
+    };
+    let r = f.http.call("POST", &url, body(false)).await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    let answer: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    let indices: Vec<u64> = answer["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(indices, [0, 1, 2, 3], "{}", r.body);
+    assert_eq!(answer["usage"]["completion_tokens"], 12, "{}", r.body);
+    let r = f.http.call("POST", &url, body(true)).await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    let mut seen = std::collections::BTreeSet::new();
+    let mut usage = Vec::new();
+    for data in r.body.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if data == "[DONE]" {
+            continue;
+        }
+        let chunk: serde_json::Value = serde_json::from_str(data).unwrap();
+        for c in chunk["choices"].as_array().unwrap() {
+            seen.insert(c["index"].as_u64().unwrap());
+        }
+        if chunk["choices"].as_array().unwrap().is_empty() {
+            usage.push(chunk["usage"].clone());
+        }
+    }
+    assert_eq!(
+        seen.into_iter().collect::<Vec<_>>(),
+        [0, 1, 2, 3],
+        "{}",
+        r.body
+    );
+    assert_eq!(r.body.matches("[DONE]").count(), 1, "{}", r.body);
+    assert!(r.body.trim_end().ends_with("data: [DONE]"), "{}", r.body);
+    assert_eq!(usage.len(), 1, "{}", r.body);
+    assert_eq!(usage[0]["completion_tokens"], 12, "{}", r.body);
+    let freed = f
+        .until(Duration::from_secs(10), || all_bookings_closed(&f))
+        .await;
+    assert!(freed, "bookings left after a batch");
+}
+
 /// A non-streamed request has one answer deadline however many workers it is tried on:
 /// every worker answers 503 only after 2.5 s of the 4 s, so the retry gets the 1.5 s left
 /// and the client is told its answer did not come in time (504), where each retry got a

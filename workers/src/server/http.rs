@@ -277,6 +277,11 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                         }
                     }
                     Prompt::Tokens(t) => t,
+                    Prompt::Batch(n) => {
+                        return bad_request(&format!(
+                            "a prompt list of {n} prompts: this engine takes one prompt per request"
+                        ));
+                    }
                 };
                 (
                     r.model,
