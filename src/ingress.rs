@@ -1141,7 +1141,7 @@ async fn completions(
     match complete(router, &headers, api_key, body.clone(), held, chat).await {
         // A completions prompt list: one request per prompt, answers merged.
         Err(e) if e.code == Some(openai::PROMPT_BATCH) && !chat => {
-            batch::complete_batch(router, &headers, api_key, &body).await
+            batch::complete_batch(router, &headers, api_key, body).await
         }
         answer => answer,
     }

@@ -13,7 +13,8 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use futures_util::{StreamExt, TryStreamExt};
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Frame;
 use hyper::{HeaderMap, Response, StatusCode, header};
@@ -24,14 +25,22 @@ use super::{Router, complete};
 use crate::http::Body;
 use crate::http::budget::Reservation;
 
+/// Prompts of one batch in flight at once: a thousand prompts do not take a thousand of
+/// the router's in-flight slots (`max_inflight`) together; the next starts as one ends.
+const BATCH_CONCURRENCY: usize = 32;
+
 /// Answers a completions request whose `body` lists several prompts.
 pub(super) async fn complete_batch(
     router: &Arc<Router>,
     headers: &HeaderMap,
     api_key: Option<usize>,
-    body: &[u8],
+    body: Bytes,
 ) -> Result<Response<Body>, ApiError> {
-    let Some(parts) = openai::split_batch(body)? else {
+    let limit = router.config.max_body_bytes;
+    let Some(parts) = router
+        .off_runtime(move || openai::split_batch(&body, limit))
+        .await??
+    else {
         return Err(ApiError::bad_request("expected a prompt list"));
     };
     let first: openai::CompletionRequest = serde_json::from_slice(&parts[0])
@@ -39,42 +48,183 @@ pub(super) async fn complete_batch(
     let n = first.n.unwrap_or(1).max(1);
     let stream = first.stream.unwrap_or(false);
     let include_usage = openai::include_usage(first.stream_options);
-    let answers = futures_util::future::try_join_all(parts.into_iter().map(|part| async move {
-        // Each part is a body the router holds, as the one it was split from was.
-        let mut held = Reservation::default();
-        if !router.bodies.cover(&mut held, part.len()) {
-            return Err(ApiError::bodies_over_budget(router.bodies.bytes()));
+    let count = parts.len();
+    let (shared_router, shared_headers) = (Arc::clone(router), headers.clone());
+    let part = move |(i, part): (usize, Bytes)| {
+        let router = Arc::clone(&shared_router);
+        let headers = shared_headers.clone();
+        async move {
+            // Each part is a body the router holds, as the one it was split from was.
+            let mut held = Reservation::default();
+            if !router.bodies.cover(&mut held, part.len()) {
+                return (i, Err(ApiError::bodies_over_budget(router.bodies.bytes())));
+            }
+            (
+                i,
+                complete(&router, &headers, api_key, part, held, false).await,
+            )
         }
-        complete(router, headers, api_key, part, held, false).await
-    }))
-    .await?;
-    let mut response = Response::builder().status(StatusCode::OK);
-    if let Some(first) = answers.first() {
-        for (name, value) in first.headers() {
-            if name != header::CONTENT_LENGTH {
-                response = response.header(name, value);
+    };
+    let mut parts = parts.into_iter().enumerate().map(part);
+    if !stream {
+        let answers: Vec<Response<Body>> = futures_util::stream::iter(parts)
+            .buffered(BATCH_CONCURRENCY)
+            .map(|(_, answer)| answer)
+            .try_collect()
+            .await?;
+        return merge_whole(router, answers, n).await;
+    }
+    let mut running: FuturesUnordered<_> = parts.by_ref().take(BATCH_CONCURRENCY).collect();
+    // The answer starts with the first part that answers; one that fails before any has
+    // fails the request with its status. Later failures are error events in the stream.
+    let Some((i, answer)) = running.next().await else {
+        return Err(ApiError::bad_request("expected a prompt list"));
+    };
+    let answer = answer?;
+    let response = answer_headers(&answer);
+    let mut merge = Merge::new(n, include_usage, count);
+    let mut streams = futures_util::stream::SelectAll::new();
+    streams.push(part_stream(i, answer));
+    // A task merges (the parts' streams are not `Sync`, a response body must be); the
+    // client leaving ends it, which drops the parts and cancels them on their workers.
+    // Each part's relay holds its own events' share of the bodies' budget.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(1);
+    tokio::spawn(async move {
+        loop {
+            if running.is_empty() && streams.is_empty() {
+                let _ = tx.send(merge.tail()).await;
+                return;
+            }
+            let out = tokio::select! {
+                biased;
+                () = tx.closed() => return,
+                // (`None`s, once their sets are empty, go round to the check above: a
+                // branch whose pattern failed would not be polled again.)
+                started = running.next(), if !running.is_empty() => match started {
+                    Some((i, Ok(answer))) => {
+                        streams.push(part_stream(i, answer));
+                        continue;
+                    }
+                    Some((_, Err(e))) => {
+                        let _ = tx.send(error_event(&e)).await;
+                        return;
+                    }
+                    None => continue,
+                },
+                next = streams.next(), if !streams.is_empty() => match next {
+                    None => continue,
+                    Some((i, Some(Ok(data)))) => merge.rewrite(i, &data),
+                    Some((_, Some(Err(never)))) => match never {},
+                    // Part `i` ended: without its `[DONE]` it was cut short; else the next
+                    // waiting part starts.
+                    Some((i, None)) if !merge.done[i] => {
+                        let e = ApiError::unavailable(format!(
+                            "prompt {i}'s stream ended before its [DONE]"
+                        ));
+                        let _ = tx.send(error_event(&e)).await;
+                        return;
+                    }
+                    Some((_, None)) => {
+                        running.extend(parts.next());
+                        continue;
+                    }
+                },
+            };
+            if !out.is_empty() && tx.send(out).await.is_err() {
+                return;
+            }
+            if merge.failed {
+                // A prompt failed mid-stream (its error went out): the batch ends, as
+                // vLLM ends it, and the other prompts are dropped.
+                let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+                return;
             }
         }
-    }
-    let bodies: Vec<Body> = answers.into_iter().map(|a| a.into_body()).collect();
-    let body = if stream {
-        merge_streams(bodies, n, include_usage)
-    } else {
-        let mut values = Vec::with_capacity(bodies.len());
-        for body in bodies {
-            let bytes = body
-                .collect()
-                .await
-                .unwrap_or_else(|never| match never {})
-                .to_bytes();
-            values.push(serde_json::from_slice::<Value>(&bytes).map_err(|e| {
-                ApiError::bad_gateway(format!("a prompt's answer is not JSON: {e}"))
-            })?);
-        }
-        Full::new(Bytes::from(merge_answers(values, n).to_string())).boxed()
-    };
+    });
+    let body = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|bytes| (Ok::<_, Infallible>(Frame::data(bytes)), rx))
+    });
     Ok(response
-        .body(body)
+        .body(BodyExt::boxed(StreamBody::new(body)))
+        .expect("invariant: the part's headers were valid"))
+}
+
+/// A part's stream of data, tagged with its prompt, ending with `None` (its end).
+fn part_stream(
+    prompt: usize,
+    answer: Response<Body>,
+) -> futures_util::stream::BoxStream<'static, (usize, Option<Result<Bytes, Infallible>>)> {
+    answer
+        .into_body()
+        .into_data_stream()
+        .map(Some)
+        .chain(futures_util::stream::once(async { None }))
+        .map(move |data| (prompt, data))
+        .boxed()
+}
+
+/// The batch's response headers: a part's, less its length and the routing headers, which
+/// describe that part's worker alone.
+fn answer_headers(answer: &Response<Body>) -> hyper::http::response::Builder {
+    let mut response = Response::builder().status(StatusCode::OK);
+    for (name, value) in answer.headers() {
+        if name != header::CONTENT_LENGTH && !name.as_str().starts_with("x-kvroute-") {
+            response = response.header(name, value);
+        }
+    }
+    response
+}
+
+/// An error event and the end of the stream.
+fn error_event(e: &ApiError) -> Bytes {
+    Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", e.body()))
+}
+
+/// The whole answers of a non-streamed batch merged, held against the bodies' budget while
+/// the client is sent it.
+async fn merge_whole(
+    router: &Router,
+    answers: Vec<Response<Body>>,
+    n: u32,
+) -> Result<Response<Body>, ApiError> {
+    let over = || ApiError::bodies_over_budget(router.bodies.bytes());
+    let response = answers.first().map(answer_headers);
+    let mut held = Reservation::default();
+    let mut values = Vec::with_capacity(answers.len());
+    let mut bytes_held = 0usize;
+    for answer in answers {
+        let bytes = answer
+            .into_body()
+            .collect()
+            .await
+            .unwrap_or_else(|never| match never {})
+            .to_bytes();
+        // Parsed, an answer takes about twice its bytes.
+        bytes_held = bytes_held.saturating_add(bytes.len().saturating_mul(2));
+        if !router.bodies.cover(&mut held, bytes_held) {
+            return Err(over());
+        }
+        values.push(
+            serde_json::from_slice::<Value>(&bytes).map_err(|e| {
+                ApiError::bad_gateway(format!("a prompt's answer is not JSON: {e}"))
+            })?,
+        );
+    }
+    let merged = Bytes::from(merge_answers(values, n).to_string());
+    let mut held_merged = Reservation::default();
+    if !router.bodies.cover(&mut held_merged, merged.len()) {
+        return Err(over());
+    }
+    drop(held);
+    let body = Full::new(merged).map_frame(move |frame| {
+        let _held = &held_merged;
+        frame
+    });
+    Ok(response
+        .unwrap_or_else(|| Response::builder().status(StatusCode::OK))
+        .body(BodyExt::boxed(body))
         .expect("invariant: the parts' headers were valid"))
 }
 
@@ -106,12 +256,16 @@ fn merge_answers(answers: Vec<Value>, n: u32) -> Value {
 fn renumbered(mut choice: Value, prompt: usize, n: u32) -> Value {
     if let Some(index) = choice.get_mut("index") {
         let own = index.as_u64().unwrap_or(0);
-        *index = Value::from(prompt as u64 * u64::from(n) + own);
+        *index = Value::from(
+            (prompt as u64)
+                .saturating_mul(u64::from(n))
+                .saturating_add(own),
+        );
     }
     choice
 }
 
-/// Token counts summed over the prompts.
+/// Token counts summed over the prompts (saturating: the numbers come from workers).
 #[derive(Debug, Default)]
 struct Usage {
     prompt_tokens: u64,
@@ -125,14 +279,19 @@ impl Usage {
             return;
         };
         let count = |v: Option<&Value>| v.and_then(Value::as_u64).unwrap_or(0);
-        self.prompt_tokens += count(usage.get("prompt_tokens"));
-        self.completion_tokens += count(usage.get("completion_tokens"));
+        self.prompt_tokens = self
+            .prompt_tokens
+            .saturating_add(count(usage.get("prompt_tokens")));
+        self.completion_tokens = self
+            .completion_tokens
+            .saturating_add(count(usage.get("completion_tokens")));
         if let Some(cached) = usage
             .get("prompt_tokens_details")
             .and_then(|d| d.get("cached_tokens"))
             .and_then(Value::as_u64)
         {
-            *self.cached_tokens.get_or_insert(0) += cached;
+            let sum = self.cached_tokens.get_or_insert(0);
+            *sum = sum.saturating_add(cached);
         }
     }
 
@@ -141,7 +300,9 @@ impl Usage {
         usage.insert("prompt_tokens".into(), self.prompt_tokens.into());
         usage.insert(
             "total_tokens".into(),
-            (self.prompt_tokens + self.completion_tokens).into(),
+            self.prompt_tokens
+                .saturating_add(self.completion_tokens)
+                .into(),
         );
         usage.insert("completion_tokens".into(), self.completion_tokens.into());
         if let Some(cached) = self.cached_tokens {
@@ -154,81 +315,68 @@ impl Usage {
     }
 }
 
-/// The prompts' streams as one: their events as they come, choices renumbered; their
-/// `[DONE]`s and usage chunks held back, and at the end one usage chunk with the sums (if
-/// asked for) and one `[DONE]`.
-fn merge_streams(parts: Vec<Body>, n: u32, include_usage: bool) -> Body {
-    let streams = parts
-        .into_iter()
-        .enumerate()
-        .map(|(i, body)| body.into_data_stream().map(move |data| (i, data)).boxed());
-    let merge = Merge {
-        n,
-        include_usage,
-        usage: Usage::default(),
-        usage_chunk: None,
-    };
-    let mut all = futures_util::stream::select_all(streams);
-    // A task merges (the parts' streams are not `Sync`, a response body must be); the
-    // client leaving ends it, which drops the parts and cancels them on their workers.
-    // Each part's relay already holds its events' share of the bodies' budget.
-    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(1);
-    tokio::spawn(async move {
-        let mut merge = merge;
-        loop {
-            let next = tokio::select! {
-                biased;
-                () = tx.closed() => return,
-                next = all.next() => next,
-            };
-            let out = match next {
-                Some((i, Ok(data))) => merge.rewrite(i, &data),
-                Some((_, Err(never))) => match never {},
-                None => {
-                    let _ = tx.send(merge.tail()).await;
-                    return;
-                }
-            };
-            if !out.is_empty() && tx.send(out).await.is_err() {
-                return;
-            }
-        }
-    });
-    let body = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|bytes| (Ok::<_, Infallible>(Frame::data(bytes)), rx))
-    });
-    BodyExt::boxed(StreamBody::new(body))
-}
-
 /// What merging the prompts' streams keeps.
 struct Merge {
     n: u32,
     include_usage: bool,
     usage: Usage,
-    /// The first usage chunk seen, the sums' template.
-    usage_chunk: Option<Map<String, Value>>,
+    /// The first chunk's `id`, `object`, `created` and `model`: every chunk of the batch
+    /// carries them (one answer, as vLLM's), and so does the usage chunk at the end.
+    head: Option<Map<String, Value>>,
+    /// Which prompts' streams sent their `[DONE]`.
+    done: Vec<bool>,
+    /// A prompt sent an error: the batch ends after it.
+    failed: bool,
 }
 
 impl Merge {
+    fn new(n: u32, include_usage: bool, prompts: usize) -> Merge {
+        Merge {
+            n,
+            include_usage,
+            usage: Usage::default(),
+            head: None,
+            done: vec![false; prompts],
+            failed: false,
+        }
+    }
+
     /// Prompt `prompt`'s whole server-sent events (each relay sends whole events) with
-    /// their choices renumbered, less `[DONE]` and usage chunks.
+    /// their choices renumbered and the batch's id, less `[DONE]` and usage chunks; an
+    /// error passes as it came, and ends the batch.
     fn rewrite(&mut self, prompt: usize, data: &[u8]) -> Bytes {
         let mut out = Vec::with_capacity(data.len() + 16);
         for event in events(data) {
             let payload = event_data(event);
             match payload.as_deref().map(str::trim) {
-                Some("[DONE]") => continue,
+                Some("[DONE]") => {
+                    if let Some(done) = self.done.get_mut(prompt) {
+                        *done = true;
+                    }
+                }
                 Some(json) => match serde_json::from_str::<Value>(json) {
+                    Ok(Value::Object(chunk)) if chunk.contains_key("error") => {
+                        self.failed = true;
+                        out.extend_from_slice(event);
+                        out.extend_from_slice(b"\n\n");
+                        break;
+                    }
                     Ok(Value::Object(mut chunk)) => {
+                        let head = self.head.get_or_insert_with(|| {
+                            ["id", "object", "created", "model"]
+                                .into_iter()
+                                .filter_map(|k| Some((k.to_owned(), chunk.get(k)?.clone())))
+                                .collect()
+                        });
+                        for (k, v) in head.iter() {
+                            chunk.insert(k.clone(), v.clone());
+                        }
                         let usage_only = chunk
                             .get("choices")
                             .is_some_and(|c| c.as_array().is_some_and(Vec::is_empty))
                             && chunk.get("usage").is_some_and(Value::is_object);
                         if usage_only {
                             self.usage.add(chunk.get("usage"));
-                            self.usage_chunk.get_or_insert(chunk);
                             continue;
                         }
                         if let Some(Value::Array(choices)) = chunk.get_mut("choices") {
@@ -240,7 +388,7 @@ impl Merge {
                         out.extend_from_slice(Value::Object(chunk).to_string().as_bytes());
                         out.extend_from_slice(b"\n\n");
                     }
-                    // Not a chunk (an error's text, say): as it came.
+                    // Not a chunk: as it came.
                     _ => {
                         out.extend_from_slice(event);
                         out.extend_from_slice(b"\n\n");
@@ -260,7 +408,7 @@ impl Merge {
     fn tail(&mut self) -> Bytes {
         let mut out = Vec::new();
         if self.include_usage {
-            let mut chunk = self.usage_chunk.take().unwrap_or_default();
+            let mut chunk = self.head.clone().unwrap_or_default();
             chunk.insert("choices".into(), Value::Array(Vec::new()));
             chunk.insert("usage".into(), self.usage.to_json());
             out.extend_from_slice(b"data: ");
@@ -332,14 +480,17 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    const LIMIT: usize = 1 << 20;
+
     /// A body listing texts or token lists is split into one body per prompt, the other
-    /// fields kept; one prompt, a token list, a mixed list or too many prompts are not.
+    /// fields kept; one prompt, a token list, a mixed list, too many prompts or parts too
+    /// large together are not.
     #[test]
     fn batches_split_into_one_body_per_prompt() {
-        let parts =
-            openai::split_batch(br#"{"model":"m","prompt":["a","b","c"],"n":2,"max_tokens":5}"#)
-                .unwrap()
-                .unwrap();
+        let split = |body: &[u8]| openai::split_batch(body, LIMIT);
+        let parts = split(br#"{"model":"m","prompt":["a","b","c"],"n":2,"max_tokens":5}"#)
+            .unwrap()
+            .unwrap();
         let parts: Vec<Value> = parts
             .iter()
             .map(|p| serde_json::from_slice(p).unwrap())
@@ -351,13 +502,11 @@ mod tests {
                 &json!({"model":"m","prompt":prompt,"n":2,"max_tokens":5})
             );
         }
-        let tokens = openai::split_batch(br#"{"model":"m","prompt":[[1,2],[3]]}"#)
-            .unwrap()
-            .unwrap();
+        let tokens = split(br#"{"prompt":[[1,2],[3]]}"#).unwrap().unwrap();
         assert_eq!(tokens.len(), 2);
         assert_eq!(
-            serde_json::from_slice::<Value>(&tokens[1]).unwrap()["prompt"],
-            json!([3])
+            serde_json::from_slice::<Value>(&tokens[1]).unwrap(),
+            json!({"prompt": [3]})
         );
         for single in [
             &br#"{"model":"m","prompt":"a"}"#[..],
@@ -365,15 +514,24 @@ mod tests {
             br#"{"model":"m","prompt":[1,2,3]}"#,
             br#"{"model":"m","prompt":["a",[1]]}"#,
         ] {
-            assert_eq!(openai::split_batch(single).unwrap(), None);
+            assert_eq!(split(single).unwrap(), None);
         }
         let many = format!(
             r#"{{"model":"m","prompt":[{}]}}"#,
             vec![r#""x""#; openai::MAX_BATCH + 1].join(",")
         );
-        assert_eq!(
-            openai::split_batch(many.as_bytes()).unwrap_err().status,
-            400
+        assert_eq!(split(many.as_bytes()).unwrap_err().status, 400);
+        // 100 KiB of padding repeated in 16 parts passes a 1 MiB limit on what is repeated.
+        let padded = format!(
+            r#"{{"model":"m","pad":"{}","prompt":[{}]}}"#,
+            "p".repeat(100 << 10),
+            vec![r#""x""#; 16].join(",")
+        );
+        let refused = split(padded.as_bytes()).unwrap_err();
+        assert!(
+            refused.message.contains("pass the limit"),
+            "{}",
+            refused.message
         );
     }
 
@@ -405,52 +563,71 @@ mod tests {
             json!({"prompt_tokens": 8, "completion_tokens": 8, "total_tokens": 16,
                    "prompt_tokens_details": {"cached_tokens": 3}})
         );
+        // Numbers from workers that would overflow saturate.
+        let huge = json!({"choices": [{"index": u64::MAX}], "usage": {"prompt_tokens": u64::MAX}});
+        let merged = merge_answers(vec![huge.clone(), huge], 2);
+        assert_eq!(merged["choices"][1]["index"], u64::MAX);
+        assert_eq!(merged["usage"]["total_tokens"], u64::MAX);
     }
 
-    /// Streams merge as their chunks come, renumbered; the parts' `[DONE]`s and usage
-    /// chunks go, and the end carries one usage chunk with the sums and one `[DONE]`;
-    /// comments and errors pass as they came.
+    /// Streams merge as their chunks come, renumbered and with the batch's one id; the
+    /// parts' `[DONE]`s (noted) and usage chunks go, and the end carries one usage chunk
+    /// with the sums and one `[DONE]`; comments pass as they came; an error passes and
+    /// ends the batch.
     #[test]
-    fn streams_merge_with_one_usage_chunk_and_one_done() {
-        let mut merge = Merge {
-            n: 1,
-            include_usage: true,
-            usage: Usage::default(),
-            usage_chunk: None,
-        };
-        let chunk = |i: u64, text: &str| {
+    fn streams_merge_with_one_id_one_usage_chunk_and_one_done() {
+        let mut merge = Merge::new(1, true, 2);
+        let chunk = |id: &str, text: &str| {
             format!(
                 "data: {}\n\n",
-                json!({"id":"c","object":"text_completion","choices":[{"index":i,"text":text}]})
+                json!({"id":id,"object":"text_completion","model":"m","choices":[{"index":0,"text":text}]})
             )
         };
-        let usage = |p: u64| {
+        let usage = |id: &str, p: u64| {
             format!(
                 "data: {}\n\n",
-                json!({"id":"c","choices":[],"usage":{"prompt_tokens":p,"completion_tokens":2,"total_tokens":p+2}})
+                json!({"id":id,"choices":[],"usage":{"prompt_tokens":p,"completion_tokens":2,"total_tokens":p+2}})
             )
         };
-        let a = merge.rewrite(0, format!("{}: ping\r\n\r\n", chunk(0, "x")).as_bytes());
-        let b = merge.rewrite(
-            1,
-            format!("{}{}data: [DONE]\n\n", chunk(0, "y"), usage(7)).as_bytes(),
-        );
-        let c = merge.rewrite(0, format!("{}data: [DONE]\n\n", usage(3)).as_bytes());
-        let e = merge.rewrite(0, b"data: {\"error\": {\"message\": \"m\"}}\n\n");
-        let tail = merge.tail();
         let text = |b: &Bytes| String::from_utf8(b.to_vec()).unwrap();
-        assert!(text(&a).contains(r#""index":0"#) && text(&a).contains(": ping\n\n"));
-        assert!(text(&b).contains(r#""index":1"#) && !text(&b).contains("[DONE]"));
-        assert!(!text(&b).contains("usage"));
+        let a = text(&merge.rewrite(0, format!("{}: ping\r\n\r\n", chunk("c0", "x")).as_bytes()));
+        let b = text(&merge.rewrite(
+            1,
+            format!("{}{}data: [DONE]\n\n", chunk("c1", "y"), usage("c1", 7)).as_bytes(),
+        ));
+        assert!(
+            a.contains(r#""index":0"#) && a.contains(": ping\n\n"),
+            "{a}"
+        );
+        assert!(
+            b.contains(r#""index":1"#) && b.contains(r#""id":"c0""#),
+            "{b}"
+        );
+        assert!(!b.contains("[DONE]") && !b.contains("usage"), "{b}");
+        assert_eq!(merge.done, [false, true]);
+        let c = merge.rewrite(0, format!("{}data: [DONE]\n\n", usage("c0", 3)).as_bytes());
         assert!(c.is_empty());
-        assert!(text(&e).contains("error"));
-        let tail = text(&tail);
+        assert_eq!(merge.done, [true, true]);
+        assert!(!merge.failed);
+        let tail = text(&merge.tail());
         assert!(tail.ends_with("data: [DONE]\n\n"), "{tail}");
         assert_eq!(tail.matches("[DONE]").count(), 1);
         let usage_line = tail.lines().next().unwrap().strip_prefix("data: ").unwrap();
         let usage: Value = serde_json::from_str(usage_line).unwrap();
-        assert_eq!(usage["usage"]["prompt_tokens"], 10);
-        assert_eq!(usage["usage"]["completion_tokens"], 4);
+        assert_eq!(
+            (
+                &usage["id"],
+                &usage["usage"]["prompt_tokens"],
+                &usage["usage"]["completion_tokens"]
+            ),
+            (&json!("c0"), &json!(10), &json!(4))
+        );
         assert_eq!(usage["choices"], json!([]));
+        let e = text(&merge.rewrite(
+            1,
+            b"data: {\"error\": {\"message\": \"m\"}}\n\ndata: [DONE]\n\n",
+        ));
+        assert!(e.contains("error") && !e.contains("[DONE]"), "{e}");
+        assert!(merge.failed);
     }
 }

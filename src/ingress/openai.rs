@@ -51,21 +51,27 @@ pub const MAX_BATCH: usize = 1024;
 
 /// A completions body whose `prompt` lists several prompts, split into one body per prompt
 /// (the same request with `prompt` set to that one), in order; `None` if its `prompt` is a
-/// single one. The caller merges the answers ([`crate::ingress::batch`]).
-pub fn split_batch(body: &[u8]) -> Result<Option<Vec<bytes::Bytes>>, ApiError> {
+/// single one. The other fields are written once and repeated in every part: a batch whose
+/// parts would take more than `limit` bytes beyond the body is refused (an 8 MiB body of
+/// padding and a thousand prompts would otherwise be 8 GiB of parts). The caller merges
+/// the answers (`ingress::batch`).
+pub fn split_batch(body: &[u8], limit: usize) -> Result<Option<Vec<bytes::Bytes>>, ApiError> {
     let invalid =
         |e: serde_json::Error| ApiError::bad_request(format!("invalid request body: {e}"));
     let mut request: serde_json::Map<String, serde_json::Value> =
         serde_json::from_slice(body).map_err(invalid)?;
     // A list of texts or of token lists; a list of numbers is one prompt's tokens, and a
     // mixed list is left to the request's parse to refuse.
-    let prompts = match request.get_mut("prompt") {
+    let prompts = match request.get("prompt") {
         Some(serde_json::Value::Array(list))
             if list.len() > 1
                 && (list.iter().all(serde_json::Value::is_string)
                     || list.iter().all(serde_json::Value::is_array)) =>
         {
-            std::mem::take(list)
+            match request.remove("prompt") {
+                Some(serde_json::Value::Array(list)) => list,
+                _ => return Ok(None),
+            }
         }
         _ => return Ok(None),
     };
@@ -75,13 +81,30 @@ pub fn split_batch(body: &[u8]) -> Result<Option<Vec<bytes::Bytes>>, ApiError> {
             prompts.len()
         )));
     }
+    let rest = serde_json::to_vec(&request).map_err(invalid)?;
+    let repeated = rest.len().saturating_mul(prompts.len());
+    if repeated > limit {
+        return Err(ApiError::bad_request(format!(
+            "a prompt list of {} prompts with {} bytes of other fields: its {repeated} bytes of \
+             parts pass the limit of {limit}",
+            prompts.len(),
+            rest.len()
+        )));
+    }
+    // `{"prompt":P,` then the other fields' object without its `{` (or `}` if none).
+    let fields = &rest[1..];
     prompts
-        .into_iter()
+        .iter()
         .map(|prompt| {
-            request.insert("prompt".into(), prompt);
-            serde_json::to_vec(&request)
-                .map(bytes::Bytes::from)
-                .map_err(invalid)
+            let prompt = serde_json::to_vec(prompt).map_err(invalid)?;
+            let mut part = Vec::with_capacity(12 + prompt.len() + fields.len());
+            part.extend_from_slice(b"{\"prompt\":");
+            part.extend_from_slice(&prompt);
+            if fields != b"}" {
+                part.push(b',');
+            }
+            part.extend_from_slice(fields);
+            Ok(bytes::Bytes::from(part))
         })
         .collect::<Result<Vec<_>, _>>()
         .map(Some)

@@ -452,6 +452,44 @@ async fn a_prompt_list_is_routed_prompt_by_prompt_and_answered_as_one() {
     assert!(freed, "bookings left after a batch");
 }
 
+/// A prompt of a streamed batch whose worker stalls mid-stream ends the batch: the client
+/// gets the error event and one `[DONE]`, the other prompts are dropped, and every booking
+/// is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_failing_mid_stream_ends_its_batch() {
+    let injectable = WorkerSpec {
+        model: MODEL.into(),
+        args: vec!["--fault-injection".into()],
+    };
+    let f = Fleet::start(FleetSpec {
+        router_args: vec!["--relay-idle-timeout-ms".into(), "1000".into()],
+        workers: vec![injectable.clone(), injectable],
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    for w in 0..2 {
+        f.faults(w, serde_json::json!({"stall_after_first_chunk": true}))
+            .await
+            .unwrap();
+    }
+    let prompts: Vec<String> = (0..4)
+        .map(|g| format!("{} Question {g}.", prompt(g)))
+        .collect();
+    let body =
+        serde_json::json!({"model": MODEL, "prompt": prompts, "max_tokens": 8, "stream": true});
+    let url = format!("{}/v1/completions", f.url());
+    let r = f.http.call("POST", &url, body.to_string()).await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.body.contains("sent no token"), "{}", r.body);
+    assert_eq!(r.body.matches("[DONE]").count(), 1, "{}", r.body);
+    assert!(r.body.trim_end().ends_with("data: [DONE]"), "{}", r.body);
+    let freed = f
+        .until(Duration::from_secs(10), || all_bookings_closed(&f))
+        .await;
+    assert!(freed, "bookings left after a failed batch");
+}
+
 /// A non-streamed request has one answer deadline however many workers it is tried on:
 /// every worker answers 503 only after 2.5 s of the 4 s, so the retry gets the 1.5 s left
 /// and the client is told its answer did not come in time (504), where each retry got a
