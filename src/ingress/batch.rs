@@ -11,6 +11,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::stream::FuturesUnordered;
@@ -23,7 +24,8 @@ use serde_json::{Map, Value};
 use super::openai::{self, ApiError};
 use super::{Router, complete};
 use crate::http::Body;
-use crate::http::budget::Reservation;
+use crate::http::budget::{GRAIN, Reservation};
+use tokio::time::Instant;
 
 /// Prompts of one batch in flight at once: a thousand prompts do not take a thousand of
 /// the router's in-flight slots (`max_inflight`) together; the next starts as one ends.
@@ -36,6 +38,13 @@ pub(super) async fn complete_batch(
     api_key: Option<usize>,
     body: Bytes,
 ) -> Result<Response<Body>, ApiError> {
+    let over = || ApiError::bodies_over_budget(router.bodies.bytes());
+    // The body is held again while it is split (its first reservation went with the parse
+    // that found it a batch), then the parts: each takes its share when it starts.
+    let mut held = Reservation::default();
+    if !router.bodies.cover(&mut held, body.len()) {
+        return Err(over());
+    }
     let limit = router.config.max_body_bytes;
     let Some(parts) = router
         .off_runtime(move || openai::split_batch(&body, limit))
@@ -43,6 +52,20 @@ pub(super) async fn complete_batch(
     else {
         return Err(ApiError::bad_request("expected a prompt list"));
     };
+    let total = parts.iter().map(Bytes::len).sum();
+    if !router.bodies.cover(&mut held, total) {
+        return Err(over());
+    }
+    let shares: Vec<Reservation> = parts
+        .iter()
+        .map(|part| {
+            held.split_off(
+                held.bytes()
+                    .saturating_sub(part.len().next_multiple_of(GRAIN)),
+            )
+        })
+        .collect();
+    drop(held);
     let first: openai::CompletionRequest = serde_json::from_slice(&parts[0])
         .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))?;
     let n = first.n.unwrap_or(1).max(1);
@@ -50,22 +73,17 @@ pub(super) async fn complete_batch(
     let include_usage = openai::include_usage(first.stream_options);
     let count = parts.len();
     let (shared_router, shared_headers) = (Arc::clone(router), headers.clone());
-    let part = move |(i, part): (usize, Bytes)| {
+    let part = move |(i, (part, held)): (usize, (Bytes, Reservation))| {
         let router = Arc::clone(&shared_router);
         let headers = shared_headers.clone();
         async move {
-            // Each part is a body the router holds, as the one it was split from was.
-            let mut held = Reservation::default();
-            if !router.bodies.cover(&mut held, part.len()) {
-                return (i, Err(ApiError::bodies_over_budget(router.bodies.bytes())));
-            }
             (
                 i,
                 complete(&router, &headers, api_key, part, held, false).await,
             )
         }
     };
-    let mut parts = parts.into_iter().enumerate().map(part);
+    let mut parts = parts.into_iter().zip(shares).enumerate().map(part);
     if !stream {
         let answers: Vec<Response<Body>> = futures_util::stream::iter(parts)
             .buffered(BATCH_CONCURRENCY)
@@ -85,61 +103,67 @@ pub(super) async fn complete_batch(
     let mut merge = Merge::new(n, include_usage, count);
     let mut streams = futures_util::stream::SelectAll::new();
     streams.push(part_stream(i, answer));
-    // A task merges (the parts' streams are not `Sync`, a response body must be); the
-    // client leaving ends it, which drops the parts and cancels them on their workers.
-    // Each part's relay holds its own events' share of the bodies' budget.
+    let idle = Duration::from_millis(router.config.relay_idle_timeout_ms);
+    // A task merges (the parts' streams are not `Sync`, a response body must be). It keeps
+    // starting parts and taking their answers while the client is sent what is merged, so
+    // a slow client holds no part back; one that reads nothing for the idle timeout, or
+    // leaves, ends it, which drops the parts and cancels them on their workers. Each part's
+    // relay holds its own events' share of the bodies' budget.
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(1);
     tokio::spawn(async move {
-        loop {
-            if running.is_empty() && streams.is_empty() {
-                let _ = tx.send(merge.tail()).await;
-                return;
+        // Merged bytes waiting for the client, since when.
+        let mut pending: Option<(Bytes, Instant)> = None;
+        let last = loop {
+            if pending.is_none() && running.is_empty() && streams.is_empty() {
+                break merge.tail();
             }
-            let out = tokio::select! {
+            let stalled_at = pending.as_ref().map(|(_, since)| *since + idle);
+            tokio::select! {
                 biased;
                 () = tx.closed() => return,
-                // (`None`s, once their sets are empty, go round to the check above: a
-                // branch whose pattern failed would not be polled again.)
+                permit = tx.reserve(), if pending.is_some() => {
+                    let Ok(permit) = permit else { return };
+                    if let Some((out, _)) = pending.take() {
+                        permit.send(out);
+                    }
+                    if merge.failed {
+                        // A prompt failed mid-stream (its error went out): the batch ends,
+                        // as vLLM ends it, and the other prompts are dropped.
+                        break Bytes::from_static(b"data: [DONE]\n\n");
+                    }
+                }
+                () = tokio::time::sleep_until(stalled_at.unwrap_or_else(Instant::now)),
+                    if stalled_at.is_some() => return,
                 started = running.next(), if !running.is_empty() => match started {
-                    Some((i, Ok(answer))) => {
-                        streams.push(part_stream(i, answer));
-                        continue;
-                    }
-                    Some((_, Err(e))) => {
-                        let _ = tx.send(error_event(&e)).await;
-                        return;
-                    }
-                    None => continue,
+                    Some((i, Ok(answer))) => streams.push(part_stream(i, answer)),
+                    Some((_, Err(e))) => break error_event(&e),
+                    None => {}
                 },
-                next = streams.next(), if !streams.is_empty() => match next {
-                    None => continue,
-                    Some((i, Some(Ok(data)))) => merge.rewrite(i, &data),
+                // (A `None` from an emptied set goes round to the check above: a branch
+                // whose pattern failed would not be polled again in this select.)
+                next = streams.next(), if pending.is_none() && !streams.is_empty() => match next {
+                    Some((i, Some(Ok(data)))) => {
+                        let out = merge.rewrite(i, &data);
+                        if !out.is_empty() {
+                            pending = Some((out, Instant::now()));
+                        }
+                    }
                     Some((_, Some(Err(never)))) => match never {},
                     // Part `i` ended: without its `[DONE]` it was cut short; else the next
                     // waiting part starts.
                     Some((i, None)) if !merge.done[i] => {
-                        let e = ApiError::unavailable(format!(
+                        break error_event(&ApiError::unavailable(format!(
                             "prompt {i}'s stream ended before its [DONE]"
-                        ));
-                        let _ = tx.send(error_event(&e)).await;
-                        return;
+                        )));
                     }
-                    Some((_, None)) => {
-                        running.extend(parts.next());
-                        continue;
-                    }
+                    Some((_, None)) => running.extend(parts.next()),
+                    None => {}
                 },
-            };
-            if !out.is_empty() && tx.send(out).await.is_err() {
-                return;
             }
-            if merge.failed {
-                // A prompt failed mid-stream (its error went out): the batch ends, as
-                // vLLM ends it, and the other prompts are dropped.
-                let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
-                return;
-            }
-        }
+        };
+        // The last words: the other parts go first, and the client has the idle timeout.
+        drop((running, streams));
+        let _ = tokio::time::timeout(idle, tx.send(last)).await;
     });
     let body = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv()
@@ -513,6 +537,8 @@ mod tests {
             br#"{"model":"m","prompt":["a"]}"#,
             br#"{"model":"m","prompt":[1,2,3]}"#,
             br#"{"model":"m","prompt":["a",[1]]}"#,
+            br#"{"model":"m","prompt":[["a"],["b"]]}"#,
+            br#"{"model":"m","prompt":[[[1]],[[2]]]}"#,
         ] {
             assert_eq!(split(single).unwrap(), None);
         }

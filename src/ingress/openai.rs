@@ -61,12 +61,15 @@ pub fn split_batch(body: &[u8], limit: usize) -> Result<Option<Vec<bytes::Bytes>
     let mut request: serde_json::Map<String, serde_json::Value> =
         serde_json::from_slice(body).map_err(invalid)?;
     // A list of texts or of token lists; a list of numbers is one prompt's tokens, and a
-    // mixed list is left to the request's parse to refuse.
+    // mixed or deeper list is left to the request's parse to refuse.
     let prompts = match request.get("prompt") {
         Some(serde_json::Value::Array(list))
             if list.len() > 1
                 && (list.iter().all(serde_json::Value::is_string)
-                    || list.iter().all(serde_json::Value::is_array)) =>
+                    || list.iter().all(|p| {
+                        p.as_array()
+                            .is_some_and(|tokens| tokens.iter().all(serde_json::Value::is_u64))
+                    })) =>
         {
             match request.remove("prompt") {
                 Some(serde_json::Value::Array(list)) => list,
