@@ -20,6 +20,20 @@ fn spec(workers: usize, speedup: f64) -> FleetSpec {
     }
 }
 
+/// Two workers that take injected faults (`--fault-injection`), behind one router with
+/// `router_args`.
+fn injectable_pair(router_args: &[&str]) -> FleetSpec {
+    let injectable = WorkerSpec {
+        model: MODEL.into(),
+        args: vec!["--fault-injection".into()],
+    };
+    FleetSpec {
+        router_args: router_args.iter().map(|a| (*a).to_owned()).collect(),
+        workers: vec![injectable.clone(), injectable],
+        ..FleetSpec::default()
+    }
+}
+
 fn prompt(group: usize) -> String {
     format!(
         "Group {group:03}: {}",
@@ -457,17 +471,9 @@ async fn a_prompt_list_is_routed_prompt_by_prompt_and_answered_as_one() {
 /// is released.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_failing_mid_stream_ends_its_batch() {
-    let injectable = WorkerSpec {
-        model: MODEL.into(),
-        args: vec!["--fault-injection".into()],
-    };
-    let f = Fleet::start(FleetSpec {
-        router_args: vec!["--relay-idle-timeout-ms".into(), "1000".into()],
-        workers: vec![injectable.clone(), injectable],
-        ..FleetSpec::default()
-    })
-    .await
-    .unwrap();
+    let f = Fleet::start(injectable_pair(&["--relay-idle-timeout-ms", "1000"]))
+        .await
+        .unwrap();
     for w in 0..2 {
         f.faults(w, serde_json::json!({"stall_after_first_chunk": true}))
             .await
@@ -493,27 +499,16 @@ async fn a_prompt_failing_mid_stream_ends_its_batch() {
 /// A non-streamed request has one answer deadline however many workers it is tried on:
 /// every worker answers 503 only after 2.5 s of the 4 s, so the retry gets the 1.5 s left
 /// and the client is told its answer did not come in time (504), where each retry got a
-/// whole deadline and the client the last worker's 503 after 5 s.
+/// whole deadline and the client the last worker's 503 after 5 s; with less than the retry
+/// floor left, the first worker's 503 is the answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_share_the_answer_deadline() {
-    let injectable = WorkerSpec {
-        model: MODEL.into(),
-        args: vec!["--fault-injection".into()],
-    };
-    let f = Fleet::start(FleetSpec {
-        router_args: vec!["--upstream-body-timeout-ms".into(), "4000".into()],
-        workers: vec![injectable.clone(), injectable],
-        ..FleetSpec::default()
-    })
-    .await
-    .unwrap();
-    for w in 0..2 {
-        f.faults(
-            w,
-            serde_json::json!({"status": 503, "status_delay_ms": 2500}),
-        )
+    let f = Fleet::start(injectable_pair(&["--upstream-body-timeout-ms", "4000"]))
         .await
         .unwrap();
+    let fail_after = |ms: u64| serde_json::json!({"status": 503, "status_delay_ms": ms});
+    for w in 0..2 {
+        f.faults(w, fail_after(2500)).await.unwrap();
     }
     let url = format!("{}/v1/completions", f.url());
     let r = f
@@ -527,6 +522,18 @@ async fn retries_share_the_answer_deadline() {
         "{}",
         r.body
     );
+    // With half a second left, under the retry floor (1 s), nothing is retried: the client
+    // gets the worker's 503, not a 504 blaming a worker that had no chance.
+    for w in 0..2 {
+        f.faults(w, fail_after(3500)).await.unwrap();
+    }
+    let r = f
+        .http
+        .call("POST", &url, request(0, 1, false))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.body.contains("fault injected"), "{}", r.body);
     let freed = f
         .until(Duration::from_secs(10), || all_bookings_closed(&f))
         .await;
