@@ -76,12 +76,9 @@ impl BodyBudget {
         self.bytes - self.grains.available_permits() * GRAIN
     }
 
-    /// A reservation of `bytes`, waiting up to `wait` for the budget to have them; `None`
-    /// if it has not by then, or never could (more than the whole budget). Streams reserve
-    /// so what they relay: a client reading slowly makes the relay wait, not the router's
-    /// memory grow. A waiter looks again every [`RESERVE_POLL`] rather than queueing: the
-    /// semaphore's queue is first come first served, and one large event waiting in it
-    /// would hold up every stream's small ones behind it.
+    /// A reservation of `bytes`, waiting up to `wait` ([`BodyBudget::grow_until`]); `None`
+    /// if the budget has not had the room by then. The tests' shorthand.
+    #[cfg(test)]
     pub async fn reserve(&self, bytes: usize, wait: Duration) -> Option<Reservation> {
         let mut held = Reservation::default();
         self.grow_until(&mut held, bytes, tokio::time::Instant::now() + wait)
@@ -89,9 +86,12 @@ impl BodyBudget {
             .then_some(held)
     }
 
-    /// Grows `held` to cover `bytes`, waiting for room until `deadline` as
-    /// [`BodyBudget::reserve`] does; false, and `held` unchanged, if the budget has not
-    /// had the room by then, or never could.
+    /// Grows `held` to cover `bytes`, waiting for room until `deadline`; false, and `held`
+    /// unchanged, if the budget has not had the room by then, or never could (more than
+    /// the whole budget). Streams reserve so what they relay: a client reading slowly makes
+    /// the relay wait, not the router's memory grow. A waiter looks again every
+    /// [`RESERVE_POLL`] rather than queueing: the semaphore's queue is first come first
+    /// served, and one large event waiting in it would hold up every stream's small ones.
     pub async fn grow_until(
         &self,
         held: &mut Reservation,

@@ -22,6 +22,7 @@ use hyper::{HeaderMap, Response, StatusCode, header};
 use serde_json::{Map, Value};
 
 use super::openai::{self, ApiError};
+use super::proxy::error_events;
 use super::{Router, complete};
 use crate::http::Body;
 use crate::http::budget::{GRAIN, Reservation};
@@ -136,7 +137,7 @@ pub(super) async fn complete_batch(
                     if stalled_at.is_some() => return,
                 started = running.next(), if !running.is_empty() => match started {
                     Some((i, Ok(answer))) => streams.push(part_stream(i, answer)),
-                    Some((_, Err(e))) => break error_event(&e),
+                    Some((_, Err(e))) => break error_events(&e),
                     None => {}
                 },
                 // (A `None` from an emptied set goes round to the check above: a branch
@@ -152,7 +153,7 @@ pub(super) async fn complete_batch(
                     // Part `i` ended: without its `[DONE]` it was cut short; else the next
                     // waiting part starts.
                     Some((i, None)) if !merge.done[i] => {
-                        break error_event(&ApiError::unavailable(format!(
+                        break error_events(&ApiError::unavailable(format!(
                             "prompt {i}'s stream ended before its [DONE]"
                         )));
                     }
@@ -199,11 +200,6 @@ fn answer_headers(answer: &Response<Body>) -> hyper::http::response::Builder {
         }
     }
     response
-}
-
-/// An error event and the end of the stream.
-fn error_event(e: &ApiError) -> Bytes {
-    Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", e.body()))
 }
 
 /// The whole answers of a non-streamed batch merged, held against the bodies' budget while
@@ -381,8 +377,7 @@ impl Merge {
                 Some(json) => match serde_json::from_str::<Value>(json) {
                     Ok(Value::Object(chunk)) if chunk.contains_key("error") => {
                         self.failed = true;
-                        out.extend_from_slice(event);
-                        out.extend_from_slice(b"\n\n");
+                        push_event(&mut out, event);
                         break;
                     }
                     Ok(Value::Object(mut chunk)) => {
@@ -408,21 +403,13 @@ impl Merge {
                                 *choice = renumbered(choice.take(), prompt, self.n);
                             }
                         }
-                        out.extend_from_slice(b"data: ");
-                        out.extend_from_slice(Value::Object(chunk).to_string().as_bytes());
-                        out.extend_from_slice(b"\n\n");
+                        push_chunk(&mut out, chunk);
                     }
                     // Not a chunk: as it came.
-                    _ => {
-                        out.extend_from_slice(event);
-                        out.extend_from_slice(b"\n\n");
-                    }
+                    _ => push_event(&mut out, event),
                 },
                 // Comments and other fields: as they came.
-                None => {
-                    out.extend_from_slice(event);
-                    out.extend_from_slice(b"\n\n");
-                }
+                None => push_event(&mut out, event),
             }
         }
         Bytes::from(out)
@@ -435,13 +422,22 @@ impl Merge {
             let mut chunk = self.head.clone().unwrap_or_default();
             chunk.insert("choices".into(), Value::Array(Vec::new()));
             chunk.insert("usage".into(), self.usage.to_json());
-            out.extend_from_slice(b"data: ");
-            out.extend_from_slice(Value::Object(chunk).to_string().as_bytes());
-            out.extend_from_slice(b"\n\n");
+            push_chunk(&mut out, chunk);
         }
         out.extend_from_slice(b"data: [DONE]\n\n");
         Bytes::from(out)
     }
+}
+
+/// Appends a server-sent event (its lines, without the blank line that ends it).
+fn push_event(out: &mut Vec<u8>, event: &[u8]) {
+    out.extend_from_slice(event);
+    out.extend_from_slice(b"\n\n");
+}
+
+/// Appends a chunk as the data of an event.
+fn push_chunk(out: &mut Vec<u8>, chunk: Map<String, Value>) {
+    push_event(out, format!("data: {}", Value::Object(chunk)).as_bytes());
 }
 
 /// The server-sent events in `data`, each without the blank line that ends it (`\n\n` or

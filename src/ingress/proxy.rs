@@ -776,6 +776,14 @@ impl RelayEnd {
 }
 
 impl Relay {
+    /// Grows `held` to cover `bytes` ([`make_room`]); how long that took, by which the
+    /// worker's deadlines move.
+    async fn room(&mut self, bytes: usize, deadline: Instant) -> Result<Duration, RelayEnd> {
+        let from = Instant::now();
+        make_room(&self.tx, &self.bodies, &mut self.held, bytes, deadline).await?;
+        Ok(from.elapsed())
+    }
+
     async fn run(mut self) {
         let end = self.pump().await;
         if matches!(end, RelayEnd::NoFirstFrame | RelayEnd::WorkerStalled) {
@@ -811,10 +819,9 @@ impl Relay {
                 _ => format!("worker {} failed mid-stream", self.worker),
             });
             // A client that reads gets it, behind what it has not read yet; one that has not
-            // read for a while does not hold the relay longer than this.
-            let event = Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", err.body()));
-            // Outside the budget: a few hundred bytes, to say why the stream ends.
-            let event = (event, Reservation::default());
+            // read for a while does not hold the relay longer than this. Outside the
+            // budget: a few hundred bytes, to say why the stream ends.
+            let event = (error_events(&err), Reservation::default());
             let _ =
                 tokio::time::timeout(self.idle.min(ERROR_EVENT_WAIT), self.tx.send(event)).await;
         }
@@ -896,17 +903,12 @@ impl Relay {
             // within the idle timeout, for the event and its send together.
             // The wait is the router's: the worker's deadlines move by it.
             let deadline = Instant::now() + self.idle;
-            let room_from = Instant::now();
-            let bytes = self.events.held() + data.len();
-            if let Err(end) =
-                make_room(&self.tx, &self.bodies, &mut self.held, bytes, deadline).await
-            {
-                return end;
-            }
-            let pushed = self.events.push(data);
-            let waited = room_from.elapsed();
+            let waited = match self.room(self.events.held() + data.len(), deadline).await {
+                Ok(waited) => waited,
+                Err(end) => return end,
+            };
             (quiet_from, first_by) = (quiet_from + waited, first_by + waited);
-            let data = match pushed {
+            let data = match self.events.push(data) {
                 Ok(Some(events)) => events,
                 Ok(None) => continue,
                 Err(len) => {
@@ -936,14 +938,11 @@ impl Relay {
             }
             // Each send takes at least its own bytes' share, rounded up to grains (what the
             // held-back rest leaves of the rounded whole can be less), and the rest keeps its.
-            let room_from = Instant::now();
             let bytes = data.len().next_multiple_of(GRAIN) + self.events.held();
-            if let Err(end) =
-                make_room(&self.tx, &self.bodies, &mut self.held, bytes, deadline).await
-            {
-                return end;
-            }
-            let waited = room_from.elapsed();
+            let waited = match self.room(bytes, deadline).await {
+                Ok(waited) => waited,
+                Err(end) => return end,
+            };
             (quiet_from, first_by) = (quiet_from + waited, first_by + waited);
             let share = self.held.split_off(self.events.held());
             if let Err(end) = send_event(&self.tx, data, share, deadline).await {
@@ -954,6 +953,12 @@ impl Relay {
             }
         }
     }
+}
+
+/// The events that end a stream with `err`: the error, then `[DONE]` (what OpenAI's clients
+/// read as an answer that failed).
+pub(super) fn error_events(err: &ApiError) -> Bytes {
+    Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", err.body()))
 }
 
 /// How long a relay that failed waits for room to send its client the error event: a full
