@@ -59,10 +59,14 @@ pub struct IngressConfig {
     /// is routed is decided by the scheduler's work budgets (`scheduler.admission`); this
     /// bounds the router's own memory and connections.
     pub max_inflight: usize,
-    /// Other workers tried when one fails before its first byte.
+    /// Other workers tried when one fails before the client is answered (before its first
+    /// byte; a stream, before its first token, for up to `worker_timeout_ms` after its
+    /// headers).
     pub retries: usize,
     /// How long connecting to a worker, and a stream's response headers, may take, ms (a
-    /// non-streamed answer's headers come once it is generated: `upstream_body_timeout_ms`).
+    /// non-streamed answer's headers come once it is generated: `upstream_body_timeout_ms`);
+    /// also how long after them a stream's headers are held back from the client for its
+    /// first token, so that a worker failing before it is retried elsewhere.
     pub worker_timeout_ms: u64,
     /// Longest silence mid-stream, ms: a worker that sends no token this long (comments do
     /// not count), or a client that reads nothing this long, ends the stream and frees its slot
@@ -405,8 +409,13 @@ impl Router {
         let reach = proxy::Reach::new(self, key.0);
         match outcome {
             Ok(()) if stream => {}
-            // Says nothing of reachability: gone, or slow to generate a whole answer.
-            Err(ProxyError::WorkerLeft { .. } | ProxyError::AnswerTimeout { .. }) => {}
+            // Says nothing of reachability: gone, or slow to generate a whole answer; or a
+            // stream that failed before its first token, which its relay has counted.
+            Err(
+                ProxyError::WorkerLeft { .. }
+                | ProxyError::AnswerTimeout { .. }
+                | ProxyError::StreamFailed { .. },
+            ) => {}
             Err(e) if e.unreachable() => reach.failed(),
             _ => reach.answered(),
         }
@@ -1229,8 +1238,8 @@ async fn complete(
         router.note_reachability(key, outcome.as_ref().map(|_| ()), p.stream);
         match outcome {
             Ok(response) => {
-                // Reported once the worker has taken the prompt (a stream's headers, a whole
-                // answer), before the conversation's next turn: a worker that failed or
+                // Reported once the worker has taken the prompt (a stream's first token, or
+                // its headers held as long as they may be; a whole answer), before the conversation's next turn: a worker that failed or
                 // refused it never computed it, and a guess that it holds it would send
                 // the next turns after a cache hit that is not there.
                 if let Some(sink) = router.decisions.lock().as_ref() {
@@ -1246,7 +1255,7 @@ async fn complete(
                 if !e.retry_elsewhere() {
                     return Err(e.to_api());
                 }
-                tracing::warn!(worker = %decision.chosen.key.0, error = %e, "worker failed before its first byte; trying another");
+                tracing::warn!(worker = %decision.chosen.key.0, error = %e, "worker failed before the client was answered; trying another");
                 failed.push(decision.chosen.key);
                 if e.unreachable() {
                     // Its other ranks sit behind the same endpoint.

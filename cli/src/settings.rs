@@ -228,11 +228,14 @@ pub struct ServeFlags {
     /// much again; at least --max-body-bytes) [default: 268435456].
     #[arg(long, env = "KVROUTE_BODY_MEMORY_BYTES")]
     pub body_memory_bytes: Option<usize>,
-    /// Other workers tried when one fails before its first byte [default: 2].
+    /// Other workers tried when one fails before the client is answered (a stream: before
+    /// its first token, within --worker-timeout-ms of its headers) [default: 2].
     #[arg(long, env = "KVROUTE_RETRIES")]
     pub retries: Option<usize>,
     /// How long connecting to a worker, and a stream's response headers, may take, ms
-    /// [default: 10000]. A non-streamed answer has `--upstream-body-timeout-ms`.
+    /// [default: 10000]; also how long after them the client's headers wait for the first
+    /// token (a worker failing meanwhile is retried elsewhere). A non-streamed answer has
+    /// `--upstream-body-timeout-ms`.
     #[arg(long, env = "KVROUTE_WORKER_TIMEOUT_MS")]
     pub worker_timeout_ms: Option<u64>,
     /// Longest silence mid-stream between two tokens (keep-alive comments do not count),

@@ -11,7 +11,7 @@ use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Frame;
 use hyper::{Response, StatusCode, header};
 use parking_lot::Mutex;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::openai::{ApiError, Fault};
@@ -214,6 +214,18 @@ pub enum ProxyError {
         #[source]
         source: BodyError,
     },
+    /// A stream failed before its first token, while its headers were still held back from
+    /// the client ([`forward`]): the client has seen nothing of it, so another worker is
+    /// tried, as for a worker that fails before its headers.
+    #[error("{message}")]
+    StreamFailed {
+        /// The worker.
+        worker: WorkerId,
+        /// How the relay ended.
+        end: RelayEnd,
+        /// What the client is told if no other worker serves it.
+        message: String,
+    },
 }
 
 impl ProxyError {
@@ -289,6 +301,7 @@ impl ProxyError {
             } => "answer_over_budget",
             ProxyError::Answer { .. } => "answer_failed",
             ProxyError::Body { .. } => "body",
+            ProxyError::StreamFailed { .. } => "stream_failed",
         }
     }
 
@@ -311,6 +324,11 @@ impl ProxyError {
                 ..
             } => ApiError::bodies_over_budget(*budget),
             ProxyError::Answer { .. } => ApiError::bad_gateway(self.to_string()),
+            ProxyError::StreamFailed {
+                end: RelayEnd::NoFirstFrame,
+                message,
+                ..
+            } => ApiError::worker_timeout(message.clone()),
             _ if self.router_exhausted() => ApiError::router_exhausted(self.to_string()),
             _ => ApiError::unavailable(self.to_string()),
         }
@@ -453,6 +471,14 @@ impl Upstream {
 /// Sends a routed request to its worker and relays the answer. Streams are relayed by a task
 /// that takes over the booking and the in-flight slot. A non-streamed answer must arrive by
 /// `answer_by`: one deadline for the request, however many workers it is tried on.
+///
+/// A stream's headers are held back from the client until its first token, for up to
+/// `worker_timeout_ms` after the worker's: a worker that fails before then (its connection
+/// breaks, its body ends, or `first_token_timeout_ms` passes) has shown the client nothing,
+/// so this returns [`ProxyError::StreamFailed`], with the in-flight slot back, and the
+/// caller tries another worker. The first token comes with the headers, so holding them
+/// costs the client no time; the bound keeps a proxy in front of the router, which may
+/// give up on a response that sends nothing for a minute, from cutting a long prefill.
 pub(super) async fn forward(
     router: &Arc<Router>,
     decision: &Decision,
@@ -585,6 +611,7 @@ pub(super) async fn forward(
             .expect("invariant: static response parts are valid"));
     }
     let (tx, rx) = mpsc::channel::<Held>(CLIENT_EVENTS);
+    let (opening, opened) = oneshot::channel();
     let relay = Relay {
         upstream: response.into_body(),
         bodies: router.bodies.clone(),
@@ -600,8 +627,35 @@ pub(super) async fn forward(
         itl: metrics::histogram!("kvroute_itl_seconds", "worker" => label.clone()),
         worker: label,
         started,
+        opening: Some(opening),
+        open_by: Instant::now() + Duration::from_millis(config.worker_timeout_ms),
     };
     tokio::spawn(relay.run());
+    // Dropped with the client's connection meanwhile, this drops `rx`: the relay sees the
+    // client gone and ends.
+    match opened.await {
+        Ok(Ok(())) => {}
+        Ok(Err(Unopened {
+            end,
+            message,
+            inflight: slot,
+        })) => {
+            *inflight = slot;
+            return Err(ProxyError::StreamFailed {
+                worker,
+                end,
+                message,
+            });
+        }
+        // The relay ended without a word: it panicked (its slot and booking went with it).
+        Err(_) => {
+            return Err(ProxyError::StreamFailed {
+                worker,
+                end: RelayEnd::WorkerFailed,
+                message: format!("the relay of worker {worker}'s stream failed"),
+            });
+        }
+    }
     Ok(builder
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")
@@ -735,11 +789,24 @@ struct Relay {
     itl: metrics::Histogram,
     worker: String,
     started: Instant,
+    /// Told when the client is answered (the first token came, or `open_by` passed): until
+    /// then a worker that fails is the handler's to try elsewhere. `None` once told.
+    opening: Option<oneshot::Sender<Result<(), Unopened>>>,
+    /// When the headers go to the client without a token.
+    open_by: Instant,
+}
+
+/// A stream that failed before its client was answered: why, and the in-flight slot for
+/// the next worker.
+struct Unopened {
+    end: RelayEnd,
+    message: String,
+    inflight: Option<InFlight>,
 }
 
 /// How a relay ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum RelayEnd {
+pub enum RelayEnd {
     /// The worker finished the stream.
     Done,
     /// The client went away.
@@ -784,12 +851,38 @@ impl Relay {
         Ok(from.elapsed())
     }
 
+    /// Answers the client: its headers go, with what follows.
+    fn open(&mut self) {
+        if let Some(opening) = self.opening.take() {
+            let _ = opening.send(Ok(()));
+        }
+    }
+
     async fn run(mut self) {
         let end = self.pump().await;
-        if matches!(end, RelayEnd::NoFirstFrame | RelayEnd::WorkerStalled) {
+        let unopened = self.opening.is_some();
+        if matches!(end, RelayEnd::NoFirstFrame | RelayEnd::WorkerStalled)
+            // Before its first token, a worker whose stream breaks fails as a dead engine
+            // does.
+            || (unopened && matches!(end, RelayEnd::WorkerFailed | RelayEnd::Truncated))
+        {
             self.reach.failed();
         }
-        if matches!(
+        if unopened
+            && matches!(
+                end,
+                RelayEnd::WorkerFailed | RelayEnd::NoFirstFrame | RelayEnd::Truncated
+            )
+            && let Some(opening) = self.opening.take()
+        {
+            // The client has seen nothing: the handler tries another worker.
+            let unopened = Unopened {
+                end,
+                message: self.end_message(end, true),
+                inflight: self.inflight.take(),
+            };
+            let _ = opening.send(Err(unopened));
+        } else if matches!(
             end,
             RelayEnd::WorkerStalled
                 | RelayEnd::WorkerFailed
@@ -797,27 +890,8 @@ impl Relay {
                 | RelayEnd::Truncated
                 | RelayEnd::OverBudget
         ) {
-            let err = ApiError::unavailable(match end {
-                RelayEnd::OverBudget => format!(
-                    "the router's budget of {} bytes for bodies held had no room for the stream within {} ms",
-                    self.bodies.bytes(),
-                    self.idle.as_millis()
-                ),
-                RelayEnd::WorkerStalled => format!(
-                    "worker {} sent no token for {} ms mid-stream",
-                    self.worker,
-                    self.idle.as_millis()
-                ),
-                RelayEnd::NoFirstFrame => format!(
-                    "worker {} sent no token within {} ms",
-                    self.worker,
-                    self.first_frame.as_millis()
-                ),
-                RelayEnd::Truncated => {
-                    format!("worker {} ended the stream before [DONE]", self.worker)
-                }
-                _ => format!("worker {} failed mid-stream", self.worker),
-            });
+            self.open();
+            let err = ApiError::unavailable(self.end_message(end, false));
             // A client that reads gets it, behind what it has not read yet; one that has not
             // read for a while does not hold the relay longer than this. Outside the
             // budget: a few hundred bytes, to say why the stream ends.
@@ -829,6 +903,35 @@ impl Relay {
         metrics::histogram!("kvroute_e2e_seconds", "worker" => self.worker.clone())
             .record(self.started.elapsed().as_secs_f64());
         drop(self.inflight.take());
+    }
+
+    /// Why the stream ended, for its client.
+    fn end_message(&self, end: RelayEnd, before_first: bool) -> String {
+        match end {
+            RelayEnd::OverBudget => format!(
+                "the router's budget of {} bytes for bodies held had no room for the stream within {} ms",
+                self.bodies.bytes(),
+                self.idle.as_millis()
+            ),
+            RelayEnd::WorkerStalled => format!(
+                "worker {} sent no token for {} ms mid-stream",
+                self.worker,
+                self.idle.as_millis()
+            ),
+            RelayEnd::NoFirstFrame => format!(
+                "worker {} sent no token within {} ms",
+                self.worker,
+                self.first_frame.as_millis()
+            ),
+            RelayEnd::Truncated | RelayEnd::WorkerFailed if before_first => format!(
+                "worker {} broke off its stream before the first token",
+                self.worker
+            ),
+            RelayEnd::Truncated => {
+                format!("worker {} ended the stream before [DONE]", self.worker)
+            }
+            _ => format!("worker {} failed mid-stream", self.worker),
+        }
     }
 
     async fn pump(&mut self) -> RelayEnd {
@@ -847,11 +950,16 @@ impl Relay {
         let mut quiet_from = Instant::now();
         loop {
             let done = done_by.is_some();
-            let wait = match done_by {
+            // The worker's deadline.
+            let due = match done_by {
                 Some(by) => by,
                 None if first => first_by,
                 // The next token: comments in between do not make a stalled worker live.
                 None => quiet_from + self.idle,
+            };
+            let wait = match self.opening {
+                Some(_) => due.min(self.open_by),
+                None => due,
             };
             // A client that leaves is noticed at once, not at the next frame: before the
             // first one that can be the whole prefill and the engine's queue, during which
@@ -863,6 +971,12 @@ impl Relay {
                 next = tokio::time::timeout_at(wait, self.upstream.frame()) => next,
             };
             let frame = match next {
+                // The client waited long enough for its headers; the worker still has until
+                // its deadline.
+                Err(_) if Instant::now() < due => {
+                    self.open();
+                    continue;
+                }
                 // A worker (or a proxy before it) that keeps the body open after `[DONE]`
                 // holds nothing longer: the client has its whole answer.
                 Err(_) | Ok(Some(Err(_))) if done => return RelayEnd::Done,
@@ -870,11 +984,16 @@ impl Relay {
                 Err(_) => return RelayEnd::WorkerStalled,
                 Ok(None) if done => return RelayEnd::Done,
                 Ok(None) => {
-                    // Whatever the worker left unterminated goes as it is, with its share.
+                    // Whatever the worker left unterminated goes as it is, with its share;
+                    // before the client is answered, only if it holds data.
                     let rest = self.events.finish();
                     let whole = holds_done(&rest);
                     let share = self.held.split_off(0);
+                    if carries_data(&rest) {
+                        self.open();
+                    }
                     if !rest.is_empty()
+                        && self.opening.is_none()
                         && let Err(end) =
                             send_event(&self.tx, rest, share, Instant::now() + self.idle).await
                     {
@@ -918,7 +1037,13 @@ impl Relay {
             };
             // Comments alone (`: keep-alive`) are relayed but are no token.
             let token = carries_data(&data);
+            if !token && self.opening.is_some() {
+                // The client has no headers yet: nothing of its connection to keep alive.
+                drop(self.held.split_off(self.events.held()));
+                continue;
+            }
             if token {
+                self.open();
                 let now = Instant::now();
                 let (histogram, since) = if first {
                     (&self.ttft, self.started)

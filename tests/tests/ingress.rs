@@ -541,13 +541,16 @@ async fn retries_share_the_answer_deadline() {
 }
 
 /// A worker that sends its headers and then nothing must not hold the client's stream or
-/// the router's in-flight slot: the relay gives up after its idle timeout.
+/// the router's in-flight slot: the relay gives up after its idle timeout. The client has
+/// its headers after `--worker-timeout-ms` without a token, and the error event after that.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_stalled_after_its_headers_does_not_hold_the_stream() {
     // The first chunk has its own deadline (prefill, the engine's queue).
     let f = faulty_worker(
         &[
             "--relay-idle-timeout-ms",
+            "300",
+            "--worker-timeout-ms",
             "300",
             "--first-token-timeout-ms",
             "1000",
@@ -565,12 +568,92 @@ async fn a_worker_stalled_after_its_headers_does_not_hold_the_stream() {
     );
 }
 
+/// A stream whose worker fails before its first token has shown its client nothing yet (its
+/// headers wait for that token): it is tried on another worker, as a worker failing before
+/// its headers is, and the client gets a whole answer; with no worker left, a status, not
+/// a 200 with an error inside. A client that leaves while its headers are held frees its
+/// booking at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_breaks_before_its_first_token_is_retried_elsewhere() {
+    // Round robin: every other request goes to worker 0 first.
+    let f = Fleet::start(injectable_pair(&["--policy", "round_robin"]))
+        .await
+        .unwrap();
+    let broken = serde_json::json!({"end_after_headers": true});
+    for w in 0..2 {
+        f.faults(w, broken.clone()).await.unwrap();
+    }
+    let url = format!("{}/v1/completions", f.url());
+    let r = f
+        .http
+        .call("POST", &url, request(0, 0, true))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(
+        r.body
+            .contains("broke off its stream before the first token"),
+        "{}",
+        r.body
+    );
+    let failed = |scrape: &str| {
+        counter_sum(
+            scrape,
+            "kvroute_proxy_errors_total",
+            "kind=\"stream_failed\"",
+        )
+    };
+    assert_eq!(failed(&f.scrape().await.unwrap()), 2.0);
+    // Worker 1 heals; worker 0's streams are retried there.
+    f.faults(1, serde_json::json!({})).await.unwrap();
+    for i in 1..5 {
+        let r = f
+            .http
+            .call("POST", &url, request(0, i, true))
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert!(!r.body.contains("error"), "{}", r.body);
+        assert!(r.body.contains("data: [DONE]"), "{}", r.body);
+    }
+    assert!(failed(&f.scrape().await.unwrap()) >= 3.0);
+    // Both stall after their headers: the client waits for a token (10 s by default) and
+    // leaves before; its booking goes with it.
+    for w in 0..2 {
+        f.faults(w, serde_json::json!({"stall_after_headers": true}))
+            .await
+            .unwrap();
+    }
+    let waiting = send_raw(&f.url(), &request(0, 9, true)).await.unwrap();
+    assert!(
+        f.until(Duration::from_secs(5), || async {
+            f.open_bookings(0).await.unwrap_or(0) == 1
+        })
+        .await
+    );
+    drop(waiting);
+    assert!(
+        f.until(Duration::from_secs(5), || all_bookings_closed(&f))
+            .await,
+        "the booking outlived its client"
+    );
+    assert!(
+        failed(&f.scrape().await.unwrap()) < 7.0,
+        "the client that left was retried"
+    );
+}
+
 /// A client that leaves before its first token frees its booking at once (not at the
 /// first-token deadline, a minute by default), and a prompt the worker never computed is
 /// no evidence of a hash mismatch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_before_its_first_token_frees_everything_at_once() {
-    let f = faulty_worker(&[], serde_json::json!({"stall_after_headers": true})).await;
+    // Headers after half a second without a token.
+    let f = faulty_worker(
+        &["--worker-timeout-ms", "500"],
+        serde_json::json!({"stall_after_headers": true}),
+    )
+    .await;
     let abandoned = open_stream(&f, 8).await;
     assert_eq!(f.open_bookings(0).await.unwrap(), 1);
     drop(abandoned);
@@ -711,11 +794,17 @@ async fn the_first_token_is_timed_from_the_headers() {
 }
 
 /// Comments before the first token are no token: the first-token deadline still runs from
-/// the headers, and the stream ends with an error event when it passes.
+/// the headers, and the stream ends with an error event when it passes (the client has its
+/// headers after `--worker-timeout-ms`, and the comments from then on).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn comments_before_the_first_token_do_not_extend_its_deadline() {
     let f = faulty_worker(
-        &["--first-token-timeout-ms", "1000"],
+        &[
+            "--first-token-timeout-ms",
+            "1000",
+            "--worker-timeout-ms",
+            "300",
+        ],
         serde_json::json!({"pings_ms": 50, "first_chunk_delay_ms": 20000}),
     )
     .await;
@@ -725,9 +814,11 @@ async fn comments_before_the_first_token_do_not_extend_its_deadline() {
     assert!(rest.contains("data: [DONE]"), "{rest}");
 }
 
-/// A hung engine still answers with headers, then sends nothing: its streams end at the
-/// first-token deadline, and after three in a row it sits out like an unreachable worker
-/// (it looked healthy and idle before, and kept drawing streams).
+/// A hung engine still answers with headers, then sends nothing: its streams fail at the
+/// first-token deadline (within `--worker-timeout-ms`, before the client has its headers,
+/// so they are retried on the other worker and every client gets its answer), and after
+/// three in a row it sits out like an unreachable worker (it looked healthy and idle
+/// before, and kept drawing streams).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_whose_streams_bring_no_token_sits_out() {
     let f = Fleet::start(FleetSpec {
@@ -753,7 +844,6 @@ async fn a_worker_whose_streams_bring_no_token_sits_out() {
         .await
         .unwrap();
     let url = format!("{}/v1/completions", f.url());
-    let mut silent = 0;
     for i in 0..30 {
         let r = f
             .http
@@ -761,15 +851,19 @@ async fn a_worker_whose_streams_bring_no_token_sits_out() {
             .await
             .unwrap();
         assert_eq!(r.status, 200, "{}", r.body);
-        if r.body.contains("sent no token within") {
-            silent += 1;
-        }
+        assert!(!r.body.contains("error"), "{}", r.body);
+        assert!(r.body.contains("data: [DONE]"), "{}", r.body);
     }
-    assert!(
-        (1..=3).contains(&silent),
-        "{silent} streams went to the hung worker"
-    );
     let scrape = f.scrape().await.unwrap();
+    let silent = counter_sum(
+        &scrape,
+        "kvroute_proxy_errors_total",
+        "kind=\"stream_failed\"",
+    );
+    assert!(
+        (1.0..=3.0).contains(&silent),
+        "{silent} streams went to the hung worker\n{scrape}"
+    );
     assert_eq!(
         counter_sum(&scrape, "kvroute_worker_ejections_total", "worker="),
         1.0,

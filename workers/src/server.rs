@@ -106,6 +106,9 @@ pub struct Faults {
     pub pause_publisher: bool,
     /// Answer generate requests with headers, then nothing.
     pub stall_after_headers: bool,
+    /// Answer generate requests with headers, then end the body without a token (an
+    /// engine that died during the prefill).
+    pub end_after_headers: bool,
     /// Answer generate requests with nothing at all (not even headers).
     pub stall_before_headers: bool,
     /// Answer generate requests with this error status (e.g. 429, 503, 400).

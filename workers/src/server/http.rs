@@ -483,12 +483,19 @@ async fn run(state: State, g: Generate) -> Response<Body> {
             let status = StatusCode::from_u16(code).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
             return error(status, "server_error", "fault injected");
         }
-        if f.stall_after_headers {
-            let pending = futures_util::stream::pending::<Result<Frame<Bytes>, Infallible>>();
+        if f.stall_after_headers || f.end_after_headers {
+            use futures_util::future::Either;
+            let nothing = if f.stall_after_headers {
+                Either::Left(futures_util::stream::pending::<
+                    Result<Frame<Bytes>, Infallible>,
+                >())
+            } else {
+                Either::Right(futures_util::stream::empty())
+            };
             return Response::builder()
                 .status(StatusCode::OK)
                 .header(header::CONTENT_TYPE, "text/event-stream")
-                .body(BodyExt::boxed(StreamBody::new(pending)))
+                .body(BodyExt::boxed(StreamBody::new(nothing)))
                 .expect("invariant: static response parts are valid");
         }
     }
