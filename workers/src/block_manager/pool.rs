@@ -31,6 +31,13 @@ pub(super) enum State {
     Inactive,
 }
 
+/// [`Slot::parent_slot`] of a block registered without an indexed parent.
+const NO_SLOT: u32 = u32::MAX;
+
+// A slot fills one cache line (the slot array is a large allocation, which starts on a page
+// boundary): a field more would make most slots straddle two.
+const _: () = assert!(std::mem::size_of::<Slot>() == 64);
+
 #[derive(Clone, Debug)]
 pub(super) struct Slot {
     pub state: State,
@@ -39,8 +46,11 @@ pub(super) struct Slot {
     pub local: LocalHash,
     pub parent: Option<SeqHash>,
     /// The slot `parent` was indexed in when this block was registered: where to look for
-    /// it first (checked before use; it may have moved since).
-    parent_slot: Option<BlockId>,
+    /// it first (checked before use; it may have moved since); [`NO_SLOT`] if none.
+    parent_slot: u32,
+    /// The `by_hash` bucket this block was indexed in: where its entry is taken out from
+    /// when it leaves the index (checked before use; a rehash may have moved it).
+    bucket: u32,
     pub last_used: u64,
     pub hits: u32,
     /// Registered blocks of this tier whose parent this is (while it is indexed).
@@ -62,7 +72,8 @@ impl Slot {
             seq: SeqHash(0),
             local: LocalHash(0),
             parent: None,
-            parent_slot: None,
+            parent_slot: NO_SLOT,
+            bucket: 0,
             last_used: 0,
             hits: 0,
             children: 0,
@@ -152,23 +163,30 @@ impl Pool {
     fn index_slot(&mut self, id: BlockId) -> bool {
         let slots = &self.slots;
         let seq = slots[id.index()].seq;
-        match self.by_hash.entry(
+        let bucket = match self.by_hash.entry(
             hash(seq),
             |&i| slots[i as usize].seq == seq,
             |&i| hash(slots[i as usize].seq),
         ) {
-            Entry::Occupied(_) => false,
-            Entry::Vacant(v) => {
-                v.insert(id.0);
-                true
-            }
-        }
+            Entry::Occupied(_) => return false,
+            Entry::Vacant(v) => v.insert(id.0).bucket_index(),
+        };
+        self.slots[id.index()].bucket = bucket as u32;
+        true
     }
 
-    /// Takes slot `id` (indexed) out of the index.
+    /// Takes slot `id` (indexed) out of the index: at the bucket it was put in, where its
+    /// control byte and its entry load together, instead of a probe whose entry load waits
+    /// for the control bytes' (two cache misses in a row: most of an eviction's time); by
+    /// a probe if a rehash has moved it.
     fn unindex_slot(&mut self, id: BlockId) {
-        let seq = self.slots[id.index()].seq;
-        if let Ok(entry) = self.by_hash.find_entry(hash(seq), |&i| i == id.0) {
+        let slot = &self.slots[id.index()];
+        let (seq, bucket) = (slot.seq, slot.bucket as usize);
+        if let Ok(entry) = self.by_hash.get_bucket_entry(bucket)
+            && *entry.get() == id.0
+        {
+            entry.remove();
+        } else if let Ok(entry) = self.by_hash.find_entry(hash(seq), |&i| i == id.0) {
             entry.remove();
         } else {
             debug_assert!(false, "invariant: {id:?} is indexed");
@@ -291,7 +309,7 @@ impl Pool {
         self.registered += 1;
         if let Some(parent) = parent {
             let found = self.add_child(parent, near);
-            self.slots[id.index()].parent_slot = found;
+            self.slots[id.index()].parent_slot = found.map_or(NO_SLOT, |p| p.0);
         }
         changes.push(Change::Stored {
             tier: self.tier,
@@ -342,7 +360,8 @@ impl Pool {
         self.set_evictable(id, false);
         let slot = &mut self.slots[id.index()];
         debug_assert_eq!(slot.state, State::Inactive);
-        let (seq, parent, near) = (slot.seq, slot.parent, slot.parent_slot);
+        let near = (slot.parent_slot != NO_SLOT).then_some(BlockId(slot.parent_slot));
+        let (seq, parent) = (slot.seq, slot.parent);
         let children = std::mem::take(&mut slot.children);
         self.unindex_slot(id);
         if children > 0 {
