@@ -597,4 +597,32 @@ mod tests {
         assert_eq!(pool.children(c), 0);
         pool.check().unwrap();
     }
+
+    /// An evicted block's entry is taken out where it is, though the index grew (moving
+    /// every entry) after most blocks remembered their buckets.
+    #[test]
+    fn entries_moved_by_a_rehash_are_still_taken_out() {
+        let n = 1000;
+        let mut pool = Pool::new(Tier::Device, n, Box::new(Lru));
+        let mut changes = Vec::new();
+        for i in 0..n as u64 {
+            let id = pool.take_free().unwrap();
+            assert!(pool.register(id, None, None, block(i + 1), i, &mut changes));
+            pool.release(id, i);
+        }
+        let moved = (0..n as u32)
+            .filter(|&i| {
+                pool.by_hash
+                    .get_bucket(pool.slots[i as usize].bucket as usize)
+                    != Some(&i)
+            })
+            .count();
+        assert!(moved > 0, "the index never grew");
+        while let Some(victim) = pool.pop_victim() {
+            pool.evict(victim, &mut changes);
+            assert_eq!(pool.lookup(pool.slot(victim).seq), None);
+        }
+        assert_eq!(pool.by_hash.len(), 0);
+        pool.check().unwrap();
+    }
 }
