@@ -1239,9 +1239,10 @@ async fn complete(
         match outcome {
             Ok(response) => {
                 // Reported once the worker has taken the prompt (a stream's first token, or
-                // its headers held as long as they may be; a whole answer), before the conversation's next turn: a worker that failed or
-                // refused it never computed it, and a guess that it holds it would send
-                // the next turns after a cache hit that is not there.
+                // its headers held as long as they may be; a whole answer), before the
+                // conversation's next turn: a worker that failed or refused it never
+                // computed it, and a guess that it holds it would send the next turns after
+                // a cache hit that is not there.
                 if let Some(sink) = router.decisions.lock().as_ref() {
                     let _ = sink.try_send(RoutedPrompt {
                         key,
@@ -1257,8 +1258,9 @@ async fn complete(
                 }
                 tracing::warn!(worker = %decision.chosen.key.0, error = %e, "worker failed before the client was answered; trying another");
                 failed.push(decision.chosen.key);
-                if e.unreachable() {
-                    // Its other ranks sit behind the same endpoint.
+                if e.unreachable() || matches!(e, ProxyError::StreamFailed { .. }) {
+                    // Its other ranks sit behind the same endpoint (and the same engine), and
+                    // a request counts against a worker's ejection once.
                     failed.extend(router.scheduler.lock().ranks(decision.chosen.key.0));
                 }
                 last_error = Some(e);

@@ -194,7 +194,8 @@ pub enum ProxyError {
         message: String,
     },
     /// A non-streamed answer failed after its success status: its body broke off, was
-    /// over `max_upstream_body_bytes`, or would pass the router's memory budget for bodies.
+    /// over `max_upstream_body_bytes`, or would pass the router's memory budget for bodies
+    /// (so would a stream's first events, while its headers were held back: [`forward`]).
     /// Never tried elsewhere: the worker has generated it (its headers come with the last
     /// token), and another worker would generate it again, likely to fail the same way.
     #[error("worker {worker}: its answer failed after its headers: {source}")]
@@ -226,6 +227,14 @@ pub enum ProxyError {
         /// What the client is told if no other worker serves it.
         message: String,
     },
+    /// A stream's relay task ended without saying whether the client was answered: it
+    /// panicked, and took the in-flight slot and the booking with it. A bug of the
+    /// router's; not tried elsewhere, since a retry would run outside `max_inflight`.
+    #[error("the relay of worker {worker}'s stream ended without a word")]
+    RelayLost {
+        /// The worker.
+        worker: WorkerId,
+    },
 }
 
 impl ProxyError {
@@ -234,7 +243,9 @@ impl ProxyError {
     pub fn retry_elsewhere(&self) -> bool {
         match self {
             ProxyError::Status { status, .. } => worker_side(*status),
-            ProxyError::AnswerTimeout { .. } | ProxyError::Answer { .. } => false,
+            ProxyError::AnswerTimeout { .. }
+            | ProxyError::Answer { .. }
+            | ProxyError::RelayLost { .. } => false,
             // Any other worker would fail the same way.
             _ if self.router_exhausted() => false,
             _ => true,
@@ -268,7 +279,8 @@ impl ProxyError {
             ProxyError::Answer {
                 source: BodyError::OverBudget { .. },
                 ..
-            } => Fault::Router,
+            }
+            | ProxyError::RelayLost { .. } => Fault::Router,
             _ if self.router_exhausted() => Fault::Router,
             _ => Fault::Worker,
         }
@@ -302,6 +314,7 @@ impl ProxyError {
             ProxyError::Answer { .. } => "answer_failed",
             ProxyError::Body { .. } => "body",
             ProxyError::StreamFailed { .. } => "stream_failed",
+            ProxyError::RelayLost { .. } => "relay_lost",
         }
     }
 
@@ -329,6 +342,7 @@ impl ProxyError {
                 message,
                 ..
             } => ApiError::worker_timeout(message.clone()),
+            ProxyError::RelayLost { .. } => ApiError::router_exhausted(self.to_string()),
             _ if self.router_exhausted() => ApiError::router_exhausted(self.to_string()),
             _ => ApiError::unavailable(self.to_string()),
         }
@@ -629,6 +643,7 @@ pub(super) async fn forward(
         started,
         opening: Some(opening),
         open_by: Instant::now() + Duration::from_millis(config.worker_timeout_ms),
+        tokens: false,
     };
     tokio::spawn(relay.run());
     // Dropped with the client's connection meanwhile, this drops `rx`: the relay sees the
@@ -641,20 +656,21 @@ pub(super) async fn forward(
             inflight: slot,
         })) => {
             *inflight = slot;
-            return Err(ProxyError::StreamFailed {
-                worker,
-                end,
-                message,
+            return Err(match end {
+                RelayEnd::OverBudget => ProxyError::Answer {
+                    worker,
+                    source: BodyError::OverBudget {
+                        budget: router.bodies.bytes(),
+                    },
+                },
+                end => ProxyError::StreamFailed {
+                    worker,
+                    end,
+                    message,
+                },
             });
         }
-        // The relay ended without a word: it panicked (its slot and booking went with it).
-        Err(_) => {
-            return Err(ProxyError::StreamFailed {
-                worker,
-                end: RelayEnd::WorkerFailed,
-                message: format!("the relay of worker {worker}'s stream failed"),
-            });
-        }
+        Err(_) => return Err(ProxyError::RelayLost { worker }),
     }
     Ok(builder
         .header(header::CONTENT_TYPE, "text/event-stream")
@@ -794,6 +810,8 @@ struct Relay {
     opening: Option<oneshot::Sender<Result<(), Unopened>>>,
     /// When the headers go to the client without a token.
     open_by: Instant,
+    /// The worker has sent a token.
+    tokens: bool,
 }
 
 /// A stream that failed before its client was answered: why, and the in-flight slot for
@@ -860,25 +878,26 @@ impl Relay {
 
     async fn run(mut self) {
         let end = self.pump().await;
-        let unopened = self.opening.is_some();
         if matches!(end, RelayEnd::NoFirstFrame | RelayEnd::WorkerStalled)
             // Before its first token, a worker whose stream breaks fails as a dead engine
             // does.
-            || (unopened && matches!(end, RelayEnd::WorkerFailed | RelayEnd::Truncated))
+            || (!self.tokens && matches!(end, RelayEnd::WorkerFailed | RelayEnd::Truncated))
         {
             self.reach.failed();
         }
-        if unopened
-            && matches!(
-                end,
-                RelayEnd::WorkerFailed | RelayEnd::NoFirstFrame | RelayEnd::Truncated
-            )
-            && let Some(opening) = self.opening.take()
+        if matches!(
+            end,
+            RelayEnd::WorkerFailed
+                | RelayEnd::NoFirstFrame
+                | RelayEnd::Truncated
+                | RelayEnd::OverBudget
+        ) && let Some(opening) = self.opening.take()
         {
-            // The client has seen nothing: the handler tries another worker.
+            // The client has seen nothing: the handler tries another worker (or, out of
+            // budget, answers with a status).
             let unopened = Unopened {
                 end,
-                message: self.end_message(end, true),
+                message: self.end_message(end, !self.tokens),
                 inflight: self.inflight.take(),
             };
             let _ = opening.send(Err(unopened));
@@ -890,8 +909,7 @@ impl Relay {
                 | RelayEnd::Truncated
                 | RelayEnd::OverBudget
         ) {
-            self.open();
-            let err = ApiError::unavailable(self.end_message(end, false));
+            let err = ApiError::unavailable(self.end_message(end, !self.tokens));
             // A client that reads gets it, behind what it has not read yet; one that has not
             // read for a while does not hold the relay longer than this. Outside the
             // budget: a few hundred bytes, to say why the stream ends.
@@ -949,6 +967,11 @@ impl Relay {
         // relay reads nothing from the worker while a slow client makes it wait).
         let mut quiet_from = Instant::now();
         loop {
+            if self.opening.is_some() && Instant::now() >= self.open_by {
+                // Whatever kept the relay from its frame timeout (waits for room, a proxy's
+                // comments), the client has waited long enough for its headers.
+                self.open();
+            }
             let done = done_by.is_some();
             // The worker's deadline.
             let due = match done_by {
@@ -1054,6 +1077,7 @@ impl Relay {
                 last = now;
                 if first {
                     first = false;
+                    self.tokens = true;
                     self.booking.first_token();
                     self.reach.answered();
                 }

@@ -570,15 +570,20 @@ async fn a_worker_stalled_after_its_headers_does_not_hold_the_stream() {
 
 /// A stream whose worker fails before its first token has shown its client nothing yet (its
 /// headers wait for that token): it is tried on another worker, as a worker failing before
-/// its headers is, and the client gets a whole answer; with no worker left, a status, not
-/// a 200 with an error inside. A client that leaves while its headers are held frees its
-/// booking at once.
+/// its headers is, and the client gets a whole answer; with no worker left, a status (503,
+/// or 504 for no token in time), not a 200 with an error inside. A client that leaves while
+/// its headers are held frees its booking at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_breaks_before_its_first_token_is_retried_elsewhere() {
     // Round robin: every other request goes to worker 0 first.
-    let f = Fleet::start(injectable_pair(&["--policy", "round_robin"]))
-        .await
-        .unwrap();
+    let f = Fleet::start(injectable_pair(&[
+        "--policy",
+        "round_robin",
+        "--first-token-timeout-ms",
+        "2000",
+    ]))
+    .await
+    .unwrap();
     let broken = serde_json::json!({"end_after_headers": true});
     for w in 0..2 {
         f.faults(w, broken.clone()).await.unwrap();
@@ -604,7 +609,26 @@ async fn a_stream_that_breaks_before_its_first_token_is_retried_elsewhere() {
         )
     };
     assert_eq!(failed(&f.scrape().await.unwrap()), 2.0);
-    // Worker 1 heals; worker 0's streams are retried there.
+    // Both hung: no token within the first-token deadline, on either.
+    for w in 0..2 {
+        f.faults(w, serde_json::json!({"first_chunk_delay_ms": 600000}))
+            .await
+            .unwrap();
+    }
+    let r = f
+        .http
+        .call("POST", &url, request(0, 10, true))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 504, "{}", r.body);
+    assert!(
+        r.body.contains("sent no token within 2000 ms"),
+        "{}",
+        r.body
+    );
+    assert_eq!(failed(&f.scrape().await.unwrap()), 4.0);
+    // Worker 0 breaks its streams, worker 1 heals: worker 0's are retried there.
+    f.faults(0, broken).await.unwrap();
     f.faults(1, serde_json::json!({})).await.unwrap();
     for i in 1..5 {
         let r = f
@@ -616,7 +640,7 @@ async fn a_stream_that_breaks_before_its_first_token_is_retried_elsewhere() {
         assert!(!r.body.contains("error"), "{}", r.body);
         assert!(r.body.contains("data: [DONE]"), "{}", r.body);
     }
-    assert!(failed(&f.scrape().await.unwrap()) >= 3.0);
+    assert!(failed(&f.scrape().await.unwrap()) >= 5.0);
     // Both stall after their headers: the client waits for a token (10 s by default) and
     // leaves before; its booking goes with it.
     for w in 0..2 {
@@ -624,6 +648,7 @@ async fn a_stream_that_breaks_before_its_first_token_is_retried_elsewhere() {
             .await
             .unwrap();
     }
+    let before = failed(&f.scrape().await.unwrap());
     let waiting = send_raw(&f.url(), &request(0, 9, true)).await.unwrap();
     assert!(
         f.until(Duration::from_secs(5), || async {
@@ -637,10 +662,7 @@ async fn a_stream_that_breaks_before_its_first_token_is_retried_elsewhere() {
             .await,
         "the booking outlived its client"
     );
-    assert!(
-        failed(&f.scrape().await.unwrap()) < 7.0,
-        "the client that left was retried"
-    );
+    assert_eq!(failed(&f.scrape().await.unwrap()), before);
 }
 
 /// A client that leaves before its first token frees its booking at once (not at the
@@ -827,7 +849,7 @@ async fn a_worker_whose_streams_bring_no_token_sits_out() {
             "--eject-ms".into(),
             "600000".into(),
             "--first-token-timeout-ms".into(),
-            "300".into(),
+            "1000".into(),
         ],
         workers: vec![
             WorkerSpec {
