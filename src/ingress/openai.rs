@@ -148,12 +148,40 @@ pub struct CompletionRequest {
     /// the same salt share them.
     #[serde(default)]
     pub cache_salt: Option<String>,
+    /// vLLM's `truncate_prompt_tokens`: keep only the prompt's last this many tokens
+    /// ([`truncate_prompt`]).
+    #[serde(default)]
+    pub truncate_prompt_tokens: Option<i64>,
 }
 
 impl CompletionRequest {
     /// Tokens to generate per sequence.
     pub fn max_tokens(&self) -> u32 {
         self.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS)
+    }
+}
+
+/// Applies vLLM's `truncate_prompt_tokens` to a prompt's tokens, as the engine will before
+/// computing it, so that the router hashes, books and routes what the engine caches. vLLM
+/// (its renderer's `TokenizeParams`, text and token prompts alike) keeps the last `k` tokens
+/// of a longer prompt, as a generating model's tokenizer truncates on the left (vLLM loads
+/// it with `truncation_side="left"`); -1 means its context length less `max_tokens`, which
+/// the router does not know: the prompt is hashed whole, and only a prompt longer than that
+/// is routed on blocks the engine will not keep. Below -1 is refused, as vLLM's request
+/// model (`ge=-1`) refuses it.
+pub fn truncate_prompt(tokens: &mut Vec<u32>, keep: Option<i64>) -> Result<(), ApiError> {
+    match keep {
+        None | Some(-1) => Ok(()),
+        Some(k) if k < -1 => Err(ApiError::bad_request(format!(
+            "truncate_prompt_tokens must be at least -1, not {k}"
+        ))),
+        Some(k) => {
+            let keep = usize::try_from(k).unwrap_or(usize::MAX);
+            if keep < tokens.len() {
+                tokens.drain(..tokens.len() - keep);
+            }
+            Ok(())
+        }
     }
 }
 
@@ -466,6 +494,9 @@ pub struct ChatRequest {
     /// vLLM's `cache_salt`: the prompt's blocks are salted with it.
     #[serde(default)]
     pub cache_salt: Option<String>,
+    /// vLLM's `truncate_prompt_tokens` ([`truncate_prompt`]).
+    #[serde(default)]
+    pub truncate_prompt_tokens: Option<i64>,
 }
 
 impl ChatRequest {

@@ -263,10 +263,6 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
     }
 }
 
-/// A template that refuses the conversation cut before its first image (Llama 3.x's "no
-/// first user message" with a lone system turn) does not get the request refused: the
-/// engine renders the whole conversation, which the template takes; the router routes it
-/// without a prefix.
 /// `stream_options` naming any option is refused without `stream: true`, as vLLM refuses it
 /// (400, its message), on chat and completions alike; null and `{}` pass, as in vLLM.
 #[test]
@@ -312,6 +308,54 @@ fn stream_options_without_stream_are_refused_as_vllm_refuses_them() {
     }
 }
 
+/// `truncate_prompt_tokens` cuts the prompt to its last tokens before it is hashed, as vLLM
+/// cuts it before computing it (text and token prompts, completions and chats); -1 leaves
+/// it whole (the engine's context length is not known here); below -1 is refused.
+#[test]
+fn truncated_prompts_are_hashed_as_the_engine_keeps_them() {
+    let t = Tokenizer::Bytes;
+    let tokens = |body: &str, chat: bool| parse(&t, body.as_bytes(), chat).map(|p| p.tokens);
+    let whole = tokens(r#"{"model":"m","prompt":"abcdef"}"#, false).unwrap();
+    assert_eq!(whole.len(), 6);
+    let cut = tokens(
+        r#"{"model":"m","prompt":"abcdef","truncate_prompt_tokens":4}"#,
+        false,
+    );
+    assert_eq!(cut.unwrap(), whole[2..]);
+    let ids = tokens(
+        r#"{"model":"m","prompt":[1,2,3,4,5],"truncate_prompt_tokens":2}"#,
+        false,
+    );
+    assert_eq!(ids.unwrap(), [4, 5]);
+    for keep in ["-1", "6", "100", "null"] {
+        let body = format!(r#"{{"model":"m","prompt":"abcdef","truncate_prompt_tokens":{keep}}}"#);
+        assert_eq!(tokens(&body, false).unwrap(), whole, "{keep}");
+    }
+    let chat = |keep: &str| {
+        let body = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"hello"}}],"truncate_prompt_tokens":{keep}}}"#
+        );
+        tokens(&body, true)
+    };
+    let rendered = chat("null").unwrap();
+    assert_eq!(chat("3").unwrap(), rendered[rendered.len() - 3..]);
+    let e = tokens(
+        r#"{"model":"m","prompt":"abc","truncate_prompt_tokens":-2}"#,
+        false,
+    )
+    .unwrap_err();
+    assert_eq!(e.status, 400, "{}", e.message);
+    assert!(
+        e.message.contains("truncate_prompt_tokens"),
+        "{}",
+        e.message
+    );
+}
+
+/// A template that refuses the conversation cut before its first image (Llama 3.x's "no
+/// first user message" with a lone system turn) does not get the request refused: the
+/// engine renders the whole conversation, which the template takes; the router routes it
+/// without a prefix.
 #[test]
 fn a_template_refusing_the_text_before_an_image_does_not_refuse_the_request() {
     let dir = std::env::temp_dir().join(format!("kvroute-media-tpl-{}", std::process::id()));

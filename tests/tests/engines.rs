@@ -480,6 +480,55 @@ async fn a_router_tokenizer_unlike_the_engine_s_raises_the_hash_mismatch_alarm()
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A prompt cut by vLLM's `truncate_prompt_tokens` is hashed as the engine keeps it (its
+/// last tokens): the blocks the router routed on show up in the engine's events (hashing
+/// the whole prompt, none would, and the hash-mismatch alarm would ring), and the engine
+/// counts the kept tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_truncated_prompt_is_routed_on_the_blocks_the_engine_keeps() {
+    let http = Http::default();
+    let engine = engine("vllm");
+    let (_router, url, admin) = direct_router(&[engine.backend()], &[]).unwrap();
+    wait_routable(&http, &url).await;
+    for i in 0..16 {
+        let body = serde_json::json!({
+            "model": MODEL,
+            "prompt": format!("{} question {i}", "a long shared preamble ".repeat(40)),
+            "max_tokens": 2,
+            "truncate_prompt_tokens": 100,
+        });
+        let r = http
+            .call("POST", &format!("{url}/v1/completions"), body.to_string())
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+        assert_eq!(v["usage"]["prompt_tokens"], 100, "{v}");
+    }
+    // Judged two seconds after each answer.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let status = loop {
+        let r = http
+            .call("GET", &format!("{admin}/admin/workers"), "")
+            .await
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+        let w = v["workers"][0].clone();
+        let judged = w["routed_blocks_seen"].as_u64().unwrap_or(0)
+            + w["routed_blocks_missing"].as_u64().unwrap_or(0);
+        if judged >= 16 {
+            break w;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "not judged: {w}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(status["hash_mismatch"], false, "{status}");
+    assert!(
+        status["routed_blocks_seen"].as_u64().unwrap() >= 14,
+        "{status}"
+    );
+}
+
 /// An engine started with an API key (vLLM's `--api-key`) is reached by a router given it
 /// (`--engine-api-key`: its requests and its bridge's `/v1/models` carry it); a router
 /// without it answers 503 naming the engine's refusal.

@@ -231,8 +231,10 @@ async fn tokenize(
 /// `/v1/completions` and `/v1/chat/completions` with text, tokenized as the router does
 /// (same tokenizer options), so any OpenAI client or other router can drive the worker.
 async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Response<Body> {
-    use kvroute::ingress::openai::{ChatRequest, CompletionRequest, Prompt, check_stream_options};
-    let (model, token_ids, max_tokens, n, stream, options, cache_salt) = if chat {
+    use kvroute::ingress::openai::{
+        ChatRequest, CompletionRequest, Prompt, check_stream_options, truncate_prompt,
+    };
+    let (model, mut token_ids, max_tokens, n, stream, options, cache_salt, truncate) = if chat {
         match read_json::<ChatRequest>(&state, req).await {
             Ok(r) if r.messages.iter().any(|m| m.media) => {
                 return bad_request(
@@ -255,6 +257,7 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                         r.stream,
                         r.stream_options,
                         r.cache_salt.take(),
+                        r.truncate_prompt_tokens,
                     ),
                     Err(response) => return response,
                 }
@@ -291,6 +294,7 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                     r.stream,
                     r.stream_options,
                     r.cache_salt,
+                    r.truncate_prompt_tokens,
                 )
             }
             Err(response) => return response,
@@ -305,6 +309,10 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
         .is_some_and(|e| e.adapters.contains(&model));
     if cache_salt.as_deref() == Some("") {
         return bad_request("cache_salt must be a non-empty string if provided");
+    }
+    // As vLLM keeps them (and the router hashes them).
+    if let Err(e) = truncate_prompt(&mut token_ids, truncate) {
+        return bad_request(&e.message);
     }
     let salt =
         kvroute::engines::engine_salt(adapter.then_some(model.as_str()), cache_salt.as_deref()).0;
