@@ -145,10 +145,33 @@ fn token_text(v: Option<serde_json::Value>) -> String {
     }
 }
 
+/// The template of a multimodal model's processor, from `chat_template.json` beside the
+/// tokenizer (`{"chat_template": "…"}`, as transformers' processors save it), if there is
+/// one.
+fn processor_template(tokenizer: &Path) -> Result<Option<String>, String> {
+    let file = tokenizer.with_file_name("chat_template.json");
+    let text = match std::fs::read_to_string(&file) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("{}: {e}", file.display())),
+    };
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", file.display()))?;
+    match value.get("chat_template") {
+        Some(serde_json::Value::String(template)) => Ok(Some(template.clone())),
+        _ => Err(format!(
+            "{}: no \"chat_template\" string in it",
+            file.display()
+        )),
+    }
+}
+
 impl Tokenizer {
     /// Loads `tokenizer.json` and, if present beside it, `tokenizer_config.json` and
     /// `chat_template.jinja` (where recent transformers save the template; it wins over
-    /// the config's, as in transformers).
+    /// the config's, as in transformers), else `chat_template.json` (a multimodal model's
+    /// processor template, which vLLM prefers to the tokenizer's for requests without
+    /// tools).
     pub fn load(path: &Path) -> Result<Tokenizer, TokenizerError> {
         Tokenizer::load_with(path, None)
     }
@@ -203,7 +226,16 @@ impl Tokenizer {
                 match std::fs::read_to_string(&file) {
                     Ok(source) => (Some(source), None),
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                        (named("default"), named("tool_use"))
+                        match processor_template(path).map_err(err)? {
+                            // vLLM's order (`resolve_chat_template`): the processor's
+                            // template, unless the request has tools; then the tokenizer's
+                            // (`get_chat_template`: its `tool_use`, else its `default`).
+                            Some(processor) => (
+                                Some(processor),
+                                named("tool_use").or_else(|| named("default")),
+                            ),
+                            None => (named("default"), named("tool_use")),
+                        }
                     }
                     Err(e) => return Err(err(format!("{}: {e}", file.display()))),
                 }
@@ -1103,6 +1135,42 @@ mod tests {
         let t = Tokenizer::load_with(&dir.join("tokenizer.json"), Some(&dir.join("mine.jinja")))
             .unwrap();
         assert_eq!(t.render(&two, &ChatOptions::default()).unwrap(), "mine:hi");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// A multimodal model's processor template (`chat_template.json`) renders requests
+    /// without tools, the tokenizer's those with tools, as vLLM picks them;
+    /// `chat_template.jinja` wins over both; a `chat_template.json` without a template
+    /// string is refused at load.
+    #[test]
+    fn a_processor_template_serves_requests_without_tools() {
+        let (dir, _) = with_config(
+            "processor",
+            serde_json::json!({"chat_template": "tokenizer:{{ messages | length }}"}),
+        );
+        std::fs::write(
+            dir.join("chat_template.json"),
+            serde_json::json!({"chat_template": "processor:{{ messages | length }}"}).to_string(),
+        )
+        .unwrap();
+        let t = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
+        let one = [ChatMessage::text("user", "hi")];
+        assert_eq!(
+            t.render(&one, &ChatOptions::default()).unwrap(),
+            "processor:1"
+        );
+        let tools = ChatOptions {
+            tools: Some(serde_json::json!([{"type": "function", "function": {"name": "f"}}])),
+            ..ChatOptions::default()
+        };
+        assert_eq!(t.render(&one, &tools).unwrap(), "tokenizer:1");
+        std::fs::write(dir.join("chat_template.jinja"), "file").unwrap();
+        let t = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
+        assert_eq!(t.render(&one, &ChatOptions::default()).unwrap(), "file");
+        std::fs::remove_file(dir.join("chat_template.jinja")).unwrap();
+        std::fs::write(dir.join("chat_template.json"), "{}").unwrap();
+        let e = Tokenizer::load(&dir.join("tokenizer.json")).err().unwrap();
+        assert!(e.to_string().contains("chat_template.json"), "{e}");
         std::fs::remove_dir_all(&dir).ok();
     }
 
