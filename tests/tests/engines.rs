@@ -420,6 +420,27 @@ async fn the_ingest_follows_a_libzmq_publisher_exactly() {
 /// The hash-mismatch alarm: a router whose tokenizer is not the engine's routes prompts
 /// whose blocks never show up in the engine's events; `/admin/workers` says so. With the
 /// engine's own tokenizer (bytes, as the test engine uses) it stays down.
+/// The first worker of router `admin` once at least `blocks` routed blocks have been judged
+/// (looked for in its events, two seconds after each answer).
+async fn judged(http: &Http, admin: &str, blocks: u64) -> serde_json::Value {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let r = http
+            .call("GET", &format!("{admin}/admin/workers"), "")
+            .await
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+        let w = v["workers"][0].clone();
+        let seen = w["routed_blocks_seen"].as_u64().unwrap_or(0)
+            + w["routed_blocks_missing"].as_u64().unwrap_or(0);
+        if seen >= blocks {
+            return w;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "not judged: {w}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_tokenizer_unlike_the_engine_s_raises_the_hash_mismatch_alarm() {
     let http = Http::default();
@@ -448,23 +469,7 @@ async fn a_router_tokenizer_unlike_the_engine_s_raises_the_hash_mismatch_alarm()
         let (_router, url, admin) = direct_router(&[engine.backend()], &extra).unwrap();
         wait_routable(&http, &url).await;
         conversations(&http, &url, 4, 4).await;
-        // Judged two seconds after each answer.
-        let deadline = tokio::time::Instant::now() + WAIT;
-        let status = loop {
-            let r = http
-                .call("GET", &format!("{admin}/admin/workers"), "")
-                .await
-                .unwrap();
-            let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
-            let w = v["workers"][0].clone();
-            let judged = w["routed_blocks_seen"].as_u64().unwrap_or(0)
-                + w["routed_blocks_missing"].as_u64().unwrap_or(0);
-            if judged >= 16 {
-                break w;
-            }
-            assert!(tokio::time::Instant::now() < deadline, "not judged: {w}");
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        };
+        let status = judged(&http, &admin, 16).await;
         assert_eq!(
             status["hash_mismatch"], wrong,
             "wrong tokenizer: {wrong}: {status}"
@@ -505,23 +510,7 @@ async fn a_truncated_prompt_is_routed_on_the_blocks_the_engine_keeps() {
         let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
         assert_eq!(v["usage"]["prompt_tokens"], 100, "{v}");
     }
-    // Judged two seconds after each answer.
-    let deadline = tokio::time::Instant::now() + WAIT;
-    let status = loop {
-        let r = http
-            .call("GET", &format!("{admin}/admin/workers"), "")
-            .await
-            .unwrap();
-        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
-        let w = v["workers"][0].clone();
-        let judged = w["routed_blocks_seen"].as_u64().unwrap_or(0)
-            + w["routed_blocks_missing"].as_u64().unwrap_or(0);
-        if judged >= 16 {
-            break w;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "not judged: {w}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let status = judged(&http, &admin, 16).await;
     assert_eq!(status["hash_mismatch"], false, "{status}");
     assert!(
         status["routed_blocks_seen"].as_u64().unwrap() >= 14,
