@@ -913,9 +913,13 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
         // the first message that has them (its own rendering is a prefix of the whole one's),
         // and forward the request as it came.
         let media_at = r.messages.iter().position(|m| m.media);
-        let mut tokens = match media_at {
+        let keep = openai::prompt_keep(r.truncate_prompt_tokens)?;
+        let tokens = match media_at {
+            // The engine cuts the whole rendering, media tokens included, which the router
+            // cannot count: no prefix of the cut one is known.
+            Some(_) if keep.is_some() => Vec::new(),
             None => tokenizer
-                .encode_chat(&r.messages, &options)
+                .encode_chat_within(&r.messages, &options, keep)
                 .map_err(|e| ApiError::bad_request(e.to_string()))?,
             Some(0) => Vec::new(),
             // A template may refuse the shortened conversation (a system turn with no user
@@ -935,12 +939,6 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
                 })
                 .unwrap_or_default(),
         };
-        openai::truncate_prompt(&mut tokens, r.truncate_prompt_tokens)?;
-        if media_at.is_some() && matches!(r.truncate_prompt_tokens, Some(k) if k >= 0) {
-            // The engine cuts the whole rendering, media tokens included, which the router
-            // cannot count: no prefix of the cut one is known.
-            tokens.clear();
-        }
         Parsed {
             media: media_at.is_some(),
             max_tokens: r.max_tokens(),
@@ -957,14 +955,17 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
         let r: CompletionRequest = serde_json::from_slice(body).map_err(invalid)?;
         openai::check_stream_options(r.stream, r.stream_options)?;
         let max_tokens = Some(r.max_tokens());
-        let mut tokens = match r.prompt {
+        let keep = openai::prompt_keep(r.truncate_prompt_tokens)?;
+        let tokens = match r.prompt {
             Prompt::Text(t) => tokenizer
-                .encode(&t, r.add_special_tokens.unwrap_or(true))
+                .encode_within(&t, r.add_special_tokens.unwrap_or(true), keep)
                 .map_err(|e| ApiError::bad_request(e.to_string()))?,
-            Prompt::Tokens(t) => t,
+            Prompt::Tokens(mut t) => {
+                tokenizer::keep_last(&mut t, keep);
+                t
+            }
             Prompt::Batch(n) => return Err(ApiError::prompt_batch(n)),
         };
-        openai::truncate_prompt(&mut tokens, r.truncate_prompt_tokens)?;
         Parsed {
             media: false,
             model: r.model,

@@ -149,7 +149,7 @@ pub struct CompletionRequest {
     #[serde(default)]
     pub cache_salt: Option<String>,
     /// vLLM's `truncate_prompt_tokens`: keep only the prompt's last this many tokens
-    /// ([`truncate_prompt`]).
+    /// ([`prompt_keep`]).
     #[serde(default)]
     pub truncate_prompt_tokens: Option<i64>,
 }
@@ -161,27 +161,22 @@ impl CompletionRequest {
     }
 }
 
-/// Applies vLLM's `truncate_prompt_tokens` to a prompt's tokens, as the engine will before
-/// computing it, so that the router hashes, books and routes what the engine caches. vLLM
-/// (its renderer's `TokenizeParams`, text and token prompts alike) keeps the last `k` tokens
-/// of a longer prompt, as a generating model's tokenizer truncates on the left (vLLM loads
-/// it with `truncation_side="left"`); -1 means its context length less `max_tokens`, which
-/// the router does not know: the prompt is hashed whole, and only a prompt longer than that
-/// is routed on blocks the engine will not keep. Below -1 is refused, as vLLM's request
-/// model (`ge=-1`) refuses it.
-pub fn truncate_prompt(tokens: &mut Vec<u32>, keep: Option<i64>) -> Result<(), ApiError> {
-    match keep {
-        None | Some(-1) => Ok(()),
-        Some(k) if k < -1 => Err(ApiError::bad_request(format!(
-            "truncate_prompt_tokens must be at least -1, not {k}"
+/// How many of a prompt's tokens vLLM keeps for a request's `truncate_prompt_tokens`, so
+/// that the router hashes, books and routes what the engine caches: the last `k` (its
+/// renderer's `TokenizeParams`, text and token prompts alike; a generating model's tokenizer
+/// truncates on the left, vLLM loads it with `truncation_side="left"`; see
+/// [`Tokenizer::encode_within`](super::tokenizer::Tokenizer::encode_within) for the special
+/// tokens). `None` keeps them all: absent, or -1, which means the engine's context length
+/// less `max_tokens`, which the router does not know (only a prompt longer than that is then
+/// routed on blocks the engine will not keep). Below -1 is refused, as vLLM's request model
+/// (`ge=-1`) refuses it, and 0, which leaves no prompt.
+pub fn prompt_keep(truncate_prompt_tokens: Option<i64>) -> Result<Option<usize>, ApiError> {
+    match truncate_prompt_tokens {
+        None | Some(-1) => Ok(None),
+        Some(k) if k < 1 => Err(ApiError::bad_request(format!(
+            "truncate_prompt_tokens must be -1 or at least 1, not {k}"
         ))),
-        Some(k) => {
-            let keep = usize::try_from(k).unwrap_or(usize::MAX);
-            if keep < tokens.len() {
-                tokens.drain(..tokens.len() - keep);
-            }
-            Ok(())
-        }
+        Some(k) => Ok(Some(usize::try_from(k).unwrap_or(usize::MAX))),
     }
 }
 
@@ -494,7 +489,7 @@ pub struct ChatRequest {
     /// vLLM's `cache_salt`: the prompt's blocks are salted with it.
     #[serde(default)]
     pub cache_salt: Option<String>,
-    /// vLLM's `truncate_prompt_tokens` ([`truncate_prompt`]).
+    /// vLLM's `truncate_prompt_tokens` ([`prompt_keep`]).
     #[serde(default)]
     pub truncate_prompt_tokens: Option<i64>,
 }

@@ -865,7 +865,24 @@ impl Relay {
     /// worker's deadlines move.
     async fn room(&mut self, bytes: usize, deadline: Instant) -> Result<Duration, RelayEnd> {
         let from = Instant::now();
-        make_room(&self.tx, &self.bodies, &mut self.held, bytes, deadline).await?;
+        if self.opening.is_some() {
+            // The client's headers go at `open_by`, however long the wait for room.
+            let room = tokio::select! {
+                room = make_room(&self.tx, &self.bodies, &mut self.held, bytes, deadline) => {
+                    Some(room)
+                }
+                () = tokio::time::sleep_until(self.open_by) => None,
+            };
+            match room {
+                Some(room) => room?,
+                None => {
+                    self.open();
+                    make_room(&self.tx, &self.bodies, &mut self.held, bytes, deadline).await?;
+                }
+            }
+        } else {
+            make_room(&self.tx, &self.bodies, &mut self.held, bytes, deadline).await?;
+        }
         Ok(from.elapsed())
     }
 
@@ -1013,6 +1030,7 @@ impl Relay {
                     let whole = holds_done(&rest);
                     let share = self.held.split_off(0);
                     if carries_data(&rest) {
+                        self.tokens = true;
                         self.open();
                     }
                     if !rest.is_empty()

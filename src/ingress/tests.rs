@@ -310,7 +310,7 @@ fn stream_options_without_stream_are_refused_as_vllm_refuses_them() {
 
 /// `truncate_prompt_tokens` cuts the prompt to its last tokens before it is hashed, as vLLM
 /// cuts it before computing it (text and token prompts, completions and chats); -1 leaves
-/// it whole (the engine's context length is not known here); below -1 is refused.
+/// it whole (the engine's context length is not known here); 0 and below -1 are refused.
 #[test]
 fn truncated_prompts_are_hashed_as_the_engine_keeps_them() {
     let t = Tokenizer::Bytes;
@@ -339,17 +339,16 @@ fn truncated_prompts_are_hashed_as_the_engine_keeps_them() {
     };
     let rendered = chat("null").unwrap();
     assert_eq!(chat("3").unwrap(), rendered[rendered.len() - 3..]);
-    let e = tokens(
-        r#"{"model":"m","prompt":"abc","truncate_prompt_tokens":-2}"#,
-        false,
-    )
-    .unwrap_err();
-    assert_eq!(e.status, 400, "{}", e.message);
-    assert!(
-        e.message.contains("truncate_prompt_tokens"),
-        "{}",
-        e.message
-    );
+    for bad in ["-2", "0"] {
+        let body = format!(r#"{{"model":"m","prompt":"abc","truncate_prompt_tokens":{bad}}}"#);
+        let e = tokens(&body, false).unwrap_err();
+        assert_eq!(e.status, 400, "{}", e.message);
+        assert!(
+            e.message.contains("truncate_prompt_tokens"),
+            "{}",
+            e.message
+        );
+    }
 }
 
 /// A template that refuses the conversation cut before its first image (Llama 3.x's "no

@@ -145,6 +145,16 @@ fn token_text(v: Option<serde_json::Value>) -> String {
     }
 }
 
+/// Keeps the last `keep` of `tokens` (all if `None`): vLLM's `truncate_prompt_tokens` on a
+/// prompt given as token ids.
+pub fn keep_last(tokens: &mut Vec<u32>, keep: Option<usize>) {
+    if let Some(keep) = keep
+        && keep < tokens.len()
+    {
+        tokens.drain(..tokens.len() - keep);
+    }
+}
+
 /// The template of a multimodal model's processor, from `chat_template.json` beside the
 /// tokenizer (`{"chat_template": "…"}`, as transformers' processors save it), if there is
 /// one.
@@ -309,15 +319,53 @@ impl Tokenizer {
     /// Token ids of a prompt; with `add_special_tokens`, the tokenizer's own (BOS) added as
     /// its post-processor says.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_within(text, add_special_tokens, None)
+    }
+
+    /// As [`Tokenizer::encode`], keeping at most `keep` tokens as vLLM does for a request's
+    /// `truncate_prompt_tokens`: it has the tokenizer truncate on the left (a generating
+    /// model's `truncation_side`), and Hugging Face's tokenizers cut the text's tokens before
+    /// adding the special ones, leaving room for them: a Llama-style tokenizer keeps its BOS
+    /// and the last `keep - 1` tokens of the text (`TokenizerImpl::post_process`).
+    pub fn encode_within(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        keep: Option<usize>,
+    ) -> Result<Vec<u32>, TokenizerError> {
+        let failed = |e: tokenizers::Error| TokenizerError::Encode {
+            reason: e.to_string(),
+        };
         match self {
-            Tokenizer::Bytes => Ok(byte_tokens(text)),
-            Tokenizer::Hf(hf) => hf
-                .tokenizer
-                .encode(text, add_special_tokens)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| TokenizerError::Encode {
-                    reason: e.to_string(),
-                }),
+            Tokenizer::Bytes => {
+                let mut tokens = byte_tokens(text);
+                keep_last(&mut tokens, keep);
+                Ok(tokens)
+            }
+            Tokenizer::Hf(hf) => {
+                let tokenizer = &hf.tokenizer;
+                let encoding = match keep {
+                    None => tokenizer.encode(text, add_special_tokens).map_err(failed)?,
+                    Some(keep) => {
+                        let mut text_only = tokenizer.encode(text, false).map_err(failed)?;
+                        let added = match tokenizer.get_post_processor() {
+                            Some(p) if add_special_tokens => {
+                                tokenizers::PostProcessor::added_tokens(p, false)
+                            }
+                            _ => 0,
+                        };
+                        text_only.truncate(
+                            keep.saturating_sub(added),
+                            0,
+                            tokenizers::TruncationDirection::Left,
+                        );
+                        tokenizer
+                            .post_process(text_only, None, add_special_tokens)
+                            .map_err(failed)?
+                    }
+                };
+                Ok(encoding.get_ids().to_vec())
+            }
         }
     }
 
@@ -331,8 +379,19 @@ impl Tokenizer {
         messages: &[ChatMessage],
         options: &ChatOptions,
     ) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_chat_within(messages, options, None)
+    }
+
+    /// As [`Tokenizer::encode_chat`], keeping at most `keep` tokens as
+    /// [`Tokenizer::encode_within`] does.
+    pub fn encode_chat_within(
+        &self,
+        messages: &[ChatMessage],
+        options: &ChatOptions,
+        keep: Option<usize>,
+    ) -> Result<Vec<u32>, TokenizerError> {
         let text = self.render(messages, options)?;
-        self.encode(&text, options.add_special_tokens)
+        self.encode_within(&text, options.add_special_tokens, keep)
     }
 
     /// The chat's text as the template renders it ([`Tokenizer::encode_chat`] tokenizes it).
@@ -791,6 +850,29 @@ mod tests {
         };
         std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
         path
+    }
+
+    /// `truncate_prompt_tokens` cuts as Hugging Face's tokenizers cut for vLLM: the text's
+    /// tokens on the left, with room left for the special tokens, which are added after
+    /// (Llama's BOS stays first); without special tokens, the last `keep`.
+    #[test]
+    fn a_cut_prompt_keeps_its_special_tokens() {
+        let dir = std::env::temp_dir().join(format!("kvroute-tok-cut-{}", std::process::id()));
+        let t = Tokenizer::load(&write_tokenizer(&dir, false)).unwrap();
+        let text = "hello world world hello";
+        assert_eq!(t.encode(text, true).unwrap(), [6, 1, 2, 2, 1]);
+        assert_eq!(t.encode_within(text, true, Some(3)).unwrap(), [6, 2, 1]);
+        assert_eq!(t.encode_within(text, false, Some(3)).unwrap(), [2, 2, 1]);
+        assert_eq!(t.encode_within(text, true, Some(1)).unwrap(), [6]);
+        assert_eq!(
+            t.encode_within(text, true, Some(5)).unwrap(),
+            [6, 1, 2, 2, 1]
+        );
+        assert_eq!(
+            t.encode_within(text, true, Some(100)).unwrap(),
+            [6, 1, 2, 2, 1]
+        );
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]

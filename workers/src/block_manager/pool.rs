@@ -34,11 +34,11 @@ pub(super) enum State {
 /// [`Slot::parent_slot`] of a block registered without an indexed parent.
 const NO_SLOT: u32 = u32::MAX;
 
-// A slot fills one cache line (the slot array is a large allocation, which starts on a page
-// boundary): a field more would make most slots straddle two.
+// A slot is one cache line, aligned to one: a field more would make each take two.
 const _: () = assert!(std::mem::size_of::<Slot>() == 64);
 
 #[derive(Clone, Debug)]
+#[repr(align(64))]
 pub(super) struct Slot {
     pub state: State,
     pub refs: u32,
@@ -619,8 +619,10 @@ mod tests {
             .count();
         assert!(moved > 0, "the index never grew");
         while let Some(victim) = pool.pop_victim() {
+            let seq = pool.slot(victim).seq;
+            assert_eq!(pool.lookup(seq), Some(victim));
             pool.evict(victim, &mut changes);
-            assert_eq!(pool.lookup(pool.slot(victim).seq), None);
+            assert_eq!(pool.lookup(seq), None);
         }
         assert_eq!(pool.by_hash.len(), 0);
         pool.check().unwrap();

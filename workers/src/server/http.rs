@@ -232,9 +232,9 @@ async fn tokenize(
 /// (same tokenizer options), so any OpenAI client or other router can drive the worker.
 async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Response<Body> {
     use kvroute::ingress::openai::{
-        ChatRequest, CompletionRequest, Prompt, check_stream_options, truncate_prompt,
+        ChatRequest, CompletionRequest, Prompt, check_stream_options, prompt_keep,
     };
-    let (model, mut token_ids, max_tokens, n, stream, options, cache_salt, truncate) = if chat {
+    let (model, token_ids, max_tokens, n, stream, options, cache_salt) = if chat {
         match read_json::<ChatRequest>(&state, req).await {
             Ok(r) if r.messages.iter().any(|m| m.media) => {
                 return bad_request(
@@ -245,9 +245,16 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                 if let Err(e) = check_stream_options(r.stream, r.stream_options) {
                     return bad_request(&e.message);
                 }
+                // Cut as vLLM cuts it (and the router hashes it).
+                let keep = match prompt_keep(r.truncate_prompt_tokens) {
+                    Ok(keep) => keep,
+                    Err(e) => return bad_request(&e.message),
+                };
                 let chat_options = r.take_options();
                 let messages = std::mem::take(&mut r.messages);
-                let encoded = tokenize(&state, move |t| t.encode_chat(&messages, &chat_options));
+                let encoded = tokenize(&state, move |t| {
+                    t.encode_chat_within(&messages, &chat_options, keep)
+                });
                 match encoded.await {
                     Ok(tokens) => (
                         std::mem::take(&mut r.model),
@@ -257,7 +264,6 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                         r.stream,
                         r.stream_options,
                         r.cache_salt.take(),
-                        r.truncate_prompt_tokens,
                     ),
                     Err(response) => return response,
                 }
@@ -272,14 +278,23 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                 }
                 let max_tokens = r.max_tokens();
                 let special = r.add_special_tokens.unwrap_or(true);
+                let keep = match prompt_keep(r.truncate_prompt_tokens) {
+                    Ok(keep) => keep,
+                    Err(e) => return bad_request(&e.message),
+                };
                 let tokens = match r.prompt {
                     Prompt::Text(text) => {
-                        match tokenize(&state, move |t| t.encode(&text, special)).await {
+                        let encoded =
+                            tokenize(&state, move |t| t.encode_within(&text, special, keep));
+                        match encoded.await {
                             Ok(tokens) => tokens,
                             Err(response) => return response,
                         }
                     }
-                    Prompt::Tokens(t) => t,
+                    Prompt::Tokens(mut t) => {
+                        kvroute::ingress::tokenizer::keep_last(&mut t, keep);
+                        t
+                    }
                     Prompt::Batch(n) => {
                         return bad_request(&format!(
                             "a prompt list of {n} prompts: this engine takes one prompt per request"
@@ -294,7 +309,6 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                     r.stream,
                     r.stream_options,
                     r.cache_salt,
-                    r.truncate_prompt_tokens,
                 )
             }
             Err(response) => return response,
@@ -309,10 +323,6 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
         .is_some_and(|e| e.adapters.contains(&model));
     if cache_salt.as_deref() == Some("") {
         return bad_request("cache_salt must be a non-empty string if provided");
-    }
-    // As vLLM keeps them (and the router hashes them).
-    if let Err(e) = truncate_prompt(&mut token_ids, truncate) {
-        return bad_request(&e.message);
     }
     let salt =
         kvroute::engines::engine_salt(adapter.then_some(model.as_str()), cache_salt.as_deref()).0;
