@@ -47,12 +47,18 @@ async fn online_replay_measures_a_live_router() {
     assert_eq!(router.decisions.stats.decisions, 30);
 }
 
-/// A worker that fails after its 200 (here: headers, then nothing until the router's
-/// first-token deadline sends an error event) is a failure, not a fast TTFT.
+/// A worker that fails after its 200 (here: headers, which the router passes on after
+/// `--worker-timeout-ms` without a token, then nothing until its first-token deadline sends
+/// an error event) is a failure, not a fast TTFT.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_that_fail_after_their_headers_are_failures() {
     let f = Fleet::start(FleetSpec {
-        router_args: vec!["--first-token-timeout-ms".into(), "300".into()],
+        router_args: vec![
+            "--first-token-timeout-ms".into(),
+            "1500".into(),
+            "--worker-timeout-ms".into(),
+            "300".into(),
+        ],
         workers: vec![WorkerSpec {
             model: "kvroute-sim".into(),
             args: vec!["--fault-injection".into()],
