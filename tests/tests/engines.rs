@@ -417,12 +417,12 @@ async fn the_ingest_follows_a_libzmq_publisher_exactly() {
     );
 }
 
-/// The hash-mismatch alarm: a router whose tokenizer is not the engine's routes prompts
-/// whose blocks never show up in the engine's events; `/admin/workers` says so. With the
-/// engine's own tokenizer (bytes, as the test engine uses) it stays down.
-/// The first worker of router `admin` once at least `blocks` routed blocks have been judged
-/// (looked for in its events, two seconds after each answer).
-async fn judged(http: &Http, admin: &str, blocks: u64) -> serde_json::Value {
+/// The first worker of router `admin` once `ready` holds of it (polled until [`WAIT`]).
+async fn first_worker_once(
+    http: &Http,
+    admin: &str,
+    ready: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
         let r = http
@@ -431,16 +431,28 @@ async fn judged(http: &Http, admin: &str, blocks: u64) -> serde_json::Value {
             .unwrap();
         let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
         let w = v["workers"][0].clone();
-        let seen = w["routed_blocks_seen"].as_u64().unwrap_or(0)
-            + w["routed_blocks_missing"].as_u64().unwrap_or(0);
-        if seen >= blocks {
+        if ready(&w) {
             return w;
         }
-        assert!(tokio::time::Instant::now() < deadline, "not judged: {w}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(tokio::time::Instant::now() < deadline, "never ready: {w}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
+/// The first worker of router `admin` once at least `blocks` routed blocks have been judged
+/// (looked for in its events, two seconds after each answer).
+async fn judged(http: &Http, admin: &str, blocks: u64) -> serde_json::Value {
+    first_worker_once(http, admin, |w| {
+        w["routed_blocks_seen"].as_u64().unwrap_or(0)
+            + w["routed_blocks_missing"].as_u64().unwrap_or(0)
+            >= blocks
+    })
+    .await
+}
+
+/// The hash-mismatch alarm: a router whose tokenizer is not the engine's routes prompts
+/// whose blocks never show up in the engine's events; `/admin/workers` says so. With the
+/// engine's own tokenizer (bytes, as the test engine uses) it stays down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_tokenizer_unlike_the_engine_s_raises_the_hash_mismatch_alarm() {
     let http = Http::default();
@@ -711,24 +723,15 @@ async fn an_engine_block_size_unlike_the_configured_one_is_shown() {
     let (_router, url, admin) = direct_router(&[backend], &[]).unwrap();
     wait_routable(&http, &url).await;
     conversations(&http, &url, 1, 2).await;
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        let r = http
-            .call("GET", &format!("{admin}/admin/workers"), "")
-            .await
-            .unwrap();
-        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
-        let faults = &v["workers"][0]["engine_event_faults"];
-        if faults["wrong_block_size"] == 16 {
-            assert!(
-                faults["block_size_mismatch"].as_u64().unwrap() > 0,
-                "{faults}"
-            );
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "not shown: {v}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let w = first_worker_once(&http, &admin, |w| {
+        w["engine_event_faults"]["wrong_block_size"] == 16
+    })
+    .await;
+    let faults = &w["engine_event_faults"];
+    assert!(
+        faults["block_size_mismatch"].as_u64().unwrap() > 0,
+        "{faults}"
+    );
     let index = http
         .call("GET", &format!("{admin}/admin/index"), "")
         .await
