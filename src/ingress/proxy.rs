@@ -865,25 +865,18 @@ impl Relay {
     /// worker's deadlines move.
     async fn room(&mut self, bytes: usize, deadline: Instant) -> Result<Duration, RelayEnd> {
         let from = Instant::now();
-        if self.opening.is_some() {
-            // The client's headers go at `open_by`, however long the wait for room.
-            let room = tokio::select! {
+        loop {
+            // The client's headers go at `open_by`, however long the wait for room (the wait
+            // goes on after them; it is cancel-safe).
+            let holding = self.opening.is_some();
+            tokio::select! {
                 room = make_room(&self.tx, &self.bodies, &mut self.held, bytes, deadline) => {
-                    Some(room)
+                    room?;
+                    return Ok(from.elapsed());
                 }
-                () = tokio::time::sleep_until(self.open_by) => None,
-            };
-            match room {
-                Some(room) => room?,
-                None => {
-                    self.open();
-                    make_room(&self.tx, &self.bodies, &mut self.held, bytes, deadline).await?;
-                }
+                () = tokio::time::sleep_until(self.open_by), if holding => self.open(),
             }
-        } else {
-            make_room(&self.tx, &self.bodies, &mut self.held, bytes, deadline).await?;
         }
-        Ok(from.elapsed())
     }
 
     /// Answers the client: its headers go, with what follows.
@@ -902,31 +895,25 @@ impl Relay {
         {
             self.reach.failed();
         }
-        if matches!(
-            end,
-            RelayEnd::WorkerFailed
-                | RelayEnd::NoFirstFrame
-                | RelayEnd::Truncated
-                | RelayEnd::OverBudget
-        ) && let Some(opening) = self.opening.take()
-        {
-            // The client has seen nothing: the handler tries another worker (or, out of
-            // budget, answers with a status).
-            let unopened = Unopened {
-                end,
-                message: self.end_message(end, !self.tokens),
-                inflight: self.inflight.take(),
-            };
-            let _ = opening.send(Err(unopened));
-        } else if matches!(
+        let failed = matches!(
             end,
             RelayEnd::WorkerStalled
                 | RelayEnd::WorkerFailed
                 | RelayEnd::NoFirstFrame
                 | RelayEnd::Truncated
                 | RelayEnd::OverBudget
-        ) {
-            let err = ApiError::unavailable(self.end_message(end, !self.tokens));
+        );
+        if failed && let Some(opening) = self.opening.take() {
+            // The client has seen nothing: the handler tries another worker (or, out of
+            // budget, answers with a status).
+            let unopened = Unopened {
+                end,
+                message: self.end_message(end),
+                inflight: self.inflight.take(),
+            };
+            let _ = opening.send(Err(unopened));
+        } else if failed {
+            let err = ApiError::unavailable(self.end_message(end));
             // A client that reads gets it, behind what it has not read yet; one that has not
             // read for a while does not hold the relay longer than this. Outside the
             // budget: a few hundred bytes, to say why the stream ends.
@@ -941,7 +928,7 @@ impl Relay {
     }
 
     /// Why the stream ended, for its client.
-    fn end_message(&self, end: RelayEnd, before_first: bool) -> String {
+    fn end_message(&self, end: RelayEnd) -> String {
         match end {
             RelayEnd::OverBudget => format!(
                 "the router's budget of {} bytes for bodies held had no room for the stream within {} ms",
@@ -958,7 +945,7 @@ impl Relay {
                 self.worker,
                 self.first_frame.as_millis()
             ),
-            RelayEnd::Truncated | RelayEnd::WorkerFailed if before_first => format!(
+            RelayEnd::Truncated | RelayEnd::WorkerFailed if !self.tokens => format!(
                 "worker {} broke off its stream before the first token",
                 self.worker
             ),
