@@ -443,8 +443,22 @@ async fn a_malformed_payload_is_counted_and_ignored() {
         sent += 2;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // The subscription is live now: one more of each must both be counted (the loop's last
+    // pair may have straddled the subscription's start, one of it dropped by the server).
+    let before = r.plane.counters().malformed.load(Ordering::Relaxed);
+    for g in garbage {
+        transport
+            .publish(
+                &events_subject(CLUSTER, WorkerId(99)),
+                None,
+                bytes::Bytes::from_static(g),
+            )
+            .await
+            .unwrap();
+    }
+    transport.flush().await;
     let counted = eventually(Duration::from_secs(5), || {
-        r.plane.counters().malformed.load(Ordering::Relaxed) >= 2
+        r.plane.counters().malformed.load(Ordering::Relaxed) >= before + 2
     })
     .await;
     assert!(
