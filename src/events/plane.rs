@@ -72,8 +72,10 @@ pub struct PlaneConfig {
     /// How often the fleet owner checks that no stream, lane or scheduler entry outlived
     /// its worker, ms.
     pub sweep_ms: u64,
-    /// Publish → apply lags kept for [`EventPlane::lag_samples`] (the newest ones; the
-    /// `kvroute_event_lag_seconds` histogram sees every batch). Benchmarks raise it.
+    /// Publish → apply lags kept for [`EventPlane::lag_samples`], and publish → receipt
+    /// ones for [`EventPlane::transit_samples`] (the newest ones; the
+    /// `kvroute_event_lag_seconds` and `kvroute_event_transit_seconds` histograms see every
+    /// batch). Benchmarks raise it.
     pub lag_samples: usize,
 }
 
@@ -250,7 +252,10 @@ struct Shared {
     streams: Mutex<HashMap<StreamKey, StreamHandle>>,
     view: RwLock<Arc<FleetView>>,
     counters: PlaneCounters,
+    /// Publish → applied to the index.
     lags: Mutex<LagSamples>,
+    /// Publish → received from the transport (the part of the lag outside the router).
+    transit: Mutex<LagSamples>,
     scheduler: Option<Arc<Mutex<Scheduler>>>,
     failure: watch::Sender<Option<String>>,
 }
@@ -287,10 +292,13 @@ impl EventPlane {
             lease_ttl_ms: watch.lease_ttl_ms,
             tombstone_ttl_ms: config.tombstone_ttl_ms,
         });
-        let lags = Mutex::new(LagSamples {
-            capacity: config.lag_samples,
-            ..LagSamples::default()
-        });
+        let samples = || {
+            Mutex::new(LagSamples {
+                capacity: config.lag_samples,
+                ..LagSamples::default()
+            })
+        };
+        let (lags, transit) = (samples(), samples());
         let shared = Arc::new(Shared {
             transport,
             indexer,
@@ -300,6 +308,7 @@ impl EventPlane {
             view: RwLock::default(),
             counters: PlaneCounters::default(),
             lags,
+            transit,
             scheduler,
             failure: watch::channel(None).0,
         });
@@ -310,6 +319,7 @@ impl EventPlane {
             closing: Vec::new(),
             commands: Vec::new(),
             registry_healthy: watch.healthy,
+            transit_seconds: metrics::histogram!("kvroute_event_transit_seconds"),
         };
         tokio::spawn(owner.run(subscription, watch.events, shutdown));
         Ok(EventPlane { shared })
@@ -362,6 +372,12 @@ impl EventPlane {
     /// The recent publish → apply lags, ms (up to the last `lag_samples` batches).
     pub fn lag_samples(&self) -> Vec<f64> {
         self.shared.lags.lock().samples.clone()
+    }
+
+    /// The recent publish → receipt lags, ms: the part of [`EventPlane::lag_samples`] spent
+    /// before the router had the batch (publisher, NATS, network).
+    pub fn transit_samples(&self) -> Vec<f64> {
+        self.shared.transit.lock().samples.clone()
     }
 
     /// The ingress routed a request to `key`. A worker that keeps receiving requests but
@@ -452,6 +468,9 @@ struct FleetOwner {
     /// Whether workers can refresh their registrations now and the router hears them (see
     /// [`crate::discovery::Watch::healthy`]).
     registry_healthy: watch::Receiver<bool>,
+    /// `kvroute_event_transit_seconds`, resolved once (it is recorded per batch, on the one
+    /// task that reads every worker's events).
+    transit_seconds: metrics::Histogram,
 }
 
 impl FleetOwner {
@@ -530,6 +549,7 @@ impl FleetOwner {
     }
 
     fn on_payload(&mut self, subject: &str, payload: &Bytes) {
+        let received_us = unix_us();
         let batch = match decode(payload, &self.shared.limits) {
             Ok(batch) => batch,
             Err(e) => {
@@ -553,6 +573,10 @@ impl FleetOwner {
             metrics::counter!("kvroute_event_malformed_total").increment(1);
             tracing::warn!(subject, worker = %batch.worker, "dropping a batch published on another worker's subject");
             return;
+        }
+        if let Some(ms) = lag_ms(batch.sent_unix_us, received_us) {
+            self.shared.transit.lock().record(ms);
+            self.transit_seconds.record(ms / 1e3);
         }
         let key = (batch.worker, batch.dp_rank);
         match self.fleet.wake(self.now_ms(), key.0, &mut self.commands) {
@@ -865,6 +889,12 @@ fn unix_us() -> u64 {
         .map_or(0, |d| d.as_micros() as u64)
 }
 
+/// Milliseconds from a batch's send time to `now_us`, if the publisher stamped it (a clock
+/// behind the publisher's counts as no lag).
+fn lag_ms(sent_unix_us: u64, now_us: u64) -> Option<f64> {
+    (sent_unix_us > 0).then(|| now_us.saturating_sub(sent_unix_us) as f64 / 1e3)
+}
+
 struct StreamTask {
     shared: Arc<Shared>,
     key: StreamKey,
@@ -932,14 +962,7 @@ async fn run_stream(
                 let now = now_ms();
                 match input {
                     Input::Batch(batch) => {
-                        let lag_ms = (batch.sent_unix_us > 0)
-                            .then(|| unix_us().saturating_sub(batch.sent_unix_us) as f64 / 1e3);
                         stream.on_batch(now, batch, &mut commands);
-                        if let Some(lag) = lag_ms {
-                            status.lock().last_lag_ms = lag;
-                            shared.lags.lock().record(lag);
-                            metrics::histogram!("kvroute_event_lag_seconds").record(lag / 1e3);
-                        }
                         silence.heard(&worker);
                     }
                     Input::Watermark { epoch, last_id } => {
@@ -982,6 +1005,11 @@ async fn run_stream(
                     applied += 1;
                     apply_metrics.record(&outcome);
                     dropped = outcome.no_slot;
+                    if let Some(lag) = lag_ms(batch.sent_unix_us, unix_us()) {
+                        status.lock().last_lag_ms = lag;
+                        shared.lags.lock().record(lag);
+                        apply_metrics.lag_seconds.record(lag / 1e3);
+                    }
                 }
                 Command::RequestSnapshot {
                     request, wait_ms, ..
@@ -1027,6 +1055,8 @@ struct ApplyMetrics {
     removed: metrics::Counter,
     rejected: metrics::Counter,
     unknown_removed: metrics::Counter,
+    /// `kvroute_event_lag_seconds` (one histogram for every worker).
+    lag_seconds: metrics::Histogram,
 }
 
 impl ApplyMetrics {
@@ -1038,6 +1068,7 @@ impl ApplyMetrics {
             removed: metrics::counter!("kvroute_event_blocks_removed_total", "worker" => w()),
             rejected: metrics::counter!("kvroute_event_blocks_rejected_total", "worker" => w()),
             unknown_removed: metrics::counter!("kvroute_event_unknown_removed_total", "worker" => w()),
+            lag_seconds: metrics::histogram!("kvroute_event_lag_seconds"),
         }
     }
 

@@ -494,7 +494,9 @@ async fn a_worker_serving_traffic_without_events_is_flagged_until_it_publishes()
     })
     .await;
     assert!(cleared, "events from the worker should clear the flag");
+    // Publish → apply, and its share before the router had the batch.
     assert!(!r.plane.lag_samples().is_empty());
+    assert!(!r.plane.transit_samples().is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
