@@ -208,7 +208,13 @@ pub struct Churn {
     pub blocks: usize,
     /// Rounds.
     pub rounds: usize,
-    /// RSS with the empty index, bytes.
+    /// RSS with the fresh index, before any block was stored, bytes: the code that stores
+    /// and evicts is not faulted in yet.
+    pub rss_cold_bytes: u64,
+    /// RSS with the empty index after a warm-up (4,096 blocks stored and evicted, enough for
+    /// every shard's table to grow and shrink once; `settle_ms` later), bytes: the baseline
+    /// the rounds are held to, with the code every round runs resident, as in any router that
+    /// has served.
     pub rss_empty_bytes: u64,
     /// RSS after each fill, bytes.
     pub rss_full_bytes: Vec<u64>,
@@ -219,8 +225,10 @@ pub struct Churn {
     /// RSS after every worker left at the end, `settle_ms` later, bytes.
     pub rss_after_leave_bytes: u64,
     /// The anonymous part of the RSS (RssAnon: what the heap holds, without the binary's
-    /// code pages, which the first fill faults in and which stay) with the empty index, after
-    /// each eviction and after every worker left, bytes.
+    /// code pages) with the fresh index, after the warm-up, after each eviction and after
+    /// every worker left, bytes.
+    pub anon_cold_bytes: u64,
+    /// See `anon_cold_bytes`.
     pub anon_empty_bytes: u64,
     /// See `anon_empty_bytes`.
     pub anon_evicted_bytes: Vec<u64>,
@@ -660,13 +668,12 @@ fn churn(blocks: usize, rounds: usize, settle_ms: u64) -> Churn {
     let mut out = Churn {
         blocks,
         rounds,
-        rss_empty_bytes: rss_bytes(),
-        anon_empty_bytes: rss_anon_bytes(),
+        rss_cold_bytes: rss_bytes(),
+        anon_cold_bytes: rss_anon_bytes(),
         allocator: allocator_options(),
         settle_ms,
         ..Churn::default()
     };
-    let chains = blocks / CHAIN;
     let chain_of = |round: usize, c: usize| -> Vec<kvroute::protocol::StoredBlock> {
         let mut parent = None;
         (0..CHAIN)
@@ -689,11 +696,7 @@ fn churn(blocks: usize, rounds: usize, settle_ms: u64) -> Churn {
             data,
         }],
     };
-    let mut ops = 0u64;
-    // Seconds spent filling and evicting, without the waits for RSS to settle.
-    let mut busy = 0.0;
-    for round in 0..rounds {
-        let start = Instant::now();
+    let fill = |round: usize, chains: usize| {
         for c in 0..chains {
             let blocks = chain_of(round, c);
             index.apply(&batch(
@@ -704,9 +707,8 @@ fn churn(blocks: usize, rounds: usize, settle_ms: u64) -> Churn {
                 },
             ));
         }
-        ops += (chains * CHAIN) as u64;
-        out.rss_full_bytes.push(rss_bytes());
-        out.table_bytes_per_block = index.table_bytes() as f64 / index.sizes().blocks.max(1) as f64;
+    };
+    let evict = |round: usize, chains: usize| {
         for c in 0..chains {
             let seqs = chain_of(round, c).iter().rev().map(|b| b.seq).collect();
             index.apply(&batch(
@@ -714,6 +716,24 @@ fn churn(blocks: usize, rounds: usize, settle_ms: u64) -> Churn {
                 KvEventData::Removed { blocks: seqs },
             ));
         }
+    };
+    // The warm-up, in a hash space of its own (round `rounds`).
+    const WARM_UP_CHAINS: usize = 256;
+    fill(rounds, WARM_UP_CHAINS);
+    evict(rounds, WARM_UP_CHAINS);
+    out.rss_empty_bytes = settled_rss_bytes(settle_ms);
+    out.anon_empty_bytes = rss_anon_bytes();
+    let chains = blocks / CHAIN;
+    let mut ops = 0u64;
+    // Seconds spent filling and evicting, without the waits for RSS to settle.
+    let mut busy = 0.0;
+    for round in 0..rounds {
+        let start = Instant::now();
+        fill(round, chains);
+        ops += (chains * CHAIN) as u64;
+        out.rss_full_bytes.push(rss_bytes());
+        out.table_bytes_per_block = index.table_bytes() as f64 / index.sizes().blocks.max(1) as f64;
+        evict(round, chains);
         ops += (chains * CHAIN) as u64;
         busy += start.elapsed().as_secs_f64();
         out.rss_evicted_at_once_bytes.push(rss_bytes());
@@ -794,15 +814,17 @@ pub fn print(report: &Report) {
     if let Some(c) = &report.churn {
         let max = |v: &[u64]| v.iter().copied().max().unwrap_or(0);
         println!(
-            "churn: {} rounds of {} blocks, {:.2} M block-ops/s; RSS empty {:.1} MiB, full max {:.0} MiB, evicted max {:.1} MiB ({:.0} MiB at once), after leave {:.1} MiB; anonymous RSS empty {:.1} MiB, evicted max {:.1} MiB, after leave {:.1} MiB; tables {:.1} B/block full; allocator {}",
+            "churn: {} rounds of {} blocks, {:.2} M block-ops/s; RSS fresh {:.1} MiB, empty after warm-up {:.1} MiB, full max {:.0} MiB, evicted max {:.1} MiB ({:.0} MiB at once), after leave {:.1} MiB; anonymous RSS fresh {:.1} MiB, empty {:.1} MiB, evicted max {:.1} MiB, after leave {:.1} MiB; tables {:.1} B/block full; allocator {}",
             c.rounds,
             c.blocks,
             c.block_ops_per_s / 1e6,
+            mib(c.rss_cold_bytes),
             mib(c.rss_empty_bytes),
             mib(max(&c.rss_full_bytes)),
             mib(max(&c.rss_evicted_bytes)),
             mib(max(&c.rss_evicted_at_once_bytes)),
             mib(c.rss_after_leave_bytes),
+            mib(c.anon_cold_bytes),
             mib(c.anon_empty_bytes),
             mib(max(&c.anon_evicted_bytes)),
             mib(c.anon_after_leave_bytes),
