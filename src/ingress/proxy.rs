@@ -903,9 +903,11 @@ impl Relay {
                 | RelayEnd::Truncated
                 | RelayEnd::OverBudget
         );
-        if failed && let Some(opening) = self.opening.take() {
-            // The client has seen nothing: the handler tries another worker (or, out of
-            // budget, answers with a status).
+        // The client has seen nothing of a stream that failed unopened: the handler tries
+        // another worker (or, out of budget, answers with a status), and the answer's time is
+        // that attempt's, not this one's.
+        let handed_back = failed && self.opening.is_some();
+        if handed_back && let Some(opening) = self.opening.take() {
             let unopened = Unopened {
                 end,
                 message: self.end_message(end),
@@ -922,8 +924,10 @@ impl Relay {
                 tokio::time::timeout(self.idle.min(ERROR_EVENT_WAIT), self.tx.send(event)).await;
         }
         metrics::counter!("kvroute_relay_ended_total", "how" => end.label()).increment(1);
-        metrics::histogram!("kvroute_e2e_seconds", "worker" => self.worker.clone())
-            .record(self.started.elapsed().as_secs_f64());
+        if !handed_back {
+            metrics::histogram!("kvroute_e2e_seconds", "worker" => self.worker.clone())
+                .record(self.started.elapsed().as_secs_f64());
+        }
         drop(self.inflight.take());
     }
 

@@ -641,6 +641,15 @@ async fn a_stream_that_breaks_before_its_first_token_is_retried_elsewhere() {
         assert!(r.body.contains("data: [DONE]"), "{}", r.body);
     }
     assert!(failed(&f.scrape().await.unwrap()) >= 5.0);
+    // Four answers: the attempts handed to another worker are none (the 503 and 504 above
+    // had four, the retries here at least one).
+    let answers =
+        || async { counter_sum(&f.scrape().await.unwrap(), "kvroute_e2e_seconds_count", "") };
+    assert!(
+        f.until(Duration::from_secs(5), || async { answers().await >= 4.0 })
+            .await
+    );
+    assert_eq!(answers().await, 4.0);
     // Both stall after their headers: the client waits for a token (10 s by default) and
     // leaves before; its booking goes with it.
     for w in 0..2 {
