@@ -1,7 +1,9 @@
 //! `kvroute-bench events`: how many KV events one router's event plane applies from W
 //! publishing workers over loopback NATS (a `nats-server -js` of its own), and the
-//! publish → apply lag at half that rate. Publishers and router share this process (and its
-//! cores), as they would not in production.
+//! publish → apply lag at half that rate, with its share before the router had each batch
+//! and the router's own. Publishers and router share this process, its tokio runtime and its
+//! cores, as they would not in production (publishers on a runtime of their own, tried,
+//! lengthened the tail on two cores: more threads to schedule).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -64,6 +66,8 @@ pub struct Report {
     pub lag_ms: Summary,
     /// Of that, publish → received by the router (publisher task, NATS, loopback), ms.
     pub transit_ms: Summary,
+    /// Received → applied, for batches applied on arrival: the router's own share, ms.
+    pub router_ms: Summary,
 }
 
 fn unix_us() -> u64 {
@@ -114,6 +118,7 @@ fn batch(worker: u64, n: u64, events_per_batch: u64) -> EventBatch {
     }
 }
 
+/// Publishes batches `from..to` of every worker.
 async fn publishers(
     server: &NatsServer,
     args: &Args,
@@ -237,7 +242,11 @@ pub async fn run(args: &Args) -> anyhow::Result<Report> {
     let paced_batches = ((paced_rate * args.paced_seconds)
         / (args.workers * args.events_per_batch) as f64)
         .ceil() as u64;
-    let before = (plane.lag_samples().len(), plane.transit_samples().len());
+    let before = (
+        plane.lag_samples().len(),
+        plane.transit_samples().len(),
+        plane.router_samples().len(),
+    );
     publishers(
         &server,
         args,
@@ -255,6 +264,7 @@ pub async fn run(args: &Args) -> anyhow::Result<Report> {
     let paced = |mut all: Vec<f64>, before: usize| all.split_off(before.min(all.len()));
     let mut lags = paced(plane.lag_samples(), before.0);
     let mut transit = paced(plane.transit_samples(), before.1);
+    let mut router = paced(plane.router_samples(), before.2);
     Ok(Report {
         workers: args.workers,
         events,
@@ -264,6 +274,7 @@ pub async fn run(args: &Args) -> anyhow::Result<Report> {
         paced_events_per_s: paced_rate,
         lag_ms: Summary::of(&mut lags),
         transit_ms: Summary::of(&mut transit),
+        router_ms: Summary::of(&mut router),
     })
 }
 
@@ -285,6 +296,10 @@ pub fn print(r: &Report) {
     println!(
         "  of which before the router had the batch (publisher, NATS): p50 {:.2} ms, p90 {:.2} ms, p99 {:.2} ms, mean {:.2} ms",
         r.transit_ms.p50, r.transit_ms.p90, r.transit_ms.p99, r.transit_ms.mean
+    );
+    println!(
+        "  the router's own share (received → applied): p50 {:.3} ms, p90 {:.3} ms, p99 {:.3} ms, mean {:.3} ms",
+        r.router_ms.p50, r.router_ms.p90, r.router_ms.p99, r.router_ms.mean
     );
 }
 

@@ -73,7 +73,8 @@ pub struct PlaneConfig {
     /// its worker, ms.
     pub sweep_ms: u64,
     /// Publish → apply lags kept for [`EventPlane::lag_samples`], and publish → receipt
-    /// ones for [`EventPlane::transit_samples`] (the newest ones; the
+    /// ones for [`EventPlane::transit_samples`], and receipt → apply ones for
+    /// [`EventPlane::router_samples`] (the newest ones; the
     /// `kvroute_event_lag_seconds` and `kvroute_event_transit_seconds` histograms see every
     /// batch). Benchmarks raise it.
     pub lag_samples: usize,
@@ -168,7 +169,8 @@ impl FleetView {
 }
 
 enum Input {
-    Batch(EventBatch),
+    /// A batch, and when the plane received it (µs since the epoch).
+    Batch(EventBatch, u64),
     Watermark {
         epoch: u64,
         last_id: u64,
@@ -182,7 +184,7 @@ impl Input {
     /// (at least one); nothing else (snapshots are fetched one at a time, on request).
     fn queued_blocks(&self) -> usize {
         match self {
-            Input::Batch(b) => b.block_count().max(1),
+            Input::Batch(b, _) => b.block_count().max(1),
             _ => 0,
         }
     }
@@ -256,6 +258,8 @@ struct Shared {
     lags: Mutex<LagSamples>,
     /// Publish → received from the transport (the part of the lag outside the router).
     transit: Mutex<LagSamples>,
+    /// Received → applied, for batches applied on arrival (the router's own share).
+    router: Mutex<LagSamples>,
     scheduler: Option<Arc<Mutex<Scheduler>>>,
     failure: watch::Sender<Option<String>>,
 }
@@ -298,7 +302,7 @@ impl EventPlane {
                 ..LagSamples::default()
             })
         };
-        let (lags, transit) = (samples(), samples());
+        let (lags, transit, router) = (samples(), samples(), samples());
         let shared = Arc::new(Shared {
             transport,
             indexer,
@@ -309,6 +313,7 @@ impl EventPlane {
             counters: PlaneCounters::default(),
             lags,
             transit,
+            router,
             scheduler,
             failure: watch::channel(None).0,
         });
@@ -378,6 +383,12 @@ impl EventPlane {
     /// before the router had the batch (publisher, NATS, network).
     pub fn transit_samples(&self) -> Vec<f64> {
         self.shared.transit.lock().samples.clone()
+    }
+
+    /// The recent receipt → apply times, ms, of batches applied on arrival (not held for a
+    /// gap or a resync): the router's own share of the lag, its queue and the apply.
+    pub fn router_samples(&self) -> Vec<f64> {
+        self.shared.router.lock().samples.clone()
     }
 
     /// The ingress routed a request to `key`. A worker that keeps receiving requests but
@@ -597,7 +608,9 @@ impl FleetOwner {
             }
         }
         let reason = match self.fleet.on_batch(self.now_ms(), key) {
-            BatchVerdict::Deliver => return self.shared.send(key, Input::Batch(batch)),
+            BatchVerdict::Deliver => {
+                return self.shared.send(key, Input::Batch(batch, received_us));
+            }
             BatchVerdict::Unregistered => "unregistered",
             BatchVerdict::Departed => "departed",
             BatchVerdict::NoSuchRank => "no_such_rank",
@@ -889,6 +902,11 @@ fn unix_us() -> u64 {
         .map_or(0, |d| d.as_micros() as u64)
 }
 
+/// A batch's first event id (0 for an empty batch), which with its epoch names it.
+fn first_id(batch: &EventBatch) -> u64 {
+    batch.events.first().map_or(0, |e| e.id)
+}
+
 /// Milliseconds from a batch's send time to `now_us`, if the publisher stamped it (a clock
 /// behind the publisher's counts as no lag).
 fn lag_ms(sent_unix_us: u64, now_us: u64) -> Option<f64> {
@@ -952,6 +970,8 @@ async fn run_stream(
     let mut no_slot_retry_at: Option<u64> = None;
     let mut no_slot_wait_ms = NO_SLOT_FIRST_WAIT_MS;
     loop {
+        // The batch that just arrived: (epoch, its first event's id, received at, µs).
+        let mut arrived = None;
         tokio::select! {
             biased;
             _ = &mut closed => break,
@@ -961,7 +981,8 @@ async fn run_stream(
                 queued_blocks.fetch_sub(input.queued_blocks(), Ordering::Relaxed);
                 let now = now_ms();
                 match input {
-                    Input::Batch(batch) => {
+                    Input::Batch(batch, received_us) => {
+                        arrived = Some((batch.epoch, first_id(&batch), received_us));
                         stream.on_batch(now, batch, &mut commands);
                         silence.heard(&worker);
                     }
@@ -1005,10 +1026,19 @@ async fn run_stream(
                     applied += 1;
                     apply_metrics.record(&outcome);
                     dropped = outcome.no_slot;
-                    if let Some(lag) = lag_ms(batch.sent_unix_us, unix_us()) {
+                    let now_us = unix_us();
+                    if let Some(lag) = lag_ms(batch.sent_unix_us, now_us) {
                         status.lock().last_lag_ms = lag;
                         shared.lags.lock().record(lag);
                         apply_metrics.lag_seconds.record(lag / 1e3);
+                    }
+                    if let Some((epoch, id, received_us)) = arrived
+                        && (epoch, id) == (batch.epoch, first_id(&batch))
+                    {
+                        shared
+                            .router
+                            .lock()
+                            .record(now_us.saturating_sub(received_us) as f64 / 1e3);
                     }
                 }
                 Command::RequestSnapshot {

@@ -497,6 +497,7 @@ async fn a_worker_serving_traffic_without_events_is_flagged_until_it_publishes()
     // Publish → apply, and its share before the router had the batch.
     assert!(!r.plane.lag_samples().is_empty());
     assert!(!r.plane.transit_samples().is_empty());
+    assert!(!r.plane.router_samples().is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
