@@ -1049,6 +1049,17 @@ impl Relay {
             if done {
                 continue; // nothing follows `[DONE]`
             }
+            // Before the client has its headers, a read of whole events without data (a
+            // proxy's `: keep-alive`) is dropped below once it has room; it is dropped here
+            // instead, without asking the budget for room that nothing keeps: a budget full
+            // for the idle timeout would otherwise end the held stream with a 429.
+            if self.opening.is_some()
+                && self.events.held() == 0
+                && event_end(&data) == Some(data.len())
+                && !carries_data(&data)
+            {
+                continue;
+            }
             // The bytes read count against the budget before they are kept: the relay waits
             // for room (a slow client's events still to be taken, other streams' and bodies')
             // within the idle timeout, for the event and its send together.

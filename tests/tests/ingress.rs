@@ -845,6 +845,64 @@ async fn comments_before_the_first_token_do_not_extend_its_deadline() {
     assert!(rest.contains("data: [DONE]"), "{rest}");
 }
 
+/// Keep-alive comments while a stream's headers are held (before its first token) are
+/// dropped without waiting for room in `--body-memory-bytes`: a budget that stays full for
+/// longer than the idle timeout (uploads holding it) does not end the stream with a 429,
+/// and its token, once the budget has room again, reaches the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn comments_before_the_first_token_wait_for_no_budget() {
+    let f = faulty_worker(
+        &[
+            "--max-body-bytes",
+            "614400",
+            "--max-upstream-body-bytes",
+            "1048576",
+            "--body-memory-bytes",
+            "1048576",
+            "--relay-idle-timeout-ms",
+            "1000",
+            "--worker-timeout-ms",
+            "30000",
+        ],
+        serde_json::json!({"pings_ms": 50, "first_chunk_delay_ms": 8000}),
+    )
+    .await;
+    let mut s = send_raw(&f.url(), &completion(MODEL, &prompt(7), 8, true))
+        .await
+        .unwrap();
+    assert!(
+        f.until(Duration::from_secs(5), || async {
+            f.open_bookings(0).await.unwrap_or(0) == 1
+        })
+        .await
+    );
+    // Two uploads take the rest of the budget, to the last grain: the stream's own body is
+    // held until its first token (it may be tried on another worker before).
+    let stream_body = gauge(
+        &f.scrape().await.unwrap(),
+        "kvroute_request_body_bytes_held",
+    ) as usize;
+    let mut held = Vec::new();
+    for first in [512 << 10, (512 << 10) - stream_body] {
+        held.push(start_upload(&f, 600 << 10, &vec![b' '; first]).await);
+    }
+    assert!(
+        bodies_held(&f, |bytes| bytes >= f64::from(1u32 << 20)).await,
+        "the uploads never filled the budget: {}",
+        gauge(
+            &f.scrape().await.unwrap(),
+            "kvroute_request_body_bytes_held"
+        )
+    );
+    // Full for more than the idle timeout, with comments arriving all along.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    drop(held);
+    let rest = read_rest(&mut s, Duration::from_secs(30)).await;
+    assert!(rest.starts_with("HTTP/1.1 200"), "{rest}");
+    assert!(rest.contains("data: [DONE]"), "{rest}");
+    assert!(!rest.contains("error"), "{rest}");
+}
+
 /// A hung engine still answers with headers, then sends nothing: its streams fail at the
 /// first-token deadline (within `--worker-timeout-ms`, before the client has its headers,
 /// so they are retried on the other worker and every client gets its answer), and after
