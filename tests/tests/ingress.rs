@@ -76,6 +76,23 @@ async fn open_stream(f: &Fleet, max_tokens: u32) -> TcpStream {
     s
 }
 
+/// Bodies of 600 KiB at most, 1 MiB of them held at once: two uploads of 512 KiB fill it.
+const ONE_MIB_OF_BODIES: &[&str] = &[
+    "--max-body-bytes",
+    "614400",
+    "--max-upstream-body-bytes",
+    "1048576",
+    "--body-memory-bytes",
+    "1048576",
+];
+
+/// A raw response read whole: a 200 whose stream reached `[DONE]` without an error event.
+fn assert_answered(rest: &str) {
+    assert!(rest.starts_with("HTTP/1.1 200"), "{rest}");
+    assert!(rest.contains("data: [DONE]"), "{rest}");
+    assert!(!rest.contains("error"), "{rest}");
+}
+
 /// Reads until `[DONE]`, EOF, or `limit`.
 async fn read_rest(s: &mut TcpStream, limit: Duration) -> String {
     let mut rest = String::new();
@@ -818,10 +835,7 @@ async fn the_first_token_is_timed_from_the_headers() {
     .await;
     let body = completion(MODEL, &prompt(7), 8, true);
     let mut s = send_raw(&f.url(), &body).await.unwrap();
-    let rest = read_rest(&mut s, Duration::from_secs(30)).await;
-    assert!(rest.starts_with("HTTP/1.1 200"), "{rest}");
-    assert!(!rest.contains("error"), "{rest}");
-    assert!(rest.contains("data: [DONE]"), "{rest}");
+    assert_answered(&read_rest(&mut s, Duration::from_secs(30)).await);
 }
 
 /// Comments before the first token are no token: the first-token deadline still runs from
@@ -851,19 +865,18 @@ async fn comments_before_the_first_token_do_not_extend_its_deadline() {
 /// and its token, once the budget has room again, reaches the client.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn comments_before_the_first_token_wait_for_no_budget() {
-    let f = faulty_worker(
+    let args = [
+        ONE_MIB_OF_BODIES,
         &[
-            "--max-body-bytes",
-            "614400",
-            "--max-upstream-body-bytes",
-            "1048576",
-            "--body-memory-bytes",
-            "1048576",
             "--relay-idle-timeout-ms",
             "1000",
             "--worker-timeout-ms",
             "30000",
         ],
+    ]
+    .concat();
+    let f = faulty_worker(
+        &args,
         serde_json::json!({"pings_ms": 50, "first_chunk_delay_ms": 8000}),
     )
     .await;
@@ -897,10 +910,7 @@ async fn comments_before_the_first_token_wait_for_no_budget() {
     // Full for more than the idle timeout, with comments arriving all along.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     drop(held);
-    let rest = read_rest(&mut s, Duration::from_secs(30)).await;
-    assert!(rest.starts_with("HTTP/1.1 200"), "{rest}");
-    assert!(rest.contains("data: [DONE]"), "{rest}");
-    assert!(!rest.contains("error"), "{rest}");
+    assert_answered(&read_rest(&mut s, Duration::from_secs(30)).await);
 }
 
 /// A hung engine still answers with headers, then sends nothing: its streams fail at the
@@ -1162,15 +1172,7 @@ async fn bodies_held(f: &Fleet, check: impl Fn(f64) -> bool) -> bool {
 /// the two are gone. Without the budget, in-flight count × body cap bounds nothing useful.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_bodies_share_a_memory_budget() {
-    let f = one_worker(&[
-        "--max-body-bytes",
-        "614400",
-        "--max-upstream-body-bytes",
-        "1048576",
-        "--body-memory-bytes",
-        "1048576",
-    ])
-    .await;
+    let f = one_worker(ONE_MIB_OF_BODIES).await;
     // Two clients each send 512 KiB of a 600 KiB body and stop: the whole budget.
     let mut held = Vec::new();
     for _ in 0..2 {
