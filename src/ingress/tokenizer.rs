@@ -156,13 +156,17 @@ pub fn keep_last(tokens: &mut Vec<u32>, keep: Option<usize>) {
 }
 
 /// The template of a multimodal model's processor, from `chat_template.json` beside the
-/// tokenizer (`{"chat_template": "…"}`, as transformers' processors save it), if there is
-/// one.
+/// tokenizer (`{"chat_template": "…"}`, as transformers' processors save it), else from the
+/// `chat_template` string of `processor_config.json` (where earlier transformers saved it;
+/// later ones still read it, with a warning), if there is one. With both, the file is taken,
+/// as transformers 4.x takes it; the newest transformers take the config's key instead.
 fn processor_template(tokenizer: &Path) -> Result<Option<String>, String> {
     let file = tokenizer.with_file_name("chat_template.json");
     let text = match std::fs::read_to_string(&file) {
         Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Ok(legacy_processor_template(tokenizer));
+        }
         Err(e) => return Err(format!("{}: {e}", file.display())),
     };
     let value: serde_json::Value =
@@ -176,12 +180,30 @@ fn processor_template(tokenizer: &Path) -> Result<Option<String>, String> {
     }
 }
 
+/// The `chat_template` string of `processor_config.json` beside the tokenizer. A file that
+/// cannot be read or parsed gives none, with a warning: vLLM then falls back to the
+/// tokenizer's template too (it loads the processor in a `try`).
+fn legacy_processor_template(tokenizer: &Path) -> Option<String> {
+    let file = tokenizer.with_file_name("processor_config.json");
+    let text = std::fs::read_to_string(&file).ok()?;
+    match serde_json::from_str::<serde_json::Value>(&text) {
+        Ok(config) => config
+            .get("chat_template")
+            .and_then(|t| t.as_str())
+            .map(str::to_owned),
+        Err(e) => {
+            tracing::warn!(file = %file.display(), error = %e, "unreadable processor config: its chat template, if any, is not used");
+            None
+        }
+    }
+}
+
 impl Tokenizer {
     /// Loads `tokenizer.json` and, if present beside it, `tokenizer_config.json` and
     /// `chat_template.jinja` (where recent transformers save the template; it wins over
-    /// the config's, as in transformers), else `chat_template.json` (a multimodal model's
-    /// processor template, which vLLM prefers to the tokenizer's for requests without
-    /// tools).
+    /// the config's, as in transformers), else `chat_template.json` or the `chat_template`
+    /// of `processor_config.json` (a multimodal model's processor template, which vLLM
+    /// prefers to the tokenizer's for requests without tools).
     pub fn load(path: &Path) -> Result<Tokenizer, TokenizerError> {
         Tokenizer::load_with(path, None)
     }
@@ -1220,10 +1242,10 @@ mod tests {
         std::fs::remove_dir_all(&dir).ok();
     }
 
-    /// A multimodal model's processor template (`chat_template.json`) renders requests
-    /// without tools, the tokenizer's those with tools, as vLLM picks them;
-    /// `chat_template.jinja` wins over both; a `chat_template.json` without a template
-    /// string is refused at load.
+    /// A multimodal model's processor template (`chat_template.json`, else the
+    /// `chat_template` of `processor_config.json`) renders requests without tools, the
+    /// tokenizer's those with tools, as vLLM picks them; `chat_template.jinja` wins over
+    /// both; a `chat_template.json` without a template string is refused at load.
     #[test]
     fn a_processor_template_serves_requests_without_tools() {
         let (dir, _) = with_config(
@@ -1250,6 +1272,32 @@ mod tests {
         let t = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
         assert_eq!(t.render(&one, &ChatOptions::default()).unwrap(), "file");
         std::fs::remove_file(dir.join("chat_template.jinja")).unwrap();
+        // Where earlier transformers saved it: in the processor's config, used when there is
+        // no `chat_template.json`.
+        std::fs::write(
+            dir.join("processor_config.json"),
+            serde_json::json!({"processor_class": "P", "chat_template": "legacy"}).to_string(),
+        )
+        .unwrap();
+        let t = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
+        assert_eq!(
+            t.render(&one, &ChatOptions::default()).unwrap(),
+            "processor:1"
+        );
+        std::fs::remove_file(dir.join("chat_template.json")).unwrap();
+        let t = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
+        assert_eq!(t.render(&one, &ChatOptions::default()).unwrap(), "legacy");
+        assert_eq!(t.render(&one, &tools).unwrap(), "tokenizer:1");
+        // A processor config without a template, or one that does not parse, leaves the
+        // tokenizer's.
+        for config in ["{\"processor_class\": \"P\"}", "{"] {
+            std::fs::write(dir.join("processor_config.json"), config).unwrap();
+            let t = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
+            assert_eq!(
+                t.render(&one, &ChatOptions::default()).unwrap(),
+                "tokenizer:1"
+            );
+        }
         std::fs::write(dir.join("chat_template.json"), "{}").unwrap();
         let e = Tokenizer::load(&dir.join("tokenizer.json")).err().unwrap();
         assert!(e.to_string().contains("chat_template.json"), "{e}");
