@@ -428,7 +428,7 @@ async fn a_malformed_payload_is_counted_and_ignored() {
     // so the test does not depend on when the router's subscription reaches the server.)
     let garbage: [&'static [u8]; 2] = [b"KVR\x01 not an archive", b"garbage"];
     let mut sent = 0u64;
-    while r.plane.counters().malformed.load(Ordering::Relaxed) == 0 && sent < 100 {
+    let publish_garbage = || async {
         for g in garbage {
             transport
                 .publish(
@@ -440,23 +440,16 @@ async fn a_malformed_payload_is_counted_and_ignored() {
                 .unwrap();
         }
         transport.flush().await;
+    };
+    while r.plane.counters().malformed.load(Ordering::Relaxed) == 0 && sent < 100 {
+        publish_garbage().await;
         sent += 2;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // The subscription is live now: one more of each must both be counted (the loop's last
     // pair may have straddled the subscription's start, one of it dropped by the server).
     let before = r.plane.counters().malformed.load(Ordering::Relaxed);
-    for g in garbage {
-        transport
-            .publish(
-                &events_subject(CLUSTER, WorkerId(99)),
-                None,
-                bytes::Bytes::from_static(g),
-            )
-            .await
-            .unwrap();
-    }
-    transport.flush().await;
+    publish_garbage().await;
     let counted = eventually(Duration::from_secs(5), || {
         r.plane.counters().malformed.load(Ordering::Relaxed) >= before + 2
     })
