@@ -336,9 +336,9 @@ pub struct Candidate {
     pub booked_prefix: u32,
     /// Its cost for the request.
     pub cost: f64,
-    /// Uncached prefill booked on it, blocks.
+    /// Uncached prefill booked on it, plus the engine's queue beyond its bookings, blocks.
     pub prefill_blocks: f64,
-    /// Blocks its booked requests hold.
+    /// Blocks its booked requests hold (or the engine's own usage, where larger).
     pub decode_blocks: f64,
     /// Over a busy threshold.
     pub busy: bool,
@@ -522,6 +522,9 @@ struct WorkerState {
     /// G1 blocks in use as the engine itself last reported (a real engine's sidecar): load
     /// this router did not book (other routers, clients that bypass it).
     engine_used_blocks: f64,
+    /// This rank's share of the requests waiting in the engine's queue as the engine itself
+    /// last reported.
+    engine_waiting: f64,
     /// KV footprint (prompt blocks) of the requests routed here recently, decayed to
     /// `recent_at_ms`.
     recent_blocks: f64,
@@ -562,7 +565,15 @@ pub struct Scheduler {
     expired: u64,
     sessions: sessions::Sessions,
     stats: DecisionStats,
+    /// Uncached prompt blocks of the requests this router books, a moving mean (`None`
+    /// before the first): the size assumed for requests an engine queues that no router
+    /// booked, whose prompts it does not report.
+    mean_prefill_blocks: Option<f64>,
 }
+
+/// Weight of each new booking in [`Scheduler::mean_prefill_blocks`] (a mean over about the
+/// last 64 requests).
+const PREFILL_MEAN_WEIGHT: f64 = 1.0 / 64.0;
 
 impl Scheduler {
     /// A scheduler with no workers.
@@ -580,6 +591,7 @@ impl Scheduler {
             expired: 0,
             sessions: sessions::Sessions::new(config_sessions),
             stats: DecisionStats::default(),
+            mean_prefill_blocks: None,
         })
     }
 
@@ -613,7 +625,7 @@ impl Scheduler {
                             },
                         ),
                     };
-                    load.book(prefill_blocks, &b.blocks, b.tail, work);
+                    load.book(prefill_blocks, &b.blocks, b.tail, work, b.prefill_open);
                 }
                 e.insert(WorkerState {
                     capacity_blocks,
@@ -621,6 +633,7 @@ impl Scheduler {
                     adapters: Vec::new(),
                     load,
                     engine_used_blocks: 0.0,
+                    engine_waiting: 0.0,
                     recent_blocks: 0.0,
                     recent_at_ms: 0,
                     failures: 0,
@@ -645,16 +658,19 @@ impl Scheduler {
     /// A real engine's own report of its load (every rank of `worker`): its KV usage counts
     /// as held decode blocks where it exceeds what this router booked there, each rank's own
     /// where `rank_usage_permille` has one (a full rank is busy though its siblings are
-    /// idle), else the mean. `None` (the sidecar's scrape failed) forgets the last report: a
-    /// stale high usage would keep the worker looking busy for as long as its metrics stay
-    /// unreadable.
+    /// idle), else the mean; its waiting requests beyond those booked there and not yet
+    /// started count as prefill to compute, each rank an equal share of them. `None` (the
+    /// sidecar's scrape failed) forgets the last report: a stale high usage would keep the
+    /// worker looking busy for as long as its metrics stay unreadable.
     pub fn set_engine_load(
         &mut self,
         worker: WorkerId,
         load: Option<crate::engines::metrics::EngineLoad>,
         rank_usage_permille: &[u16],
     ) {
+        let ranks = self.workers.range(ranks_of(worker)).count().max(1);
         for (key, state) in self.workers.range_mut(ranks_of(worker)) {
+            state.engine_waiting = load.map_or(0.0, |l| f64::from(l.waiting) / ranks as f64);
             let usage = load.map(|l| {
                 rank_usage_permille
                     .get(key.1.0 as usize)
@@ -775,7 +791,15 @@ impl Scheduler {
                     + c.host_weight * f64::from(overlap.host)
                     + c.disk_weight * f64::from(overlap.disk);
                 let credit = indexed.max(c.device_weight * f64::from(booked_prefix));
-                let prefill_blocks = state.load.prefill_blocks;
+                // Requests the engine says are waiting beyond those booked there whose
+                // prefill has not begun to show: load from clients that bypass kvroute, or
+                // routers of another fleet. The engine does not say how long their prompts
+                // are; each counts as a prefill of the mean this router books (or of this
+                // prompt, before it has booked any).
+                let unbooked_waiting =
+                    (state.engine_waiting - state.load.prefill_requests as f64).max(0.0);
+                let prefill_blocks = state.load.prefill_blocks
+                    + unbooked_waiting * self.mean_prefill_blocks.unwrap_or(prompt_blocks);
                 let decode_blocks =
                     (state.load.decode_blocks() as f64).max(state.engine_used_blocks);
                 let recent_blocks = self.recent(state, now_ms);
@@ -994,6 +1018,9 @@ impl Scheduler {
             (request.prompt_tokens as f64 / bs as f64 - f64::from(chosen.cached_blocks())).max(0.0);
         let blocks: Vec<SeqHash> = request.blocks.iter().map(|b| b.seq).collect();
         let tail = !request.prompt_tokens.is_multiple_of(bs);
+        self.mean_prefill_blocks = Some(self.mean_prefill_blocks.map_or(prefill_blocks, |mean| {
+            mean + PREFILL_MEAN_WEIGHT * (prefill_blocks - mean)
+        }));
         self.next_booking += 1;
         let id = BookingId {
             origin: self.config.replica_id,
@@ -1031,7 +1058,7 @@ impl Scheduler {
             .workers
             .get_mut(&worker)
             .expect("invariant: bookings are made on known workers");
-        state.load.book(prefill_blocks, &blocks, tail, work);
+        state.load.book(prefill_blocks, &blocks, tail, work, true);
         state.recent_blocks = recent + (blocks.len() + usize::from(tail)) as f64;
         state.recent_at_ms = now_ms;
         self.bookings.insert(

@@ -9,6 +9,9 @@ pub struct ActiveLoad {
     pub prefill_blocks: f64,
     /// Requests booked and not completed.
     pub requests: usize,
+    /// Of those, requests whose prefill is not known to be done: the engine queues them or
+    /// computes their prompts.
+    pub prefill_requests: usize,
     /// Full prompt blocks held by booked requests, refcounted: blocks shared by requests on
     /// the same worker count once.
     shared: BlockCounts,
@@ -30,11 +33,20 @@ impl ActiveLoad {
         self.shared.contains(block)
     }
 
-    /// Books a request: its uncached prefill, the blocks it will hold and its work.
-    pub fn book(&mut self, prefill_blocks: f64, blocks: &[SeqHash], tail: bool, work: Work) {
+    /// Books a request: its uncached prefill, the blocks it will hold and its work;
+    /// `prefill_open` unless its first token was seen already (a worker added back).
+    pub fn book(
+        &mut self,
+        prefill_blocks: f64,
+        blocks: &[SeqHash],
+        tail: bool,
+        work: Work,
+        prefill_open: bool,
+    ) {
         self.prefill_blocks += prefill_blocks;
         self.work_tokens += work.prefill_tokens + work.decode_tokens as f64;
         self.requests += 1;
+        self.prefill_requests += usize::from(prefill_open);
         self.shared.add(blocks);
         self.private_blocks += usize::from(tail);
     }
@@ -43,6 +55,7 @@ impl ActiveLoad {
     pub fn prefill_done(&mut self, prefill_blocks: f64, work: Work) {
         self.prefill_blocks = (self.prefill_blocks - prefill_blocks).max(0.0);
         self.work_tokens = (self.work_tokens - work.prefill_tokens).max(0.0);
+        self.prefill_requests = self.prefill_requests.saturating_sub(1);
         if self.requests == 0 || self.prefill_blocks < 1e-9 {
             self.prefill_blocks = 0.0;
         }
@@ -56,6 +69,7 @@ impl ActiveLoad {
         self.private_blocks = self.private_blocks.saturating_sub(usize::from(tail));
         if self.requests == 0 {
             self.prefill_blocks = 0.0;
+            self.prefill_requests = 0;
             self.work_tokens = 0.0;
         }
     }

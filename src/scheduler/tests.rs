@@ -627,6 +627,8 @@ mod ledger {
                     let distinct: BTreeSet<SeqHash> =
                         entries.iter().flat_map(|e| e.blocks.iter().copied()).collect();
                     prop_assert_eq!(load.decode_blocks(), distinct.len(), "held blocks of {:?}", w);
+                    let open = entries.iter().filter(|e| e.prefill_open).count();
+                    prop_assert_eq!(load.prefill_requests, open, "open prefills of {:?}", w);
                     let prefill: f64 = entries.iter().filter(|e| e.prefill_open).map(|e| e.prefill).sum();
                     prop_assert!((load.prefill_blocks - prefill).abs() < 1e-6,
                         "prefill of {:?}: {} vs model {}", w, load.prefill_blocks, prefill);
@@ -650,10 +652,11 @@ fn an_engine_s_own_kv_usage_counts_where_it_exceeds_the_bookings() {
             .cost
     };
     assert_eq!(cost(&s, 0), cost(&s, 1));
-    // Engine 1 reports 60 % of its 1,000 blocks in use (other routers' requests).
+    // Engine 1 reports 60 % of its 1,000 blocks in use (other routers' requests), and
+    // nothing queued (its queue is the next test's).
     let busy = EngineLoad {
         running: 9,
-        waiting: 2,
+        waiting: 0,
         kv_usage_permille: 600,
     };
     s.set_engine_load(WorkerId(1), Some(busy), &[]);
@@ -667,6 +670,55 @@ fn an_engine_s_own_kv_usage_counts_where_it_exceeds_the_bookings() {
     // Engine 1 idle again, engine 0 holding what this router booked there: 1 is cheaper.
     s.set_engine_load(WorkerId(1), Some(EngineLoad::default()), &[]);
     assert!(cost(&s, 1) < cost(&s, 0));
+}
+
+/// Requests waiting in an engine's queue that no router booked there (clients that bypass
+/// kvroute) count as prefill to compute, each the size of the prefills this router books;
+/// those it booked and has not seen start are in the engine's queue already, and are not
+/// counted twice.
+#[test]
+fn an_engine_s_queue_beyond_the_bookings_counts_as_prefill() {
+    use crate::engines::metrics::EngineLoad;
+    let mut s = scheduler(PolicyKind::Kv, 2);
+    let none = scores(&[]);
+    let prefill = |s: &Scheduler, w: u64| {
+        let b = blocks(4, 99);
+        s.candidates(0, &request(&b, 64, &none))
+            .into_iter()
+            .find(|c| c.key == key(w))
+            .unwrap()
+            .prefill_blocks
+    };
+    let queue = |waiting| EngineLoad {
+        running: 4,
+        waiting,
+        kv_usage_permille: 0,
+    };
+    // Before this router books anything, a queued request counts as long as this prompt.
+    s.set_engine_load(WorkerId(1), Some(queue(3)), &[]);
+    assert_eq!((prefill(&s, 0), prefill(&s, 1)), (0.0, 12.0));
+    // This router books a 10-block prompt on worker 1: the mean is 10 blocks a request,
+    // and one of the three waiting is the router's own (counted once, as booked).
+    let b = blocks(10, 0);
+    let own = s
+        .route_excluding(0, &request(&b, 160, &none), &[key(0)])
+        .expect("worker 1 serves the model")
+        .booking;
+    assert_eq!(prefill(&s, 1), 10.0 + 2.0 * 10.0);
+    // Its first token: the engine's three waiting are all someone else's.
+    s.first_token(own);
+    assert_eq!(prefill(&s, 1), 3.0 * 10.0);
+    // Worker 1's queue makes it the dearer, though neither holds the prompt.
+    let b = blocks(4, 500);
+    let d = s.route(0, &request(&b, 64, &none)).unwrap();
+    assert_eq!(
+        d.chosen.key,
+        key(0),
+        "the engine without a queue is cheaper"
+    );
+    // A report without its metrics forgets the queue.
+    s.set_engine_load(WorkerId(1), None, &[]);
+    assert_eq!(prefill(&s, 1), 0.0);
 }
 
 /// An engine with data-parallel ranks reports each rank's KV usage: a full rank costs more
