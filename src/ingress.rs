@@ -719,6 +719,9 @@ fn admin_workers(router: &Router) -> Response<Body> {
                 "booked_prefill_blocks": prefill, "booked_blocks": held, "booked_requests": requests,
                 "hash_mismatch": mismatch.raised, "routed_blocks_seen": mismatch.seen, "routed_blocks_missing": mismatch.missing,
                 "engine_event_faults": w.event_faults,
+                // The scheduler's copy: the view is published again only when a
+                // registration changes shape, not for each heartbeat's load.
+                "engine_load": scheduler.engine_load((w.id, crate::protocol::DpRank(0))),
             })
         })
         .collect();

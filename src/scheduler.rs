@@ -525,6 +525,8 @@ struct WorkerState {
     /// This rank's share of the requests waiting in the engine's queue as the engine itself
     /// last reported.
     engine_waiting: f64,
+    /// The engine's last report, whole (`/admin/workers`).
+    engine_load: Option<crate::engines::metrics::EngineLoad>,
     /// KV footprint (prompt blocks) of the requests routed here recently, decayed to
     /// `recent_at_ms`.
     recent_blocks: f64,
@@ -634,6 +636,7 @@ impl Scheduler {
                     load,
                     engine_used_blocks: 0.0,
                     engine_waiting: 0.0,
+                    engine_load: None,
                     recent_blocks: 0.0,
                     recent_at_ms: 0,
                     failures: 0,
@@ -645,6 +648,12 @@ impl Scheduler {
         if state.model != model {
             state.model = model.to_owned();
         }
+    }
+
+    /// The engine's own report of its load last carried by `key`'s registration (a sidecar's
+    /// engine), if any.
+    pub fn engine_load(&self, key: WorkerKey) -> Option<crate::engines::metrics::EngineLoad> {
+        self.workers.get(&key).and_then(|s| s.engine_load)
     }
 
     /// The LoRA adapters a worker serves on top of its model (requests for one of them may
@@ -670,6 +679,7 @@ impl Scheduler {
     ) {
         let ranks = self.workers.range(ranks_of(worker)).count().max(1);
         for (key, state) in self.workers.range_mut(ranks_of(worker)) {
+            state.engine_load = load;
             state.engine_waiting = load.map_or(0.0, |l| f64::from(l.waiting) / ranks as f64);
             let usage = load.map(|l| {
                 rank_usage_permille

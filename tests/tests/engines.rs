@@ -941,3 +941,114 @@ async fn a_prompt_a_worker_refused_is_not_guessed_to_be_in_its_cache() {
         );
     }
 }
+
+/// Load that bypasses the router, as a sidecar reports it: clients send engine a six long
+/// requests directly (it runs one at a time: five wait), and engine b one with a long prompt
+/// (more KV in use than a's). The sidecars read each engine's `/metrics`, the router shows
+/// the load in `/admin/workers`, and a's queue sends the router's requests to b, although
+/// b has more of its cache in use (which alone would send them to a).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_s_queue_from_clients_that_bypass_the_router_steers_requests_away() {
+    let http = Http::default();
+    let spec = EngineSpec {
+        flavor: "vllm".into(),
+        model: MODEL.into(),
+        g1_blocks: 1000,
+        g2_blocks: 0,
+        // Real time: a 3,000-token answer takes about 18 s.
+        speedup: 1.0,
+        adapters: Vec::new(),
+    };
+    let a = TestEngine::start_with(spec.clone(), &["--max-num-seqs", "1"]).unwrap();
+    let b = TestEngine::start(spec).unwrap();
+    let sidecar = |e: &Engine| WorkerSpec {
+        model: MODEL.into(),
+        args: [
+            "--engine",
+            "vllm",
+            "--engine-url",
+            &e.url(),
+            "--kv-events",
+            &format!("tcp://127.0.0.1:{}", e.events),
+            "--kv-replay",
+            &format!("tcp://127.0.0.1:{}", e.replay),
+            "--block-size",
+            "16",
+            "--engine-health-ms",
+            "200",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect(),
+    };
+    let fleet = Fleet::start(FleetSpec {
+        workers: vec![sidecar(&a), sidecar(&b)],
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    fleet.wait_synced(WAIT).await.unwrap();
+    // Streamed, so that no client gives up waiting for headers while they run.
+    let direct = |e: &Engine, prompt: String| {
+        let (http, url) = (http.clone(), e.url());
+        tokio::spawn(async move {
+            let body = completion(MODEL, &prompt, 3000, true);
+            let _ = http
+                .call("POST", &format!("{url}/v1/completions"), body)
+                .await;
+        })
+    };
+    let mut bypass = vec![direct(&b, format!("A long prompt: {}", "b".repeat(1600)))];
+    for i in 0..6 {
+        bypass.push(direct(&a, format!("Direct request {i} to engine a.")));
+    }
+    // Both engines' load as the router has it from their sidecars.
+    let id_of = |v: &serde_json::Value, e: &Engine| {
+        v["workers"]
+            .as_array()
+            .and_then(|ws| ws.iter().find(|w| w["url"] == e.url().as_str()))
+            .cloned()
+            .unwrap_or_default()
+    };
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let seen = loop {
+        let v = fleet.admin_workers(0).await.unwrap_or_default();
+        let (wa, wb) = (id_of(&v, &a), id_of(&v, &b));
+        if wa["engine_load"]["waiting"] == 5
+            && wb["engine_load"]["kv_usage_permille"].as_u64() >= Some(100)
+            && wb["engine_load"]["waiting"] == 0
+        {
+            break v;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the engines' load never reached the router: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let b_id = id_of(&seen, &b)["id"].to_string();
+    let a_usage = id_of(&seen, &a)["engine_load"]["kv_usage_permille"].as_u64();
+    assert!(
+        a_usage < id_of(&seen, &b)["engine_load"]["kv_usage_permille"].as_u64(),
+        "engine b has more KV in use: {seen}"
+    );
+    for i in 0..3 {
+        let prompt = format!("Routed request {i}: {}", "r".repeat(300));
+        // Sent to engine a, it would wait behind five requests of about 18 s each.
+        let answer = tokio::time::timeout(
+            Duration::from_secs(10),
+            complete(&http, &fleet.url(), MODEL, &prompt, 1),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("request {i} went to the engine with a queue: {seen}"))
+        .unwrap();
+        assert_eq!(
+            answer.worker.trim_matches('"'),
+            b_id.trim_matches('"'),
+            "request {i} went to the engine with a queue: {seen}"
+        );
+    }
+    for t in bypass {
+        t.abort();
+    }
+}

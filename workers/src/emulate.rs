@@ -4,11 +4,15 @@
 //! a replay ROUTER) in vLLM's or SGLang's msgpack shape, named by the engine's own hashes
 //! (not kvroute's: the consumer must recompute them from the token ids); its G2 stores come
 //! as vLLM's CPU tier reports them (no tokens, block size 0) or as SGLang's (`CPU_PINNED`,
-//! with tokens and a parent); its OpenAI answers carry `usage.prompt_tokens_details`.
+//! with tokens and a parent); its OpenAI answers carry `usage.prompt_tokens_details`; its
+//! `/metrics` adds the flavour's load series (running and waiting requests, KV usage, and
+//! vLLM's `cache_config_info`), which a sidecar reads.
 
 use std::collections::VecDeque;
+use std::fmt::Write as _;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bytes::Bytes;
 use kvroute::engines::publisher::{EnginePublisher, ReplayForm};
@@ -156,9 +160,90 @@ pub struct Emulation {
     pub vocab: u32,
     /// LoRA adapters it serves on top of its model (requests name them as their model).
     pub adapters: Vec<String>,
+    /// The engine's load as its thread last left it.
+    pub load: LoadCell,
+}
+
+/// An engine's load as its `/metrics` reports it, set by the engine thread at each wake-up
+/// and read by the HTTP server (each figure on its own: a scrape may mix two wake-ups, as a
+/// real engine's may).
+#[derive(Debug, Default)]
+pub struct LoadCell {
+    running: AtomicUsize,
+    waiting: AtomicUsize,
+    /// G1 blocks requests hold or fill (cached blocks nobody uses are free, as vLLM counts
+    /// them).
+    g1_in_use: AtomicUsize,
+    g1_capacity: AtomicUsize,
+}
+
+impl LoadCell {
+    /// Sets every figure.
+    pub fn set(&self, running: usize, waiting: usize, g1_in_use: usize, g1_capacity: usize) {
+        self.running.store(running, Ordering::Relaxed);
+        self.waiting.store(waiting, Ordering::Relaxed);
+        self.g1_in_use.store(g1_in_use, Ordering::Relaxed);
+        self.g1_capacity.store(g1_capacity, Ordering::Relaxed);
+    }
+
+    /// The load series of a `flavor` engine serving `model` (one rank, `block_size`):
+    /// vLLM's `vllm:num_requests_running`, `vllm:num_requests_waiting`,
+    /// `vllm:kv_cache_usage_perc` (labelled `engine` and `model_name`) and
+    /// `vllm:cache_config_info` (its G1 size in `num_gpu_blocks`); SGLang's
+    /// `sglang:num_running_reqs`, `sglang:num_queue_reqs` and `sglang:token_usage`.
+    pub fn render(&self, flavor: Flavor, block_size: NonZeroUsize, model: &str) -> String {
+        let get = |a: &AtomicUsize| a.load(Ordering::Relaxed);
+        let l = self;
+        let (running, waiting) = (get(&l.running), get(&l.waiting));
+        let capacity = get(&l.g1_capacity);
+        let usage = get(&l.g1_in_use) as f64 / capacity.max(1) as f64;
+        // Prometheus label values escape `\`, `"` and newlines.
+        let model = model
+            .replace('\\', "\\\\")
+            .replace('"', "\\\"")
+            .replace('\n', "\\n");
+        let mut out = String::new();
+        let (names, labels) = match flavor {
+            Flavor::Sglang => (
+                [
+                    "sglang:num_running_reqs",
+                    "sglang:num_queue_reqs",
+                    "sglang:token_usage",
+                ],
+                format!("model_name=\"{model}\",tp_rank=\"0\""),
+            ),
+            Flavor::Vllm | Flavor::VllmLegacy => (
+                [
+                    "vllm:num_requests_running",
+                    "vllm:num_requests_waiting",
+                    "vllm:kv_cache_usage_perc",
+                ],
+                format!("engine=\"0\",model_name=\"{model}\""),
+            ),
+        };
+        for (name, value) in names
+            .into_iter()
+            .zip([running as f64, waiting as f64, usage])
+        {
+            let _ = writeln!(out, "# TYPE {name} gauge\n{name}{{{labels}}} {value:?}");
+        }
+        if flavor != Flavor::Sglang {
+            let _ = writeln!(
+                out,
+                "# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{}\",engine=\"0\",num_gpu_blocks=\"{capacity}\"}} 1.0",
+                block_size
+            );
+        }
+        out
+    }
 }
 
 impl Emulation {
+    /// The flavour's load series for its `/metrics` ([`LoadCell::render`]).
+    pub fn metrics(&self, model: &str) -> String {
+        self.load.render(self.flavor, self.block_size, model)
+    }
+
     /// Turns one kvroute batch of the engine into the flavour's payload.
     fn encode(&self, batch: &EventBatch) -> Vec<u8> {
         let mut out = Vec::new();
@@ -232,5 +317,38 @@ impl Emulation {
             let payload = self.encode(&batch);
             self.publisher.publish(Bytes::from(payload));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvroute::engines::metrics::{EngineLoad, scrape};
+
+    use super::*;
+
+    /// What the test engine's `/metrics` says is what the sidecar reads: each flavour's
+    /// series, parsed by the sidecar's own scraper.
+    #[test]
+    fn the_load_series_read_back_as_set() {
+        let cell = LoadCell::default();
+        cell.set(3, 7, 250, 1000);
+        let block = NonZeroUsize::new(16).unwrap();
+        for flavor in [Flavor::Vllm, Flavor::VllmLegacy, Flavor::Sglang] {
+            let s = scrape(&cell.render(flavor, block, "org/model \"x\""));
+            assert_eq!(
+                s.load,
+                Some(EngineLoad {
+                    running: 3,
+                    waiting: 7,
+                    kv_usage_permille: 250,
+                }),
+                "{flavor:?}"
+            );
+            let g1 = (flavor != Flavor::Sglang).then_some(1000);
+            assert_eq!(s.g1_blocks, g1, "{flavor:?}: only vLLM says its G1 size");
+        }
+        // vLLM labels its engine core: the sidecar reads the rank's usage.
+        let s = scrape(&cell.render(Flavor::Vllm, block, "m"));
+        assert_eq!(s.rank_kv_usage_permille, vec![250]);
     }
 }

@@ -397,6 +397,7 @@ async fn emulation(
         capacity_tokens: engine.g1_blocks.saturating_mul(block_size.get()),
         vocab: engine.vocab_size,
         adapters: args.emulate_adapters.clone(),
+        load: kvroute_worker::emulate::LoadCell::default(),
     })
 }
 

@@ -181,7 +181,7 @@ impl Worker {
         let (faults, faults_rx) = watch::channel(Faults::default());
         let faults = Arc::new(faults);
         let (events_tx, events) = mpsc::channel(EVENT_QUEUE_BATCHES);
-        let engine = EngineHandle::spawn(engine, events_tx, plane.clone())?;
+        let engine = EngineHandle::spawn(engine, events_tx, plane.clone(), config.emulate.clone())?;
         match &config.emulate {
             Some(emulation) => {
                 tokio::spawn(Arc::clone(emulation).publish(events, shutdown_rx.clone()));

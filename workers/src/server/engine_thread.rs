@@ -7,9 +7,12 @@ use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
 use std::time::{Duration, Instant};
 
-use kvroute::protocol::EventBatch;
+use std::sync::Arc;
+
+use kvroute::protocol::{EventBatch, Tier};
 use tokio::sync::{mpsc, watch};
 
+use crate::emulate::Emulation;
 use crate::engine::{Engine, Output, OutputKind, RequestId};
 use crate::plane::{SnapshotRequest, WorkerPlane};
 
@@ -44,18 +47,20 @@ pub(crate) struct EngineHandle {
 
 impl EngineHandle {
     /// Starts the thread. Batches go to `events` (full: dropped, the heartbeat announces
-    /// their ids through `plane`, and the router resyncs).
+    /// their ids through `plane`, and the router resyncs); an emulated engine's load goes to
+    /// its [`crate::emulate::LoadCell`] too.
     pub fn spawn(
         engine: Engine,
         events: mpsc::Sender<EventBatch>,
         plane: WorkerPlane,
+        emulation: Option<Arc<Emulation>>,
     ) -> std::io::Result<EngineHandle> {
         let (inputs, rx) = sync_channel(INPUT_QUEUE);
         let (failure, failed) = watch::channel(None);
         std::thread::Builder::new()
             .name("kvroute-engine".into())
             .spawn(move || {
-                if let Err(reason) = run(engine, rx, events, plane) {
+                if let Err(reason) = run(engine, rx, events, plane, emulation) {
                     tracing::error!(%reason, "engine failed");
                     failure.send_replace(Some(reason));
                 }
@@ -81,11 +86,26 @@ impl EngineHandle {
     }
 }
 
+/// Leaves an emulated engine's load where its `/metrics` reads it.
+fn report(engine: &Engine, emulation: Option<&Emulation>) {
+    if let Some(e) = emulation {
+        let load = engine.load();
+        let g1 = engine.blocks().usage(Tier::Device);
+        e.load.set(
+            load.running,
+            load.waiting,
+            g1.mutable + g1.registered,
+            g1.capacity,
+        );
+    }
+}
+
 fn run(
     mut engine: Engine,
     inputs: Receiver<EngineInput>,
     events: mpsc::Sender<EventBatch>,
     plane: WorkerPlane,
+    emulation: Option<Arc<Emulation>>,
 ) -> Result<(), String> {
     let start = Instant::now();
     let wall_us = || start.elapsed().as_micros() as u64;
@@ -96,6 +116,8 @@ fn run(
     let mut waiting: HashMap<RequestId, mpsc::Sender<Output>> = HashMap::new();
     let mut out = Vec::new();
     let mut batches = Vec::new();
+    // Its G1 size is in its `/metrics` before its first request.
+    report(&engine, emulation.as_deref());
     loop {
         let wall = wall_us();
         clock = clock.max(wall);
@@ -128,6 +150,7 @@ fn run(
         metrics::gauge!("kvroute_worker_requests_waiting").set(load.waiting as f64);
         metrics::gauge!("kvroute_worker_requests_running").set(load.running as f64);
         metrics::gauge!("kvroute_worker_g1_blocks_used").set(load.g1_used as f64);
+        report(&engine, emulation.as_deref());
         let cache = engine.blocks().stats();
         metrics::counter!("kvroute_worker_offloaded_blocks_total").absolute(cache.offloaded);
         metrics::counter!("kvroute_worker_onboarded_blocks_total").absolute(cache.onboarded);

@@ -165,11 +165,14 @@ async fn handle(state: State, req: hyper::Request<Incoming>) -> Response<Body> {
         (&Method::POST, "/v1/completions") => openai(state, req, false).await,
         (&Method::POST, "/v1/chat/completions") => openai(state, req, true).await,
         (&Method::GET, "/metrics") => {
-            let text = state
+            let mut text = state
                 .metrics
                 .as_ref()
                 .map(|h| h.render())
                 .unwrap_or_default();
+            if let Some(e) = &state.emulate {
+                text.push_str(&e.metrics(&state.model));
+            }
             full(StatusCode::OK, "text/plain; version=0.0.4", text)
         }
         (&Method::GET, "/admin/cache") => cache_digest(&state).await,
