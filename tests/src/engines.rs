@@ -1,7 +1,7 @@
 //! Test engines (`kvroute-worker --emulate`): the simulated engine speaking vLLM's or SGLang's
 //! wire formats, on free loopback ports, for the engine tests and the engines bench.
 
-use crate::procs::{Proc, free_port};
+use crate::procs::{Proc, free_port, free_ports};
 
 /// How a test engine is started.
 #[derive(Clone, Debug)]
@@ -32,6 +32,8 @@ pub struct TestEngine {
     pub events: u16,
     /// Replay ROUTER port.
     pub replay: u16,
+    /// Data-parallel ranks, each with the event ports offset by its rank.
+    pub ranks: u16,
 }
 
 impl TestEngine {
@@ -42,7 +44,13 @@ impl TestEngine {
 
     /// Starts one (block size 16) with `extra` flags of `kvroute-worker`.
     pub fn start_with(spec: EngineSpec, extra: &[&str]) -> anyhow::Result<TestEngine> {
-        let (port, events, replay) = (free_port(), free_port(), free_port());
+        TestEngine::start_ranks(spec, 1, extra)
+    }
+
+    /// Starts one with `ranks` data-parallel ranks behind its one HTTP port (block size 16)
+    /// and `extra` flags of `kvroute-worker`.
+    pub fn start_ranks(spec: EngineSpec, ranks: u16, extra: &[&str]) -> anyhow::Result<TestEngine> {
+        let (port, events, replay) = (free_port(), free_ports(ranks), free_ports(ranks));
         let args: Vec<String> = [
             "--emulate",
             &spec.flavor,
@@ -62,6 +70,8 @@ impl TestEngine {
             &spec.g2_blocks.to_string(),
             "--speedup",
             &spec.speedup.to_string(),
+            "--emulate-dp-size",
+            &ranks.to_string(),
         ]
         .iter()
         .map(|s| s.to_string())
@@ -80,6 +90,7 @@ impl TestEngine {
             port,
             events,
             replay,
+            ranks,
         })
     }
 
@@ -91,11 +102,12 @@ impl TestEngine {
     /// Its `kvroute serve --backend` value.
     pub fn backend(&self) -> String {
         format!(
-            "{},events=tcp://127.0.0.1:{},replay=tcp://127.0.0.1:{},model={},block_size=16",
+            "{},events=tcp://127.0.0.1:{},replay=tcp://127.0.0.1:{},model={},block_size=16,dp={}",
             self.url(),
             self.events,
             self.replay,
-            self.spec.model
+            self.spec.model,
+            self.ranks
         )
     }
 

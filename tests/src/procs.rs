@@ -147,20 +147,36 @@ impl Drop for Proc {
     }
 }
 
+/// Ports this process handed out (see [`free_port`]).
+static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
 /// A free loopback port, never one this process handed out before: tests of one binary run
 /// at once, and the kernel may give a port just released to the next `bind(0)`, so two
 /// processes of two tests could otherwise be told the same port.
 pub fn free_port() -> u16 {
-    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
-        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    free_ports(1)
+}
+
+/// The first of `n` consecutive free loopback ports (an engine's data-parallel ranks
+/// offset its ports by the rank), none handed out before.
+pub fn free_ports(n: u16) -> u16 {
     for _ in 0..1000 {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
+        let first = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map(|a| a.port())
             .unwrap_or(0);
+        let Some(last) = first.checked_add(n.max(1) - 1).filter(|_| first != 0) else {
+            continue;
+        };
         let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
-        if port != 0 && given.insert(port) {
-            return port;
+        let free = (first..=last).all(|p| {
+            !given.contains(&p)
+                && (p == first || std::net::TcpListener::bind(("127.0.0.1", p)).is_ok())
+        });
+        if free {
+            given.extend(first..=last);
+            return first;
         }
     }
     0

@@ -1052,3 +1052,104 @@ async fn an_engine_s_queue_from_clients_that_bypass_the_router_steers_requests_a
         t.abort();
     }
 }
+
+/// `(dp_rank, tier) → (blocks, digest)` of `/admin/index` or `/admin/cache` rows of worker
+/// `id` (any worker if `None`).
+fn rank_rows(v: &serde_json::Value, id: Option<u64>) -> BTreeMap<(u64, String), (u64, String)> {
+    v["ranks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|r| id.is_none_or(|id| r["worker"].as_u64() == Some(id)))
+        .map(|r| {
+            (
+                (
+                    r["dp_rank"].as_u64().unwrap_or(u64::MAX),
+                    r["tier"].as_str().unwrap_or("").to_owned(),
+                ),
+                (
+                    r["blocks"].as_u64().unwrap_or(0),
+                    r["digest"].as_str().unwrap_or("").to_owned(),
+                ),
+            )
+        })
+        .collect()
+}
+
+/// A data-parallel engine: one HTTP endpoint in front of two ranks, each an engine with
+/// its own cache and its own event sockets (the ports offset by the rank, as vLLM's). The
+/// router mirrors each rank exactly, and pins each request to the rank it chose
+/// (`X-data-parallel-rank`): every later turn of a conversation finds its prefix cached on
+/// the rank it is sent to (the engine's own balancing, left to itself, alternates ranks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_parallel_engine_is_mirrored_and_pinned_rank_by_rank() {
+    let http = Http::default();
+    let spec = EngineSpec {
+        flavor: "vllm".into(),
+        model: MODEL.into(),
+        g1_blocks: 96,
+        g2_blocks: 128,
+        speedup: 200.0,
+        adapters: Vec::new(),
+    };
+    let e = TestEngine::start_ranks(spec, 2, &[]).unwrap();
+    let (_router, url, admin) = direct_router(&[e.backend()], &[]).unwrap();
+    wait_routable(&http, &url).await;
+    for c in 0..6 {
+        let mut text = format!(
+            "Conversation {c}: {}",
+            "the system prompt of this chat. ".repeat(6)
+        );
+        for t in 0..3 {
+            text.push_str(&format!(" Turn {t}: a question about item {}.", c * 31 + t));
+            let a = complete(&http, &url, MODEL, &text, 4).await.unwrap();
+            if t > 0 {
+                assert!(
+                    a.cached > 0,
+                    "conversation {c} turn {t} found nothing cached on its rank: {a:?}"
+                );
+            }
+        }
+    }
+    // Each rank's cache, as the engine has it and as the router mirrors it.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let get = |path: String| {
+            let http = http.clone();
+            async move {
+                let r = http.call("GET", &path, "").await.ok()?;
+                serde_json::from_str::<serde_json::Value>(&r.body).ok()
+            }
+        };
+        let truth = get(format!("{}/admin/cache", e.url()))
+            .await
+            .map(|v| rank_rows(&v, None));
+        let seen = get(format!("{admin}/admin/index"))
+            .await
+            .map(|v| rank_rows(&v, None));
+        let both = |rows: &BTreeMap<(u64, String), (u64, String)>| {
+            [0, 1]
+                .iter()
+                .all(|r| rows.contains_key(&(*r, "Device".to_owned())))
+        };
+        if truth.as_ref().is_some_and(both) && truth == seen {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never exact rank by rank: engine {truth:?}, router {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A rank the engine does not have is refused, as vLLM refuses it.
+    let r = http
+        .call_with(
+            "POST",
+            &format!("{}/v1/completions", e.url()),
+            completion(MODEL, "hello", 1, false),
+            &[("x-data-parallel-rank", "2")],
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 400, "{}", r.body);
+}

@@ -148,8 +148,6 @@ pub struct Emulation {
     pub flavor: Flavor,
     /// Bytes hashes (vLLM with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`) instead of ints.
     pub bytes_hashes: bool,
-    /// The event sockets.
-    pub publisher: EnginePublisher,
     /// Blocks' tokens.
     pub book: TokenBook,
     /// Tokens per block.
@@ -160,7 +158,16 @@ pub struct Emulation {
     pub vocab: u32,
     /// LoRA adapters it serves on top of its model (requests name them as their model).
     pub adapters: Vec<String>,
-    /// The engine's load as its thread last left it.
+    /// Its data-parallel ranks, each an engine of its own behind the one HTTP endpoint.
+    pub ranks: Vec<EmulatedRank>,
+}
+
+/// One data-parallel rank of the test engine.
+#[derive(Debug)]
+pub struct EmulatedRank {
+    /// Its event sockets (vLLM offsets the ports by the rank).
+    pub publisher: EnginePublisher,
+    /// Its load as its engine thread last left it.
     pub load: LoadCell,
 }
 
@@ -186,12 +193,26 @@ impl LoadCell {
         self.g1_capacity.store(g1_capacity, Ordering::Relaxed);
     }
 
-    /// The load series of a `flavor` engine serving `model` (one rank, `block_size`):
+    /// vLLM's load-balancing score of a rank: `waiting * 4 + running`.
+    pub fn score(&self) -> usize {
+        let get = |a: &AtomicUsize| a.load(Ordering::Relaxed);
+        get(&self.waiting)
+            .saturating_mul(4)
+            .saturating_add(get(&self.running))
+    }
+
+    /// The load series of rank `rank` of a `flavor` engine serving `model` (`block_size`):
     /// vLLM's `vllm:num_requests_running`, `vllm:num_requests_waiting`,
     /// `vllm:kv_cache_usage_perc` (labelled `engine` and `model_name`) and
     /// `vllm:cache_config_info` (its G1 size in `num_gpu_blocks`); SGLang's
     /// `sglang:num_running_reqs`, `sglang:num_queue_reqs` and `sglang:token_usage`.
-    pub fn render(&self, flavor: Flavor, block_size: NonZeroUsize, model: &str) -> String {
+    pub fn render(
+        &self,
+        flavor: Flavor,
+        block_size: NonZeroUsize,
+        model: &str,
+        rank: usize,
+    ) -> String {
         let get = |a: &AtomicUsize| a.load(Ordering::Relaxed);
         let l = self;
         let (running, waiting) = (get(&l.running), get(&l.waiting));
@@ -210,7 +231,8 @@ impl LoadCell {
                     "sglang:num_queue_reqs",
                     "sglang:token_usage",
                 ],
-                format!("model_name=\"{model}\",tp_rank=\"0\""),
+                // SGLang labels a data-parallel rank `dp_rank`.
+                format!("dp_rank=\"{rank}\",model_name=\"{model}\",tp_rank=\"0\""),
             ),
             Flavor::Vllm | Flavor::VllmLegacy => (
                 [
@@ -218,7 +240,8 @@ impl LoadCell {
                     "vllm:num_requests_waiting",
                     "vllm:kv_cache_usage_perc",
                 ],
-                format!("engine=\"0\",model_name=\"{model}\""),
+                // vLLM labels each engine core (data-parallel rank) `engine`.
+                format!("engine=\"{rank}\",model_name=\"{model}\""),
             ),
         };
         for (name, value) in names
@@ -230,7 +253,7 @@ impl LoadCell {
         if flavor != Flavor::Sglang {
             let _ = writeln!(
                 out,
-                "# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{}\",engine=\"0\",num_gpu_blocks=\"{capacity}\"}} 1.0",
+                "# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{}\",engine=\"{rank}\",num_gpu_blocks=\"{capacity}\"}} 1.0",
                 block_size
             );
         }
@@ -239,13 +262,18 @@ impl LoadCell {
 }
 
 impl Emulation {
-    /// The flavour's load series for its `/metrics` ([`LoadCell::render`]).
+    /// The flavour's load series of every rank for its `/metrics` ([`LoadCell::render`]).
     pub fn metrics(&self, model: &str) -> String {
-        self.load.render(self.flavor, self.block_size, model)
+        self.ranks
+            .iter()
+            .enumerate()
+            .map(|(r, rank)| rank.load.render(self.flavor, self.block_size, model, r))
+            .collect()
     }
 
     /// Turns one kvroute batch of the engine into the flavour's payload.
     fn encode(&self, batch: &EventBatch) -> Vec<u8> {
+        let rank = batch.dp_rank.0;
         let mut out = Vec::new();
         for e in &batch.events {
             let medium = match e.tier {
@@ -294,7 +322,7 @@ impl Emulation {
             }
         }
         let ts = batch.sent_unix_us as f64 / 1e6;
-        encode_batch(ts, &out, 0, self.flavor.encoding(self.bytes_hashes))
+        encode_batch(ts, &out, rank, self.flavor.encoding(self.bytes_hashes))
     }
 
     /// Publishes the engine's batches on the event sockets until `shutdown`.
@@ -315,7 +343,9 @@ impl Emulation {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_micros() as u64);
             let payload = self.encode(&batch);
-            self.publisher.publish(Bytes::from(payload));
+            if let Some(rank) = self.ranks.get(batch.dp_rank.0 as usize) {
+                rank.publisher.publish(Bytes::from(payload));
+            }
         }
     }
 }
@@ -334,7 +364,7 @@ mod tests {
         cell.set(3, 7, 250, 1000);
         let block = NonZeroUsize::new(16).unwrap();
         for flavor in [Flavor::Vllm, Flavor::VllmLegacy, Flavor::Sglang] {
-            let s = scrape(&cell.render(flavor, block, "org/model \"x\""));
+            let s = scrape(&cell.render(flavor, block, "org/model \"x\"", 0));
             assert_eq!(
                 s.load,
                 Some(EngineLoad {
@@ -347,8 +377,23 @@ mod tests {
             let g1 = (flavor != Flavor::Sglang).then_some(1000);
             assert_eq!(s.g1_blocks, g1, "{flavor:?}: only vLLM says its G1 size");
         }
-        // vLLM labels its engine core: the sidecar reads the rank's usage.
-        let s = scrape(&cell.render(Flavor::Vllm, block, "m"));
-        assert_eq!(s.rank_kv_usage_permille, vec![250]);
+        // Two data-parallel ranks: the counts add up, and the sidecar reads each rank's
+        // usage by its label (vLLM's `engine`, SGLang's `dp_rank`).
+        let other = LoadCell::default();
+        other.set(1, 0, 750, 1000);
+        for flavor in [Flavor::Vllm, Flavor::Sglang] {
+            let text = cell.render(flavor, block, "m", 0) + &other.render(flavor, block, "m", 1);
+            let s = scrape(&text);
+            assert_eq!(
+                s.load,
+                Some(EngineLoad {
+                    running: 4,
+                    waiting: 7,
+                    kv_usage_permille: 500,
+                }),
+                "{flavor:?}"
+            );
+            assert_eq!(s.rank_kv_usage_permille, vec![250, 750], "{flavor:?}");
+        }
     }
 }

@@ -177,6 +177,16 @@ struct Args {
     /// VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) instead of ints.
     #[arg(long, requires = "emulate")]
     emulate_bytes_hashes: bool,
+    /// The test engine's data-parallel ranks behind its one HTTP endpoint, each an engine of
+    /// its own publishing on the event ports offset by its rank (as vLLM's do); a request
+    /// goes to the rank its `X-data-parallel-rank` header names, else to the least loaded.
+    #[arg(
+        long,
+        default_value_t = 1,
+        requires = "emulate",
+        value_parser = clap::value_parser!(u32).range(1..=64)
+    )]
+    emulate_dp_size: u32,
     /// Check the flags and variables, print the resolved settings as JSON, and exit.
     #[arg(long)]
     #[serde(skip)]
@@ -315,17 +325,20 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
     let worker = worker?;
     tracing::info!(%id, addr = %worker.addr, "worker serving");
     println!("kvroute-worker {id} listening on http://{}", worker.addr);
-    if let Some(e) = &emulate {
-        let replay = e
+    for (e, (rank, r)) in emulate
+        .iter()
+        .flat_map(|e| e.ranks.iter().enumerate().map(move |r| (e, r)))
+    {
+        let replay = r
             .publisher
             .replay_port()
             .map(|p| format!(", replay on tcp://{}:{p}", args.host))
             .unwrap_or_default();
         println!(
-            "test engine ({:?}) publishing KV events on tcp://{}:{}{replay}",
+            "test engine ({:?}) rank {rank} publishing KV events on tcp://{}:{}{replay}",
             e.flavor,
             args.host,
-            e.publisher.pub_port()
+            r.publisher.pub_port()
         );
     }
     let mut failed = worker.failed();
@@ -374,21 +387,40 @@ async fn emulation(
 ) -> anyhow::Result<kvroute_worker::emulate::Emulation> {
     use kvroute::engines::publisher::EnginePublisher;
     let host = args.host.to_string();
-    let publisher = EnginePublisher::bind(
-        &host,
-        args.emulate_events_port,
-        args.emulate_replay_port.map(|p| (p, flavor.replay_form())),
-        &args.emulate_topic,
-        // vLLM's default `buffer_steps`.
-        10_000,
-    )
-    .await
-    .context("binding the test engine's event sockets")?;
+    let dp = args.emulate_dp_size;
+    anyhow::ensure!(
+        dp == 1 || (args.emulate_events_port != 0 && args.emulate_replay_port != Some(0)),
+        "--emulate-dp-size {dp} offsets the event ports by the rank: give them (not 0)"
+    );
+    let mut ranks = Vec::new();
+    for rank in 0..dp as u16 {
+        let offset = |port: u16| {
+            port.checked_add(rank)
+                .context("an event port plus the rank is past 65535")
+        };
+        let replay = match args.emulate_replay_port {
+            Some(p) => Some((offset(p)?, flavor.replay_form())),
+            None => None,
+        };
+        let publisher = EnginePublisher::bind(
+            &host,
+            offset(args.emulate_events_port)?,
+            replay,
+            &args.emulate_topic,
+            // vLLM's default `buffer_steps`.
+            10_000,
+        )
+        .await
+        .with_context(|| format!("binding the test engine's event sockets of rank {rank}"))?;
+        ranks.push(kvroute_worker::emulate::EmulatedRank {
+            publisher,
+            load: kvroute_worker::emulate::LoadCell::default(),
+        });
+    }
     let block_size = std::num::NonZeroUsize::new(engine.block_size).context("--block-size 0")?;
     Ok(kvroute_worker::emulate::Emulation {
         flavor,
         bytes_hashes: args.emulate_bytes_hashes,
-        publisher,
         book: kvroute_worker::emulate::TokenBook::new(
             block_size,
             4 * (engine.g1_blocks + engine.g2_blocks),
@@ -397,7 +429,7 @@ async fn emulation(
         capacity_tokens: engine.g1_blocks.saturating_mul(block_size.get()),
         vocab: engine.vocab_size,
         adapters: args.emulate_adapters.clone(),
-        load: kvroute_worker::emulate::LoadCell::default(),
+        ranks,
     })
 }
 

@@ -138,7 +138,10 @@ pub struct Worker {
     pub addr: SocketAddr,
     shutdown: watch::Sender<bool>,
     registration: Option<Registration>,
-    engine: EngineHandle,
+    /// Its engines, one per data-parallel rank.
+    engines: Vec<EngineHandle>,
+    /// Changes to `Some(reason)` when any engine fails.
+    failed: watch::Receiver<Option<String>>,
     active: Arc<AtomicUsize>,
     /// The injected faults (`POST /admin/faults` changes them where enabled).
     _faults: Arc<watch::Sender<Faults>>,
@@ -151,7 +154,19 @@ impl Worker {
         transport: Transport,
         registry: Registry,
     ) -> anyhow::Result<Worker> {
-        let engine = Engine::new(config.engine.clone(), config.id, DpRank(0), config.epoch)?;
+        // The test engine may have several data-parallel ranks; a worker of kvroute's own
+        // has one.
+        let ranks = config.emulate.as_ref().map_or(1, |e| e.ranks.len().max(1));
+        let engines = (0..ranks)
+            .map(|r| {
+                Engine::new(
+                    config.engine.clone(),
+                    config.id,
+                    DpRank(r as u32),
+                    config.epoch,
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let listener = tokio::net::TcpListener::bind(config.listen).await?;
         let addr = listener.local_addr()?;
         let info = Arc::new(Mutex::new(WorkerInfo {
@@ -180,36 +195,59 @@ impl Worker {
         // would end the publisher's wait on the faults.
         let (faults, faults_rx) = watch::channel(Faults::default());
         let faults = Arc::new(faults);
-        let (events_tx, events) = mpsc::channel(EVENT_QUEUE_BATCHES);
-        let engine = EngineHandle::spawn(engine, events_tx, plane.clone(), config.emulate.clone())?;
-        match &config.emulate {
-            Some(emulation) => {
-                tokio::spawn(Arc::clone(emulation).publish(events, shutdown_rx.clone()));
-            }
-            None => {
-                tokio::spawn(publish(
-                    plane,
-                    events,
-                    faults_rx.clone(),
-                    shutdown_rx.clone(),
-                ));
+        let mut handles = Vec::new();
+        for (rank, engine) in engines.into_iter().enumerate() {
+            let (events_tx, events) = mpsc::channel(EVENT_QUEUE_BATCHES);
+            let emulation = config.emulate.clone().map(|e| (e, rank));
+            handles.push(EngineHandle::spawn(
+                engine,
+                events_tx,
+                plane.clone(),
+                emulation,
+            )?);
+            match &config.emulate {
+                Some(emulation) => {
+                    tokio::spawn(Arc::clone(emulation).publish(events, shutdown_rx.clone()));
+                }
+                None => {
+                    tokio::spawn(publish(
+                        plane.clone(),
+                        events,
+                        faults_rx.clone(),
+                        shutdown_rx.clone(),
+                    ));
+                }
             }
         }
         let (snapshots_tx, mut snapshots) = mpsc::channel::<SnapshotRequest>(16);
         WorkerPlane::serve_snapshots(transport, &config.cluster, config.id, snapshots_tx).await?;
-        let inputs = engine.inputs();
+        let inputs: Vec<_> = handles.iter().map(EngineHandle::inputs).collect();
         tokio::spawn(async move {
             while let Some(request) = snapshots.recv().await {
-                // A full engine queue drops the request: the router asks again.
-                let _ = inputs.try_send(EngineInput::Snapshot(request));
+                // A full engine queue drops the request: the router asks again. A rank
+                // this worker does not have is not answered either.
+                if let Some(rank) = inputs.get(request.dp_rank.0 as usize) {
+                    let _ = rank.try_send(EngineInput::Snapshot(request));
+                }
             }
         });
+        // Any rank's engine failing fails the worker.
+        let (failure, failed) = watch::channel(None);
+        for h in &handles {
+            let (mut rank_failed, failure) = (h.failed(), failure.clone());
+            tokio::spawn(async move {
+                if let Ok(reason) = rank_failed.wait_for(Option::is_some).await {
+                    failure.send_replace(reason.clone());
+                }
+            });
+        }
         let active = Arc::new(AtomicUsize::new(0));
         tokio::spawn(http::serve(
             listener,
             config.http.clone(),
             http::State {
-                engine: engine.inputs(),
+                engines: handles.iter().map(EngineHandle::inputs).collect(),
+                next_rank: Arc::default(),
                 metrics: config.metrics.clone(),
                 tokenizer: Arc::clone(&config.tokenizer),
                 model: config.model.clone(),
@@ -234,7 +272,8 @@ impl Worker {
             addr,
             shutdown,
             registration,
-            engine,
+            engines: handles,
+            failed,
             active,
             _faults: faults,
         })
@@ -242,7 +281,7 @@ impl Worker {
 
     /// Changes to `Some(reason)` when the engine fails; the worker must then leave.
     pub fn failed(&self) -> watch::Receiver<Option<String>> {
-        self.engine.failed()
+        self.failed.clone()
     }
 
     /// Requests being served.
@@ -263,7 +302,7 @@ impl Worker {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let left = self.active();
-        self.engine.stop();
+        self.engines.iter().for_each(EngineHandle::stop);
         left
     }
 
@@ -273,7 +312,7 @@ impl Worker {
             r.goodbye().await;
         }
         let _ = self.shutdown.send(true);
-        self.engine.stop();
+        self.engines.iter().for_each(EngineHandle::stop);
     }
 }
 

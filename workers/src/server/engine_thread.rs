@@ -12,7 +12,7 @@ use std::sync::Arc;
 use kvroute::protocol::{EventBatch, Tier};
 use tokio::sync::{mpsc, watch};
 
-use crate::emulate::Emulation;
+use crate::emulate::{EmulatedRank, Emulation};
 use crate::engine::{Engine, Output, OutputKind, RequestId};
 use crate::plane::{SnapshotRequest, WorkerPlane};
 
@@ -48,12 +48,12 @@ pub(crate) struct EngineHandle {
 impl EngineHandle {
     /// Starts the thread. Batches go to `events` (full: dropped, the heartbeat announces
     /// their ids through `plane`, and the router resyncs); an emulated engine's load goes to
-    /// its [`crate::emulate::LoadCell`] too.
+    /// its rank's [`crate::emulate::LoadCell`] too.
     pub fn spawn(
         engine: Engine,
         events: mpsc::Sender<EventBatch>,
         plane: WorkerPlane,
-        emulation: Option<Arc<Emulation>>,
+        emulation: Option<(Arc<Emulation>, usize)>,
     ) -> std::io::Result<EngineHandle> {
         let (inputs, rx) = sync_channel(INPUT_QUEUE);
         let (failure, failed) = watch::channel(None);
@@ -87,8 +87,8 @@ impl EngineHandle {
 }
 
 /// Leaves an emulated engine's load where its `/metrics` reads it.
-fn report(engine: &Engine, emulation: Option<&Emulation>) {
-    if let Some(e) = emulation {
+fn report(engine: &Engine, rank: Option<&EmulatedRank>) {
+    if let Some(e) = rank {
         let load = engine.load();
         let g1 = engine.blocks().usage(Tier::Device);
         e.load.set(
@@ -105,7 +105,7 @@ fn run(
     inputs: Receiver<EngineInput>,
     events: mpsc::Sender<EventBatch>,
     plane: WorkerPlane,
-    emulation: Option<Arc<Emulation>>,
+    emulation: Option<(Arc<Emulation>, usize)>,
 ) -> Result<(), String> {
     let start = Instant::now();
     let wall_us = || start.elapsed().as_micros() as u64;
@@ -117,7 +117,8 @@ fn run(
     let mut out = Vec::new();
     let mut batches = Vec::new();
     // Its G1 size is in its `/metrics` before its first request.
-    report(&engine, emulation.as_deref());
+    let rank = emulation.as_ref().and_then(|(e, r)| e.ranks.get(*r));
+    report(&engine, rank);
     loop {
         let wall = wall_us();
         clock = clock.max(wall);
@@ -150,7 +151,7 @@ fn run(
         metrics::gauge!("kvroute_worker_requests_waiting").set(load.waiting as f64);
         metrics::gauge!("kvroute_worker_requests_running").set(load.running as f64);
         metrics::gauge!("kvroute_worker_g1_blocks_used").set(load.g1_used as f64);
-        report(&engine, emulation.as_deref());
+        report(&engine, rank);
         let cache = engine.blocks().stats();
         metrics::counter!("kvroute_worker_offloaded_blocks_total").absolute(cache.offloaded);
         metrics::counter!("kvroute_worker_onboarded_blocks_total").absolute(cache.onboarded);

@@ -33,7 +33,10 @@ const ENGINE_DEADLINE: Duration = Duration::from_secs(30);
 
 #[derive(Clone)]
 pub(crate) struct State {
-    pub engine: SyncSender<EngineInput>,
+    /// Each data-parallel rank's engine (one but for a test engine with several).
+    pub engines: Vec<SyncSender<EngineInput>>,
+    /// Where the next search for the least loaded rank starts (ties go round).
+    pub next_rank: Arc<AtomicUsize>,
     pub metrics: Option<kvroute::process::Metrics>,
     pub tokenizer: Arc<kvroute::ingress::tokenizer::Tokenizer>,
     /// The engine being emulated, which must learn the tokens of every prompt.
@@ -68,6 +71,10 @@ struct Generate {
     media: bool,
     #[serde(default)]
     stream: bool,
+    /// The data-parallel rank its client pinned (OpenAI requests to a test engine with
+    /// several); never from the router's body.
+    #[serde(skip)]
+    dp_rank: Option<usize>,
     #[serde(default)]
     salt: u64,
     /// Answer in the chat completion shape (`chat.completion[.chunk]`, `message`/`delta`).
@@ -237,6 +244,10 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
     use kvroute::ingress::openai::{
         ChatRequest, CompletionRequest, Prompt, check_stream_options, prompt_keep,
     };
+    let dp_rank = match pinned_rank(&state, req.headers()) {
+        Ok(rank) => rank,
+        Err(message) => return bad_request(&message),
+    };
     let (model, token_ids, max_tokens, n, stream, options, cache_salt) = if chat {
         match read_json::<ChatRequest>(&state, req).await {
             Ok(r) if r.messages.iter().any(|m| m.media) => {
@@ -354,9 +365,51 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
             media: false,
             lora: adapter.then(|| model.clone()),
             include_usage: kvroute::ingress::openai::include_usage(options),
+            dp_rank,
         },
     )
     .await
+}
+
+/// The data-parallel rank a request names in `X-data-parallel-rank`, as vLLM's front end
+/// reads it (`OpenAIServing._get_data_parallel_rank`: an integer, else a 400; one past the
+/// engine's ranks is refused as well).
+fn pinned_rank(state: &State, headers: &hyper::HeaderMap) -> Result<Option<usize>, String> {
+    let Some(value) = headers.get("x-data-parallel-rank") else {
+        return Ok(None);
+    };
+    let ranks = state.engines.len();
+    match value
+        .to_str()
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+    {
+        Some(rank) if rank < ranks => Ok(Some(rank)),
+        Some(rank) => Err(format!(
+            "data_parallel_rank {rank} is out of range [0, {ranks})"
+        )),
+        None => Err("X-data-parallel-rank must be an integer".into()),
+    }
+}
+
+/// The rank a request that names none goes to: the least loaded, as vLLM's internal load
+/// balancer picks it (`DPLBAsyncMPClient.get_core_engine_for_request` in
+/// vllm/v1/engine/core_client.py: the lowest `waiting * 4 + running`, the search starting one
+/// rank further each time so that ties go round).
+fn least_loaded(state: &State) -> usize {
+    let ranks = state.engines.len();
+    let start = state.next_rank.fetch_add(1, Ordering::Relaxed);
+    let score = |rank: usize| {
+        state
+            .emulate
+            .as_ref()
+            .and_then(|e| e.ranks.get(rank))
+            .map_or(0, |r| r.load.score())
+    };
+    (0..ranks)
+        .map(|i| (start + i) % ranks.max(1))
+        .min_by_key(|&rank| score(rank))
+        .unwrap_or(0)
 }
 
 /// Counts a generate request as active until dropped (with its response body, for streams).
@@ -541,7 +594,8 @@ async fn run(state: State, g: Generate) -> Response<Body> {
         salt: Salt(g.salt),
     };
     let (tx, mut rx) = mpsc::channel(OUTPUT_BUFFER);
-    match state.engine.try_send(EngineInput::Job(Job {
+    let rank = g.dp_rank.unwrap_or_else(|| least_loaded(&state));
+    match state.engines[rank].try_send(EngineInput::Job(Job {
         request,
         outputs: tx,
     })) {
@@ -681,36 +735,34 @@ async fn run(state: State, g: Generate) -> Response<Body> {
 /// Per tier, the blocks the cache holds and the xor of their hashes (the router's
 /// `/admin/index` reports the same of its mirror).
 async fn cache_digest(state: &State) -> Response<Body> {
-    let (reply, answer) = oneshot::channel();
-    let request = SnapshotRequest {
-        dp_rank: kvroute::protocol::DpRank(0),
-        reply,
-    };
-    if state
-        .engine
-        .try_send(EngineInput::Snapshot(request))
-        .is_err()
-    {
-        return unavailable("engine busy or stopped");
+    let (mut rows, mut head) = (Vec::new(), None);
+    for (rank, engine) in state.engines.iter().enumerate() {
+        let (reply, answer) = oneshot::channel();
+        let request = SnapshotRequest {
+            dp_rank: kvroute::protocol::DpRank(rank as u32),
+            reply,
+        };
+        if engine.try_send(EngineInput::Snapshot(request)).is_err() {
+            return unavailable("engine busy or stopped");
+        }
+        let Ok(Ok(snapshot)) = tokio::time::timeout(ENGINE_DEADLINE, answer).await else {
+            return unavailable("engine did not answer");
+        };
+        let mut tiers = std::collections::BTreeMap::new();
+        for b in &snapshot.blocks {
+            let row = tiers.entry(format!("{:?}", b.tier)).or_insert((0u64, 0u64));
+            row.0 += 1;
+            row.1 ^= b.block.seq.0;
+        }
+        rows.extend(tiers.into_iter().map(|(t, (n, x))| serde_json::json!({"worker": snapshot.worker, "dp_rank": snapshot.dp_rank.0, "tier": t, "blocks": n, "digest": format!("{x:016x}")})));
+        // Every rank has the worker's epoch; the watermark shown is rank 0's.
+        head.get_or_insert((snapshot.epoch, snapshot.watermark));
     }
-    let Ok(Ok(snapshot)) = tokio::time::timeout(ENGINE_DEADLINE, answer).await else {
-        return unavailable("engine did not answer");
-    };
-    let mut tiers = std::collections::BTreeMap::new();
-    for b in &snapshot.blocks {
-        let row = tiers.entry(format!("{:?}", b.tier)).or_insert((0u64, 0u64));
-        row.0 += 1;
-        row.1 ^= b.block.seq.0;
-    }
-    let rows: Vec<_> = tiers
-        .into_iter()
-        .map(|(t, (n, x))| serde_json::json!({"worker": snapshot.worker, "dp_rank": snapshot.dp_rank.0, "tier": t, "blocks": n, "digest": format!("{x:016x}")}))
-        .collect();
+    let (epoch, watermark) = head.unwrap_or_default();
     full(
         StatusCode::OK,
         "application/json",
-        serde_json::json!({"epoch": snapshot.epoch, "watermark": snapshot.watermark, "ranks": rows})
-            .to_string(),
+        serde_json::json!({"epoch": epoch, "watermark": watermark, "ranks": rows}).to_string(),
     )
 }
 
@@ -732,7 +784,7 @@ async fn set_faults(state: State, req: hyper::Request<Incoming>) -> Response<Bod
         Err(e) => return bad_request(&format!("invalid faults: {e}")),
     };
     if fail_engine {
-        let _ = state.engine.try_send(EngineInput::Fail);
+        let _ = state.engines[0].try_send(EngineInput::Fail);
     }
     if let Some(sender) = &state.faults {
         sender.send_replace(faults);
