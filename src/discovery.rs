@@ -70,6 +70,11 @@ pub struct WorkerInfo {
     /// shows each rank's (vLLM's `engine` label); `engine_load` has their mean.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub engine_rank_kv_usage: Vec<u16>,
+    /// Its engine publishes no KV events: its sidecar guesses the engine's cache from the
+    /// prompts routers send it, which they report on `kvroute.<c>.routed.<worker>`
+    /// ([`crate::events::routed`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub learns_routes: bool,
 }
 
 /// How the router talks to a worker.
@@ -1076,6 +1081,7 @@ mod tests {
             engine_load: None,
             event_faults: None,
             engine_rank_kv_usage: Vec::new(),
+            learns_routes: false,
         };
         assert!(info.validate().is_ok());
         // https too: the router has no TLS client, so it could never reach such a worker.

@@ -7,5 +7,6 @@
 pub mod fleet;
 pub mod load;
 pub mod plane;
+pub mod routed;
 pub mod stream;
 pub mod transport;

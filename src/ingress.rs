@@ -27,8 +27,10 @@ use tokio::sync::{Notify, Semaphore, watch};
 use tokio::time::Instant;
 
 use crate::auth::{Secret, bearer_key, bearer_ok};
+use crate::discovery::WorkerInfo;
 use crate::events::load::LoadShare;
 use crate::events::plane::EventPlane;
+use crate::events::transport::Transport;
 use crate::http::budget::{BodyBudget, Reservation, collect_within};
 use crate::http::{
     BlockingError, Body, BodyError, HttpConfig, TOKENIZER_WAIT, run_blocking, serve_http,
@@ -226,6 +228,9 @@ pub struct Router {
     api_keys: Mutex<Arc<Vec<Secret>>>,
 }
 
+/// How long reporting one routed prompt to a sidecar may wait on NATS.
+const ROUTED_PUBLISH_DEADLINE: Duration = Duration::from_secs(1);
+
 /// How often `api_keys_file` is re-read.
 pub const API_KEYS_RELOAD: Duration = Duration::from_secs(2);
 
@@ -329,9 +334,64 @@ impl Router {
         *self.guessed.lock() = guessed;
     }
 
-    /// Whether `worker`'s index entries are guessed from the prompts routed to it.
+    /// Reports every routed request's prompt, as it is sent, to the sidecars of the workers
+    /// whose registrations say they learn from routes (engines without KV events), on their
+    /// routed subjects over `transport` ([`crate::events::routed`]): each sidecar guesses
+    /// its engine's cache from every replica's decisions and publishes the guess as its
+    /// event stream. Dropped when the queue is full or NATS does not take it in time (a
+    /// guess anyway); a prompt too large for one message is not reported.
+    pub fn publish_decisions(self: &Arc<Self>, transport: Transport, cluster: String) {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<RoutedPrompt>(1024);
+        *self.decisions.lock() = Some(tx);
+        // The task must not keep the router alive: the router holds the queue's sender.
+        let router = Arc::downgrade(self);
+        tokio::spawn(async move {
+            while let Some(routed) = rx.recv().await {
+                let Some(router) = router.upgrade() else {
+                    return;
+                };
+                let learns = |w: &WorkerInfo| w.learns_routes;
+                if !router
+                    .plane
+                    .view()
+                    .workers
+                    .get(&routed.key.0)
+                    .is_some_and(learns)
+                {
+                    continue;
+                }
+                let message = crate::events::routed::Routed::new(routed.key.1, &routed.blocks);
+                let Some(payload) = message
+                    .encode()
+                    .filter(|p| p.len() <= transport.max_payload())
+                else {
+                    metrics::counter!("kvroute_routed_reports_dropped_total", "reason" => "too_large").increment(1);
+                    continue;
+                };
+                let subject = crate::events::routed::routed_subject(&cluster, routed.key.0);
+                let sent = tokio::time::timeout(
+                    ROUTED_PUBLISH_DEADLINE,
+                    transport.publish(&subject, None, payload.into()),
+                )
+                .await;
+                if !matches!(sent, Ok(Ok(()))) {
+                    metrics::counter!("kvroute_routed_reports_dropped_total", "reason" => "publish").increment(1);
+                }
+            }
+        });
+    }
+
+    /// Whether `worker`'s index entries are guessed from the prompts routed to it (an
+    /// engine without KV events: followed in this process, or by a sidecar that learns
+    /// from routes).
     pub fn guessed(&self, worker: WorkerId) -> bool {
         self.guessed.lock().contains(&worker)
+            || self
+                .plane
+                .view()
+                .workers
+                .get(&worker)
+                .is_some_and(|w| w.learns_routes)
     }
 
     /// The keys accepted on `/v1/*` now.

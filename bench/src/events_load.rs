@@ -214,6 +214,7 @@ pub async fn run(args: &Args) -> anyhow::Result<Report> {
                     engine_load: None,
                     event_faults: None,
                     engine_rank_kv_usage: Vec::new(),
+                    learns_routes: false,
                 })
                 .collect(),
         )

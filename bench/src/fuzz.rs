@@ -34,7 +34,8 @@ pub struct Args {
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Only this decoder (event_batch, engine_batch, engine_metrics, backend_spec,
-    /// snapshot_chunk, worker_info, load_message, openai_body, generate_body, toml_config).
+    /// snapshot_chunk, worker_info, load_message, routed_prompt, openai_body, generate_body,
+    /// toml_config).
     #[arg(long)]
     pub target: Option<String>,
     /// Where to write inputs that panicked (one file each).
@@ -79,7 +80,7 @@ pub struct Report {
 pub const MAX_INPUT: usize = 1 << 20;
 
 /// The decoders, by name.
-pub const TARGETS: [&str; 10] = [
+pub const TARGETS: [&str; 11] = [
     "event_batch",
     "engine_batch",
     "engine_metrics",
@@ -87,6 +88,7 @@ pub const TARGETS: [&str; 10] = [
     "snapshot_chunk",
     "worker_info",
     "load_message",
+    "routed_prompt",
     "openai_body",
     "generate_body",
     "toml_config",
@@ -102,6 +104,9 @@ struct Harness {
     peers: Peers,
     tokenizer: Tokenizer,
     mirror: kvroute::engines::EngineMirror,
+    /// A sidecar's guess of an engine's cache, from routed-prompt reports.
+    approx: kvroute::engines::approx::ApproxCache,
+    changes: Vec<kvroute::protocol::BlockChange>,
     now: u64,
 }
 
@@ -124,6 +129,8 @@ impl Harness {
             peers: Peers::default(),
             tokenizer: Tokenizer::Bytes,
             mirror: kvroute::engines::EngineMirror::new(NonZeroUsize::new(4).expect("4")),
+            approx: kvroute::engines::approx::ApproxCache::new(120_000, 1 << 16),
+            changes: Vec::new(),
             now: 0,
         }
     }
@@ -174,6 +181,18 @@ impl Harness {
                     self.peers.on_message(self.now, 0, ops, &mut self.scheduler);
                     self.peers.on_tick(self.now, 5_000, &mut self.scheduler);
                     self.scheduler.expire(self.now);
+                    true
+                }
+                Err(_) => false,
+            },
+            // What a sidecar does with a report: decode it for a worker of four ranks and
+            // learn its blocks.
+            "routed_prompt" => match kvroute::events::routed::decode(input, 4) {
+                Ok(prompt) => {
+                    self.approx
+                        .learn(self.now, &prompt.block_hashes(), &mut self.changes);
+                    self.approx.expire(self.now, &mut self.changes);
+                    self.changes.clear();
                     true
                 }
                 Err(_) => false,
@@ -436,6 +455,18 @@ fn load_message(rng: &mut Rng) -> Vec<u8> {
     serde_json::to_vec(&ops).expect("load messages serialize")
 }
 
+fn routed_prompt(rng: &mut Rng) -> Vec<u8> {
+    let tokens: Vec<u32> = (0..rng.below(200) as u32).collect();
+    let blocks = hash_blocks(
+        &tokens,
+        std::num::NonZeroUsize::new(16).expect("16"),
+        Salt::NONE,
+    );
+    kvroute::events::routed::Routed::new(DpRank(rng.below(6) as u32), &blocks)
+        .encode()
+        .unwrap_or_default()
+}
+
 fn openai_body(rng: &mut Rng) -> Vec<u8> {
     let prompt = match rng.below(4) {
         0 => serde_json::json!("Hello there"),
@@ -592,6 +623,7 @@ fn structured(rng: &mut Rng, target: &str) -> Vec<u8> {
         "backend_spec" => backend_spec(rng),
         "worker_info" => worker_info(rng),
         "load_message" => load_message(rng),
+        "routed_prompt" => routed_prompt(rng),
         "openai_body" => openai_body(rng),
         "generate_body" => generate_body(rng),
         "toml_config" => toml_config(rng),

@@ -58,9 +58,18 @@ pub fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
                 Registry::nats(client, &settings.cluster, &lease, settings.registry_replicas)
                     .await?;
             let router = start_router(
-                &settings, transport, registry, true, metrics, tokenizer, stop_rx,
+                &settings,
+                transport.clone(),
+                registry,
+                true,
+                metrics,
+                tokenizer,
+                stop_rx,
             )
             .await?;
+            // Engines without KV events learn from the prompts routed to them: their
+            // sidecars hear of each one.
+            router.publish_decisions(transport, settings.cluster.clone());
             let listeners = Listeners::bind(&settings).await?;
             anyhow::Ok((router, listeners))
         };

@@ -845,6 +845,7 @@ fn same_shape(a: &WorkerInfo, b: &WorkerInfo) -> bool {
         &a.adapters,
         a.api,
         a.event_faults,
+        a.learns_routes,
     ) == (
         b.epoch,
         &b.url,
@@ -856,6 +857,7 @@ fn same_shape(a: &WorkerInfo, b: &WorkerInfo) -> bool {
         &b.adapters,
         b.api,
         b.event_faults,
+        b.learns_routes,
     )
 }
 

@@ -1387,6 +1387,7 @@ mod tests {
             engine_load: None,
             event_faults: None,
             engine_rank_kv_usage: Vec::new(),
+            learns_routes: false,
         }
     }
 

@@ -114,6 +114,7 @@ impl SimWorker {
             engine_load: None,
             event_faults: None,
             engine_rank_kv_usage: Vec::new(),
+            learns_routes: false,
         }));
         let lease = LeaseConfig {
             heartbeat_ms: 200,

@@ -1153,3 +1153,71 @@ async fn a_data_parallel_engine_is_mirrored_and_pinned_rank_by_rank() {
         .unwrap();
     assert_eq!(r.status, 400, "{}", r.body);
 }
+
+/// An engine without KV events behind a sidecar (`--engine openai`, fleet mode): each
+/// router replica reports the prompts it sends there, the sidecar guesses the engine's cache
+/// from all of them and publishes the guess as the worker's stream, so a replica that never
+/// routed a conversation credits the engine with its prefix, and sends it there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_events_a_sidecar_learns_from_every_replica_s_decisions() {
+    let http = Http::default();
+    let engines = [engine("vllm"), engine("vllm")];
+    let sidecar = |e: &Engine| WorkerSpec {
+        model: MODEL.into(),
+        // The engine's URL only: no events.
+        args: [
+            "--engine",
+            "openai",
+            "--engine-url",
+            &e.url(),
+            "--block-size",
+            "16",
+            "--engine-health-ms",
+            "200",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect(),
+    };
+    let fleet = Fleet::start(FleetSpec {
+        routers: 2,
+        workers: engines.iter().map(sidecar).collect(),
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    fleet.wait_synced(WAIT).await.unwrap();
+    for family in 0..3 {
+        let prompt = format!(
+            "Family {family}: {}",
+            "a long shared prefix of words. ".repeat(12)
+        );
+        // Router 0 routes the prompt; router 1 never saw it.
+        let first = complete(&http, &fleet.routers[0].url(), MODEL, &prompt, 2)
+            .await
+            .unwrap();
+        let (body, admin) = (
+            completion(MODEL, &prompt, 2, false),
+            fleet.routers[1].admin(),
+        );
+        let learnt = fleet
+            .until(WAIT, || credited(&http, &admin, &body, &first.worker))
+            .await;
+        assert!(
+            learnt,
+            "family {family}: router 1 never credited worker {} with router 0's prompt",
+            first.worker
+        );
+        let again = complete(&http, &fleet.routers[1].url(), MODEL, &prompt, 2)
+            .await
+            .unwrap();
+        assert_eq!(
+            again.worker, first.worker,
+            "family {family}: router 1 sent the prompt elsewhere"
+        );
+        assert!(
+            !again.overlap.starts_with("device=0;") && again.cached > 0,
+            "family {family}: {again:?}"
+        );
+    }
+}

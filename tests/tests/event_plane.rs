@@ -634,6 +634,7 @@ async fn publishing_without_nats_fails_at_once() {
         engine_load: None,
         event_faults: None,
         engine_rank_kv_usage: Vec::new(),
+        learns_routes: false,
     }));
     let plane = kvroute_worker::plane::WorkerPlane::new(transport.clone(), CLUSTER, info);
     let batch = |id| EventBatch {

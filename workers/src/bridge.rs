@@ -119,6 +119,8 @@ pub async fn run(
         engine_load: None,
         event_faults: None,
         engine_rank_kv_usage: Vec::new(),
+        // Routers report what they send an engine without events to its sidecar.
+        learns_routes: learned.is_some(),
     }));
     if !config.model.is_empty() {
         info.lock().validate()?;
@@ -333,6 +335,46 @@ fn event_faults(ranks: &[IngestStats]) -> metrics::EventFaults {
 /// How long a block routed to an engine without events is taken as cached: engines keep
 /// prefixes for minutes when not under pressure; Dynamo's approximate indexer assumes 120 s.
 const APPROX_TTL_MS: u64 = 120_000;
+
+/// The prompts routers send the engine of worker `id` (`dp_size` ranks), as they report them
+/// on its routed subject ([`kvroute::events::routed`]): the `learned` input of [`run`] for a
+/// sidecar of an engine without KV events. A message that does not read is counted and
+/// dropped; one that does not fit the queue is dropped (the cache it feeds is a guess).
+pub async fn learn_from_routes(
+    transport: &Transport,
+    cluster: &str,
+    id: WorkerId,
+    dp_size: u32,
+) -> anyhow::Result<mpsc::Receiver<RoutedPrompt>> {
+    use kvroute::events::routed;
+    let mut subscription = transport
+        .subscribe(&routed::routed_subject(cluster, id))
+        .await?;
+    let (tx, rx) = mpsc::channel(LEARNED_QUEUE);
+    tokio::spawn(async move {
+        while let Some(message) = subscription.next().await {
+            match routed::decode(&message.payload, dp_size) {
+                Ok(prompt) => {
+                    let _ = tx.try_send(RoutedPrompt {
+                        key: (id, DpRank(prompt.rank)),
+                        blocks: prompt.block_hashes(),
+                    });
+                }
+                Err(e) => {
+                    ::metrics::counter!("kvroute_worker_routed_refused_total").increment(1);
+                    tracing::debug!(worker = %id, error = %e, "a routed-prompt report refused");
+                }
+            }
+            if tx.is_closed() {
+                return;
+            }
+        }
+    });
+    Ok(rx)
+}
+
+/// Routed prompts waiting for the bridge.
+const LEARNED_QUEUE: usize = 1024;
 
 async fn next_learned(learned: &mut Option<mpsc::Receiver<RoutedPrompt>>) -> Option<RoutedPrompt> {
     match learned {

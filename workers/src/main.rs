@@ -487,8 +487,21 @@ async fn sidecar(
         "kvroute-worker {id}: sidecar of {kind:?} engine at {}",
         config.engine_url
     );
+    // An engine without KV events: its cache is guessed from the prompts routers send it.
+    let learned = match config.events {
+        Some(_) => None,
+        None => Some(
+            kvroute_worker::bridge::learn_from_routes(
+                &transport,
+                &config.cluster,
+                config.id,
+                config.dp_size,
+            )
+            .await?,
+        ),
+    };
     let mut bridge = tokio::spawn(kvroute_worker::bridge::run(
-        config, transport, registry, stop_rx, None,
+        config, transport, registry, stop_rx, learned,
     ));
     tokio::select! {
         () = kvroute::process::signalled(signals) => {

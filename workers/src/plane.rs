@@ -199,6 +199,7 @@ mod tests {
             engine_load: None,
             event_faults: None,
             engine_rank_kv_usage: Vec::new(),
+            learns_routes: false,
         }));
         let plane = WorkerPlane::new(Transport::Local(LocalBus::new()), "c", Arc::clone(&info));
         plane.note_sent(&batch(0, 9));

@@ -187,6 +187,7 @@ impl Worker {
             engine_load: None,
             event_faults: None,
             engine_rank_kv_usage: Vec::new(),
+            learns_routes: false,
         }));
         info.lock().validate()?;
         let plane = WorkerPlane::new(transport.clone(), &config.cluster, Arc::clone(&info));

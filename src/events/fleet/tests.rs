@@ -20,6 +20,7 @@ fn info(id: u64, epoch: u64, dp_size: u32, model: &str, block_size: usize) -> Wo
         engine_load: None,
         event_faults: None,
         engine_rank_kv_usage: Vec::new(),
+        learns_routes: false,
     }
 }
 

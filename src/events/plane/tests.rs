@@ -22,6 +22,7 @@ pub(crate) fn info(id: u64, dp_size: u32) -> WorkerInfo {
         engine_load: None,
         event_faults: None,
         engine_rank_kv_usage: Vec::new(),
+        learns_routes: false,
     }
 }
 
