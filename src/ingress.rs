@@ -228,6 +228,10 @@ pub struct Router {
     api_keys: Mutex<Arc<Vec<Secret>>>,
 }
 
+/// Routed prompts waiting to be reported to sidecars (each up to a prompt's blocks, 16 B a
+/// block: a few MiB at most).
+const ROUTED_QUEUE: usize = 64;
+
 /// How long reporting one routed prompt to a sidecar may wait on NATS.
 const ROUTED_PUBLISH_DEADLINE: Duration = Duration::from_secs(1);
 
@@ -341,7 +345,7 @@ impl Router {
     /// event stream. Dropped when the queue is full or NATS does not take it in time (a
     /// guess anyway); a prompt too large for one message is not reported.
     pub fn publish_decisions(self: &Arc<Self>, transport: Transport, cluster: String) {
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<RoutedPrompt>(1024);
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<RoutedPrompt>(ROUTED_QUEUE);
         *self.decisions.lock() = Some(tx);
         // The task must not keep the router alive: the router holds the queue's sender.
         let router = Arc::downgrade(self);
@@ -1291,10 +1295,14 @@ async fn complete(
             decision = retry;
             booking = Some(Booking::new(router, decision.booking));
         }
+        // A worker whose cache is guessed from the prompts routed to it shows them all: it
+        // says nothing of how the engine hashes (the hash-mismatch alarm).
+        let guessed = router.guessed(decision.chosen.key.0);
+        let last = prepared.blocks.last().map(|b| b.seq).filter(|_| !guessed);
         let booking = booking
             .take()
             .expect("invariant: every attempt has its booking")
-            .expecting(decision.chosen.key.0, prepared.blocks.last().map(|b| b.seq));
+            .expecting(decision.chosen.key.0, last);
         let key = decision.chosen.key;
         let outcome = forward(
             router,
@@ -1314,11 +1322,15 @@ async fn complete(
                 // conversation's next turn: a worker that failed or refused it never
                 // computed it, and a guess that it holds it would send the next turns after
                 // a cache hit that is not there.
-                if let Some(sink) = router.decisions.lock().as_ref() {
-                    let _ = sink.try_send(RoutedPrompt {
-                        key,
-                        blocks: prepared.blocks.clone(),
-                    });
+                if let (true, Some(sink)) = (guessed, router.decisions.lock().as_ref())
+                    && sink
+                        .try_send(RoutedPrompt {
+                            key,
+                            blocks: prepared.blocks.clone(),
+                        })
+                        .is_err()
+                {
+                    metrics::counter!("kvroute_routed_reports_dropped_total", "reason" => "queue_full").increment(1);
                 }
                 return Ok(response);
             }

@@ -522,9 +522,9 @@ struct WorkerState {
     /// G1 blocks in use as the engine itself last reported (a real engine's sidecar): load
     /// this router did not book (other routers, clients that bypass it).
     engine_used_blocks: f64,
-    /// This rank's share of the requests waiting in the engine's queue as the engine itself
-    /// last reported.
-    engine_waiting: f64,
+    /// This rank's share of the requests the engine last reported waiting beyond those
+    /// booked on the worker and not started when the report came.
+    engine_unbooked_waiting: f64,
     /// The engine's last report, whole (`/admin/workers`).
     engine_load: Option<crate::engines::metrics::EngineLoad>,
     /// KV footprint (prompt blocks) of the requests routed here recently, decayed to
@@ -635,7 +635,7 @@ impl Scheduler {
                     adapters: Vec::new(),
                     load,
                     engine_used_blocks: 0.0,
-                    engine_waiting: 0.0,
+                    engine_unbooked_waiting: 0.0,
                     engine_load: None,
                     recent_blocks: 0.0,
                     recent_at_ms: 0,
@@ -667,8 +667,10 @@ impl Scheduler {
     /// A real engine's own report of its load (every rank of `worker`): its KV usage counts
     /// as held decode blocks where it exceeds what this router booked there, each rank's own
     /// where `rank_usage_permille` has one (a full rank is busy though its siblings are
-    /// idle), else the mean; its waiting requests beyond those booked there and not yet
-    /// started count as prefill to compute, each rank an equal share of them. `None` (the
+    /// idle), else the mean; its waiting requests beyond the bookings of all its ranks not
+    /// yet started count as prefill to compute, each rank an equal share. That excess is
+    /// taken as the report comes and kept until the next: requests booked after it are not
+    /// in the engine's count, and requests that start after it are still there. `None` (the
     /// sidecar's scrape failed) forgets the last report: a stale high usage would keep the
     /// worker looking busy for as long as its metrics stay unreadable.
     pub fn set_engine_load(
@@ -677,10 +679,18 @@ impl Scheduler {
         load: Option<crate::engines::metrics::EngineLoad>,
         rank_usage_permille: &[u16],
     ) {
-        let ranks = self.workers.range(ranks_of(worker)).count().max(1);
+        let (ranks, open) = self
+            .workers
+            .range(ranks_of(worker))
+            .fold((0usize, 0usize), |(n, open), (_, s)| {
+                (n + 1, open + s.load.prefill_requests)
+            });
+        let unbooked = load.map_or(0.0, |l| {
+            (f64::from(l.waiting) - open as f64).max(0.0) / ranks.max(1) as f64
+        });
         for (key, state) in self.workers.range_mut(ranks_of(worker)) {
             state.engine_load = load;
-            state.engine_waiting = load.map_or(0.0, |l| f64::from(l.waiting) / ranks as f64);
+            state.engine_unbooked_waiting = unbooked;
             let usage = load.map(|l| {
                 rank_usage_permille
                     .get(key.1.0 as usize)
@@ -801,15 +811,13 @@ impl Scheduler {
                     + c.host_weight * f64::from(overlap.host)
                     + c.disk_weight * f64::from(overlap.disk);
                 let credit = indexed.max(c.device_weight * f64::from(booked_prefix));
-                // Requests the engine says are waiting beyond those booked there whose
-                // prefill has not begun to show: load from clients that bypass kvroute, or
-                // routers of another fleet. The engine does not say how long their prompts
-                // are; each counts as a prefill of the mean this router books (or of this
-                // prompt, before it has booked any).
-                let unbooked_waiting =
-                    (state.engine_waiting - state.load.prefill_requests as f64).max(0.0);
+                // Requests the engine said were waiting beyond those booked there: load from
+                // clients that bypass kvroute, or routers of another fleet. The engine does
+                // not say how long their prompts are; each counts as a prefill of the mean
+                // this router books (or of this prompt, before it has booked any).
                 let prefill_blocks = state.load.prefill_blocks
-                    + unbooked_waiting * self.mean_prefill_blocks.unwrap_or(prompt_blocks);
+                    + state.engine_unbooked_waiting
+                        * self.mean_prefill_blocks.unwrap_or(prompt_blocks);
                 let decode_blocks =
                     (state.load.decode_blocks() as f64).max(state.engine_used_blocks);
                 let recent_blocks = self.recent(state, now_ms);

@@ -30,17 +30,27 @@ pub struct Routed {
 }
 
 /// Why a routed-prompt message was refused.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error)]
 pub enum RoutedError {
     /// Not the JSON shape above.
-    #[error("not a routed prompt: {0}")]
-    Shape(String),
+    #[error("not a routed prompt")]
+    Shape {
+        /// What the JSON reader found.
+        #[source]
+        source: serde_json::Error,
+    },
     /// More blocks than [`MAX_ROUTED_BLOCKS`].
-    #[error("a routed prompt of {0} blocks (at most {MAX_ROUTED_BLOCKS})")]
-    TooLong(usize),
-    /// A payload too large to hold at most [`MAX_ROUTED_BLOCKS`] blocks, bytes.
-    #[error("a routed-prompt message of {0} bytes")]
-    Oversized(usize),
+    #[error("a routed prompt of {blocks} blocks (at most {MAX_ROUTED_BLOCKS})")]
+    TooLong {
+        /// Blocks it named.
+        blocks: usize,
+    },
+    /// A payload longer than [`MAX_ROUTED_BLOCKS`] blocks could take.
+    #[error("a routed-prompt message of {bytes} bytes")]
+    Oversized {
+        /// Its length.
+        bytes: usize,
+    },
     /// A rank the worker does not have.
     #[error("a routed prompt for rank {rank} of a worker with {ranks}")]
     NoSuchRank {
@@ -82,15 +92,20 @@ impl Routed {
 
 /// Reads a message for a worker of `ranks` data-parallel ranks.
 pub fn decode(payload: &[u8], ranks: u32) -> Result<Routed, RoutedError> {
-    // A block takes at most 44 bytes (`[u64::MAX,u64::MAX],`): a longer payload names more
-    // blocks than allowed, and is refused before it is parsed.
-    if payload.len() > 16 + 44 * MAX_ROUTED_BLOCKS {
-        return Err(RoutedError::Oversized(payload.len()));
+    // A block takes at most 44 bytes (`[u64::MAX,u64::MAX],`), and the rest of the message
+    // at most 32 (`{"rank":4294967295,"blocks":[]}`): a longer payload names more blocks
+    // than allowed, and is refused before it is parsed.
+    if payload.len() > 32 + 44 * MAX_ROUTED_BLOCKS {
+        return Err(RoutedError::Oversized {
+            bytes: payload.len(),
+        });
     }
     let routed: Routed =
-        serde_json::from_slice(payload).map_err(|e| RoutedError::Shape(e.to_string()))?;
+        serde_json::from_slice(payload).map_err(|source| RoutedError::Shape { source })?;
     if routed.blocks.len() > MAX_ROUTED_BLOCKS {
-        return Err(RoutedError::TooLong(routed.blocks.len()));
+        return Err(RoutedError::TooLong {
+            blocks: routed.blocks.len(),
+        });
     }
     if routed.rank >= ranks {
         return Err(RoutedError::NoSuchRank {
@@ -122,10 +137,10 @@ mod tests {
         let back = decode(&payload, 2).unwrap();
         assert_eq!(back, message);
         assert_eq!(back.block_hashes(), blocks);
-        assert_eq!(
+        assert!(matches!(
             decode(&payload, 1),
             Err(RoutedError::NoSuchRank { rank: 1, ranks: 1 })
-        );
+        ));
         for bad in [
             &b"{"[..],
             br#"{"rank": -1, "blocks": []}"#,
@@ -133,7 +148,7 @@ mod tests {
             br#"{"rank": 0, "blocks": [], "extra": 1}"#,
         ] {
             assert!(
-                matches!(decode(bad, 4), Err(RoutedError::Shape(_))),
+                matches!(decode(bad, 4), Err(RoutedError::Shape { .. })),
                 "{}",
                 String::from_utf8_lossy(bad)
             );
@@ -144,9 +159,14 @@ mod tests {
         };
         assert_eq!(long.encode(), None);
         let payload = serde_json::to_vec(&long).unwrap();
-        assert_eq!(
+        assert!(matches!(
             decode(&payload, 1),
-            Err(RoutedError::TooLong(MAX_ROUTED_BLOCKS + 1))
-        );
+            Err(RoutedError::TooLong { blocks }) if blocks == MAX_ROUTED_BLOCKS + 1
+        ));
+        let padded = [b" ".repeat(32 + 44 * MAX_ROUTED_BLOCKS), payload].concat();
+        assert!(matches!(
+            decode(&padded, 1),
+            Err(RoutedError::Oversized { .. })
+        ));
     }
 }

@@ -697,15 +697,20 @@ fn an_engine_s_queue_beyond_the_bookings_counts_as_prefill() {
     // Before this router books anything, a queued request counts as long as this prompt.
     s.set_engine_load(WorkerId(1), Some(queue(3)), &[]);
     assert_eq!((prefill(&s, 0), prefill(&s, 1)), (0.0, 12.0));
-    // This router books a 10-block prompt on worker 1: the mean is 10 blocks a request,
-    // and one of the three waiting is the router's own (counted once, as booked).
+    // This router books a 10-block prompt on worker 1 after that report: the mean is 10
+    // blocks a request; the engine's three were someone else's and stay so until the next
+    // report (the router's own is booked, not in that count).
     let b = blocks(10, 0);
     let own = s
         .route_excluding(0, &request(&b, 160, &none), &[key(0)])
         .expect("worker 1 serves the model")
         .booking;
-    assert_eq!(prefill(&s, 1), 10.0 + 2.0 * 10.0);
-    // Its first token: the engine's three waiting are all someone else's.
+    assert_eq!(prefill(&s, 1), 10.0 + 3.0 * 10.0);
+    // The next report counts four waiting, one of them the router's own, not started: it is
+    // counted once, as booked.
+    s.set_engine_load(WorkerId(1), Some(queue(4)), &[]);
+    assert_eq!(prefill(&s, 1), 10.0 + 3.0 * 10.0);
+    // Its first token: its prefill is done; the three stay until the engine says otherwise.
     s.first_token(own);
     assert_eq!(prefill(&s, 1), 3.0 * 10.0);
     // Worker 1's queue makes it the dearer, though neither holds the prompt.
@@ -719,6 +724,45 @@ fn an_engine_s_queue_beyond_the_bookings_counts_as_prefill() {
     // A report without its metrics forgets the queue.
     s.set_engine_load(WorkerId(1), None, &[]);
     assert_eq!(prefill(&s, 1), 0.0);
+}
+
+/// An engine with data-parallel ranks reports one queue: the router's own requests waiting
+/// on any rank come off it before the rest is shared out, so the rank that holds them does
+/// not make its idle sibling look queued.
+#[test]
+fn an_engine_s_queue_is_shared_by_its_ranks_after_the_bookings() {
+    use crate::engines::metrics::EngineLoad;
+    let mut s = Scheduler::new(unit_weights()).unwrap();
+    for rank in 0..2 {
+        s.add_worker((WorkerId(7), DpRank(rank)), 1000, "m");
+    }
+    let none = scores(&[]);
+    let all_but_rank_0 = [(WorkerId(7), DpRank(1))];
+    for i in 0..4 {
+        let b = blocks(10, 1000 * i);
+        s.route_excluding(0, &request(&b, 160, &none), &all_but_rank_0)
+            .expect("rank 0 serves the model");
+    }
+    let queued = |s: &Scheduler, rank: u32| {
+        let b = blocks(4, 99);
+        let c = s.candidates(0, &request(&b, 64, &none));
+        let c = c
+            .iter()
+            .find(|c| c.key == (WorkerId(7), DpRank(rank)))
+            .unwrap();
+        c.prefill_blocks - s.load(c.key).unwrap().prefill_blocks
+    };
+    // Four waiting, all four the router's own on rank 0: nobody else's.
+    let load = |waiting| EngineLoad {
+        running: 0,
+        waiting,
+        kv_usage_permille: 0,
+    };
+    s.set_engine_load(WorkerId(7), Some(load(4)), &[]);
+    assert_eq!((queued(&s, 0), queued(&s, 1)), (0.0, 0.0));
+    // Six waiting: two of someone else's, one on each rank's account (10 blocks each).
+    s.set_engine_load(WorkerId(7), Some(load(6)), &[]);
+    assert_eq!((queued(&s, 0), queued(&s, 1)), (10.0, 10.0));
 }
 
 /// An engine with data-parallel ranks reports each rank's KV usage: a full rank costs more

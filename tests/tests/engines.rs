@@ -1140,6 +1140,18 @@ async fn a_data_parallel_engine_is_mirrored_and_pinned_rank_by_rank() {
         .await
         .unwrap();
     assert_eq!(r.status, 400, "{}", r.body);
+    // A value that is not an integer names no rank (vLLM's front end reads it so): the
+    // engine balances the request itself.
+    let r = http
+        .call_with(
+            "POST",
+            &format!("{}/v1/completions", e.url()),
+            completion(MODEL, "hello", 1, false),
+            &[("x-data-parallel-rank", "first")],
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
 }
 
 /// An engine without KV events behind a sidecar (`--engine openai`, fleet mode): each

@@ -351,30 +351,43 @@ pub async fn learn_from_routes(
         .subscribe(&routed::routed_subject(cluster, id))
         .await?;
     let (tx, rx) = mpsc::channel(LEARNED_QUEUE);
+    let dropped = |reason: &'static str| {
+        ::metrics::counter!("kvroute_worker_routed_reports_dropped_total", "reason" => reason)
+            .increment(1);
+    };
     tokio::spawn(async move {
-        while let Some(message) = subscription.next().await {
+        loop {
+            // Ends with the bridge (the receiver gone) or with the subscription.
+            let message = tokio::select! {
+                () = tx.closed() => return,
+                m = subscription.next() => m,
+            };
+            let Some(message) = message else {
+                tracing::warn!(worker = %id, "the routed-prompt subscription ended: the engine's guessed cache is no longer fed");
+                return;
+            };
             match routed::decode(&message.payload, dp_size) {
                 Ok(prompt) => {
-                    let _ = tx.try_send(RoutedPrompt {
+                    let prompt = RoutedPrompt {
                         key: (id, DpRank(prompt.rank)),
                         blocks: prompt.block_hashes(),
-                    });
+                    };
+                    if tx.try_send(prompt).is_err() {
+                        dropped("queue_full");
+                    }
                 }
                 Err(e) => {
-                    ::metrics::counter!("kvroute_worker_routed_refused_total").increment(1);
+                    dropped("unreadable");
                     tracing::debug!(worker = %id, error = %e, "a routed-prompt report refused");
                 }
-            }
-            if tx.is_closed() {
-                return;
             }
         }
     });
     Ok(rx)
 }
 
-/// Routed prompts waiting for the bridge.
-const LEARNED_QUEUE: usize = 1024;
+/// Routed prompts waiting for the bridge (each up to a prompt's blocks, 16 B a block).
+const LEARNED_QUEUE: usize = 64;
 
 async fn next_learned(learned: &mut Option<mpsc::Receiver<RoutedPrompt>>) -> Option<RoutedPrompt> {
     match learned {

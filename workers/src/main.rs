@@ -421,9 +421,10 @@ async fn emulation(
     Ok(kvroute_worker::emulate::Emulation {
         flavor,
         bytes_hashes: args.emulate_bytes_hashes,
+        // Every rank's blocks, and their outputs' (learnt before a request is placed).
         book: kvroute_worker::emulate::TokenBook::new(
             block_size,
-            4 * (engine.g1_blocks + engine.g2_blocks),
+            4 * (engine.g1_blocks + engine.g2_blocks) * dp as usize,
         ),
         block_size,
         capacity_tokens: engine.g1_blocks.saturating_mul(block_size.get()),

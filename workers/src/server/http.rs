@@ -372,8 +372,8 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
 }
 
 /// The data-parallel rank a request names in `X-data-parallel-rank`, as vLLM's front end
-/// reads it (`OpenAIServing._get_data_parallel_rank`: an integer, else a 400; one past the
-/// engine's ranks is refused as well).
+/// reads it (`OpenAIServing._get_data_parallel_rank`: a value that is not an integer names
+/// none; a rank past the engine's is refused, as vLLM's engine client refuses it).
 fn pinned_rank(state: &State, headers: &hyper::HeaderMap) -> Result<Option<usize>, String> {
     let Some(value) = headers.get("x-data-parallel-rank") else {
         return Ok(None);
@@ -388,7 +388,7 @@ fn pinned_rank(state: &State, headers: &hyper::HeaderMap) -> Result<Option<usize
         Some(rank) => Err(format!(
             "data_parallel_rank {rank} is out of range [0, {ranks})"
         )),
-        None => Err("X-data-parallel-rank must be an integer".into()),
+        None => Ok(None),
     }
 }
 
