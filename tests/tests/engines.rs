@@ -1157,12 +1157,13 @@ async fn a_data_parallel_engine_is_mirrored_and_pinned_rank_by_rank() {
 /// An engine without KV events behind a sidecar (`--engine openai`, fleet mode): each
 /// router replica reports the prompts it sends there, the sidecar guesses the engine's cache
 /// from all of them and publishes the guess as the worker's stream, so a replica that never
-/// routed a conversation credits the engine with its prefix, and sends it there.
+/// routed a conversation credits the engine with its prefix, and sends it there; a replica
+/// started afterwards gets the guess from the sidecar's snapshot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_events_a_sidecar_learns_from_every_replica_s_decisions() {
     let http = Http::default();
     let engines = [engine("vllm"), engine("vllm")];
-    let fleet = Fleet::start(FleetSpec {
+    let mut fleet = Fleet::start(FleetSpec {
         routers: 2,
         // The engine's URL only: no events.
         workers: engines
@@ -1174,6 +1175,7 @@ async fn without_events_a_sidecar_learns_from_every_replica_s_decisions() {
     .await
     .unwrap();
     fleet.wait_synced(WAIT).await.unwrap();
+    let mut learnt_by = Vec::new();
     for family in 0..3 {
         let prompt = format!(
             "Family {family}: {}",
@@ -1205,6 +1207,18 @@ async fn without_events_a_sidecar_learns_from_every_replica_s_decisions() {
         assert!(
             !again.overlap.starts_with("device=0;") && again.cached > 0,
             "family {family}: {again:?}"
+        );
+        learnt_by.push((completion(MODEL, &prompt, 2, false), first.worker));
+    }
+    let late = fleet.add_router(&[]).unwrap();
+    let admin = fleet.routers[late].admin();
+    for (family, (body, worker)) in learnt_by.iter().enumerate() {
+        let credited_late = fleet
+            .until(WAIT, || credited(&http, &admin, body, worker))
+            .await;
+        assert!(
+            credited_late,
+            "family {family}: a router started afterwards never credited worker {worker}"
         );
     }
 }
