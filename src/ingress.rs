@@ -27,7 +27,6 @@ use tokio::sync::{Notify, Semaphore, watch};
 use tokio::time::Instant;
 
 use crate::auth::{Secret, bearer_key, bearer_ok};
-use crate::discovery::WorkerInfo;
 use crate::events::load::LoadShare;
 use crate::events::plane::EventPlane;
 use crate::events::transport::Transport;
@@ -338,32 +337,19 @@ impl Router {
         *self.guessed.lock() = guessed;
     }
 
-    /// Reports every routed request's prompt, as it is sent, to the sidecars of the workers
-    /// whose registrations say they learn from routes (engines without KV events), on their
-    /// routed subjects over `transport` ([`crate::events::routed`]): each sidecar guesses
-    /// its engine's cache from every replica's decisions and publishes the guess as its
-    /// event stream. Dropped when the queue is full or NATS does not take it in time (a
-    /// guess anyway); a prompt too large for one message is not reported.
-    pub fn publish_decisions(self: &Arc<Self>, transport: Transport, cluster: String) {
+    /// Reports the prompts routed to workers whose registrations say they learn from routes
+    /// (engines without KV events: [`Router::guessed`] ones, the only ones put on the queue),
+    /// as they are sent, to their sidecars on their routed subjects over `transport`
+    /// ([`crate::events::routed`]): each sidecar guesses its engine's cache from every
+    /// replica's decisions and publishes the guess as its event stream. Dropped when the
+    /// queue is full or NATS does not take it in time (a guess anyway); a prompt too large
+    /// for one message is not reported.
+    pub fn publish_decisions(&self, transport: Transport, cluster: String) {
         let (tx, mut rx) = tokio::sync::mpsc::channel::<RoutedPrompt>(ROUTED_QUEUE);
+        // The router holds the sender: the task ends with it.
         *self.decisions.lock() = Some(tx);
-        // The task must not keep the router alive: the router holds the queue's sender.
-        let router = Arc::downgrade(self);
         tokio::spawn(async move {
             while let Some(routed) = rx.recv().await {
-                let Some(router) = router.upgrade() else {
-                    return;
-                };
-                let learns = |w: &WorkerInfo| w.learns_routes;
-                if !router
-                    .plane
-                    .view()
-                    .workers
-                    .get(&routed.key.0)
-                    .is_some_and(learns)
-                {
-                    continue;
-                }
                 let message = crate::events::routed::Routed::new(routed.key.1, &routed.blocks);
                 let Some(payload) = message
                     .encode()

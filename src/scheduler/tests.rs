@@ -672,30 +672,35 @@ fn an_engine_s_own_kv_usage_counts_where_it_exceeds_the_bookings() {
     assert!(cost(&s, 1) < cost(&s, 0));
 }
 
+/// `key`'s candidate for a 4-block prompt no worker holds.
+fn probe(s: &Scheduler, key: WorkerKey) -> Candidate {
+    let b = blocks(4, 99);
+    s.candidates(0, &request(&b, 64, &scores(&[])))
+        .into_iter()
+        .find(|c| c.key == key)
+        .unwrap()
+}
+
+/// An engine's report of `waiting` requests in its queue, and nothing else.
+fn engine_queue(waiting: u32) -> crate::engines::metrics::EngineLoad {
+    crate::engines::metrics::EngineLoad {
+        running: 0,
+        waiting,
+        kv_usage_permille: 0,
+    }
+}
+
 /// Requests waiting in an engine's queue that no router booked there (clients that bypass
 /// kvroute) count as prefill to compute, each the size of the prefills this router books;
 /// those it booked and has not seen start are in the engine's queue already, and are not
 /// counted twice.
 #[test]
 fn an_engine_s_queue_beyond_the_bookings_counts_as_prefill() {
-    use crate::engines::metrics::EngineLoad;
     let mut s = scheduler(PolicyKind::Kv, 2);
     let none = scores(&[]);
-    let prefill = |s: &Scheduler, w: u64| {
-        let b = blocks(4, 99);
-        s.candidates(0, &request(&b, 64, &none))
-            .into_iter()
-            .find(|c| c.key == key(w))
-            .unwrap()
-            .prefill_blocks
-    };
-    let queue = |waiting| EngineLoad {
-        running: 4,
-        waiting,
-        kv_usage_permille: 0,
-    };
+    let prefill = |s: &Scheduler, w: u64| probe(s, key(w)).prefill_blocks;
     // Before this router books anything, a queued request counts as long as this prompt.
-    s.set_engine_load(WorkerId(1), Some(queue(3)), &[]);
+    s.set_engine_load(WorkerId(1), Some(engine_queue(3)), &[]);
     assert_eq!((prefill(&s, 0), prefill(&s, 1)), (0.0, 12.0));
     // This router books a 10-block prompt on worker 1 after that report: the mean is 10
     // blocks a request; the engine's three were someone else's and stay so until the next
@@ -708,7 +713,7 @@ fn an_engine_s_queue_beyond_the_bookings_counts_as_prefill() {
     assert_eq!(prefill(&s, 1), 10.0 + 3.0 * 10.0);
     // The next report counts four waiting, one of them the router's own, not started: it is
     // counted once, as booked.
-    s.set_engine_load(WorkerId(1), Some(queue(4)), &[]);
+    s.set_engine_load(WorkerId(1), Some(engine_queue(4)), &[]);
     assert_eq!(prefill(&s, 1), 10.0 + 3.0 * 10.0);
     // Its first token: its prefill is done; the three stay until the engine says otherwise.
     s.first_token(own);
@@ -731,7 +736,6 @@ fn an_engine_s_queue_beyond_the_bookings_counts_as_prefill() {
 /// not make its idle sibling look queued.
 #[test]
 fn an_engine_s_queue_is_shared_by_its_ranks_after_the_bookings() {
-    use crate::engines::metrics::EngineLoad;
     let mut s = Scheduler::new(unit_weights()).unwrap();
     for rank in 0..2 {
         s.add_worker((WorkerId(7), DpRank(rank)), 1000, "m");
@@ -744,24 +748,14 @@ fn an_engine_s_queue_is_shared_by_its_ranks_after_the_bookings() {
             .expect("rank 0 serves the model");
     }
     let queued = |s: &Scheduler, rank: u32| {
-        let b = blocks(4, 99);
-        let c = s.candidates(0, &request(&b, 64, &none));
-        let c = c
-            .iter()
-            .find(|c| c.key == (WorkerId(7), DpRank(rank)))
-            .unwrap();
-        c.prefill_blocks - s.load(c.key).unwrap().prefill_blocks
+        let key = (WorkerId(7), DpRank(rank));
+        probe(s, key).prefill_blocks - s.load(key).unwrap().prefill_blocks
     };
     // Four waiting, all four the router's own on rank 0: nobody else's.
-    let load = |waiting| EngineLoad {
-        running: 0,
-        waiting,
-        kv_usage_permille: 0,
-    };
-    s.set_engine_load(WorkerId(7), Some(load(4)), &[]);
+    s.set_engine_load(WorkerId(7), Some(engine_queue(4)), &[]);
     assert_eq!((queued(&s, 0), queued(&s, 1)), (0.0, 0.0));
     // Six waiting: two of someone else's, one on each rank's account (10 blocks each).
-    s.set_engine_load(WorkerId(7), Some(load(6)), &[]);
+    s.set_engine_load(WorkerId(7), Some(engine_queue(6)), &[]);
     assert_eq!((queued(&s, 0), queued(&s, 1)), (10.0, 10.0));
 }
 

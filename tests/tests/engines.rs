@@ -52,8 +52,11 @@ fn sidecar(e: &Engine, kind: &str, events: bool) -> WorkerSpec {
     }
 }
 
-/// Per tier: (blocks, xor of hashes) of the engine's own cache.
-async fn cache(http: &Http, e: &Engine) -> Option<BTreeMap<String, (u64, String)>> {
+/// Per (data-parallel rank, tier): (blocks, xor of hashes).
+type Tiers = BTreeMap<(u64, String), (u64, String)>;
+
+/// The engine's own cache, per rank and tier.
+async fn cache(http: &Http, e: &Engine) -> Option<Tiers> {
     let r = http
         .call("GET", &format!("{}/admin/cache", e.url()), "")
         .await
@@ -67,19 +70,19 @@ async fn cache(http: &Http, e: &Engine) -> Option<BTreeMap<String, (u64, String)
     )
 }
 
-/// `(worker → tier → (blocks, digest))` of `/admin/index` or `/admin/cache` rows.
-fn rows(
-    v: &serde_json::Value,
-    only: Option<u64>,
-) -> BTreeMap<u64, BTreeMap<String, (u64, String)>> {
-    let mut out: BTreeMap<u64, BTreeMap<String, (u64, String)>> = BTreeMap::new();
+/// `worker → (rank, tier) → (blocks, digest)` of `/admin/index` or `/admin/cache` rows.
+fn rows(v: &serde_json::Value, only: Option<u64>) -> BTreeMap<u64, Tiers> {
+    let mut out: BTreeMap<u64, Tiers> = BTreeMap::new();
     for r in v.as_array().into_iter().flatten() {
         let w = r["worker"].as_u64().unwrap_or(0);
         if only.is_some_and(|o| o != w) {
             continue;
         }
         out.entry(w).or_default().insert(
-            r["tier"].as_str().unwrap_or("").to_owned(),
+            (
+                r["dp_rank"].as_u64().unwrap_or(u64::MAX),
+                r["tier"].as_str().unwrap_or("").to_owned(),
+            ),
             (
                 r["blocks"].as_u64().unwrap_or(0),
                 r["digest"].as_str().unwrap_or("").to_owned(),
@@ -89,12 +92,8 @@ fn rows(
     out
 }
 
-/// What router `admin` holds of the worker registered with `url`.
-async fn router_view(
-    http: &Http,
-    admin: &str,
-    url: &str,
-) -> Option<BTreeMap<String, (u64, String)>> {
+/// What router `admin` holds of the worker registered with `url`, per rank and tier.
+async fn router_view(http: &Http, admin: &str, url: &str) -> Option<Tiers> {
     let workers = http
         .call("GET", &format!("{admin}/admin/workers"), "")
         .await
@@ -1017,14 +1016,31 @@ async fn an_engine_s_queue_from_clients_that_bypass_the_router_steers_requests_a
     );
     for i in 0..3 {
         let prompt = format!("Routed request {i}: {}", "r".repeat(300));
-        // Sent to engine a, it would wait behind five requests of about 18 s each.
-        let answer = tokio::time::timeout(
-            Duration::from_secs(10),
-            complete(&http, &fleet.url(), MODEL, &prompt, 1),
-        )
-        .await
-        .unwrap_or_else(|_| panic!("request {i} went to the engine with a queue: {seen}"))
-        .unwrap();
+        let (h, url) = (http.clone(), fleet.url());
+        let sent = tokio::spawn(async move { complete(&h, &url, MODEL, &prompt, 1).await });
+        // Sent to engine a, it would wait there behind five requests of about 18 s each:
+        // where the router booked it says where it went, without waiting for its answer.
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while !sent.is_finished() {
+            let v = fleet.admin_workers(0).await.unwrap_or_default();
+            let booked = v["workers"]
+                .as_array()
+                .and_then(|ws| ws.iter().find(|w| w["booked_requests"].as_u64() > Some(0)));
+            if let Some(w) = booked {
+                assert_eq!(
+                    w["id"].to_string(),
+                    b_id,
+                    "request {i} was booked on the engine with a queue: {seen}"
+                );
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "request {i} was never booked: {v}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let answer = sent.await.unwrap().unwrap();
         assert_eq!(
             answer.worker.trim_matches('"'),
             b_id.trim_matches('"'),
@@ -1033,59 +1049,6 @@ async fn an_engine_s_queue_from_clients_that_bypass_the_router_steers_requests_a
     }
     for t in bypass {
         t.abort();
-    }
-}
-
-/// `(dp_rank, tier) → (blocks, digest)` of `/admin/index` or `/admin/cache` rows.
-fn rank_rows(v: &serde_json::Value) -> BTreeMap<(u64, String), (u64, String)> {
-    v["ranks"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|r| {
-            (
-                (
-                    r["dp_rank"].as_u64().unwrap_or(u64::MAX),
-                    r["tier"].as_str().unwrap_or("").to_owned(),
-                ),
-                (
-                    r["blocks"].as_u64().unwrap_or(0),
-                    r["digest"].as_str().unwrap_or("").to_owned(),
-                ),
-            )
-        })
-        .collect()
-}
-
-/// Waits until router `admin` mirrors each rank of engine `e` exactly (and, with `both`,
-/// both of its two ranks hold blocks on the device).
-async fn wait_exact_by_rank(http: &Http, e: &Engine, admin: &str, both: bool) {
-    let get = |path: String| async move {
-        let r = http.call("GET", &path, "").await.ok()?;
-        serde_json::from_str::<serde_json::Value>(&r.body).ok()
-    };
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        let truth = get(format!("{}/admin/cache", e.url()))
-            .await
-            .map(|v| rank_rows(&v));
-        let seen = get(format!("{admin}/admin/index"))
-            .await
-            .map(|v| rank_rows(&v));
-        let filled = |rows: &BTreeMap<(u64, String), (u64, String)>| {
-            !both
-                || [0, 1]
-                    .iter()
-                    .all(|r| rows.contains_key(&(*r, "Device".to_owned())))
-        };
-        if truth.as_ref().is_some_and(filled) && truth == seen {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "never exact rank by rank: engine {truth:?}, router {seen:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -1125,10 +1088,18 @@ async fn a_data_parallel_engine_is_mirrored_and_pinned_rank_by_rank() {
             }
             // The engine's events reach the router before the next turn (a client's next
             // turn comes later than that, a test's at once).
-            wait_exact_by_rank(&http, &e, &admin, false).await;
+            wait_exact(&http, std::slice::from_ref(&admin), &[&e], false).await;
         }
     }
-    wait_exact_by_rank(&http, &e, &admin, true).await;
+    // Each rank's cache, as the engine has it and as the router mirrors it: both ranks hold
+    // conversations.
+    let ranks = cache(&http, &e).await.unwrap_or_default();
+    assert!(
+        [0, 1]
+            .iter()
+            .all(|r| ranks.contains_key(&(*r, "Device".to_owned()))),
+        "{ranks:?}"
+    );
     // A rank the engine does not have is refused, as vLLM refuses it.
     let r = http
         .call_with(

@@ -185,12 +185,12 @@ pub struct LoadCell {
 }
 
 impl LoadCell {
-    /// Sets every figure.
-    pub fn set(&self, running: usize, waiting: usize, g1_in_use: usize, g1_capacity: usize) {
-        self.running.store(running, Ordering::Relaxed);
-        self.waiting.store(waiting, Ordering::Relaxed);
-        self.g1_in_use.store(g1_in_use, Ordering::Relaxed);
-        self.g1_capacity.store(g1_capacity, Ordering::Relaxed);
+    /// Sets every figure from the engine's.
+    pub fn set(&self, load: &crate::engine::EngineLoad) {
+        self.running.store(load.running, Ordering::Relaxed);
+        self.waiting.store(load.waiting, Ordering::Relaxed);
+        self.g1_in_use.store(load.g1_in_use, Ordering::Relaxed);
+        self.g1_capacity.store(load.g1_capacity, Ordering::Relaxed);
     }
 
     /// vLLM's load-balancing score of a rank: `waiting * 4 + running`.
@@ -361,7 +361,14 @@ mod tests {
     #[test]
     fn the_load_series_read_back_as_set() {
         let cell = LoadCell::default();
-        cell.set(3, 7, 250, 1000);
+        let engine = |running, waiting, g1_in_use| crate::engine::EngineLoad {
+            running,
+            waiting,
+            g1_used: g1_in_use,
+            g1_in_use,
+            g1_capacity: 1000,
+        };
+        cell.set(&engine(3, 7, 250));
         let block = NonZeroUsize::new(16).unwrap();
         for flavor in [Flavor::Vllm, Flavor::VllmLegacy, Flavor::Sglang] {
             let s = scrape(&cell.render(flavor, block, "org/model \"x\"", 0));
@@ -380,7 +387,7 @@ mod tests {
         // Two data-parallel ranks: the counts add up, and the sidecar reads each rank's
         // usage by its label (vLLM's `engine`, SGLang's `dp_rank`).
         let other = LoadCell::default();
-        other.set(1, 0, 750, 1000);
+        other.set(&engine(1, 0, 750));
         for flavor in [Flavor::Vllm, Flavor::Sglang] {
             let text = cell.render(flavor, block, "m", 0) + &other.render(flavor, block, "m", 1);
             let s = scrape(&text);

@@ -167,6 +167,9 @@ pub struct EngineLoad {
     pub running: usize,
     /// G1 slots not free.
     pub g1_used: usize,
+    /// Of those, the ones requests hold or fill (the rest are cached blocks nobody uses,
+    /// which vLLM counts as free in its KV usage).
+    pub g1_in_use: usize,
     /// G1 capacity.
     pub g1_capacity: usize,
 }
@@ -326,6 +329,7 @@ impl Engine {
             waiting: self.waiting.len(),
             running: self.running.len(),
             g1_used: g1.capacity - g1.free,
+            g1_in_use: g1.mutable + g1.registered,
             g1_capacity: g1.capacity,
         }
     }

@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 
-use kvroute::protocol::{EventBatch, Tier};
+use kvroute::protocol::EventBatch;
 use tokio::sync::{mpsc, watch};
 
-use crate::emulate::{EmulatedRank, Emulation};
+use crate::emulate::Emulation;
 use crate::engine::{Engine, Output, OutputKind, RequestId};
 use crate::plane::{SnapshotRequest, WorkerPlane};
 
@@ -86,20 +86,6 @@ impl EngineHandle {
     }
 }
 
-/// Leaves an emulated engine's load where its `/metrics` reads it.
-fn report(engine: &Engine, rank: Option<&EmulatedRank>) {
-    if let Some(e) = rank {
-        let load = engine.load();
-        let g1 = engine.blocks().usage(Tier::Device);
-        e.load.set(
-            load.running,
-            load.waiting,
-            g1.mutable + g1.registered,
-            g1.capacity,
-        );
-    }
-}
-
 fn run(
     mut engine: Engine,
     inputs: Receiver<EngineInput>,
@@ -117,8 +103,12 @@ fn run(
     let mut out = Vec::new();
     let mut batches = Vec::new();
     // Its G1 size is in its `/metrics` before its first request.
+    // An emulated engine's load is left where its `/metrics` reads it (its G1 size from
+    // before its first request).
     let rank = emulation.as_ref().and_then(|(e, r)| e.ranks.get(*r));
-    report(&engine, rank);
+    if let Some(r) = rank {
+        r.load.set(&engine.load());
+    }
     loop {
         let wall = wall_us();
         clock = clock.max(wall);
@@ -151,7 +141,9 @@ fn run(
         metrics::gauge!("kvroute_worker_requests_waiting").set(load.waiting as f64);
         metrics::gauge!("kvroute_worker_requests_running").set(load.running as f64);
         metrics::gauge!("kvroute_worker_g1_blocks_used").set(load.g1_used as f64);
-        report(&engine, rank);
+        if let Some(r) = rank {
+            r.load.set(&load);
+        }
         let cache = engine.blocks().stats();
         metrics::counter!("kvroute_worker_offloaded_blocks_total").absolute(cache.offloaded);
         metrics::counter!("kvroute_worker_onboarded_blocks_total").absolute(cache.onboarded);
