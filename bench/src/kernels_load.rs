@@ -1,12 +1,15 @@
 //! `kvroute-bench kernels`: GB/s of offload (gather + D2H) and onboard (H2D + scatter) of
 //! 32, 256 and 2,048 random blocks on a GPU, next to one contiguous copy of the same bytes,
 //! and the fixed cost of a transfer (a one-block transfer less its bytes at the contiguous
-//! rate). Needs a CUDA device; says what is missing otherwise.
+//! rate), split into the time the call takes to queue it (the engine thread's) and the rest
+//! (the device's). The contiguous copies run between G1 and the pinned G2, so they are the
+//! page-locked bandwidth the device reaches with a plain copy: the link's limit. Needs a CUDA
+//! device; says what is missing otherwise.
 
 use std::time::Instant;
 
 use anyhow::Context;
-use kvroute_kernels::cuda::{GpuKv, Transfer};
+use kvroute_kernels::cuda::{GpuError, GpuKv, Transfer};
 use kvroute_kernels::{Dtype, KvLayout};
 use serde::Serialize;
 
@@ -56,25 +59,53 @@ pub struct Report {
     pub fixed_offload_us: f64,
     /// Fixed cost of an onboard, µs.
     pub fixed_onboard_us: f64,
+    /// Fixed cost of an onboard with its verification (the worker's path), µs.
+    pub fixed_onboard_checked_us: f64,
+    /// Median µs the offload call of one block takes to queue it (host side of the fixed
+    /// cost).
+    pub submit_offload_us: f64,
+    /// The same for an onboard of one block.
+    pub submit_onboard_us: f64,
     /// Per size.
     pub rows: Vec<Row>,
 }
 
+/// Medians of one operation, µs: from the call to the end of the transfer, and of the call
+/// alone.
+#[derive(Clone, Copy, Debug, Default)]
+struct Timed {
+    total_us: f64,
+    submit_us: f64,
+}
+
+/// Times `run` on `kv`, ending each transfer with [`GpuKv::finish`] (which returns a
+/// verification's pinned result buffer to the pool, as the worker does).
 fn median_us(
+    kv: &mut GpuKv,
     reps: usize,
-    mut run: impl FnMut() -> anyhow::Result<Transfer>,
-) -> anyhow::Result<f64> {
+    mut run: impl FnMut(&mut GpuKv) -> Result<Transfer, GpuError>,
+) -> anyhow::Result<Timed> {
     for _ in 0..3 {
-        run()?.wait()?;
+        let transfer = run(kv)?;
+        kv.finish(transfer)?;
     }
-    let mut times = Vec::with_capacity(reps);
+    let mut totals = Vec::with_capacity(reps);
+    let mut submits = Vec::with_capacity(reps);
     for _ in 0..reps.max(1) {
         let start = Instant::now();
-        run()?.wait()?;
-        times.push(start.elapsed().as_secs_f64() * 1e6);
+        let transfer = run(kv)?;
+        submits.push(start.elapsed().as_secs_f64() * 1e6);
+        kv.finish(transfer)?;
+        totals.push(start.elapsed().as_secs_f64() * 1e6);
     }
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok(Timed {
+        total_us: median(&mut totals),
+        submit_us: median(&mut submits),
+    })
 }
 
 /// Runs the benchmark on `args.device`.
@@ -108,7 +139,7 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
     let g2 = shuffled(g2_blocks);
     let block = layout.block_bytes();
     let mut rows = Vec::new();
-    let mut one = (0.0, 0.0);
+    let mut one = (Timed::default(), Timed::default(), Timed::default());
     for n in [1usize, 32, 256, 2048] {
         let out: Vec<(usize, usize)> = g1[..n]
             .iter()
@@ -116,13 +147,20 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
             .zip(g2[..n].iter().copied())
             .collect();
         let back: Vec<(usize, usize)> = out.iter().map(|&(a, b)| (b, a)).collect();
-        let offload_us = median_us(args.reps, || Ok(kv.offload(&out)?))?;
-        let onboard_us = median_us(args.reps, || Ok(kv.onboard(&back)?))?;
-        let d2h_us = median_us(args.reps, || Ok(kv.contiguous_copy(true, n * block)?))?;
-        let h2d_us = median_us(args.reps, || Ok(kv.contiguous_copy(false, n * block)?))?;
+        let offload = median_us(&mut kv, args.reps, |kv| kv.offload(&out))?;
+        let onboard = median_us(&mut kv, args.reps, |kv| kv.onboard(&back))?;
+        let (offload_us, onboard_us) = (offload.total_us, onboard.total_us);
+        let d2h = median_us(&mut kv, args.reps, |kv| kv.contiguous_copy(true, n * block))?;
+        let h2d = median_us(&mut kv, args.reps, |kv| {
+            kv.contiguous_copy(false, n * block)
+        })?;
+        let (d2h_us, h2d_us) = (d2h.total_us, h2d.total_us);
         let gbps = |us: f64| (n * block) as f64 / us / 1e3;
         if n == 1 {
-            one = (offload_us, onboard_us);
+            // The worker's onboard: verified against the block's pattern (what the result
+            // says is not read here: the timing is the point).
+            let checked = median_us(&mut kv, args.reps, |kv| kv.onboard_checked(&back, &[0]))?;
+            one = (offload, onboard, checked);
             continue;
         }
         rows.push(Row {
@@ -143,8 +181,11 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
     Ok(Report {
         device,
         layout,
-        fixed_offload_us: one.0 - block as f64 / (d2h * 1e3),
-        fixed_onboard_us: one.1 - block as f64 / (h2d * 1e3),
+        fixed_offload_us: one.0.total_us - block as f64 / (d2h * 1e3),
+        fixed_onboard_us: one.1.total_us - block as f64 / (h2d * 1e3),
+        fixed_onboard_checked_us: one.2.total_us - block as f64 / (h2d * 1e3),
+        submit_offload_us: one.0.submit_us,
+        submit_onboard_us: one.1.submit_us,
         rows,
     })
 }
@@ -175,7 +216,11 @@ pub fn print(r: &Report) {
         );
     }
     println!(
-        "fixed cost per transfer: offload {:.1} µs, onboard {:.1} µs",
-        r.fixed_offload_us, r.fixed_onboard_us
+        "fixed cost per transfer: offload {:.1} µs ({:.1} queuing it), onboard {:.1} µs ({:.1} queuing it), onboard verified {:.1} µs",
+        r.fixed_offload_us,
+        r.submit_offload_us,
+        r.fixed_onboard_us,
+        r.submit_onboard_us,
+        r.fixed_onboard_checked_us
     );
 }

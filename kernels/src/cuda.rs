@@ -1,17 +1,19 @@
 //! The kernels on a CUDA device: [`Gpu`] (a context, the compiled module, one launch per
-//! operation over a piece list) and [`GpuKv`] (a worker's G1 on the device, G2 in pinned host
-//! memory, offload and onboard on a dedicated copy stream that signal completion by event).
+//! operation over a piece list or, for a transfer's blocks, a slot list) and [`GpuKv`] (a
+//! worker's G1 on the device, G2 in pinned host memory, offload and onboard pipelined over a
+//! copy stream and a gather/scatter stream, completion signalled by event).
 //!
 //! What blocks the calling thread: [`GpuKv::is_done`] never does (an event query), and
 //! neither does queuing a transfer or an onboard's verification, whose per-block results come
 //! back into pinned host memory behind the transfer's own event ([`GpuKv::onboard_checked`],
-//! read by [`GpuKv::finish`] once done). What may: the piece descriptors of each launch are
-//! uploaded from pageable memory, which CUDA documents as possibly synchronous with respect
-//! to the host; a verification whose block count exceeds every pinned result buffer pooled so
+//! read by [`GpuKv::finish`] once done). What may: the piece descriptors of a fill or a
+//! verification are uploaded from pageable memory, which CUDA documents as possibly
+//! synchronous with respect to the host (a transfer's gathers and scatters upload nothing:
+//! their slots travel as kernel parameters); a verification whose block count exceeds every pinned result buffer pooled so
 //! far allocates a new one (page-locking); [`Transfer::wait`], [`GpuKv::finish`] of a
 //! transfer not yet done, the `*_g1`/`*_g2` checks and [`GpuKv::synchronize`] wait by design
 //! (tests and benchmarks); creating a [`GpuKv`] compiles and allocates, and dropping one
-//! synchronises both streams.
+//! synchronises its streams.
 //!
 //! Nothing here links CUDA at build time: cudarc opens `libcuda` and `libnvrtc` when
 //! [`Gpu::new`] first runs, which checks for them first and names what is missing. Kernels
@@ -27,8 +29,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
-    DriverError, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    DeviceRepr, DriverError, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use parking_lot::Mutex;
@@ -81,12 +83,35 @@ pub enum GpuError {
 }
 
 /// The kernels' entry points in `kernels.cu`.
-pub const KERNELS: [&str; 4] = [
+pub const KERNELS: [&str; 5] = [
     "copy_pieces",
     "fill_pieces",
     "checksum_pieces",
     "verify_pieces",
+    "move_blocks",
 ];
+
+/// Most blocks one `move_blocks` launch moves: its slot list travels by value in the kernel's
+/// parameters (`struct SlotList` in `kernels.cu`: 4 + 4 × 512 bytes, under the 4 KiB
+/// parameter limit of every architecture), so offload and onboard upload no descriptors.
+pub const MOVE_MAX_BLOCKS: usize = 512;
+
+/// What each lane of a [`GpuKv`]'s staging area aims to hold: a transfer moves lane by lane,
+/// the gather (or scatter) of one lane overlapping the PCIe copy of the one before, and a
+/// copy this size runs at the link's rate (16 MiB: 8 blocks of Llama-8B, about 0.3 ms of
+/// PCIe 5). Smaller lanes start a transfer's copy sooner, larger ones cost fewer launches.
+const LANE_BYTES: usize = 16 << 20;
+
+/// `struct SlotList` in `kernels.cu`: the G1 slots of one `move_blocks` launch.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SlotList {
+    n: u32,
+    slots: [u32; MOVE_MAX_BLOCKS],
+}
+
+// SAFETY: plain `repr(C)` data with the layout of the kernel's by-value parameter.
+unsafe impl DeviceRepr for SlotList {}
 
 /// Whether NVRTC (`libnvrtc.so`) can be opened; it needs no GPU.
 pub fn nvrtc_present() -> bool {
@@ -136,6 +161,7 @@ pub struct Gpu {
     fill: CudaFunction,
     checksum: CudaFunction,
     verify: CudaFunction,
+    move_blocks: CudaFunction,
     /// Device name.
     pub name: String,
     /// Compute capability.
@@ -173,6 +199,15 @@ fn pattern_words(pieces: &[PatternPiece], base: u64) -> Vec<u64> {
         .collect()
 }
 
+/// The buffers of one `move_blocks` launch: G1 `(address, bytes, blocks)` and the packed
+/// buffer `(address, bytes)`.
+#[derive(Clone, Copy)]
+struct MoveArgs<'a> {
+    layout: &'a KvLayout,
+    g1: (u64, usize, usize),
+    packed: (u64, usize),
+}
+
 impl Gpu {
     /// Opens device `ordinal` and loads the kernels (compiling them on first use per
     /// architecture).
@@ -191,12 +226,13 @@ impl Gpu {
         let ctx = CudaContext::new(ordinal)?;
         let arch = ctx.compute_capability()?;
         let module = ctx.load_module(ptx_for(arch.0, arch.1)?)?;
-        let [copy, fill, checksum, verify] = KERNELS;
+        let [copy, fill, checksum, verify, move_blocks] = KERNELS;
         Ok(Gpu {
             copy: module.load_function(copy)?,
             fill: module.load_function(fill)?,
             checksum: module.load_function(checksum)?,
             verify: module.load_function(verify)?,
+            move_blocks: module.load_function(move_blocks)?,
             name: ctx.name()?,
             arch,
             ctx,
@@ -240,6 +276,110 @@ impl Gpu {
         // `src` and `dst`, which are borrowed until the launch is queued and stay allocated
         // until the stream has run it (cudarc's per-buffer events).
         unsafe { launch.launch(launch_config(pieces.len())) }?;
+        Ok(())
+    }
+
+    /// Queues the gather of G1 `slots` (of `g1_blocks`, laid out as `layout`) into the first
+    /// `slots.len()` blocks of `packed`: the bytes of [`Gpu::copy`] over [`plan::gather`],
+    /// with no descriptor upload (at most [`MOVE_MAX_BLOCKS`] slots).
+    pub fn gather(
+        &self,
+        stream: &Arc<CudaStream>,
+        layout: &KvLayout,
+        g1: &CudaSlice<u8>,
+        g1_blocks: usize,
+        slots: &[usize],
+        packed: &mut CudaSlice<u8>,
+    ) -> Result<(), GpuError> {
+        let (g1_ptr, _g) = g1.device_ptr(stream);
+        let packed_len = packed.len();
+        let (packed_ptr, _p) = packed.device_ptr_mut(stream);
+        let args = MoveArgs {
+            layout,
+            g1: (g1_ptr, g1.len(), g1_blocks),
+            packed: (packed_ptr, packed_len),
+        };
+        self.move_blocks(stream, &args, slots, true)
+    }
+
+    /// Queues the scatter of the first `slots.len()` blocks of `packed` into G1 `slots`: the
+    /// bytes of [`Gpu::copy`] over [`plan::scatter`], with no descriptor upload.
+    pub fn scatter(
+        &self,
+        stream: &Arc<CudaStream>,
+        layout: &KvLayout,
+        packed: &CudaSlice<u8>,
+        slots: &[usize],
+        g1: &mut CudaSlice<u8>,
+        g1_blocks: usize,
+    ) -> Result<(), GpuError> {
+        let (packed_ptr, _p) = packed.device_ptr(stream);
+        let g1_len = g1.len();
+        let (g1_ptr, _g) = g1.device_ptr_mut(stream);
+        let args = MoveArgs {
+            layout,
+            g1: (g1_ptr, g1_len, g1_blocks),
+            packed: (packed_ptr, packed.len()),
+        };
+        self.move_blocks(stream, &args, slots, false)
+    }
+
+    /// Checks `slots` against both buffers and queues `move_blocks`.
+    fn move_blocks(
+        &self,
+        stream: &Arc<CudaStream>,
+        args: &MoveArgs<'_>,
+        slots: &[usize],
+        to_packed: bool,
+    ) -> Result<(), GpuError> {
+        let MoveArgs {
+            layout,
+            g1: (g1, g1_len, g1_blocks),
+            packed: (packed, packed_len),
+        } = *args;
+        let block = layout.block_bytes();
+        let outside = |index: usize, buffer: &'static str, start: usize, len: usize| PieceError {
+            index,
+            buffer,
+            start: start as u64,
+            end: (start + block) as u64,
+            len,
+        };
+        if g1_blocks * block > g1_len || g1_blocks > u32::MAX as usize {
+            return Err(outside(0, "g1", 0, g1_len).into());
+        }
+        if slots.len() > MOVE_MAX_BLOCKS || slots.len() * block > packed_len {
+            return Err(outside(slots.len(), "packed", slots.len() * block, packed_len).into());
+        }
+        let mut list = SlotList {
+            n: slots.len() as u32,
+            slots: [0; MOVE_MAX_BLOCKS],
+        };
+        for (i, &slot) in slots.iter().enumerate() {
+            if slot >= g1_blocks {
+                return Err(outside(i, "g1", slot * block, g1_len).into());
+            }
+            list.slots[i] = slot as u32;
+        }
+        if slots.is_empty() {
+            return Ok(());
+        }
+        let (pieces, piece_len) = (layout.pieces() as u32, layout.piece_bytes() as u32);
+        let (g1_blocks, to_packed) = (g1_blocks as u64, u32::from(to_packed));
+        let mut launch = stream.launch_builder(&self.move_blocks);
+        launch
+            .arg(&g1)
+            .arg(&packed)
+            .arg(&g1_blocks)
+            .arg(&pieces)
+            .arg(&piece_len)
+            .arg(&to_packed)
+            .arg(&list);
+        // SAFETY: `move_blocks(u64, u64, u64, u32, u32, u32, SlotList)`; every slot was checked
+        // below `g1_blocks`, whose blocks fit in G1, and the packed blocks fit in `packed`, so
+        // every piece lies inside its buffer; both buffers are borrowed by the caller, which
+        // keeps them allocated until the stream has run the launch.
+        unsafe { launch.launch(launch_config(slots.len() * pieces as usize)) }?;
         Ok(())
     }
 
@@ -343,17 +483,38 @@ impl Gpu {
 }
 
 /// A worker's KV bytes on a GPU: G1 in device memory in the paged layout, G2 in pinned host
-/// memory, a device staging area for transfers, and a copy stream separate from the stream
-/// that fills blocks (the engine's).
+/// memory, a device staging area for transfers in lanes, and three streams: `main` fills
+/// blocks (the engine's), `copies` runs the PCIe copies and `movers` the gathers, scatters
+/// and verifications.
+///
+/// A transfer moves lane by lane: while the copy engine moves one lane over PCIe, `movers`
+/// gathers (or scatters) the next, so the device-side work hides behind the link except for
+/// the first lane's. The streams are ordered by explicit events (cudarc's per-buffer event
+/// tracking is off for this context: it orders a whole buffer, so every fill of G1 would wait
+/// for the last gather of an offload in flight):
+/// - a transfer's first gather or scatter waits for the work `main` had queued (its fills);
+/// - a lane is written (gather on `movers`, H2D on `copies`) only after its `free` event,
+///   recorded behind its last reader (D2H on `copies`, scatter on `movers`), and read only
+///   after its `ready` event, recorded behind the write;
+/// - an onboard's `done` is recorded on `movers` behind its last scatter (and verification),
+///   and `main` waits for it before its next work; an offload's `done` is recorded on
+///   `copies` behind its last D2H, each of which waited for its gather;
+/// - slots themselves (G1 and G2) are the caller's to keep: the worker's block manager holds
+///   a transfer's slots until its `done` is seen.
 pub struct GpuKv {
     gpu: Gpu,
     layout: KvLayout,
     g1_blocks: usize,
     main: Arc<CudaStream>,
     copies: Arc<CudaStream>,
+    movers: Arc<CudaStream>,
     g1: CudaSlice<u8>,
-    staging: CudaSlice<u8>,
-    staging_blocks: usize,
+    lanes: Vec<Lane>,
+    lane_blocks: usize,
+    /// The lane the next transfer starts with (transfers take lanes round robin).
+    next_lane: usize,
+    /// Re-recorded on `main` by each transfer, for `movers` to wait on.
+    main_mark: CudaEvent,
     g2: PinnedHostSlice<u8>,
     /// Pinned buffers for verification results, free for the next checked onboard.
     results: Vec<PinnedHostSlice<u32>>,
@@ -371,6 +532,16 @@ impl std::fmt::Debug for GpuKv {
             )
             .finish()
     }
+}
+
+/// One lane of the staging area: `lane_blocks` packed blocks and the events ordering its
+/// writer and reader streams (see [`GpuKv`]).
+struct Lane {
+    buf: CudaSlice<u8>,
+    /// Recorded behind the lane's last write (gather or H2D).
+    ready: CudaEvent,
+    /// Recorded behind the lane's last read (D2H or scatter).
+    free: CudaEvent,
 }
 
 /// A queued transfer: poll it with [`GpuKv::is_done`] and end it with [`GpuKv::finish`]
@@ -419,12 +590,29 @@ impl GpuKv {
         staging_blocks: usize,
     ) -> Result<GpuKv, GpuError> {
         let gpu = Gpu::new(ordinal)?;
+        // SAFETY: every buffer of this context is created below and ordered across streams by
+        // the events the type's docs list; all streams are synchronised before anything is
+        // freed (`Drop`), and each buffer is used only after the synchronisation below.
+        unsafe { gpu.ctx.disable_event_tracking() };
         let main = gpu.stream()?;
         let copies = gpu.stream()?;
+        let movers = gpu.stream()?;
         let block = layout.block_bytes();
         let g1 = gpu.alloc(&main, g1_blocks * block)?;
         let staging_blocks = staging_blocks.max(1);
-        let staging = gpu.alloc(&copies, staging_blocks * block)?;
+        let lane_blocks = (LANE_BYTES / block.max(1))
+            .clamp(1, MOVE_MAX_BLOCKS)
+            .min(staging_blocks);
+        let lanes = (0..staging_blocks / lane_blocks)
+            .map(|_| {
+                Ok(Lane {
+                    buf: gpu.alloc(&movers, lane_blocks * block)?,
+                    ready: gpu.ctx.new_event(None)?,
+                    free: gpu.ctx.new_event(None)?,
+                })
+            })
+            .collect::<Result<Vec<_>, GpuError>>()?;
+        let main_mark = gpu.ctx.new_event(None)?;
         // SAFETY: zeroed below before any use. Flags 0: plain page-locked memory (not
         // write-combined: the host reads G2 back when verifying).
         let mut g2 = unsafe {
@@ -434,15 +622,19 @@ impl GpuKv {
         g2.as_mut_slice()?.fill(0);
         main.synchronize()?;
         copies.synchronize()?;
+        movers.synchronize()?;
         Ok(GpuKv {
             gpu,
             layout,
             g1_blocks,
             main,
             copies,
+            movers,
             g1,
-            staging,
-            staging_blocks,
+            lanes,
+            lane_blocks,
+            next_lane: 0,
+            main_mark,
             g2,
             results: Vec::new(),
         })
@@ -510,40 +702,60 @@ impl GpuKv {
         Ok(())
     }
 
-    /// Queues offload of `(g1, g2)` slot pairs: gather into staging, then D2H into pinned G2,
-    /// on the copy stream after what the main stream has queued so far (the blocks' fills).
+    /// Makes `movers` wait for the work `main` has queued so far.
+    fn after_main(&self) -> Result<(), GpuError> {
+        self.main_mark.record(&self.main)?;
+        self.movers.wait(&self.main_mark)?;
+        Ok(())
+    }
+
+    /// The lane for the next `lane_blocks` of a transfer.
+    fn take_lane(&mut self) -> usize {
+        let lane = self.next_lane;
+        self.next_lane = (lane + 1) % self.lanes.len();
+        lane
+    }
+
+    /// Queues offload of `(g1, g2)` slot pairs, lane by lane: gather into the lane on
+    /// `movers`, then D2H into pinned G2 on `copies`, after what `main` has queued so far
+    /// (the blocks' fills).
     pub fn offload(&mut self, pairs: &[(usize, usize)]) -> Result<Transfer, GpuError> {
         for &(g1, g2) in pairs {
             self.check_slots(g1, g2)?;
         }
-        let after = self.main.record_event(None)?;
-        self.copies.wait(&after)?;
+        self.after_main()?;
         let block = self.layout.block_bytes();
-        for chunk in pairs.chunks(self.staging_blocks) {
-            let staged: Vec<(usize, usize)> = chunk
-                .iter()
-                .enumerate()
-                .map(|(j, &(g1, _))| (g1, j))
-                .collect();
-            let pieces = plan::gather(&self.layout, self.g1_blocks, &staged);
-            self.gpu
-                .copy(&self.copies, &self.g1, &mut self.staging, &pieces)?;
-            let (staging, _s) = self.staging.device_ptr(&self.copies);
+        for chunk in pairs.chunks(self.lane_blocks) {
+            let i = self.take_lane();
+            let lane = &mut self.lanes[i];
+            self.movers.wait(&lane.free)?;
+            let slots: Vec<usize> = chunk.iter().map(|&(g1, _)| g1).collect();
+            self.gpu.gather(
+                &self.movers,
+                &self.layout,
+                &self.g1,
+                self.g1_blocks,
+                &slots,
+                &mut lane.buf,
+            )?;
+            lane.ready.record(&self.movers)?;
+            self.copies.wait(&lane.ready)?;
+            let (staged, _s) = lane.buf.device_ptr(&self.copies);
             let host = self.g2.as_mut_slice()?;
-            for run in runs(chunk.iter().map(|&(_, g2)| g2)) {
-                let (first_j, first_g2, len) = run;
+            for (first_j, first_g2, len) in runs(chunk.iter().map(|&(_, g2)| g2)) {
                 let dst = &mut host[first_g2 * block..(first_g2 + len) * block];
                 // SAFETY: `dst` is inside pinned G2 (slots checked above), the source run
-                // inside staging (`first_j + len <= staging_blocks`); both stay allocated
+                // inside the lane (`first_j + len <= lane_blocks`); both stay allocated
                 // until the copy stream is synchronised (on drop of `self` at the latest).
                 unsafe {
                     cudarc::driver::result::memcpy_dtoh_async(
                         dst,
-                        staging + (first_j * block) as u64,
+                        staged + (first_j * block) as u64,
                         self.copies.cu_stream(),
                     )
                 }?;
             }
+            lane.free.record(&self.copies)?;
         }
         Ok(Transfer {
             done: self.copies.record_event(None)?,
@@ -551,8 +763,9 @@ impl GpuKv {
         })
     }
 
-    /// Queues onboard of `(g2, g1)` slot pairs: H2D from pinned G2 into staging, then scatter
-    /// into G1, on the copy stream; the main stream waits for it before its next work.
+    /// Queues onboard of `(g2, g1)` slot pairs, lane by lane: H2D from pinned G2 into the
+    /// lane on `copies`, then scatter into G1 on `movers`; `main` waits for it before its
+    /// next work.
     pub fn onboard(&mut self, pairs: &[(usize, usize)]) -> Result<Transfer, GpuError> {
         self.queue_onboard(pairs, None)
     }
@@ -576,39 +789,45 @@ impl GpuKv {
         for &(g2, g1) in pairs {
             self.check_slots(g1, g2)?;
         }
-        let after = self.main.record_event(None)?;
-        self.copies.wait(&after)?;
+        self.after_main()?;
         let block = self.layout.block_bytes();
-        for chunk in pairs.chunks(self.staging_blocks) {
+        for chunk in pairs.chunks(self.lane_blocks) {
+            let i = self.take_lane();
+            let lane = &mut self.lanes[i];
+            self.copies.wait(&lane.free)?;
             {
-                let (staging, _s) = self.staging.device_ptr(&self.copies);
+                let (staged, _s) = lane.buf.device_ptr(&self.copies);
                 let host = self.g2.as_slice()?;
                 for (first_j, first_g2, len) in runs(chunk.iter().map(|&(g2, _)| g2)) {
                     let src = &host[first_g2 * block..(first_g2 + len) * block];
                     // SAFETY: as in `offload`, in the other direction.
                     unsafe {
                         cudarc::driver::result::memcpy_htod_async(
-                            staging + (first_j * block) as u64,
+                            staged + (first_j * block) as u64,
                             src,
                             self.copies.cu_stream(),
                         )
                     }?;
                 }
             }
-            let staged: Vec<(usize, usize)> = chunk
-                .iter()
-                .enumerate()
-                .map(|(j, &(_, g1))| (j, g1))
-                .collect();
-            let pieces = plan::scatter(&self.layout, self.g1_blocks, &staged);
-            self.gpu
-                .copy(&self.copies, &self.staging, &mut self.g1, &pieces)?;
+            lane.ready.record(&self.copies)?;
+            self.movers.wait(&lane.ready)?;
+            let slots: Vec<usize> = chunk.iter().map(|&(_, g1)| g1).collect();
+            self.gpu.scatter(
+                &self.movers,
+                &self.layout,
+                &lane.buf,
+                &slots,
+                &mut self.g1,
+                self.g1_blocks,
+            )?;
+            lane.free.record(&self.movers)?;
         }
         let check = match seqs {
             Some(seqs) => Some(self.queue_check(pairs, seqs)?),
             None => None,
         };
-        let done = self.copies.record_event(None)?;
+        let done = self.movers.record_event(None)?;
         self.main.wait(&done)?;
         Ok(Transfer { done, check })
     }
@@ -623,9 +842,9 @@ impl GpuKv {
             .collect();
         let pieces = plan::g1_blocks(&self.layout, self.g1_blocks, &blocks);
         let n = blocks.len();
-        let mut device = self.copies.alloc_zeros::<u32>(n.max(1))?;
+        let mut device = self.movers.alloc_zeros::<u32>(n.max(1))?;
         self.gpu
-            .queue_verify(&self.copies, &self.g1, &pieces, &mut device)?;
+            .queue_verify(&self.movers, &self.g1, &pieces, &mut device)?;
         let mut host = match self.results.iter().position(|b| b.len() >= n.max(1)) {
             Some(i) => self.results.swap_remove(i),
             // SAFETY: uninitialised pinned memory; only the first `n` values are read, after
@@ -637,12 +856,12 @@ impl GpuKv {
             }?,
         };
         {
-            let (src, _d) = device.device_ptr(&self.copies);
+            let (src, _d) = device.device_ptr(&self.movers);
             let dst = &mut host.as_mut_slice()?[..n.max(1)];
             // SAFETY: `dst` is pinned and owned by the returned `Check`, `src` by its
             // `_device`; both live until the transfer's event has been seen done.
             unsafe {
-                cudarc::driver::result::memcpy_dtoh_async(dst, src, self.copies.cu_stream())
+                cudarc::driver::result::memcpy_dtoh_async(dst, src, self.movers.cu_stream())
             }?;
         }
         Ok(Check {
@@ -675,6 +894,8 @@ impl GpuKv {
     /// or back: the baseline the benchmark compares gather+D2H and H2D+scatter with.
     pub fn contiguous_copy(&mut self, to_host: bool, bytes: usize) -> Result<Transfer, GpuError> {
         let bytes = bytes.min(self.g1.len()).min(self.g2.len());
+        self.main_mark.record(&self.main)?;
+        self.copies.wait(&self.main_mark)?;
         let (g1, _g) = self.g1.device_ptr(&self.copies);
         // SAFETY: both ranges are within their buffers (clamped above), which live until the
         // copy stream is synchronised.
@@ -697,6 +918,7 @@ impl GpuKv {
     pub fn synchronize(&self) -> Result<(), GpuError> {
         self.main.synchronize()?;
         self.copies.synchronize()?;
+        self.movers.synchronize()?;
         Ok(())
     }
 }

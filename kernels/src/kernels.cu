@@ -1,6 +1,7 @@
 // KV block kernels of kvroute, compiled at run time with NVRTC (kvroute-kernels, cuda.rs).
-// Every kernel walks a list of pieces (one CUDA block per piece, grid-stride over the list);
-// src/dst are absolute device addresses checked against their buffers by the Rust caller.
+// Every kernel but move_blocks walks a list of pieces (one CUDA block per piece, grid-stride
+// over the list); move_blocks derives its pieces from a slot list and the layout. Addresses
+// are absolute device addresses checked against their buffers by the Rust caller.
 // The CPU reference of each kernel is in reference.rs and must stay byte-identical.
 
 typedef unsigned long long u64;
@@ -33,19 +34,57 @@ __device__ __forceinline__ u64 load_word(const unsigned char* p, u32 len, u64 w,
     return word;
 }
 
-// Copies every piece: 16-byte vector loads and stores where source, destination and length
-// are 16-byte aligned, bytes otherwise (decided per piece).
+// Copies `len` bytes from `s` to `d` with the calling CUDA block: 16-byte vectors, four
+// loads in flight per thread before their stores, where both ends and the length are
+// 16-byte aligned; bytes otherwise.
+__device__ __forceinline__ void copy_bytes(const unsigned char* s, unsigned char* d, u32 len) {
+    if ((((u64)s | (u64)d | (u64)len) & 15) == 0) {
+        const uint4* s4 = (const uint4*)s;
+        uint4* d4 = (uint4*)d;
+        const u32 n = len / 16, step = blockDim.x;
+        u32 i = threadIdx.x;
+        for (; i + 3 * step < n; i += 4 * step) {
+            const uint4 a = s4[i], b = s4[i + step], c = s4[i + 2 * step], e = s4[i + 3 * step];
+            d4[i] = a;
+            d4[i + step] = b;
+            d4[i + 2 * step] = c;
+            d4[i + 3 * step] = e;
+        }
+        for (; i < n; i += step) d4[i] = s4[i];
+    } else {
+        for (u32 i = threadIdx.x; i < len; i += blockDim.x) d[i] = s[i];
+    }
+}
+
+// Copies every piece (vectors or bytes, decided per piece by copy_bytes).
 extern "C" __global__ void copy_pieces(const Piece* pieces, u32 n) {
     for (u32 p = blockIdx.x; p < n; p += gridDim.x) {
         const Piece pc = pieces[p];
-        if (((pc.src | pc.dst | (u64)pc.len) & 15) == 0) {
-            const uint4* s = (const uint4*)pc.src;
-            uint4* d = (uint4*)pc.dst;
-            for (u32 i = threadIdx.x; i < pc.len / 16; i += blockDim.x) d[i] = s[i];
+        copy_bytes((const unsigned char*)pc.src, (unsigned char*)pc.dst, pc.len);
+    }
+}
+
+// The G1 slots of one move_blocks launch, passed by value in the kernel's parameters (no
+// upload, nothing to keep alive after the launch is queued): cuda.rs SlotList, 2,052 bytes,
+// under the 4 KiB parameter limit of every architecture.
+#define MOVE_MAX_BLOCKS 512
+struct SlotList { u32 n; u32 slots[MOVE_MAX_BLOCKS]; };
+
+// Moves whole blocks between G1 (piece p of slot s at (p * g1_blocks + s) * piece_len) and a
+// packed buffer (piece p of its j-th block at (j * pieces + p) * piece_len): gathers G1 slot
+// list.slots[j] into packed block j when to_packed, scatters packed block j into it
+// otherwise (layout.rs; the same bytes as copy_pieces over plan::gather / plan::scatter).
+extern "C" __global__ void move_blocks(u64 g1, u64 packed, u64 g1_blocks, u32 pieces,
+                                       u32 piece_len, u32 to_packed, const SlotList list) {
+    const u64 total = (u64)list.n * pieces;
+    for (u64 q = blockIdx.x; q < total; q += gridDim.x) {
+        const u32 j = (u32)(q / pieces), p = (u32)(q % pieces);
+        unsigned char* in_g1 = (unsigned char*)(g1 + ((u64)p * g1_blocks + list.slots[j]) * piece_len);
+        unsigned char* in_packed = (unsigned char*)(packed + ((u64)j * pieces + p) * piece_len);
+        if (to_packed) {
+            copy_bytes(in_g1, in_packed, piece_len);
         } else {
-            const unsigned char* s = (const unsigned char*)pc.src;
-            unsigned char* d = (unsigned char*)pc.dst;
-            for (u32 i = threadIdx.x; i < pc.len; i += blockDim.x) d[i] = s[i];
+            copy_bytes(in_packed, in_g1, piece_len);
         }
     }
 }

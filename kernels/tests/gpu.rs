@@ -104,6 +104,45 @@ fn every_operation_equals_the_reference_for_every_dtype() {
                 host_out,
                 "scatter {layout:?}"
             );
+            // move_blocks (the transfers' path, slots by value): the same bytes as the
+            // reference over plan::gather / plan::scatter, packed in list order
+            let sources: Vec<usize> = blocks.iter().map(|&(s, _)| s).collect();
+            let in_order: Vec<(usize, usize)> = sources.iter().copied().zip(0..).collect();
+            let mut host_packed = vec![0u8; n * layout.block_bytes()];
+            let gather = plan::gather(&layout, g1_blocks, &in_order);
+            reference::copy(&host_g1, &mut host_packed, &gather).unwrap();
+            let mut packed = gpu.alloc(&stream, host_packed.len()).unwrap();
+            gpu.gather(&stream, &layout, &g1, g1_blocks, &sources, &mut packed)
+                .unwrap();
+            assert_eq!(
+                stream.clone_dtoh(&packed).unwrap(),
+                host_packed,
+                "move_blocks gather {layout:?}"
+            );
+            let targets = &slots[n..2 * n];
+            let back: Vec<(usize, usize)> = (0..n).zip(targets.iter().copied()).collect();
+            let mut host_out = host_g1.clone();
+            let scatter = plan::scatter(&layout, g1_blocks, &back);
+            reference::copy(&host_packed, &mut host_out, &scatter).unwrap();
+            gpu.scatter(&stream, &layout, &packed, targets, &mut g1, g1_blocks)
+                .unwrap();
+            assert_eq!(
+                stream.clone_dtoh(&g1).unwrap(),
+                host_out,
+                "move_blocks scatter {layout:?}"
+            );
+            // a slot outside G1, or more blocks than the packed buffer holds, is refused
+            let mut bad = sources.clone();
+            bad[0] = g1_blocks;
+            assert!(
+                gpu.gather(&stream, &layout, &g1, g1_blocks, &bad, &mut packed)
+                    .is_err()
+            );
+            let more: Vec<usize> = (0..=n).collect();
+            assert!(
+                gpu.gather(&stream, &layout, &g1, g1_blocks, &more, &mut packed)
+                    .is_err()
+            );
         }
     }
 }
@@ -218,4 +257,64 @@ fn offload_then_onboard_roundtrips_10000_random_blocks() {
     seqs[17] ^= 1;
     let transfer = kv.onboard_checked(&again, &seqs).unwrap();
     assert!(kv.finish(transfer).unwrap().iter().all(|&b| b == 0));
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn transfers_over_many_lanes_roundtrip_while_interleaved() {
+    // Llama-8B blocks (2 MiB): 64 blocks of staging make 8 lanes of 8 blocks, so a
+    // 300-block transfer wraps the lanes several times, and an offload and an onboard
+    // queued back to back share them.
+    let layout = KvLayout::llama_8b();
+    let (g1_blocks, g2_blocks) = (640, 640);
+    let mut kv = GpuKv::new(0, layout, g1_blocks, g2_blocks, 64).unwrap();
+    let mut rng = Rng(11);
+    let g1 = rng.permutation(g1_blocks);
+    let g2 = rng.permutation(g2_blocks);
+    let blocks: Vec<(usize, u64)> = g1[..300].iter().map(|&s| (s, rng.next())).collect();
+    kv.fill(&blocks).unwrap();
+    let sums = kv.checksum_g1(&g1[..300]).unwrap();
+    let first: Vec<(usize, usize)> = g1[..300]
+        .iter()
+        .copied()
+        .zip(g2[..300].iter().copied())
+        .collect();
+    kv.offload(&first).unwrap().wait().unwrap();
+    assert_eq!(
+        kv.checksum_g2(&g2[..300]).unwrap(),
+        sums,
+        "G2 after offload"
+    );
+    // Onboard the first 150 into fresh G1 slots while the other 150 are offloaded again to
+    // fresh G2 slots: both queued before either is waited for.
+    let back: Vec<(usize, usize)> = g2[..150]
+        .iter()
+        .copied()
+        .zip(g1[300..450].iter().copied())
+        .collect();
+    let seqs: Vec<u64> = blocks[..150].iter().map(|&(_, seq)| seq).collect();
+    let again: Vec<(usize, usize)> = g1[150..300]
+        .iter()
+        .copied()
+        .zip(g2[300..450].iter().copied())
+        .collect();
+    let onboard = kv.onboard_checked(&back, &seqs).unwrap();
+    let offload = kv.offload(&again).unwrap();
+    let bad = kv.finish(onboard).unwrap();
+    assert_eq!(bad.len(), 150);
+    assert!(
+        bad.iter().all(|&b| b == 0),
+        "onboarded blocks differ: {bad:?}"
+    );
+    kv.finish(offload).unwrap();
+    assert_eq!(
+        kv.checksum_g1(&g1[300..450]).unwrap(),
+        sums[..150],
+        "G1 after onboard"
+    );
+    assert_eq!(
+        kv.checksum_g2(&g2[300..450]).unwrap(),
+        sums[150..],
+        "G2 after the second offload"
+    );
 }

@@ -28,6 +28,12 @@ fn every_kernel_compiles_for_sm80_sm90_and_sm100() {
             ptx.contains(&target),
             "PTX for compute_{major}{minor} lacks {target:?}"
         );
+        // move_blocks indexes its by-value slot list at run time: it must read it from the
+        // parameter space, not copy 2 KiB to each thread's stack (nor may any kernel spill).
+        assert!(
+            !ptx.contains(".local"),
+            "PTX for compute_{major}{minor} uses local memory"
+        );
         for kernel in KERNELS {
             assert!(
                 ptx.contains(&format!(".entry {kernel}")),
