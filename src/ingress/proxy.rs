@@ -34,9 +34,9 @@ pub struct Booking {
     id: BookingId,
     prefill_open: bool,
     /// The worker, and the last full block of the prompt it was sent: once the worker has
-    /// answered, that block should show up in its events (the hash-mismatch alarm).
+    /// answered (its first token), that block should show up in its events (the
+    /// hash-mismatch alarm). Handed to the alarm then, once.
     expect: Option<(WorkerId, SeqHash)>,
-    answered: bool,
     alarm: Arc<Mutex<MismatchAlarm>>,
     clock: Instant,
     /// Signalled when work is released: queued requests may fit now.
@@ -55,7 +55,6 @@ impl Booking {
             id,
             prefill_open: true,
             expect: None,
-            answered: false,
             alarm: Arc::clone(&router.mismatch),
             clock: router.started,
             room: Arc::clone(&router.room),
@@ -69,10 +68,14 @@ impl Booking {
     }
 
     /// The worker computed the prompt (a first token, or a whole answer): its blocks are
-    /// cached there. A request that ends before (cancelled, failed, timed out) is not
+    /// cached there, and the alarm watches for its last one from now, while the engine
+    /// still holds it. A request that ends before (cancelled, failed, timed out) is not
     /// evidence either way, so it never feeds the mismatch alarm.
     pub fn answered(&mut self) {
-        self.answered = true;
+        if let Some((worker, last)) = self.expect.take() {
+            let now_ms = self.clock.elapsed().as_millis() as u64;
+            self.alarm.lock().expect(worker, last, now_ms);
+        }
     }
 
     /// Whether its prefill is still booked (no first token yet).
@@ -82,7 +85,7 @@ impl Booking {
 
     /// The request produced its first token: its prefill no longer loads the worker.
     pub fn first_token(&mut self) {
-        self.answered = true;
+        self.answered();
         if std::mem::take(&mut self.prefill_open) {
             self.scheduler.lock().first_token(self.id);
             if let Some(load) = &self.load {
@@ -95,10 +98,6 @@ impl Booking {
 
 impl Drop for Booking {
     fn drop(&mut self) {
-        if let (true, Some((worker, last))) = (self.answered, self.expect) {
-            let now_ms = self.clock.elapsed().as_millis() as u64;
-            self.alarm.lock().expect(worker, last, now_ms);
-        }
         self.scheduler.lock().complete(self.id);
         if let Some(load) = &self.load {
             load.completed(self.id);

@@ -3,6 +3,13 @@
 //! never do, the router and the worker hash prompts differently (tokenizer or chat template,
 //! block size, salt) and every overlap the router computes for that worker is zero: the
 //! most common silent failure of KV-aware routing. No I/O: time is an argument.
+//!
+//! A request is watched from its first token, while the engine still holds its blocks, and
+//! its last full block counts as seen the first time a check finds it, not only when its
+//! grace period ends: an engine under memory pressure evicts a finished request's blocks at
+//! once, last block first (vLLM frees them in reverse order), so a look taken only after
+//! the request ended read cache pressure as a mismatch (seen: every request of an
+//! overloaded two-worker fleet "missing").
 
 use std::collections::VecDeque;
 
@@ -13,7 +20,8 @@ use crate::protocol::{SeqHash, WorkerId};
 /// How the alarm decides.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MismatchConfig {
-    /// How long after a request ends its blocks must be in the index, ms.
+    /// How long after a request's first token its last block must have been in the index,
+    /// ms.
     pub grace_ms: u64,
     /// Outcomes remembered per worker.
     pub window: usize,
@@ -87,8 +95,9 @@ impl MismatchAlarm {
         }
     }
 
-    /// A request whose prompt ends with full block `last` was served by `worker` and ended
-    /// at `now_ms`: that block should be in the worker's events by the grace period's end.
+    /// A request whose prompt ends with full block `last` got its first token (or its whole
+    /// answer) from `worker` at `now_ms`: that block should be in the worker's events before
+    /// the grace period ends.
     pub fn expect(&mut self, worker: WorkerId, last: SeqHash, now_ms: u64) {
         let w = self.workers.entry(worker).or_default();
         w.pending
@@ -98,10 +107,11 @@ impl MismatchAlarm {
         }
     }
 
-    /// Looks at every expectation due by `now_ms` with `held` (is this block in this
-    /// worker's index, in any tier?); forgets workers `registered` says are gone. Returns
-    /// the workers whose alarm went up now, and those forgotten with their alarm up (their
-    /// gauge must fall: no one would set it again).
+    /// Looks at every expectation with `held` (is this block in this worker's index, in any
+    /// tier?): one held is seen, one not held by its due time (`now_ms` or earlier) is
+    /// missing, the others wait for the next check. Forgets workers `registered` says are
+    /// gone. Returns the workers whose alarm went up now, and those forgotten with their
+    /// alarm up (their gauge must fall: no one would set it again).
     pub fn check(
         &mut self,
         now_ms: u64,
@@ -119,21 +129,28 @@ impl MismatchAlarm {
         let c = self.config;
         let mut raised = Vec::new();
         for (id, w) in &mut self.workers {
-            while let Some(&(due, seq)) = w.pending.front() {
-                if due > now_ms {
-                    break;
-                }
-                w.pending.pop_front();
+            let Watch {
+                pending,
+                outcomes,
+                seen,
+                missing,
+                ..
+            } = w;
+            pending.retain(|&(due, seq)| {
                 let hit = held(*id, seq);
+                if !hit && due > now_ms {
+                    return true;
+                }
                 if hit {
-                    w.seen += 1;
+                    *seen += 1;
                 } else {
-                    w.missing += 1;
+                    *missing += 1;
                 }
-                w.outcomes.push_back(hit);
-                while w.outcomes.len() > c.window {
-                    w.outcomes.pop_front();
-                }
+                outcomes.push_back(hit);
+                false
+            });
+            while outcomes.len() > c.window {
+                outcomes.pop_front();
             }
             let n = w.outcomes.len();
             if n < c.min_outcomes {
@@ -226,6 +243,34 @@ mod tests {
             "7 < min_outcomes"
         );
         assert_eq!(run(&mut fresh, 2, &[false], &mut t), vec![WorkerId(2)]);
+    }
+
+    #[test]
+    fn a_block_seen_before_its_due_time_counts_though_evicted_after() {
+        // Cache pressure: each request's last block is in the index while the request runs
+        // and gone soon after it ends. Seen once is seen: no alarm.
+        let mut a = MismatchAlarm::new(MismatchConfig::default());
+        for i in 0..40u64 {
+            let t = i * 3_000;
+            a.expect(WorkerId(1), SeqHash(i), t);
+            assert!(
+                a.check(t + 500, |_, s| s == SeqHash(i), |_| true)
+                    .raised
+                    .is_empty()
+            );
+            assert!(a.check(t + 2_500, |_, _| false, |_| true).raised.is_empty());
+        }
+        let s = a.status(WorkerId(1));
+        assert_eq!((s.raised, s.seen, s.missing), (false, 40, 0));
+        // Control: judged only at the due time, the same evictions read as a mismatch.
+        let mut late = MismatchAlarm::new(MismatchConfig::default());
+        let mut up = Vec::new();
+        for i in 0..40u64 {
+            let t = i * 3_000;
+            late.expect(WorkerId(1), SeqHash(i), t);
+            up.extend(late.check(t + 2_500, |_, _| false, |_| true).raised);
+        }
+        assert_eq!(up, vec![WorkerId(1)]);
     }
 
     #[test]

@@ -442,7 +442,7 @@ async fn first_worker_once(
 }
 
 /// The first worker of router `admin` once at least `blocks` routed blocks have been judged
-/// (looked for in its events, two seconds after each answer).
+/// (looked for in its events from each first token, for up to two seconds).
 async fn judged(http: &Http, admin: &str, blocks: u64) -> serde_json::Value {
     first_worker_once(http, admin, |w| {
         w["routed_blocks_seen"].as_u64().unwrap_or(0)
