@@ -1053,16 +1053,27 @@ async fn an_engine_s_queue_from_clients_that_bypass_the_router_steers_requests_a
 }
 
 /// A data-parallel engine: one HTTP endpoint in front of two ranks, each an engine with
-/// its own cache and its own event sockets (the ports offset by the rank, as vLLM's). The
-/// router mirrors each rank exactly, and pins each request to the rank it chose
-/// (`X-data-parallel-rank`): every later turn of a conversation, which the router sends to
-/// the rank it knows holds the prefix, finds the prefix cached there (the engine's own
-/// balancing, left to itself, alternates ranks).
+/// its own cache and its own event sockets (the ports offset by the rank, as vLLM's, and
+/// SGLang's under `--enable-dp-attention`). The router mirrors each rank exactly, and pins
+/// each request to the rank it chose (`X-data-parallel-rank`): every later turn of a
+/// conversation, which the router sends to the rank it knows holds the prefix, finds the
+/// prefix cached there (the engine's own balancing, left to itself, alternates ranks).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_data_parallel_engine_is_mirrored_and_pinned_rank_by_rank() {
+    data_parallel_engine("vllm").await;
+}
+
+/// The same with SGLang's wire format (signed hashes, its batch's rank field, round-robin
+/// balancing) and its reading of the header: a value that is not an integer is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_parallel_sglang_engine_is_mirrored_and_pinned_rank_by_rank() {
+    data_parallel_engine("sglang").await;
+}
+
+async fn data_parallel_engine(flavor: &str) {
     let http = Http::default();
     let spec = EngineSpec {
-        flavor: "vllm".into(),
+        flavor: flavor.into(),
         model: MODEL.into(),
         g1_blocks: 96,
         g2_blocks: 128,
@@ -1083,7 +1094,7 @@ async fn a_data_parallel_engine_is_mirrored_and_pinned_rank_by_rank() {
             if t > 0 {
                 assert!(
                     !a.overlap.starts_with("device=0;") && a.cached > 0,
-                    "conversation {c} turn {t}: the prefix the router saw is not cached on the rank it pinned: {a:?}"
+                    "{flavor}: conversation {c} turn {t}: the prefix the router saw is not cached on the rank it pinned: {a:?}"
                 );
             }
             // The engine's events reach the router before the next turn (a client's next
@@ -1098,31 +1109,36 @@ async fn a_data_parallel_engine_is_mirrored_and_pinned_rank_by_rank() {
         [0, 1]
             .iter()
             .all(|r| ranks.contains_key(&(*r, "Device".to_owned()))),
-        "{ranks:?}"
+        "{flavor}: {ranks:?}"
     );
-    // A rank the engine does not have is refused, as vLLM refuses it.
-    let r = http
-        .call_with(
-            "POST",
-            &format!("{}/v1/completions", e.url()),
-            completion(MODEL, "hello", 1, false),
-            &[("x-data-parallel-rank", "2")],
-        )
-        .await
-        .unwrap();
-    assert_eq!(r.status, 400, "{}", r.body);
-    // A value that is not an integer names no rank (vLLM's front end reads it so): the
-    // engine balances the request itself.
-    let r = http
-        .call_with(
-            "POST",
-            &format!("{}/v1/completions", e.url()),
-            completion(MODEL, "hello", 1, false),
-            &[("x-data-parallel-rank", "first")],
-        )
-        .await
-        .unwrap();
-    assert_eq!(r.status, 200, "{}", r.body);
+    // A rank the engine does not have is refused, as both engines refuse it; a value that is
+    // not an integer names no rank for vLLM's front end (the engine balances the request
+    // itself) and is refused by SGLang's.
+    let status = |rank: &'static str| {
+        let http = &http;
+        let url = format!("{}/v1/completions", e.url());
+        async move {
+            http.call_with(
+                "POST",
+                &url,
+                completion(MODEL, "hello", 1, false),
+                &[("x-data-parallel-rank", rank)],
+            )
+            .await
+            .unwrap()
+        }
+    };
+    let r = status("2").await;
+    assert_eq!(r.status, 400, "{flavor}: {}", r.body);
+    let r = status("first").await;
+    let refused = flavor == "sglang";
+    assert_eq!(
+        r.status == 400,
+        refused,
+        "{flavor}: {} {}",
+        r.status,
+        r.body
+    );
 }
 
 /// An engine without KV events behind a sidecar (`--engine openai`, fleet mode): each

@@ -19,7 +19,9 @@ pub struct EngineConfig {
     /// KV bytes per token across all layers (K and V): 131072 for a 7-8B model in bf16
     /// (32 layers × 8 KV heads × 128 dims × 2 (K, V) × 2 bytes).
     pub kv_bytes_per_token: u64,
-    /// Bandwidth of each direction of the G1↔G2 link, GB/s (10⁹ bytes per second).
+    /// Bandwidth of each direction of the G1↔G2 link, GB/s (10⁹ bytes per second). The
+    /// default, 25, is a PCIe 4.0 ×16 link's; kvroute's own transfers of 2 MiB blocks ran at
+    /// 51 GB/s each way over an H100's PCIe 5.0 ×16 (`kvroute-bench kernels`, 2026-11-26).
     pub link_gbps: f64,
     /// Token budget of one engine step (prefill chunks + decode tokens).
     pub max_num_batched_tokens: usize,

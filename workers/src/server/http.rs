@@ -371,34 +371,48 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
     .await
 }
 
-/// The data-parallel rank a request names in `X-data-parallel-rank`, as vLLM's front end
-/// reads it (`OpenAIServing._get_data_parallel_rank`: a value that is not an integer names
-/// none; a rank past the engine's is refused, as vLLM's engine client refuses it).
+/// The data-parallel rank a request names in `X-data-parallel-rank`, as the emulated
+/// engine's front end reads it. vLLM (`OpenAIServing._get_data_parallel_rank`): a value
+/// that is not an integer names none. SGLang (`OpenAIServingBase.
+/// extract_routed_dp_rank_from_header`): such a value is refused with a 400. A rank past
+/// the engine's is refused by both.
 fn pinned_rank(state: &State, headers: &hyper::HeaderMap) -> Result<Option<usize>, String> {
     let Some(value) = headers.get("x-data-parallel-rank") else {
         return Ok(None);
     };
     let ranks = state.engines.len();
-    match value
-        .to_str()
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-    {
-        Some(rank) if rank < ranks => Ok(Some(rank)),
-        Some(rank) => Err(format!(
+    let text = value.to_str().unwrap_or("").trim();
+    match text.parse::<i64>() {
+        Ok(rank) if (0..ranks as i64).contains(&rank) => Ok(Some(rank as usize)),
+        Ok(rank) => Err(format!(
             "data_parallel_rank {rank} is out of range [0, {ranks})"
         )),
-        None => Ok(None),
+        Err(_) if sglang(state) => Err(format!(
+            "Invalid X-Data-Parallel-Rank header: must be an integer, got '{text}'"
+        )),
+        Err(_) => Ok(None),
     }
+}
+
+/// Whether the emulated engine is SGLang.
+fn sglang(state: &State) -> bool {
+    state
+        .emulate
+        .as_ref()
+        .is_some_and(|e| e.flavor == crate::emulate::Flavor::Sglang)
 }
 
 /// The rank a request that names none goes to: the least loaded, as vLLM's internal load
 /// balancer picks it (`DPLBAsyncMPClient.get_core_engine_for_request` in
 /// vllm/v1/engine/core_client.py: the lowest `waiting * 4 + running`, the search starting one
-/// rank further each time so that ties go round).
-fn least_loaded(state: &State) -> usize {
+/// rank further each time so that ties go round); the next in turn for SGLang (its data
+/// parallel controller's default `--load-balance-method round_robin`).
+fn balanced_rank(state: &State) -> usize {
     let ranks = state.engines.len();
     let start = state.next_rank.fetch_add(1, Ordering::Relaxed);
+    if sglang(state) {
+        return start % ranks.max(1);
+    }
     let score = |rank: usize| {
         state
             .emulate
@@ -594,7 +608,7 @@ async fn run(state: State, g: Generate) -> Response<Body> {
         salt: Salt(g.salt),
     };
     let (tx, mut rx) = mpsc::channel(OUTPUT_BUFFER);
-    let rank = g.dp_rank.unwrap_or_else(|| least_loaded(&state));
+    let rank = g.dp_rank.unwrap_or_else(|| balanced_rank(&state));
     match state.engines[rank].try_send(EngineInput::Job(Job {
         request,
         outputs: tx,
