@@ -848,8 +848,9 @@ async fn watch_api_keys(router: std::sync::Weak<Router>, path: std::path::PathBu
     }
 }
 
-/// Once a second, judges the routed prompts whose grace period is over: is their last block
-/// in the chosen worker's index? Raises `kvroute_worker_hash_mismatch` (and logs once, with
+/// Once a second, looks for each routed prompt's last block in the chosen worker's index:
+/// seen once, it counts as seen; still not seen when its grace period is over, as missing.
+/// Raises `kvroute_worker_hash_mismatch` (and logs once, with
 /// the likely causes) for a worker where most are not. Then drops the metric series of
 /// workers gone for longer than [`crate::process::series::WORKER_SERIES_GRACE_MS`]. Ends
 /// with the router.

@@ -19,10 +19,15 @@
 //! [`Gpu::new`] first runs, which checks for them first and names what is missing. Kernels
 //! are compiled from `kernels.cu` once per device architecture per process.
 //!
-//! Safety: the only `unsafe` blocks are kernel launches and raw async copies. Every piece
-//! list is checked against its buffers' sizes before a launch ([`crate::plan`]), so kernels
-//! only touch memory the buffers own, and buffers outlive the work queued on them because
-//! [`GpuKv`] owns them and synchronises its streams before they drop.
+//! Safety: the `unsafe` blocks are kernel launches, raw async copies, pinned allocations,
+//! the kernel parameter type's `DeviceRepr` and turning cudarc's event tracking off for a
+//! [`GpuKv`]'s context. Every piece list and slot list is checked against its buffers' sizes
+//! before a launch ([`crate::plan`], `Gpu::move_blocks`), so kernels only touch memory the
+//! buffers own, and buffers outlive the work queued on them because [`GpuKv`] owns them,
+//! orders its streams by events and synchronises them before they drop. On a device without
+//! stream-ordered memory pools (`cuMemAllocAsync`), cudarc frees a buffer by synchronising
+//! its stream: the temporaries of a fill or a verification would then wait there (H100 and
+//! later have the pools).
 #![allow(unsafe_code)]
 
 use std::collections::HashMap;
@@ -112,6 +117,8 @@ struct SlotList {
 
 // SAFETY: plain `repr(C)` data with the layout of the kernel's by-value parameter.
 unsafe impl DeviceRepr for SlotList {}
+
+const _: () = assert!(std::mem::size_of::<SlotList>() == 4 + 4 * MOVE_MAX_BLOCKS);
 
 /// Whether NVRTC (`libnvrtc.so`) can be opened; it needs no GPU.
 pub fn nvrtc_present() -> bool {
@@ -273,8 +280,9 @@ impl Gpu {
         let mut launch = stream.launch_builder(&self.copy);
         launch.arg(&words).arg(&n);
         // SAFETY: `copy_pieces(const Piece*, u32)`; every piece was checked to lie inside
-        // `src` and `dst`, which are borrowed until the launch is queued and stay allocated
-        // until the stream has run it (cudarc's per-buffer events).
+        // `src` and `dst`, which are borrowed until the launch is queued; the caller keeps
+        // them allocated until the stream has run it (cudarc's per-buffer events, where its
+        // event tracking is on; a `GpuKv` synchronises its streams before freeing).
         unsafe { launch.launch(launch_config(pieces.len())) }?;
         Ok(())
     }
@@ -342,29 +350,35 @@ impl Gpu {
             index,
             buffer,
             start: start as u64,
-            end: (start + block) as u64,
+            end: start.saturating_add(block) as u64,
             len,
         };
-        if g1_blocks * block > g1_len || g1_blocks > u32::MAX as usize {
+        let fits = |blocks: usize, len: usize| blocks.checked_mul(block).is_some_and(|b| b <= len);
+        if !fits(g1_blocks, g1_len) || g1_blocks > u32::MAX as usize {
             return Err(outside(0, "g1", 0, g1_len).into());
         }
-        if slots.len() > MOVE_MAX_BLOCKS || slots.len() * block > packed_len {
+        if slots.len() > MOVE_MAX_BLOCKS || !fits(slots.len(), packed_len) {
             return Err(outside(slots.len(), "packed", slots.len() * block, packed_len).into());
         }
+        let (Ok(pieces), Ok(piece_len)) = (
+            u32::try_from(layout.pieces()),
+            u32::try_from(layout.piece_bytes()),
+        ) else {
+            return Err(outside(0, "packed", 0, packed_len).into());
+        };
         let mut list = SlotList {
             n: slots.len() as u32,
             slots: [0; MOVE_MAX_BLOCKS],
         };
         for (i, &slot) in slots.iter().enumerate() {
             if slot >= g1_blocks {
-                return Err(outside(i, "g1", slot * block, g1_len).into());
+                return Err(outside(i, "g1", slot.saturating_mul(block), g1_len).into());
             }
             list.slots[i] = slot as u32;
         }
         if slots.is_empty() {
             return Ok(());
         }
-        let (pieces, piece_len) = (layout.pieces() as u32, layout.piece_bytes() as u32);
         let (g1_blocks, to_packed) = (g1_blocks as u64, u32::from(to_packed));
         let mut launch = stream.launch_builder(&self.move_blocks);
         launch
@@ -640,7 +654,8 @@ impl GpuKv {
         })
     }
 
-    /// The device.
+    /// The device. Its context has cudarc's event tracking off (see [`GpuKv`]): buffers
+    /// allocated through it are ordered across streams by the caller alone.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
     }
@@ -723,6 +738,21 @@ impl GpuKv {
         for &(g1, g2) in pairs {
             self.check_slots(g1, g2)?;
         }
+        let queued = self.queue_offload(pairs);
+        self.settled(queued)
+    }
+
+    /// A transfer that failed part-way may have queued copies that touch its slots: wait for
+    /// them, so that the caller may reuse the slots at once (a driver error is rare, and the
+    /// worker stops its engine on one).
+    fn settled(&self, queued: Result<Transfer, GpuError>) -> Result<Transfer, GpuError> {
+        if queued.is_err() {
+            let _ = self.synchronize();
+        }
+        queued
+    }
+
+    fn queue_offload(&mut self, pairs: &[(usize, usize)]) -> Result<Transfer, GpuError> {
         self.after_main()?;
         let block = self.layout.block_bytes();
         for chunk in pairs.chunks(self.lane_blocks) {
@@ -789,6 +819,15 @@ impl GpuKv {
         for &(g2, g1) in pairs {
             self.check_slots(g1, g2)?;
         }
+        let queued = self.queue_onboard_lanes(pairs, seqs);
+        self.settled(queued)
+    }
+
+    fn queue_onboard_lanes(
+        &mut self,
+        pairs: &[(usize, usize)],
+        seqs: Option<&[u64]>,
+    ) -> Result<Transfer, GpuError> {
         self.after_main()?;
         let block = self.layout.block_bytes();
         for chunk in pairs.chunks(self.lane_blocks) {
@@ -832,8 +871,8 @@ impl GpuKv {
         Ok(Transfer { done, check })
     }
 
-    /// Queues the verification of the onboarded G1 slots on the copy stream and the copy of
-    /// its results into a pooled pinned buffer.
+    /// Queues the verification of the onboarded G1 slots on `movers` and the copy of its
+    /// results into a pooled pinned buffer.
     fn queue_check(&mut self, pairs: &[(usize, usize)], seqs: &[u64]) -> Result<Check, GpuError> {
         let blocks: Vec<(usize, u64)> = pairs
             .iter()
@@ -908,10 +947,10 @@ impl GpuKv {
                 cudarc::driver::result::memcpy_htod_async(g1, host, self.copies.cu_stream())?;
             }
         }
-        Ok(Transfer {
-            done: self.copies.record_event(None)?,
-            check: None,
-        })
+        // `main`'s later work (fills) writes G1: after this copy has read or written it.
+        let done = self.copies.record_event(None)?;
+        self.main.wait(&done)?;
+        Ok(Transfer { done, check: None })
     }
 
     /// Waits for everything queued.

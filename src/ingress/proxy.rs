@@ -86,6 +86,20 @@ impl Booking {
     /// The request produced its first token: its prefill no longer loads the worker.
     pub fn first_token(&mut self) {
         self.answered();
+        self.prefill_done();
+    }
+
+    /// The router saw the prompt's last block in the worker's index while the request ran
+    /// (the prefill watch of a whole-answer request): its prefill is done, and the mismatch
+    /// alarm has its evidence at once, rather than a later look that an eviction may beat.
+    pub fn prompt_cached(&mut self) {
+        if let Some((worker, _)) = self.expect.take() {
+            self.alarm.lock().seen(worker);
+        }
+        self.prefill_done();
+    }
+
+    fn prefill_done(&mut self) {
         if std::mem::take(&mut self.prefill_open) {
             self.scheduler.lock().first_token(self.id);
             if let Some(load) = &self.load {
@@ -768,7 +782,7 @@ pub(super) async fn watch_prefill<F: std::future::Future>(
             out = &mut answer => return out,
             _ = look.tick(), if booking.prefill_open() => {
                 if computed() {
-                    booking.first_token();
+                    booking.prompt_cached();
                 }
             }
         }

@@ -97,13 +97,26 @@ impl MismatchAlarm {
 
     /// A request whose prompt ends with full block `last` got its first token (or its whole
     /// answer) from `worker` at `now_ms`: that block should be in the worker's events before
-    /// the grace period ends.
+    /// the grace period ends. With `max_pending` already waiting, the newest is not taken
+    /// (dropping the oldest instead would leave a busy worker's expectations never judged,
+    /// and the alarm blind).
     pub fn expect(&mut self, worker: WorkerId, last: SeqHash, now_ms: u64) {
         let w = self.workers.entry(worker).or_default();
-        w.pending
-            .push_back((now_ms.saturating_add(self.config.grace_ms), last));
-        while w.pending.len() > self.config.max_pending {
-            w.pending.pop_front();
+        if w.pending.len() < self.config.max_pending {
+            w.pending
+                .push_back((now_ms.saturating_add(self.config.grace_ms), last));
+        }
+    }
+
+    /// The router itself saw a routed prompt's last block in `worker`'s index while the
+    /// request ran (a whole-answer request's prefill watch): an outcome, seen, at once.
+    pub fn seen(&mut self, worker: WorkerId) {
+        let window = self.config.window;
+        let w = self.workers.entry(worker).or_default();
+        w.seen += 1;
+        w.outcomes.push_back(true);
+        while w.outcomes.len() > window {
+            w.outcomes.pop_front();
         }
     }
 
@@ -274,12 +287,31 @@ mod tests {
     }
 
     #[test]
+    fn prompts_the_router_saw_cached_count_as_seen_at_once() {
+        let mut a = MismatchAlarm::new(MismatchConfig::default());
+        for _ in 0..10 {
+            a.seen(WorkerId(3));
+        }
+        // Two misses among them keep the share under the alarm's.
+        a.expect(WorkerId(3), SeqHash(9), 0);
+        a.expect(WorkerId(3), SeqHash(9), 0);
+        assert!(a.check(5_000, |_, _| false, |_| true).raised.is_empty());
+        let s = a.status(WorkerId(3));
+        assert_eq!((s.raised, s.seen, s.missing), (false, 10, 2));
+    }
+
+    #[test]
     fn departed_workers_are_forgotten_and_pending_is_bounded() {
         let mut a = MismatchAlarm::new(MismatchConfig::default());
         for i in 0..10_000 {
             a.expect(WorkerId(i % 3), SeqHash(i), 0);
         }
         assert!(a.workers.values().all(|w| w.pending.len() <= 256));
+        // The oldest are kept (and judged in their time), the newest not taken.
+        assert_eq!(
+            a.workers[&WorkerId(0)].pending.front().unwrap().1,
+            SeqHash(0)
+        );
         a.check(0, |_, _| true, |w| w == WorkerId(1));
         assert_eq!(a.len(), 1);
         // A worker that leaves with its alarm up is reported once, to clear its gauge.
