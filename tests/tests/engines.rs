@@ -1111,6 +1111,17 @@ async fn data_parallel_engine(flavor: &str) {
             .all(|r| ranks.contains_key(&(*r, "Device".to_owned()))),
         "{flavor}: {ranks:?}"
     );
+    // Each rank's own series in the engine's /metrics (unlabelled, the ranks' threads would
+    // overwrite one another's).
+    let metrics = http
+        .call("GET", &format!("{}/metrics", e.url()), String::new())
+        .await
+        .unwrap()
+        .body;
+    for r in 0..2 {
+        let series = format!("kvroute_worker_tokens_total{{rank=\"{r}\"}}");
+        assert!(metrics.contains(&series), "{flavor}: no {series} in {metrics}");
+    }
     // A rank the engine does not have is refused, as both engines refuse it; a value that is
     // not an integer names no rank for vLLM's front end (the engine balances the request
     // itself) and is refused by SGLang's.

@@ -109,6 +109,7 @@ fn run(
     if let Some(r) = rank {
         r.load.set(&engine.load());
     }
+    let series = Series::new(emulation.as_ref().map(|(e, r)| (*r, e.ranks.len())));
     loop {
         let wall = wall_us();
         clock = clock.max(wall);
@@ -138,24 +139,23 @@ fn run(
         }
         let advanced = engine.advance(clock, &mut out);
         let load = engine.load();
-        metrics::gauge!("kvroute_worker_requests_waiting").set(load.waiting as f64);
-        metrics::gauge!("kvroute_worker_requests_running").set(load.running as f64);
-        metrics::gauge!("kvroute_worker_g1_blocks_used").set(load.g1_used as f64);
+        series.waiting.set(load.waiting as f64);
+        series.running.set(load.running as f64);
+        series.g1_used.set(load.g1_used as f64);
         if let Some(r) = rank {
             r.load.set(&load);
         }
         let cache = engine.blocks().stats();
-        metrics::counter!("kvroute_worker_offloaded_blocks_total").absolute(cache.offloaded);
-        metrics::counter!("kvroute_worker_onboarded_blocks_total").absolute(cache.onboarded);
-        metrics::counter!("kvroute_worker_onboard_verified_blocks_total").absolute(cache.verified);
-        metrics::counter!("kvroute_worker_onboard_verify_failures_total")
-            .absolute(cache.verify_failures);
-        metrics::counter!("kvroute_worker_copies_late_total").absolute(cache.late_copies);
+        series.offloaded.absolute(cache.offloaded);
+        series.onboarded.absolute(cache.onboarded);
+        series.verified.absolute(cache.verified);
+        series.verify_failures.absolute(cache.verify_failures);
+        series.late_copies.absolute(cache.late_copies);
         // A failed copy or verification stops the engine, after it has been counted.
         advanced.map_err(|e| e.to_string())?;
         for o in out.drain(..) {
             if matches!(o.kind, OutputKind::Token { .. }) {
-                metrics::counter!("kvroute_worker_tokens_total").increment(1);
+                series.tokens.increment(1);
             }
             let done = matches!(o.kind, OutputKind::Finished | OutputKind::Rejected(_));
             let Some(tx) = waiting.get(&o.request) else {
@@ -203,6 +203,45 @@ fn run(
                     plane.note_sent(&batch);
                 }
             }
+        }
+    }
+}
+
+/// The engine's own series, registered once. An engine that is one rank of several (an
+/// emulated data-parallel engine: one thread per rank in one process) labels them with its
+/// `rank`: unlabelled, the ranks would overwrite one another's gauges and take turns at the
+/// counters' values (a counter jumping between ranks reads as resets).
+struct Series {
+    waiting: metrics::Gauge,
+    running: metrics::Gauge,
+    g1_used: metrics::Gauge,
+    offloaded: metrics::Counter,
+    onboarded: metrics::Counter,
+    verified: metrics::Counter,
+    verify_failures: metrics::Counter,
+    late_copies: metrics::Counter,
+    tokens: metrics::Counter,
+}
+
+impl Series {
+    /// `rank`: this engine's rank and how many there are, if it is one of several.
+    fn new(rank: Option<(usize, usize)>) -> Series {
+        let labels: Vec<metrics::Label> = match rank {
+            Some((r, ranks)) if ranks > 1 => vec![metrics::Label::new("rank", r.to_string())],
+            _ => Vec::new(),
+        };
+        let gauge = |name: &'static str| metrics::gauge!(name, labels.clone());
+        let counter = |name: &'static str| metrics::counter!(name, labels.clone());
+        Series {
+            waiting: gauge("kvroute_worker_requests_waiting"),
+            running: gauge("kvroute_worker_requests_running"),
+            g1_used: gauge("kvroute_worker_g1_blocks_used"),
+            offloaded: counter("kvroute_worker_offloaded_blocks_total"),
+            onboarded: counter("kvroute_worker_onboarded_blocks_total"),
+            verified: counter("kvroute_worker_onboard_verified_blocks_total"),
+            verify_failures: counter("kvroute_worker_onboard_verify_failures_total"),
+            late_copies: counter("kvroute_worker_copies_late_total"),
+            tokens: counter("kvroute_worker_tokens_total"),
         }
     }
 }
