@@ -567,13 +567,14 @@ pub struct Scheduler {
     expired: u64,
     sessions: sessions::Sessions,
     stats: DecisionStats,
-    /// Uncached prompt blocks of the requests this router books, a moving mean (`None`
+    /// Uncached prompt tokens of the requests this router books, a moving mean (`None`
     /// before the first): the size assumed for requests an engine queues that no router
-    /// booked, whose prompts it does not report.
-    mean_prefill_blocks: Option<f64>,
+    /// booked, whose prompts it does not report. In tokens, so that models of different
+    /// block sizes share it (each candidate's cost divides it by its model's block size).
+    mean_prefill_tokens: Option<f64>,
 }
 
-/// Weight of each new booking in [`Scheduler::mean_prefill_blocks`] (a mean over about the
+/// Weight of each new booking in [`Scheduler::mean_prefill_tokens`] (a mean over about the
 /// last 64 requests).
 const PREFILL_MEAN_WEIGHT: f64 = 1.0 / 64.0;
 
@@ -593,7 +594,7 @@ impl Scheduler {
             expired: 0,
             sessions: sessions::Sessions::new(config_sessions),
             stats: DecisionStats::default(),
-            mean_prefill_blocks: None,
+            mean_prefill_tokens: None,
         })
     }
 
@@ -817,7 +818,7 @@ impl Scheduler {
                 // this router books (or of this prompt, before it has booked any).
                 let prefill_blocks = state.load.prefill_blocks
                     + state.engine_unbooked_waiting
-                        * self.mean_prefill_blocks.unwrap_or(prompt_blocks);
+                        * self.mean_prefill_tokens.map_or(prompt_blocks, |t| t / bs);
                 let decode_blocks =
                     (state.load.decode_blocks() as f64).max(state.engine_used_blocks);
                 let recent_blocks = self.recent(state, now_ms);
@@ -1032,12 +1033,12 @@ impl Scheduler {
 
     fn book(&mut self, now_ms: u64, chosen: Candidate, request: &RouteRequest<'_>) -> BookingId {
         let bs = request.block_size.max(1);
-        let prefill_blocks =
-            (request.prompt_tokens as f64 / bs as f64 - f64::from(chosen.cached_blocks())).max(0.0);
+        let prefill_tokens =
+            (request.prompt_tokens as f64 - f64::from(chosen.cached_blocks()) * bs as f64).max(0.0);
         let blocks: Vec<SeqHash> = request.blocks.iter().map(|b| b.seq).collect();
         let tail = !request.prompt_tokens.is_multiple_of(bs);
-        self.mean_prefill_blocks = Some(self.mean_prefill_blocks.map_or(prefill_blocks, |mean| {
-            mean + PREFILL_MEAN_WEIGHT * (prefill_blocks - mean)
+        self.mean_prefill_tokens = Some(self.mean_prefill_tokens.map_or(prefill_tokens, |mean| {
+            mean + PREFILL_MEAN_WEIGHT * (prefill_tokens - mean)
         }));
         self.next_booking += 1;
         let id = BookingId {
@@ -1048,7 +1049,7 @@ impl Scheduler {
             now_ms,
             id,
             chosen.key,
-            prefill_blocks,
+            prefill_tokens / bs as f64,
             blocks,
             tail,
             chosen.work,

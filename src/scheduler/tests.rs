@@ -731,6 +731,32 @@ fn an_engine_s_queue_beyond_the_bookings_counts_as_prefill() {
     assert_eq!(prefill(&s, 1), 0.0);
 }
 
+/// The size assumed for another client's queued request is a mean in tokens: a router that
+/// booked 160-token prompts for a model of 16-token blocks counts a queued request of a
+/// model with 64-token blocks as 2.5 of its blocks, not 10.
+#[test]
+fn the_queued_request_size_is_in_tokens_across_block_sizes() {
+    let mut s = Scheduler::new(unit_weights()).unwrap();
+    s.add_worker(key(0), 1000, "m");
+    s.add_worker(key(1), 1000, "big-blocks");
+    let none = scores(&[]);
+    let b = blocks(10, 0);
+    s.route(0, &request(&b, 160, &none)).unwrap();
+    s.set_engine_load(WorkerId(1), Some(engine_queue(2)), &[]);
+    let b = blocks(1, 900);
+    let big = RouteRequest {
+        model: "big-blocks",
+        block_size: 64,
+        ..request(&b, 64, &none)
+    };
+    let c = s
+        .candidates(0, &big)
+        .into_iter()
+        .find(|c| c.key == key(1))
+        .unwrap();
+    assert_eq!(c.prefill_blocks, 2.0 * 160.0 / 64.0);
+}
+
 /// An engine with data-parallel ranks reports one queue: the router's own requests waiting
 /// on any rank come off it before the rest is shared out, so the rank that holds them does
 /// not make its idle sibling look queued.

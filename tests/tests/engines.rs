@@ -1120,7 +1120,10 @@ async fn data_parallel_engine(flavor: &str) {
         .body;
     for r in 0..2 {
         let series = format!("kvroute_worker_tokens_total{{rank=\"{r}\"}}");
-        assert!(metrics.contains(&series), "{flavor}: no {series} in {metrics}");
+        assert!(
+            metrics.contains(&series),
+            "{flavor}: no {series} in {metrics}"
+        );
     }
     // A rank the engine does not have is refused, as both engines refuse it; a value that is
     // not an integer names no rank for vLLM's front end (the engine balances the request
