@@ -862,16 +862,28 @@ async fn watch_hashes(router: std::sync::Weak<Router>) {
         let Some(router) = router.upgrade() else {
             return;
         };
+        // The index is read without the alarm's lock, which every request's first token
+        // takes: up to 256 lookups a worker, a few ms at hundreds of workers.
         let indexer = router.plane.indexer();
-        let held = |w: WorkerId, seq: SeqHash| {
-            indexer
-                .find_matches_seq(&[seq])
-                .workers
-                .iter()
-                .any(|o| o.worker == w && o.device + o.host + o.disk > 0)
-        };
+        let wanted = router.mismatch.lock().pending();
+        let held: rustc_hash::FxHashSet<(WorkerId, SeqHash)> = wanted
+            .into_iter()
+            .filter(|&(w, seq)| {
+                indexer
+                    .find_matches_seq(&[seq])
+                    .workers
+                    .iter()
+                    .any(|o| o.worker == w && o.device + o.host + o.disk > 0)
+            })
+            .collect();
         let mut alarm = router.mismatch.lock();
-        let checked = alarm.check(router.now_ms(), held, |w| router.plane.worker(w).is_some());
+        // Expectations added since the snapshot read as not held: none is due yet (each has
+        // its grace period), so they wait for the next look.
+        let checked = alarm.check(
+            router.now_ms(),
+            |w, seq| held.contains(&(w, seq)),
+            |w| router.plane.worker(w).is_some(),
+        );
         for w in checked.departed {
             metrics::gauge!("kvroute_worker_hash_mismatch", "worker" => w.to_string()).set(0.0);
         }

@@ -180,6 +180,15 @@ impl MismatchAlarm {
         Checked { raised, departed }
     }
 
+    /// Every block an expectation waits for, with its worker: what the next
+    /// [`MismatchAlarm::check`] will ask `held` about (looked up without the alarm's lock).
+    pub fn pending(&self) -> Vec<(WorkerId, SeqHash)> {
+        self.workers
+            .iter()
+            .flat_map(|(&id, w)| w.pending.iter().map(move |&(_, seq)| (id, seq)))
+            .collect()
+    }
+
     /// The alarm's state for `worker`.
     pub fn status(&self, worker: WorkerId) -> MismatchStatus {
         self.workers
@@ -275,6 +284,9 @@ mod tests {
         }
         let s = a.status(WorkerId(1));
         assert_eq!((s.raised, s.seen, s.missing), (false, 40, 0));
+        assert!(a.pending().is_empty(), "every expectation was judged");
+        a.expect(WorkerId(1), SeqHash(77), 200_000);
+        assert_eq!(a.pending(), vec![(WorkerId(1), SeqHash(77))]);
         // Control: judged only at the due time, the same evictions read as a mismatch.
         let mut late = MismatchAlarm::new(MismatchConfig::default());
         let mut up = Vec::new();
