@@ -16,16 +16,20 @@ const WAIT: Duration = Duration::from_secs(60);
 
 type Engine = TestEngine;
 
-fn engine(flavor: &str) -> Engine {
-    TestEngine::start(EngineSpec {
+/// The suite's usual engine: `flavor`, serving [`MODEL`], small caches, 200 times real time.
+fn spec(flavor: &str) -> EngineSpec {
+    EngineSpec {
         flavor: flavor.into(),
         model: MODEL.into(),
         g1_blocks: 96,
         g2_blocks: 128,
         speedup: 200.0,
         adapters: Vec::new(),
-    })
-    .unwrap()
+    }
+}
+
+fn engine(flavor: &str) -> Engine {
+    TestEngine::start(spec(flavor)).unwrap()
 }
 
 /// A sidecar (`kvroute-worker --engine KIND`) beside test engine `e`, following its KV events
@@ -1072,15 +1076,7 @@ async fn a_data_parallel_sglang_engine_is_mirrored_and_pinned_rank_by_rank() {
 
 async fn data_parallel_engine(flavor: &str) {
     let http = Http::default();
-    let spec = EngineSpec {
-        flavor: flavor.into(),
-        model: MODEL.into(),
-        g1_blocks: 96,
-        g2_blocks: 128,
-        speedup: 200.0,
-        adapters: Vec::new(),
-    };
-    let e = TestEngine::start_ranks(spec, 2, &[]).unwrap();
+    let e = TestEngine::start_ranks(spec(flavor), 2, &[]).unwrap();
     let (_router, url, admin) = direct_router(&[e.backend()], &[]).unwrap();
     wait_routable(&http, &url).await;
     for c in 0..6 {
