@@ -974,7 +974,18 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
             return Err(ApiError::bad_request("messages must not be empty"));
         }
         openai::check_stream_options(r.stream, r.stream_options)?;
-        let options = tokenizer.with_default_kwargs(r.take_options());
+        let template = match r.take_template()? {
+            Some(source) => Some(
+                tokenizer
+                    .request_template(&source)
+                    .map_err(|e| ApiError::bad_request(e.to_string()))?,
+            ),
+            None => None,
+        };
+        let options = tokenizer.with_default_kwargs(openai::ChatOptions {
+            template,
+            ..r.take_options()
+        });
         // Images and audio get tokens only the engine knows: hash the conversation before
         // the first message that has them (its own rendering is a prefix of the whole one's),
         // and forward the request as it came.

@@ -36,6 +36,9 @@ pub fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     )?;
     tokenizer.set_content_format(settings.chat_template_content_format);
     tokenizer.set_default_chat_kwargs(settings.default_chat_template_kwargs.clone());
+    if settings.trust_request_chat_template {
+        tokenizer.trust_request_chat_templates();
+    }
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         let signals = kvroute::process::signals();

@@ -298,6 +298,13 @@ pub struct ServeFlags {
     /// differently here [default: none].
     #[arg(long, env = "KVROUTE_DEFAULT_CHAT_TEMPLATE_KWARGS")]
     pub default_chat_template_kwargs: Option<JsonObject>,
+    /// Render the chat templates requests bring (`chat_template`, or one in
+    /// `chat_template_kwargs`), as vLLM does with the flag of the same name; set it with the
+    /// engines'. Without it such requests are refused (400), as vLLM refuses them: a
+    /// template is a program, run here on the tokenizer threads (bounded per render)
+    /// [default: false].
+    #[arg(long, env = "KVROUTE_TRUST_REQUEST_CHAT_TEMPLATE", num_args = 0..=1, default_missing_value = "true")]
+    pub trust_request_chat_template: Option<bool>,
     /// Log lines as `text` (colour only on a terminal) or `json` [default: text].
     #[arg(long, env = "KVROUTE_LOG_FORMAT")]
     pub log_format: Option<LogFormat>,
@@ -349,6 +356,8 @@ pub struct Settings {
     pub chat_template_content_format: ContentFormatOption,
     /// Chat template variables every chat gets unless it sets them.
     pub default_chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// Render requests' own chat templates (else refuse them).
+    pub trust_request_chat_template: bool,
     /// Log format.
     pub log_format: LogFormat,
     /// Direct mode's engines (empty: workers register over NATS).
@@ -797,6 +806,10 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
             .or(file.default_chat_template_kwargs)
             .map(|o| o.0)
             .unwrap_or_default(),
+        trust_request_chat_template: flags
+            .trust_request_chat_template
+            .or(file.trust_request_chat_template)
+            .unwrap_or(false),
         log_format: flags.log_format.or(file.log_format).unwrap_or_default(),
         backends: flags
             .backends

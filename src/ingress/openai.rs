@@ -483,9 +483,14 @@ pub struct ChatRequest {
     /// template writes them; vLLM's `ChatCompletionRequest.add_special_tokens`).
     #[serde(default)]
     pub add_special_tokens: Option<bool>,
-    /// Extra variables for the template (`enable_thinking`, …).
+    /// Extra variables for the template (`enable_thinking`, …); a `chat_template` among
+    /// them is the template itself ([`ChatRequest::take_template`]).
     #[serde(default)]
     pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// vLLM's `chat_template`: the request's own template, rendered only if the router
+    /// trusts request templates ([`super::tokenizer::Tokenizer::request_template`]).
+    #[serde(default)]
+    pub chat_template: Option<String>,
     /// vLLM's `cache_salt`: the prompt's blocks are salted with it.
     #[serde(default)]
     pub cache_salt: Option<String>,
@@ -500,6 +505,26 @@ impl ChatRequest {
         self.max_completion_tokens.or(self.max_tokens)
     }
 
+    /// The chat template the request brings, if any, taken out of it: a `chat_template`
+    /// in `chat_template_kwargs` wins over the `chat_template` field, even as `null`, which
+    /// means the model's (vLLM updates its `apply_chat_template` arguments, the template
+    /// among them, with the kwargs: `_preprocess_chat`). Not a template variable either way.
+    pub fn take_template(&mut self) -> Result<Option<String>, ApiError> {
+        let field = self.chat_template.take();
+        match self
+            .chat_template_kwargs
+            .as_mut()
+            .and_then(|kwargs| kwargs.shift_remove("chat_template"))
+        {
+            None => Ok(field),
+            Some(serde_json::Value::Null) => Ok(None),
+            Some(serde_json::Value::String(source)) => Ok(Some(source)),
+            Some(_) => Err(ApiError::bad_request(
+                "chat_template_kwargs.chat_template must be a string",
+            )),
+        }
+    }
+
     /// How the conversation is rendered and tokenized; takes the template fields.
     pub fn take_options(&mut self) -> ChatOptions {
         ChatOptions {
@@ -509,6 +534,7 @@ impl ChatRequest {
             tools: self.tools.take().map(vllm_tools),
             documents: self.documents.take(),
             kwargs: self.chat_template_kwargs.take().unwrap_or_default(),
+            template: None,
         }
     }
 }
@@ -567,6 +593,8 @@ pub struct ChatOptions {
     pub documents: Option<serde_json::Value>,
     /// Further template variables.
     pub kwargs: serde_json::Map<String, serde_json::Value>,
+    /// The request's own template, compiled; `None`: the model's.
+    pub template: Option<std::sync::Arc<super::tokenizer::RequestTemplate>>,
 }
 
 impl Default for ChatOptions {
@@ -578,6 +606,7 @@ impl Default for ChatOptions {
             tools: None,
             documents: None,
             kwargs: serde_json::Map::new(),
+            template: None,
         }
     }
 }

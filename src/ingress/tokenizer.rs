@@ -9,7 +9,10 @@ use serde::Deserialize;
 use super::openai::{ChatMessage, ChatOptions, byte_tokens, render_chat};
 
 mod content_format;
+mod request_templates;
 pub use content_format::{ContentFormat, ContentFormatOption};
+use request_templates::RequestTemplates;
+pub use request_templates::{CACHED as REQUEST_TEMPLATES_CACHED, RENDER_FUEL, RequestTemplate};
 
 /// Why a tokenizer could not be loaded or used.
 #[derive(Debug, thiserror::Error)]
@@ -34,6 +37,9 @@ pub enum TokenizerError {
         /// What the tokenizer said.
         reason: String,
     },
+    /// A request brought its own chat template, and this router does not render them.
+    #[error("{0}")]
+    RequestTemplateRefused(&'static str),
 }
 
 /// The router's tokenizer.
@@ -64,6 +70,11 @@ pub struct HfTokenizer {
     /// Template variables every chat gets unless it sets them itself (the engines'
     /// `--default-chat-template-kwargs`).
     default_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// The content format every template gets, if the engines are told one (vLLM's
+    /// `--chat-template-content-format`); `None`: as each template wants it.
+    given_format: Option<ContentFormat>,
+    /// Requests' own chat templates, if trusted (`--trust-request-chat-template`).
+    request_templates: Option<RequestTemplates>,
     bos_token: String,
     eos_token: String,
 }
@@ -300,6 +311,8 @@ impl Tokenizer {
             chat,
             formats,
             default_kwargs: serde_json::Map::new(),
+            given_format: None,
+            request_templates: None,
             bos_token,
             eos_token,
         })))
@@ -315,6 +328,39 @@ impl Tokenizer {
         };
         if let Tokenizer::Hf(hf) = self {
             hf.formats = (given, given);
+            hf.given_format = Some(given);
+        }
+    }
+
+    /// Render the chat templates requests bring (vLLM's `--trust-request-chat-template`);
+    /// without it they are refused, as vLLM refuses them. The byte tokenizer refuses them
+    /// either way (it has no template engine settings to render them with).
+    pub fn trust_request_chat_templates(&mut self) {
+        if let Tokenizer::Hf(hf) = self {
+            hf.request_templates = Some(RequestTemplates::default());
+        }
+    }
+
+    /// A request's chat template, compiled (or from the cache of recent ones), if this
+    /// tokenizer renders them.
+    pub fn request_template(
+        &self,
+        source: &str,
+    ) -> Result<std::sync::Arc<RequestTemplate>, TokenizerError> {
+        match self {
+            Tokenizer::Hf(hf) => match &hf.request_templates {
+                Some(templates) => templates.get(source),
+                None => Err(TokenizerError::RequestTemplateRefused(
+                    "Chat template is passed with request, but --trust-request-chat-template \
+                     is not set. Refused request with untrusted chat template (as vLLM \
+                     refuses it; kvroute serve --trust-request-chat-template, with the \
+                     engines', renders it)",
+                )),
+            },
+            Tokenizer::Bytes => Err(TokenizerError::RequestTemplateRefused(
+                "Chat template is passed with request, but the router has no tokenizer to \
+                 render it with (kvroute serve --tokenizer)",
+            )),
         }
     }
 
@@ -425,51 +471,65 @@ impl Tokenizer {
         let template_error = |e: minijinja::Error| TokenizerError::Template {
             reason: e.to_string(),
         };
-        let mut format = ContentFormat::String;
-        let text = match self {
-            Tokenizer::Hf(hf) => match &hf.chat {
-                Some(env) => {
-                    // vLLM's `_preprocess_chat`: `add_generation_prompt`, `tools` and
-                    // `documents`, overridden by the request's `chat_template_kwargs`; then
-                    // Hugging Face's renderer puts the special tokens under those and the
-                    // messages over them.
-                    fn value<T: serde::Serialize>(v: &T) -> minijinja::Value {
-                        minijinja::Value::from(minijinja::value::Serde(v))
-                    }
-                    let mut context: std::collections::BTreeMap<String, minijinja::Value> =
-                        std::collections::BTreeMap::new();
-                    context.insert("bos_token".into(), hf.bos_token.as_str().into());
-                    context.insert("eos_token".into(), hf.eos_token.as_str().into());
-                    context.insert("tools".into(), value(&options.tools));
-                    context.insert("documents".into(), value(&options.documents));
-                    context.insert(
-                        "add_generation_prompt".into(),
-                        options.add_generation_prompt.into(),
-                    );
-                    for (k, v) in &options.kwargs {
-                        context.insert(k.clone(), value(v));
-                    }
-                    let tools = options.tools.as_ref().is_some_and(|t| !t.is_null());
-                    let name = if tools && env.get_template("chat_tool_use").is_ok() {
-                        format = hf.formats.1;
-                        "chat_tool_use"
-                    } else {
-                        format = hf.formats.0;
-                        "chat"
-                    };
-                    let messages = match format {
-                        ContentFormat::String => value(&messages),
-                        ContentFormat::OpenAi => value(&with_parts(messages)?),
-                    };
-                    context.insert("messages".into(), messages);
-                    env.get_template(name)
-                        .map_err(template_error)?
-                        .render(context)
-                        .map_err(template_error)?
+        // The template: the request's own (trusted, see [`Tokenizer::request_template`]),
+        // else the model's (its `tool_use` one for a request with tools, if it has one).
+        let tools = options.tools.as_ref().is_some_and(|t| !t.is_null());
+        let chosen = match (&options.template, self) {
+            (Some(own), Tokenizer::Hf(hf)) => Some((
+                own.env(),
+                "chat",
+                hf.given_format.unwrap_or(own.format()),
+                &**hf,
+            )),
+            (Some(_), Tokenizer::Bytes) => {
+                return Err(TokenizerError::RequestTemplateRefused(
+                    "the byte tokenizer renders no request chat templates",
+                ));
+            }
+            (None, Tokenizer::Hf(hf)) => hf.chat.as_ref().map(|env| {
+                if tools && env.get_template("chat_tool_use").is_ok() {
+                    (env, "chat_tool_use", hf.formats.1, &**hf)
+                } else {
+                    (env, "chat", hf.formats.0, &**hf)
                 }
-                None => render_chat(messages, options.add_generation_prompt),
-            },
-            Tokenizer::Bytes => render_chat(messages, options.add_generation_prompt),
+            }),
+            (None, Tokenizer::Bytes) => None,
+        };
+        let mut format = ContentFormat::String;
+        let text = match chosen {
+            Some((env, name, content_format, hf)) => {
+                // vLLM's `_preprocess_chat`: `add_generation_prompt`, `tools` and
+                // `documents`, overridden by the request's `chat_template_kwargs`; then
+                // Hugging Face's renderer puts the special tokens under those and the
+                // messages over them.
+                fn value<T: serde::Serialize>(v: &T) -> minijinja::Value {
+                    minijinja::Value::from(minijinja::value::Serde(v))
+                }
+                let mut context: std::collections::BTreeMap<String, minijinja::Value> =
+                    std::collections::BTreeMap::new();
+                context.insert("bos_token".into(), hf.bos_token.as_str().into());
+                context.insert("eos_token".into(), hf.eos_token.as_str().into());
+                context.insert("tools".into(), value(&options.tools));
+                context.insert("documents".into(), value(&options.documents));
+                context.insert(
+                    "add_generation_prompt".into(),
+                    options.add_generation_prompt.into(),
+                );
+                for (k, v) in &options.kwargs {
+                    context.insert(k.clone(), value(v));
+                }
+                format = content_format;
+                let messages = match format {
+                    ContentFormat::String => value(&messages),
+                    ContentFormat::OpenAi => value(&with_parts(messages)?),
+                };
+                context.insert("messages".into(), messages);
+                env.get_template(name)
+                    .map_err(template_error)?
+                    .render(context)
+                    .map_err(template_error)?
+            }
+            None => render_chat(messages, options.add_generation_prompt),
         };
         if options.continue_final_message {
             continued(&text, messages, format)
@@ -1326,5 +1386,98 @@ mod tests {
             .unwrap();
         assert!(e.to_string().contains("/nonexistent/tokenizer.json"), "{e}");
         assert_eq!(Tokenizer::Bytes.encode("ab", true).unwrap(), vec![97, 98]);
+    }
+
+    /// A request's own template (vLLM's `chat_template`, or one in `chat_template_kwargs`,
+    /// which wins) renders the chat in place of the model's, only where trusted; otherwise
+    /// the request is refused with vLLM's words. Both templates see the same variables.
+    #[test]
+    fn a_request_template_renders_only_where_trusted() {
+        let (dir, mut t) = with_config(
+            "request",
+            serde_json::json!({"bos_token": "BOS", "chat_template": "{{ bos_token }}{% for m in messages %} {{ m.role }} : {{ m.content }}{% endfor %}"}),
+        );
+        let own = "{{ bos_token }}{% for m in messages %} {{ m.content }} {{ m.role }}{% endfor %}{% if enable_thinking %} think{% endif %}";
+        let request = |body: serde_json::Value| {
+            let mut r: crate::ingress::openai::ChatRequest = serde_json::from_value(body).unwrap();
+            let source = r.take_template().unwrap();
+            (std::mem::take(&mut r.messages), source, r.take_options())
+        };
+        let hello = serde_json::json!([{"role": "user", "content": "hello"}]);
+        let (messages, source, options) = request(serde_json::json!({
+            "model": "m", "messages": hello, "chat_template": own,
+            "chat_template_kwargs": {"enable_thinking": true},
+        }));
+        assert_eq!(source.as_deref(), Some(own));
+        let refused = t.request_template(own).unwrap_err();
+        assert!(
+            refused
+                .to_string()
+                .contains("--trust-request-chat-template is not set"),
+            "{refused}"
+        );
+        let bytes = Tokenizer::Bytes.request_template(own).unwrap_err();
+        assert!(matches!(bytes, TokenizerError::RequestTemplateRefused(_)));
+        // The model's template, without the request's: user : hello.
+        assert_eq!(t.encode_chat(&messages, &options).unwrap(), [6, 3, 5, 1]);
+        t.trust_request_chat_templates();
+        let with_own = ChatOptions {
+            template: Some(t.request_template(own).unwrap()),
+            ..options
+        };
+        // The request's: hello user think (its kwargs reach it as the model's would).
+        assert_eq!(t.encode_chat(&messages, &with_own).unwrap(), [6, 1, 3, 9]);
+        // A `chat_template` among the kwargs wins over the field and is no variable; as
+        // null it means the model's template.
+        let (_, source, options) = request(serde_json::json!({
+            "model": "m", "messages": hello, "chat_template": "field",
+            "chat_template_kwargs": {"chat_template": own},
+        }));
+        assert_eq!(source.as_deref(), Some(own));
+        assert!(!options.kwargs.contains_key("chat_template"));
+        let (_, source, _) = request(serde_json::json!({
+            "model": "m", "messages": hello, "chat_template": own,
+            "chat_template_kwargs": {"chat_template": null},
+        }));
+        assert_eq!(source, None);
+        let mut wrong: crate::ingress::openai::ChatRequest = serde_json::from_value(
+            serde_json::json!({"model": "m", "messages": hello, "chat_template_kwargs": {"chat_template": 3}}),
+        )
+        .unwrap();
+        assert!(wrong.take_template().is_err());
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// A request's template is bounded: one that loops for ever runs out of fuel (an error,
+    /// not a held thread); one that does not compile is a clear error; compiled templates
+    /// are kept, at most [`REQUEST_TEMPLATES_CACHED`], the same one reused.
+    #[test]
+    fn request_templates_are_bounded_and_cached() {
+        let (dir, mut t) = with_config("request-bounds", serde_json::json!({}));
+        t.trust_request_chat_templates();
+        let hello = [ChatMessage::text("user", "hello")];
+        let endless =
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
+        let options = ChatOptions {
+            template: Some(t.request_template(endless).unwrap()),
+            ..ChatOptions::default()
+        };
+        let e = t.encode_chat(&hello, &options).unwrap_err();
+        assert!(e.to_string().contains("fuel"), "{e}");
+        let e = t.request_template("{% for %}").unwrap_err();
+        assert!(e.to_string().contains("the request's chat template"), "{e}");
+        let first = t.request_template("{{ messages[0].content }}").unwrap();
+        let again = t.request_template("{{ messages[0].content }}").unwrap();
+        assert!(std::sync::Arc::ptr_eq(&first, &again));
+        for i in 0..2 * REQUEST_TEMPLATES_CACHED {
+            t.request_template(&format!("{i}{{{{ messages[0].content }}}}"))
+                .unwrap();
+        }
+        let Tokenizer::Hf(hf) = &t else {
+            unreachable!("loaded from a file")
+        };
+        let cached = hf.request_templates.as_ref().map(|c| c.len());
+        assert_eq!(cached, Some(REQUEST_TEMPLATES_CACHED));
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -503,6 +503,107 @@ async fn a_router_tokenizer_unlike_the_engine_s_raises_the_hash_mismatch_alarm()
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A chat that brings its own template (vLLM's `chat_template`) is rendered with it by an
+/// engine that trusts request templates (`--trust-request-chat-template`), so the router,
+/// trusting them too, hashes that rendering: the blocks it routes on show up in the engine's
+/// events, and the hash-mismatch alarm stays down (rendered with the model's template, whose
+/// first tokens differ, none would). A router that does not trust them refuses the request
+/// as vLLM does (400); an engine that does not refuses it too, and the router passes its 400
+/// on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_with_its_own_template_is_hashed_as_the_engine_renders_it() {
+    let http = Http::default();
+    let dir = std::env::temp_dir().join(format!("kvroute-own-template-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tokenizer = dir.join("tokenizer.json");
+    let vocab = [
+        "[UNK]",
+        "the",
+        "a",
+        "question",
+        "about",
+        "item",
+        "turn",
+        "chat",
+        "user",
+        "assistant",
+        "own",
+        "model",
+        ":",
+        "long",
+        "short",
+        "answer",
+    ];
+    let words: serde_json::Map<String, serde_json::Value> = vocab
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (w.to_string(), serde_json::json!(i)))
+        .collect();
+    let spec_json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": words, "unk_token": "[UNK]"}
+    });
+    std::fs::write(&tokenizer, spec_json.to_string()).unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::json!({"chat_template": "{% for m in messages %}model {{ m.role }} : {{ m.content }} {% endfor %}{% if add_generation_prompt %}assistant :{% endif %}"}).to_string(),
+    )
+    .unwrap();
+    let own = "{% for m in messages %}own turn own {{ m.role }} {{ m.content }} {% endfor %}{% if add_generation_prompt %}own assistant{% endif %}";
+    let path = tokenizer.display().to_string();
+    let trusting = [
+        "--tokenizer",
+        path.as_str(),
+        "--trust-request-chat-template",
+    ];
+    let engine = TestEngine::start_with(spec("vllm"), &trusting).unwrap();
+    let strict = TestEngine::start_with(spec("vllm"), &["--tokenizer", path.as_str()]).unwrap();
+    let trusting: Vec<String> = trusting.iter().map(|s| s.to_string()).collect();
+    let (_router, url, admin) = direct_router(&[engine.backend()], &trusting).unwrap();
+    let (_other, other_url, _) = direct_router(&[engine.backend()], &trusting[..2]).unwrap();
+    let (_both, strict_url, _) = direct_router(&[strict.backend()], &trusting).unwrap();
+    for router in [&url, &other_url, &strict_url] {
+        wait_routable(&http, router).await;
+    }
+    let chat = |i: usize| {
+        let content: Vec<&str> = (0..60).map(|j| vocab[1 + (i * 7 + j * 3) % 15]).collect();
+        serde_json::json!({
+            "model": MODEL,
+            "messages": [{"role": "user", "content": content.join(" ")}],
+            "max_tokens": 2,
+            "chat_template": own,
+        })
+        .to_string()
+    };
+    for i in 0..16 {
+        let r = http
+            .call("POST", &format!("{url}/v1/chat/completions"), chat(i))
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let status = judged(&http, &admin, 16).await;
+    assert_eq!(status["hash_mismatch"], false, "{status}");
+    assert!(
+        status["routed_blocks_seen"].as_u64().unwrap() >= 14,
+        "{status}"
+    );
+    for (router, who) in [(&other_url, "the router"), (&strict_url, "the engine")] {
+        let r = http
+            .call("POST", &format!("{router}/v1/chat/completions"), chat(0))
+            .await
+            .unwrap();
+        assert_eq!(r.status, 400, "refused by {who}: {}", r.body);
+        assert!(
+            r.body.contains("--trust-request-chat-template"),
+            "refused by {who}: {}",
+            r.body
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A prompt cut by vLLM's `truncate_prompt_tokens` is hashed as the engine keeps it (its
 /// last tokens): the blocks the router routed on show up in the engine's events (hashing
 /// the whole prompt, none would, and the hash-mismatch alarm would ring), and the engine

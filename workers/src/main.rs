@@ -86,6 +86,10 @@ struct Args {
     /// `tokenizer_config.json` beside it); without it, one token per UTF-8 byte, as the router.
     #[arg(long, env = "KVROUTE_TOKENIZER")]
     tokenizer: Option<std::path::PathBuf>,
+    /// Render the chat templates requests bring (vLLM's flag of the same name); without
+    /// it such requests are refused (400), as vLLM refuses them.
+    #[arg(long, env = "KVROUTE_TRUST_REQUEST_CHAT_TEMPLATE")]
+    trust_request_chat_template: bool,
     /// Registration heartbeat, ms.
     #[arg(long, env = "KVROUTE_HEARTBEAT_MS", default_value_t = LeaseConfig::default().heartbeat_ms)]
     heartbeat_ms: u64,
@@ -307,9 +311,15 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
         lease,
         epoch: new_epoch(),
         metrics: kvroute::process::install_metrics(),
-        tokenizer: std::sync::Arc::new(match &args.tokenizer {
-            Some(path) => kvroute::ingress::tokenizer::Tokenizer::load(path)?,
-            None => kvroute::ingress::tokenizer::Tokenizer::Bytes,
+        tokenizer: std::sync::Arc::new({
+            let mut tokenizer = match &args.tokenizer {
+                Some(path) => kvroute::ingress::tokenizer::Tokenizer::load(path)?,
+                None => kvroute::ingress::tokenizer::Tokenizer::Bytes,
+            };
+            if args.trust_request_chat_template {
+                tokenizer.trust_request_chat_templates();
+            }
+            tokenizer
         }),
         http,
         fault_injection: args.fault_injection,

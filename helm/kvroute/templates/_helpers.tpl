@@ -336,6 +336,7 @@ chat_template_content_format = {{ . | toJson }}
 {{- with $r.defaultChatTemplateKwargs }}
 default_chat_template_kwargs = {{ . | toJson | toJson }}
 {{- end }}
+trust_request_chat_template = {{ $r.trustRequestChatTemplate }}
 log_format = {{ $r.logFormat | toJson }}
 {{- with $r.backends }}
 backends = {{ . | toJson }}

@@ -264,9 +264,17 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                     Ok(keep) => keep,
                     Err(e) => return bad_request(&e.message),
                 };
-                let chat_options = r.take_options();
+                // The request's own template, refused unless trusted (as vLLM does).
+                let template = match r.take_template() {
+                    Ok(template) => template,
+                    Err(e) => return bad_request(&e.message),
+                };
+                let mut chat_options = r.take_options();
                 let messages = std::mem::take(&mut r.messages);
                 let encoded = tokenize(&state, move |t| {
+                    if let Some(source) = template {
+                        chat_options.template = Some(t.request_template(&source)?);
+                    }
                     t.encode_chat_within(&messages, &chat_options, keep)
                 });
                 match encoded.await {
