@@ -169,9 +169,16 @@ where
     if body.size_hint().lower() > limit as u64 {
         return Err(BodyError::TooLarge { limit });
     }
+    // Room for the announced length, where there is one (at most `limit`).
+    let announced = usize::try_from(body.size_hint().lower()).unwrap_or(limit);
     let read = async {
         let mut held = Reservation::default();
-        let mut chunks: Vec<Bytes> = Vec::new();
+        // A body of one frame is kept as it came. Later frames are copied, as they come, into
+        // one buffer, whose capacity is what is reserved: kept as they came, a chunked body
+        // of one-byte chunks held a 32-byte handle per byte, and the read buffers behind
+        // them (35 times what was reserved, the review found).
+        let mut first: Option<Bytes> = None;
+        let mut joined = BytesMut::new();
         let mut total = 0usize;
         let mut body = std::pin::pin!(body);
         while let Some(frame) = body.frame().await {
@@ -183,25 +190,26 @@ where
             if total > limit {
                 return Err(BodyError::TooLarge { limit });
             }
+            if first.is_none() && joined.is_empty() {
+                first = Some(data);
+            } else {
+                if let Some(first) = first.take() {
+                    joined.reserve(announced.max(total).min(limit));
+                    joined.extend_from_slice(&first);
+                }
+                joined.extend_from_slice(&data);
+            }
             if let Some(budget) = budget
-                && !budget.cover(&mut held, total)
+                && !budget.cover(&mut held, total.max(joined.capacity()))
             {
                 return Err(BodyError::OverBudget {
                     budget: budget.bytes(),
                 });
             }
-            chunks.push(data);
         }
-        let bytes = match chunks.len() {
-            0 => Bytes::new(),
-            1 => chunks.pop().unwrap_or_default(),
-            _ => {
-                let mut all = BytesMut::with_capacity(total);
-                for c in &chunks {
-                    all.extend_from_slice(c);
-                }
-                all.freeze()
-            }
+        let bytes = match first {
+            Some(only) => only,
+            None => joined.freeze(),
         };
         Ok((bytes, held))
     };
@@ -247,7 +255,9 @@ mod tests {
         let (c, held_c) = collect_within(body(&[GRAIN, GRAIN, GRAIN]), 1 << 20, second, &budget)
             .await
             .unwrap();
-        assert_eq!((c.len(), held_c.bytes()), (3 * GRAIN, 3 * GRAIN));
+        // Its frames were copied into one buffer, which doubled to four grains on the third
+        // (no length was announced): what it holds is what it reserves.
+        assert_eq!((c.len(), held_c.bytes()), (3 * GRAIN, 4 * GRAIN));
     }
 
     /// A reservation waits for room, up to its wait; one larger than the whole budget is
@@ -330,5 +340,60 @@ mod tests {
             "{r:?}"
         );
         assert_eq!(budget.in_use(), 0);
+    }
+
+    /// A body of many small frames (a chunked body of one-byte chunks) is copied into one
+    /// buffer as it arrives: no frame, nor the read buffer behind it, is kept while the rest
+    /// arrives, and what is held is what is reserved.
+    #[tokio::test]
+    async fn a_body_of_tiny_frames_keeps_none_of_them() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static LIVE: AtomicUsize = AtomicUsize::new(0);
+        static PEAK: AtomicUsize = AtomicUsize::new(0);
+        /// A read buffer, counted while any frame sliced from it lives.
+        struct ReadBuffer(Vec<u8>);
+        impl AsRef<[u8]> for ReadBuffer {
+            fn as_ref(&self) -> &[u8] {
+                &self.0
+            }
+        }
+        impl Drop for ReadBuffer {
+            fn drop(&mut self) {
+                LIVE.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        const FRAMES: usize = 20_000;
+        // Each frame is read (and its buffer made) only when the collector asks for it.
+        let frames = futures_util::stream::iter((0..FRAMES).map(|i| {
+            let live = LIVE.fetch_add(1, Ordering::SeqCst) + 1;
+            PEAK.fetch_max(live, Ordering::SeqCst);
+            let buffer = Bytes::from_owner(ReadBuffer(vec![b'a' + (i % 26) as u8; 4096]));
+            Ok::<_, std::io::Error>(hyper::body::Frame::data(buffer.slice(0..1)))
+        }));
+        let budget = BodyBudget::new(1 << 20);
+        let (bytes, held) = collect_within(
+            StreamBody::new(frames),
+            1 << 20,
+            Duration::from_secs(1),
+            &budget,
+        )
+        .await
+        .unwrap();
+        assert_eq!(bytes.len(), FRAMES);
+        assert!(
+            bytes
+                .iter()
+                .enumerate()
+                .all(|(i, b)| *b == b'a' + (i % 26) as u8)
+        );
+        assert_eq!(LIVE.load(Ordering::SeqCst), 0);
+        let peak = PEAK.load(Ordering::SeqCst);
+        assert!(peak <= 2, "{peak} read buffers held at once");
+        // Reserved: the buffer's capacity (at most twice what arrived), in grains.
+        assert!(
+            held.bytes() >= FRAMES && held.bytes() <= 2 * FRAMES + GRAIN,
+            "{}",
+            held.bytes()
+        );
     }
 }
