@@ -169,17 +169,17 @@ where
     if body.size_hint().lower() > limit as u64 {
         return Err(BodyError::TooLarge { limit });
     }
-    // Room for the announced length, where there is one (at most `limit`).
-    let announced = usize::try_from(body.size_hint().lower()).unwrap_or(limit);
     let read = async {
         let mut held = Reservation::default();
-        // A body of one frame is kept as it came. Later frames are copied, as they come, into
-        // one buffer, whose capacity is what is reserved: kept as they came, a chunked body
-        // of one-byte chunks held a 32-byte handle per byte, and the read buffers behind
-        // them (35 times what was reserved, the review found).
-        let mut first: Option<Bytes> = None;
-        let mut joined = BytesMut::new();
-        let mut total = 0usize;
+        // Frames of a grain or more are kept as they came (a slice of the connection's read
+        // buffer each: a handle per grain at most, and read bytes that are this body's).
+        // Smaller ones are copied together into blocks of a grain, and the blocks' whole
+        // size is reserved: kept as they came, a chunked body of one-byte chunks held a
+        // 32-byte handle per byte, and the read buffers behind them (35 times what was
+        // reserved, a review found).
+        let mut chunks: Vec<Bytes> = Vec::new();
+        let mut small = BytesMut::new();
+        let (mut total, mut kept) = (0usize, 0usize);
         let mut body = std::pin::pin!(body);
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| BodyError::Io(e.into()))?;
@@ -190,26 +190,43 @@ where
             if total > limit {
                 return Err(BodyError::TooLarge { limit });
             }
-            if first.is_none() && joined.is_empty() {
-                first = Some(data);
-            } else {
-                if let Some(first) = first.take() {
-                    joined.reserve(announced.max(total).min(limit));
-                    joined.extend_from_slice(&first);
+            if data.len() >= GRAIN {
+                if !small.is_empty() {
+                    chunks.push(small.split().freeze());
                 }
-                joined.extend_from_slice(&data);
+                kept += data.len();
+                chunks.push(data);
+            } else {
+                if small.capacity() - small.len() < data.len() {
+                    if !small.is_empty() {
+                        chunks.push(small.split().freeze());
+                    }
+                    small = BytesMut::with_capacity(GRAIN);
+                    kept += GRAIN;
+                }
+                small.extend_from_slice(&data);
             }
             if let Some(budget) = budget
-                && !budget.cover(&mut held, total.max(joined.capacity()))
+                && !budget.cover(&mut held, kept)
             {
                 return Err(BodyError::OverBudget {
                     budget: budget.bytes(),
                 });
             }
         }
-        let bytes = match first {
-            Some(only) => only,
-            None => joined.freeze(),
+        if !small.is_empty() {
+            chunks.push(small.freeze());
+        }
+        let bytes = match chunks.len() {
+            0 => Bytes::new(),
+            1 => chunks.pop().unwrap_or_default(),
+            _ => {
+                let mut all = BytesMut::with_capacity(total);
+                for c in &chunks {
+                    all.extend_from_slice(c);
+                }
+                all.freeze()
+            }
         };
         Ok((bytes, held))
     };
@@ -255,9 +272,7 @@ mod tests {
         let (c, held_c) = collect_within(body(&[GRAIN, GRAIN, GRAIN]), 1 << 20, second, &budget)
             .await
             .unwrap();
-        // Its frames were copied into one buffer, which doubled to four grains on the third
-        // (no length was announced): what it holds is what it reserves.
-        assert_eq!((c.len(), held_c.bytes()), (3 * GRAIN, 4 * GRAIN));
+        assert_eq!((c.len(), held_c.bytes()), (3 * GRAIN, 3 * GRAIN));
     }
 
     /// A reservation waits for room, up to its wait; one larger than the whole budget is
@@ -342,8 +357,8 @@ mod tests {
         assert_eq!(budget.in_use(), 0);
     }
 
-    /// A body of many small frames (a chunked body of one-byte chunks) is copied into one
-    /// buffer as it arrives: no frame, nor the read buffer behind it, is kept while the rest
+    /// A body of many small frames (a chunked body of one-byte chunks) is copied into
+    /// blocks as it arrives: no frame, nor the read buffer behind it, is kept while the rest
     /// arrives, and what is held is what is reserved.
     #[tokio::test]
     async fn a_body_of_tiny_frames_keeps_none_of_them() {
@@ -389,7 +404,7 @@ mod tests {
         assert_eq!(LIVE.load(Ordering::SeqCst), 0);
         let peak = PEAK.load(Ordering::SeqCst);
         assert!(peak <= 2, "{peak} read buffers held at once");
-        // Reserved: the buffer's capacity (at most twice what arrived), in grains.
+        // Reserved: the blocks, a grain each.
         assert!(
             held.bytes() >= FRAMES && held.bytes() <= 2 * FRAMES + GRAIN,
             "{}",
