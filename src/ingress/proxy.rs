@@ -657,6 +657,7 @@ pub(super) async fn forward(
         opening: Some(opening),
         open_by: Instant::now() + Duration::from_millis(config.worker_timeout_ms),
         tokens: false,
+        worker_error: None,
     };
     tokio::spawn(relay.run());
     // Dropped with the client's connection meanwhile, this drops `rx`: the relay sees the
@@ -825,6 +826,8 @@ struct Relay {
     open_by: Instant,
     /// The worker has sent a token.
     tokens: bool,
+    /// What the worker said when it failed in its stream before the first token.
+    worker_error: Option<String>,
 }
 
 /// A stream that failed before its client was answered: why, and the in-flight slot for
@@ -962,6 +965,10 @@ impl Relay {
                 self.worker,
                 self.first_frame.as_millis()
             ),
+            RelayEnd::WorkerFailed if let Some(error) = &self.worker_error => format!(
+                "worker {} failed before the first token: {error}",
+                self.worker
+            ),
             RelayEnd::Truncated | RelayEnd::WorkerFailed if !self.tokens => format!(
                 "worker {} broke off its stream before the first token",
                 self.worker
@@ -1098,6 +1105,19 @@ impl Relay {
                 drop(self.held.split_off(self.events.held()));
                 continue;
             }
+            // An error in the stream before anything reached the client is the worker
+            // failing (vLLM's stream generator catching an exception, an engine that
+            // dropped the request): tried elsewhere, as a failed connection is, not relayed
+            // as the answer and counted as its first token. The client's own errors are
+            // relayed (another worker would say the same).
+            if token
+                && self.opening.is_some()
+                && let Some(error) = worker_error(&data)
+            {
+                tracing::warn!(worker = %self.worker, %error, "worker failed in its stream before the first token");
+                self.worker_error = Some(error);
+                return RelayEnd::WorkerFailed;
+            }
             if token {
                 self.open();
                 let now = Instant::now();
@@ -1157,6 +1177,45 @@ fn carries_data(events: &[u8]) -> bool {
     events.split(|&b| b == b'\n').any(|line| {
         line.strip_prefix(b"data:")
             .is_some_and(|value| !value.trim_ascii().is_empty())
+    })
+}
+
+/// The message of a server-side error event among whole server-sent events, if one is
+/// there: a `data` value that is an object with an `error` (OpenAI's, SGLang's and recent
+/// vLLM's shape, `{"error": {"message", "type", "code"}}`) or that is one (older vLLM's
+/// `{"object": "error", …}`). An error whose `code` is a 4xx status, or whose `type` is
+/// `invalid_request_error` (OpenAI's) or `BadRequestError` (vLLM's), is the client's: `None`.
+fn worker_error(events: &[u8]) -> Option<String> {
+    events.split(|&b| b == b'\n').find_map(|line| {
+        let value = line.strip_prefix(b"data:")?.trim_ascii();
+        if !value.starts_with(b"{") {
+            return None;
+        }
+        let v: serde_json::Value = serde_json::from_slice(value).ok()?;
+        let error = match v.get("error") {
+            Some(e @ serde_json::Value::Object(_)) => e,
+            Some(serde_json::Value::String(message)) => return Some(message.clone()),
+            _ if v.get("object").and_then(|o| o.as_str()) == Some("error") => &v,
+            _ => return None,
+        };
+        let code = match error.get("code") {
+            Some(serde_json::Value::Number(n)) => n.as_u64(),
+            Some(serde_json::Value::String(s)) => s.parse().ok(),
+            _ => None,
+        };
+        let kind = error.get("type").and_then(|t| t.as_str()).unwrap_or("");
+        if code.is_some_and(|c| (400..500).contains(&c))
+            || matches!(kind, "invalid_request_error" | "BadRequestError")
+        {
+            return None;
+        }
+        Some(
+            error
+                .get("message")
+                .and_then(|m| m.as_str())
+                .unwrap_or("an error event")
+                .to_owned(),
+        )
     })
 }
 
@@ -1343,6 +1402,32 @@ mod tests {
         assert!(!carries_data(b"data\n\ndata: \r\n\r\n"));
         assert!(!carries_data(b": keep-alive\n\n: ping\n\n"));
         assert!(!carries_data(b"event: ping\n\n"));
+    }
+
+    /// A worker's own error in its stream is told from the client's, in OpenAI's, SGLang's
+    /// and both of vLLM's shapes; tokens, comments and `[DONE]` are no error.
+    #[test]
+    fn a_worker_s_error_event_is_told_from_the_client_s() {
+        let vllm = br#"data: {"error":{"message":"engine died","type":"InternalServerError","param":null,"code":500}}"#;
+        assert_eq!(worker_error(vllm).as_deref(), Some("engine died"));
+        let older = b"data: {\"object\":\"error\",\"message\":\"oom\",\"type\":\"InternalServerError\",\"code\":500}\n\n";
+        assert_eq!(worker_error(older).as_deref(), Some("oom"));
+        let openai = b"data: {\"error\":{\"message\":\"cut off\",\"type\":\"server_error\",\"code\":null}}\n\ndata: [DONE]\n\n";
+        assert_eq!(worker_error(openai).as_deref(), Some("cut off"));
+        for client in [
+            &br#"data: {"error":{"message":"too long","type":"BadRequestError","code":400}}"#[..],
+            br#"data: {"error":{"message":"bad","type":"invalid_request_error","code":null}}"#,
+            br#"data: {"error":{"message":"bad","type":"x","code":"422"}}"#,
+        ] {
+            assert_eq!(worker_error(client), None);
+        }
+        for not_error in [
+            &b"data: {\"choices\":[{\"text\":\"error\"}]}\n\n"[..],
+            b"data: [DONE]\n\n",
+            b": {\"error\":\"comment\"}\n\n",
+        ] {
+            assert_eq!(worker_error(not_error), None);
+        }
     }
 
     /// Events cut anywhere reach the client whole; an unterminated event waits, and what

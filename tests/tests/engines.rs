@@ -877,6 +877,10 @@ enum Script {
     Cut,
     /// 500, an OpenAI-shaped error.
     Fail,
+    /// 200 and a stream whose first event is a server error (vLLM's shape, code 500).
+    ErrorEvent,
+    /// 200 and a stream whose first event is the client's error (code 400).
+    ClientErrorEvent,
 }
 
 /// An OpenAI-compatible engine in this process answering completions as `script` says: its
@@ -916,8 +920,21 @@ async fn scripted_engine(
                                     r#"{"error":{"message":"scripted failure","type":"InternalServerError"}}"#,
                                 );
                             }
-                            let chunk = r#"data: {"id":"c","object":"text_completion","choices":[{"index":0,"text":"hi","finish_reason":null}]}"#;
+                            let chunk = match script {
+                                Script::ErrorEvent => {
+                                    r#"data: {"error":{"message":"scripted engine died","type":"InternalServerError","param":null,"code":500}}"#
+                                }
+                                Script::ClientErrorEvent => {
+                                    r#"data: {"error":{"message":"scripted bad request","type":"BadRequestError","param":null,"code":400}}"#
+                                }
+                                _ => {
+                                    r#"data: {"id":"c","object":"text_completion","choices":[{"index":0,"text":"hi","finish_reason":null}]}"#
+                                }
+                            };
                             let mut frames = vec![bytes::Bytes::from(format!("{chunk}\n\n"))];
+                            if matches!(script, Script::ErrorEvent | Script::ClientErrorEvent) {
+                                frames.push(bytes::Bytes::from_static(b"data: [DONE]\n\n"));
+                            }
                             if script == Script::Hang {
                                 frames.push(bytes::Bytes::from_static(b"data: [DONE]\n\n"));
                             }
@@ -982,6 +999,89 @@ async fn streams_end_at_done_and_a_cut_off_stream_says_so() {
             );
         }
     }
+}
+
+/// A stream whose first event is the engine's own error (vLLM's generator catching an
+/// exception, an engine that dropped the request) is tried on another worker, as a failed
+/// connection is, rather than relayed as the answer and counted as its first token (which
+/// also kept the failing engine looking healthy and idle). With no other worker the client
+/// gets a status naming the engine's error. A client's error (code 400) is relayed as is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_before_the_first_token_is_tried_elsewhere() {
+    let http = Http::default();
+    let good = engine("vllm");
+    let (bad, tried) = scripted_engine(Script::ErrorEvent).await;
+    let (_router, url, _) = direct_router(
+        &[
+            format!("{},model={MODEL}", good.url()),
+            format!("{bad},model={MODEL}"),
+        ],
+        &["--policy".into(), "round_robin".into()],
+    )
+    .unwrap();
+    let (_alone, alone_url, _) = direct_router(&[format!("{bad},model={MODEL}")], &[]).unwrap();
+    let (client_error, _) = scripted_engine(Script::ClientErrorEvent).await;
+    let (_strict, strict_url, _) =
+        direct_router(&[format!("{client_error},model={MODEL}")], &[]).unwrap();
+    // Both engines registered: round robin has sent a request to the failing one.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut answers = Vec::new();
+    while tried.load(std::sync::atomic::Ordering::Relaxed) < 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never tried the failing engine"
+        );
+        let body = completion(MODEL, "a question about an item", 2, true);
+        if let Ok(r) = http
+            .call("POST", &format!("{url}/v1/completions"), body)
+            .await
+            && !r.body.contains("no worker registered")
+        {
+            answers.push(r);
+        } else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    for r in &answers {
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert!(
+            !r.body.contains("scripted engine died"),
+            "the engine's error reached the client: {}",
+            r.body
+        );
+        assert!(r.body.contains("\"text\""), "{}", r.body);
+    }
+    let body = completion(MODEL, "a question about an item", 2, true);
+    let r = loop {
+        let r = http
+            .call("POST", &format!("{alone_url}/v1/completions"), body.clone())
+            .await
+            .unwrap();
+        if !r.body.contains("no worker registered") {
+            break r;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{}", r.body);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(r.status >= 500, "{} {}", r.status, r.body);
+    assert!(r.body.contains("scripted engine died"), "{}", r.body);
+    let r = loop {
+        let r = http
+            .call(
+                "POST",
+                &format!("{strict_url}/v1/completions"),
+                body.clone(),
+            )
+            .await
+            .unwrap();
+        if !r.body.contains("no worker registered") {
+            break r;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{}", r.body);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.body.contains("scripted bad request"), "{}", r.body);
 }
 
 /// Without KV events the router guesses an engine's cache from the prompts it sent there,
