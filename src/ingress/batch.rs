@@ -137,7 +137,11 @@ pub(super) async fn complete_batch(
                     if stalled_at.is_some() => return,
                 started = running.next(), if !running.is_empty() => match started {
                     Some((i, Ok(answer))) => streams.push(part_stream(i, answer)),
-                    Some((_, Err(e))) => break error_events(&e),
+                    // Merged output still waiting for the client goes before the error.
+                    Some((_, Err(e))) => match pending.take() {
+                        Some((out, _)) => break [out, error_events(&e)].concat().into(),
+                        None => break error_events(&e),
+                    },
                     None => {}
                 },
                 // (A `None` from an emptied set goes round to the check above: a branch
