@@ -262,8 +262,13 @@ impl Transport {
     /// subscriptions included, retrying while the connection is still being established.
     pub async fn synced(&self) {
         if let Transport::Nats(NatsTransport { client, .. }) = self {
+            // Each flush is bounded too: while the client is disconnected, a flush is
+            // answered only after it reconnects, which may be never.
             let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
-            while client.flush().await.is_err() && tokio::time::Instant::now() < deadline {
+            while !matches!(
+                tokio::time::timeout_at(deadline, client.flush()).await,
+                Ok(Ok(())) | Err(_)
+            ) {
                 tokio::time::sleep(std::time::Duration::from_millis(20)).await;
             }
         }
