@@ -221,9 +221,7 @@ impl WorkerStream {
             State::Resyncing { .. } => {
                 self.hold(batch);
                 if self.held_blocks > self.config.max_buffered_blocks {
-                    self.stats.overflows += 1;
-                    self.clear_held();
-                    self.start_resync(now_ms, ResyncReason::Overflow, out);
+                    self.overflow(now_ms, out);
                 }
             }
             State::New => unreachable!("invariant: an adopted epoch leaves State::New"),
@@ -399,7 +397,12 @@ impl WorkerStream {
         } else if first > next_id {
             self.hold(batch);
             self.held_since_ms.get_or_insert(now_ms);
-            if self.held.len() > self.config.reorder_window {
+            if self.held_blocks > self.config.max_buffered_blocks {
+                // Held while live, the blocks count as held in a resync do: kept into the
+                // resync this gap starts, they overflowed its buffer at its first batch,
+                // which started it over and threw away the snapshot already asked for.
+                self.overflow(now_ms, out);
+            } else if self.held.len() > self.config.reorder_window {
                 self.gap(now_ms, out);
             }
             return;
@@ -436,6 +439,13 @@ impl WorkerStream {
         };
         let behind = !self.held.is_empty() || self.announced_last >= next_id;
         self.held_since_ms = behind.then_some(self.held_since_ms.unwrap_or(now_ms));
+    }
+
+    /// More blocks held than `max_buffered_blocks`: they are dropped and a resync starts.
+    fn overflow(&mut self, now_ms: u64, out: &mut Vec<Command>) {
+        self.stats.overflows += 1;
+        self.clear_held();
+        self.start_resync(now_ms, ResyncReason::Overflow, out);
     }
 
     fn gap(&mut self, now_ms: u64, out: &mut Vec<Command>) {

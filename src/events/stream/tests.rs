@@ -349,6 +349,41 @@ fn one_event_of_many_blocks_overflows_the_resync_buffer() {
     assert_eq!(s.stats().resyncs, 2);
 }
 
+/// While live, batches held behind a gap count against the same bound in blocks: past it,
+/// they are dropped and one resync starts at once. Kept into the resync a gap starts, they
+/// overflowed its buffer at its first batch, which asked for a second snapshot and threw
+/// away the first.
+#[test]
+fn blocks_held_behind_a_gap_while_live_are_bounded_too() {
+    let mut s = WorkerStream::new(StreamConfig {
+        max_buffered_blocks: 4,
+        reorder_window: 3,
+        ..StreamConfig::default()
+    });
+    let mut out = Vec::new();
+    s.on_batch(0, batch(7, 1..=1), &mut out);
+    assert!(s.is_live());
+    let mut big = batch(7, 3..=3);
+    big.events[0].data = KvEventData::Stored {
+        parent: None,
+        blocks: (0..10).map(block).collect(),
+    };
+    s.on_batch(1, big, &mut out);
+    assert_eq!((s.stats().overflows, s.stats().resyncs), (1, 1));
+    let request = s.snapshot_request();
+    // What follows while the snapshot is on its way is held (within the bound) and kept.
+    s.on_batch(2, batch(7, 4..=4), &mut out);
+    s.on_batch(3, batch(7, 5..=5), &mut out);
+    assert_eq!((s.stats().overflows, s.stats().resyncs), (1, 1));
+    assert_eq!(s.snapshot_request(), request);
+    out.clear();
+    s.on_snapshot(4, request, snapshot(7, 3), &mut out);
+    assert!(s.is_live());
+    // The snapshot up to 3, then the batches held during the resync.
+    assert_eq!(applied_ids(&out), vec![1, 2, 3, 4, 5]);
+    assert_eq!(s.next_id(), Some(6));
+}
+
 #[test]
 fn a_snapshot_of_a_newer_incarnation_is_adopted() {
     let mut s = stream();
