@@ -620,9 +620,29 @@ async fn handle(router: Arc<Router>, req: hyper::Request<Incoming>) -> Response<
         }
         (Method::POST, "/v1/completions") => completions(&router, req, false).await,
         (Method::POST, "/v1/chat/completions") => completions(&router, req, true).await,
-        _ => Err(ApiError::not_found()),
+        (method, p) => match allowed_methods(p) {
+            // A known endpoint asked with another method: 405 with `Allow`, as vLLM's
+            // FastAPI answers (a 404 read as a wrong URL).
+            Some(allow) => {
+                let mut r = api_error(&ApiError::method_not_allowed(&method, allow));
+                r.headers_mut()
+                    .insert(header::ALLOW, header::HeaderValue::from_static(allow));
+                return r;
+            }
+            None => Err(ApiError::not_found()),
+        },
     };
     result.unwrap_or_else(|e| api_error(&e))
+}
+
+/// The methods the API listener answers at `path`, if it is one of its endpoints.
+fn allowed_methods(path: &str) -> Option<&'static str> {
+    match path {
+        "/health" | "/ready" | "/metrics" | "/v1/models" => Some("GET"),
+        p if p.starts_with("/v1/models/") => Some("GET"),
+        "/v1/completions" | "/v1/chat/completions" => Some("POST"),
+        _ => None,
+    }
 }
 
 async fn handle_admin(router: Arc<Router>, req: hyper::Request<Incoming>) -> Response<Body> {

@@ -842,6 +842,17 @@ impl ApiError {
         ApiError::new(504, "server_error", Fault::Worker, message)
     }
 
+    /// 405: a known endpoint asked with a method it does not answer (`allow`: those it
+    /// does).
+    pub fn method_not_allowed(method: &hyper::Method, allow: &str) -> Self {
+        ApiError::new(
+            405,
+            "invalid_request_error",
+            Fault::Client,
+            format!("method {method} not allowed here; use {allow}"),
+        )
+    }
+
     /// 404: no such endpoint.
     pub fn not_found() -> Self {
         ApiError::new(

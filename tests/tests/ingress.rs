@@ -198,6 +198,23 @@ async fn bad_inputs_get_their_status_codes() {
         .unwrap();
     assert_eq!(unknown.status, 404, "{}", unknown.body);
     assert!(unknown.body.contains("model_not_found"), "{}", unknown.body);
+    // A known endpoint asked with the wrong method: 405 naming the right one (vLLM's
+    // FastAPI answers so); an unknown path: 404.
+    let get = f.http.call("GET", &url, "").await.unwrap();
+    assert_eq!(get.status, 405, "{}", get.body);
+    assert_eq!(get.header("allow"), Some("POST"), "{}", get.body);
+    let post = f
+        .http
+        .call("POST", &format!("{}/v1/models", f.url()), "")
+        .await
+        .unwrap();
+    assert_eq!((post.status, post.header("allow")), (405, Some("GET")));
+    let nowhere = f
+        .http
+        .call("GET", &format!("{}/v1/nowhere", f.url()), "")
+        .await
+        .unwrap();
+    assert_eq!(nowhere.status, 404, "{}", nowhere.body);
     // stream_options without stream: refused by the router, and by the worker's own
     // endpoint, as vLLM refuses it.
     let options =
