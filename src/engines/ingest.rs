@@ -65,6 +65,10 @@ pub struct IngestLimits {
     pub idle: Duration,
     /// Longest wait between reconnection attempts.
     pub max_backoff: Duration,
+    /// Changes a replay hands to the owner at a time: a replay's changes go as they come,
+    /// not all at its end (a reconnect to a busy engine whose buffer holds 10,000 batches of
+    /// long prefills made millions of them, held in one list until the replay ended).
+    pub replay_flush_changes: usize,
 }
 
 impl Default for IngestLimits {
@@ -76,6 +80,7 @@ impl Default for IngestLimits {
             max_replay_batches: 100_000,
             idle: Duration::from_secs(30),
             max_backoff: Duration::from_secs(5),
+            replay_flush_changes: 1 << 16,
         }
     }
 }
@@ -130,6 +135,7 @@ pub async fn run(
         changes: Vec::new(),
         endpoint,
         limits,
+        owner: tx.clone(),
     };
     let mut backoff = Duration::from_millis(100);
     let mut warned = false;
@@ -196,6 +202,8 @@ struct Ingest {
     changes: Vec<BlockChange>,
     endpoint: EngineEndpoint,
     limits: IngestLimits,
+    /// The owner, for what a replay brings while it goes on ([`Ingest::flush`] otherwise).
+    owner: mpsc::Sender<Update>,
 }
 
 /// The owner went away.
@@ -446,6 +454,12 @@ impl Ingest {
             }
             self.stats.replayed += 1;
             self.apply(seq, &payload);
+            if self.changes.len() >= limits.replay_flush_changes {
+                let owner = self.owner.clone();
+                self.flush(&owner).await.map_err(|Closed| {
+                    ZmtpError::Protocol("the owner stopped following the engine".into())
+                })?;
+            }
         }
     }
 

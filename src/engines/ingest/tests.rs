@@ -512,3 +512,50 @@ async fn the_rank_the_engine_names_is_reported() {
         .await;
     assert_eq!(owner.stats.engine_rank, Some(3));
 }
+
+/// A replay hands its changes to the owner as they come, a few at a time, not all in one
+/// list at its end (a busy engine's buffer made millions of them).
+#[tokio::test]
+async fn a_replay_hands_its_changes_over_as_they_come() {
+    let engine = engine_at(0, 0).await;
+    let mut parent = None;
+    for hash in 1..=10 {
+        engine.publish(store(hash, parent));
+        parent = Some(hash);
+    }
+    let endpoint = EngineEndpoint {
+        events: format!("tcp://127.0.0.1:{}", engine.pub_port()),
+        replay: Some(format!("tcp://127.0.0.1:{}", engine.replay_port().unwrap())),
+        topic: String::new(),
+    };
+    let limits = IngestLimits {
+        replay_flush_changes: 3,
+        ..IngestLimits::default()
+    };
+    let (tx, mut rx) = mpsc::channel(64);
+    tokio::spawn(run(endpoint, NonZeroUsize::new(BS).unwrap(), limits, tx));
+    let (mut sizes, mut stored) = (Vec::new(), 0);
+    let wait = async {
+        loop {
+            let u = rx.recv().await.expect("ingest alive");
+            sizes.push(u.changes.len());
+            stored += u
+                .changes
+                .iter()
+                .filter(|c| matches!(c, BlockChange::Stored { .. }))
+                .count();
+            // The first update once following live carries the replay's remainder.
+            if u.stats.connected {
+                return;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), wait)
+        .await
+        .expect("the follower connects");
+    // Each block is one change: ten in updates of three while the replay went on, the
+    // last one after it.
+    assert_eq!(stored, 10, "{sizes:?}");
+    assert!(sizes.len() >= 4, "{sizes:?}");
+    assert!(sizes.iter().all(|&n| n <= 3), "{sizes:?}");
+}
