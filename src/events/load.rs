@@ -195,6 +195,10 @@ impl Outbox {
     }
 }
 
+/// Most other replicas one replica follows at once; operations from further ones are
+/// refused (counted in `kvroute_load_rejected_total`).
+pub const MAX_PEERS: usize = 1024;
+
 /// The other replicas, as one replica sees them (no I/O: `now_ms` is given).
 #[derive(Debug, Default)]
 pub struct Peers {
@@ -210,9 +214,27 @@ impl Peers {
         ops: Vec<LoadMessage>,
         scheduler: &mut Scheduler,
     ) {
-        for op in ops {
+        // A heartbeat costs a scan of the scheduler's bookings under its lock: one per
+        // replica per message is taken (its last, the freshest), however many the message
+        // holds (a 1 MiB message holds ~35,000).
+        let mut last_beat: HashMap<u64, usize> = HashMap::new();
+        for (at, op) in ops.iter().enumerate() {
+            if let LoadMessage::Heartbeat { replica, .. } = op {
+                last_beat.insert(*replica, at);
+            }
+        }
+        for (at, op) in ops.into_iter().enumerate() {
             let origin = op.origin();
             if origin == me {
+                continue;
+            }
+            if matches!(op, LoadMessage::Heartbeat { .. }) && last_beat.get(&origin) != Some(&at) {
+                continue;
+            }
+            if !self.seen.contains_key(&origin) && self.seen.len() >= MAX_PEERS {
+                // Replica ids beyond any real deployment: a fault or a forgery, whose every
+                // id would otherwise be kept, then dropped with a warning each, a TTL later.
+                metrics::counter!("kvroute_load_rejected_total").increment(1);
                 continue;
             }
             self.seen.insert(origin, now_ms);

@@ -166,6 +166,40 @@ fn a_heartbeat_drops_what_its_replica_no_longer_holds() {
     assert_eq!(s.open_seqs(7), vec![2, 6]);
 }
 
+/// A message of many heartbeats costs one reconcile per replica, with its last (freshest)
+/// heartbeat: an earlier one claiming nothing open drops nothing. Replica ids beyond
+/// [`MAX_PEERS`] are refused, not kept to be dropped with a warning each.
+#[test]
+fn one_heartbeat_per_replica_counts_and_peers_are_bounded() {
+    let mut s = scheduler(0);
+    let mut peers = Peers::default();
+    let ops = (1..=3)
+        .map(|seq| LoadMessage::Book {
+            booking: shared(7, seq, 2, 1.0),
+        })
+        .collect();
+    peers.on_message(0, 0, ops, &mut s);
+    let beat = |open: Vec<(u64, u64)>| LoadMessage::Heartbeat {
+        replica: 7,
+        open,
+        next: 4,
+    };
+    let mut flood: Vec<LoadMessage> = (0..1000).map(|_| beat(Vec::new())).collect();
+    flood.push(beat(vec![(1, 3)]));
+    peers.on_message(1, 0, flood, &mut s);
+    assert_eq!(s.open_seqs(7), vec![1, 2, 3]);
+    let forged = (0..2 * MAX_PEERS as u64)
+        .map(|replica| LoadMessage::Heartbeat {
+            replica: 1000 + replica,
+            open: Vec::new(),
+            next: 0,
+        })
+        .collect();
+    peers.on_message(2, 0, forged, &mut s);
+    assert_eq!(peers.len(), MAX_PEERS);
+    assert_eq!(s.open_seqs(7), vec![1, 2, 3], "a known replica is kept");
+}
+
 #[test]
 fn ranges_and_coarsening_never_claim_fewer_open_bookings() {
     let r = ranges(&[1, 2, 3, 7, 9, 10]);
