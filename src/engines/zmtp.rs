@@ -17,6 +17,12 @@ pub const MAX_FRAME: usize = super::wire::MAX_PAYLOAD_BYTES + 4096;
 const MAX_FRAMES: usize = 16;
 /// Largest command accepted (READY with its properties, PING).
 const MAX_COMMAND: usize = 4096;
+/// Most bytes of one message, all its frames: one frame at its limit beside small ones
+/// (an engine's topic and sequence frames are a few bytes each).
+const MAX_MESSAGE: usize = MAX_FRAME + 4096;
+/// What a frame's buffer starts at: it grows as the bytes arrive, so a header alone (9
+/// bytes declaring 16 MiB) reserves no more than this.
+const FIRST_READ: usize = 64 << 10;
 
 /// Why a ZMTP exchange failed.
 #[derive(Debug, thiserror::Error)]
@@ -174,7 +180,7 @@ impl Connection {
         frame_header(COMMAND, body.len(), &mut out);
         out.extend_from_slice(&body);
         self.writer.write_all(&out).await?;
-        match self.read_unit().await? {
+        match self.read_unit(MAX_COMMAND).await? {
             Unit::Command(body) => self.peer_type = parse_ready(&body)?,
             Unit::Frame { .. } => return protocol("the peer sent a message before READY"),
         }
@@ -186,7 +192,8 @@ impl Connection {
         &self.peer_type
     }
 
-    async fn read_unit(&mut self) -> Result<Unit, ZmtpError> {
+    /// The next frame or command; a frame at most `room` bytes (what its message has left).
+    async fn read_unit(&mut self, room: usize) -> Result<Unit, ZmtpError> {
         let flags = self.reader.read_u8().await?;
         let len = if flags & LONG != 0 {
             self.reader.read_u64().await?
@@ -196,15 +203,29 @@ impl Connection {
         let limit = if flags & COMMAND != 0 {
             MAX_COMMAND
         } else {
-            MAX_FRAME
+            MAX_FRAME.min(room)
         };
         if len > limit as u64 {
             return protocol(format!(
                 "a frame of {len} bytes is over the {limit}-byte limit"
             ));
         }
-        let mut body = BytesMut::zeroed(len as usize);
-        self.reader.read_exact(&mut body).await?;
+        // Read as it arrives: the buffer grows with the bytes, not with the claim.
+        let len = len as usize;
+        let mut body = BytesMut::with_capacity(len.min(FIRST_READ));
+        while body.len() < len {
+            if body.capacity() == body.len() {
+                body.reserve((len - body.len()).min(body.len().max(FIRST_READ)));
+            }
+            let want = (len - body.len()).min(body.capacity() - body.len());
+            let read = (&mut self.reader)
+                .take(want as u64)
+                .read_buf(&mut body)
+                .await?;
+            if read == 0 {
+                return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+            }
+        }
         let body = body.freeze();
         Ok(if flags & COMMAND != 0 {
             Unit::Command(body)
@@ -221,13 +242,15 @@ impl Connection {
     /// where silence is a fault.
     pub async fn recv(&mut self) -> Result<Vec<Bytes>, ZmtpError> {
         let mut frames = Vec::new();
+        let mut room = MAX_MESSAGE;
         loop {
-            match self.read_unit().await? {
+            match self.read_unit(room).await? {
                 Unit::Command(body) => self.command(&body).await?,
                 Unit::Frame { more, body } => {
                     if frames.len() == MAX_FRAMES {
                         return protocol(format!("a message of more than {MAX_FRAMES} frames"));
                     }
+                    room -= body.len();
                     frames.push(body);
                     if !more {
                         return Ok(frames);

@@ -102,6 +102,49 @@ async fn a_peer_that_is_not_zmtp_or_lies_about_sizes_is_refused() {
     server.abort();
 }
 
+/// A frame is read as its bytes arrive, in pieces, whatever its size; a message's frames
+/// together are bounded too (each one under the frame limit, sixteen of them were 256 MiB).
+#[tokio::test]
+async fn large_frames_arrive_whole_and_a_message_s_bytes_are_bounded() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let big: Vec<u8> = (0..3 * FIRST_READ + 7).map(|i| (i % 251) as u8).collect();
+    let sent = big.clone();
+    let server = tokio::spawn(async move {
+        let (s, _) = listener.accept().await.unwrap();
+        let mut c = Connection::handshake(s, "PUB", T).await.unwrap();
+        // A topic, then the big frame in small writes.
+        let mut out = Vec::new();
+        frame_header(MORE, 5, &mut out);
+        out.extend_from_slice(b"topic");
+        frame_header(0, sent.len(), &mut out);
+        out.extend_from_slice(&sent);
+        for piece in out.chunks(1000) {
+            c.writer.write_all(piece).await.unwrap();
+            c.writer.flush().await.unwrap();
+        }
+        // Then a message of frames each under the frame limit, over the message's.
+        let half = vec![0u8; MAX_FRAME / 2 + 1];
+        for more in [MORE, MORE, 0] {
+            let mut out = Vec::new();
+            frame_header(more, half.len(), &mut out);
+            c.writer.write_all(&out).await.unwrap();
+            c.writer.write_all(&half).await.unwrap();
+        }
+        c.writer.flush().await.unwrap();
+        tokio::time::sleep(T).await;
+    });
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let mut c = Connection::connect(&endpoint, "SUB", T).await.unwrap();
+    let frames = c.recv().await.unwrap();
+    assert_eq!(frames.len(), 2);
+    assert_eq!(&frames[0][..], b"topic");
+    assert_eq!(&frames[1][..], &big[..]);
+    let err = c.recv().await.unwrap_err();
+    assert!(err.to_string().contains("over the"), "{err}");
+    server.abort();
+}
+
 #[test]
 fn endpoints_are_tcp_host_port() {
     assert_eq!(tcp_address("tcp://10.0.0.1:5557").unwrap(), "10.0.0.1:5557");
