@@ -12,7 +12,7 @@ use crate::procs::{Http, Proc, free_port};
 /// One worker to start.
 #[derive(Clone, Debug)]
 pub struct WorkerSpec {
-    /// Model it serves.
+    /// Model it serves (`--model`); empty: no `--model` flag.
     pub model: String,
     /// Extra flags.
     pub args: Vec<String>,
@@ -203,8 +203,6 @@ impl Fleet {
             &port.to_string(),
             "--id",
             &port.to_string(),
-            "--model",
-            &w.model,
             "--speedup",
             &self.spec.speedup.to_string(),
             "--heartbeat-ms",
@@ -217,6 +215,10 @@ impl Fleet {
         .iter()
         .map(|s| s.to_string())
         .collect();
+        // An empty model: none given (a sidecar then reads the engine's).
+        if !w.model.is_empty() {
+            args.extend(["--model".to_string(), w.model.clone()]);
+        }
         args.extend(w.args.iter().cloned());
         let proc = Proc::start_env("kvroute-worker", &args, &self.spec.env)?;
         self.workers.push(WorkerProc { proc, port, args });

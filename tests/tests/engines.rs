@@ -305,8 +305,12 @@ async fn direct_mode_mirrors_each_engine_exactly_and_forgets_a_restarted_one() {
 async fn fleet_mode_gives_a_late_router_the_whole_cache() {
     let http = Http::default();
     let mut engines = [engine("vllm"), engine("vllm-legacy")];
+    // The second sidecar is not told the model: it registers the engine's own, from its
+    // /v1/models (its default was the simulated worker's name, which no client asks for).
+    let mut workers: Vec<WorkerSpec> = engines.iter().map(|e| sidecar(e, "vllm", true)).collect();
+    workers[1].model.clear();
     let mut fleet = Fleet::start(FleetSpec {
-        workers: engines.iter().map(|e| sidecar(e, "vllm", true)).collect(),
+        workers,
         ..FleetSpec::default()
     })
     .await
@@ -319,7 +323,16 @@ async fn fleet_mode_gives_a_late_router_the_whole_cache() {
         .map(|i| fleet.routers[*i].admin())
         .collect();
     wait_exact(&http, &admins, &[&engines[0], &engines[1]], false).await;
-    // An engine whose /health fails is withdrawn by its sidecar; back, it registers again.
+    let listed = fleet.admin_workers(0).await.unwrap();
+    let models: Vec<&str> = listed["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["model"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(models, [MODEL, MODEL], "{listed}");
+    // An engine whose /health fails is withdrawn by its sidecar; back, it registers again
+    // (after two healthy checks in a row).
     let count = |v: serde_json::Value| v["workers"].as_array().map_or(0, Vec::len);
     engines[0].kill();
     let gone = fleet

@@ -63,7 +63,8 @@ pub struct BridgeConfig {
     pub lease: LeaseConfig,
     /// How often `/health` is asked, and how long an answer may take.
     pub health_every: Duration,
-    /// Consecutive failed health checks before the registration is withdrawn.
+    /// Consecutive failed health checks before the registration is withdrawn; and healthy
+    /// ones before a withdrawn engine registers again.
     pub health_failures: u32,
     /// Deadlines and bounds of the event sockets.
     pub limits: IngestLimits,
@@ -160,6 +161,11 @@ pub async fn run(
     let mut ranks = vec![IngestStats::default(); config.dp_size as usize];
     let mut registration: Option<Registration> = None;
     let mut failures = 0u32;
+    // Consecutive healthy checks, and whether the engine was withdrawn once: a withdrawn
+    // engine comes back after `health_failures` healthy checks in a row, not the first (an
+    // engine whose API stalls now and then would otherwise bounce, and each bounce is a new
+    // epoch every router resyncs from a snapshot).
+    let (mut successes, mut withdrawn) = (0u32, false);
     // Adapter names left out of the registration, as last warned about.
     let mut refused_adapters: Vec<String> = Vec::new();
     // One per rank, sized to the engine's G1 when first needed.
@@ -167,8 +173,15 @@ pub async fn run(
     let clock = tokio::time::Instant::now();
     let mut expiry = tokio::time::interval(Duration::from_secs(1));
     let mut approx_changes = Vec::new();
-    let mut health = tokio::time::interval(config.health_every);
-    health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut probes = probe_engine(
+        client,
+        config.engine_url.clone(),
+        config.model.clone(),
+        config.health_every,
+    );
+    let mut registering: Option<
+        tokio::task::JoinHandle<Result<Registration, kvroute::discovery::DiscoveryError>>,
+    > = None;
     loop {
         tokio::select! {
             _ = stop.changed() => break,
@@ -220,14 +233,14 @@ pub async fn run(
                     let _ = request.reply.send(s.publisher.snapshot(s.announced.blocks()));
                 }
             }
-            _ = health.tick() => {
-                let healthy = get(&client, &config.engine_url, "/health", config.health_every).await.is_ok();
+            Some(probe) = probes.recv() => {
+                let healthy = probe.healthy;
                 failures = if healthy { 0 } else { failures + 1 };
+                successes = if healthy { successes.saturating_add(1) } else { 0 };
                 if healthy {
-                    // The engine's load (and, once, its G1 size) for the next heartbeat: the
-                    // routers weigh its KV usage beside their own bookings.
-                    let text = get(&client, &config.engine_url, "/metrics", config.health_every).await;
-                    let scraped = text.map(|t| metrics::scrape(&String::from_utf8_lossy(&t))).unwrap_or_default();
+                    // The engine's load for the next heartbeat: the routers weigh its KV
+                    // usage beside their own bookings.
+                    let scraped = probe.scraped;
                     let mut i = info.lock();
                     i.engine_load = scraped.load;
                     // One figure per registered rank, or none (an engine showing other ranks
@@ -237,57 +250,52 @@ pub async fn run(
                     } else {
                         Vec::new()
                     };
-                    if let (None, Some(blocks)) = (&registration, scraped.g1_blocks) {
+                    // Every scrape that has it: one that failed when the engine registered
+                    // left the default, and routers take a changed size from a heartbeat.
+                    if let Some(blocks) = scraped.g1_blocks {
                         i.g1_blocks = blocks;
                     }
+                    if let Some(model) = probe.model
+                        && i.model.is_empty()
+                    {
+                        i.model = model;
+                    }
                 }
-                let model = info.lock().model.clone();
-                if healthy && !model.is_empty() {
-                    // LoRA adapters come and go (vLLM's /v1/load_lora_adapter): the next
-                    // heartbeat carries the current list.
-                    if let Some(Adapters { served, refused }) = served_adapters(&client, &config.engine_url, &model, config.health_every).await {
-                        if refused != refused_adapters {
-                            if !refused.is_empty() {
-                                tracing::warn!(worker = %config.id, ?refused, "LoRA adapters not announced: routers refuse names with spaces or control characters, over 256 bytes, or past the 256th");
-                            }
-                            refused_adapters = refused;
+                // LoRA adapters come and go (vLLM's /v1/load_lora_adapter): the next
+                // heartbeat carries the current list.
+                if let Some(Adapters { served, refused }) = probe.adapters {
+                    if refused != refused_adapters {
+                        if !refused.is_empty() {
+                            tracing::warn!(worker = %config.id, ?refused, "LoRA adapters not announced: routers refuse names with spaces or control characters, over 256 bytes, or past the 256th");
                         }
-                        let mut i = info.lock();
-                        if i.adapters != served {
-                            tracing::info!(worker = %config.id, adapters = ?served, "engine's LoRA adapters");
-                            i.adapters = served;
-                        }
+                        refused_adapters = refused;
+                    }
+                    let mut i = info.lock();
+                    if i.adapters != served {
+                        tracing::info!(worker = %config.id, adapters = ?served, "engine's LoRA adapters");
+                        i.adapters = served;
                     }
                 }
                 match (&registration, healthy) {
-                    (None, true) => {
+                    (None, true) if withdrawn && successes < config.health_failures => {}
+                    (None, true) if registering.is_none() => {
                         if info.lock().model.is_empty() {
-                            match served_model(&client, &config.engine_url, config.health_every).await {
-                                Some(model) => info.lock().model = model,
-                                None => continue,
-                            }
+                            continue; // not known yet: its /v1/models did not answer
                         }
                         if let Err(e) = info.lock().validate() {
                             tracing::warn!(worker = %config.id, error = %e, "cannot register the engine");
                             continue;
                         }
-                        // Registering retries while the registry has no quorum: SIGTERM is
-                        // heard meanwhile.
-                        let start = Registration::start(registry.clone(), Arc::clone(&info), &config.lease);
-                        let started = tokio::select! {
-                            started = start => started,
-                            _ = stop.changed() => break,
-                        };
-                        match started {
-                            Ok(r) => {
-                                tracing::info!(worker = %config.id, url = %config.engine_url, model = %config.model, "engine healthy: registered");
-                                registration = Some(r);
-                            }
-                            Err(e) => tracing::warn!(worker = %config.id, error = %e, "cannot register the engine"),
-                        }
+                        // Registering retries while the registry has no quorum: in a task of
+                        // its own, so events, snapshots and SIGTERM are served meanwhile.
+                        let (registry, info, lease) = (registry.clone(), Arc::clone(&info), config.lease.clone());
+                        registering = Some(tokio::spawn(async move {
+                            Registration::start(registry, info, &lease).await
+                        }));
                     }
                     (Some(_), false) if failures >= config.health_failures => {
                         tracing::warn!(worker = %config.id, url = %config.engine_url, "engine unhealthy: registration withdrawn");
+                        withdrawn = true;
                         if let Some(r) = registration.take() {
                             r.goodbye().await;
                         }
@@ -305,7 +313,23 @@ pub async fn run(
                     _ => {}
                 }
             }
+            started = async { registering.as_mut().expect("guarded by the branch's condition").await }, if registering.is_some() => {
+                registering = None;
+                match started {
+                    Ok(Ok(r)) => {
+                        let model = info.lock().model.clone();
+                        tracing::info!(worker = %config.id, url = %config.engine_url, %model, "engine healthy: registered");
+                        registration = Some(r);
+                    }
+                    Ok(Err(e)) => tracing::warn!(worker = %config.id, error = %e, "cannot register the engine"),
+                    Err(e) => tracing::warn!(worker = %config.id, error = %e, "registering the engine failed"),
+                }
+            }
         }
+    }
+    if let Some(r) = registering.take() {
+        // SIGTERM while registering: an entry it may have written lapses with its lease.
+        r.abort();
     }
     if let Some(r) = registration.take() {
         r.goodbye().await;
@@ -315,6 +339,67 @@ pub async fn run(
         t.abort();
     }
     Ok(())
+}
+
+/// What one check of the engine found ([`probe_engine`]).
+struct Probe {
+    /// `/health` answered 2xx in time.
+    healthy: bool,
+    /// Its `/metrics`, read (empty unless healthy and they answered).
+    scraped: metrics::Scraped,
+    /// The model it serves, once known: as configured, else the first of its `/v1/models`.
+    model: Option<String>,
+    /// Its LoRA adapters, when the model is known and `/v1/models` answered.
+    adapters: Option<Adapters>,
+}
+
+/// Checks the engine every `every` (`/health`; if healthy, `/metrics` and `/v1/models`, each
+/// within `every`) and sends what it found. In a task of its own: a slow engine holds no
+/// part of the bridge's loop, which forwards the engine's events, answers the routers'
+/// snapshot requests and hears SIGTERM. Ends when the receiver is dropped.
+fn probe_engine(
+    client: EngineClient,
+    base: String,
+    mut model: String,
+    every: Duration,
+) -> mpsc::Receiver<Probe> {
+    let (tx, rx) = mpsc::channel(1);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                () = tx.closed() => return,
+            }
+            let healthy = get(&client, &base, "/health", every).await.is_ok();
+            let mut probe = Probe {
+                healthy,
+                scraped: metrics::Scraped::default(),
+                model: None,
+                adapters: None,
+            };
+            if healthy {
+                let text = get(&client, &base, "/metrics", every).await;
+                probe.scraped = text
+                    .map(|t| metrics::scrape(&String::from_utf8_lossy(&t)))
+                    .unwrap_or_default();
+                if model.is_empty()
+                    && let Some(served) = served_model(&client, &base, every).await
+                {
+                    model = served;
+                }
+                if !model.is_empty() {
+                    probe.adapters = served_adapters(&client, &base, &model, every).await;
+                    probe.model = Some(model.clone());
+                }
+            }
+            if tx.send(probe).await.is_err() {
+                return;
+            }
+        }
+    });
+    rx
 }
 
 /// The faults of every rank's stream, summed.

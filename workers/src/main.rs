@@ -53,9 +53,10 @@ struct Args {
     /// Cluster name (NATS subjects and registry bucket).
     #[arg(long, env = "KVROUTE_CLUSTER", default_value = "default")]
     cluster: String,
-    /// Model name served.
-    #[arg(long, env = "KVROUTE_MODEL", default_value = "kvroute-sim")]
-    model: String,
+    /// Model name served [default: kvroute-sim; a sidecar (`--engine`): the engine's, read
+    /// from its /v1/models].
+    #[arg(long, env = "KVROUTE_MODEL")]
+    model: Option<String>,
     /// Where the KV cache lives: `cpu` (host memory, byte mode) or `cuda[:N]` (G1 on GPU N,
     /// G2 in pinned host memory).
     #[arg(long, env = "KVROUTE_DEVICE", default_value = "cpu")]
@@ -306,7 +307,7 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
         listen: SocketAddr::new(args.host, args.port),
         url: args.url,
         cluster: args.cluster,
-        model: args.model,
+        model: args.model.unwrap_or_else(|| "kvroute-sim".into()),
         engine,
         lease,
         epoch: new_epoch(),
@@ -479,7 +480,9 @@ async fn sidecar(
         engine_url,
         events,
         dp_size: args.engine_dp_size,
-        model: args.model.clone(),
+        // Empty: the bridge asks the engine's /v1/models (a simulated worker's name would
+        // register the engine under a model it does not serve).
+        model: args.model.clone().unwrap_or_default(),
         block_size: std::num::NonZeroUsize::new(args.block_size).context("--block-size 0")?,
         cluster: args.cluster.clone(),
         lease: lease.clone(),

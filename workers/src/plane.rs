@@ -142,11 +142,26 @@ impl WorkerPlane {
                             continue;
                         }
                     };
-                    for inbox in &inboxes {
+                    // Each chunk within [`PUBLISH_DEADLINE`]: while the client's buffer is
+                    // full (a reconnect), the round is dropped rather than left to answer,
+                    // late, requesters that gave up (they ask again).
+                    'round: for inbox in &inboxes {
                         for chunk in &chunks {
-                            if let Err(e) = transport.publish(inbox, None, chunk.clone()).await {
-                                tracing::warn!(%worker, error = %e, "snapshot reply failed");
-                                break;
+                            let sent = tokio::time::timeout(
+                                PUBLISH_DEADLINE,
+                                transport.publish(inbox, None, chunk.clone()),
+                            )
+                            .await;
+                            match sent {
+                                Ok(Ok(())) => {}
+                                Ok(Err(e)) => {
+                                    tracing::warn!(%worker, error = %e, "snapshot reply failed");
+                                    break;
+                                }
+                                Err(_) => {
+                                    tracing::warn!(%worker, "snapshot reply not taken within {PUBLISH_DEADLINE:?}; this round is dropped");
+                                    break 'round;
+                                }
                             }
                         }
                     }
