@@ -143,6 +143,9 @@ pub struct Worker {
     /// Changes to `Some(reason)` when any engine fails.
     failed: watch::Receiver<Option<String>>,
     active: Arc<AtomicUsize>,
+    /// The HTTP server: once told to shut down, it ends when its last connection has (a
+    /// request still reading its body or being tokenized, an answer still being written).
+    serving: tokio::task::JoinHandle<()>,
     /// The injected faults (`POST /admin/faults` changes them where enabled).
     _faults: Arc<watch::Sender<Faults>>,
 }
@@ -243,7 +246,7 @@ impl Worker {
             });
         }
         let active = Arc::new(AtomicUsize::new(0));
-        tokio::spawn(http::serve(
+        let serving = tokio::spawn(http::serve(
             listener,
             config.http.clone(),
             http::State {
@@ -276,6 +279,7 @@ impl Worker {
             engines: handles,
             failed,
             active,
+            serving,
             _faults: faults,
         })
     }
@@ -302,6 +306,10 @@ impl Worker {
         while self.active() > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        // Requests not yet counted as running (reading their body, being tokenized) and
+        // answers still being written end with their connections, which the server waits
+        // for: within the same deadline.
+        let _ = tokio::time::timeout_at(deadline, &mut self.serving).await;
         let left = self.active();
         self.engines.iter().for_each(EngineHandle::stop);
         left
