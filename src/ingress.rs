@@ -877,11 +877,29 @@ async fn watch_api_keys(router: std::sync::Weak<Router>, path: std::path::PathBu
 async fn watch_hashes(router: std::sync::Weak<Router>) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Per worker, its streams' wipes as of the last look.
+    let mut wipes: rustc_hash::FxHashMap<WorkerId, u64> = Default::default();
     loop {
         tick.tick().await;
         let Some(router) = router.upgrade() else {
             return;
         };
+        // A worker whose cache was wiped since the last look (a restart under its id, a
+        // resync, `Cleared`) lost the blocks its watched requests left: those are not
+        // judged.
+        let mut now_wipes: rustc_hash::FxHashMap<WorkerId, u64> = Default::default();
+        for ((worker, _), status) in router.plane.streams() {
+            *now_wipes.entry(worker).or_default() += status.wipes;
+        }
+        {
+            let mut alarm = router.mismatch.lock();
+            for (worker, n) in &now_wipes {
+                if wipes.get(worker).is_some_and(|before| before != n) {
+                    alarm.forget(*worker);
+                }
+            }
+        }
+        wipes = now_wipes;
         // The index is read without the alarm's lock, which every request's first token
         // takes: up to 256 lookups a worker, a few ms at hundreds of workers.
         let indexer = router.plane.indexer();

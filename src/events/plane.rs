@@ -128,6 +128,9 @@ pub struct StreamStatus {
     pub last_lag_ms: f64,
     /// Batches applied.
     pub applied: u64,
+    /// Times what the index held of this stream was dropped at once: a new incarnation or a
+    /// resync (its lane retired), or a `Cleared` event (vLLM's `reset_prefix_cache`).
+    pub wipes: u64,
 }
 
 /// The registered workers, as of the fleet owner's last change (readers take a snapshot).
@@ -1012,12 +1015,14 @@ async fn run_stream(
             }
         }
         let mut applied = 0;
+        let mut wipes = 0;
         let mut dropped = false;
         for command in commands.drain(..) {
             match command {
                 Command::Reset => {
                     shared.indexer.retire_rank(key.0, key.1);
                     reap_later(&shared.indexer);
+                    wipes += 1;
                 }
                 Command::Apply(batch) if dropped => {
                     // After a batch the index dropped, the rest cannot follow it.
@@ -1026,6 +1031,7 @@ async fn run_stream(
                 Command::Apply(batch) => {
                     let outcome = shared.indexer.apply(&batch);
                     applied += 1;
+                    wipes += u64::from(outcome.cleared > 0);
                     apply_metrics.record(&outcome);
                     dropped = outcome.no_slot;
                     let now_us = unix_us();
@@ -1067,6 +1073,7 @@ async fn run_stream(
         s.live = stream.is_live();
         s.stats = after;
         s.applied += applied;
+        s.wipes += wipes;
     }
     shared.indexer.retire_rank(key.0, key.1);
     reap_later(&shared.indexer);

@@ -120,6 +120,17 @@ impl MismatchAlarm {
         }
     }
 
+    /// What the index held of `worker` was dropped at once (a restart under the same id, a
+    /// resync, a `Cleared` event: vLLM's `reset_prefix_cache`, routine in RL weight-update
+    /// loops): the expectations waiting for it are dropped unjudged. Judged, each would be
+    /// missing, and a busy worker's window would fill with misses that say nothing of how it
+    /// hashes.
+    pub fn forget(&mut self, worker: WorkerId) {
+        if let Some(w) = self.workers.get_mut(&worker) {
+            w.pending.clear();
+        }
+    }
+
     /// Looks at every expectation with `held` (is this block in this worker's index, in any
     /// tier?): one held is seen, one not held by its due time (`now_ms` or earlier) is
     /// missing, the others wait for the next check. Forgets workers `registered` says are
@@ -248,6 +259,28 @@ mod tests {
         // Fixed: clears.
         run(&mut a, 1, &[true; 32], &mut t);
         assert!(!a.status(WorkerId(1)).raised);
+    }
+
+    /// A worker's cache wiped at once (a restart under its id, `Cleared`): the requests
+    /// watched then are dropped unjudged, not counted missing (40 of them raised the alarm).
+    #[test]
+    fn expectations_of_a_wiped_worker_are_dropped_unjudged() {
+        let mut a = MismatchAlarm::new(MismatchConfig::default());
+        for i in 0..40 {
+            a.expect(WorkerId(1), SeqHash(2), i);
+        }
+        a.forget(WorkerId(1));
+        assert!(a.check(10_000, |_, _| false, |_| true).raised.is_empty());
+        let s = a.status(WorkerId(1));
+        assert_eq!((s.raised, s.seen, s.missing), (false, 0, 0));
+        // Without the wipe, the same misses raise it.
+        for i in 0..40 {
+            a.expect(WorkerId(1), SeqHash(2), i);
+        }
+        assert_eq!(
+            a.check(10_000, |_, _| false, |_| true).raised,
+            vec![WorkerId(1)]
+        );
     }
 
     #[test]

@@ -443,3 +443,33 @@ async fn a_stream_s_queue_is_bounded_by_blocks() {
     }
     assert!(settle(|| s.plane.counters().queue_overflows.load(Ordering::Relaxed) > 0).await);
 }
+
+/// A stream counts the times what the index held of it was dropped at once: its first
+/// contact (a reset), and each `Cleared` event (what the hash-mismatch alarm reads to leave
+/// the requests watched then unjudged).
+#[tokio::test(start_paused = true)]
+async fn a_stream_counts_its_wipes() {
+    let s = setup(LeaseConfig::default()).await;
+    s.local.put(info(1, 1));
+    assert!(settle(|| s.plane.streams().len() == 1).await);
+    s.publish(1, batch(1, 1, 16)).await;
+    assert!(settle(|| s.plane.streams()[0].1.applied == 1).await);
+    let first = s.plane.streams()[0].1.wipes;
+    assert_eq!(first, 1, "first contact resets the lane");
+    let cleared = EventBatch {
+        worker: WorkerId(1),
+        dp_rank: DpRank(0),
+        epoch: 7,
+        sent_unix_us: 0,
+        events: vec![KvEvent {
+            id: 2,
+            tier: Tier::Device,
+            data: KvEventData::Cleared,
+        }],
+    };
+    s.publish(1, encode(&cleared).unwrap().into()).await;
+    assert!(settle(|| s.plane.streams()[0].1.wipes == first + 1).await);
+    s.publish(1, batch(1, 3, 16)).await;
+    assert!(settle(|| s.plane.streams()[0].1.applied == 3).await);
+    assert_eq!(s.plane.streams()[0].1.wipes, first + 1);
+}
