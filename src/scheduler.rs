@@ -909,6 +909,35 @@ impl Scheduler {
         self.decide(now_ms, request, &[], Some(share.clamp(0.0, 1.0)), reserved)
     }
 
+    /// The workers `request` may go to now, and the most cache any candidate has for it:
+    /// its model's workers less `exclude`, and less ejected ones unless no other serves the
+    /// model (one that failed this request still serves it: its retry does not go to an
+    /// ejected worker).
+    fn eligible(
+        &self,
+        now_ms: u64,
+        request: &RouteRequest<'_>,
+        exclude: &[WorkerKey],
+    ) -> (Vec<Candidate>, u32) {
+        let mut all = self.candidates(now_ms, request);
+        let reachable = all.iter().map(Candidate::cached_blocks).max().unwrap_or(0);
+        let ejected = |c: &Candidate| self.workers.get(&c.key).is_some_and(|s| s.ejected(now_ms));
+        let some_not_ejected = all.iter().any(|c| !ejected(c));
+        all.retain(|c| !(exclude.contains(&c.key) || some_not_ejected && ejected(c)));
+        (all, reachable)
+    }
+
+    /// The worker a hard-session request is held to, as [`Scheduler::admit`] holds it: its
+    /// session's worker while that worker may take it (registered for its model, not sitting
+    /// out an ejection while another serves it). `None`: it may go anywhere (a new session,
+    /// or one whose worker left or sits out), so it waits for room anywhere.
+    pub fn pinned_worker(&self, now_ms: u64, request: &RouteRequest<'_>) -> Option<WorkerKey> {
+        let session = request.session.filter(|s| s.hard)?;
+        let worker = self.sessions.peek(now_ms, session.id)?;
+        let (all, _) = self.eligible(now_ms, request, &[]);
+        all.iter().any(|c| c.key == worker).then_some(worker)
+    }
+
     fn decide(
         &mut self,
         now_ms: u64,
@@ -918,13 +947,7 @@ impl Scheduler {
         reserved: &[WorkerKey],
     ) -> Admission {
         self.expire(now_ms);
-        let mut all = self.candidates(now_ms, request);
-        let reachable = all.iter().map(Candidate::cached_blocks).max().unwrap_or(0);
-        // Ejected workers sit out, unless no other worker serves the model (one that failed
-        // this request still serves it: its retry does not go to an ejected worker).
-        let ejected = |c: &Candidate| self.workers.get(&c.key).is_some_and(|s| s.ejected(now_ms));
-        let some_not_ejected = all.iter().any(|c| !ejected(c));
-        all.retain(|c| !(exclude.contains(&c.key) || some_not_ejected && ejected(c)));
+        let (mut all, reachable) = self.eligible(now_ms, request, exclude);
         if all.is_empty() {
             return Admission::NoWorkers;
         }

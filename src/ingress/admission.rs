@@ -428,10 +428,10 @@ impl Router {
                 let mut scheduler = self.scheduler.lock();
                 let admission =
                     scheduler.admit_reserving(now, &routable.request(&overlaps), share, &reserved);
-                let pinned = match (&admission, &routable.session) {
-                    (Admission::Wait, Some((session, true))) => {
-                        scheduler.session_worker(now, session)
-                    }
+                // Held to its session's worker only while that worker may take it, as the
+                // decision holds it (one that left, or sits out an ejection, holds nothing).
+                let pinned = match &admission {
+                    Admission::Wait => scheduler.pinned_worker(now, &routable.request(&overlaps)),
                     _ => None,
                 };
                 drop(scheduler);

@@ -665,6 +665,60 @@ mod queue {
         a_later_request_waits_behind(None, 40, "new").await;
     }
 
+    /// A hard-session request whose session's worker sits out an ejection is held to no
+    /// worker: it waits for room anywhere, and a later, smaller request of its model does not
+    /// take that room first. (Held to the ejected worker, it kept that worker's room, which
+    /// nothing could use, and blocked only its own session, so the smaller request took the
+    /// room it waited for, and every later one could, up to its deadline.)
+    #[tokio::test(start_paused = true)]
+    async fn a_hard_session_whose_worker_sits_out_is_not_overtaken() {
+        let (router, _plane) = router(100, ["a", "a"]).await;
+        let Entered::Admitted(first) = enter_with(&router, "a", 16, Some("s")) else {
+            panic!("an idle fleet admits");
+        };
+        let stuck = first.0.chosen.key;
+        let Entered::Admitted(other) = enter_with(&router, "a", 56, None) else {
+            panic!("the other worker is idle");
+        };
+        assert_ne!(other.0.chosen.key, stuck);
+        {
+            let now = router.now_ms();
+            let mut scheduler = router.scheduler.lock();
+            for _ in 0..3 {
+                scheduler.worker_unreachable(stuck.0, now);
+            }
+            assert!(scheduler.ejected(stuck, now));
+        }
+        let Entered::Queued {
+            guard: _h,
+            rx: mut turn,
+            ..
+        } = enter_with(&router, "a", 44, Some("s"))
+        else {
+            panic!("44 tokens fit nowhere it may go (60 + 48 > 100)");
+        };
+        let Entered::Queued {
+            guard: _p,
+            rx: mut small,
+            ..
+        } = enter_with(&router, "a", 10, None)
+        else {
+            panic!("its model has a request waiting");
+        };
+        router.pump();
+        assert!(
+            small.try_recv().is_err(),
+            "a later request took the room the first waits for"
+        );
+        drop(other);
+        router.pump();
+        let Ok(Ok((d, _))) = turn.try_recv() else {
+            panic!("the waiting request was not admitted");
+        };
+        assert_ne!(d.chosen.key, stuck, "an ejected worker sits out");
+        drop(first);
+    }
+
     /// A non-streamed request's prefill is released once its prompt's last block shows in
     /// its worker's index; not for a worker whose index entries are guesses made when the
     /// request was routed (an engine without KV events), where it shows at once.
