@@ -76,6 +76,9 @@ pub enum FleetCommand {
     },
     /// The scheduler must stop routing to this rank and drop its bookings.
     Unroutable(StreamKey),
+    /// The worker came back as another incarnation (a new epoch, or a new URL) without
+    /// leaving: the failures of the old one say nothing of it (an ejection ends).
+    Reincarnated(WorkerId),
     /// A worker left (for counters and logs; its streams and entries are closed by the
     /// commands before this one).
     Departed {
@@ -327,9 +330,6 @@ impl Fleet {
             self.stats.zombie_heartbeats += 1;
             return Ok(());
         }
-        // A new incarnation, or one that was only out of earshot (its lease lapsed, as in a
-        // NATS outage) or refused: it is back, and its stream starts from a snapshot.
-        self.tombstones.remove(&id);
         if let Some(fleet_block_size) = self
             .members
             .values()
@@ -350,6 +350,10 @@ impl Fleet {
             }
             return Err(refusal);
         }
+        // A new incarnation, or one that was only out of earshot (its lease lapsed, as in a
+        // NATS outage): it is back, and its stream starts from a snapshot. (One refused
+        // keeps its tombstone: its batches are a departed worker's.)
+        self.tombstones.remove(&id);
         // A lease runs from the latest of its renewals: an old registration read back does
         // not shorten what a heartbeat or a batch renewed since.
         let written_ms = clock(now_ms).saturating_sub(clock(replay_age_ms.unwrap_or(0)));
@@ -371,6 +375,12 @@ impl Fleet {
         let new: BTreeSet<DpRank> = ranks(&info).collect();
         if previous.is_none() {
             self.stats.joined += 1;
+        }
+        if previous
+            .as_ref()
+            .is_some_and(|p| p.info.epoch != info.epoch || p.info.url != info.url)
+        {
+            out.push(FleetCommand::Reincarnated(id));
         }
         for &rank in old.difference(&new) {
             out.push(FleetCommand::Unroutable((id, rank)));

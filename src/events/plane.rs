@@ -328,6 +328,7 @@ impl EventPlane {
             commands: Vec::new(),
             registry_healthy: watch.healthy,
             transit_seconds: metrics::histogram!("kvroute_event_transit_seconds"),
+            refusals_logged: Default::default(),
         };
         tokio::spawn(owner.run(subscription, watch.events, shutdown));
         Ok(EventPlane { shared })
@@ -485,7 +486,13 @@ struct FleetOwner {
     /// `kvroute_event_transit_seconds`, resolved once (it is recorded per batch, on the one
     /// task that reads every worker's events).
     transit_seconds: metrics::Histogram,
+    /// When each refused worker was last logged: a refused worker's every heartbeat is
+    /// refused again, and logged once per [`REFUSAL_LOG_EVERY`].
+    refusals_logged: HashMap<WorkerId, Instant>,
 }
+
+/// How often a worker's repeated refusal is logged (each is counted).
+const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(60);
 
 impl FleetOwner {
     async fn run(
@@ -686,13 +693,22 @@ impl FleetOwner {
     }
 
     /// Counts and reports a registration the fleet refused.
-    fn refused(&self, refusal: &Refusal) {
+    fn refused(&mut self, refusal: &Refusal) {
         self.shared
             .counters
             .registrations_refused
             .fetch_add(1, Ordering::Relaxed);
         metrics::counter!("kvroute_fleet_registrations_refused_total").increment(1);
-        tracing::error!(%refusal, "refusing a worker registration");
+        let now = Instant::now();
+        self.refusals_logged
+            .retain(|_, at| now.duration_since(*at) < REFUSAL_LOG_EVERY);
+        let id = match refusal {
+            Refusal::BlockSize { id, .. } => *id,
+        };
+        if let std::collections::hash_map::Entry::Vacant(e) = self.refusals_logged.entry(id) {
+            e.insert(now);
+            tracing::error!(%refusal, "refusing a worker registration (each heartbeat of it is refused and counted; logged once a minute)");
+        }
     }
 
     /// Carries out the fleet's commands.
@@ -749,6 +765,11 @@ impl FleetOwner {
                 FleetCommand::Unroutable(key) => {
                     if let Some(s) = &self.shared.scheduler {
                         s.lock().remove_worker(key);
+                    }
+                }
+                FleetCommand::Reincarnated(id) => {
+                    if let Some(s) = &self.shared.scheduler {
+                        s.lock().worker_answered(id);
                     }
                 }
                 FleetCommand::Departed { id, reason } => {

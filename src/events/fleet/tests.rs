@@ -73,7 +73,7 @@ impl Driver {
                 FleetCommand::Unroutable(k) => {
                     self.routable.remove(&k);
                 }
-                FleetCommand::Departed { .. } => {}
+                FleetCommand::Departed { .. } | FleetCommand::Reincarnated(_) => {}
             }
         }
     }
@@ -350,6 +350,55 @@ fn a_replayed_registration_keeps_its_age() {
         .on_replayed_registration(0, info(4, 7, 1, "m", 16), u64::MAX, &mut out)
         .unwrap();
     assert!(fleet.worker(WorkerId(4)).is_some());
+}
+
+/// A worker back under its id as another incarnation (a restart within its lease, or a
+/// move to another URL) is announced, so its old failures stop ejecting it; a heartbeat of
+/// the same incarnation is not.
+#[test]
+fn a_new_incarnation_under_the_same_id_is_announced() {
+    let mut fleet = registered(1);
+    let mut out = Vec::new();
+    fleet
+        .on_registration(10, info(1, 7, 1, "m", 16), &mut out)
+        .unwrap();
+    assert!(!out.contains(&FleetCommand::Reincarnated(WorkerId(1))));
+    out.clear();
+    fleet
+        .on_registration(20, info(1, 8, 1, "m", 16), &mut out)
+        .unwrap();
+    assert!(out.contains(&FleetCommand::Reincarnated(WorkerId(1))));
+    out.clear();
+    let moved = WorkerInfo {
+        url: "http://127.0.0.1:10/1".into(),
+        ..info(1, 8, 1, "m", 16)
+    };
+    fleet.on_registration(30, moved, &mut out).unwrap();
+    assert!(out.contains(&FleetCommand::Reincarnated(WorkerId(1))));
+}
+
+/// A departed worker whose next registration is refused keeps its tombstone: its batches
+/// are still a departed worker's, not an unregistered one's.
+#[test]
+fn a_refused_registration_keeps_the_tombstone() {
+    let mut fleet = Fleet::new(config());
+    let mut out = Vec::new();
+    fleet
+        .on_registration(0, info(1, 7, 1, "a", 16), &mut out)
+        .unwrap();
+    fleet
+        .on_registration(0, info(2, 7, 1, "a", 16), &mut out)
+        .unwrap();
+    fleet.on_goodbye(10, WorkerId(2), &mut out);
+    let key = (WorkerId(2), DpRank(0));
+    let departed = fleet.on_batch(20, key);
+    assert!(
+        fleet
+            .on_registration(30, info(2, 8, 1, "a", 32), &mut out)
+            .is_err()
+    );
+    assert_eq!(fleet.on_batch(40, key), departed);
+    assert_ne!(departed, BatchVerdict::Unregistered);
 }
 
 #[test]
