@@ -260,6 +260,7 @@ impl Worker {
                 faults: config.fault_injection.then(|| Arc::clone(&faults)),
                 fingerprint: format!("fp_{:012x}", config.epoch & 0xffff_ffff_ffff),
                 body_read_timeout: Duration::from_millis(config.http.body_read_timeout_ms),
+                bodies: kvroute::http::budget::BodyBudget::new(http::BODY_BUDGET),
                 emulate: config.emulate.clone(),
                 api_key: config.api_key.clone(),
                 tokenize_permits: Arc::new(tokio::sync::Semaphore::new(

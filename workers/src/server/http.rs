@@ -13,7 +13,8 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::{Method, Response, StatusCode, header};
-use kvroute::http::{Body, BodyError, HttpConfig, collect_body, serve_http};
+use kvroute::http::budget::collect_within;
+use kvroute::http::{Body, BodyError, HttpConfig, serve_http};
 use kvroute::ingress::openai::{response_id, unix_seconds};
 use kvroute::protocol::Salt;
 use serde::Deserialize;
@@ -26,6 +27,10 @@ use crate::plane::SnapshotRequest;
 
 /// Largest request body accepted, bytes.
 const MAX_BODY: usize = 16 << 20;
+/// Request bodies held at once, bytes, all connections together (as the router's
+/// `--body-memory-bytes`): past it a request gets 429. Without it, 10,000 connections of
+/// 16 MiB bodies each could hold 160 GB. (1 MiB in this crate's tests, which fill it.)
+pub(crate) const BODY_BUDGET: usize = if cfg!(test) { 1 << 20 } else { 256 << 20 };
 /// Outputs buffered per request: a client this far behind is cut off (counted).
 const OUTPUT_BUFFER: usize = 1024;
 /// How long the engine may take to accept or refuse a request, or answer a snapshot.
@@ -50,6 +55,8 @@ pub(crate) struct State {
     /// OpenAI's `system_fingerprint`: names this incarnation.
     pub fingerprint: String,
     pub body_read_timeout: Duration,
+    /// What the request bodies being read and parsed may hold, together ([`BODY_BUDGET`]).
+    pub bodies: kvroute::http::budget::BodyBudget,
     /// Tokenizations (up to `MAX_BODY` of text each) run at once, off the runtime's threads.
     pub tokenize_permits: Arc<tokio::sync::Semaphore>,
     /// Required on `/v1/*` (`--api-key`).
@@ -197,18 +204,22 @@ async fn read_json<T: serde::de::DeserializeOwned>(
     state: &State,
     req: hyper::Request<Incoming>,
 ) -> Result<T, Response<Body>> {
-    let body = collect_body(req.into_body(), MAX_BODY, state.body_read_timeout)
-        .await
-        .map_err(|e| {
-            let status = match e {
-                BodyError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-                BodyError::TimedOut { .. } => StatusCode::REQUEST_TIMEOUT,
-                // Only a budgeted read refuses this way; kept for completeness.
-                BodyError::OverBudget { .. } => StatusCode::TOO_MANY_REQUESTS,
-                BodyError::Io(_) => StatusCode::BAD_REQUEST,
-            };
-            error(status, "invalid_request_error", &e.to_string())
-        })?;
+    let (body, _held) = collect_within(
+        req.into_body(),
+        MAX_BODY,
+        state.body_read_timeout,
+        &state.bodies,
+    )
+    .await
+    .map_err(|e| {
+        let status = match e {
+            BodyError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            BodyError::TimedOut { .. } => StatusCode::REQUEST_TIMEOUT,
+            BodyError::OverBudget { .. } => StatusCode::TOO_MANY_REQUESTS,
+            BodyError::Io(_) => StatusCode::BAD_REQUEST,
+        };
+        error(status, "invalid_request_error", &e.to_string())
+    })?;
     serde_json::from_slice(&body).map_err(|e| bad_request(&format!("invalid request body: {e}")))
 }
 

@@ -387,3 +387,50 @@ fn worker_ids_are_stable_and_apart_on_one_host() {
     assert_ne!(a, stable_id_of("node-2", "http://127.0.0.1:8000"));
     assert_eq!(stable_id("node-1", 9000), stable_id_of("node-1", "9000"));
 }
+
+/// Request bodies share one budget ([`http::BODY_BUDGET`], 1 MiB in tests): with two
+/// uploads under way holding all of it, a request is refused with 429 (it may not park a
+/// body beside them), and once they are gone requests pass again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_bodies_share_a_budget() {
+    let bus = LocalBus::new();
+    let w = worker(&bus).await;
+    let mut uploads = Vec::new();
+    for _ in 0..2 {
+        let mut s = tokio::net::TcpStream::connect(w.addr).await.unwrap();
+        let head = format!(
+            "POST /internal/generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            600 << 10
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        s.write_all(&vec![b' '; 512 << 10]).await.unwrap();
+        uploads.push(s);
+    }
+    let small = r#"{"token_ids":[1,2,3],"max_tokens":1}"#;
+    let mut refused = false;
+    for _ in 0..200 {
+        if post(w.addr, "/internal/generate", small)
+            .await
+            .starts_with("HTTP/1.1 429")
+        {
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(refused, "the two uploads never filled the budget");
+    drop(uploads);
+    let mut passed = false;
+    for _ in 0..200 {
+        if post(w.addr, "/internal/generate", small)
+            .await
+            .starts_with("HTTP/1.1 200")
+        {
+            passed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(passed, "requests never passed again");
+    w.stop().await;
+}
