@@ -598,30 +598,51 @@ mod queue {
             .unwrap_or_else(|e| panic!("{model}: {e:?}"))
     }
 
-    /// Fills two workers with a budget of 100 tokens (60 tokens of work on the first, in
-    /// `first_session`, 100 on the second), then queues a hard-session request of
-    /// `prompt_tokens` in `session` and a later 10-token one of the same model, which would
-    /// fit beside the 60: the later one must not take that room first, and the first gets
-    /// the worker once it frees up. The first worker, and where the queued request went.
+    /// How [`a_later_request_waits_behind`] fills its two workers (a budget of 100 tokens each;
+    /// a request's work is its tokens and 4 to generate).
+    struct Scene<'a> {
+        /// The first request's tokens and hard session: it goes to the first worker.
+        first: (usize, Option<&'a str>),
+        /// The second request's tokens: it goes to the other worker.
+        other: usize,
+        /// Eject the first worker (three failures) before the queued request comes.
+        eject_first: bool,
+        /// The queued hard-session request's tokens and session.
+        queued: (usize, &'a str),
+    }
+
+    /// Fills two workers as `scene` says, then queues its hard-session request and a later
+    /// 10-token one of the same model, which would fit in the room the first waits for: the
+    /// later one must not take that room first, and the first gets a worker once one frees
+    /// up (the first worker, or the other if the first was ejected). The first worker, and
+    /// where the queued request went.
     async fn a_later_request_waits_behind(
-        first_session: Option<&str>,
-        prompt_tokens: usize,
-        session: &str,
+        scene: Scene<'_>,
     ) -> (crate::scheduler::WorkerKey, crate::scheduler::WorkerKey) {
         let (router, _plane) = router(100, ["a", "a"]).await;
-        let Entered::Admitted(first) = enter_with(&router, "a", 56, first_session) else {
+        let Entered::Admitted(first) = enter_with(&router, "a", scene.first.0, scene.first.1)
+        else {
             panic!("an idle fleet admits");
         };
         let filled = first.0.chosen.key;
-        let Entered::Admitted(other) = enter_with(&router, "a", 96, None) else {
+        let Entered::Admitted(other) = enter_with(&router, "a", scene.other, None) else {
             panic!("the other worker is idle");
         };
         assert_ne!(other.0.chosen.key, filled);
+        if scene.eject_first {
+            let now = router.now_ms();
+            let mut scheduler = router.scheduler.lock();
+            for _ in 0..3 {
+                scheduler.worker_unreachable(filled.0, now);
+            }
+            assert!(scheduler.ejected(filled, now));
+        }
+        let (tokens, session) = scene.queued;
         let Entered::Queued {
             guard: _h,
             rx: mut turn,
             ..
-        } = enter_with(&router, "a", prompt_tokens, Some(session))
+        } = enter_with(&router, "a", tokens, Some(session))
         else {
             panic!("the request fits nowhere it may go");
         };
@@ -638,12 +659,17 @@ mod queue {
             small.try_recv().is_err(),
             "a later request took the room the first waits for"
         );
-        drop(first);
+        let (freed, kept) = if scene.eject_first {
+            (other, first)
+        } else {
+            (first, other)
+        };
+        drop(freed);
         router.pump();
         let Ok(Ok((d, _))) = turn.try_recv() else {
             panic!("the waiting request was not admitted");
         };
-        drop(other);
+        drop(kept);
         (filled, d.chosen.key)
     }
 
@@ -653,7 +679,13 @@ mod queue {
     /// session's worker (over half its budget, counted as 50: 110 > 100); 14 would.
     #[tokio::test(start_paused = true)]
     async fn a_hard_session_s_worker_is_kept_for_it() {
-        let (pinned, went) = a_later_request_waits_behind(Some("s"), 60, "s").await;
+        let (pinned, went) = a_later_request_waits_behind(Scene {
+            first: (56, Some("s")),
+            other: 96,
+            eject_first: false,
+            queued: (60, "s"),
+        })
+        .await;
         assert_eq!(went, pinned);
     }
 
@@ -662,61 +694,31 @@ mod queue {
     /// fit nowhere: 60 + 44 > 100; 14 would fit beside the 60).
     #[tokio::test(start_paused = true)]
     async fn a_new_hard_session_is_not_overtaken() {
-        a_later_request_waits_behind(None, 40, "new").await;
+        a_later_request_waits_behind(Scene {
+            first: (56, None),
+            other: 96,
+            eject_first: false,
+            queued: (40, "new"),
+        })
+        .await;
     }
 
     /// A hard-session request whose session's worker sits out an ejection is held to no
-    /// worker: it waits for room anywhere, and a later, smaller request of its model does not
-    /// take that room first. (Held to the ejected worker, it kept that worker's room, which
-    /// nothing could use, and blocked only its own session, so the smaller request took the
-    /// room it waited for, and every later one could, up to its deadline.)
+    /// worker: it waits for room anywhere (44 tokens do not fit beside the other worker's
+    /// 60), and a later, smaller request of its model does not take that room first. (Held
+    /// to the ejected worker, it kept that worker's room, which nothing could use, and
+    /// blocked only its own session, so the smaller one took the room it waited for, and
+    /// every later one could, up to its deadline.)
     #[tokio::test(start_paused = true)]
     async fn a_hard_session_whose_worker_sits_out_is_not_overtaken() {
-        let (router, _plane) = router(100, ["a", "a"]).await;
-        let Entered::Admitted(first) = enter_with(&router, "a", 16, Some("s")) else {
-            panic!("an idle fleet admits");
-        };
-        let stuck = first.0.chosen.key;
-        let Entered::Admitted(other) = enter_with(&router, "a", 56, None) else {
-            panic!("the other worker is idle");
-        };
-        assert_ne!(other.0.chosen.key, stuck);
-        {
-            let now = router.now_ms();
-            let mut scheduler = router.scheduler.lock();
-            for _ in 0..3 {
-                scheduler.worker_unreachable(stuck.0, now);
-            }
-            assert!(scheduler.ejected(stuck, now));
-        }
-        let Entered::Queued {
-            guard: _h,
-            rx: mut turn,
-            ..
-        } = enter_with(&router, "a", 44, Some("s"))
-        else {
-            panic!("44 tokens fit nowhere it may go (60 + 48 > 100)");
-        };
-        let Entered::Queued {
-            guard: _p,
-            rx: mut small,
-            ..
-        } = enter_with(&router, "a", 10, None)
-        else {
-            panic!("its model has a request waiting");
-        };
-        router.pump();
-        assert!(
-            small.try_recv().is_err(),
-            "a later request took the room the first waits for"
-        );
-        drop(other);
-        router.pump();
-        let Ok(Ok((d, _))) = turn.try_recv() else {
-            panic!("the waiting request was not admitted");
-        };
-        assert_ne!(d.chosen.key, stuck, "an ejected worker sits out");
-        drop(first);
+        let (stuck, went) = a_later_request_waits_behind(Scene {
+            first: (16, Some("s")),
+            other: 56,
+            eject_first: true,
+            queued: (44, "s"),
+        })
+        .await;
+        assert_ne!(went, stuck, "an ejected worker sits out");
     }
 
     /// A non-streamed request's prefill is released once its prompt's last block shows in

@@ -684,23 +684,13 @@ async fn an_engine_with_an_api_key_is_reached_with_the_engine_key() {
             }
         }
     }
-    // Once the router without the key has the engine registered (it may still be starting:
-    // "no worker registered").
-    let refused = loop {
-        let r = http
-            .call(
-                "POST",
-                &format!("{without_url}/v1/completions"),
-                completion("keyed", "a prompt for a keyed engine", 2, false),
-            )
-            .await
-            .unwrap();
-        if !r.body.contains("no worker registered") {
-            break r;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "{}", r.body);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    // Once the router without the key has the engine registered (it may still be starting).
+    let refused = post_once_registered(
+        &http,
+        &format!("{without_url}/v1/completions"),
+        &completion("keyed", "a prompt for a keyed engine", 2, false),
+    )
+    .await;
     // The engine's 401 is the router's misconfiguration, not the client's key: a 503 that
     // says so, not a 401 the client would take for its own.
     assert_eq!(refused.status, 503, "{}", refused.body);
@@ -1014,6 +1004,33 @@ async fn streams_end_at_done_and_a_cut_off_stream_says_so() {
     }
 }
 
+/// A router in direct mode, round robin, in front of test engine `good` and scripted engine
+/// `scripted` (both serving [`MODEL`]): the process, its URL and its admin URL.
+fn round_robin_router(good: &Engine, scripted: &str) -> (kvroute_e2e::procs::Proc, String, String) {
+    direct_router(
+        &[
+            format!("{},model={MODEL}", good.url()),
+            format!("{scripted},model={MODEL}"),
+        ],
+        &["--policy".into(), "round_robin".into()],
+    )
+    .unwrap()
+}
+
+/// POSTs `body` to `url` until the router has a worker for it (it answers something other
+/// than "no worker registered"), up to [`WAIT`]: that answer.
+async fn post_once_registered(http: &Http, url: &str, body: &str) -> kvroute_e2e::procs::Reply {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let r = http.call("POST", url, body.to_owned()).await.unwrap();
+        if !r.body.contains("no worker registered") {
+            return r;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{}", r.body);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A stream whose first event is the engine's own error (vLLM's generator catching an
 /// exception, an engine that dropped the request) is tried on another worker, as a failed
 /// connection is, rather than relayed as the answer and counted as its first token (which
@@ -1024,14 +1041,7 @@ async fn an_error_before_the_first_token_is_tried_elsewhere() {
     let http = Http::default();
     let good = engine("vllm");
     let (bad, tried) = scripted_engine(Script::ErrorEvent).await;
-    let (_router, url, _) = direct_router(
-        &[
-            format!("{},model={MODEL}", good.url()),
-            format!("{bad},model={MODEL}"),
-        ],
-        &["--policy".into(), "round_robin".into()],
-    )
-    .unwrap();
+    let (_router, url, _) = round_robin_router(&good, &bad);
     let (_alone, alone_url, _) = direct_router(&[format!("{bad},model={MODEL}")], &[]).unwrap();
     let (client_error, _) = scripted_engine(Script::ClientErrorEvent).await;
     let (_strict, strict_url, _) =
@@ -1065,34 +1075,10 @@ async fn an_error_before_the_first_token_is_tried_elsewhere() {
         assert!(r.body.contains("\"text\""), "{}", r.body);
     }
     let body = completion(MODEL, "a question about an item", 2, true);
-    let r = loop {
-        let r = http
-            .call("POST", &format!("{alone_url}/v1/completions"), body.clone())
-            .await
-            .unwrap();
-        if !r.body.contains("no worker registered") {
-            break r;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "{}", r.body);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let r = post_once_registered(&http, &format!("{alone_url}/v1/completions"), &body).await;
     assert!(r.status >= 500, "{} {}", r.status, r.body);
     assert!(r.body.contains("scripted engine died"), "{}", r.body);
-    let r = loop {
-        let r = http
-            .call(
-                "POST",
-                &format!("{strict_url}/v1/completions"),
-                body.clone(),
-            )
-            .await
-            .unwrap();
-        if !r.body.contains("no worker registered") {
-            break r;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "{}", r.body);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let r = post_once_registered(&http, &format!("{strict_url}/v1/completions"), &body).await;
     assert_eq!(r.status, 200, "{}", r.body);
     assert!(r.body.contains("scripted bad request"), "{}", r.body);
 }
@@ -1105,14 +1091,7 @@ async fn a_prompt_a_worker_refused_is_not_guessed_to_be_in_its_cache() {
     let http = Http::default();
     let good = engine("vllm");
     let (bad, tried) = scripted_engine(Script::Fail).await;
-    let (_router, url, admin) = direct_router(
-        &[
-            format!("{},model={MODEL}", good.url()),
-            format!("{bad},model={MODEL}"),
-        ],
-        &["--policy".into(), "round_robin".into()],
-    )
-    .unwrap();
+    let (_router, url, admin) = round_robin_router(&good, &bad);
     // The failing engine's worker id, once both are registered.
     let mut bad_id = None;
     for _ in 0..400 {

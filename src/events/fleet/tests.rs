@@ -377,18 +377,23 @@ fn a_new_incarnation_under_the_same_id_is_announced() {
     assert!(out.contains(&FleetCommand::Reincarnated(WorkerId(1))));
 }
 
+/// A fleet in which each `(id, model, block size)` registered (one rank, epoch 7) at 0.
+fn with_workers(workers: &[(u64, &str, usize)]) -> Fleet {
+    let mut fleet = Fleet::new(config());
+    for &(id, model, block_size) in workers {
+        fleet
+            .on_registration(0, info(id, 7, 1, model, block_size), &mut Vec::new())
+            .unwrap();
+    }
+    fleet
+}
+
 /// A departed worker whose next registration is refused keeps its tombstone: its batches
 /// are still a departed worker's, not an unregistered one's.
 #[test]
 fn a_refused_registration_keeps_the_tombstone() {
-    let mut fleet = Fleet::new(config());
+    let mut fleet = with_workers(&[(1, "a", 16), (2, "a", 16)]);
     let mut out = Vec::new();
-    fleet
-        .on_registration(0, info(1, 7, 1, "a", 16), &mut out)
-        .unwrap();
-    fleet
-        .on_registration(0, info(2, 7, 1, "a", 16), &mut out)
-        .unwrap();
     fleet.on_goodbye(10, WorkerId(2), &mut out);
     let key = (WorkerId(2), DpRank(0));
     let departed = fleet.on_batch(20, key);
@@ -403,14 +408,8 @@ fn a_refused_registration_keeps_the_tombstone() {
 
 #[test]
 fn a_model_keeps_one_block_size() {
-    let mut fleet = Fleet::new(config());
+    let mut fleet = with_workers(&[(1, "a", 16), (2, "b", 32)]);
     let mut out = Vec::new();
-    fleet
-        .on_registration(0, info(1, 7, 1, "a", 16), &mut out)
-        .unwrap();
-    fleet
-        .on_registration(0, info(2, 7, 1, "b", 32), &mut out)
-        .unwrap();
     let refused = fleet.on_registration(0, info(3, 7, 1, "a", 32), &mut out);
     assert!(matches!(
         refused,
