@@ -1041,12 +1041,14 @@ async fn an_error_before_the_first_token_is_tried_elsewhere() {
     let http = Http::default();
     let good = engine("vllm");
     let (bad, tried) = scripted_engine(Script::ErrorEvent).await;
-    let (_router, url, _) = round_robin_router(&good, &bad);
+    let (_router, url, admin) = round_robin_router(&good, &bad);
     let (_alone, alone_url, _) = direct_router(&[format!("{bad},model={MODEL}")], &[]).unwrap();
     let (client_error, _) = scripted_engine(Script::ClientErrorEvent).await;
     let (_strict, strict_url, _) =
         direct_router(&[format!("{client_error},model={MODEL}")], &[]).unwrap();
-    // Both engines registered: round robin has sent a request to the failing one.
+    // Once both engines are registered (a retry needs another worker), until round robin
+    // has sent the failing one a few.
+    wait_registered(&http, &admin, 2).await;
     let deadline = tokio::time::Instant::now() + WAIT;
     let mut answers = Vec::new();
     while tried.load(std::sync::atomic::Ordering::Relaxed) < 3 {
