@@ -487,6 +487,12 @@ pub struct ChatRequest {
     /// them is the template itself ([`ChatRequest::take_template`]).
     #[serde(default)]
     pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// OpenAI's reasoning effort (`none`, `low`, `medium`, `high`…): vLLM hands it to the
+    /// template as `reasoning_effort`, and sets `enable_thinking` from it (true unless
+    /// `none`) where the request's `chat_template_kwargs` do not
+    /// (`ChatCompletionRequest.build_chat_params`).
+    #[serde(default)]
+    pub reasoning_effort: Option<serde_json::Value>,
     /// vLLM's `chat_template`: the request's own template, rendered only if the router
     /// trusts request templates ([`super::tokenizer::Tokenizer::request_template`]).
     #[serde(default)]
@@ -527,13 +533,23 @@ impl ChatRequest {
 
     /// How the conversation is rendered and tokenized; takes the template fields.
     pub fn take_options(&mut self) -> ChatOptions {
+        let mut kwargs = self.chat_template_kwargs.take().unwrap_or_default();
+        if let Some(effort) = self.reasoning_effort.take().filter(|e| !e.is_null()) {
+            if !kwargs.contains_key("enable_thinking") {
+                let thinking = effort.as_str() != Some("none");
+                kwargs.insert("enable_thinking".into(), thinking.into());
+            }
+            if !kwargs.contains_key("reasoning_effort") {
+                kwargs.insert("reasoning_effort".into(), effort);
+            }
+        }
         ChatOptions {
             add_generation_prompt: self.add_generation_prompt.unwrap_or(true),
             continue_final_message: self.continue_final_message.unwrap_or(false),
             add_special_tokens: self.add_special_tokens.unwrap_or(false),
             tools: self.tools.take().map(vllm_tools),
             documents: self.documents.take(),
-            kwargs: self.chat_template_kwargs.take().unwrap_or_default(),
+            kwargs,
             template: None,
         }
     }

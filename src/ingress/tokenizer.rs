@@ -1448,6 +1448,47 @@ mod tests {
         std::fs::remove_dir_all(&dir).ok();
     }
 
+    /// `reasoning_effort` reaches the template, and sets `enable_thinking` (true unless
+    /// `none`) where the request's kwargs do not, over the engines' default: as vLLM's
+    /// `build_chat_params` does. (Booleans render as Jinja2 renders Python's.)
+    #[test]
+    fn reasoning_effort_reaches_the_template_and_sets_enable_thinking() {
+        let (dir, mut t) = with_config(
+            "effort",
+            serde_json::json!({"chat_template": "{{ reasoning_effort }}|{{ enable_thinking }}"}),
+        );
+        let mut defaults = serde_json::Map::new();
+        defaults.insert("enable_thinking".into(), true.into());
+        t.set_default_chat_kwargs(defaults);
+        let hello = serde_json::json!([{"role": "user", "content": "hi"}]);
+        for (body, want) in [
+            (
+                serde_json::json!({"model": "m", "messages": hello, "reasoning_effort": "none"}),
+                "none|False",
+            ),
+            (
+                serde_json::json!({"model": "m", "messages": hello, "reasoning_effort": "high"}),
+                "high|True",
+            ),
+            (
+                serde_json::json!({"model": "m", "messages": hello, "reasoning_effort": "none",
+                    "chat_template_kwargs": {"enable_thinking": true}}),
+                "none|True",
+            ),
+            (
+                serde_json::json!({"model": "m", "messages": hello}),
+                "|True",
+            ),
+        ] {
+            let (messages, options) = chat(body);
+            let rendered = t
+                .render(&messages, &t.with_default_kwargs(options))
+                .unwrap();
+            assert_eq!(rendered, want);
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
     /// A request's template is bounded: one that loops for ever runs out of fuel (an error,
     /// not a held thread); one that does not compile is a clear error; compiled templates
     /// are kept, at most [`REQUEST_TEMPLATES_CACHED`], the same one reused.
