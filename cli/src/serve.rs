@@ -134,7 +134,14 @@ async fn serve_direct(
             block_size: std::num::NonZeroUsize::new(b.block_size)
                 .context("backend block_size 0")?,
             cluster: settings.cluster.clone(),
-            lease: LeaseConfig::default(),
+            // The router lapses its engines by its own lease: they heartbeat four times in
+            // it (at the default one second, a lease of 1000 ms would lapse each engine at
+            // every beat, and resync it from a snapshot).
+            lease: LeaseConfig {
+                ttl_ms: settings.lease_ttl_ms,
+                heartbeat_ms: (settings.lease_ttl_ms / kvroute::discovery::MIN_LEASE_HEARTBEATS)
+                    .max(1),
+            },
             health_every: Duration::from_secs(2),
             health_failures: 2,
             limits: Default::default(),
