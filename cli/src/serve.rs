@@ -30,6 +30,11 @@ pub fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     kvroute::process::init_logging(settings.log_format);
     kvroute::process::raise_open_files_limit(settings.ingress.http.max_connections);
+    // SIGTERM is heard from here on, before the slow part of starting (a tokenizer of
+    // megabytes and its chat template): the router is PID 1 in its image, which ignores
+    // SIGTERM until a handler exists.
+    let runtime = tokio::runtime::Runtime::new()?;
+    let signals = runtime.block_on(async { kvroute::process::signals() });
     let mut tokenizer = load_tokenizer(
         settings.tokenizer.as_deref(),
         settings.chat_template.as_deref(),
@@ -39,9 +44,7 @@ pub fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     if settings.trust_request_chat_template {
         tokenizer.trust_request_chat_templates();
     }
-    let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
-        let signals = kvroute::process::signals();
         let metrics = kvroute::process::install_metrics();
         if !settings.backends.is_empty() {
             return serve_direct(settings, metrics, tokenizer, &signals).await;

@@ -81,11 +81,12 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     )?;
     kvroute::process::init_logging(settings.log_format);
     kvroute::process::raise_open_files_limit(settings.ingress.http.max_connections);
+    // SIGTERM is heard before the tokenizers load (as `serve` does).
+    let runtime = tokio::runtime::Runtime::new()?;
+    let signals = runtime.block_on(async { kvroute::process::signals() });
     let tokenizer = load_tokenizer(args.tokenizer.as_deref(), None)?;
     let worker_tokenizer = Arc::new(load_tokenizer(args.tokenizer.as_deref(), None)?);
-    let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
-        let signals = kvroute::process::signals();
         let metrics = kvroute::process::install_metrics();
         let bus = Transport::Local(LocalBus::new());
         let registry = Registry::Local(LocalRegistry::default());
