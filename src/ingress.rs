@@ -1020,6 +1020,9 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
             ),
             None => None,
         };
+        if !tokenizer.renders_tools(r.tool_choice.as_ref()) {
+            r.tools = None;
+        }
         let options = tokenizer.with_default_kwargs(openai::ChatOptions {
             template,
             ..r.take_options()

@@ -44,6 +44,9 @@ pub fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     if settings.trust_request_chat_template {
         tokenizer.trust_request_chat_templates();
     }
+    if settings.exclude_tools_when_tool_choice_none {
+        tokenizer.exclude_tools_when_tool_choice_none();
+    }
     runtime.block_on(async move {
         let metrics = kvroute::process::install_metrics();
         if !settings.backends.is_empty() {

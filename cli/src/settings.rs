@@ -305,6 +305,11 @@ pub struct ServeFlags {
     /// [default: false].
     #[arg(long, env = "KVROUTE_TRUST_REQUEST_CHAT_TEMPLATE", num_args = 0..=1, default_missing_value = "true")]
     pub trust_request_chat_template: Option<bool>,
+    /// Render no `tools` for a chat whose `tool_choice` is `none`, as vLLM does with the flag
+    /// of the same name; set it with the engines' (the tools sit in the prompt's first
+    /// blocks of most templates) [default: false].
+    #[arg(long, env = "KVROUTE_EXCLUDE_TOOLS_WHEN_TOOL_CHOICE_NONE", num_args = 0..=1, default_missing_value = "true")]
+    pub exclude_tools_when_tool_choice_none: Option<bool>,
     /// Log lines as `text` (colour only on a terminal) or `json` [default: text].
     #[arg(long, env = "KVROUTE_LOG_FORMAT")]
     pub log_format: Option<LogFormat>,
@@ -358,6 +363,8 @@ pub struct Settings {
     pub default_chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
     /// Render requests' own chat templates (else refuse them).
     pub trust_request_chat_template: bool,
+    /// Render no tools for a chat with `tool_choice: none`.
+    pub exclude_tools_when_tool_choice_none: bool,
     /// Log format.
     pub log_format: LogFormat,
     /// Direct mode's engines (empty: workers register over NATS).
@@ -809,6 +816,10 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
         trust_request_chat_template: flags
             .trust_request_chat_template
             .or(file.trust_request_chat_template)
+            .unwrap_or(false),
+        exclude_tools_when_tool_choice_none: flags
+            .exclude_tools_when_tool_choice_none
+            .or(file.exclude_tools_when_tool_choice_none)
             .unwrap_or(false),
         log_format: flags.log_format.or(file.log_format).unwrap_or_default(),
         backends: flags

@@ -469,6 +469,11 @@ pub struct ChatRequest {
     /// Tools the template renders (into the system turn, for most templates).
     #[serde(default)]
     pub tools: Option<serde_json::Value>,
+    /// Which tool the model may call: `none` leaves the tools out of the prompt where the
+    /// engines run with `--exclude-tools-when-tool-choice-none`
+    /// ([`super::tokenizer::Tokenizer::renders_tools`]).
+    #[serde(default)]
+    pub tool_choice: Option<serde_json::Value>,
     /// Documents for retrieval-augmented templates.
     #[serde(default)]
     pub documents: Option<serde_json::Value>,

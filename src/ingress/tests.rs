@@ -383,6 +383,42 @@ fn a_template_refusing_the_text_before_an_image_does_not_refuse_the_request() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A chat whose `tool_choice` is `none` renders no tools where the engines run with vLLM's
+/// `--exclude-tools-when-tool-choice-none` (the router's flag of the same name); otherwise,
+/// and for any other choice, its tools are rendered.
+#[test]
+fn tool_choice_none_leaves_the_tools_out_only_where_the_engines_do() {
+    let dir = std::env::temp_dir().join(format!("kvroute-tool-choice-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "tools": 1, "hello": 2}, "unk_token": "[UNK]"}
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let template =
+        "{% if tools %}tools {% endif %}{% for m in messages %}{{ m.content }} {% endfor %}";
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::json!({"chat_template": template}).to_string(),
+    )
+    .unwrap();
+    let mut t = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
+    let body = |choice: &str| {
+        format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"hello"}}],"tools":[{{"type":"function","function":{{"name":"f"}}}}],"tool_choice":"{choice}"}}"#
+        )
+    };
+    let tokens =
+        |t: &Tokenizer, choice: &str| parse(t, body(choice).as_bytes(), true).unwrap().tokens;
+    assert_eq!(tokens(&t, "none"), [1, 2]);
+    t.exclude_tools_when_tool_choice_none();
+    assert_eq!(tokens(&t, "none"), [2]);
+    assert_eq!(tokens(&t, "auto"), [1, 2]);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn config_limits_are_checked() {
     assert_eq!(IngressConfig::default().validate(), Ok(()));

@@ -75,6 +75,9 @@ pub struct HfTokenizer {
     given_format: Option<ContentFormat>,
     /// Requests' own chat templates, if trusted (`--trust-request-chat-template`).
     request_templates: Option<RequestTemplates>,
+    /// A chat with `tool_choice: none` renders no tools (vLLM's
+    /// `--exclude-tools-when-tool-choice-none`).
+    exclude_tools_on_none: bool,
     bos_token: String,
     eos_token: String,
 }
@@ -313,6 +316,7 @@ impl Tokenizer {
             default_kwargs: serde_json::Map::new(),
             given_format: None,
             request_templates: None,
+            exclude_tools_on_none: false,
             bos_token,
             eos_token,
         })))
@@ -338,6 +342,24 @@ impl Tokenizer {
     pub fn trust_request_chat_templates(&mut self) {
         if let Tokenizer::Hf(hf) = self {
             hf.request_templates = Some(RequestTemplates::default());
+        }
+    }
+
+    /// Render no tools for a chat whose `tool_choice` is `none` (vLLM's
+    /// `--exclude-tools-when-tool-choice-none`: `render_chat` drops them then).
+    pub fn exclude_tools_when_tool_choice_none(&mut self) {
+        if let Tokenizer::Hf(hf) = self {
+            hf.exclude_tools_on_none = true;
+        }
+    }
+
+    /// Whether a chat with `tool_choice` renders its tools.
+    pub fn renders_tools(&self, tool_choice: Option<&serde_json::Value>) -> bool {
+        match self {
+            Tokenizer::Hf(hf) => {
+                !(hf.exclude_tools_on_none && tool_choice.and_then(|c| c.as_str()) == Some("none"))
+            }
+            Tokenizer::Bytes => true,
         }
     }
 

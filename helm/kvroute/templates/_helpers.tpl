@@ -337,6 +337,7 @@ chat_template_content_format = {{ . | toJson }}
 default_chat_template_kwargs = {{ . | toJson | toJson }}
 {{- end }}
 trust_request_chat_template = {{ $r.trustRequestChatTemplate }}
+exclude_tools_when_tool_choice_none = {{ $r.excludeToolsWhenToolChoiceNone }}
 log_format = {{ $r.logFormat | toJson }}
 {{- with $r.backends }}
 backends = {{ . | toJson }}
