@@ -1063,7 +1063,7 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
             n: r.n.unwrap_or(1),
             stream: r.stream.unwrap_or(false),
             include_usage: openai::include_usage(r.stream_options),
-            model: r.model,
+            model: r.model.unwrap_or_default(),
             tokens,
             priority: r.priority,
             service_tier: r.service_tier,
@@ -1086,7 +1086,7 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
         };
         Parsed {
             media: false,
-            model: r.model,
+            model: r.model.unwrap_or_default(),
             tokens,
             max_tokens,
             n: r.n.unwrap_or(1),
@@ -1158,9 +1158,22 @@ impl Prepared {
         let view = router.plane.view();
         let (parsed, block_size, blocks, salt) = router
             .off_runtime(move || {
-                let parsed = parse(&tokenizer, &body, chat)?;
+                let mut parsed = parse(&tokenizer, &body, chat)?;
                 if view.workers.is_empty() {
                     return Err(ApiError::no_workers());
+                }
+                if parsed.model.is_empty() {
+                    // No model named: vLLM serves its (first) model; the router, the one
+                    // its fleet serves, if there is one. The body goes on without a name.
+                    parsed.model = match view.base_models()[..] {
+                        [only] => only.to_owned(),
+                        ref several => {
+                            return Err(ApiError::bad_request(format!(
+                                "model is required: this fleet serves {}",
+                                several.join(", ")
+                            )));
+                        }
+                    };
                 }
                 let block_size = view
                     .block_size(&parsed.model)

@@ -158,7 +158,13 @@ impl FleetView {
         crate::engines::engine_salt((!base).then_some(model), cache_salt)
     }
 
-    /// The models served, sorted, each once.
+    /// The base models served (no adapters), sorted, each once.
+    pub fn base_models(&self) -> Vec<&str> {
+        let set: BTreeSet<&str> = self.workers.values().map(|w| w.model.as_str()).collect();
+        set.into_iter().collect()
+    }
+
+    /// Every model and LoRA adapter served, sorted.
     pub fn models(&self) -> Vec<&str> {
         let set: BTreeSet<&str> = self
             .workers

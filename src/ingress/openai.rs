@@ -117,8 +117,10 @@ pub fn split_batch(body: &[u8], limit: usize) -> Result<Option<Vec<bytes::Bytes>
 /// request models (pydantic, `Optional`) take them.
 #[derive(Debug, Deserialize)]
 pub struct CompletionRequest {
-    /// Model name; must be one the fleet serves.
-    pub model: String,
+    /// Model name; must be one the fleet serves. Absent: the fleet's only base model (vLLM
+    /// serves its first then: `_is_model_supported`).
+    #[serde(default)]
+    pub model: Option<String>,
     /// The prompt.
     pub prompt: Prompt,
     /// Tokens to generate per sequence (vLLM's and OpenAI's default: 16).
@@ -440,8 +442,9 @@ fn assistant_fields(extra: &mut serde_json::Map<String, serde_json::Value>) {
 /// `POST /v1/chat/completions`. Fields clients may send as `null` read as absent.
 #[derive(Debug, Deserialize)]
 pub struct ChatRequest {
-    /// Model name.
-    pub model: String,
+    /// Model name. Absent: the fleet's only base model (vLLM serves its first then).
+    #[serde(default)]
+    pub model: Option<String>,
     /// The conversation.
     pub messages: Vec<ChatMessage>,
     /// Tokens to generate per sequence (none: up to the context, vLLM's default).

@@ -254,13 +254,16 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
         (&b"{not json"[..], false),
         (br#"{"model":"m","prompt":""}"#, false),
         (br#"{"model":"m","messages":[]}"#, true),
-        (br#"{"prompt":"x"}"#, false),
         (br#"{"model":"m","prompt":"x","n":0}"#, false),
         (br#"{"model":"m","prompt":"x","cache_salt":""}"#, false),
     ] {
         let e = parse(&t, body, chat).unwrap_err();
         assert_eq!(e.status, 400, "{}", String::from_utf8_lossy(body));
     }
+    // No model named parses, as vLLM takes it: which model is the fleet's to say (its only
+    // one, or a 400 naming them; tests/tests/engines.rs).
+    let unnamed = parse(&t, br#"{"prompt":"x"}"#, false).unwrap();
+    assert_eq!(unnamed.model, "");
 }
 
 /// `stream_options` naming any option is refused without `stream: true`, as vLLM refuses it

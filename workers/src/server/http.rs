@@ -347,6 +347,8 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
             Err(response) => return response,
         }
     };
+    // No model named: this engine's, as vLLM serves its own.
+    let model = model.unwrap_or_else(|| state.model.clone());
     // A LoRA adapter of the test engine, and the request's `cache_salt`, salt its blocks as
     // vLLM's are (and as the router hashes them): a salted prompt shares no cache with
     // another salt's, or with an unsalted one.
