@@ -69,7 +69,7 @@ impl<'de> Deserialize<'de> for JsonObject {
 pub struct ServeFlags {
     /// NATS server URL; several servers of one cluster comma-separated
     /// [default: nats://127.0.0.1:4222].
-    #[arg(long, env = "KVROUTE_NATS")]
+    #[arg(long, env = "KVROUTE_NATS", hide_env_values = true)]
     pub nats: Option<String>,
     /// NATS credentials and TLS.
     #[command(flatten)]

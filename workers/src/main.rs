@@ -29,7 +29,12 @@ use kvroute_worker::{Device, EngineConfig};
 #[command(name = "kvroute-worker", version, about)]
 struct Args {
     /// NATS server URL; several servers of one cluster comma-separated.
-    #[arg(long, env = "KVROUTE_NATS", default_value = "nats://127.0.0.1:4222")]
+    #[arg(
+        long,
+        env = "KVROUTE_NATS",
+        default_value = "nats://127.0.0.1:4222",
+        hide_env_values = true
+    )]
     nats: String,
     #[command(flatten)]
     nats_auth: NatsAuth,
