@@ -519,24 +519,25 @@ impl ChatRequest {
         self.max_completion_tokens.or(self.max_tokens)
     }
 
-    /// The chat template the request brings, if any, taken out of it: a `chat_template`
-    /// in `chat_template_kwargs` wins over the `chat_template` field, even as `null`, which
-    /// means the model's (vLLM updates its `apply_chat_template` arguments, the template
-    /// among them, with the kwargs: `_preprocess_chat`). Not a template variable either way.
-    pub fn take_template(&mut self) -> Result<Option<String>, ApiError> {
+    /// The chat templates the request brings, taken out of it: its `chat_template` field and
+    /// a `chat_template` in its `chat_template_kwargs` (null: none; not a template variable
+    /// either way). Which one renders is [`RequestTemplates::pick`]'s to say.
+    pub fn take_templates(&mut self) -> Result<RequestTemplates, ApiError> {
         let field = self.chat_template.take();
-        match self
+        let kwarg = match self
             .chat_template_kwargs
             .as_mut()
             .and_then(|kwargs| kwargs.shift_remove("chat_template"))
         {
-            None => Ok(field),
-            Some(serde_json::Value::Null) => Ok(None),
-            Some(serde_json::Value::String(source)) => Ok(Some(source)),
-            Some(_) => Err(ApiError::bad_request(
-                "chat_template_kwargs.chat_template must be a string",
-            )),
-        }
+            None | Some(serde_json::Value::Null) => None,
+            Some(serde_json::Value::String(source)) => Some(source),
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "chat_template_kwargs.chat_template must be a string",
+                ));
+            }
+        };
+        Ok(RequestTemplates { field, kwarg })
     }
 
     /// How the conversation is rendered and tokenized; takes the template fields.
@@ -560,6 +561,32 @@ impl ChatRequest {
             kwargs,
             template: None,
         }
+    }
+}
+
+/// The chat templates a request brought ([`ChatRequest::take_templates`]).
+#[derive(Debug, Default)]
+pub struct RequestTemplates {
+    /// Its `chat_template` field.
+    pub field: Option<String>,
+    /// A `chat_template` in its `chat_template_kwargs`.
+    pub kwarg: Option<String>,
+}
+
+impl RequestTemplates {
+    /// Whether the request brought any (vLLM refuses it then unless it trusts request
+    /// templates, whichever would render).
+    pub fn any(&self) -> bool {
+        self.field.is_some() || self.kwarg.is_some()
+    }
+
+    /// The one that renders, as vLLM main picks it (`build_chat_params`, then
+    /// `ChatParams.get_apply_chat_template_kwargs` merging the template over the kwargs): the
+    /// field; else, unless the server has a template of its own (`--chat-template`, which
+    /// takes the field's place), the kwargs' one. (vLLM's older `_preprocess_chat` let the
+    /// kwargs' win over both.)
+    pub fn pick(self, server_template: bool) -> Option<String> {
+        self.field.or(self.kwarg.filter(|_| !server_template))
     }
 }
 

@@ -75,6 +75,8 @@ pub struct HfTokenizer {
     given_format: Option<ContentFormat>,
     /// Requests' own chat templates, if trusted (`--trust-request-chat-template`).
     request_templates: Option<RequestTemplates>,
+    /// The chat template came from a file given in place of the model's (`--chat-template`).
+    template_from_file: bool,
     /// A chat with `tool_choice: none` renders no tools (vLLM's
     /// `--exclude-tools-when-tool-choice-none`).
     exclude_tools_on_none: bool,
@@ -316,6 +318,7 @@ impl Tokenizer {
             default_kwargs: serde_json::Map::new(),
             given_format: None,
             request_templates: None,
+            template_from_file: chat_template.is_some(),
             exclude_tools_on_none: false,
             bos_token,
             eos_token,
@@ -363,15 +366,32 @@ impl Tokenizer {
         }
     }
 
+    /// Whether the chat template was given in place of the model's (`--chat-template FILE`,
+    /// as the engines' own flag): vLLM renders it in place of a request's `chat_template`
+    /// in its kwargs.
+    pub fn has_own_template(&self) -> bool {
+        matches!(self, Tokenizer::Hf(hf) if hf.template_from_file)
+    }
+
+    /// Whether this tokenizer renders request templates: an error saying why not, as vLLM
+    /// refuses a request that brings one (whichever would render).
+    pub fn trusts_request_templates(&self) -> Result<(), TokenizerError> {
+        self.request_template_cache().map(|_| ())
+    }
+
     /// A request's chat template, compiled (or from the cache of recent ones), if this
     /// tokenizer renders them.
     pub fn request_template(
         &self,
         source: &str,
     ) -> Result<std::sync::Arc<RequestTemplate>, TokenizerError> {
+        self.request_template_cache()?.get(source)
+    }
+
+    fn request_template_cache(&self) -> Result<&RequestTemplates, TokenizerError> {
         match self {
             Tokenizer::Hf(hf) => match &hf.request_templates {
-                Some(templates) => templates.get(source),
+                Some(templates) => Ok(templates),
                 None => Err(TokenizerError::RequestTemplateRefused(
                     "Chat template is passed with request, but --trust-request-chat-template \
                      is not set. Refused request with untrusted chat template (as vLLM \
@@ -1422,7 +1442,7 @@ mod tests {
         let own = "{{ bos_token }}{% for m in messages %} {{ m.content }} {{ m.role }}{% endfor %}{% if enable_thinking %} think{% endif %}";
         let request = |body: serde_json::Value| {
             let mut r: crate::ingress::openai::ChatRequest = serde_json::from_value(body).unwrap();
-            let source = r.take_template().unwrap();
+            let source = r.take_templates().unwrap().pick(false);
             (std::mem::take(&mut r.messages), source, r.take_options())
         };
         let hello = serde_json::json!([{"role": "user", "content": "hello"}]);
@@ -1449,24 +1469,41 @@ mod tests {
         };
         // The request's: hello user think (its kwargs reach it as the model's would).
         assert_eq!(t.encode_chat(&messages, &with_own).unwrap(), [6, 1, 3, 9]);
-        // A `chat_template` among the kwargs wins over the field and is no variable; as
-        // null it means the model's template.
+        // A `chat_template` among the kwargs renders where the field names none, and is no
+        // variable; the field wins over it (vLLM main), and so does a template the server
+        // was given (`--chat-template`); null is none.
         let (_, source, options) = request(serde_json::json!({
-            "model": "m", "messages": hello, "chat_template": "field",
+            "model": "m", "messages": hello,
             "chat_template_kwargs": {"chat_template": own},
         }));
         assert_eq!(source.as_deref(), Some(own));
         assert!(!options.kwargs.contains_key("chat_template"));
         let (_, source, _) = request(serde_json::json!({
-            "model": "m", "messages": hello, "chat_template": own,
-            "chat_template_kwargs": {"chat_template": null},
+            "model": "m", "messages": hello, "chat_template": "field",
+            "chat_template_kwargs": {"chat_template": own},
+        }));
+        assert_eq!(source.as_deref(), Some("field"));
+        let mut r: crate::ingress::openai::ChatRequest =
+            serde_json::from_value(serde_json::json!({
+                "model": "m", "messages": hello, "chat_template_kwargs": {"chat_template": own},
+            }))
+            .unwrap();
+        let templates = r.take_templates().unwrap();
+        assert!(templates.any());
+        assert_eq!(
+            templates.pick(true),
+            None,
+            "the server's own template renders"
+        );
+        let (_, source, _) = request(serde_json::json!({
+            "model": "m", "messages": hello, "chat_template_kwargs": {"chat_template": null},
         }));
         assert_eq!(source, None);
         let mut wrong: crate::ingress::openai::ChatRequest = serde_json::from_value(
             serde_json::json!({"model": "m", "messages": hello, "chat_template_kwargs": {"chat_template": 3}}),
         )
         .unwrap();
-        assert!(wrong.take_template().is_err());
+        assert!(wrong.take_templates().is_err());
         std::fs::remove_dir_all(&dir).ok();
     }
 

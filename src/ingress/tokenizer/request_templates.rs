@@ -1,7 +1,9 @@
 //! Chat templates that requests bring: vLLM's `chat_template` request field, and a
-//! `chat_template` inside `chat_template_kwargs` (which wins: vLLM merges the kwargs over
-//! its own arguments to Hugging Face's `apply_chat_template`, `_preprocess_chat` in
-//! vllm/entrypoints/openai/serving_engine.py).
+//! `chat_template` inside `chat_template_kwargs` (which renders where the field names none
+//! and the server has no `--chat-template`: vLLM main merges the template over the kwargs,
+//! `ChatParams.get_apply_chat_template_kwargs` in vllm/renderers/params.py; its older
+//! `_preprocess_chat` merged the kwargs over the template instead;
+//! [`crate::ingress::openai::RequestTemplates::pick`]).
 //!
 //! vLLM renders them only when started with `--trust-request-chat-template` and refuses
 //! them otherwise; the router does the same with its flag of that name. Trusted or not, a

@@ -276,15 +276,20 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                     Err(e) => return bad_request(&e.message),
                 };
                 // The request's own template, refused unless trusted (as vLLM does).
-                let template = match r.take_template() {
-                    Ok(template) => template,
+                let templates = match r.take_templates() {
+                    Ok(templates) => templates,
                     Err(e) => return bad_request(&e.message),
                 };
                 let mut chat_options = r.take_options();
                 let messages = std::mem::take(&mut r.messages);
                 let encoded = tokenize(&state, move |t| {
-                    if let Some(source) = template {
-                        chat_options.template = Some(t.request_template(&source)?);
+                    if templates.any() {
+                        match templates.pick(t.has_own_template()) {
+                            Some(source) => {
+                                chat_options.template = Some(t.request_template(&source)?)
+                            }
+                            None => t.trusts_request_templates()?,
+                        }
                     }
                     t.encode_chat_within(&messages, &chat_options, keep)
                 });
