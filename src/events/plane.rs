@@ -19,7 +19,7 @@ use super::fleet::{
     BatchVerdict, Departure, Fleet, FleetCommand, FleetConfig, Refusal, Replayed, StreamKey,
 };
 use super::stream::{Command, StreamConfig, StreamStats, WorkerStream};
-use super::transport::Transport;
+use super::transport::{Message, Transport};
 use crate::discovery::{RegistryEvent, Watch, WorkerInfo};
 use crate::indexer::Indexer;
 use crate::protocol::{
@@ -78,6 +78,12 @@ pub struct PlaneConfig {
     /// `kvroute_event_lag_seconds` and `kvroute_event_transit_seconds` histograms see every
     /// batch). Benchmarks raise it.
     pub lag_samples: usize,
+    /// Event messages received and not yet taken by the fleet owner, bytes (payload and
+    /// subject, plus 64 each): past it, arriving ones are dropped and counted
+    /// (`kvroute_event_intake_dropped_total`), and the streams' gap detection resyncs their
+    /// workers. The NATS client's own queue is bounded by a count of messages (65,536), each
+    /// up to the server's max_payload, which bounds no memory worth the name.
+    pub intake_bytes: usize,
 }
 
 impl Default for PlaneConfig {
@@ -91,6 +97,7 @@ impl Default for PlaneConfig {
             tombstone_ttl_ms: 60_000,
             sweep_ms: 1_000,
             lag_samples: 1_024,
+            intake_bytes: 256 << 20,
         }
     }
 }
@@ -113,6 +120,8 @@ pub struct PlaneCounters {
     /// Streams, lanes or scheduler entries found without a registered worker and removed
     /// (0 unless something is wrong).
     pub orphans_swept: AtomicU64,
+    /// Event messages dropped on arrival: the fleet owner was `intake_bytes` behind.
+    pub intake_dropped: AtomicU64,
 }
 
 /// What the plane reports of one stream.
@@ -336,7 +345,8 @@ impl EventPlane {
             transit_seconds: metrics::histogram!("kvroute_event_transit_seconds"),
             refusals_logged: Default::default(),
         };
-        tokio::spawn(owner.run(subscription, watch.events, shutdown));
+        let intake = Intake::start(subscription, Arc::clone(&shared));
+        tokio::spawn(owner.run(intake, watch.events, shutdown));
         Ok(EventPlane { shared })
     }
 
@@ -497,13 +507,66 @@ struct FleetOwner {
     refusals_logged: HashMap<WorkerId, Instant>,
 }
 
+/// The event subscription's messages on their way to the fleet owner, bounded in bytes
+/// ([`PlaneConfig::intake_bytes`]): a task takes each from the NATS client as it comes (so
+/// the client's own queue stays short) and drops what would pass the bound.
+struct Intake {
+    rx: mpsc::UnboundedReceiver<Message>,
+    queued: Arc<AtomicUsize>,
+}
+
+impl Intake {
+    fn start(mut subscription: super::transport::Subscription, shared: Arc<Shared>) -> Intake {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let held = Arc::clone(&queued);
+        let limit = shared.config.intake_bytes;
+        tokio::spawn(async move {
+            loop {
+                let message = tokio::select! {
+                    message = subscription.next() => message,
+                    () = tx.closed() => return,
+                };
+                // The subscription's end ends the owner's reads (the sender goes).
+                let Some(message) = message else { return };
+                let charge = Intake::charge(&message);
+                if held.load(Ordering::Relaxed) + charge > limit {
+                    shared
+                        .counters
+                        .intake_dropped
+                        .fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!("kvroute_event_intake_dropped_total").increment(1);
+                    continue;
+                }
+                held.fetch_add(charge, Ordering::Relaxed);
+                if tx.send(message).is_err() {
+                    return;
+                }
+            }
+        });
+        Intake { rx, queued }
+    }
+
+    /// What a message holds while queued.
+    fn charge(message: &Message) -> usize {
+        message.payload.len() + message.subject.len() + 64
+    }
+
+    async fn next(&mut self) -> Option<Message> {
+        let message = self.rx.recv().await?;
+        self.queued
+            .fetch_sub(Intake::charge(&message), Ordering::Relaxed);
+        Some(message)
+    }
+}
+
 /// How often a worker's repeated refusal is logged (each is counted).
 const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(60);
 
 impl FleetOwner {
     async fn run(
         mut self,
-        mut subscription: super::transport::Subscription,
+        mut subscription: Intake,
         mut registry: mpsc::Receiver<RegistryEvent>,
         mut shutdown: watch::Receiver<bool>,
     ) {

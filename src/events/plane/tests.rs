@@ -473,3 +473,30 @@ async fn a_stream_counts_its_wipes() {
     assert!(settle(|| s.plane.streams()[0].1.applied == 3).await);
     assert_eq!(s.plane.streams()[0].1.wipes, first + 1);
 }
+
+/// Event messages the fleet owner has not taken yet are bounded in bytes
+/// (`intake_bytes`): a burst past it is dropped on arrival and counted (the streams' gap
+/// detection resyncs their workers), not parked in the NATS client's queue of 65,536
+/// messages of up to max_payload each.
+#[tokio::test(start_paused = true)]
+async fn a_burst_past_the_intake_bound_is_dropped_and_counted() {
+    let s = Setup::start(
+        LeaseConfig::default(),
+        Config::default(),
+        PlaneConfig {
+            intake_bytes: 2_000,
+            ..PlaneConfig::default()
+        },
+        Scheduler::new(Default::default()).unwrap(),
+    )
+    .await;
+    s.local.put(info(1, 1));
+    assert!(settle(|| s.plane.streams().len() == 1).await);
+    // 100 batches published before the plane's tasks run again: a few fit the bound.
+    for id in 1..=100 {
+        s.publish(1, batch(1, id, 16)).await;
+    }
+    assert!(settle(|| s.plane.counters().intake_dropped.load(Ordering::Relaxed) > 0).await);
+    let dropped = s.plane.counters().intake_dropped.load(Ordering::Relaxed);
+    assert!(dropped < 100, "{dropped}: some fit");
+}
