@@ -93,6 +93,53 @@ async fn sigterm_deregisters_drains_and_exits_zero() {
     }
 }
 
+/// SIGTERM while a request's body is still arriving (not yet a request being served): the
+/// worker waits for its connection within the drain deadline, answers it, then exits 0.
+/// (It waited only for requests being served, and exited under the upload.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_answers_a_request_still_uploading() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut f = Fleet::start(FleetSpec {
+        workers: vec![WorkerSpec::model("kvroute-sim")],
+        lease_ttl_ms: 60_000,
+        heartbeat_ms: 1_000,
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    let body = serde_json::json!({"token_ids": (0..64).collect::<Vec<u32>>(), "max_tokens": 4})
+        .to_string();
+    let (first, rest) = body.as_bytes().split_at(body.len() / 2);
+    let url = f.workers[0].url();
+    let mut s = tokio::net::TcpStream::connect(url.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    let head = format!(
+        "POST /internal/generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(first).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let port = f.workers[0].port;
+    f.workers[0].proc.terminate().unwrap();
+    let gone = f
+        .until(Duration::from_secs(10), || async {
+            !registered(&f, port).await
+        })
+        .await;
+    assert!(gone, "the terminated worker stays registered");
+    s.write_all(rest).await.unwrap();
+    let mut answer = String::new();
+    let _ = tokio::time::timeout(Duration::from_secs(30), s.read_to_string(&mut answer)).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+    let status = f.workers[0]
+        .proc
+        .wait_timeout(Duration::from_secs(30))
+        .expect("the worker did not exit after SIGTERM");
+    assert!(status.success(), "{status:?}");
+}
+
 /// An engine that fails takes its worker out of the fleet and the process exits non-zero:
 /// never a registered zombie.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
