@@ -137,8 +137,9 @@ pub struct StreamStatus {
     pub last_lag_ms: f64,
     /// Batches applied.
     pub applied: u64,
-    /// Times what the index held of this stream was dropped at once: a new incarnation or a
-    /// resync (its lane retired), or a `Cleared` event (vLLM's `reset_prefix_cache`).
+    /// Times what the index held of this stream was dropped at once, once it had applied a
+    /// batch: a new incarnation or a resync (its lane retired), or a `Cleared` event (vLLM's
+    /// `reset_prefix_cache`).
     pub wipes: u64,
 }
 
@@ -1106,13 +1107,19 @@ async fn run_stream(
         }
         let mut applied = 0;
         let mut wipes = 0;
+        let applied_before = status.lock().applied;
         let mut dropped = false;
         for command in commands.drain(..) {
             match command {
                 Command::Reset => {
                     shared.indexer.retire_rank(key.0, key.1);
                     reap_later(&shared.indexer);
-                    wipes += 1;
+                    // A wipe only once the stream has applied something: its first
+                    // contact's reset drops nothing the router had (counted, it made the
+                    // mismatch alarm drop the requests routed before the first batch).
+                    if applied_before + applied > 0 {
+                        wipes += 1;
+                    }
                 }
                 Command::Apply(batch) if dropped => {
                     // After a batch the index dropped, the rest cannot follow it.
