@@ -26,6 +26,22 @@ async fn registered(f: &Fleet, port: u16) -> bool {
         .any(|w| w["id"] == port)
 }
 
+/// Sends worker `i` SIGTERM and waits (up to 10 s) until the router no longer lists it: its
+/// goodbye, not its lease (the tests' is 60 s).
+async fn terminate_until_gone(f: &Fleet, i: usize) {
+    let port = f.workers[i].port;
+    f.workers[i].proc.terminate().unwrap();
+    let gone = f
+        .until(Duration::from_secs(10), || async {
+            !registered(f, port).await
+        })
+        .await;
+    assert!(
+        gone,
+        "a terminated worker stays registered until its 60 s lease lapses"
+    );
+}
+
 /// SIGTERM: the worker leaves the fleet at once (no waiting for its lease), finishes the
 /// stream it is serving, and exits 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -55,17 +71,7 @@ async fn sigterm_deregisters_drains_and_exits_zero() {
         })
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let port = f.workers[0].port;
-    f.workers[0].proc.terminate().unwrap();
-    let gone = f
-        .until(Duration::from_secs(10), || async {
-            !registered(&f, port).await
-        })
-        .await;
-    assert!(
-        gone,
-        "a terminated worker stays registered until its 60 s lease lapses"
-    );
+    terminate_until_gone(&f, 0).await;
     let status = f.workers[0]
         .proc
         .wait_timeout(Duration::from_secs(30))
@@ -121,14 +127,7 @@ async fn sigterm_answers_a_request_still_uploading() {
     s.write_all(head.as_bytes()).await.unwrap();
     s.write_all(first).await.unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let port = f.workers[0].port;
-    f.workers[0].proc.terminate().unwrap();
-    let gone = f
-        .until(Duration::from_secs(10), || async {
-            !registered(&f, port).await
-        })
-        .await;
-    assert!(gone, "the terminated worker stays registered");
+    terminate_until_gone(&f, 0).await;
     s.write_all(rest).await.unwrap();
     let mut answer = String::new();
     let _ = tokio::time::timeout(Duration::from_secs(30), s.read_to_string(&mut answer)).await;
