@@ -1012,18 +1012,9 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
             return Err(ApiError::bad_request("messages must not be empty"));
         }
         openai::check_stream_options(r.stream, r.stream_options)?;
-        let templates = r.take_templates()?;
-        let refused = |e: tokenizer::TokenizerError| ApiError::bad_request(e.to_string());
-        let template = match templates.any() {
-            false => None,
-            true => match templates.pick(tokenizer.has_own_template()) {
-                Some(source) => Some(tokenizer.request_template(&source).map_err(refused)?),
-                None => {
-                    tokenizer.trusts_request_templates().map_err(refused)?;
-                    None
-                }
-            },
-        };
+        let template = tokenizer
+            .chat_template_for(r.take_templates()?)
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
         if !tokenizer.renders_tools(r.tool_choice.as_ref()) {
             r.tools = None;
         }

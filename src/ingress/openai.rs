@@ -521,8 +521,8 @@ impl ChatRequest {
 
     /// The chat templates the request brings, taken out of it: its `chat_template` field and
     /// a `chat_template` in its `chat_template_kwargs` (null: none; not a template variable
-    /// either way). Which one renders is [`RequestTemplates::pick`]'s to say.
-    pub fn take_templates(&mut self) -> Result<RequestTemplates, ApiError> {
+    /// either way). Which one renders is [`RequestedTemplates::pick`]'s to say.
+    pub fn take_templates(&mut self) -> Result<RequestedTemplates, ApiError> {
         let field = self.chat_template.take();
         let kwarg = match self
             .chat_template_kwargs
@@ -537,7 +537,7 @@ impl ChatRequest {
                 ));
             }
         };
-        Ok(RequestTemplates { field, kwarg })
+        Ok(RequestedTemplates { field, kwarg })
     }
 
     /// How the conversation is rendered and tokenized; takes the template fields.
@@ -566,14 +566,14 @@ impl ChatRequest {
 
 /// The chat templates a request brought ([`ChatRequest::take_templates`]).
 #[derive(Debug, Default)]
-pub struct RequestTemplates {
+pub struct RequestedTemplates {
     /// Its `chat_template` field.
     pub field: Option<String>,
     /// A `chat_template` in its `chat_template_kwargs`.
     pub kwarg: Option<String>,
 }
 
-impl RequestTemplates {
+impl RequestedTemplates {
     /// Whether the request brought any (vLLM refuses it then unless it trusts request
     /// templates, whichever would render).
     pub fn any(&self) -> bool {

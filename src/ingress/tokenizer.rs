@@ -6,7 +6,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use super::openai::{ChatMessage, ChatOptions, byte_tokens, render_chat};
+use super::openai::{ChatMessage, ChatOptions, RequestedTemplates, byte_tokens, render_chat};
 
 mod content_format;
 mod request_templates;
@@ -369,14 +369,26 @@ impl Tokenizer {
     /// Whether the chat template was given in place of the model's (`--chat-template FILE`,
     /// as the engines' own flag): vLLM renders it in place of a request's `chat_template`
     /// in its kwargs.
-    pub fn has_own_template(&self) -> bool {
+    fn has_own_template(&self) -> bool {
         matches!(self, Tokenizer::Hf(hf) if hf.template_from_file)
     }
 
-    /// Whether this tokenizer renders request templates: an error saying why not, as vLLM
-    /// refuses a request that brings one (whichever would render).
-    pub fn trusts_request_templates(&self) -> Result<(), TokenizerError> {
-        self.request_template_cache().map(|_| ())
+    /// The template a chat that brought `requested` renders with, compiled (or from the
+    /// cache of recent ones); `None`: the model's. A request that brought any is refused
+    /// unless this tokenizer renders request templates, whichever would render, as vLLM
+    /// refuses it.
+    pub fn chat_template_for(
+        &self,
+        requested: RequestedTemplates,
+    ) -> Result<Option<std::sync::Arc<RequestTemplate>>, TokenizerError> {
+        if !requested.any() {
+            return Ok(None);
+        }
+        let cache = self.request_template_cache()?;
+        requested
+            .pick(self.has_own_template())
+            .map(|source| cache.get(&source))
+            .transpose()
     }
 
     /// A request's chat template, compiled (or from the cache of recent ones), if this

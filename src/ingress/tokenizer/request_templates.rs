@@ -3,7 +3,7 @@
 //! and the server has no `--chat-template`: vLLM main merges the template over the kwargs,
 //! `ChatParams.get_apply_chat_template_kwargs` in vllm/renderers/params.py; its older
 //! `_preprocess_chat` merged the kwargs over the template instead;
-//! [`crate::ingress::openai::RequestTemplates::pick`]).
+//! [`crate::ingress::openai::RequestedTemplates::pick`]).
 //!
 //! vLLM renders them only when started with `--trust-request-chat-template` and refuses
 //! them otherwise; the router does the same with its flag of that name. Trusted or not, a

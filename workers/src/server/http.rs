@@ -283,14 +283,7 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                 let mut chat_options = r.take_options();
                 let messages = std::mem::take(&mut r.messages);
                 let encoded = tokenize(&state, move |t| {
-                    if templates.any() {
-                        match templates.pick(t.has_own_template()) {
-                            Some(source) => {
-                                chat_options.template = Some(t.request_template(&source)?)
-                            }
-                            None => t.trusts_request_templates()?,
-                        }
-                    }
+                    chat_options.template = t.chat_template_for(templates)?;
                     t.encode_chat_within(&messages, &chat_options, keep)
                 });
                 match encoded.await {
