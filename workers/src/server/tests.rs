@@ -406,31 +406,26 @@ async fn request_bodies_share_a_budget() {
         s.write_all(&vec![b' '; 512 << 10]).await.unwrap();
         uploads.push(s);
     }
-    let small = r#"{"token_ids":[1,2,3],"max_tokens":1}"#;
-    let mut refused = false;
-    for _ in 0..200 {
-        if post(w.addr, "/internal/generate", small)
-            .await
-            .starts_with("HTTP/1.1 429")
-        {
-            refused = true;
-            break;
+    // Whether a small request comes to get `status` (asked every 50 ms, up to 10 s).
+    let answered = |status: &'static str| async move {
+        let small = r#"{"token_ids":[1,2,3],"max_tokens":1}"#;
+        for _ in 0..200 {
+            if post(w.addr, "/internal/generate", small)
+                .await
+                .starts_with(status)
+            {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(refused, "the two uploads never filled the budget");
+        false
+    };
+    assert!(
+        answered("HTTP/1.1 429").await,
+        "the two uploads never filled the budget"
+    );
     drop(uploads);
-    let mut passed = false;
-    for _ in 0..200 {
-        if post(w.addr, "/internal/generate", small)
-            .await
-            .starts_with("HTTP/1.1 200")
-        {
-            passed = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let passed = answered("HTTP/1.1 200").await;
     assert!(passed, "requests never passed again");
     w.stop().await;
 }
