@@ -1441,7 +1441,8 @@ async fn admit(
         Entered::Queued { guard, rx, ttl_ms } => (guard, rx, ttl_ms),
     };
     let band = guard.band;
-    router.pump();
+    // The queue's driver admits it: one pump at a time, however fast requests arrive.
+    router.room.notify_one();
     // The pump answers by the deadline; the extra seconds are a backstop, not the rule.
     let outcome =
         tokio::time::timeout(Duration::from_millis(ttl_ms.saturating_add(5_000)), rx).await;

@@ -1,10 +1,11 @@
 //! Driving the admission queue (DESIGN §13) from the HTTP front door: a request's class
 //! (tenant, priority band, session) read from its headers and body. A request that finds
 //! nothing waiting and a worker with room is routed at once, with the overlaps its handler
-//! already read; any other is queued and waits its turn. The pump admits queued requests
-//! whenever booked work is released (a first token, a completion) and at every queue
-//! deadline, reading each one's overlaps afresh; a ticket whose client goes away leaves with
-//! the handler's guard. Lock order: queue, then scheduler.
+//! already read; any other is queued and waits its turn. One task pumps the queue, admitting
+//! queued requests, whenever a request is queued or booked work is released (a first token,
+//! a completion) and at every queue deadline; it reads each one's overlaps afresh, with the
+//! queue unlocked. A ticket whose client goes away leaves with the handler's guard. Lock
+//! order: queue, then scheduler.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Weak};
@@ -292,10 +293,51 @@ pub(super) fn record_decision(d: &Decision) {
     ));
 }
 
-/// Tickets one pump weighs at most (an index lookup and a scheduler decision each, under the
-/// queue's lock): bounds its work when the queue is deep. Tickets held back by one that must
-/// wait are passed over without being weighed.
+/// Tickets one pump weighs at most (an index lookup and a scheduler decision each): bounds
+/// its work when the queue is deep. Tickets held back by one that must wait are passed over
+/// without being weighed.
 const MAX_LOOKAHEAD: usize = 1024;
+
+/// Overlaps read per round with the queue unlocked: the next tickets in order that nothing
+/// holds back yet (some may turn out held back once those before them are weighed).
+pub(super) const READ_AHEAD: usize = 16;
+
+/// What one pump has learned so far: which tickets are held back, and the overlaps read for
+/// tickets not yet weighed.
+#[derive(Default)]
+struct PumpWalk {
+    /// A ticket that must wait holds back the tickets after it that would compete for the
+    /// same workers: its model's (or, with hard affinity, its session's). Tickets of other
+    /// models go past it: their workers may have room.
+    blocked_models: HashSet<String>,
+    blocked_sessions: HashSet<String>,
+    /// Workers whose room goes to a hard-session request waiting for them: a later, smaller
+    /// request taking it would keep that one waiting to its deadline.
+    reserved: Vec<WorkerKey>,
+    /// Overlaps read (outside the queue's lock) for tickets not weighed yet.
+    overlaps: HashMap<TicketId, OverlapScores>,
+    /// Index lookups done.
+    read: usize,
+}
+
+impl PumpWalk {
+    fn holds_back(&self, r: &Routable) -> bool {
+        self.blocked_models.contains(&r.model)
+            || r.session
+                .as_ref()
+                .is_some_and(|(s, hard)| *hard && self.blocked_sessions.contains(s))
+    }
+}
+
+/// How a walk over the queue ended.
+enum Walked {
+    /// Nothing more to weigh in this pump.
+    Done,
+    /// An admission (which charges its tenant and may reorder the rest): walk again.
+    Admitted,
+    /// These tickets' overlaps are needed before the walk can go on.
+    Read(Vec<(TicketId, Arc<Routable>)>),
+}
 
 impl Router {
     /// Takes a request in. When nothing waits and a worker has room, it is routed at once
@@ -366,109 +408,133 @@ impl Router {
     }
 
     /// Expires what is due, then admits queued requests in order while the fleet has room.
+    /// Index lookups, the slow part, run with the queue unlocked, so that requests arriving
+    /// meanwhile are not held up; decisions are made with it locked, in queue order.
     pub(super) fn pump(&self) {
-        let now = self.now_ms();
-        let mut queue = self.queue.lock();
-        for Left {
-            ticket,
-            payload,
-            waited_ms,
-            ..
-        } in queue.expire(now)
         {
-            rejected(ticket.band, "deadline");
-            let _ = payload.tx.send(Err(Refusal::Expired {
-                band: ticket.band,
+            let now = self.now_ms();
+            let expired = self.queue.lock().expire(now);
+            for Left {
+                ticket,
+                payload,
                 waited_ms,
-            }));
+                ..
+            } in expired
+            {
+                rejected(ticket.band, "deadline");
+                let _ = payload.tx.send(Err(Refusal::Expired {
+                    band: ticket.band,
+                    waited_ms,
+                }));
+            }
         }
+        let mut walk = PumpWalk::default();
         let mut seqs: Vec<SeqHash> = Vec::new();
-        // A ticket that must wait holds back the tickets after it that would compete for the
-        // same workers: its model's (or, with hard affinity, its session's). Tickets of other
-        // models go past it: their workers may have room. The walk goes on from a ticket
-        // that waits (the order has not changed) and starts over after an admission (which
-        // charges its tenant and may reorder the rest); at most MAX_LOOKAHEAD tickets are
-        // weighed (an index lookup and a decision each) per pump.
-        let mut blocked_models: HashSet<String> = HashSet::new();
-        let mut blocked_sessions: HashSet<String> = HashSet::new();
-        // Workers whose room goes to a hard-session request waiting for them: a later,
-        // smaller request taking it would keep that one waiting to its deadline.
-        let mut reserved: Vec<WorkerKey> = Vec::new();
-        let mut weighed = 0;
-        'walk: while weighed < MAX_LOOKAHEAD {
-            let order: Vec<TicketId> = queue.in_order().map(|(id, _, _)| id).collect();
-            for id in order {
-                if weighed == MAX_LOOKAHEAD {
-                    break 'walk;
-                }
-                let Some((ticket, waiter)) = queue.get(id) else {
-                    continue;
-                };
-                let r = &waiter.request;
-                if blocked_models.contains(&r.model)
-                    || r.session
-                        .as_ref()
-                        .is_some_and(|(s, hard)| *hard && blocked_sessions.contains(s))
-                {
-                    continue;
-                }
-                let share = queue.config().band(ticket.band).budget_share;
-                if waiter.tx.is_closed() {
-                    // The handler is going; its guard would remove the ticket a moment later.
-                    if let Some(left) = queue.cancel(now, id) {
-                        rejected(left.ticket.band, "cancelled");
-                    }
-                    continue;
-                }
-                weighed += 1;
-                let routable = Arc::clone(&waiter.request);
-                seqs.clear();
-                seqs.extend(routable.blocks.iter().map(|b| b.seq));
-                let overlaps = self.plane.indexer().find_matches_seq(&seqs);
-                let mut scheduler = self.scheduler.lock();
-                let admission =
-                    scheduler.admit_reserving(now, &routable.request(&overlaps), share, &reserved);
-                // Held to its session's worker only while that worker may take it, as the
-                // decision holds it (one that left, or sits out an ejection, holds nothing).
-                let pinned = match &admission {
-                    Admission::Wait => scheduler.pinned_worker(now, &routable.request(&overlaps)),
-                    _ => None,
-                };
-                drop(scheduler);
-                match admission {
-                    // A hard session waiting for its own worker holds back only its later
-                    // turns, and keeps that worker's room. One whose session has no worker
-                    // yet (new, or its worker left) waits like any request: for room
-                    // anywhere, which later requests of its model must not take first.
-                    Admission::Wait => match (&routable.session, pinned) {
-                        (Some((session, true)), Some(worker)) => {
-                            blocked_sessions.insert(session.clone());
-                            reserved.push(worker);
-                        }
-                        _ => {
-                            blocked_models.insert(routable.model.clone());
-                        }
-                    },
-                    Admission::NoWorkers => {
-                        if let Some(left) = queue.cancel(now, id) {
-                            rejected(left.ticket.band, "no_workers");
-                            let _ = left.payload.tx.send(Err(Refusal::NoWorkers));
-                        }
-                    }
-                    Admission::Routed(decision) => {
-                        record_decision(&decision);
-                        let booking = Booking::new(self, decision.booking);
-                        let left = queue
-                            .admit_waiting(now, id)
-                            .expect("invariant: the ticket waits while the queue is locked");
-                        waited(left.ticket.band, left.waited_ms);
-                        // A handler gone since the check drops the booking with the message.
-                        let _ = left.payload.tx.send(Ok((decision, booking)));
-                        continue 'walk;
+        loop {
+            match self.walk_queue(&mut walk) {
+                Walked::Done => return,
+                Walked::Admitted => {}
+                Walked::Read(tickets) => {
+                    for (id, routable) in tickets {
+                        seqs.clear();
+                        seqs.extend(routable.blocks.iter().map(|b| b.seq));
+                        let overlaps = self.plane.indexer().find_matches_seq(&seqs);
+                        walk.overlaps.insert(id, overlaps);
+                        walk.read += 1;
                     }
                 }
             }
-            break;
+        }
+    }
+
+    /// One walk over the queue in order, locked: weighs each ticket nothing holds back whose
+    /// overlaps have been read, up to the first that has none; from there on, only gathers
+    /// the tickets whose overlaps to read next.
+    fn walk_queue(&self, walk: &mut PumpWalk) -> Walked {
+        let now = self.now_ms();
+        let mut queue = self.queue.lock();
+        let order: Vec<TicketId> = queue.in_order().map(|(id, _, _)| id).collect();
+        let mut to_read: Vec<(TicketId, Arc<Routable>)> = Vec::new();
+        for id in order {
+            let Some((ticket, waiter)) = queue.get(id) else {
+                continue;
+            };
+            if walk.holds_back(&waiter.request) {
+                continue;
+            }
+            if waiter.tx.is_closed() {
+                // The handler is going; its guard would remove the ticket a moment later.
+                walk.overlaps.remove(&id);
+                if let Some(left) = queue.cancel(now, id) {
+                    rejected(left.ticket.band, "cancelled");
+                }
+                continue;
+            }
+            let overlaps = match walk.overlaps.get(&id) {
+                Some(overlaps) if to_read.is_empty() => overlaps,
+                Some(_) => continue,
+                None => {
+                    // Past the lookahead, the walk ends at the first ticket not read.
+                    if walk.read + to_read.len() == MAX_LOOKAHEAD {
+                        break;
+                    }
+                    to_read.push((id, Arc::clone(&waiter.request)));
+                    if to_read.len() == READ_AHEAD {
+                        break;
+                    }
+                    continue;
+                }
+            };
+            let share = queue.config().band(ticket.band).budget_share;
+            let routable = Arc::clone(&waiter.request);
+            let request = routable.request(overlaps);
+            let mut scheduler = self.scheduler.lock();
+            let admission = scheduler.admit_reserving(now, &request, share, &walk.reserved);
+            // Held to its session's worker only while that worker may take it, as the
+            // decision holds it (one that left, or sits out an ejection, holds nothing).
+            let pinned = match &admission {
+                Admission::Wait => scheduler.pinned_worker(now, &request),
+                _ => None,
+            };
+            drop(scheduler);
+            walk.overlaps.remove(&id);
+            match admission {
+                // A hard session waiting for its own worker holds back only its later turns,
+                // and keeps that worker's room. One whose session has no worker yet (new, or
+                // its worker left) waits like any request: for room anywhere, which later
+                // requests of its model must not take first.
+                Admission::Wait => match (&routable.session, pinned) {
+                    (Some((session, true)), Some(worker)) => {
+                        walk.blocked_sessions.insert(session.clone());
+                        walk.reserved.push(worker);
+                    }
+                    _ => {
+                        walk.blocked_models.insert(routable.model.clone());
+                    }
+                },
+                Admission::NoWorkers => {
+                    if let Some(left) = queue.cancel(now, id) {
+                        rejected(left.ticket.band, "no_workers");
+                        let _ = left.payload.tx.send(Err(Refusal::NoWorkers));
+                    }
+                }
+                Admission::Routed(decision) => {
+                    record_decision(&decision);
+                    let booking = Booking::new(self, decision.booking);
+                    let left = queue
+                        .admit_waiting(now, id)
+                        .expect("invariant: the ticket waits while the queue is locked");
+                    waited(left.ticket.band, left.waited_ms);
+                    // A handler gone since the check drops the booking with the message.
+                    let _ = left.payload.tx.send(Ok((decision, booking)));
+                    return Walked::Admitted;
+                }
+            }
+        }
+        if to_read.is_empty() {
+            Walked::Done
+        } else {
+            Walked::Read(to_read)
         }
     }
 

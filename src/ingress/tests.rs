@@ -760,6 +760,38 @@ mod queue {
         assert_ne!(went, stuck, "an ejected worker sits out");
     }
 
+    /// A pump reads overlaps a few tickets at a time with the queue unlocked: when room frees
+    /// up for many queued requests at once, one pump still admits every one of them.
+    #[tokio::test(start_paused = true)]
+    async fn one_pump_admits_more_than_it_reads_at_a_time() {
+        // Room for 40 requests of 20 tokens' work (16 of prompt, 4 to generate).
+        let (router, _plane) = router(800, ["a", "b"]).await;
+        let running: Vec<_> = (0..40)
+            .map(|i| match enter(&router, "a") {
+                admitted @ Entered::Admitted(_) => admitted,
+                Entered::Queued { .. } => panic!("request {i} found no room"),
+            })
+            .collect();
+        let mut queued = Vec::new();
+        const { assert!(2 * super::super::admission::READ_AHEAD < 40) };
+        for i in 0..40 {
+            let Entered::Queued { guard, rx, .. } = enter(&router, "a") else {
+                panic!("request {i} found room in a full fleet");
+            };
+            queued.push((guard, rx));
+        }
+        router.pump();
+        assert!(queued.iter_mut().all(|(_, rx)| rx.try_recv().is_err()));
+        drop(running);
+        router.pump();
+        for (i, (_, rx)) in queued.iter_mut().enumerate() {
+            assert!(
+                matches!(rx.try_recv(), Ok(Ok(_))),
+                "queued request {i} was not admitted"
+            );
+        }
+    }
+
     /// A non-streamed request's prefill is released once its prompt's last block shows in
     /// its worker's index; not for a worker whose index entries are guesses made when the
     /// request was routed (an engine without KV events), where it shows at once.
