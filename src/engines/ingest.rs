@@ -361,10 +361,18 @@ impl Ingest {
         self.seq.advance(seq);
         match decode_batch(payload) {
             Ok(batch) => {
-                let unknown = self.mirror.stats().unknown_events;
+                let before = self.mirror.stats();
                 self.mirror.apply(&batch, &mut self.changes);
-                // Said once, when the first one is met (no scan of the batches before).
-                if unknown == 0
+                // Each said once, when the first one is met (no scan of the batches before).
+                if before.malformed_events == 0
+                    && let Some((tag, error)) = batch.events.iter().find_map(|e| match e {
+                        EngineEvent::Malformed { tag, error } => Some((tag, error)),
+                        _ => None,
+                    })
+                {
+                    tracing::warn!(endpoint = %self.endpoint.events, seq, kind = tag.as_deref().unwrap_or("?"), %error, "an engine event that does not decode; skipped, the rest of its batch applied (a removal's drops the engine's blocks until they are stored again; counted in malformed_events)");
+                }
+                if before.unknown_events == 0
                     && self.mirror.stats().unknown_events > 0
                     && let Some(tag) = batch.events.iter().find_map(|e| match e {
                         EngineEvent::Other(tag) => Some(tag),

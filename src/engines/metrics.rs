@@ -56,6 +56,10 @@ pub struct EventFaults {
     /// Events of a kind kvroute does not know (skipped; the rest of their batch applies).
     #[serde(default)]
     pub unknown_events: u64,
+    /// Events that did not decode (the rest of their batch applies; an undecodable removal
+    /// drops the engine's blocks until they are stored again).
+    #[serde(default)]
+    pub malformed_events: u64,
 }
 
 /// What one scrape found.

@@ -73,6 +73,9 @@ pub struct MirrorStats {
     pub unnamed_lora: u64,
     /// Events of a kind kvroute does not know: skipped.
     pub unknown_events: u64,
+    /// Events that did not decode. A store's is skipped; any other's drops every block the
+    /// mirror held (what it removed cannot be told).
+    pub malformed_events: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -167,6 +170,15 @@ impl EngineMirror {
                 // gone costs every request that trusts them.
                 EngineEvent::Cleared => self.clear(out),
                 EngineEvent::Other(_) => self.stats.unknown_events += 1,
+                EngineEvent::Malformed { tag, .. } => {
+                    self.stats.malformed_events += 1;
+                    // A store lost costs the reuse of its blocks (and of their children,
+                    // orphans until stored again). Any other event might have removed
+                    // blocks, which the index must not go on offering: everything goes.
+                    if tag.as_deref() != Some("BlockStored") {
+                        self.clear(out);
+                    }
+                }
             }
         }
     }

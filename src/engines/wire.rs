@@ -142,6 +142,14 @@ pub enum EngineEvent {
     /// An event kind kvroute does not know (a fork's, or a newer engine's), by its tag:
     /// skipped, and counted, so that the rest of its batch still applies.
     Other(String),
+    /// An event that did not decode (a field of the wrong type, a group past 63), with the
+    /// tag it carried, if it had one: the rest of its batch still applies.
+    Malformed {
+        /// `BlockStored`, `BlockRemoved`…; `None` when the event had no readable tag.
+        tag: Option<String>,
+        /// Why, for the log.
+        error: String,
+    },
 }
 
 /// One engine step's events.
@@ -219,11 +227,18 @@ pub fn decode_batch(payload: &[u8]) -> Result<EngineBatch, WireError> {
             None => return shape("batch data_parallel_rank is not a small unsigned int"),
         },
     };
+    // One event that does not decode costs only itself: the mirror decides by its kind
+    // what losing it means.
     let events = list
         .iter()
         .enumerate()
-        .map(|(i, e)| decode_event(e).map_err(|e| WireError::Shape(format!("event {i}: {e}"))))
-        .collect::<Result<Vec<_>, _>>()?;
+        .map(|(i, e)| {
+            decode_event(e).unwrap_or_else(|error| EngineEvent::Malformed {
+                tag: event_tag(e).map(|t| t.chars().take(MAX_TAG_CHARS).collect()),
+                error: format!("event {i}: {error}"),
+            })
+        })
+        .collect();
     Ok(EngineBatch {
         ts,
         events,
@@ -345,13 +360,17 @@ const REMOVED_POSITIONS: &[&str] = &["block_hashes", "medium", "group_idx"];
 /// The longest tag kept of an unknown event (for the log).
 const MAX_TAG_CHARS: usize = 64;
 
-fn decode_event(value: &ValueRef<'_>) -> Result<EngineEvent, String> {
-    let tag = match value {
+/// An event's kind: the first element of an array, or a map's `type`.
+fn event_tag<'a>(value: &'a ValueRef<'_>) -> Option<&'a str> {
+    match value {
         ValueRef::Array(items) => items.first().and_then(as_str),
         ValueRef::Map(_) => field(value, "type").and_then(as_str),
         _ => None,
     }
-    .ok_or("an event is a tagged map or an array with its tag first")?;
+}
+
+fn decode_event(value: &ValueRef<'_>) -> Result<EngineEvent, String> {
+    let tag = event_tag(value).ok_or("an event is a tagged map or an array with its tag first")?;
     match tag {
         "BlockStored" => decode_stored(value).map(EngineEvent::Stored),
         "BlockRemoved" => {

@@ -150,6 +150,42 @@ fn unknown_events_are_counted_and_the_rest_applies() {
     assert_eq!(m.stats().stored, 2);
 }
 
+/// An event that did not decode costs only itself when it was a store: the blocks already
+/// mirrored and the events after it stay. Any other (a removal, or an event with no tag)
+/// might have removed blocks: the mirror drops everything it held.
+#[test]
+fn a_malformed_store_is_skipped_and_a_malformed_removal_drops_everything() {
+    let toks = tokens(3 * BS);
+    let malformed = |tag: Option<&str>| EngineEvent::Malformed {
+        tag: tag.map(Into::into),
+        error: "event 1: group_idx".into(),
+    };
+    for (tag, kept) in [
+        (Some("BlockStored"), true),
+        (Some("BlockRemoved"), false),
+        (None, false),
+    ] {
+        let mut m = EngineMirror::new(bs());
+        apply(&mut m, vec![stored(&[1], None, &toks[..BS], Medium::Gpu)]);
+        let out = apply(
+            &mut m,
+            vec![
+                stored(&[2], Some(1), &toks[BS..2 * BS], Medium::Gpu),
+                malformed(tag),
+                stored(&[3], Some(2), &toks[2 * BS..], Medium::Gpu),
+            ],
+        );
+        assert_eq!(m.stats().malformed_events, 1);
+        let removed = out
+            .iter()
+            .filter(|c| matches!(c, BlockChange::Removed { .. }))
+            .count();
+        assert_eq!(removed, if kept { 0 } else { 2 }, "{tag:?}: {out:?}");
+        // Block 3 follows either way; after a drop its parent is unknown (an orphan).
+        assert_eq!(m.len(), if kept { 3 } else { 0 }, "{tag:?}");
+    }
+}
+
 #[test]
 fn a_block_stored_twice_stays_until_removed_twice() {
     let toks = tokens(BS);

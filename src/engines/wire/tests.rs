@@ -229,7 +229,10 @@ fn bigram_tokens_and_a_bare_lora_id_decode() {
             Value::from(1),
         ])]),
     ]);
-    assert!(decode_batch(&encode(&bad)).is_err());
+    assert!(matches!(
+        &decode_batch(&encode(&bad)).unwrap().events[0],
+        EngineEvent::Malformed { tag: Some(t), .. } if t == "BlockStored"
+    ));
 }
 
 #[test]
@@ -263,6 +266,59 @@ fn extra_keys_keep_strings_apart_from_other_keys() {
     assert!(matches!(st.extra_keys[1].as_slice(), [ExtraKey::Other(_)]));
 }
 
+/// An event that does not decode costs only itself: it is kept as malformed, with its tag
+/// and the reason, and the events around it decode.
+#[test]
+fn a_bad_event_is_malformed_and_the_rest_of_its_batch_decodes() {
+    let good = Value::Array(vec![s("AllBlocksCleared")]);
+    let cases: Vec<(Value, Option<&str>, &str)> = vec![
+        (
+            Value::Array(vec![
+                s("BlockStored"),
+                ints(&[1]),
+                Value::Nil,
+                ints(&[1 << 40]),
+                Value::from(1),
+            ]),
+            Some("BlockStored"),
+            "token_ids",
+        ),
+        (
+            Value::Array(vec![s("BlockRemoved"), Value::Array(vec![Value::F64(1.0)])]),
+            Some("BlockRemoved"),
+            "neither an int nor bytes",
+        ),
+        (
+            map(vec![
+                ("type", s("BlockRemoved")),
+                ("block_hashes", ints(&[1])),
+                ("group_idx", Value::from(1000)),
+            ]),
+            Some("BlockRemoved"),
+            "group_idx",
+        ),
+        (Value::from(7), None, "tagged"),
+    ];
+    for (event, tag, why) in cases {
+        let batch = Value::Array(vec![
+            Value::F64(0.0),
+            Value::Array(vec![good.clone(), event, good.clone()]),
+        ]);
+        let b = decode_batch(&encode(&batch)).unwrap();
+        assert_eq!(b.events.len(), 3);
+        assert_eq!(b.events[0], EngineEvent::Cleared);
+        assert_eq!(b.events[2], EngineEvent::Cleared);
+        let EngineEvent::Malformed { tag: got, error } = &b.events[1] else {
+            panic!("{why}: {:?}", b.events[1]);
+        };
+        assert_eq!(got.as_deref(), tag);
+        assert!(
+            error.contains(why) && error.starts_with("event 1:"),
+            "{error:?} should say {why:?}"
+        );
+    }
+}
+
 #[test]
 fn bad_payloads_are_refused_with_a_reason() {
     let cases: Vec<(Vec<u8>, &str)> = vec![
@@ -275,40 +331,6 @@ fn bad_payloads_are_refused_with_a_reason() {
             ]
             .concat(),
             "after the batch",
-        ),
-        (
-            encode(&Value::Array(vec![
-                Value::F64(0.0),
-                Value::Array(vec![Value::Array(vec![
-                    s("BlockStored"),
-                    ints(&[1]),
-                    Value::Nil,
-                    ints(&[1 << 40]),
-                    Value::from(1),
-                ])]),
-            ])),
-            "token_ids",
-        ),
-        (
-            encode(&Value::Array(vec![
-                Value::F64(0.0),
-                Value::Array(vec![Value::Array(vec![
-                    s("BlockRemoved"),
-                    Value::Array(vec![Value::F64(1.0)]),
-                ])]),
-            ])),
-            "neither an int nor bytes",
-        ),
-        (
-            encode(&Value::Array(vec![
-                Value::F64(0.0),
-                Value::Array(vec![map(vec![
-                    ("type", s("BlockRemoved")),
-                    ("block_hashes", ints(&[1])),
-                    ("group_idx", Value::from(1000)),
-                ])]),
-            ])),
-            "group_idx",
         ),
     ];
     for (payload, why) in cases {
