@@ -96,6 +96,10 @@ impl LoadMessage {
     }
 }
 
+/// Longest a flush waits for the NATS client to take one message (it stops taking them
+/// while it reconnects).
+const PUBLISH_WAIT: Duration = Duration::from_secs(1);
+
 /// Largest load message accepted, bytes (a flush never exceeds the server's max_payload).
 pub const MAX_LOAD_MESSAGE_BYTES: usize = 8 << 20;
 
@@ -110,10 +114,16 @@ pub fn decode_load(payload: &[u8]) -> Result<Vec<LoadMessage>, serde_json::Error
     serde_json::from_slice(payload)
 }
 
-/// Operations waiting to be published: bounded, shedding the least harmful first.
+/// Operations waiting to be published: bounded, shedding the least harmful first. Queuing
+/// and shedding cost O(1) however full it is (it is fed on every request's path).
 #[derive(Debug)]
 pub struct Outbox {
-    ops: VecDeque<LoadMessage>,
+    /// Bookings and first tokens: shed first, oldest first. Each with its place in the
+    /// order operations were queued (a peer must see a booking before its completion).
+    sheddable: VecDeque<(u64, LoadMessage)>,
+    /// Completions and heartbeats: shed only when nothing else is pending.
+    kept: VecDeque<(u64, LoadMessage)>,
+    next: u64,
     max: usize,
     shed: u64,
 }
@@ -122,7 +132,9 @@ impl Outbox {
     /// An empty outbox for at most `max` operations.
     pub fn new(max: usize) -> Self {
         Outbox {
-            ops: VecDeque::new(),
+            sheddable: VecDeque::new(),
+            kept: VecDeque::new(),
+            next: 0,
             max: max.max(1),
             shed: 0,
         }
@@ -133,23 +145,24 @@ impl Outbox {
     /// oldest completion go (the next heartbeat carries it anyway). Returns whether it was
     /// the first one pending (the flusher must be woken).
     pub fn push(&mut self, op: LoadMessage) -> bool {
-        if self.ops.len() >= self.max {
-            let victim = self
-                .ops
-                .iter()
-                .position(|m| {
-                    !matches!(
-                        m,
-                        LoadMessage::Complete { .. } | LoadMessage::Heartbeat { .. }
-                    )
-                })
-                .unwrap_or(0);
-            self.ops.remove(victim);
+        if self.len() >= self.max {
+            if self.sheddable.pop_front().is_none() {
+                self.kept.pop_front();
+            }
             self.shed += 1;
             metrics::counter!("kvroute_load_shed_total").increment(1);
         }
-        self.ops.push_back(op);
-        self.ops.len() == 1
+        let place = self.next;
+        self.next += 1;
+        match op {
+            LoadMessage::Complete { .. } | LoadMessage::Heartbeat { .. } => {
+                self.kept.push_back((place, op));
+            }
+            LoadMessage::Book { .. } | LoadMessage::FirstToken { .. } => {
+                self.sheddable.push_back((place, op));
+            }
+        }
+        self.len() == 1
     }
 
     /// Operations shed so far.
@@ -159,12 +172,38 @@ impl Outbox {
 
     /// Operations pending.
     pub fn len(&self) -> usize {
-        self.ops.len()
+        self.sheddable.len() + self.kept.len()
     }
 
     /// Whether nothing is pending.
     pub fn is_empty(&self) -> bool {
-        self.ops.is_empty()
+        self.len() == 0
+    }
+
+    /// Everything pending, in the order it was queued.
+    fn drain(&mut self) -> Vec<LoadMessage> {
+        let mut out = Vec::with_capacity(self.len());
+        let (mut a, mut b) = (
+            self.sheddable.drain(..).peekable(),
+            self.kept.drain(..).peekable(),
+        );
+        loop {
+            let next = match (a.peek(), b.peek()) {
+                (Some((x, _)), Some((y, _))) => {
+                    if x < y {
+                        a.next()
+                    } else {
+                        b.next()
+                    }
+                }
+                (Some(_), None) => a.next(),
+                (None, _) => b.next(),
+            };
+            match next {
+                Some((_, op)) => out.push(op),
+                None => return out,
+            }
+        }
     }
 
     /// Takes everything pending as payloads of at most `max_payload` bytes each, in order.
@@ -172,7 +211,7 @@ impl Outbox {
     pub fn drain_payloads(&mut self, max_payload: usize) -> Vec<Bytes> {
         let mut payloads = Vec::new();
         let mut current: Vec<u8> = Vec::new();
-        for op in self.ops.drain(..) {
+        for op in self.drain() {
             let encoded = serde_json::to_vec(&op).expect("invariant: load messages serialize");
             // `[` + op + `]` must fit alone.
             if encoded.len() + 2 > max_payload {
@@ -384,10 +423,16 @@ impl LoadShare {
                     _ = flusher.wake.notified() => {}
                     _ = stop.changed() => return,
                 }
-                if config.flush_ms > 0 {
-                    tokio::time::sleep(Duration::from_millis(config.flush_ms)).await;
+                let flush = async {
+                    if config.flush_ms > 0 {
+                        tokio::time::sleep(Duration::from_millis(config.flush_ms)).await;
+                    }
+                    flusher.flush().await;
+                };
+                tokio::select! {
+                    () = flush => {}
+                    _ = stop.changed() => return,
                 }
-                flusher.flush().await;
             }
         });
         let s = share.clone();
@@ -452,13 +497,25 @@ impl LoadShare {
         }
     }
 
-    /// Publishes what is pending, in messages under the server's payload limit.
+    /// Publishes what is pending, in messages under the server's payload limit and the
+    /// size peers accept. While the server is unreachable, a publish waits at most
+    /// [`PUBLISH_WAIT`]: the rest of this flush is dropped (and counted) rather than held,
+    /// so the outbox keeps taking and shedding operations.
     async fn flush(&self) {
-        let max = self.transport.max_payload();
+        let max = self.transport.max_payload().min(MAX_LOAD_MESSAGE_BYTES);
         let payloads = self.outbox.lock().drain_payloads(max);
-        for payload in payloads {
-            if let Err(e) = self.transport.publish(&self.subject, None, payload).await {
-                tracing::warn!(error = %e, "cannot share load");
+        let count = payloads.len();
+        for (i, payload) in payloads.into_iter().enumerate() {
+            let publish = self.transport.publish(&self.subject, None, payload);
+            match tokio::time::timeout(PUBLISH_WAIT, publish).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "cannot share load"),
+                Err(_) => {
+                    let dropped = (count - i) as u64;
+                    metrics::counter!("kvroute_load_dropped_messages_total").increment(dropped);
+                    tracing::warn!(dropped, "cannot share load: the server takes no messages");
+                    return;
+                }
             }
         }
     }

@@ -70,6 +70,40 @@ fn the_outbox_sheds_bookings_before_completions() {
     assert_eq!(o.len(), 1);
 }
 
+/// Operations kept apart for shedding still go out in the order they were queued: a peer
+/// sees a booking before its first token and completion.
+#[test]
+fn a_full_outbox_sheds_in_constant_time_and_drains_in_order() {
+    let id = |seq| BookingId { origin: 1, seq };
+    let mut o = Outbox::new(4);
+    o.push(LoadMessage::Complete { id: id(1) });
+    o.push(LoadMessage::Book {
+        booking: shared(1, 2, 1, 1.0),
+    });
+    o.push(LoadMessage::FirstToken { id: id(2) });
+    o.push(LoadMessage::Complete { id: id(2) });
+    // Full: the oldest booking goes for the heartbeat.
+    o.push(LoadMessage::Heartbeat {
+        replica: 1,
+        open: Vec::new(),
+        next: 3,
+    });
+    assert_eq!((o.len(), o.shed()), (4, 1));
+    let kinds: Vec<String> = o
+        .drain_payloads(1 << 20)
+        .iter()
+        .flat_map(|p| decode_load(p).unwrap())
+        .map(|m| match m {
+            LoadMessage::Book { booking } => format!("book {}", booking.id.seq),
+            LoadMessage::FirstToken { id } => format!("first {}", id.seq),
+            LoadMessage::Complete { id } => format!("complete {}", id.seq),
+            LoadMessage::Heartbeat { .. } => "heartbeat".into(),
+        })
+        .collect();
+    assert_eq!(kinds, ["complete 1", "first 2", "complete 2", "heartbeat"]);
+    assert!(o.is_empty());
+}
+
 #[test]
 fn a_flush_splits_under_the_payload_limit_and_keeps_order() {
     let mut o = Outbox::new(10_000);
