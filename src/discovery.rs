@@ -816,23 +816,38 @@ async fn watch_bucket(
 /// What a registry entry reports, if anything (probes and invalid entries report nothing).
 fn registry_event(entry: &async_nats::jetstream::kv::Entry) -> Option<RegistryEvent> {
     use async_nats::jetstream::kv::Operation;
-    if entry.key.starts_with(PROBE_PREFIX) {
+    let put = match entry.operation {
+        Operation::Put => Some(entry.value.as_ref()),
+        Operation::Delete | Operation::Purge => None,
+    };
+    registry_change(&entry.key, put)
+}
+
+/// What a change to registry key `key` reports: a put of `value`, or a delete (`None`).
+/// A registration lives under its worker's id, so that the worker's goodbye (a delete of
+/// that key) ends it: one under another key is invalid.
+fn registry_change(key: &str, put: Option<&[u8]>) -> Option<RegistryEvent> {
+    if key.starts_with(PROBE_PREFIX) {
         return None;
     }
-    match entry.operation {
-        Operation::Put => match WorkerInfo::decode(&entry.value) {
-            Ok(info) => Some(RegistryEvent::Put(info)),
-            Err(e) => {
-                metrics::counter!("kvroute_registry_invalid_total").increment(1);
-                tracing::warn!(key = %entry.key, error = %e, "ignoring invalid worker registration");
-                None
-            }
-        },
-        Operation::Delete | Operation::Purge => entry
-            .key
+    let Some(value) = put else {
+        return key
             .parse::<u64>()
             .ok()
-            .map(|id| RegistryEvent::Delete(WorkerId(id))),
+            .map(|id| RegistryEvent::Delete(WorkerId(id)));
+    };
+    let invalid = |error: String| {
+        metrics::counter!("kvroute_registry_invalid_total").increment(1);
+        tracing::warn!(key, error, "ignoring invalid worker registration");
+        None
+    };
+    match WorkerInfo::decode(value) {
+        Ok(info) if key == info.id.to_string() => Some(RegistryEvent::Put(info)),
+        Ok(info) => invalid(format!(
+            "registered under key {key:?} but names worker {}",
+            info.id.0
+        )),
+        Err(e) => invalid(e.to_string()),
     }
 }
 
@@ -1064,9 +1079,31 @@ mod tests {
         assert_eq!(lease(0, 5_000).validate(), Err(LeaseError::NoHeartbeat));
     }
 
+    /// A registration counts only under its own worker's key: one under another key would
+    /// outlive its worker's goodbye (a delete of the worker's key), or take over the worker
+    /// whose id it names.
     #[test]
-    fn a_url_the_router_cannot_build_a_request_from_is_refused() {
-        let mut info = WorkerInfo {
+    fn a_registration_under_another_worker_s_key_is_invalid() {
+        let info = WorkerInfo {
+            id: WorkerId(13),
+            ..test_info()
+        };
+        let value = serde_json::to_vec(&info).unwrap();
+        assert!(matches!(
+            registry_change("13", Some(&value)),
+            Some(RegistryEvent::Put(i)) if i.id == WorkerId(13)
+        ));
+        assert!(registry_change("12", Some(&value)).is_none());
+        assert!(registry_change("013", Some(&value)).is_none());
+        assert!(matches!(
+            registry_change("12", None),
+            Some(RegistryEvent::Delete(WorkerId(12)))
+        ));
+        assert!(registry_change(&format!("{PROBE_PREFIX}x"), None).is_none());
+    }
+
+    fn test_info() -> WorkerInfo {
+        WorkerInfo {
             id: WorkerId(1),
             url: "http://127.0.0.1:9000".into(),
             block_size: 16,
@@ -1082,7 +1119,12 @@ mod tests {
             event_faults: None,
             engine_rank_kv_usage: Vec::new(),
             learns_routes: false,
-        };
+        }
+    }
+
+    #[test]
+    fn a_url_the_router_cannot_build_a_request_from_is_refused() {
+        let mut info = test_info();
         assert!(info.validate().is_ok());
         // https too: the router has no TLS client, so it could never reach such a worker.
         for bad in [
