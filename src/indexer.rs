@@ -24,8 +24,10 @@
 //! A node is one 16-byte slot of an open-addressing table ([`table`]): the `SeqHash` (the
 //! key *is* the node's address) and one word holding up to three owners inline, each a
 //! worker slot and its tier bits in 20 bits; more owners spill to an arena at 4 B each.
-//! Tables stay between 41 % and 81 % full, so a distinct block costs 20–39 B (27 B at the
-//! mean of a doubling) plus 4 B per owner past the third. There is no per-worker reverse
+//! Tables stay between 41 % and 81 % full while the index grows or holds steady, so a
+//! distinct block costs 20–39 B (27 B at the mean of a doubling); a block shared by four or
+//! more workers adds 4 B per owner out of line (the [`table`] module's docs give the
+//! details, and what a shrinking index costs). There is no per-worker reverse
 //! map: what a worker holds is in the nodes, and `Cleared`, worker removal and `dump` walk
 //! the map (rare). A removal is two halves: retiring the worker's slot (constant time:
 //! lookups stop crediting it and its next events register afresh) and reaping (the walk
@@ -209,6 +211,8 @@ pub struct Counters {
     pub lookups: u64,
     /// Workers removed.
     pub workers_removed: u64,
+    /// Walks of the whole map: a `Cleared` of a tier a worker holds entries in, or a reap.
+    pub walks: u64,
 }
 
 /// Sizes of the live state.
@@ -237,6 +241,7 @@ struct AtomicCounters {
     slots_exhausted: AtomicU64,
     lookups: AtomicU64,
     workers_removed: AtomicU64,
+    walks: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64, by: u64) {
@@ -359,8 +364,24 @@ impl Indexer {
             .lanes
             .with_lane(batch.worker, batch.dp_rank, |slot, lane| {
                 let mut outcome = ApplyOutcome::default();
-                for event in &batch.events {
-                    self.apply_event(slot.index, lane, event, &mut outcome);
+                // A `Cleared` empties its tier of this lane's entries: what the batch does to
+                // that tier before its last `Cleared` is undone by it, so is skipped. A batch
+                // walks the map once per tier at most, however many it carries.
+                let mut last_cleared = [None::<usize>; Tier::ALL.len()];
+                for (i, event) in batch.events.iter().enumerate() {
+                    if matches!(event.data, KvEventData::Cleared) {
+                        last_cleared[event.tier as usize] = Some(i);
+                    }
+                }
+                for (i, event) in batch.events.iter().enumerate() {
+                    match last_cleared[event.tier as usize] {
+                        Some(last) if i < last => {
+                            if matches!(event.data, KvEventData::Cleared) {
+                                outcome.cleared += 1;
+                            }
+                        }
+                        _ => self.apply_event(slot.index, lane, event, &mut outcome),
+                    }
                 }
                 outcome.count(&self.counters);
                 self.add_sizes(outcome.sizes);
@@ -391,6 +412,7 @@ impl Indexer {
         out: &mut ApplyOutcome,
     ) {
         let scratch = &mut lane.scratch;
+        let entries_before = out.sizes.entries;
         match &event.data {
             KvEventData::Stored { parent, blocks } => {
                 if event.tier == Tier::Device
@@ -432,10 +454,23 @@ impl Indexer {
             }
             KvEventData::Cleared => {
                 out.cleared += 1;
-                let tier = bit(event.tier);
-                out.removed += self.strip(|e| if table::slot_of(e) == slot { tier } else { 0 });
+                // Only a tier the lane holds entries in is worth a walk of the map.
+                if lane.held[event.tier as usize] > 0 {
+                    let tier = bit(event.tier);
+                    let mut gone = Tally::default();
+                    out.removed += self.strip(
+                        |e| if table::slot_of(e) == slot { tier } else { 0 },
+                        |shard| gone.add(shard),
+                    );
+                    out.sizes.add(gone);
+                }
+                lane.held[event.tier as usize] = 0;
+                return;
             }
         }
+        // Every entry an event adds or takes is of its tier and this lane's slot.
+        let held = &mut lane.held[event.tier as usize];
+        *held = held.saturating_add_signed((out.sizes.entries - entries_before) as i64);
     }
 
     /// Loads the first table slot each block's probe reads, all before any is used, so that
@@ -571,8 +606,10 @@ impl Indexer {
 
     /// Takes the tiers `drop(entry)` names off every entry of every block: one walk of the
     /// whole map, one shard locked at a time (`Cleared` and reaping removed workers are
-    /// rare). Returns the entries removed.
-    fn strip(&self, drop: impl Fn(Entry) -> TierMask) -> u64 {
+    /// rare). Hands each shard's changes to the live sizes to `settle`; returns the entries
+    /// removed.
+    fn strip(&self, drop: impl Fn(Entry) -> TierMask, mut settle: impl FnMut(Tally)) -> u64 {
+        bump(&self.counters.walks, 1);
         let mut removed = 0u64;
         let mut keys = Vec::new();
         let mut owners = Vec::new();
@@ -606,7 +643,7 @@ impl Indexer {
                 removed += u64::from(gone);
             }
             w.settle();
-            self.add_sizes(gone_here);
+            settle(gone_here);
         }
         removed
     }
@@ -670,17 +707,20 @@ impl Indexer {
                     for &slot in &batch {
                         gone[slot as usize / 64] |= 1 << (slot % 64);
                     }
-                    let stripped = self.strip(|e| {
-                        let slot = table::slot_of(e) as usize;
-                        if gone
-                            .get(slot / 64)
-                            .is_some_and(|w| w & (1 << (slot % 64)) != 0)
-                        {
-                            table::tiers_of(e)
-                        } else {
-                            0
-                        }
-                    });
+                    let stripped = self.strip(
+                        |e| {
+                            let slot = table::slot_of(e) as usize;
+                            if gone
+                                .get(slot / 64)
+                                .is_some_and(|w| w & (1 << (slot % 64)) != 0)
+                            {
+                                table::tiers_of(e)
+                            } else {
+                                0
+                            }
+                        },
+                        |shard| self.add_sizes(shard),
+                    );
                     for &slot in &batch {
                         self.lanes.slots.release(slot);
                     }
@@ -939,6 +979,7 @@ impl Indexer {
             slots_exhausted: get(&c.slots_exhausted),
             lookups: get(&c.lookups),
             workers_removed: get(&c.workers_removed),
+            walks: get(&c.walks),
         }
     }
 
@@ -971,6 +1012,13 @@ impl Indexer {
 struct Tally {
     blocks: isize,
     entries: isize,
+}
+
+impl Tally {
+    fn add(&mut self, other: Tally) {
+        self.blocks += other.blocks;
+        self.entries += other.entries;
+    }
 }
 
 /// A block's probe home: its key mixed (the shard is its top bits).

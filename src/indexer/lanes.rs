@@ -24,6 +24,9 @@ pub(crate) struct LaneState {
     pub dead: bool,
     /// The lane's scratch owner list (no allocation per event).
     pub scratch: Vec<super::table::Entry>,
+    /// Entries the lane's slot holds, per tier (only this lane's lock writes them): a
+    /// `Cleared` of a tier it holds nothing in walks nothing.
+    pub held: [u64; crate::protocol::Tier::ALL.len()],
 }
 
 #[derive(Debug)]
@@ -96,12 +99,18 @@ impl Lanes {
     pub(crate) fn remove(&self, worker: WorkerId, rank: Option<DpRank>) -> Vec<SlotRef> {
         let lanes: Vec<Arc<Lane>> = {
             let mut registry = self.registry.lock();
-            let keys: Vec<(WorkerId, DpRank)> = registry
-                .keys()
-                .filter(|(w, r)| *w == worker && rank.is_none_or(|x| x == *r))
-                .copied()
-                .collect();
-            keys.iter().filter_map(|k| registry.remove(k)).collect()
+            match rank {
+                // One rank: no scan of every lane under the lock each `apply` takes.
+                Some(rank) => registry.remove(&(worker, rank)).into_iter().collect(),
+                None => {
+                    let keys: Vec<(WorkerId, DpRank)> = registry
+                        .keys()
+                        .filter(|(w, _)| *w == worker)
+                        .copied()
+                        .collect();
+                    keys.iter().filter_map(|k| registry.remove(k)).collect()
+                }
+            }
         };
         lanes
             .iter()

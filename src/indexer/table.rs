@@ -12,10 +12,13 @@
 //! - `PRESENT | SPILLED | len << 32 | offset`: more owners (or a slot index past 16 bits)
 //!   out of line, `len` entries packed two to a word in the shard's arena.
 //!
-//! So a block costs its slot, 16 B, divided by the table's load (kept between 0.41 and
-//! 0.81 by growing ×2 at 13/16 and shrinking at 1/8): 20 to 39 B, 27 B at the mean of a
-//! doubling; plus 4 B per owner beyond the third, and those only for blocks shared by four
-//! or more workers (shared system prompts). Nothing else is kept per block: the key is the
+//! So a block costs its slot, 16 B, divided by the table's load. While the index grows or
+//! holds steady the load stays between 0.41 and 0.81 (the table doubles at 13/16): 20 to
+//! 39 B, 27 B at the mean of a doubling. It shrinks only at 1/8, so after most blocks have
+//! left a block may cost up to 128 B until then. A block shared by four or more workers
+//! (shared system prompts) keeps its whole owner set out of line, 4 B an owner, in an arena
+//! with room for twice the live sets and at least an eighth of a word (1 B) a slot, so that
+//! the rebuilds its changes cause are paid for. Nothing else is kept per block: the key is the
 //! node's address, the block's parent and `LocalHash` are not needed to answer a lookup, and
 //! what a worker holds is read off the nodes when it leaves (a walk; rare).
 //!
@@ -546,6 +549,10 @@ impl ShardWriter<'_> {
                     .word
                     .store(word, Ordering::Release);
                 self.release_region(old);
+                // A set that shrank may leave the arena mostly dead.
+                if old & SPILLED != 0 && !self.deferred && self.sparse() {
+                    self.rebuild(0, 0);
+                }
             }
             Err(i) => {
                 let slot = &self.books.table.slots[i];
@@ -562,11 +569,18 @@ impl ShardWriter<'_> {
         }
     }
 
-    /// Whether the table should shrink: an eighth full, or empty with an arena.
+    /// Whether the table should shrink: an eighth full, or empty with an arena, or its
+    /// arena over twice what a rebuild would give it (and over a quarter word a slot, so
+    /// that a set moving in and out of line does not rebuild the shard each time).
     fn sparse(&self) -> bool {
         let cap = self.books.table.slots.len();
+        let arena = self.books.table.arena.len();
         (self.books.live < cap / 8 && cap > MIN_CAPACITY)
-            || (self.books.live == 0 && !self.books.table.arena.is_empty())
+            || (self.books.live == 0 && arena > 0)
+            || arena
+                > (2 * arena_words(self.books.arena_live, cap))
+                    .max(cap / 4)
+                    .max(64)
     }
 
     /// Stops [`ShardWriter::set`] from shrinking the table until [`ShardWriter::settle`]: a
@@ -658,12 +672,7 @@ impl ShardWriter<'_> {
     /// `more_arena` arena words, and swaps it in.
     fn rebuild(&mut self, more: usize, more_arena: usize) {
         let capacity = capacity_for(self.books.live + more);
-        let arena_need = self.books.arena_live + more_arena;
-        let arena = if arena_need == 0 {
-            0
-        } else {
-            (arena_need * 2).max(32)
-        };
+        let arena = arena_words(self.books.arena_live + more_arena, capacity);
         let next = Table::new(capacity, arena);
         let mask = capacity - 1;
         let mut buf = Vec::new();
@@ -729,6 +738,19 @@ fn write_region(arena: &[AtomicU64], offset: usize, owners: &[Entry]) -> u64 {
 }
 
 /// Arena words `owners` need (0: they fit inline).
+/// Arena words a rebuild gives a shard of `capacity` slots whose live regions need `need`:
+/// twice that, and at least an eighth of a word a slot. A change to a spilled set writes
+/// the whole set anew, so a block shared by many workers fills the arena fast; with the
+/// floor, the next rebuild (a copy of the whole shard) comes only after `capacity / 8` words
+/// of new regions, which pay for it.
+fn arena_words(need: usize, capacity: usize) -> usize {
+    if need == 0 {
+        0
+    } else {
+        (need * 2).max(32).max(capacity / 8)
+    }
+}
+
 fn spill_words(owners: &[Entry]) -> usize {
     if owners.len() <= INLINE && owners.iter().all(|e| u64::from(*e) <= ENTRY_MASK) {
         0
@@ -827,6 +849,48 @@ mod tests {
         map.write(home_of_key(5)).set(home_of_key(5), 5, &big);
         assert!(map.read(home_of_key(5), 5, &mut buf));
         assert_eq!(buf, big);
+    }
+
+    /// A block shared by many workers changes owners often: the shard is not copied again
+    /// every few changes, and once the shared sets shrink, the arena shrinks with them.
+    #[test]
+    fn the_arena_pays_for_its_rebuilds_and_shrinks_back() {
+        let map = Map::new(2, 0);
+        let mut w = map.write_shard(0);
+        for key in 0..10_000u64 {
+            w.set(home_of_key(key), key, &owners(1));
+        }
+        let before = w.rebuilds();
+        for i in 0..30 {
+            w.set(home_of_key(0), 0, &owners(16 + i % 2));
+        }
+        assert!(
+            w.rebuilds() - before <= 2,
+            "{} rebuilds for 30 changes of one set",
+            w.rebuilds() - before
+        );
+        // 400 sets of 40 owners (8,000 words), then of 2 (inline).
+        for key in 0..400u64 {
+            w.set(home_of_key(key), key, &owners(40));
+        }
+        for key in 0..400u64 {
+            w.set(home_of_key(key), key, &owners(2));
+        }
+        let capacity = w.books.table.slots.len();
+        drop(w);
+        let fresh = Map::new(2, 0);
+        let mut f = fresh.write_shard(0);
+        for key in 0..10_000u64 {
+            f.set(
+                home_of_key(key),
+                key,
+                &owners(if key < 400 { 2 } else { 1 }),
+            );
+        }
+        drop(f);
+        // At most the quarter word a slot kept against rebuilding back and forth.
+        let kept = map.table_bytes() - fresh.table_bytes();
+        assert!(kept <= capacity / 4 * 8, "{kept} B of dead arena kept");
     }
 
     #[test]

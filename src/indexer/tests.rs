@@ -205,6 +205,46 @@ fn cleared_and_remove_worker_return_to_empty() {
     assert_eq!(ix.counters().workers_removed, 3);
 }
 
+/// A `Cleared` costs a walk of the map only for a tier its worker holds entries in, and a
+/// batch walks once per tier however many it carries; the batch ends as its events applied
+/// one by one leave the index.
+#[test]
+fn cleared_walks_only_what_it_must() {
+    let (a, b, c) = (chain(&[1, 2]), chain(&[3, 4]), chain(&[5]));
+    let events = |n: usize| {
+        let mut events = Vec::new();
+        for _ in 0..n {
+            events.push((Tier::Device, stored(None, &a)));
+            events.push((Tier::Host, stored(None, &b)));
+            events.push((Tier::Device, KvEventData::Cleared));
+        }
+        events.push((Tier::Device, stored(None, &c)));
+        events.push((Tier::Host, removed(&b[1..])));
+        events
+    };
+    let one = index();
+    // Nothing held yet: no walk.
+    one.apply(&batch(1, vec![(Tier::Host, KvEventData::Cleared); 1000]));
+    assert_eq!(one.counters().walks, 0);
+    one.apply(&batch(1, events(1000)));
+    assert_eq!(
+        one.counters().walks,
+        0,
+        "the lane held nothing before the batch"
+    );
+    assert_eq!(one.counters().cleared, 2000);
+    one.apply(&batch(1, events(3)));
+    assert_eq!(one.counters().walks, 1);
+    let each = index();
+    for event in events(1000).into_iter().chain(events(3)) {
+        each.apply(&batch(1, vec![event]));
+    }
+    assert_eq!(dumped(&one), dumped(&each));
+    assert_eq!(one.sizes(), each.sizes());
+    assert_eq!(overlap(&one, 1, &[5]), (1, 0, 0));
+    assert_eq!(overlap(&one, 1, &[3, 4]), (0, 1, 0));
+}
+
 /// A retired rank is out of every lookup at once, though its entries wait for the reaper;
 /// removals reaped together take one walk; the slots come back for new workers after it.
 #[test]
