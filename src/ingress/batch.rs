@@ -473,6 +473,8 @@ fn find_blank_line(b: &[u8]) -> Option<(usize, usize)> {
             Some((i, 2))
         } else if b[i..].starts_with(b"\r\n\r\n") {
             Some((i, 4))
+        } else if b[i..].starts_with(b"\n\r\n") {
+            Some((i, 3))
         } else {
             None
         }

@@ -1035,12 +1035,20 @@ impl Relay {
                 Err(_) => return RelayEnd::WorkerStalled,
                 Ok(None) if done => return RelayEnd::Done,
                 Ok(None) => {
-                    // Whatever the worker left unterminated goes as it is, with its share;
-                    // before the client is answered, only if it holds data.
-                    let rest = self.events.finish();
+                    // Whatever whole lines the worker left unterminated go, with their
+                    // share; before the client is answered, only if they hold data, and an
+                    // error there is the worker failing, as in a whole event.
+                    let rest = ended(self.events.finish());
                     let whole = holds_done(&rest);
                     let share = self.held.split_off(0);
                     if carries_data(&rest) {
+                        if self.opening.is_some()
+                            && let Some(error) = worker_error(&rest)
+                        {
+                            tracing::warn!(worker = %self.worker, %error, "worker failed in its stream before the first token");
+                            self.worker_error = Some(error);
+                            return RelayEnd::WorkerFailed;
+                        }
                         self.tokens = true;
                         self.open();
                     }
@@ -1270,13 +1278,33 @@ impl SseEvents {
     }
 }
 
-/// Just past the last blank line in `b` (`\n\n` or `\r\n\r\n`): where the whole
-/// server-sent events in `b` end (the relay, and `kvroute-bench online`, cut streams so).
+/// Just past the last blank line in `b` (`\n\n`, `\r\n\r\n` or `\n\r\n`): where the
+/// whole server-sent events in `b` end (the relay, and `kvroute-bench online`, cut streams
+/// so).
 pub fn event_end(b: &[u8]) -> Option<usize> {
     (1..b.len())
         .rev()
-        .find(|&i| b[i] == b'\n' && (b[i - 1] == b'\n' || (i >= 3 && &b[i - 3..i] == b"\r\n\r")))
+        .find(|&i| b[i] == b'\n' && (b[i - 1] == b'\n' || (i >= 2 && &b[i - 2..i] == b"\n\r")))
         .map(|i| i + 1)
+}
+
+/// What a stream cut inside an event leaves to relay: its complete lines, ended as an
+/// event (a client drops an unfinished one, `[DONE]` included). A line cut short is
+/// dropped, unless it is `[DONE]`: glued to the error event sent after it, it would garble
+/// both.
+fn ended(rest: Bytes) -> Bytes {
+    let cut = rest.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+    let (keep, end): (usize, &[u8]) = if holds_done(&rest[cut..]) {
+        (rest.len(), b"\n\n")
+    } else {
+        (cut, b"\n")
+    };
+    if keep == 0 {
+        return Bytes::new();
+    }
+    let mut event = rest[..keep].to_vec();
+    event.extend_from_slice(end);
+    Bytes::from(event)
 }
 
 #[cfg(test)]
@@ -1432,6 +1460,35 @@ mod tests {
 
     /// Events cut anywhere reach the client whole; an unterminated event waits, and what
     /// is left at the end is sent as it is.
+    #[test]
+    /// A stream cut inside an event: its whole lines go as an event ended there, a line
+    /// cut short is dropped (the error event after it stays readable), `[DONE]` is kept.
+    #[test]
+    fn a_stream_cut_inside_an_event_leaves_only_whole_lines() {
+        let cases: [(&[u8], &[u8]); 6] = [
+            (b"", b""),
+            (b"data: {\"choi", b""),
+            (b"data: {\"a\":1}\n", b"data: {\"a\":1}\n\n"),
+            (b"data: {\"a\":1}\r\n", b"data: {\"a\":1}\r\n\n"),
+            (b": ping\ndata: {\"b", b": ping\n\n"),
+            (b"data: [DONE]", b"data: [DONE]\n\n"),
+        ];
+        for (rest, relayed) in cases {
+            let got = ended(Bytes::from_static(rest));
+            assert_eq!(got, Bytes::from_static(relayed), "{rest:?}");
+            if !got.is_empty() {
+                assert_eq!(
+                    event_end(&got),
+                    Some(got.len()),
+                    "{got:?} is no whole event"
+                );
+            }
+        }
+        assert_eq!(event_end(b"data: 1\n\r\n"), Some(10));
+        assert_eq!(event_end(b"data: 1\r\n\r\n"), Some(11));
+        assert_eq!(event_end(b"data: 1\r\n"), None);
+    }
+
     #[test]
     fn sse_bytes_are_forwarded_in_whole_events() {
         let mut e = SseEvents::default();
