@@ -1458,9 +1458,6 @@ mod tests {
         }
     }
 
-    /// Events cut anywhere reach the client whole; an unterminated event waits, and what
-    /// is left at the end is sent as it is.
-    #[test]
     /// A stream cut inside an event: its whole lines go as an event ended there, a line
     /// cut short is dropped (the error event after it stays readable), `[DONE]` is kept.
     #[test]
@@ -1489,6 +1486,8 @@ mod tests {
         assert_eq!(event_end(b"data: 1\r\n"), None);
     }
 
+    /// Events cut anywhere reach the client whole; an unterminated event waits, and what
+    /// is left at the end is handed back as it is (for [`ended`]).
     #[test]
     fn sse_bytes_are_forwarded_in_whole_events() {
         let mut e = SseEvents::default();
