@@ -1126,7 +1126,13 @@ impl Relay {
                 self.worker_error = Some(error);
                 return RelayEnd::WorkerFailed;
             }
-            if token {
+            // An error event first (the client's, relayed; or one past the wait for the
+            // first token) is no first token: the engine computed no prompt to be found
+            // cached, and it says nothing of the worker's latency.
+            if token && first && stream_error(&data).is_some() {
+                self.open();
+                self.tokens = true;
+            } else if token {
                 self.open();
                 let now = Instant::now();
                 let (histogram, since) = if first {
@@ -1194,6 +1200,22 @@ fn carries_data(events: &[u8]) -> bool {
 /// `{"object": "error", …}`). An error whose `code` is a 4xx status, or whose `type` is
 /// `invalid_request_error` (OpenAI's) or `BadRequestError` (vLLM's), is the client's: `None`.
 fn worker_error(events: &[u8]) -> Option<String> {
+    stream_error(events)
+        .filter(|e| !e.clients)
+        .map(|e| e.message)
+}
+
+/// An error event in a stream.
+struct StreamError {
+    message: String,
+    /// The client's error (a 4xx `code`, or an `invalid_request_error` or `BadRequestError`
+    /// `type`), which another worker would repeat.
+    clients: bool,
+}
+
+/// The first error event among whole server-sent events, in any of the shapes
+/// [`worker_error`] reads.
+fn stream_error(events: &[u8]) -> Option<StreamError> {
     events.split(|&b| b == b'\n').find_map(|line| {
         let value = line.strip_prefix(b"data:")?.trim_ascii();
         if !value.starts_with(b"{") {
@@ -1202,7 +1224,12 @@ fn worker_error(events: &[u8]) -> Option<String> {
         let v: serde_json::Value = serde_json::from_slice(value).ok()?;
         let error = match v.get("error") {
             Some(e @ serde_json::Value::Object(_)) => e,
-            Some(serde_json::Value::String(message)) => return Some(message.clone()),
+            Some(serde_json::Value::String(message)) => {
+                return Some(StreamError {
+                    message: message.clone(),
+                    clients: false,
+                });
+            }
             _ if v.get("object").and_then(|o| o.as_str()) == Some("error") => &v,
             _ => return None,
         };
@@ -1212,18 +1239,14 @@ fn worker_error(events: &[u8]) -> Option<String> {
             _ => None,
         };
         let kind = error.get("type").and_then(|t| t.as_str()).unwrap_or("");
-        if code.is_some_and(|c| (400..500).contains(&c))
-            || matches!(kind, "invalid_request_error" | "BadRequestError")
-        {
-            return None;
-        }
-        Some(
-            error
-                .get("message")
-                .and_then(|m| m.as_str())
-                .unwrap_or("an error event")
-                .to_owned(),
-        )
+        let clients = code.is_some_and(|c| (400..500).contains(&c))
+            || matches!(kind, "invalid_request_error" | "BadRequestError");
+        let message = error
+            .get("message")
+            .and_then(|m| m.as_str())
+            .unwrap_or("an error event")
+            .to_owned();
+        Some(StreamError { message, clients })
     })
 }
 
@@ -1448,13 +1471,17 @@ mod tests {
             br#"data: {"error":{"message":"bad","type":"x","code":"422"}}"#,
         ] {
             assert_eq!(worker_error(client), None);
+            // Still an error event: no first token.
+            assert!(stream_error(client).is_some_and(|e| e.clients));
         }
+        assert!(stream_error(vllm).is_some_and(|e| !e.clients));
         for not_error in [
             &b"data: {\"choices\":[{\"text\":\"error\"}]}\n\n"[..],
             b"data: [DONE]\n\n",
             b": {\"error\":\"comment\"}\n\n",
         ] {
             assert_eq!(worker_error(not_error), None);
+            assert!(stream_error(not_error).is_none());
         }
     }
 
