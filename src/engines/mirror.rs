@@ -102,6 +102,8 @@ pub struct EngineMirror {
     ghost_order: VecDeque<EngineHash>,
     /// Per group index, whether it holds the whole prefix (learned from stores' kinds).
     groups: [Option<bool>; MAX_GROUP as usize + 1],
+    /// Bit g: a store of group g was counted (its removals count from then on).
+    storing_groups: u64,
     stats: MirrorStats,
     /// The last block size an engine sent that differs from the configured one.
     wrong_block_size: Option<u32>,
@@ -116,6 +118,7 @@ impl EngineMirror {
             ghosts: FxHashMap::default(),
             ghost_order: VecDeque::new(),
             groups: [None; MAX_GROUP as usize + 1],
+            storing_groups: 0,
             stats: MirrorStats::default(),
             wrong_block_size: None,
         }
@@ -152,7 +155,14 @@ impl EngineMirror {
                     medium,
                     group,
                 } => {
-                    if group.is_some_and(|g| self.groups[g as usize] == Some(false)) {
+                    // A group the mirror has seen store nothing holds none of its blocks:
+                    // vLLM names a block by the same hash in each group (a sliding-window
+                    // group's removal, met before any of its stores, is not the
+                    // full-attention group's).
+                    if group.is_some_and(|g| {
+                        self.groups[g as usize] == Some(false)
+                            || self.storing_groups & (1 << g) == 0
+                    }) {
                         self.stats.other_groups += hashes.len() as u64;
                         continue;
                     }
@@ -218,6 +228,9 @@ impl EngineMirror {
         {
             self.stats.other_groups += n;
             return;
+        }
+        if let Some(g) = s.group {
+            self.storing_groups |= 1 << g;
         }
         if s.lora_id.is_some() && s.lora_name.is_none() {
             self.stats.unnamed_lora += n;
