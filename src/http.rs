@@ -24,8 +24,62 @@ use tokio::sync::{Semaphore, watch};
 
 pub mod budget;
 
-/// The response body of every kvroute HTTP endpoint.
-pub type Body = BoxBody<Bytes, Infallible>;
+/// The response body of every kvroute HTTP endpoint. A streamed answer that cannot end as
+/// it should fails with [`BodyAborted`] ([`streamed`]).
+pub type Body = BoxBody<Bytes, BodyAborted>;
+
+/// A streamed answer that could not end as it should: hyper closes the connection without
+/// the body's end, so the client sees a broken answer rather than a shorter one taken for
+/// whole (OpenAI's clients read a clean end without `[DONE]` as the answer's end).
+#[derive(Debug, thiserror::Error)]
+#[error("the answer was cut off")]
+pub struct BodyAborted;
+
+/// A whole body of `bytes`.
+pub fn full(bytes: impl Into<Bytes>) -> Body {
+    use http_body_util::BodyExt;
+    http_body_util::Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+/// Says that a [`streamed`] body's sender ended it as it should.
+#[derive(Clone, Debug, Default)]
+pub struct Ending(Arc<std::sync::atomic::AtomicBool>);
+
+impl Ending {
+    /// The body ends cleanly once the sender is gone.
+    pub fn complete(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    fn is_complete(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+/// A body of what arrives on `rx`, each item's bytes by `bytes` (the item goes, with what it
+/// holds, once its frame is taken). It ends cleanly when the sender is gone having called
+/// [`Ending::complete`], and fails with [`BodyAborted`] when it is gone without.
+pub fn streamed<T: Send + 'static>(
+    rx: tokio::sync::mpsc::Receiver<T>,
+    ending: Ending,
+    bytes: fn(T) -> Bytes,
+) -> Body {
+    use http_body_util::{BodyExt, StreamBody};
+    let frames = futures_util::stream::unfold(Some((rx, ending)), move |state| async move {
+        let (mut rx, ending) = state?;
+        match rx.recv().await {
+            Some(item) => Some((
+                Ok(hyper::body::Frame::data(bytes(item))),
+                Some((rx, ending)),
+            )),
+            None if ending.is_complete() => None,
+            None => Some((Err(BodyAborted), None)),
+        }
+    });
+    BodyExt::boxed(StreamBody::new(frames))
+}
 
 /// Limits of an HTTP server.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

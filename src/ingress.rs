@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Method, Response, StatusCode, header};
 use hyper_util::client::legacy::Client;
@@ -565,7 +565,7 @@ fn json(status: StatusCode, body: String) -> Response<Body> {
     Response::builder()
         .status(status)
         .header(header::CONTENT_TYPE, "application/json")
-        .body(Full::new(Bytes::from(body)).boxed())
+        .body(crate::http::full(body))
         .expect("invariant: static response parts are valid")
 }
 
@@ -599,7 +599,7 @@ fn metrics_text(router: &Router) -> Response<Body> {
         .unwrap_or_default();
     Response::builder()
         .header(header::CONTENT_TYPE, "text/plain; version=0.0.4")
-        .body(Full::new(Bytes::from(text)).boxed())
+        .body(crate::http::full(text))
         .expect("invariant: static response parts are valid")
 }
 
@@ -733,7 +733,7 @@ fn model(router: &Router, id: &str) -> Result<Response<Body>, ApiError> {
 
 /// `s` with its `%XX` escapes decoded; `s` itself where an escape is malformed or the
 /// result is not UTF-8.
-fn percent_decoded(s: &str) -> std::borrow::Cow<'_, str> {
+pub(crate) fn percent_decoded(s: &str) -> std::borrow::Cow<'_, str> {
     if !s.contains('%') {
         return s.into();
     }

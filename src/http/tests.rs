@@ -14,7 +14,7 @@ async fn server(config: HttpConfig) -> (std::net::SocketAddr, watch::Sender<bool
     tokio::spawn(serve_http(
         listener,
         config,
-        |_req| async { Response::new(Full::new(Bytes::from_static(b"ok")).boxed()) },
+        |_req| async { Response::new(super::full(Bytes::from_static(b"ok"))) },
         rx,
     ));
     (addr, stop)
@@ -147,7 +147,7 @@ async fn connections_beyond_the_cap_wait_for_a_slot() {
 #[tokio::test(start_paused = true)]
 async fn bodies_have_a_deadline_and_a_size_cap() {
     let never = StreamBody::new(futures_util::stream::pending::<
-        Result<Frame<Bytes>, std::convert::Infallible>,
+        Result<Frame<Bytes>, BodyAborted>,
     >());
     let r = collect_body(never, 1024, Duration::from_secs(5)).await;
     assert!(matches!(r, Err(BodyError::TimedOut { ms: 5000 })), "{r:?}");
@@ -179,7 +179,7 @@ async fn an_answer_before_the_body_reaches_a_client_still_uploading() {
         listener,
         HttpConfig::default(),
         |_req: hyper::Request<Incoming>| async {
-            let mut refused = Response::new(Full::new(Bytes::from_static(b"too large")).boxed());
+            let mut refused = Response::new(super::full(Bytes::from_static(b"too large")));
             *refused.status_mut() = hyper::StatusCode::PAYLOAD_TOO_LARGE;
             refused
         },
@@ -259,7 +259,7 @@ async fn a_client_that_stops_reading_is_cut_off_and_frees_its_slot() {
                 } else {
                     Bytes::from_static(b"ok")
                 };
-                Response::new(Full::new(body).boxed())
+                Response::new(super::full(body))
             }
         },
         rx,
@@ -331,6 +331,52 @@ async fn read_until(s: &mut TcpStream, end: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// A streamed answer whose sender goes without ending it as it should reaches the client
+/// without the chunked body's end (its client sees a broken answer, not a whole one); one
+/// ended as it should ends with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_answer_cut_off_has_no_clean_end() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (_stop, rx) = watch::channel(false);
+    tokio::spawn(serve_http(
+        listener,
+        HttpConfig::default(),
+        move |req: hyper::Request<Incoming>| async move {
+            let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(2);
+            let ending = Ending::default();
+            let body = streamed(rx, ending.clone(), |b| b);
+            let whole = req.uri().path() == "/whole";
+            tokio::spawn(async move {
+                tx.send(Bytes::from_static(b"data: 1\n\n")).await.unwrap();
+                if whole {
+                    tx.send(Bytes::from_static(b"data: [DONE]\n\n"))
+                        .await
+                        .unwrap();
+                    ending.complete();
+                }
+            });
+            Response::new(body)
+        },
+        rx,
+    ));
+    for (path, whole) in [("/whole", true), ("/cut", false)] {
+        let mut c = TcpStream::connect(addr).await.unwrap();
+        c.write_all(
+            format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(30), read_to_close(&mut c))
+            .await
+            .expect("the connection stayed open");
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        // (What was queued before the cut may or may not have been written out.)
+        assert!(!whole || answer.contains("data: 1"), "{answer}");
+        assert_eq!(answer.ends_with("0\r\n\r\n"), whole, "{path}: {answer:?}");
+    }
+}
+
 /// On shutdown a kept-alive connection takes no new request: an idle one closes at once,
 /// one whose response is still streaming finishes it and then closes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -347,7 +393,7 @@ async fn shutdown_closes_kept_alive_connections_once_their_request_is_done() {
             let released = Arc::clone(&released);
             async move {
                 if req.uri().path() != "/stream" {
-                    return Response::new(Full::new(Bytes::from_static(b"ok")).boxed());
+                    return Response::new(super::full(Bytes::from_static(b"ok")));
                 }
                 let chunks = futures_util::stream::unfold(0, move |i| {
                     let released = Arc::clone(&released);
@@ -363,7 +409,7 @@ async fn shutdown_closes_kept_alive_connections_once_their_request_is_done() {
                     }
                 });
                 let body = StreamBody::new(futures_util::StreamExt::map(chunks, |b| {
-                    Ok::<_, Infallible>(Frame::data(b))
+                    Ok::<_, super::BodyAborted>(Frame::data(b))
                 }));
                 Response::new(BodyExt::boxed(body))
             }

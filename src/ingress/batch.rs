@@ -9,23 +9,21 @@
 //! fails before its answer starts, the whole request fails with its error, as vLLM fails a
 //! batch; the other prompts' requests are dropped, which cancels them on their workers.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::stream::FuturesUnordered;
 use futures_util::{StreamExt, TryStreamExt};
-use http_body_util::{BodyExt, Full, StreamBody};
-use hyper::body::Frame;
+use http_body_util::{BodyExt, Full};
 use hyper::{HeaderMap, Response, StatusCode, header};
 use serde_json::{Map, Value};
 
 use super::openai::{self, ApiError};
 use super::proxy::error_events;
 use super::{Router, complete};
-use crate::http::Body;
 use crate::http::budget::{GRAIN, Reservation};
+use crate::http::{Body, BodyAborted};
 use tokio::time::Instant;
 
 /// Prompts of one batch in flight at once: a thousand prompts do not take a thousand of
@@ -111,6 +109,10 @@ pub(super) async fn complete_batch(
     // leaves, ends it, which drops the parts and cancels them on their workers. Each part's
     // relay holds its own events' share of the bodies' budget.
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(1);
+    // Set once the last words are queued: a merge that stops short (a client stalled past
+    // the idle timeout) fails the body instead of ending it as if whole.
+    let ending = crate::http::Ending::default();
+    let merged_ending = ending.clone();
     tokio::spawn(async move {
         // Merged bytes waiting for the client, since when.
         let mut pending: Option<(Bytes, Instant)> = None;
@@ -153,7 +155,12 @@ pub(super) async fn complete_batch(
                             pending = Some((out, Instant::now()));
                         }
                     }
-                    Some((_, Some(Err(never)))) => match never {},
+                    // The part's relay could not end its stream as it should.
+                    Some((i, Some(Err(_)))) => {
+                        break error_events(&ApiError::unavailable(format!(
+                            "prompt {i}'s stream was cut off"
+                        )));
+                    }
                     // Part `i` ended: without its `[DONE]` it was cut short; else the next
                     // waiting part starts.
                     Some((i, None)) if !merge.done[i] => {
@@ -168,15 +175,12 @@ pub(super) async fn complete_batch(
         };
         // The last words: the other parts go first, and the client has the idle timeout.
         drop((running, streams));
-        let _ = tokio::time::timeout(idle, tx.send(last)).await;
-    });
-    let body = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|bytes| (Ok::<_, Infallible>(Frame::data(bytes)), rx))
+        if let Ok(Ok(())) = tokio::time::timeout(idle, tx.send(last)).await {
+            ending.complete();
+        }
     });
     Ok(response
-        .body(BodyExt::boxed(StreamBody::new(body)))
+        .body(crate::http::streamed(rx, merged_ending, |bytes| bytes))
         .expect("invariant: the part's headers were valid"))
 }
 
@@ -184,7 +188,7 @@ pub(super) async fn complete_batch(
 fn part_stream(
     prompt: usize,
     answer: Response<Body>,
-) -> futures_util::stream::BoxStream<'static, (usize, Option<Result<Bytes, Infallible>>)> {
+) -> futures_util::stream::BoxStream<'static, (usize, Option<Result<Bytes, BodyAborted>>)> {
     answer
         .into_body()
         .into_data_stream()
@@ -223,7 +227,7 @@ async fn merge_whole(
             .into_body()
             .collect()
             .await
-            .unwrap_or_else(|never| match never {})
+            .map_err(|_| ApiError::unavailable("a prompt's answer was cut off"))?
             .to_bytes();
         // Parsed, an answer takes about twice its bytes.
         bytes_held = bytes_held.saturating_add(bytes.len().saturating_mul(2));
@@ -242,10 +246,12 @@ async fn merge_whole(
         return Err(over());
     }
     drop(held);
-    let body = Full::new(merged).map_frame(move |frame| {
-        let _held = &held_merged;
-        frame
-    });
+    let body = Full::new(merged)
+        .map_frame(move |frame| {
+            let _held = &held_merged;
+            frame
+        })
+        .map_err(|never| match never {});
     Ok(response
         .unwrap_or_else(|| Response::builder().status(StatusCode::OK))
         .body(BodyExt::boxed(body))

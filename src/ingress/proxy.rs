@@ -2,13 +2,11 @@
 //! that returns the request's load wherever it is dropped, the one error type that decides
 //! retries, the client's status and the metric label, and the relay with its deadlines.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, StreamBody};
-use hyper::body::Frame;
+use http_body_util::{BodyExt, Full};
 use hyper::{Response, StatusCode, header};
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
@@ -628,10 +626,12 @@ pub(super) async fn forward(
             .record(started.elapsed().as_secs_f64());
         // The reservation lives as long as the body, which hyper drops once written out; its
         // length stays known (`Content-Length`).
-        let body = Full::new(bytes).map_frame(move |frame| {
-            let _held = &held;
-            frame
-        });
+        let body = Full::new(bytes)
+            .map_frame(move |frame| {
+                let _held = &held;
+                frame
+            })
+            .map_err(|never| match never {});
         return Ok(builder
             .header(header::CONTENT_TYPE, "application/json")
             .body(BodyExt::boxed(body))
@@ -639,7 +639,9 @@ pub(super) async fn forward(
     }
     let (tx, rx) = mpsc::channel::<Held>(CLIENT_EVENTS);
     let (opening, opened) = oneshot::channel();
+    let ending = crate::http::Ending::default();
     let relay = Relay {
+        ending: ending.clone(),
         upstream: response.into_body(),
         bodies: router.bodies.clone(),
         held: Reservation::default(),
@@ -689,23 +691,12 @@ pub(super) async fn forward(
     Ok(builder
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")
-        .body(BodyExt::boxed(client_body(rx)))
+        .body(crate::http::streamed(rx, ending, |(bytes, _held)| bytes))
         .expect("invariant: static response parts are valid"))
 }
 
 /// Events on their way to the client, with their share of the bodies' budget.
 type Held = (Bytes, Reservation);
-
-/// The client's stream body: each event's reservation goes as the connection takes it.
-fn client_body(
-    rx: mpsc::Receiver<Held>,
-) -> StreamBody<impl futures_util::Stream<Item = Result<Frame<Bytes>, Infallible>>> {
-    StreamBody::new(futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|(bytes, _held)| (Ok(Frame::data(bytes)), rx))
-    }))
-}
 
 /// Events a stream holds for its client, at most (each counted against the bodies' budget
 /// by the KiB, so a client that stops reading holds at most 16 KiB of it for small events).
@@ -801,6 +792,9 @@ struct Relay {
     reach: Reach,
     inflight: Option<InFlight>,
     tx: mpsc::Sender<Held>,
+    /// Set once the client's stream has ended as it should (`[DONE]`, or the error events
+    /// queued): without it, the client's body fails when the relay goes.
+    ending: crate::http::Ending,
     /// The router's budget for bodies held: what the worker sent counts from when it is
     /// read until the client's connection takes it.
     bodies: BodyBudget,
@@ -936,8 +930,12 @@ impl Relay {
             // read for a while does not hold the relay longer than this. Outside the
             // budget: a few hundred bytes, to say why the stream ends.
             let event = (error_events(&err), Reservation::default());
-            let _ =
-                tokio::time::timeout(self.idle.min(ERROR_EVENT_WAIT), self.tx.send(event)).await;
+            let wait = self.idle.min(ERROR_EVENT_WAIT);
+            if let Ok(Ok(())) = tokio::time::timeout(wait, self.tx.send(event)).await {
+                self.ending.complete();
+            }
+        } else if end == RelayEnd::Done {
+            self.ending.complete();
         }
         metrics::counter!("kvroute_relay_ended_total", "how" => end.label()).increment(1);
         if !handed_back {
@@ -1390,7 +1388,9 @@ mod tests {
             Err(RelayEnd::OverBudget)
         );
         assert_eq!(held.bytes(), GRAIN, "a failed wait leaves what was held");
-        let mut body = Box::pin(client_body(rx).into_data_stream());
+        let body =
+            crate::http::streamed(rx, crate::http::Ending::default(), |(bytes, _held)| bytes);
+        let mut body = Box::pin(body.into_data_stream());
         assert_eq!(body.next().await.unwrap().unwrap(), a);
         assert_eq!(
             bodies.in_use(),

@@ -870,7 +870,7 @@ struct Frames {
 
 impl hyper::body::Body for Frames {
     type Data = bytes::Bytes;
-    type Error = std::convert::Infallible;
+    type Error = kvroute::http::BodyAborted;
 
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,
@@ -921,10 +921,7 @@ async fn scripted_engine(
                     let text = |status: u16, s: &'static str| {
                         hyper::Response::builder()
                             .status(status)
-                            .body(
-                                http_body_util::Full::new(bytes::Bytes::from_static(s.as_bytes()))
-                                    .boxed(),
-                            )
+                            .body(kvroute::http::full(s))
                             .unwrap()
                     };
                     match req.uri().path() {

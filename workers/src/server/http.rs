@@ -3,18 +3,17 @@
 //! OpenAI endpoints with text, `GET /health`, `GET /metrics`, `GET /admin/cache` (a digest
 //! of the cache, for consistency checks) and, with fault injection on, `POST /admin/faults`.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, StreamBody};
+use http_body_util::{BodyExt, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::{Method, Response, StatusCode, header};
 use kvroute::http::budget::collect_within;
-use kvroute::http::{Body, BodyError, HttpConfig, serve_http};
+use kvroute::http::{Body, BodyAborted, BodyError, HttpConfig, serve_http};
 use kvroute::ingress::openai::{response_id, unix_seconds};
 use kvroute::protocol::Salt;
 use serde::Deserialize;
@@ -126,7 +125,7 @@ fn full(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Respo
     Response::builder()
         .status(status)
         .header(header::CONTENT_TYPE, content_type)
-        .body(Full::new(body.into()).boxed())
+        .body(kvroute::http::full(body))
         .expect("invariant: static response parts are valid")
 }
 
@@ -594,7 +593,7 @@ async fn run(state: State, g: Generate) -> Response<Body> {
             use futures_util::future::Either;
             let nothing = if f.stall_after_headers {
                 Either::Left(futures_util::stream::pending::<
-                    Result<Frame<Bytes>, Infallible>,
+                    Result<Frame<Bytes>, BodyAborted>,
                 >())
             } else {
                 Either::Right(futures_util::stream::empty())
@@ -735,7 +734,7 @@ async fn run(state: State, g: Generate) -> Response<Body> {
                         bytes.extend_from_slice(b"data: [DONE]\n\n");
                     }
                     return Some((
-                        Ok::<_, Infallible>(Frame::data(Bytes::from(bytes))),
+                        Ok::<_, BodyAborted>(Frame::data(Bytes::from(bytes))),
                         (rx, envelope, active, last, false, cached, generated),
                     ));
                 }
@@ -750,7 +749,7 @@ async fn run(state: State, g: Generate) -> Response<Body> {
             let comments = futures_util::stream::unfold((), move |()| async move {
                 tokio::time::sleep(every).await;
                 let ping = Frame::data(Bytes::from_static(b": keep-alive\n\n"));
-                Some((Ok::<_, Infallible>(ping), ()))
+                Some((Ok::<_, BodyAborted>(ping), ()))
             });
             BodyExt::boxed(StreamBody::new(futures_util::stream::select(
                 stream, comments,
