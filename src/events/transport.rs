@@ -48,6 +48,49 @@ pub enum TransportError {
     },
 }
 
+/// Credentials a server URL carried: `nats://user:password@host` or `nats://token@host`.
+#[derive(Debug, PartialEq, Eq)]
+enum UrlCredentials {
+    UserPassword(String, String),
+    Token(String),
+}
+
+/// The servers of `urls` (comma-separated), with the credentials they carry taken out of
+/// them: async-nats does not send a URL's credentials, and its debug logs print each
+/// server's URL whole. The first server's credentials come back for the connection's
+/// options (settings given apart win over them).
+fn servers(urls: &str) -> Result<(Vec<async_nats::ServerAddr>, Option<UrlCredentials>), String> {
+    let mut servers = Vec::new();
+    let mut credentials = None;
+    for u in urls.split(',') {
+        let addr: async_nats::ServerAddr = u
+            .trim()
+            .parse()
+            .map_err(|e| format!("not a NATS URL: {e}"))?;
+        if !addr.has_user_pass() {
+            servers.push(addr);
+            continue;
+        }
+        let mut url = addr.into_inner();
+        let user = crate::ingress::percent_decoded(url.username()).into_owned();
+        let found = match url.password() {
+            Some(p) => {
+                UrlCredentials::UserPassword(user, crate::ingress::percent_decoded(p).into_owned())
+            }
+            None => UrlCredentials::Token(user),
+        };
+        credentials.get_or_insert(found);
+        let stripped = url.set_username("").is_ok() && url.set_password(None).is_ok();
+        if !stripped {
+            return Err("a server URL's credentials cannot be taken out of it".into());
+        }
+        servers.push(
+            async_nats::ServerAddr::from_url(url).map_err(|e| format!("not a NATS URL: {e}"))?,
+        );
+    }
+    Ok((servers, credentials))
+}
+
 /// NATS or in-process. Cheap to clone.
 #[derive(Clone, Debug)]
 pub enum Transport {
@@ -92,6 +135,7 @@ impl Transport {
             url: crate::auth::redact_credentials(url),
             reason,
         };
+        let (servers, in_url) = servers(url).map_err(connect_error)?;
         let mut options = match (&auth.nats_user, &auth.nats_password, &auth.nats_token) {
             (Some(user), Some(password), _) => async_nats::ConnectOptions::with_user_and_password(
                 user.clone(),
@@ -100,7 +144,16 @@ impl Transport {
             (_, _, Some(token)) => {
                 async_nats::ConnectOptions::with_token(token.expose().to_owned())
             }
-            _ => async_nats::ConnectOptions::new(),
+            _ => match in_url {
+                _ if auth.nats_nkey_seed_file.is_some() || auth.nats_creds_file.is_some() => {
+                    async_nats::ConnectOptions::new()
+                }
+                Some(UrlCredentials::UserPassword(user, password)) => {
+                    async_nats::ConnectOptions::with_user_and_password(user, password)
+                }
+                Some(UrlCredentials::Token(token)) => async_nats::ConnectOptions::with_token(token),
+                None => async_nats::ConnectOptions::new(),
+            },
         };
         if let Some(path) = &auth.nats_nkey_seed_file {
             let seed = std::fs::read_to_string(path)
@@ -123,11 +176,6 @@ impl Transport {
         if let (Some(cert), Some(key)) = (&auth.nats_tls_cert_file, &auth.nats_tls_key_file) {
             options = options.add_client_certificate(cert.clone(), key.clone());
         }
-        let servers: Vec<async_nats::ServerAddr> = url
-            .split(',')
-            .map(|u| u.trim().parse::<async_nats::ServerAddr>())
-            .collect::<Result<_, _>>()
-            .map_err(|e| connect_error(format!("not a NATS URL: {e}")))?;
         let options = options
             .name(name)
             .event_callback(move |event| {
@@ -410,6 +458,34 @@ mod tests {
     fn m(p: &str, s: &str) -> bool {
         let pattern: Vec<String> = p.split('.').map(str::to_owned).collect();
         matches(&pattern, &s.split('.').collect::<Vec<_>>())
+    }
+
+    /// Credentials come out of server URLs (decoded), which keep their hosts; the first
+    /// server's are used; URLs without any are kept as they are.
+    #[test]
+    fn credentials_are_taken_out_of_server_urls() {
+        let (parsed, found) =
+            servers("nats://kv%40route:p%3Aw@a:4222, nats://other:x@b:4223,c:4224").unwrap();
+        assert_eq!(
+            found,
+            Some(UrlCredentials::UserPassword(
+                "kv@route".into(),
+                "p:w".into()
+            ))
+        );
+        let shown: Vec<String> = parsed.iter().map(|s| format!("{s:?}")).collect();
+        assert!(
+            shown
+                .iter()
+                .all(|s| !s.contains("route") && !s.contains("p%3Aw") && !s.contains("other")),
+            "{shown:?}"
+        );
+        let hosts: Vec<(&str, u16)> = parsed.iter().map(|s| (s.host(), s.port())).collect();
+        assert_eq!(hosts, [("a", 4222), ("b", 4223), ("c", 4224)]);
+        let (_, token) = servers("tls://s3cret@a:4222").unwrap();
+        assert_eq!(token, Some(UrlCredentials::Token("s3cret".into())));
+        assert_eq!(servers("nats://a:4222").unwrap().1, None);
+        assert!(servers("nats://a:4222,:::").is_err());
     }
 
     #[test]

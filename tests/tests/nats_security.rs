@@ -102,6 +102,35 @@ async fn a_token_is_required_and_used() {
     );
 }
 
+/// Credentials in the NATS URL authenticate (async-nats itself does not send them), and
+/// wrong ones are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credentials_in_the_url_authenticate() {
+    let f = Fleet::start(FleetSpec {
+        nats_config:
+            "authorization { users: [ { user: \"kvroute\", password: \"pw-for-tests\" } ] }".into(),
+        env: env(&[
+            ("KVROUTE_NATS_USER", "kvroute"),
+            ("KVROUTE_NATS_PASSWORD", "pw-for-tests"),
+        ]),
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    let with = |userinfo: &str| {
+        f.nats_url()
+            .replace("nats://", &format!("nats://{userinfo}@"))
+    };
+    let connect = |url: String| async move {
+        kvroute::events::transport::Transport::connect_nats(&url, "test", &Default::default()).await
+    };
+    connect(with("kvroute:pw-for-tests"))
+        .await
+        .expect("the URL's credentials were not used");
+    assert!(connect(with("kvroute:nope")).await.is_err());
+    assert!(connect(f.nats_url()).await.is_err());
+}
+
 /// A test-only nkey pair (generated for these tests; it guards nothing else).
 const NKEY_SEED: &str = "SUAEWAKPHKSWMIVQVL6XG2BJQVPG3HWVLVS2HSS4NPVFJZDE5H2UB3XS3Y";
 const NKEY_PUBLIC: &str = "UBNDUHKS4NP2VKEU4SIME3XDFZVWZXDV6CQYDMOUKXSZZF3SEJDY3LIR";
