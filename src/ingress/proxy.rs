@@ -399,8 +399,9 @@ fn worker_side(status: StatusCode) -> bool {
         )
 }
 
-/// Most bytes of a worker's error body read for its message.
-const ERROR_BODY_BYTES: usize = 64 << 10;
+/// Most bytes of a worker's error body read for its message (outside the bodies' budget:
+/// at 4,096 requests failing at once, 64 MiB; the message kept is its first KiB).
+const ERROR_BODY_BYTES: usize = 16 << 10;
 
 /// The message of a worker's error body, read within `deadline`; a body longer than
 /// [`ERROR_BODY_BYTES`] is cut there (its message is in its first bytes, if anywhere).
@@ -1159,9 +1160,14 @@ impl Relay {
             };
             (quiet_from, first_by) = (quiet_from + waited, first_by + waited);
             let share = self.held.split_off(self.events.held());
+            // The wait for the client to take it is the client's: the worker's deadlines
+            // move by it, as by the waits for room (a token's resets them anyway).
+            let sending = Instant::now();
             if let Err(end) = send_event(&self.tx, data, share, deadline).await {
                 return end;
             }
+            let waited = sending.elapsed();
+            (quiet_from, first_by) = (quiet_from + waited, first_by + waited);
             if token {
                 quiet_from = Instant::now();
             }
