@@ -395,6 +395,13 @@ pub struct SharedBooking {
 /// Most blocks a peer's booking may hold (a 16 M-token prompt at block size 16).
 pub const MAX_SHARED_BLOCKS: usize = 1 << 20;
 
+/// Most bookings one peer replica may hold open here: a router's requests in flight are
+/// bounded by its connections (10,000 by default); past this, a peer is faulty or forged.
+pub const MAX_PEER_BOOKINGS: usize = 1 << 16;
+
+/// Most blocks one peer replica's open bookings may hold here, in all (128 MiB of hashes).
+pub const MAX_PEER_BLOCKS: usize = 1 << 24;
+
 /// Why a peer's booking was refused.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum SharedBookingError {
@@ -425,6 +432,20 @@ pub enum SharedBookingError {
     UnknownWorker {
         /// The worker.
         worker: WorkerId,
+    },
+    /// The peer holds [`MAX_PEER_BOOKINGS`] bookings, or [`MAX_PEER_BLOCKS`] blocks, here
+    /// already.
+    #[error(
+        "replica {origin} holds {bookings} bookings of {blocks} blocks here, at the limit \
+         ({MAX_PEER_BOOKINGS} bookings, {MAX_PEER_BLOCKS} blocks)"
+    )]
+    PeerFull {
+        /// The peer.
+        origin: u64,
+        /// Its open bookings.
+        bookings: usize,
+        /// Their blocks.
+        blocks: usize,
     },
 }
 
@@ -563,6 +584,8 @@ pub struct Scheduler {
     bookings: FxHashMap<BookingId, Booking>,
     /// Bookings by age, for expiry; completed ones are skipped lazily.
     by_age: VecDeque<(u64, BookingId)>,
+    /// Per peer replica, its open bookings here and their blocks (entries go with the last).
+    peers: FxHashMap<u64, (usize, usize)>,
     next_booking: u64,
     expired: u64,
     sessions: sessions::Sessions,
@@ -590,6 +613,7 @@ impl Scheduler {
             workers: BTreeMap::new(),
             bookings: FxHashMap::default(),
             by_age: VecDeque::new(),
+            peers: FxHashMap::default(),
             next_booking: 0,
             expired: 0,
             sessions: sessions::Sessions::new(config_sessions),
@@ -1101,6 +1125,7 @@ impl Scheduler {
             .get_mut(&worker)
             .expect("invariant: bookings are made on known workers");
         state.load.book(prefill_blocks, &blocks, tail, work, true);
+        let blocks_len = blocks.len();
         state.recent_blocks = recent + (blocks.len() + usize::from(tail)) as f64;
         state.recent_at_ms = now_ms;
         self.bookings.insert(
@@ -1118,6 +1143,9 @@ impl Scheduler {
         // Only what peers shared expires: this router's own bookings have live guards.
         if id.origin != self.config.replica_id {
             self.by_age.push_back((now_ms, id));
+            let peer = self.peers.entry(id.origin).or_default();
+            peer.0 += 1;
+            peer.1 += blocks_len;
         }
     }
 
@@ -1173,6 +1201,14 @@ impl Scheduler {
         }
         if self.bookings.contains_key(&b.id) {
             return Ok(());
+        }
+        let (bookings, blocks) = self.peers.get(&b.id.origin).copied().unwrap_or_default();
+        if bookings >= MAX_PEER_BOOKINGS || blocks + b.blocks.len() > MAX_PEER_BLOCKS {
+            return Err(SharedBookingError::PeerFull {
+                origin: b.id.origin,
+                bookings,
+                blocks,
+            });
         }
         let work = Work {
             prefill_tokens: b.prefill_tokens,
@@ -1282,11 +1318,20 @@ impl Scheduler {
     /// The request finished (or failed, or was cancelled): everything it booked is freed.
     pub fn complete(&mut self, id: BookingId) {
         if let Some(b) = self.bookings.remove(&id) {
-            self.release(b);
+            self.release(id, b);
         }
     }
 
-    fn release(&mut self, b: Booking) {
+    fn release(&mut self, id: BookingId, b: Booking) {
+        if id.origin != self.config.replica_id
+            && let Some(peer) = self.peers.get_mut(&id.origin)
+        {
+            peer.0 -= 1;
+            peer.1 -= b.blocks.len();
+            if peer.0 == 0 {
+                self.peers.remove(&id.origin);
+            }
+        }
         if let Some(w) = self.workers.get_mut(&b.worker) {
             if b.prefill_open {
                 w.load.prefill_done(b.prefill_blocks, b.work);
@@ -1309,7 +1354,7 @@ impl Scheduler {
                 && let Some(b) = self.bookings.remove(&id)
             {
                 self.expired += 1;
-                self.release(b);
+                self.release(id, b);
             }
         }
         // Completed bookings leave their ids behind; keep the queue bounded by live ones.

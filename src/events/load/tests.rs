@@ -163,6 +163,34 @@ fn peers_bookings_are_validated() {
     assert_eq!(s.open_bookings(), 1);
 }
 
+/// One peer holds at most MAX_PEER_BOOKINGS bookings here (and MAX_PEER_BLOCKS blocks,
+/// checked the same way; not exercised: 16 M blocks): past that its bookings are refused (a faulty or forged peer cannot grow the
+/// scheduler without bound); what it completes makes room again; other peers are not
+/// held back by it.
+#[test]
+fn a_peer_s_open_bookings_are_bounded() {
+    use crate::scheduler::{MAX_PEER_BOOKINGS, SharedBookingError};
+    let mut s = scheduler(0);
+    for seq in 0..MAX_PEER_BOOKINGS as u64 {
+        s.book_shared(0, shared(7, seq, 0, 0.0)).unwrap();
+    }
+    assert!(matches!(
+        s.book_shared(0, shared(7, u64::MAX, 0, 0.0)),
+        Err(SharedBookingError::PeerFull { origin: 7, .. })
+    ));
+    s.book_shared(0, shared(8, 0, 1, 1.0)).unwrap();
+    s.complete(BookingId { origin: 7, seq: 0 });
+    s.book_shared(0, shared(7, u64::MAX, 0, 0.0)).unwrap();
+    for seq in 1..MAX_PEER_BOOKINGS as u64 {
+        s.complete(BookingId { origin: 7, seq });
+    }
+    s.complete(BookingId {
+        origin: 7,
+        seq: u64::MAX,
+    });
+    assert_eq!(s.open_bookings(), 1, "peer 8's booking");
+}
+
 #[test]
 fn a_heartbeat_drops_what_its_replica_no_longer_holds() {
     let mut s = scheduler(0);
