@@ -679,9 +679,21 @@ async fn watch_bucket(
                 _ = tx.closed() => return,
             }
         }
-        let mut watch = match store.watch_with_history(">").await {
-            Ok(w) => w,
-            Err(e) => {
+        // Bounded, and given up when the router goes: creating the watch's consumer is a
+        // request the client sends only once connected.
+        let started = tokio::select! {
+            started = tokio::time::timeout(WATCH_START, store.watch_with_history(">")) => started,
+            _ = tx.closed() => return,
+        };
+        let mut watch = match started {
+            Ok(Ok(w)) => w,
+            Err(_) => {
+                tracing::warn!(
+                    "the worker registry's watch did not start within {WATCH_START:?}; retrying"
+                );
+                continue;
+            }
+            Ok(Err(e)) => {
                 tracing::warn!(error = %e, "cannot watch the worker registry; retrying");
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
@@ -956,6 +968,9 @@ impl LocalRegistry {
     }
 }
 
+/// Longest wait for the registry's watch to start (its consumer created).
+const WATCH_START: Duration = Duration::from_secs(10);
+
 /// How long a worker keeps trying to write its first registration before giving up.
 const REGISTER_PATIENCE: Duration = Duration::from_secs(30);
 
@@ -980,10 +995,21 @@ impl Registration {
         let first = info.lock().clone();
         // The registry may be briefly unavailable (a JetStream cluster electing the
         // bucket's leader, or a bucket just created elsewhere): keep trying for a while.
-        let started = tokio::time::Instant::now();
+        let give_up = tokio::time::Instant::now() + REGISTER_PATIENCE;
         let mut backoff = Duration::from_millis(100);
-        while let Err(e) = registry.put(&first).await {
-            if started.elapsed() > REGISTER_PATIENCE {
+        // Each try is bounded too: a put the server never answers (a client reconnecting
+        // takes no requests) would otherwise hold start-up past the patience.
+        let attempt = || async {
+            match tokio::time::timeout_at(give_up, registry.put(&first)).await {
+                Ok(result) => result,
+                Err(_) => Err(DiscoveryError::Register {
+                    id: first.id,
+                    reason: format!("not acknowledged within {REGISTER_PATIENCE:?}"),
+                }),
+            }
+        };
+        while let Err(e) = attempt().await {
+            if tokio::time::Instant::now() >= give_up {
                 return Err(e);
             }
             tracing::warn!(error = %e, "cannot register yet; retrying");
