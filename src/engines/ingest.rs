@@ -405,6 +405,11 @@ impl Ingest {
         let mut last = None;
         let ends = tokio::time::Instant::now() + limits.replay_total;
         let mut replies = 0u64;
+        // The engine replays consecutive batches: one missing between two replies was lost
+        // on the way (a ROUTER socket drops what its peer's queue has no room for), and is
+        // asked for again once this reply stream has ended, up to REPLAY_ASKS times in all.
+        let mut lost: Option<u64> = None;
+        let mut asks = 1;
         loop {
             if replies == limits.max_replay_batches {
                 return Err(ZmtpError::Protocol(format!(
@@ -434,7 +439,17 @@ impl Ingest {
             let renamed = self.adopt(seq.publisher);
             let seq = seq.n;
             if seq == u64::MAX {
-                return Ok(last);
+                match lost.take() {
+                    Some(from) => {
+                        asks += 1;
+                        dealer.send(&[b"", &from.to_be_bytes()]).await?;
+                        continue;
+                    }
+                    None => return Ok(last),
+                }
+            }
+            if lost.is_some() {
+                continue; // asked for again once this stream ends
             }
             if (last.is_none() && rebuild && seq == 0) || seq < from {
                 // The engine's whole life is in the buffer, or it was asked for `from` on and
@@ -450,9 +465,15 @@ impl Ingest {
                 self.restarted(seq);
                 self.replayed_from = Some(seq);
             }
-            last = Some(seq);
+            let previous = last.replace(seq);
             match self.seq.check(seq) {
                 SeqCheck::First | SeqCheck::Next => {}
+                SeqCheck::Gap { expected }
+                    if asks < REPLAY_ASKS && previous.is_some_and(|p| seq > p + 1) =>
+                {
+                    lost = Some(expected);
+                    continue;
+                }
                 SeqCheck::Gap { .. } => {
                     // The engine's buffer does not reach back to what was lost.
                     self.stats.unrepaired += 1;
@@ -520,6 +541,9 @@ fn live_message(frames: &[Bytes]) -> Option<(Seq, Bytes)> {
 
 /// A replay reply after the empty delimiter: `(topic, seq, payload)` (vLLM ≥ 0.26) or
 /// `(seq, payload)` (SGLang, older vLLM); the end is seq `0xFF…FF` (-1 as a signed int).
+/// Requests one replay makes at most: the first, and again from a batch lost on the way.
+const REPLAY_ASKS: u32 = 3;
+
 fn replay_message(frames: &[Bytes]) -> Option<(Seq, Bytes)> {
     let frames = match frames.first() {
         Some(f) if f.is_empty() => &frames[1..],

@@ -413,6 +413,49 @@ async fn a_replay_without_end_is_cut_at_its_cap() {
     assert_eq!(owner.held.len(), 50);
 }
 
+/// A batch missing between two replies of a replay was lost on the way (the engine
+/// replays consecutive batches): it is asked for again once the reply stream ends, and the
+/// mirror is repaired, not dropped.
+#[tokio::test]
+async fn a_batch_lost_inside_a_replay_is_asked_for_again() {
+    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
+    let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let asks = std::sync::Arc::clone(&asked);
+    let handler: RouterHandler = std::sync::Arc::new(move |request: Vec<Bytes>| {
+        let from = request
+            .last()
+            .and_then(|f| <[u8; 8]>::try_from(&f[..]).ok())
+            .map_or(0, u64::from_be_bytes);
+        let first = asks.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+        let frame = |seq: u64, payload: Bytes| {
+            vec![
+                Bytes::new(),
+                Bytes::new(),
+                Bytes::copy_from_slice(&seq.to_be_bytes()),
+                payload,
+            ]
+        };
+        (from..10)
+            // The first stream loses batch 5 on the way.
+            .filter(|&seq| !(first && seq == 5))
+            .map(|seq| frame(seq, store(seq + 1, (seq > 0).then_some(seq))))
+            .chain(std::iter::once(frame(u64::MAX, Bytes::new())))
+            .collect()
+    });
+    let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
+    let endpoint = EngineEndpoint {
+        events: format!("tcp://127.0.0.1:{}", pubs.port()),
+        replay: Some(format!("tcp://127.0.0.1:{}", replay.port())),
+        topic: String::new(),
+    };
+    let mut owner = follow(endpoint, IngestLimits::default()).await;
+    owner
+        .until("the chain is whole", |o| o.held.len() == 10)
+        .await;
+    assert_eq!(owner.stats.unrepaired, 0, "{:?}", owner.stats);
+    assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
 #[test]
 fn data_parallel_ranks_offset_the_port() {
     let e = EngineEndpoint {
