@@ -424,11 +424,12 @@ impl Indexer {
                     return;
                 }
                 let mut parent = *parent;
-                for group in blocks.chunks(LOOKAHEAD) {
+                // The blocks stored before the cap refuses one stay, and count as held.
+                'chain: for group in blocks.chunks(LOOKAHEAD) {
                     self.touch(&self.map.view(), group.iter().map(|b| home(b.seq)));
                     for block in group {
                         if !self.store(slot, event.tier, parent, *block, scratch, out) {
-                            return;
+                            break 'chain;
                         }
                         parent = Some(block.seq);
                     }

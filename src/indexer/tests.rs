@@ -245,6 +245,28 @@ fn cleared_walks_only_what_it_must() {
     assert_eq!(overlap(&one, 1, &[3, 4]), (0, 1, 0));
 }
 
+/// Blocks stored before the block cap refuses the rest of their chain count as the
+/// worker's: a `Cleared` takes them away (and frees the cap).
+#[test]
+fn cleared_takes_what_a_capped_store_kept() {
+    let ix = Indexer::new(Config {
+        max_blocks: 2,
+        ..Config::default()
+    })
+    .unwrap();
+    let c = chain(&[1, 2, 3, 4]);
+    ix.apply(&batch(1, vec![(Tier::Device, stored(None, &c))]));
+    assert_eq!(ix.sizes().blocks, 2);
+    assert_eq!(ix.counters().capped, 1);
+    ix.apply(&batch(1, vec![(Tier::Device, KvEventData::Cleared)]));
+    assert_eq!(
+        ix.sizes().blocks,
+        0,
+        "a Cleared left what a capped store kept"
+    );
+    assert_eq!(overlap(&ix, 1, &[1, 2, 3, 4]), (0, 0, 0));
+}
+
 /// A retired rank is out of every lookup at once, though its entries wait for the reaper;
 /// removals reaped together take one walk; the slots come back for new workers after it.
 #[test]
