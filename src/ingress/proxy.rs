@@ -1128,7 +1128,7 @@ impl Relay {
             // An error event first (the client's, relayed; or one past the wait for the
             // first token) is no first token: the engine computed no prompt to be found
             // cached, and it says nothing of the worker's latency.
-            if token && first && stream_error(&data).is_some() {
+            if token && first && error_first(&data) {
                 self.open();
                 self.tokens = true;
             } else if token {
@@ -1204,8 +1204,8 @@ fn carries_data(events: &[u8]) -> bool {
 /// `{"object": "error", …}`). An error whose `code` is a 4xx status, or whose `type` is
 /// `invalid_request_error` (OpenAI's) or `BadRequestError` (vLLM's), is the client's: `None`.
 fn worker_error(events: &[u8]) -> Option<String> {
-    stream_error(events)
-        .filter(|e| !e.clients)
+    stream_errors(events)
+        .find(|e| !e.clients)
         .map(|e| e.message)
 }
 
@@ -1217,10 +1217,29 @@ struct StreamError {
     clients: bool,
 }
 
-/// The first error event among whole server-sent events, in any of the shapes
+/// Whether the first of whole server-sent events that carries data is an error (in any of
+/// the shapes [`worker_error`] reads), the client's or the worker's.
+fn error_first(events: &[u8]) -> bool {
+    let mut rest = events;
+    while !rest.is_empty() {
+        let end = (1..rest.len())
+            .find(|&i| {
+                rest[i] == b'\n' && (rest[i - 1] == b'\n' || (i >= 2 && &rest[i - 2..i] == b"\n\r"))
+            })
+            .map_or(rest.len(), |i| i + 1);
+        let (event, after) = rest.split_at(end);
+        if carries_data(event) {
+            return stream_errors(event).next().is_some();
+        }
+        rest = after;
+    }
+    false
+}
+
+/// The error events among whole server-sent events, in order, in any of the shapes
 /// [`worker_error`] reads.
-fn stream_error(events: &[u8]) -> Option<StreamError> {
-    events.split(|&b| b == b'\n').find_map(|line| {
+fn stream_errors(events: &[u8]) -> impl Iterator<Item = StreamError> + '_ {
+    events.split(|&b| b == b'\n').filter_map(|line| {
         let value = line.strip_prefix(b"data:")?.trim_ascii();
         if !value.starts_with(b"{") {
             return None;
@@ -1478,16 +1497,29 @@ mod tests {
         ] {
             assert_eq!(worker_error(client), None);
             // Still an error event: no first token.
-            assert!(stream_error(client).is_some_and(|e| e.clients));
+            assert!(stream_errors(client).next().is_some_and(|e| e.clients));
+            assert!(error_first(client));
         }
-        assert!(stream_error(vllm).is_some_and(|e| !e.clients));
+        assert!(stream_errors(vllm).next().is_some_and(|e| !e.clients));
+        // A worker's error after a client's in the same read is still found; an error after
+        // a token is not the first event.
+        let both = [
+            &br#"data: {"error":{"message":"bad","type":"x","code":400}}"#[..],
+            b"\n\n",
+            vllm,
+        ]
+        .concat();
+        assert_eq!(worker_error(&both).as_deref(), Some("engine died"));
+        let after_token = [&b": ping\n\ndata: {\"choices\":[]}\n\n"[..], vllm].concat();
+        assert!(!error_first(&after_token));
         for not_error in [
             &b"data: {\"choices\":[{\"text\":\"error\"}]}\n\n"[..],
             b"data: [DONE]\n\n",
             b": {\"error\":\"comment\"}\n\n",
         ] {
             assert_eq!(worker_error(not_error), None);
-            assert!(stream_error(not_error).is_none());
+            assert!(stream_errors(not_error).next().is_none());
+            assert!(!error_first(not_error));
         }
     }
 
