@@ -434,22 +434,22 @@ impl Ingest {
                     frames.len()
                 )));
             };
+            if let Some(from) = lost {
+                // Skipped (publisher included: a new one is met on the next request), and
+                // asked for again once this stream ends.
+                if seq.n == u64::MAX {
+                    lost = None;
+                    asks += 1;
+                    dealer.send(&[b"", &from.to_be_bytes()]).await?;
+                }
+                continue;
+            }
             // Adopted here too, so that the live batches that follow are not taken for a
             // second restart.
             let renamed = self.adopt(seq.publisher);
             let seq = seq.n;
             if seq == u64::MAX {
-                match lost.take() {
-                    Some(from) => {
-                        asks += 1;
-                        dealer.send(&[b"", &from.to_be_bytes()]).await?;
-                        continue;
-                    }
-                    None => return Ok(last),
-                }
-            }
-            if lost.is_some() {
-                continue; // asked for again once this stream ends
+                return Ok(last);
             }
             if (last.is_none() && rebuild && seq == 0) || seq < from {
                 // The engine's whole life is in the buffer, or it was asked for `from` on and
@@ -539,11 +539,11 @@ fn live_message(frames: &[Bytes]) -> Option<(Seq, Bytes)> {
     }
 }
 
-/// A replay reply after the empty delimiter: `(topic, seq, payload)` (vLLM ≥ 0.26) or
-/// `(seq, payload)` (SGLang, older vLLM); the end is seq `0xFF…FF` (-1 as a signed int).
 /// Requests one replay makes at most: the first, and again from a batch lost on the way.
 const REPLAY_ASKS: u32 = 3;
 
+/// A replay reply after the empty delimiter: `(topic, seq, payload)` (vLLM ≥ 0.26) or
+/// `(seq, payload)` (SGLang, older vLLM); the end is seq `0xFF…FF` (-1 as a signed int).
 fn replay_message(frames: &[Bytes]) -> Option<(Seq, Bytes)> {
     let frames = match frames.first() {
         Some(f) if f.is_empty() => &frames[1..],
