@@ -57,8 +57,9 @@ enum UrlCredentials {
 
 /// The servers of `urls` (comma-separated), with the credentials they carry taken out of
 /// them: async-nats does not send a URL's credentials, and its debug logs print each
-/// server's URL whole. The first server's credentials come back for the connection's
-/// options (settings given apart win over them).
+/// server's URL whole. The credentials come back for the connection's options (settings
+/// given apart win over them); URLs that carry different ones are refused, as one set goes
+/// to every server.
 fn servers(urls: &str) -> Result<(Vec<async_nats::ServerAddr>, Option<UrlCredentials>), String> {
     let mut servers = Vec::new();
     let mut credentials = None;
@@ -67,7 +68,7 @@ fn servers(urls: &str) -> Result<(Vec<async_nats::ServerAddr>, Option<UrlCredent
             .trim()
             .parse()
             .map_err(|e| format!("not a NATS URL: {e}"))?;
-        if !addr.has_user_pass() {
+        if !addr.has_user_pass() && addr.password().is_none() {
             servers.push(addr);
             continue;
         }
@@ -79,7 +80,13 @@ fn servers(urls: &str) -> Result<(Vec<async_nats::ServerAddr>, Option<UrlCredent
             }
             None => UrlCredentials::Token(user),
         };
-        credentials.get_or_insert(found);
+        // One set is sent to every server (the client's options are shared).
+        match &credentials {
+            Some(set) if *set != found => {
+                return Err("the server URLs carry different credentials; give one set".into());
+            }
+            _ => credentials = Some(found),
+        }
         let stripped = url.set_username("").is_ok() && url.set_password(None).is_ok();
         if !stripped {
             return Err("a server URL's credentials cannot be taken out of it".into());
@@ -465,7 +472,8 @@ mod tests {
     #[test]
     fn credentials_are_taken_out_of_server_urls() {
         let (parsed, found) =
-            servers("nats://kv%40route:p%3Aw@a:4222, nats://other:x@b:4223,c:4224").unwrap();
+            servers("nats://kv%40route:p%3Aw@a:4222, nats://kv%40route:p%3Aw@b:4223,c:4224")
+                .unwrap();
         assert_eq!(
             found,
             Some(UrlCredentials::UserPassword(
@@ -485,6 +493,13 @@ mod tests {
         let (_, token) = servers("tls://s3cret@a:4222").unwrap();
         assert_eq!(token, Some(UrlCredentials::Token("s3cret".into())));
         assert_eq!(servers("nats://a:4222").unwrap().1, None);
+        assert!(servers("nats://u:x@a:4222,nats://v:y@b:4222").is_err());
+        let (parsed, found) = servers("nats://:s3cret@a:4222").unwrap();
+        assert_eq!(
+            found,
+            Some(UrlCredentials::UserPassword(String::new(), "s3cret".into()))
+        );
+        assert!(!format!("{parsed:?}").contains("s3cret"));
         assert!(servers("nats://a:4222,:::").is_err());
     }
 
