@@ -293,9 +293,9 @@ pub(super) fn record_decision(d: &Decision) {
     ));
 }
 
-/// Tickets one pump weighs at most (an index lookup and a scheduler decision each): bounds
-/// its work when the queue is deep. Tickets held back by one that must wait are passed over
-/// without being weighed.
+/// Index lookups one pump makes at most (each for a ticket to weigh; a few of those read
+/// ahead may turn out held back and go unweighed): bounds its work when the queue is deep.
+/// Tickets held back by one that must wait are passed over without a lookup.
 const MAX_LOOKAHEAD: usize = 1024;
 
 /// Overlaps read per round with the queue unlocked: the next tickets in order that nothing
@@ -595,15 +595,22 @@ impl Router {
     }
 }
 
-/// Pumps the queue whenever `room` is signalled (booked work released) and at least at
-/// every queue deadline (and every 100 ms, for workers that join). Ends with the router.
+/// Pumps the queue whenever `room` is signalled (a request queued, booked work released)
+/// and at least at every queue deadline (and every 100 ms, for workers that join). Ends
+/// with the router. The only pump of the router's queue: a pump that panics (a broken
+/// invariant) is logged and the next one goes on, rather than leaving every queued
+/// request to wait out its deadline (the locks it takes do not poison).
 pub(super) async fn drive_queue(router: Weak<Router>, room: Arc<Notify>) {
     loop {
         let wait_ms = {
             let Some(router) = router.upgrade() else {
                 return;
             };
-            router.pump();
+            let pumped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| router.pump()));
+            if pumped.is_err() {
+                metrics::counter!("kvroute_queue_pump_panics_total").increment(1);
+                tracing::error!("the admission queue's pump panicked; pumping again");
+            }
             let next = router.queue.lock().next_deadline_ms();
             next.map_or(100, |d| d.saturating_sub(router.now_ms()).clamp(1, 100))
         };
