@@ -1373,6 +1373,12 @@ impl Scheduler {
     pub fn open_bookings(&self) -> usize {
         self.bookings.len()
     }
+
+    /// Entries of the peers' bookings' age queue (completed ones are dropped lazily).
+    #[cfg(test)]
+    pub(crate) fn age_queue_len(&self) -> usize {
+        self.by_age.len()
+    }
 }
 
 /// Whether `work` fits beside `booked` under `budget` (tokens): always when the budget is

@@ -310,8 +310,11 @@ impl Peers {
         }
     }
 
-    /// Replicas silent for longer than `ttl_ms` are forgotten with their bookings.
+    /// Replicas silent for longer than `ttl_ms` are forgotten with their bookings; peers'
+    /// bookings past the booking TTL expire (a replica that routes nothing expires them
+    /// nowhere else, and their age queue would grow with every booking its peers make).
     pub fn on_tick(&mut self, now_ms: u64, ttl_ms: u64, scheduler: &mut Scheduler) {
+        scheduler.expire(now_ms);
         let gone: Vec<u64> = self
             .seen
             .iter()

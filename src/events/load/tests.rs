@@ -191,6 +191,23 @@ fn a_peer_s_open_bookings_are_bounded() {
     assert_eq!(s.open_bookings(), 1, "peer 8's booking");
 }
 
+/// A replica that routes nothing still keeps its peers' bookings' age queue bounded by
+/// what is open: its ticks expire them.
+#[test]
+fn an_idle_replica_s_age_queue_stays_bounded() {
+    let mut s = scheduler(0);
+    let mut peers = Peers::default();
+    for seq in 0..100_000 {
+        s.book_shared(0, shared(7, seq, 1, 1.0)).unwrap();
+        s.complete(BookingId { origin: 7, seq });
+        if seq % 1000 == 0 {
+            peers.on_tick(0, 5_000, &mut s);
+        }
+    }
+    peers.on_tick(0, 5_000, &mut s);
+    assert!(s.age_queue_len() <= 64, "{} entries", s.age_queue_len());
+}
+
 #[test]
 fn a_heartbeat_drops_what_its_replica_no_longer_holds() {
     let mut s = scheduler(0);
