@@ -681,6 +681,16 @@ impl Scheduler {
         self.workers.get(&key).and_then(|s| s.engine_load)
     }
 
+    /// The pool `model` is served from: the base model of the workers that serve it (as
+    /// their model or as a LoRA adapter on it), else `model` itself. Requests of one pool
+    /// compete for the same workers' room.
+    pub fn pool_of<'a>(&'a self, model: &'a str) -> &'a str {
+        self.workers
+            .values()
+            .find(|w| w.serves(model))
+            .map_or(model, |w| w.model.as_str())
+    }
+
     /// The LoRA adapters a worker serves on top of its model (requests for one of them may
     /// go there).
     pub fn set_adapters(&mut self, key: WorkerKey, adapters: Vec<String>) {

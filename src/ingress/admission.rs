@@ -198,13 +198,16 @@ pub(super) type Outcome = Result<(Decision, Booking), Refusal>;
 pub(super) struct Waiter {
     pub request: Arc<Routable>,
     pub tx: oneshot::Sender<Outcome>,
-    /// Counts it against its model while it is queued (until the queue lets it go).
+    /// The workers it competes for: its model's pool ([`Scheduler::pool_of`]: a LoRA
+    /// adapter's requests compete with its base model's).
+    pub pool: Arc<str>,
+    /// Counts it against its pool while it is queued (until the queue lets it go).
     pub _waiting: ModelWaiting,
 }
 
-/// Requests queued, by model: a request of a model none of whose requests waits goes
-/// straight to routing, whatever other models have queued. Entries go with their last
-/// request (model names come from clients).
+/// Requests queued, by pool (a model and the adapters served on its workers): a request
+/// of a pool none of whose requests waits goes straight to routing, whatever other pools
+/// have queued. Entries go with their last request (model names come from clients).
 pub(super) type WaitingModels = Arc<parking_lot::Mutex<HashMap<String, usize>>>;
 
 /// One queued request counted against its model; dropping it (the queue lets the request
@@ -307,9 +310,9 @@ pub(super) const READ_AHEAD: usize = 16;
 #[derive(Default)]
 struct PumpWalk {
     /// A ticket that must wait holds back the tickets after it that would compete for the
-    /// same workers: its model's (or, with hard affinity, its session's). Tickets of other
-    /// models go past it: their workers may have room.
-    blocked_models: HashSet<String>,
+    /// same workers: its pool's (or, with hard affinity, its session's). Tickets of other
+    /// pools go past it: their workers may have room.
+    blocked_pools: HashSet<Arc<str>>,
     blocked_sessions: HashSet<String>,
     /// Workers whose room goes to a hard-session request waiting for them: a later, smaller
     /// request taking it would keep that one waiting to its deadline.
@@ -321,8 +324,9 @@ struct PumpWalk {
 }
 
 impl PumpWalk {
-    fn holds_back(&self, r: &Routable) -> bool {
-        self.blocked_models.contains(&r.model)
+    fn holds_back(&self, w: &Waiter) -> bool {
+        let r = &w.request;
+        self.blocked_pools.contains(&w.pool)
             || r.session
                 .as_ref()
                 .is_some_and(|(s, hard)| *hard && self.blocked_sessions.contains(s))
@@ -351,13 +355,15 @@ impl Router {
     ) -> Result<Entered<'a>, ApiError> {
         let now = self.now_ms();
         let mut queue = self.queue.lock();
+        let pool: Arc<str>;
         let band = queue.config().clamp(class.band);
         let limits = queue.config().band(band);
         let work_tokens = {
             let mut scheduler = self.scheduler.lock();
-            // Behind requests of its own model only: another model's backlog says nothing
-            // of room on this model's workers.
-            if !self.waiting_models.lock().contains_key(request.model) {
+            pool = Arc::from(scheduler.pool_of(request.model));
+            // Behind requests of its own pool only: another model's backlog says nothing
+            // of room on this model's workers, but its adapters' (or base model's) does.
+            if !self.waiting_models.lock().contains_key(&*pool) {
                 match scheduler.admit_within(now, request, limits.budget_share) {
                     Admission::Routed(decision) => {
                         drop(scheduler);
@@ -385,7 +391,8 @@ impl Router {
         let waiter = Waiter {
             request: Arc::new(routable()),
             tx,
-            _waiting: ModelWaiting::new(&self.waiting_models, request.model),
+            _waiting: ModelWaiting::new(&self.waiting_models, &pool),
+            pool,
         };
         match queue.push(now, ticket, waiter) {
             Ok(id) => Ok(Entered::Queued {
@@ -459,7 +466,7 @@ impl Router {
             let Some((ticket, waiter)) = queue.get(id) else {
                 continue;
             };
-            if walk.holds_back(&waiter.request) {
+            if walk.holds_back(waiter) {
                 continue;
             }
             if waiter.tx.is_closed() {
@@ -487,6 +494,7 @@ impl Router {
             };
             let share = queue.config().band(ticket.band).budget_share;
             let routable = Arc::clone(&waiter.request);
+            let pool = Arc::clone(&waiter.pool);
             let request = routable.request(overlaps);
             let mut scheduler = self.scheduler.lock();
             let admission = scheduler.admit_reserving(now, &request, share, &walk.reserved);
@@ -509,7 +517,7 @@ impl Router {
                         walk.reserved.push(worker);
                     }
                     _ => {
-                        walk.blocked_models.insert(routable.model.clone());
+                        walk.blocked_pools.insert(Arc::clone(&pool));
                     }
                 },
                 Admission::NoWorkers => {

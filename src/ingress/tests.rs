@@ -760,6 +760,41 @@ mod queue {
         assert_ne!(went, stuck, "an ejected worker sits out");
     }
 
+    /// A LoRA adapter's requests compete for its base model's workers: one does not take
+    /// the room a base-model request waits for (nor the other way round), while another
+    /// model's request still goes past.
+    #[tokio::test(start_paused = true)]
+    async fn an_adapter_waits_behind_its_base_model() {
+        use crate::protocol::{DpRank, WorkerId};
+        let (router, _plane) = router(100, ["a", "b"]).await;
+        router
+            .scheduler
+            .lock()
+            .set_adapters((WorkerId(1), DpRank(0)), vec!["a-lora".into()]);
+        let Entered::Admitted(_first) = enter_with(&router, "a", 56, None) else {
+            panic!("an idle worker admits");
+        };
+        // 60 + 44 > 100: waits.
+        let Entered::Queued {
+            guard: _waiting, ..
+        } = enter_with(&router, "a", 40, None)
+        else {
+            panic!("the base model's request found room");
+        };
+        // 60 + 14 fits, but the room is the waiting request's.
+        assert!(
+            matches!(
+                enter_with(&router, "a-lora", 10, None),
+                Entered::Queued { .. }
+            ),
+            "the adapter's request took the room its base model's waits for"
+        );
+        assert!(matches!(
+            enter_with(&router, "b", 10, None),
+            Entered::Admitted(_)
+        ));
+    }
+
     /// A pump reads overlaps a few tickets at a time with the queue unlocked: when room frees
     /// up for many queued requests at once, one pump still admits every one of them.
     #[tokio::test(start_paused = true)]
