@@ -219,8 +219,11 @@ pub struct Router {
     guessed: Mutex<std::collections::HashSet<WorkerId>>,
     /// Requests waiting for room (lock it before the scheduler, never after).
     queue: Mutex<admission::Queue>,
-    /// How many of them wait, by model.
+    /// How many of them wait, by pool.
     waiting_models: admission::WaitingModels,
+    /// The last pump ended at a request waiting for the fleet's budget: until a pump finds
+    /// otherwise, every request queues behind it.
+    fleet_full: AtomicBool,
     /// Signalled when booked work is released: the queue is pumped.
     room: Arc<Notify>,
     /// The keys accepted on `/v1/*`: `config.api_keys` and the file's, as last read.
@@ -312,6 +315,7 @@ impl Router {
             guessed: Mutex::default(),
             queue: Mutex::new(queue),
             waiting_models: Arc::default(),
+            fleet_full: AtomicBool::new(false),
             room: Arc::new(Notify::new()),
         });
         tokio::spawn(watch_hashes(Arc::downgrade(&router)));

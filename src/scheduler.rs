@@ -481,6 +481,9 @@ pub enum Admission {
     Routed(Decision),
     /// No worker of its model has room for its work: it waits.
     Wait,
+    /// The fleet's budget has no room for its work: it waits, and so must every request
+    /// queued after it (any other's admission would take that room).
+    FleetFull,
     /// No registered worker serves its model.
     NoWorkers,
 }
@@ -908,7 +911,7 @@ impl Scheduler {
     ) -> Option<Decision> {
         match self.decide(now_ms, request, exclude, None, &[]) {
             Admission::Routed(d) => Some(d),
-            Admission::Wait | Admission::NoWorkers => None,
+            Admission::Wait | Admission::FleetFull | Admission::NoWorkers => None,
         }
     }
 
@@ -1001,7 +1004,7 @@ impl Scheduler {
             let fleet = share * self.config.admission.fleet_budget_tokens as f64;
             let work = all.iter().map(|c| c.work.total()).fold(f64::MAX, f64::min);
             if !fits(self.booked_work_tokens(), work, fleet) {
-                return Admission::Wait;
+                return Admission::FleetFull;
             }
             let budget = share * self.config.admission.worker_budget_tokens as f64;
             all.retain(|c| {

@@ -942,7 +942,7 @@ fn run_policy(
                     .map(|id| SessionRef { id, hard: false }),
             };
             let decision = match router.scheduler.admit_within(now_ms, &request, share) {
-                Admission::Wait => break,
+                Admission::Wait | Admission::FleetFull => break,
                 Admission::NoWorkers => bail!("no worker to route to"),
                 Admission::Routed(d) => d,
             };

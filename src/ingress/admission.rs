@@ -8,6 +8,7 @@
 //! order: queue, then scheduler.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -321,6 +322,8 @@ struct PumpWalk {
     overlaps: HashMap<TicketId, OverlapScores>,
     /// Index lookups done.
     read: usize,
+    /// A ticket waits for the fleet's budget: the tickets after it wait too.
+    fleet_full: bool,
 }
 
 impl PumpWalk {
@@ -362,8 +365,11 @@ impl Router {
             let mut scheduler = self.scheduler.lock();
             pool = Arc::from(scheduler.pool_of(request.model));
             // Behind requests of its own pool only: another model's backlog says nothing
-            // of room on this model's workers, but its adapters' (or base model's) does.
-            if !self.waiting_models.lock().contains_key(&*pool) {
+            // of room on this model's workers, but its adapters' (or base model's) does;
+            // and behind everything while a request waits for the fleet's budget.
+            if !self.fleet_full.load(Ordering::Relaxed)
+                && !self.waiting_models.lock().contains_key(&*pool)
+            {
                 match scheduler.admit_within(now, request, limits.budget_share) {
                     Admission::Routed(decision) => {
                         drop(scheduler);
@@ -378,6 +384,8 @@ impl Router {
                         return Err(ApiError::no_workers());
                     }
                     Admission::Wait => {}
+                    // Queued, it holds back every request, as the pump will find.
+                    Admission::FleetFull => self.fleet_full.store(true, Ordering::Relaxed),
                 }
             }
             scheduler.queue_work(request)
@@ -439,7 +447,10 @@ impl Router {
         let mut seqs: Vec<SeqHash> = Vec::new();
         loop {
             match self.walk_queue(&mut walk) {
-                Walked::Done => return,
+                Walked::Done => {
+                    self.fleet_full.store(walk.fleet_full, Ordering::Relaxed);
+                    return;
+                }
                 Walked::Admitted => {}
                 Walked::Read(tickets) => {
                     for (id, routable) in tickets {
@@ -520,6 +531,10 @@ impl Router {
                         walk.blocked_pools.insert(Arc::clone(&pool));
                     }
                 },
+                Admission::FleetFull => {
+                    walk.fleet_full = true;
+                    return Walked::Done;
+                }
                 Admission::NoWorkers => {
                     if let Some(left) = queue.cancel(now, id) {
                         rejected(left.ticket.band, "no_workers");

@@ -562,11 +562,22 @@ mod queue {
     /// A router over two workers serving `models`, each with `budget` tokens of booked work
     /// (an idle worker always takes one request).
     async fn router(budget: u64, models: [&str; 2]) -> (Arc<Router>, Setup) {
-        let scheduler = Scheduler::new(scheduler::Config {
-            admission: scheduler::AdmissionConfig {
+        router_with(
+            scheduler::AdmissionConfig {
                 worker_budget_tokens: budget,
                 ..Default::default()
             },
+            models,
+        )
+        .await
+    }
+
+    async fn router_with(
+        admission: scheduler::AdmissionConfig,
+        models: [&str; 2],
+    ) -> (Arc<Router>, Setup) {
+        let scheduler = Scheduler::new(scheduler::Config {
+            admission,
             ..Default::default()
         })
         .unwrap();
@@ -758,6 +769,59 @@ mod queue {
         })
         .await;
         assert_ne!(went, stuck, "an ejected worker sits out");
+    }
+
+    /// A request waiting for the fleet's budget holds back every later one, of any model:
+    /// any admission would take the room it waits for. Once it is admitted, the door
+    /// opens again.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_waiting_for_the_fleet_budget_holds_back_every_model() {
+        let (router, _plane) = router_with(
+            scheduler::AdmissionConfig {
+                worker_budget_tokens: 1_000,
+                fleet_budget_tokens: 100,
+                ..Default::default()
+            },
+            ["a", "b"],
+        )
+        .await;
+        let Entered::Admitted(first) = enter_with(&router, "a", 56, None) else {
+            panic!("an idle fleet admits");
+        };
+        // 60 + 44 > 100: waits for the fleet.
+        let Entered::Queued {
+            guard: _waiting,
+            mut rx,
+            ..
+        } = enter_with(&router, "a", 40, None)
+        else {
+            panic!("the fleet's budget had room");
+        };
+        // 60 + 14 fits, but the room is the waiting request's.
+        let Entered::Queued {
+            guard: _b,
+            rx: mut b,
+            ..
+        } = enter_with(&router, "b", 10, None)
+        else {
+            panic!("another model's request took the room the fleet's waiting request needs");
+        };
+        router.pump();
+        assert!(rx.try_recv().is_err() && b.try_recv().is_err());
+        drop(first);
+        router.pump();
+        assert!(
+            matches!(rx.try_recv(), Ok(Ok(_))),
+            "the waiting request was not admitted"
+        );
+        assert!(
+            matches!(b.try_recv(), Ok(Ok(_))),
+            "the later request was not admitted after it"
+        );
+        assert!(matches!(
+            enter_with(&router, "b", 4, None),
+            Entered::Admitted(_)
+        ));
     }
 
     /// A LoRA adapter's requests compete for its base model's workers: one does not take

@@ -919,7 +919,7 @@ fn the_fleet_budget_caps_all_workers_together() {
     routed(s.admit(0, &request(&blocks(10, 1000), 160, &none)));
     assert_eq!(
         s.admit(0, &request(&blocks(10, 2000), 160, &none)),
-        Admission::Wait
+        Admission::FleetFull
     );
     // Retries of an admitted request are not held to the budgets.
     assert!(
