@@ -266,6 +266,7 @@ impl Worker {
                 tokenize_permits: Arc::new(tokio::sync::Semaphore::new(
                     std::thread::available_parallelism().map_or(1, |n| n.get()),
                 )),
+                digests: Arc::new(tokio::sync::Semaphore::new(1)),
             },
             shutdown_rx,
         ));

@@ -58,6 +58,9 @@ pub(crate) struct State {
     pub bodies: kvroute::http::budget::BodyBudget,
     /// Tokenizations (up to `MAX_BODY` of text each) run at once, off the runtime's threads.
     pub tokenize_permits: Arc<tokio::sync::Semaphore>,
+    /// One `/admin/cache` digest at a time: each is a snapshot of the whole cache on the
+    /// engine's thread, and the endpoint takes no key.
+    pub digests: Arc<tokio::sync::Semaphore>,
     /// Required on `/v1/*` (`--api-key`).
     pub api_key: Option<kvroute::auth::Secret>,
 }
@@ -767,6 +770,9 @@ async fn run(state: State, g: Generate) -> Response<Body> {
 /// Per tier, the blocks the cache holds and the xor of their hashes (the router's
 /// `/admin/index` reports the same of its mirror).
 async fn cache_digest(state: &State) -> Response<Body> {
+    let Ok(Ok(_one)) = tokio::time::timeout(ENGINE_DEADLINE, state.digests.acquire()).await else {
+        return unavailable("cache digests busy");
+    };
     let (mut rows, mut head) = (Vec::new(), None);
     for (rank, engine) in state.engines.iter().enumerate() {
         let (reply, answer) = oneshot::channel();
