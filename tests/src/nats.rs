@@ -1,7 +1,6 @@
 //! `nats-server -js` processes of the test's own, on free loopback ports, each with its own
 //! store: one server, one with extra configuration (authentication, TLS), or a cluster.
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -34,8 +33,14 @@ fn binary() -> PathBuf {
     PathBuf::from("nats-server")
 }
 
+/// A free loopback port none of this binary's tests was handed before
+/// ([`crate::procs::free_port`]: a port just released could go to a router or worker of a
+/// test running beside this one).
 fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    match crate::procs::free_port() {
+        0 => bail!("no free loopback port"),
+        port => Ok(port),
+    }
 }
 
 impl NatsServer {

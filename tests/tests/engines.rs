@@ -385,11 +385,20 @@ async fn the_ingest_follows_a_libzmq_publisher_exactly() {
                 "python with pyzmq and msgpack (run scripts/test, which installs them into .venv)",
             ),
     );
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.0.stdout.take().unwrap()),
-        &mut line,
+    // Read off the runtime, with a deadline: a publisher that never says it is ready fails
+    // the test instead of hanging it.
+    let stdout = child.0.stdout.take().unwrap();
+    let line = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::task::spawn_blocking(move || {
+            let mut line = String::new();
+            std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)
+                .map(|_| line)
+        }),
     )
+    .await
+    .expect("the Python publisher said nothing within 60 s")
+    .unwrap()
     .unwrap();
     assert_eq!(
         line.trim(),
@@ -773,20 +782,29 @@ async fn two_models_and_an_adapter_never_cross() {
 }
 
 /// Whether router `admin` credits worker `id` with cached blocks for the completion `body`
-/// (`/admin/explain`).
+/// (`/admin/explain`); `false` also when the router cannot say (see [`credited_strictly`]).
 async fn credited(http: &Http, admin: &str, body: &str, id: &str) -> bool {
-    let Ok(r) = http
+    credited_strictly(http, admin, body, id)
+        .await
+        .unwrap_or(false)
+}
+
+/// Whether router `admin` credits worker `id` with cached blocks for `body`, or why the
+/// router could not say (for a check that must not pass on a broken `/admin/explain`).
+async fn credited_strictly(http: &Http, admin: &str, body: &str, id: &str) -> Result<bool, String> {
+    let r = http
         .call("POST", &format!("{admin}/admin/explain"), body.to_owned())
         .await
-    else {
-        return false;
-    };
-    let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();
-    let id: u64 = id.parse().unwrap_or(0);
-    v["candidates"].as_array().is_some_and(|cs| {
-        cs.iter()
-            .any(|c| c["worker"] == id && c["device_blocks"].as_u64().unwrap_or(0) > 0)
-    })
+        .map_err(|e| format!("/admin/explain: {e}"))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&r.body).map_err(|e| format!("/admin/explain {}: {e}", r.body))?;
+    let id: u64 = id.parse().map_err(|e| format!("worker id {id:?}: {e}"))?;
+    let candidates = v["candidates"]
+        .as_array()
+        .ok_or_else(|| format!("/admin/explain has no candidates: {}", r.body))?;
+    Ok(candidates
+        .iter()
+        .any(|c| c["worker"] == id && c["device_blocks"].as_u64().unwrap_or(0) > 0))
 }
 
 /// An engine without KV events (any OpenAI server): the router learns its likely cache from
@@ -1103,8 +1121,8 @@ async fn a_prompt_a_worker_refused_is_not_guessed_to_be_in_its_cache() {
     let good = engine("vllm");
     let (bad, tried) = scripted_engine(Script::Fail).await;
     let (_router, url, admin) = round_robin_router(&good, &bad);
-    // The failing engine's worker id, once both are registered.
-    let mut bad_id = None;
+    // Both engines' worker ids, once both are registered.
+    let mut ids = None;
     for _ in 0..400 {
         if let Ok(r) = http
             .call("GET", &format!("{admin}/admin/workers"), "")
@@ -1113,16 +1131,20 @@ async fn a_prompt_a_worker_refused_is_not_guessed_to_be_in_its_cache() {
             let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();
             let workers = v["workers"].as_array().cloned().unwrap_or_default();
             if workers.len() == 2 {
-                bad_id = workers
-                    .iter()
-                    .find(|w| w["url"].as_str() == Some(bad.as_str()))
-                    .map(|w| w["id"].to_string());
+                let id_of = |url: &str| {
+                    workers
+                        .iter()
+                        .find(|w| w["url"].as_str() == Some(url))
+                        .map(|w| w["id"].to_string())
+                };
+                ids = id_of(&bad).zip(id_of(&good.url()));
                 break;
             }
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let bad_id = bad_id.expect("both engines registered");
+    let (bad_id, good_id) = ids.expect("both engines registered");
+    wait_registered(&http, &admin, 2).await;
     let prompts: Vec<String> = (0..6)
         .map(|i| {
             completion(
@@ -1144,9 +1166,23 @@ async fn a_prompt_a_worker_refused_is_not_guessed_to_be_in_its_cache() {
         tried.load(std::sync::atomic::Ordering::Relaxed) > 0,
         "round robin never tried the failing engine"
     );
+    // Learning has reached the index (the last prompt is credited to the engine that served
+    // it; the engine's 96 blocks hold the last four of these 23-block prompts) before the
+    // refusing one is judged.
+    let last = prompts.last().unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while !credited(&http, &admin, last, &good_id).await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the last prompt is never credited to the engine that served it"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     for body in &prompts {
         assert!(
-            !credited(&http, &admin, body, &bad_id).await,
+            !credited_strictly(&http, &admin, body, &bad_id)
+                .await
+                .unwrap(),
             "a prompt the engine refused is credited to it"
         );
     }

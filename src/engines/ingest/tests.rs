@@ -332,11 +332,14 @@ async fn a_restart_is_seen_when_the_new_engine_s_replay_fails() {
         })
         .await;
     drop(engine);
+    let mut tries = 0;
     let engine = loop {
         match EnginePublisher::bind("127.0.0.1", pub_port, None, "", 100).await {
             Ok(e) => break e,
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            Err(e) if tries == 100 => panic!("port {pub_port} stays taken: {e}"),
+            Err(_) => tries += 1,
         }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     };
     churn_until(&engine, &mut owner, 4, "restart seen", |o| {
         o.stats.restarts > 0

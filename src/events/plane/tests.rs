@@ -215,8 +215,20 @@ async fn a_silent_worker_expires_after_its_lease() {
         .unwrap();
     assert!(settle(|| s.plane.streams().len() == 2).await);
     dying.abandon();
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
-    assert!(settle(|| s.plane.workers().len() == 1).await);
+    // Not before its lease runs out (its last heartbeat was at most 200 ms ago), and
+    // within a second of it.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(s.plane.workers().len(), 2, "expired inside its lease");
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let mut waited = 0;
+    while s.plane.workers().len() != 1 {
+        assert!(
+            waited < 1_000,
+            "not expired within a second of its lease's end"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        waited += 50;
+    }
     assert_eq!(s.plane.workers()[0].id, WorkerId(1));
     assert_eq!(
         s.plane.counters().workers_expired.load(Ordering::Relaxed),

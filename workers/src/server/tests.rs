@@ -286,7 +286,15 @@ async fn a_client_too_slow_for_its_stream_is_cut_off_with_an_error() {
         body_text.len()
     );
     s.write_all(req.as_bytes()).await.unwrap();
-    // Read nothing until the worker has given up on this request.
+    // Read nothing until the worker has taken the request, then given up on it.
+    let started = async {
+        while w.active() == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), started)
+        .await
+        .expect("the worker never took the request");
     let gave_up = async {
         while w.active() > 0 {
             tokio::time::sleep(Duration::from_millis(20)).await;
