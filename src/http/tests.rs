@@ -8,15 +8,26 @@ use tokio::net::TcpStream;
 use super::*;
 
 async fn server(config: HttpConfig) -> (std::net::SocketAddr, watch::Sender<bool>) {
+    serving(config, |_req| async {
+        Response::new(super::full(Bytes::from_static(b"ok")))
+    })
+    .await
+}
+
+/// A server on a free loopback port answering with `handler`; its address, and what stops
+/// it.
+async fn serving<F, Fut>(
+    config: HttpConfig,
+    handler: F,
+) -> (std::net::SocketAddr, watch::Sender<bool>)
+where
+    F: Fn(hyper::Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Response<Body>> + Send + 'static,
+{
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, rx) = watch::channel(false);
-    tokio::spawn(serve_http(
-        listener,
-        config,
-        |_req| async { Response::new(super::full(Bytes::from_static(b"ok"))) },
-        rx,
-    ));
+    tokio::spawn(serve_http(listener, config, handler, rx));
     (addr, stop)
 }
 
@@ -336,11 +347,7 @@ async fn read_until(s: &mut TcpStream, end: &str) -> String {
 /// ended as it should ends with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_answer_cut_off_has_no_clean_end() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (_stop, rx) = watch::channel(false);
-    tokio::spawn(serve_http(
-        listener,
+    let (addr, _stop) = serving(
         HttpConfig::default(),
         move |req: hyper::Request<Incoming>| async move {
             let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(2);
@@ -358,8 +365,8 @@ async fn a_streamed_answer_cut_off_has_no_clean_end() {
             });
             Response::new(body)
         },
-        rx,
-    ));
+    )
+    .await;
     for (path, whole) in [("/whole", true), ("/cut", false)] {
         let mut c = TcpStream::connect(addr).await.unwrap();
         c.write_all(

@@ -378,16 +378,30 @@ async fn without_replay_a_gap_clears_and_rebuilds_from_what_follows() {
     assert_eq!((owner.stats.gaps, owner.stats.unrepaired), (1, 1));
 }
 
+/// The endpoint of an engine played by `pubs` and a scripted replay socket.
+fn scripted(pubs: &PubSocket, replay: &RouterSocket) -> EngineEndpoint {
+    EngineEndpoint {
+        events: format!("tcp://127.0.0.1:{}", pubs.port()),
+        replay: Some(format!("tcp://127.0.0.1:{}", replay.port())),
+        topic: String::new(),
+    }
+}
+
+/// The seq a replay request asks from.
+fn asked_from(request: &[Bytes]) -> u64 {
+    request
+        .last()
+        .and_then(|f| <[u8; 8]>::try_from(&f[..]).ok())
+        .map_or(0, u64::from_be_bytes)
+}
+
 /// An engine whose replay never sends its end marker (here: 200 batches and silence) is
 /// cut at `max_replay_batches`; the ingest goes on with the live stream.
 #[tokio::test]
 async fn a_replay_without_end_is_cut_at_its_cap() {
     let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
     let handler: RouterHandler = std::sync::Arc::new(|request: Vec<Bytes>| {
-        let from = request
-            .last()
-            .and_then(|f| <[u8; 8]>::try_from(&f[..]).ok())
-            .map_or(0, u64::from_be_bytes);
+        let from = asked_from(&request);
         (from..from + 200)
             .map(|seq| {
                 let parent = (seq > 0).then_some(seq);
@@ -401,11 +415,7 @@ async fn a_replay_without_end_is_cut_at_its_cap() {
             .collect()
     });
     let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
-    let endpoint = EngineEndpoint {
-        events: format!("tcp://127.0.0.1:{}", pubs.port()),
-        replay: Some(format!("tcp://127.0.0.1:{}", replay.port())),
-        topic: String::new(),
-    };
+    let endpoint = scripted(&pubs, &replay);
     let limits = IngestLimits {
         max_replay_batches: 50,
         ..IngestLimits::default()
@@ -425,10 +435,7 @@ async fn a_batch_lost_inside_a_replay_is_asked_for_again() {
     let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let asks = std::sync::Arc::clone(&asked);
     let handler: RouterHandler = std::sync::Arc::new(move |request: Vec<Bytes>| {
-        let from = request
-            .last()
-            .and_then(|f| <[u8; 8]>::try_from(&f[..]).ok())
-            .map_or(0, u64::from_be_bytes);
+        let from = asked_from(&request);
         let first = asks.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
         let frame = |seq: u64, payload: Bytes| {
             vec![
@@ -446,11 +453,7 @@ async fn a_batch_lost_inside_a_replay_is_asked_for_again() {
             .collect()
     });
     let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
-    let endpoint = EngineEndpoint {
-        events: format!("tcp://127.0.0.1:{}", pubs.port()),
-        replay: Some(format!("tcp://127.0.0.1:{}", replay.port())),
-        topic: String::new(),
-    };
+    let endpoint = scripted(&pubs, &replay);
     let mut owner = follow(endpoint, IngestLimits::default()).await;
     owner
         .until("the chain is whole", |o| o.held.len() == 10)
