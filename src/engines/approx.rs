@@ -32,6 +32,12 @@ impl ApproxCache {
         }
     }
 
+    /// The engine's cache holds `capacity` blocks (learnt late, or changed): the oldest
+    /// past it go at the next [`ApproxCache::learn`].
+    pub fn set_capacity(&mut self, capacity: usize) {
+        self.capacity = capacity.max(1);
+    }
+
     /// Blocks held.
     pub fn len(&self) -> usize {
         self.blocks.len()
@@ -148,5 +154,10 @@ mod tests {
             .filter(|c| matches!(c, BlockChange::Removed { .. }))
             .count();
         assert_eq!((stored(&out), removed), (6, 2));
+        // The engine turns out smaller (its G1 scraped after the first prompts): the
+        // oldest past it go with the next prompt.
+        c.set_capacity(2);
+        c.learn(2, &prompt(1, 2_000), &mut out);
+        assert_eq!(c.len(), 2);
     }
 }

@@ -211,10 +211,13 @@ pub async fn run(
             Some(routed) = next_learned(&mut learned) => {
                 let now_ms = clock.elapsed().as_millis() as u64;
                 let rank = (routed.key.1.0 as usize).min(streams.len() - 1);
+                // The engine's G1 as last scraped: before the first scrape it is a default,
+                // and an engine's can change across restarts.
                 let capacity = info.lock().g1_blocks;
-                approx[rank]
-                    .get_or_insert_with(|| ApproxCache::new(APPROX_TTL_MS, capacity))
-                    .learn(now_ms, &routed.blocks, &mut approx_changes);
+                let cache = approx[rank]
+                    .get_or_insert_with(|| ApproxCache::new(APPROX_TTL_MS, capacity));
+                cache.set_capacity(capacity);
+                cache.learn(now_ms, &routed.blocks, &mut approx_changes);
                 publish_changes(&mut streams[rank], &mut approx_changes, &plane, registration.is_some(), config.id).await;
             }
             _ = expiry.tick(), if learned.is_some() => {
