@@ -235,12 +235,13 @@ async fn a_restart_in_place_and_a_crash_leave_no_stale_entries() {
     sims.insert(0, restarted);
     run_workload(&sims[..1], 6, 10).await;
     assert_exact(&r, &sims).await;
-    // Worker 2 crashes without goodbye: its lease expires (TTL 1 s) and it is gone within
-    // TTL + 1 s.
+    // Worker 2 crashes without goodbye: its lease expires (TTL 1 s) and it is gone (the
+    // timing itself is checked on the paused clock, in the plane's unit tests; here, on a
+    // loaded machine, only that it goes).
     let crashed = sims.pop().unwrap();
     let started = tokio::time::Instant::now();
     crashed.stop(false).await;
-    let gone = eventually(Duration::from_secs(2), || {
+    let gone = eventually(Duration::from_secs(30), || {
         !indexed(r.plane.indexer())
             .iter()
             .any(|(w, _, _)| *w == WorkerId(2))
@@ -256,8 +257,8 @@ async fn a_restart_in_place_and_a_crash_leave_no_stale_entries() {
     let counters = r.plane.counters();
     let removed = counters.workers_expired.load(Ordering::Relaxed)
         + counters.workers_left.load(Ordering::Relaxed);
-    assert!(
-        removed >= 2,
+    assert_eq!(
+        removed, 2,
         "restart goodbye + crash: {removed} removals counted"
     );
     // The scheduler loses it from the same owner, in the same step.
