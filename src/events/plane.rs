@@ -122,6 +122,9 @@ pub struct PlaneCounters {
     pub orphans_swept: AtomicU64,
     /// Event messages dropped on arrival: the fleet owner was `intake_bytes` behind.
     pub intake_dropped: AtomicU64,
+    /// Registrations read back from the registry older than their lease, kept aside (a
+    /// worker that stopped without a goodbye).
+    pub stale_registrations: AtomicU64,
 }
 
 /// What the plane reports of one stream.
@@ -738,6 +741,10 @@ impl FleetOwner {
                     .on_replayed_registration(now, info, age_ms, &mut self.commands)
                 {
                     Ok(Replayed::KeptAside) => {
+                        self.shared
+                            .counters
+                            .stale_registrations
+                            .fetch_add(1, Ordering::Relaxed);
                         metrics::counter!("kvroute_registry_stale_total").increment(1);
                         tracing::info!(
                             worker = %reported.0,

@@ -67,11 +67,24 @@ async fn nats_as(
     name: &str,
     auth: &kvroute::auth::NatsAuth,
 ) -> (Transport, Registry) {
+    nats_with(server, name, auth, &lease()).await
+}
+
+/// A connection and the registry; the bucket, if this creates it, keeps entries for two of
+/// `bucket_lease`'s leases.
+async fn nats_with(
+    server: &NatsServer,
+    name: &str,
+    auth: &kvroute::auth::NatsAuth,
+    bucket_lease: &LeaseConfig,
+) -> (Transport, Registry) {
     let transport = Transport::connect_nats(&server.url(), name, auth)
         .await
         .unwrap();
     let client = transport.nats_client().unwrap().clone();
-    let registry = Registry::nats(client, CLUSTER, &lease(), 1).await.unwrap();
+    let registry = Registry::nats(client, CLUSTER, bucket_lease, 1)
+        .await
+        .unwrap();
     (transport, registry)
 }
 
@@ -279,13 +292,20 @@ async fn a_restart_in_place_and_a_crash_leave_no_stale_entries() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_router_started_after_a_crash_does_not_route_to_the_crashed_worker() {
     let server = NatsServer::start().unwrap();
-    let (transport, registry) = nats(&server, "workers").await;
+    // The bucket keeps entries 10 s (its creator's lease of 5 s, twice), the router's
+    // lease is 1 s: the crashed worker's entry is still there, and stale, when it starts.
+    let bucket_lease = LeaseConfig {
+        ttl_ms: 5_000,
+        ..lease()
+    };
+    let (transport, registry) =
+        nats_with(&server, "workers", &Default::default(), &bucket_lease).await;
     let sims = workers(&transport, &registry, 0..2, Faults::default()).await;
     let mut sims = sims.into_iter();
     let (live, crashed) = (sims.next().unwrap(), sims.next().unwrap());
     crashed.stop(false).await;
-    // The crashed worker's last heartbeat ages past the lease (1 s) while the live one's
-    // go on; the bucket drops it at two leases. (JetStream stamps entries with the server's
+    // The crashed worker's last heartbeat ages past the router's lease (1 s) while the live
+    // one's go on; the bucket would drop it at 10 s. (JetStream stamps entries with the server's
     // clock, so the age is real time: no paused clock can stand in for it.)
     tokio::time::sleep(Duration::from_millis(1_300)).await;
     let (rt, rreg) = nats(&server, "router").await;
@@ -296,10 +316,19 @@ async fn a_router_started_after_a_crash_does_not_route_to_the_crashed_worker() {
     .await;
     assert!(heard, "the live worker never registered");
     // The bucket's history is delivered in one go, the crashed worker's entry (older)
-    // first: by now it has been read, and ignored.
+    // first: by now it has been read, and ignored (kept aside, counted: a bucket that had
+    // already dropped it would prove nothing).
     assert!(
         r.plane.worker(WorkerId(1)).is_none(),
         "the crashed worker's stale registration was taken as live"
+    );
+    assert_eq!(
+        r.plane
+            .counters()
+            .stale_registrations
+            .load(Ordering::Relaxed),
+        1,
+        "the crashed worker's registration was not read back (the bucket dropped it first?)"
     );
     assert!(
         r.scheduler
