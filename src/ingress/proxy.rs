@@ -1223,9 +1223,7 @@ fn error_first(events: &[u8]) -> bool {
     let mut rest = events;
     while !rest.is_empty() {
         let end = (1..rest.len())
-            .find(|&i| {
-                rest[i] == b'\n' && (rest[i - 1] == b'\n' || (i >= 2 && &rest[i - 2..i] == b"\n\r"))
-            })
+            .find(|&i| ends_blank_line(rest, i))
             .map_or(rest.len(), |i| i + 1);
         let (event, after) = rest.split_at(end);
         if carries_data(event) {
@@ -1330,8 +1328,14 @@ impl SseEvents {
 pub fn event_end(b: &[u8]) -> Option<usize> {
     (1..b.len())
         .rev()
-        .find(|&i| b[i] == b'\n' && (b[i - 1] == b'\n' || (i >= 2 && &b[i - 2..i] == b"\n\r")))
+        .find(|&i| ends_blank_line(b, i))
         .map(|i| i + 1)
+}
+
+/// Whether `b[i]` is the line feed that ends a blank line (`\n\n`, `\n\r\n`; so also
+/// `\r\n\r\n`): the end of a server-sent event. `i` is at least 1.
+fn ends_blank_line(b: &[u8], i: usize) -> bool {
+    b[i] == b'\n' && (b[i - 1] == b'\n' || (i >= 2 && &b[i - 2..i] == b"\n\r"))
 }
 
 /// What a stream cut inside an event leaves to relay: its complete lines, ended as an
