@@ -19,13 +19,16 @@ use super::fleet::{
     BatchVerdict, Departure, Fleet, FleetCommand, FleetConfig, Refusal, Replayed, StreamKey,
 };
 use super::stream::{Command, StreamConfig, StreamStats, WorkerStream};
-use super::transport::{Message, Transport};
+use super::transport::Transport;
 use crate::discovery::{RegistryEvent, Watch, WorkerInfo};
 use crate::indexer::Indexer;
 use crate::protocol::{
     EventBatch, Limits, Snapshot, SnapshotAssembler, WorkerId, decode, decode_snapshot_chunk,
 };
 use crate::scheduler::Scheduler;
+use intake::{Delivery, Intake, Watermark, WatermarkGate};
+
+mod intake;
 
 /// Subject of one worker's events.
 pub fn events_subject(cluster: &str, worker: WorkerId) -> String {
@@ -348,8 +351,19 @@ impl EventPlane {
             registry_healthy: watch.healthy,
             transit_seconds: metrics::histogram!("kvroute_event_transit_seconds"),
             refusals_logged: Default::default(),
+            watermarks: WatermarkGate::default(),
+            ask_barrier: false,
         };
-        let intake = Intake::start(subscription, Arc::clone(&shared));
+        let intake = {
+            let shared = Arc::clone(&shared);
+            Intake::start(subscription, shared.config.intake_bytes, move || {
+                shared
+                    .counters
+                    .intake_dropped
+                    .fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("kvroute_event_intake_dropped_total").increment(1);
+            })
+        };
         tokio::spawn(owner.run(intake, watch.events, shutdown));
         Ok(EventPlane { shared })
     }
@@ -509,59 +523,11 @@ struct FleetOwner {
     /// When each refused worker was last logged: a refused worker's every heartbeat is
     /// refused again, and logged once per [`REFUSAL_LOG_EVERY`].
     refusals_logged: HashMap<WorkerId, Instant>,
-}
-
-/// The event subscription's messages on their way to the fleet owner, bounded in bytes
-/// ([`PlaneConfig::intake_bytes`]): a task takes each from the NATS client as it comes (so
-/// the client's own queue stays short) and drops what would pass the bound.
-struct Intake {
-    rx: mpsc::UnboundedReceiver<Message>,
-    queued: Arc<AtomicUsize>,
-}
-
-impl Intake {
-    fn start(mut subscription: super::transport::Subscription, shared: Arc<Shared>) -> Intake {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let queued = Arc::new(AtomicUsize::new(0));
-        let held = Arc::clone(&queued);
-        let limit = shared.config.intake_bytes;
-        tokio::spawn(async move {
-            loop {
-                let message = tokio::select! {
-                    message = subscription.next() => message,
-                    () = tx.closed() => return,
-                };
-                // The subscription's end ends the owner's reads (the sender goes).
-                let Some(message) = message else { return };
-                let charge = Intake::charge(&message);
-                if held.load(Ordering::Relaxed) + charge > limit {
-                    shared
-                        .counters
-                        .intake_dropped
-                        .fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!("kvroute_event_intake_dropped_total").increment(1);
-                    continue;
-                }
-                held.fetch_add(charge, Ordering::Relaxed);
-                if tx.send(message).is_err() {
-                    return;
-                }
-            }
-        });
-        Intake { rx, queued }
-    }
-
-    /// What a message holds while queued.
-    fn charge(message: &Message) -> usize {
-        message.payload.len() + message.subject.len() + 64
-    }
-
-    async fn next(&mut self) -> Option<Message> {
-        let message = self.rx.recv().await?;
-        self.queued
-            .fetch_sub(Intake::charge(&message), Ordering::Relaxed);
-        Some(message)
-    }
+    /// Heartbeats' watermarks held until the events they count have been read ([`intake`]).
+    watermarks: WatermarkGate,
+    /// The gate wants a barrier the intake has not been asked for yet (asked after the
+    /// owner's next step).
+    ask_barrier: bool,
 }
 
 /// How often a worker's repeated refusal is logged (each is counted).
@@ -581,15 +547,29 @@ impl FleetOwner {
         let mut last_sweep = 0u64;
         let mut reconnects = self.shared.transport.reconnects();
         loop {
+            if std::mem::take(&mut self.ask_barrier) {
+                subscription.ask_barrier();
+            }
             tokio::select! {
-                message = subscription.next() => {
-                    let Some(message) = message else {
-                        if !*shutdown.borrow() {
-                            self.shared.fail("the event subscription ended");
+                delivery = subscription.next() => {
+                    match delivery {
+                        Some(Delivery::Message(message)) => {
+                            self.on_payload(&message.subject, &message.payload);
                         }
-                        break;
-                    };
-                    self.on_payload(&message.subject, &message.payload);
+                        Some(Delivery::Barrier) => {
+                            let (released, again) = self.watermarks.on_barrier();
+                            for (key, Watermark { epoch, last_id }) in released {
+                                self.shared.send(key, Input::Watermark { epoch, last_id });
+                            }
+                            self.ask_barrier = again;
+                        }
+                        None => {
+                            if !*shutdown.borrow() {
+                                self.shared.fail("the event subscription ended");
+                            }
+                            break;
+                        }
+                    }
                 }
                 event = registry.recv() => {
                     let Some(event) = event else {
@@ -819,9 +799,12 @@ impl FleetOwner {
                     epoch,
                     last_id,
                 } => {
-                    self.shared.send(key, Input::Watermark { epoch, last_id });
+                    if self.watermarks.hold(key, Watermark { epoch, last_id }) {
+                        self.ask_barrier = true;
+                    }
                 }
                 FleetCommand::CloseStream(key) => {
+                    self.watermarks.forget(key);
                     let handle = self.shared.streams.lock().remove(&key);
                     if let Some(handle) = handle {
                         self.close(key, handle);

@@ -251,6 +251,15 @@ async fn a_restart_in_place_and_a_crash_leave_no_stale_entries() {
     // Worker 2 crashes without goodbye: its lease expires (TTL 1 s) and it is gone (the
     // timing itself is checked on the paused clock, in the plane's unit tests; here, on a
     // loaded machine, only that it goes).
+    let removals = || {
+        let counters = r.plane.counters();
+        counters.workers_expired.load(Ordering::Relaxed)
+            + counters.workers_left.load(Ordering::Relaxed)
+    };
+    // The restart's goodbye is counted if it was acknowledged within its deadline (a lease);
+    // on a starved machine it may not be, and the new epoch alone replaces the old one.
+    let before_crash = removals();
+    assert!(before_crash <= 1, "one restart: {before_crash} removals");
     let crashed = sims.pop().unwrap();
     let started = tokio::time::Instant::now();
     crashed.stop(false).await;
@@ -267,12 +276,10 @@ async fn a_restart_in_place_and_a_crash_leave_no_stale_entries() {
     );
     // Normally the router's own TTL check expires it; on a starved machine the bucket's
     // max-age deletion may be seen first. Either way it is gone, and said so once.
-    let counters = r.plane.counters();
-    let removed = counters.workers_expired.load(Ordering::Relaxed)
-        + counters.workers_left.load(Ordering::Relaxed);
     assert_eq!(
-        removed, 2,
-        "restart goodbye + crash: {removed} removals counted"
+        removals(),
+        before_crash + 1,
+        "the crash is counted once (expired, or deleted by the bucket's max age)"
     );
     // The scheduler loses it from the same owner, in the same step.
     assert!(

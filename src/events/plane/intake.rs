@@ -1,0 +1,244 @@
+//! The event subscription's way to the fleet owner, and the barrier that keeps a heartbeat's
+//! watermark behind the events it counts.
+//!
+//! A worker publishes its batches on its events subject and reports the last id it sent in
+//! its registration's heartbeat, a key-value put, over the same NATS connection. The server
+//! takes that connection's messages in order, so a batch is on its way to the router (over
+//! the router's one connection, in the same order) before the heartbeat that counts it. In
+//! the router the two part ways: batches queue for the fleet owner through [`Intake`], the
+//! heartbeat comes through the registry watch's task. A watermark handed on as it arrived
+//! could reach its stream while the batches it counts still queued; with the queue more than
+//! the reorder timeout behind (a burst, two cores shared with nats-server) the stream took
+//! them for lost and resynced, every stream at once. So watermarks wait in
+//! [`WatermarkGate`] for a [`Delivery::Barrier`]: the intake task sends one when asked,
+//! once it has taken everything its subscription had ready, which includes every batch the
+//! client had queued before the heartbeat reached the watch. (With the router's registry on
+//! another connection the order is not the server's, but a backlog in the router is still
+//! read first.) While events arrive faster than they are read, watermarks wait: a gap
+//! between batches is still found by the batches' own ids, and only a lost last batch is
+//! found later, once the backlog has been read.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use tokio::sync::{Notify, mpsc};
+
+use super::super::fleet::StreamKey;
+use super::super::transport::{Message, Subscription};
+
+/// What the intake hands the fleet owner.
+#[derive(Debug)]
+pub(super) enum Delivery {
+    /// An event message, in the subscription's order.
+    Message(Message),
+    /// Every message the subscription had ready when the barrier was asked for came before.
+    Barrier,
+}
+
+/// The event subscription's messages on their way to the fleet owner, bounded in bytes
+/// ([`super::PlaneConfig::intake_bytes`]): a task takes each from the NATS client as it comes
+/// (so the client's own queue stays short) and drops what would pass the bound.
+pub(super) struct Intake {
+    rx: mpsc::UnboundedReceiver<Delivery>,
+    queued: Arc<AtomicUsize>,
+    barrier: Arc<Notify>,
+}
+
+impl Intake {
+    /// Starts the task reading `subscription`; `dropped` is called for each message dropped
+    /// because `limit` bytes were already queued.
+    pub(super) fn start(
+        mut subscription: Subscription,
+        limit: usize,
+        dropped: impl Fn() + Send + 'static,
+    ) -> Intake {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let held = Arc::clone(&queued);
+        let barrier = Arc::new(Notify::new());
+        let asked = Arc::clone(&barrier);
+        tokio::spawn(async move {
+            let mut barrier_due = false;
+            loop {
+                // In this order: a barrier goes out only once the subscription has nothing
+                // ready (polled first), and a request is taken only between barriers.
+                let message = tokio::select! {
+                    biased;
+                    message = subscription.next() => message,
+                    () = asked.notified(), if !barrier_due => {
+                        barrier_due = true;
+                        continue;
+                    }
+                    () = std::future::ready(()), if barrier_due => {
+                        barrier_due = false;
+                        if tx.send(Delivery::Barrier).is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                    () = tx.closed() => return,
+                };
+                // The subscription's end ends the owner's reads (the sender goes).
+                let Some(message) = message else { return };
+                let charge = charge(&message);
+                if held.load(Ordering::Relaxed) + charge > limit {
+                    dropped();
+                    continue;
+                }
+                held.fetch_add(charge, Ordering::Relaxed);
+                if tx.send(Delivery::Message(message)).is_err() {
+                    return;
+                }
+            }
+        });
+        Intake {
+            rx,
+            queued,
+            barrier,
+        }
+    }
+
+    /// The next delivery, or `None` once the subscription has ended.
+    pub(super) async fn next(&mut self) -> Option<Delivery> {
+        let delivery = self.rx.recv().await?;
+        if let Delivery::Message(message) = &delivery {
+            self.queued.fetch_sub(charge(message), Ordering::Relaxed);
+        }
+        Some(delivery)
+    }
+
+    /// Asks for a [`Delivery::Barrier`]. One ask, one barrier, if the next ask waits for it
+    /// (the fleet owner's does: [`WatermarkGate`] has at most one outstanding).
+    pub(super) fn ask_barrier(&self) {
+        self.barrier.notify_one();
+    }
+}
+
+/// What a message holds while queued.
+fn charge(message: &Message) -> usize {
+    message.payload.len() + message.subject.len() + 64
+}
+
+/// Heartbeats' watermarks waiting for the barrier that lets them follow their events: one
+/// per stream at most in each of two generations (those a barrier asked for now covers, and
+/// those that came after it was asked), so it holds no more than two per stream whatever
+/// the heartbeat rate. Sans-I/O.
+#[derive(Debug, Default)]
+pub(super) struct WatermarkGate {
+    /// Covered by the barrier asked for (if `asked`).
+    waiting: HashMap<StreamKey, Watermark>,
+    /// Came after it was asked: they wait for the next.
+    next: HashMap<StreamKey, Watermark>,
+    asked: bool,
+}
+
+/// A heartbeat's word: its worker has sent events up to `last_id` in `epoch`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Watermark {
+    pub epoch: u64,
+    pub last_id: u64,
+}
+
+impl WatermarkGate {
+    /// Holds a watermark (a later one of the same stream and generation replaces it). True
+    /// if a barrier must be asked for now.
+    #[must_use]
+    pub(super) fn hold(&mut self, key: StreamKey, watermark: Watermark) -> bool {
+        if self.asked {
+            self.next.insert(key, watermark);
+            false
+        } else {
+            self.waiting.insert(key, watermark);
+            self.asked = true;
+            true
+        }
+    }
+
+    /// The barrier came: the watermarks it covers, to hand on. The gate's `bool` says
+    /// whether another barrier must be asked for (watermarks came after this one was asked).
+    pub(super) fn on_barrier(&mut self) -> (Vec<(StreamKey, Watermark)>, bool) {
+        let released = std::mem::take(&mut self.waiting).into_iter().collect();
+        self.waiting = std::mem::take(&mut self.next);
+        self.asked = !self.waiting.is_empty();
+        (released, self.asked)
+    }
+
+    /// The stream closed: its watermarks go (a stream opened again under the key starts
+    /// afresh and must not hear its predecessor's).
+    pub(super) fn forget(&mut self, key: StreamKey) {
+        self.waiting.remove(&key);
+        self.next.remove(&key);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::events::transport::{LocalBus, Transport};
+    use crate::protocol::{DpRank, WorkerId};
+
+    fn key(id: u64) -> StreamKey {
+        (WorkerId(id), DpRank(0))
+    }
+
+    fn mark(last_id: u64) -> Watermark {
+        Watermark { epoch: 7, last_id }
+    }
+
+    #[test]
+    fn a_watermark_waits_for_the_barrier_asked_after_it() {
+        let mut gate = WatermarkGate::default();
+        assert!(gate.hold(key(1), mark(5)));
+        // A barrier is out: later watermarks wait for the next one, and ask for nothing yet.
+        assert!(!gate.hold(key(2), mark(3)));
+        assert!(!gate.hold(key(1), mark(9)));
+        let (released, again) = gate.on_barrier();
+        assert_eq!(released, vec![(key(1), mark(5))]);
+        assert!(again);
+        let (mut released, again) = gate.on_barrier();
+        released.sort_by_key(|(k, _)| *k);
+        assert_eq!(released, vec![(key(1), mark(9)), (key(2), mark(3))]);
+        assert!(!again);
+        // Nothing outstanding: the next watermark asks again.
+        assert!(gate.hold(key(1), mark(10)));
+    }
+
+    #[test]
+    fn a_closed_stream_hears_none_of_its_watermarks() {
+        let mut gate = WatermarkGate::default();
+        assert!(gate.hold(key(1), mark(5)));
+        assert!(!gate.hold(key(1), mark(6)));
+        gate.forget(key(1));
+        assert_eq!(gate.on_barrier(), (Vec::new(), false));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_barrier_comes_after_every_message_already_queued() {
+        let transport = Transport::Local(LocalBus::new());
+        let subscription = transport.subscribe("e.>").await.unwrap();
+        let mut intake = Intake::start(subscription, 1 << 20, || {});
+        // Queued in the subscription before the barrier is asked for, as the batches a
+        // heartbeat counts are queued before the heartbeat reaches the registry watch.
+        for i in 0..100u8 {
+            transport
+                .publish("e.1", None, vec![i].into())
+                .await
+                .unwrap();
+        }
+        intake.ask_barrier();
+        let mut seen = Vec::new();
+        while let Delivery::Message(m) = intake.next().await.unwrap() {
+            seen.push(m.payload[0]);
+        }
+        assert_eq!(seen, (0..100).collect::<Vec<_>>());
+        // Asked again with nothing queued, it comes at once.
+        intake.ask_barrier();
+        assert!(matches!(intake.next().await, Some(Delivery::Barrier)));
+        transport
+            .publish("e.1", None, vec![7].into())
+            .await
+            .unwrap();
+        assert!(matches!(intake.next().await, Some(Delivery::Message(_))));
+    }
+}
