@@ -97,6 +97,8 @@ pub struct CacheStats {
     pub verify_failures: u64,
     /// Copies the device had not finished when the link model said they end.
     pub late_copies: u64,
+    /// Blocks a request computed that another had registered meanwhile: it shares theirs.
+    pub shared_on_register: u64,
 }
 
 /// How often a copy the device has not finished is polled, µs of engine time.
@@ -269,6 +271,64 @@ impl BlockManager {
         )
     }
 
+    /// Admits a request under one lock: takes the cached prefix of `seqs` as
+    /// [`BlockManager::acquire_prefix`] does, and `blocks(found)` fresh G1 blocks after it
+    /// as [`BlockManager::allocate`] does. If the blocks cannot be had, the prefix is let go
+    /// as it was: no hits counted, each block as recent as before (a request retried every
+    /// step while copies finish would otherwise refresh its prefix and count its hits each
+    /// time; vLLM's `allocate_slots` touches a request's hits only once it fits). Blocks
+    /// evicted or sent to G2 to make room stay so: they are the room the retry needs.
+    pub fn admit(
+        &self,
+        now_us: u64,
+        seqs: &[SeqHash],
+        blocks: impl FnOnce(PrefixMatch) -> usize,
+    ) -> Result<(Lease, PrefixMatch), AllocError> {
+        let mut inner = self.inner.lock();
+        let (found, _) = inner.match_prefix(seqs);
+        let inner = &mut *inner;
+        let device = &seqs[..found.device];
+        let host = &seqs[found.device..found.device + found.host];
+        let recency = |pool: &Pool, seqs: &[SeqHash]| -> Vec<u64> {
+            seqs.iter()
+                .map(|s| {
+                    let id = pool
+                        .lookup(*s)
+                        .expect("invariant: matched block is indexed");
+                    pool.slot(id).last_used
+                })
+                .collect()
+        };
+        let (g1_before, g2_before) = (recency(&inner.g1, device), recency(&inner.g2, host));
+        inner.tick += 1;
+        let tick = inner.tick;
+        let g1_ids = inner.g1.acquire_all(device, tick);
+        let g2_ids = inner.g2.acquire_all(host, tick);
+        let n = blocks(found);
+        if let Err(e) = inner.make_room(now_us, n) {
+            for (id, last_used) in g1_ids.into_iter().zip(g1_before) {
+                inner.g1.unacquire(id, last_used);
+            }
+            for (id, last_used) in g2_ids.into_iter().zip(g2_before) {
+                inner.g2.unacquire(id, last_used);
+            }
+            return Err(e);
+        }
+        inner.g1.count_hits(&g1_ids);
+        inner.g2.count_hits(&g2_ids);
+        inner.stats.device_hits += found.device as u64;
+        let mut lease = Lease {
+            inner: Arc::clone(&self.inner),
+            blocks: g1_ids,
+            host_pins: g2_ids,
+        };
+        for _ in 0..n {
+            let id = inner.g1.take_free().expect("invariant: room was made");
+            lease.blocks.push(id);
+        }
+        Ok((lease, found))
+    }
+
     /// [`BlockManager::match_prefix`], with how many of the G1 hits are inactive (cached,
     /// evictable until acquired): what an admission checks before acquiring anything, so that
     /// one that fails changes nothing, as vLLM's `allocate_slots` touches the hit blocks only
@@ -331,12 +391,16 @@ impl BlockManager {
     }
 
     /// Marks the lease's blocks `first..` full, each with its hash and the hash it extends,
-    /// fills their bytes in byte mode, and registers them in G1 (announcing them) unless G1
-    /// already holds a hash. One lock for the run: a step registers a sequence's new blocks
-    /// together.
+    /// fills their bytes in byte mode, and registers them in G1 (announcing them). A hash G1
+    /// already holds (another request computed the same block at the same time) is shared
+    /// instead: the lease takes a reference on the registered block and its own slot goes
+    /// back to the pool, so that the blocks after it hang off a block the lease holds (a
+    /// private copy would leave the registered one unheld, counted as evictable while
+    /// this lease's blocks extend it). One lock for the run: a step registers a sequence's
+    /// new blocks together.
     pub fn register(
         &self,
-        lease: &Lease,
+        lease: &mut Lease,
         first: usize,
         blocks: impl IntoIterator<Item = (Option<SeqHash>, StoredBlock)>,
     ) {
@@ -344,7 +408,7 @@ impl BlockManager {
         let inner = &mut *inner;
         for (index, (parent, block)) in (first..).zip(blocks) {
             let id = lease.blocks[index];
-            // The block before it in the lease holds its parent, or a private copy of it.
+            // The block before it in the lease holds its parent.
             let near = index.checked_sub(1).map(|i| lease.blocks[i]);
             inner.tick += 1;
             if let Some(bytes) = &mut inner.bytes
@@ -353,9 +417,20 @@ impl BlockManager {
                 // Its bytes will not verify when it comes back from G2.
                 tracing::error!(error = %e, "block bytes not written");
             }
-            inner
+            let seq = block.seq;
+            if !inner
                 .g1
-                .register(id, parent, near, block, inner.tick, &mut inner.changes);
+                .register(id, parent, near, block, inner.tick, &mut inner.changes)
+            {
+                let shared = inner
+                    .g1
+                    .lookup(seq)
+                    .expect("invariant: a refused registration names an indexed hash");
+                inner.g1.acquire(shared, inner.tick);
+                inner.g1.free_mutable(id);
+                lease.blocks[index] = shared;
+                inner.stats.shared_on_register += 1;
+            }
         }
     }
 

@@ -535,6 +535,9 @@ impl Engine {
         let mut decode_kv_tokens = 0;
         let mut seqs = 0;
         let mut preempted = false;
+        // A running sequence waits for copies to free G1 slots: the slots they free are its,
+        // and a newcomer admitted meanwhile would take them.
+        let mut waiting_for_copies = false;
 
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
@@ -554,6 +557,7 @@ impl Engine {
                     // `i` now names the sequence after it.
                     Growth::Preempted => continue,
                     Growth::Pending => {
+                        waiting_for_copies = true;
                         i += 1;
                         continue;
                     }
@@ -572,8 +576,13 @@ impl Engine {
             i += 1;
         }
         // Admission, first come first served; a request that does not fit blocks the ones
-        // behind it (no starvation of long prompts). None in a step that preempted.
-        while !preempted && budget > 0 && self.running.len() < self.config.max_num_seqs {
+        // behind it (no starvation of long prompts). None in a step that preempted, or while
+        // a running sequence waits for room.
+        while !preempted
+            && !waiting_for_copies
+            && budget > 0
+            && self.running.len() < self.config.max_num_seqs
+        {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
@@ -594,23 +603,25 @@ impl Engine {
                 break;
             }
             // Nothing else touches the pool in between (the engine owns its leases), so
-            // this finds what the peek found.
+            // this finds what the peek found. Host hits are onboarded into blocks of their
+            // own; a computed chunk needs its. A request that does not get them (copies
+            // must finish first) leaves its prefix as it found it.
             let peeked = found;
-            let (mut lease, found) = self.blocks.acquire_prefix(&keys);
-            debug_assert_eq!(found, peeked, "the prefix changed between peek and acquire");
-            let kv_len = found.device * bs;
-            let need = (total - kv_len).min(budget);
-            // Host hits are onboarded into blocks of their own; a computed chunk needs its.
-            let first = if found.host > 0 {
-                found.host
-            } else {
-                (kv_len + need).div_ceil(bs) - found.device
-            };
-            if self.blocks.allocate(now, &mut lease, first).is_err() {
-                drop(lease);
+            let admitted = self.blocks.admit(now, &keys, |found| {
+                let kv_len = found.device * bs;
+                if found.host > 0 {
+                    found.host
+                } else {
+                    (kv_len + (total - kv_len).min(budget)).div_ceil(bs) - found.device
+                }
+            });
+            let Ok((mut lease, found)) = admitted else {
                 self.waiting.push_front(seq);
                 break;
-            }
+            };
+            debug_assert_eq!(found, peeked, "the prefix changed between peek and admit");
+            let kv_len = found.device * bs;
+            let need = (total - kv_len).min(budget);
             if !seq.admitted {
                 seq.admitted = true;
                 let prompt = seq.prompt_len;
@@ -735,10 +746,6 @@ impl Engine {
                 continue;
             }
             seq.kv_len += std::mem::take(&mut seq.scheduled);
-            let lease = seq
-                .lease
-                .as_ref()
-                .expect("invariant: running sequences hold a lease");
             let (first, full) = (seq.full_blocks, seq.kv_len / bs);
             for k in seq.hashes.len()..full {
                 // A block of generated tokens: hashed once it is full.
@@ -754,6 +761,10 @@ impl Engine {
             }
             if first < full {
                 let hashes = &seq.hashes;
+                let lease = seq
+                    .lease
+                    .as_mut()
+                    .expect("invariant: running sequences hold a lease");
                 self.blocks.register(
                     lease,
                     first,

@@ -22,8 +22,7 @@ use super::{BlockId, Change, EvictionPolicy, TierUsage};
 pub(super) enum State {
     /// Unused.
     Free,
-    /// Owned by one request: being filled (or a full private copy of a hash already
-    /// registered by another request, which is never shared).
+    /// Owned by one request: being filled.
     Mutable,
     /// Full, in the hash index, used by `refs` requests or transfers.
     Registered,
@@ -251,16 +250,45 @@ impl Pool {
 
     /// A request references the resident blocks `seqs`: one hit each.
     pub fn acquire_hits(&mut self, seqs: &[SeqHash], tick: u64) -> Vec<BlockId> {
+        let ids = self.acquire_all(seqs, tick);
+        self.count_hits(&ids);
+        ids
+    }
+
+    /// References the resident blocks `seqs` (no hits counted yet: [`Pool::count_hits`]).
+    pub fn acquire_all(&mut self, seqs: &[SeqHash], tick: u64) -> Vec<BlockId> {
         seqs.iter()
             .map(|seq| {
                 let id = self
                     .lookup(*seq)
                     .expect("invariant: matched block is indexed");
                 self.acquire(id, tick);
-                self.slots[id.index()].hits += 1;
                 id
             })
             .collect()
+    }
+
+    /// One hit for each of the (acquired) blocks `ids`.
+    pub fn count_hits(&mut self, ids: &[BlockId]) {
+        for id in ids {
+            self.slots[id.index()].hits += 1;
+        }
+    }
+
+    /// Undoes an [`Pool::acquire`] that did not lead anywhere: the reference goes, and the
+    /// block is as recent as it was before (`last_used`), so in the same place in the
+    /// eviction order.
+    pub fn unacquire(&mut self, id: BlockId, last_used: u64) {
+        let slot = &mut self.slots[id.index()];
+        debug_assert_eq!(slot.state, State::Registered);
+        slot.refs -= 1;
+        slot.last_used = last_used;
+        if slot.refs == 0 {
+            slot.state = State::Inactive;
+            self.registered -= 1;
+            self.inactive += 1;
+            self.refresh(id);
+        }
     }
 
     /// A request or transfer stops using a registered block.
@@ -278,8 +306,8 @@ impl Pool {
     }
 
     /// Mutable → full. Registers the block under its hash and announces it, unless the
-    /// tier already holds that hash: then the slot stays a private mutable copy (returns
-    /// false) and is freed with its lease. `near` is where the parent probably is (the
+    /// tier already holds that hash: then nothing changes and it returns false (the caller
+    /// shares the registered block and frees this slot). `near` is where the parent probably is (the
     /// slot before it in the same lease), checked before use.
     pub fn register(
         &mut self,

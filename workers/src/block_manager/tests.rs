@@ -35,7 +35,7 @@ fn compute(bm: &BlockManager, now: u64, c: &[(Option<SeqHash>, StoredBlock)]) ->
     let (mut lease, found) = bm.acquire_prefix(&seqs(c));
     bm.allocate(now, &mut lease, c.len() - found.device)
         .unwrap();
-    bm.register(&lease, found.device, c[found.device..].iter().copied());
+    bm.register(&mut lease, found.device, c[found.device..].iter().copied());
     bm.check_invariants().unwrap();
     lease
 }
@@ -93,17 +93,21 @@ fn allocation_is_all_or_nothing() {
 }
 
 #[test]
-fn duplicate_registration_stays_private() {
+fn a_block_registered_meanwhile_by_another_request_is_shared() {
     let bm = BlockManager::new(&config(8, 0));
     let c = chain(0, 2);
     let a = compute(&bm, 0, &c);
     // A second request computing the same blocks concurrently (it allocated before A
-    // registered) keeps private copies; the hash is resident once.
+    // registered) shares A's block and gives its own slot back; the hash is resident once.
     let mut b = bm.lease();
     bm.allocate(0, &mut b, 2).unwrap();
-    bm.register(&b, 0, [c[0]]);
+    let mine = b.blocks[0];
+    bm.register(&mut b, 0, [c[0]]);
+    assert_ne!(b.blocks[0], mine);
+    assert_eq!(b.blocks[0], a.blocks[0]);
     let u = bm.usage(Tier::Device);
-    assert_eq!((u.registered, u.mutable), (2, 2));
+    assert_eq!((u.registered, u.mutable, u.free), (2, 1, 5));
+    assert_eq!(bm.stats().shared_on_register, 1);
     let mut changes = Vec::new();
     bm.drain_changes(&mut changes);
     assert_eq!(
@@ -111,9 +115,42 @@ fn duplicate_registration_stays_private() {
         2,
         "only A's blocks are announced: {changes:?}"
     );
-    drop((a, b));
+    drop(a);
+    // B still holds the block it shares: not cached-and-unused, not evictable.
+    assert_eq!(bm.usage(Tier::Device).inactive, 1);
+    drop(b);
     bm.check_invariants().unwrap();
     assert_eq!(bm.usage(Tier::Device).free, 6);
+}
+
+/// A request that computed a block another had registered meanwhile, then a block of its
+/// own after it: the shared block, which A let go, must not count as room. It did while B
+/// kept a private copy (the registered one unheld, inactive, but not evictable under
+/// LineageLru while B's block extended it): an allocation counted it, evicted every
+/// evictable block, and still failed.
+#[test]
+fn a_block_extended_by_a_running_request_is_not_counted_as_room() {
+    let bm = BlockManager::new(&config(6, 0));
+    let c = chain(0, 2);
+    let mut a = bm.lease();
+    bm.allocate(0, &mut a, 2).unwrap();
+    let mut b = bm.lease();
+    bm.allocate(0, &mut b, 2).unwrap();
+    bm.register(&mut a, 0, c.iter().copied());
+    // B's second block diverges from A's: its own hash, extending the shared first block.
+    let own = StoredBlock {
+        seq: SeqHash(900),
+        local: LocalHash(1900),
+    };
+    bm.register(&mut b, 0, [c[0], (Some(c[0].1.seq), own)]);
+    drop(a);
+    // Free 3, and A's second block is inactive and a leaf: four blocks can be had.
+    let mut lease = bm.lease();
+    bm.allocate(0, &mut lease, 4).unwrap();
+    assert_eq!(resident(&bm, Tier::Device), vec![0, 900]);
+    drop(lease);
+    drop(b);
+    bm.check_invariants().unwrap();
 }
 
 #[test]
@@ -146,7 +183,7 @@ fn a_child_leaving_uncounts_its_parent_where_it_is_now() {
     // Three slots: the two free ones and block 0's (least recent), which is handed out first.
     let mut lease = bm.lease();
     bm.allocate(0, &mut lease, 3).unwrap();
-    bm.register(&lease, 0, chain(100, 3));
+    bm.register(&mut lease, 0, chain(100, 3));
     assert_eq!(resident(&bm, Tier::Device), vec![1, 100, 101, 102]);
     // Block 1 goes next; its parent's old slot now holds block 100.
     let mut more = bm.lease();
@@ -392,4 +429,42 @@ fn offload_chain_at(bm: &BlockManager, c: &[(Option<SeqHash>, StoredBlock)], t: 
     let mut other = bm.lease();
     let _ = bm.allocate(t, &mut other, c.len());
     bm.advance(t + 1_000_000, &mut Vec::new()).unwrap();
+}
+
+/// An admission that must wait for copies leaves its prefix as it found it: retried every
+/// step, it would otherwise count a hit and refresh the prefix's recency each time.
+#[test]
+fn an_admission_that_waits_for_copies_leaves_its_prefix_untouched() {
+    let bm = BlockManager::new(&config(3, 4));
+    let c = chain(0, 2);
+    drop(compute(&bm, 0, &c));
+    // Hit once: both are worth a copy to G2 when evicted.
+    drop(compute(&bm, 0, &c));
+    drop(compute(&bm, 0, &chain(100, 1)));
+    let before = |bm: &BlockManager| {
+        let inner = bm.inner.lock();
+        let id = inner.g1.lookup(SeqHash(0)).unwrap();
+        let slot = inner.g1.slot(id);
+        (slot.hits, slot.last_used, inner.stats.device_hits)
+    };
+    let was = before(&bm);
+    // Prefix [0], then two fresh blocks: block 1 goes to G2 (a copy in flight), block 100
+    // is dropped; one slot free, one on its way.
+    let got = bm.admit(0, &[SeqHash(0), SeqHash(7)], |found| {
+        assert_eq!(found.device, 1);
+        2
+    });
+    assert_eq!(got.err(), Some(AllocError::Pending));
+    assert_eq!(before(&bm), was);
+    assert_eq!(bm.usage(Tier::Device).inactive, 1, "block 0 is let go");
+    bm.check_invariants().unwrap();
+    // Once the copy is done, the same admission gets its blocks and counts its hit.
+    let mut ready = Vec::new();
+    bm.advance(u64::MAX / 2, &mut ready).unwrap();
+    let (lease, found) = bm.admit(1, &[SeqHash(0), SeqHash(7)], |_| 2).unwrap();
+    assert_eq!((found.device, lease.len()), (1, 3));
+    assert_eq!(before(&bm).0, was.0 + 1);
+    assert_eq!(bm.stats().device_hits, was.2 + 1);
+    drop(lease);
+    bm.check_invariants().unwrap();
 }

@@ -644,3 +644,41 @@ fn onboarding_sequences_are_never_preemption_victims() {
     assert_eq!(v(&[false, true, true], 2), 2, "nothing after it");
     assert_eq!(v(&[true, true, false, true, false], 1), 3);
 }
+
+/// A running sequence whose next chunk waits for G1→G2 copies to free slots keeps newcomers
+/// out until it has them: a newcomer admitted meanwhile takes the free slots it was short
+/// of (here C, 2 blocks, while A's second chunk needs 3 with 2 free and 1 on its way).
+#[test]
+fn a_sequence_waiting_for_copies_keeps_newcomers_out() {
+    let mut e = engine(EngineConfig {
+        g1_blocks: 8,
+        g2_blocks: 8,
+        // Every evicted block is worth a copy: evictions wait for copies.
+        offload_min_hits: 0,
+        max_num_batched_tokens: 48,
+        ..EngineConfig::default()
+    });
+    let out = replay(
+        &mut e,
+        vec![
+            // X leaves 3 cached blocks; A's 6 blocks fit only by evicting them.
+            (0, request(1, (1000..1048).collect(), 1)),
+            (1_000_000, request(2, (2000..2096).collect(), 1)),
+            (1_000_000, request(3, (3000..3032).collect(), 1)),
+        ],
+    );
+    let at = |id: u64, kind: fn(&OutputKind) -> bool| {
+        out.iter()
+            .find(|o| o.request == RequestId(id) && kind(&o.kind))
+            .map(|o| o.at_us)
+            .unwrap()
+    };
+    let a_first_token = at(2, |k| matches!(k, OutputKind::Token { .. }));
+    let c_admitted = at(3, |k| matches!(k, OutputKind::Admitted { .. }));
+    assert!(
+        c_admitted >= a_first_token,
+        "C was admitted at {c_admitted} µs, while A (first token at {a_first_token} µs) waited for room"
+    );
+    let stats = e.blocks().stats();
+    assert!(stats.offloaded > 0, "{stats:?}");
+}
