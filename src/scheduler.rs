@@ -600,6 +600,9 @@ pub struct Scheduler {
     mean_prefill_tokens: Option<f64>,
 }
 
+/// Bits of a booking's number below its replica's start time ([`Scheduler::number_bookings_from`]).
+const BOOKING_SEQ_BITS: u32 = 22;
+
 /// Weight of each new booking in [`Scheduler::mean_prefill_tokens`] (a mean over about the
 /// last 64 requests).
 const PREFILL_MEAN_WEIGHT: f64 = 1.0 / 64.0;
@@ -1241,6 +1244,20 @@ impl Scheduler {
             .collect();
         v.sort_unstable();
         v
+    }
+
+    /// Numbers this replica's bookings from its start time, `started_unix_ms`, shifted
+    /// above [`BOOKING_SEQ_BITS`] bits. A replica restarted under the same pinned
+    /// `replica_id` then numbers past every booking of its previous life (which would have
+    /// had to book more than 4 M requests a millisecond to get there): its peers keep the
+    /// booking they hold under a number, so a number used again would have left the new
+    /// booking unseen and had its completion end the old one, and its first heartbeat
+    /// ("open among those below next") now drops every booking of the previous life at
+    /// once instead of leaving those numbered past the new count to their TTL. Start times
+    /// up to the year 2109 fit; later ones count as that.
+    pub fn number_bookings_from(&mut self, started_unix_ms: u64) {
+        let base = started_unix_ms.min((1 << (64 - BOOKING_SEQ_BITS)) - 1) << BOOKING_SEQ_BITS;
+        self.next_booking = self.next_booking.max(base);
     }
 
     /// The number this scheduler's next booking will get.

@@ -311,9 +311,13 @@ pub async fn start_router(
         cluster: settings.cluster.clone(),
         ..PlaneConfig::default()
     };
-    let scheduler = Arc::new(parking_lot::Mutex::new(Scheduler::new(
-        settings.scheduler.clone(),
-    )?));
+    let mut scheduler = Scheduler::new(settings.scheduler.clone())?;
+    // Bookings numbered from now: a restart under a pinned replica id reuses no number.
+    let started_unix_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    scheduler.number_bookings_from(started_unix_ms);
+    let scheduler = Arc::new(parking_lot::Mutex::new(scheduler));
     let plane = EventPlane::start(
         transport.clone(),
         indexer,

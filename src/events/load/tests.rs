@@ -426,3 +426,52 @@ async fn updates_within_a_flush_window_go_out_as_one_message() {
     let message = watch_bus.next().await.unwrap();
     assert_eq!(decode_load(&message.payload).unwrap().len(), 10);
 }
+
+/// A replica restarted under its pinned id (a StatefulSet pod) numbers its bookings past
+/// its previous life's: its first booking is not mistaken for an old one that peers still
+/// hold, and its first heartbeat drops every old booking at once.
+#[test]
+fn a_replica_restarted_under_its_pinned_id_leaves_no_booking_of_its_previous_life() {
+    let blocks = hash_blocks(
+        &[1; 64],
+        std::num::NonZeroUsize::new(16).unwrap(),
+        Salt::NONE,
+    );
+    let overlaps = OverlapScores::default();
+    let request = RouteRequest {
+        model: "m",
+        blocks: &blocks,
+        prompt_tokens: 64,
+        block_size: 16,
+        overlaps: &overlaps,
+        max_tokens: 16,
+        n: 1,
+        session: None,
+    };
+    let mut peer = scheduler(0);
+    let mut peers = Peers::default();
+    let mut book = |replica: &mut Scheduler, peer: &mut Scheduler, now_ms: u64| {
+        let id = replica.route(now_ms, &request).unwrap().booking;
+        let booking = replica.shared(id).unwrap();
+        peers.on_message(now_ms, 0, vec![LoadMessage::Book { booking }], peer);
+        id.seq
+    };
+    // Replica 7's first life, started at t = 1,000 s, books three requests; then it dies.
+    let mut first = scheduler(7);
+    first.number_bookings_from(1_000_000);
+    for at in 0..3 {
+        book(&mut first, &mut peer, at);
+    }
+    assert_eq!(peer.open_seqs(7).len(), 3);
+    // Restarted 2 s later under the same id, it books one request and heartbeats.
+    let mut second = scheduler(7);
+    second.number_bookings_from(1_002_000);
+    let seq = book(&mut second, &mut peer, 10);
+    let beat = LoadMessage::Heartbeat {
+        replica: 7,
+        open: ranges(&second.open_seqs(7)),
+        next: second.next_seq(),
+    };
+    peers.on_message(11, 0, vec![beat], &mut peer);
+    assert_eq!(peer.open_seqs(7), vec![seq]);
+}
