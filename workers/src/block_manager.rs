@@ -307,10 +307,10 @@ impl BlockManager {
         let n = blocks(found);
         if let Err(e) = inner.make_room(now_us, n) {
             for (id, last_used) in g1_ids.into_iter().zip(g1_before) {
-                inner.g1.unacquire(id, last_used);
+                inner.g1.release(id, last_used);
             }
             for (id, last_used) in g2_ids.into_iter().zip(g2_before) {
-                inner.g2.unacquire(id, last_used);
+                inner.g2.release(id, last_used);
             }
             return Err(e);
         }

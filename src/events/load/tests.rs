@@ -16,6 +16,23 @@ fn scheduler(replica: u64) -> Scheduler {
     s
 }
 
+/// A 64-token request for model "m" (4 blocks of 16).
+fn request<'a>(
+    blocks: &'a [crate::protocol::BlockHash],
+    overlaps: &'a OverlapScores,
+) -> RouteRequest<'a> {
+    RouteRequest {
+        model: "m",
+        blocks,
+        prompt_tokens: 64,
+        block_size: 16,
+        overlaps,
+        max_tokens: 16,
+        n: 1,
+        session: None,
+    }
+}
+
 fn shared(origin: u64, seq: u64, blocks: usize, prefill: f64) -> SharedBooking {
     SharedBooking {
         id: BookingId { origin, seq },
@@ -376,16 +393,7 @@ async fn a_silent_replica_loses_its_bookings_after_the_ttl() {
             disk: 0,
         }],
     };
-    let request = RouteRequest {
-        model: "m",
-        blocks: &blocks,
-        prompt_tokens: 64,
-        block_size: 16,
-        overlaps: &overlaps,
-        max_tokens: 16,
-        n: 1,
-        session: None,
-    };
+    let request = request(&blocks, &overlaps);
     let decision = a.lock().route(0, &request).unwrap();
     share_a.booked(decision.booking);
     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -438,16 +446,7 @@ fn a_replica_restarted_under_its_pinned_id_leaves_no_booking_of_its_previous_lif
         Salt::NONE,
     );
     let overlaps = OverlapScores::default();
-    let request = RouteRequest {
-        model: "m",
-        blocks: &blocks,
-        prompt_tokens: 64,
-        block_size: 16,
-        overlaps: &overlaps,
-        max_tokens: 16,
-        n: 1,
-        session: None,
-    };
+    let request = request(&blocks, &overlaps);
     let mut peer = scheduler(0);
     let mut peers = Peers::default();
     let mut book = |replica: &mut Scheduler, peer: &mut Scheduler, now_ms: u64| {

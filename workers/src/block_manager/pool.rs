@@ -275,23 +275,9 @@ impl Pool {
         }
     }
 
-    /// Undoes an [`Pool::acquire`] that did not lead anywhere: the reference goes, and the
-    /// block is as recent as it was before (`last_used`), so in the same place in the
-    /// eviction order.
-    pub fn unacquire(&mut self, id: BlockId, last_used: u64) {
-        let slot = &mut self.slots[id.index()];
-        debug_assert_eq!(slot.state, State::Registered);
-        slot.refs -= 1;
-        slot.last_used = last_used;
-        if slot.refs == 0 {
-            slot.state = State::Inactive;
-            self.registered -= 1;
-            self.inactive += 1;
-            self.refresh(id);
-        }
-    }
-
-    /// A request or transfer stops using a registered block.
+    /// A request or transfer stops using a registered block, last used at `tick` (an
+    /// acquire undone passes the block's recency from before it, so that it keeps its place
+    /// in the eviction order).
     pub fn release(&mut self, id: BlockId, tick: u64) {
         let slot = &mut self.slots[id.index()];
         debug_assert_eq!(slot.state, State::Registered);
