@@ -86,7 +86,7 @@ fn block_manager(c: &mut Criterion) {
     let mut holder = bm.lease();
     bm.allocate(0, &mut holder, 128)
         .expect("invariant: empty cache");
-    bm.register(&holder, 0, prefix.iter().copied());
+    bm.register(&mut holder, 0, prefix.iter().copied());
     let mut group = c.benchmark_group("block_manager");
     group.throughput(Throughput::Elements(128));
     group.bench_function("allocate_release/128_blocks", |b| {

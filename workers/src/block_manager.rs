@@ -417,19 +417,25 @@ impl BlockManager {
                 // Its bytes will not verify when it comes back from G2.
                 tracing::error!(error = %e, "block bytes not written");
             }
-            let seq = block.seq;
             if !inner
                 .g1
                 .register(id, parent, near, block, inner.tick, &mut inner.changes)
             {
-                let shared = inner
-                    .g1
-                    .lookup(seq)
-                    .expect("invariant: a refused registration names an indexed hash");
-                inner.g1.acquire(shared, inner.tick);
-                inner.g1.free_mutable(id);
-                lease.blocks[index] = shared;
-                inner.stats.shared_on_register += 1;
+                inner.share(&mut lease.blocks[index]);
+            }
+        }
+    }
+
+    /// The lease's onboarded blocks `range` (its ticket came back ready) share the
+    /// registered block wherever their own registration was refused, as
+    /// [`BlockManager::register`] does for computed blocks: two requests onboarding the
+    /// same G2 blocks at once each copy them, and the second copy to land finds the hash
+    /// registered by the first.
+    pub fn share_onboarded(&self, lease: &mut Lease, range: std::ops::Range<usize>) {
+        let mut inner = self.inner.lock();
+        for id in &mut lease.blocks[range] {
+            if inner.g1.slot(*id).state == State::Mutable {
+                inner.share(id);
             }
         }
     }
@@ -552,6 +558,20 @@ impl Inner {
             .take_while(|s| self.g2.lookup(**s).is_some())
             .count();
         (PrefixMatch { device, host }, inactive)
+    }
+
+    /// `*id`, a full mutable G1 slot whose hash G1 registered from another slot, is
+    /// given up for a reference on that block.
+    fn share(&mut self, id: &mut BlockId) {
+        let seq = self.g1.slot(*id).seq;
+        let shared = self
+            .g1
+            .lookup(seq)
+            .expect("invariant: a refused registration names an indexed hash");
+        self.g1.acquire(shared, self.tick);
+        self.g1.free_mutable(*id);
+        *id = shared;
+        self.stats.shared_on_register += 1;
     }
 
     /// Gets `n` G1 slots free, evicting as needed; `Pending` if copies must finish first.

@@ -513,8 +513,14 @@ impl Engine {
                 .find(|s| matches!(s.state, SeqState::Onboarding { ticket: t, .. } if t == ticket))
             {
                 if let SeqState::Onboarding { ready_tokens, .. } = seq.state {
+                    let onboarded = seq.full_blocks..ready_tokens / self.config.block_size;
+                    let lease = seq
+                        .lease
+                        .as_mut()
+                        .expect("invariant: onboarding sequences hold a lease");
+                    self.blocks.share_onboarded(lease, onboarded.clone());
                     seq.kv_len = ready_tokens.min(seq.total() - 1);
-                    seq.full_blocks = ready_tokens / self.config.block_size;
+                    seq.full_blocks = onboarded.end;
                 }
                 seq.state = SeqState::Running;
             }

@@ -468,3 +468,42 @@ fn an_admission_that_waits_for_copies_leaves_its_prefix_untouched() {
     drop(lease);
     bm.check_invariants().unwrap();
 }
+
+/// Two requests onboarding the same G2 blocks at once each copy them; the second copy to
+/// land finds the hashes registered by the first, and its request shares those blocks
+/// instead of keeping private copies the first request's blocks would be extended through.
+#[test]
+fn blocks_onboarded_twice_at_once_are_shared() {
+    let bm = BlockManager::new(&config(4, 8));
+    let c = chain(0, 2);
+    drop(compute(&bm, 0, &c));
+    drop(bm.acquire_prefix(&seqs(&c)).0);
+    let mut other = bm.lease();
+    assert_eq!(bm.allocate(1, &mut other, 4), Err(AllocError::Pending));
+    let t = bm.next_wakeup_us().unwrap();
+    bm.advance(t, &mut Vec::new()).unwrap();
+    bm.allocate(t, &mut other, 4).unwrap();
+    drop(other);
+    assert_eq!(resident(&bm, Tier::Host), vec![0, 1]);
+    let onboard = |bm: &BlockManager| {
+        let (mut lease, found) = bm.admit(t, &seqs(&c), |found| found.host).unwrap();
+        assert_eq!(found, PrefixMatch { device: 0, host: 2 });
+        bm.start_onboard(t, &mut lease, 0);
+        lease
+    };
+    let mut a = onboard(&bm);
+    let mut b = onboard(&bm);
+    let mut ready = Vec::new();
+    bm.advance(bm.next_wakeup_us().unwrap(), &mut ready)
+        .unwrap();
+    assert_eq!(ready.len(), 2);
+    bm.share_onboarded(&mut a, 0..2);
+    bm.share_onboarded(&mut b, 0..2);
+    assert_eq!(a.blocks(), b.blocks());
+    let u = bm.usage(Tier::Device);
+    assert_eq!((u.registered, u.mutable, u.free), (2, 0, 2));
+    drop(a);
+    assert_eq!(bm.usage(Tier::Device).inactive, 0, "B still holds them");
+    drop(b);
+    bm.check_invariants().unwrap();
+}
