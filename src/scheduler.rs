@@ -1253,8 +1253,12 @@ impl Scheduler {
     /// booking they hold under a number, so a number used again would have left the new
     /// booking unseen and had its completion end the old one, and its first heartbeat
     /// ("open among those below next") now drops every booking of the previous life at
-    /// once instead of leaving those numbered past the new count to their TTL. Start times
-    /// up to the year 2109 fit; later ones count as that.
+    /// once instead of leaving those numbered past the new count to their TTL. This trusts
+    /// the clock: a restart whose clock reads earlier than its previous life's start (a
+    /// node skewed by more than that life's uptime) numbers below it, and the old bookings
+    /// numbered past the new count wait out their TTL as before (none collides unless the
+    /// new life catches up with them). Start times up to the year 2109 fit; later ones
+    /// count as that.
     pub fn number_bookings_from(&mut self, started_unix_ms: u64) {
         let base = started_unix_ms.min((1 << (64 - BOOKING_SEQ_BITS)) - 1) << BOOKING_SEQ_BITS;
         self.next_booking = self.next_booking.max(base);

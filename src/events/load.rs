@@ -484,7 +484,8 @@ impl LoadShare {
             let s = self.scheduler.lock();
             (ranges(&s.open_seqs(me)), s.next_seq())
         };
-        // Keep the heartbeat well inside one message (≈ 30 bytes a range).
+        // Keep the heartbeat well inside one message (≈ 42 bytes a range: numbers are
+        // about 2^62, see `Scheduler::number_bookings_from`).
         let max_ranges = (self.transport.max_payload() / 2 / 48).max(16);
         self.send(LoadMessage::Heartbeat {
             replica: me,

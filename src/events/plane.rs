@@ -804,7 +804,6 @@ impl FleetOwner {
                     }
                 }
                 FleetCommand::CloseStream(key) => {
-                    self.watermarks.forget(key);
                     let handle = self.shared.streams.lock().remove(&key);
                     if let Some(handle) = handle {
                         self.close(key, handle);
@@ -857,6 +856,7 @@ impl FleetOwner {
 
     /// Tells a stream task to stop; it removes its index lane and ends.
     fn close(&mut self, key: StreamKey, handle: StreamHandle) {
+        self.watermarks.forget(key);
         if handle.silence.flagged.load(Ordering::Relaxed) {
             metrics::gauge!("kvroute_worker_silent", "worker" => key.0.to_string()).set(0.0);
         }

@@ -185,6 +185,7 @@ impl Transport {
         }
         let options = options
             .name(name)
+            .subscription_capacity(SUBSCRIPTION_QUEUE)
             .event_callback(move |event| {
                 let (tx, connects, link) =
                     (Arc::clone(&tx), Arc::clone(&connects), Arc::clone(&link));
@@ -391,8 +392,11 @@ fn tls_refused(e: &(dyn std::error::Error + 'static)) -> bool {
         .any(|w| text.contains(w))
 }
 
-/// Messages queued per local subscriber before the bus drops (like a NATS slow consumer).
-const LOCAL_QUEUE: usize = 65_536;
+/// Most messages a subscription holds that its reader has not taken: the NATS client's
+/// queue per subscription (set, though it is async-nats's default) and the local bus's.
+/// Beyond it, messages are dropped (a NATS slow consumer).
+pub const SUBSCRIPTION_QUEUE: usize = 65_536;
+const LOCAL_QUEUE: usize = SUBSCRIPTION_QUEUE;
 
 /// An in-process message bus with NATS subject matching.
 #[derive(Clone, Debug, Default)]

@@ -14,9 +14,9 @@
 //! once it has taken everything its subscription had ready, which includes every batch the
 //! client had queued before the heartbeat reached the watch. (With the router's registry on
 //! another connection the order is not the server's, but a backlog in the router is still
-//! read first.) While events arrive faster than they are read, watermarks wait: a gap
-//! between batches is still found by the batches' own ids, and only a lost last batch is
-//! found later, once the backlog has been read.
+//! read first.) The wait is bounded: the client queues at most [`SUBSCRIPTION_QUEUE`]
+//! messages per subscription, so once that many have been taken since the ask, everything
+//! queued then has been read, and the barrier goes out even if more keep coming.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio::sync::{Notify, mpsc};
 
 use super::super::fleet::StreamKey;
-use super::super::transport::{Message, Subscription};
+use super::super::transport::{Message, SUBSCRIPTION_QUEUE, Subscription};
 
 /// What the intake hands the fleet owner.
 #[derive(Debug)]
@@ -59,26 +59,33 @@ impl Intake {
         let barrier = Arc::new(Notify::new());
         let asked = Arc::clone(&barrier);
         tokio::spawn(async move {
-            let mut barrier_due = false;
+            // Messages taken since the barrier was asked for, if it was.
+            let mut barrier_due: Option<usize> = None;
             loop {
-                // In this order: a barrier goes out only once the subscription has nothing
-                // ready (polled first), and a request is taken only between barriers.
+                // In this order: an ask is taken at once (between barriers), and a barrier
+                // goes out once the subscription has given all it can have held when asked,
+                // or has nothing ready (polled before the barrier's own branch).
                 let message = tokio::select! {
                     biased;
-                    message = subscription.next() => message,
-                    () = asked.notified(), if !barrier_due => {
-                        barrier_due = true;
+                    () = std::future::ready(()), if barrier_due.is_some_and(|n| n >= SUBSCRIPTION_QUEUE) => None,
+                    () = asked.notified(), if barrier_due.is_none() => {
+                        barrier_due = Some(0);
                         continue;
                     }
-                    () = std::future::ready(()), if barrier_due => {
-                        barrier_due = false;
-                        if tx.send(Delivery::Barrier).is_err() {
-                            return;
-                        }
-                        continue;
-                    }
+                    message = subscription.next() => Some(message),
+                    () = std::future::ready(()), if barrier_due.is_some() => None,
                     () = tx.closed() => return,
                 };
+                let Some(message) = message else {
+                    barrier_due = None;
+                    if tx.send(Delivery::Barrier).is_err() {
+                        return;
+                    }
+                    continue;
+                };
+                if let Some(taken) = &mut barrier_due {
+                    *taken += 1;
+                }
                 // The subscription's end ends the owner's reads (the sender goes).
                 let Some(message) = message else { return };
                 let charge = charge(&message);
@@ -219,19 +226,20 @@ mod tests {
         let subscription = transport.subscribe("e.>").await.unwrap();
         let mut intake = Intake::start(subscription, 1 << 20, || {});
         // Queued in the subscription before the barrier is asked for, as the batches a
-        // heartbeat counts are queued before the heartbeat reaches the registry watch.
-        for i in 0..100u8 {
+        // heartbeat counts are queued before the heartbeat reaches the registry watch (more
+        // than a task's cooperative budget of 128 polls, which must not end the drain).
+        for i in 0..1000u32 {
             transport
-                .publish("e.1", None, vec![i].into())
+                .publish("e.1", None, i.to_le_bytes().to_vec().into())
                 .await
                 .unwrap();
         }
         intake.ask_barrier();
         let mut seen = Vec::new();
         while let Delivery::Message(m) = intake.next().await.unwrap() {
-            seen.push(m.payload[0]);
+            seen.push(u32::from_le_bytes(m.payload[..4].try_into().unwrap()));
         }
-        assert_eq!(seen, (0..100).collect::<Vec<_>>());
+        assert_eq!(seen, (0..1000).collect::<Vec<_>>());
         // Asked again with nothing queued, it comes at once.
         intake.ask_barrier();
         assert!(matches!(intake.next().await, Some(Delivery::Barrier)));
@@ -240,5 +248,41 @@ mod tests {
             .await
             .unwrap();
         assert!(matches!(intake.next().await, Some(Delivery::Message(_))));
+    }
+
+    /// Under a flow that never pauses, the barrier still comes once the subscription has
+    /// given all it could hold when asked.
+    #[tokio::test(start_paused = true)]
+    async fn the_barrier_comes_under_a_flow_that_never_pauses() {
+        let transport = Transport::Local(LocalBus::new());
+        let subscription = transport.subscribe("e.>").await.unwrap();
+        let mut intake = Intake::start(subscription, usize::MAX, || {});
+        let publisher = {
+            let transport = transport.clone();
+            // More a turn than the intake takes (its budget is 128 polls a turn): the
+            // subscription is never empty again (the bus drops past its queue).
+            tokio::spawn(async move {
+                loop {
+                    for _ in 0..512 {
+                        let _ = transport.publish("e.1", None, vec![1].into()).await;
+                    }
+                    tokio::task::yield_now().await;
+                }
+            })
+        };
+        for _ in 0..16 {
+            tokio::task::yield_now().await;
+        }
+        intake.ask_barrier();
+        let mut taken = 0usize;
+        while let Delivery::Message(_) = intake.next().await.unwrap() {
+            taken += 1;
+            assert!(
+                taken <= 2 * SUBSCRIPTION_QUEUE,
+                "no barrier after {taken} messages"
+            );
+        }
+        assert!(taken > 0);
+        publisher.abort();
     }
 }
