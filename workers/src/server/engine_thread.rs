@@ -151,6 +151,7 @@ fn run(
         series.verified.absolute(cache.verified);
         series.verify_failures.absolute(cache.verify_failures);
         series.late_copies.absolute(cache.late_copies);
+        series.shared_on_register.absolute(cache.shared_on_register);
         // A failed copy or verification stops the engine, after it has been counted.
         advanced.map_err(|e| e.to_string())?;
         for o in out.drain(..) {
@@ -220,6 +221,7 @@ struct Series {
     verified: metrics::Counter,
     verify_failures: metrics::Counter,
     late_copies: metrics::Counter,
+    shared_on_register: metrics::Counter,
     tokens: metrics::Counter,
 }
 
@@ -241,6 +243,7 @@ impl Series {
             verified: counter("kvroute_worker_onboard_verified_blocks_total"),
             verify_failures: counter("kvroute_worker_onboard_verify_failures_total"),
             late_copies: counter("kvroute_worker_copies_late_total"),
+            shared_on_register: counter("kvroute_worker_blocks_shared_on_register_total"),
             tokens: counter("kvroute_worker_tokens_total"),
         }
     }
