@@ -525,7 +525,10 @@ impl Router {
                 Admission::Wait => match (&routable.session, pinned) {
                     (Some((session, true)), Some(worker)) => {
                         walk.blocked_sessions.insert(session.clone());
-                        walk.reserved.push(worker);
+                        // Once each: the scheduler checks every candidate against the list.
+                        if !walk.reserved.contains(&worker) {
+                            walk.reserved.push(worker);
+                        }
                     }
                     _ => {
                         walk.blocked_pools.insert(Arc::clone(&pool));
