@@ -139,6 +139,8 @@ async fn serve_direct(
             model: b.model.clone().unwrap_or_default(),
             block_size: std::num::NonZeroUsize::new(b.block_size)
                 .context("backend block_size 0")?,
+            offload_chunk: std::num::NonZeroUsize::new(b.offload_chunk)
+                .context("backend offload_chunk 0")?,
             cluster: settings.cluster.clone(),
             // The router lapses its engines by its own lease: they heartbeat four times in
             // it (at the default one second, a lease of 1000 ms would lapse each engine at

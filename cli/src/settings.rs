@@ -314,7 +314,7 @@ pub struct ServeFlags {
     #[arg(long, env = "KVROUTE_LOG_FORMAT")]
     pub log_format: Option<LogFormat>,
     /// Direct mode, no NATS: route to this engine (vLLM, SGLang, any OpenAI server).
-    /// `URL[,events=ZMQ_ENDPOINT[,replay=ZMQ_ENDPOINT][,topic=T]][,model=M][,block_size=B][,dp=N]`;
+    /// `URL[,events=ZMQ_ENDPOINT[,replay=ZMQ_ENDPOINT][,topic=T][,offload_chunk=K]][,model=M][,block_size=B][,dp=N]`;
     /// repeat for each engine. With `events` the router follows the engine's KV events
     /// itself; without, it routes on load and its own in-flight requests.
     #[arg(long = "backend", env = "KVROUTE_BACKENDS", value_delimiter = ';')]
@@ -388,6 +388,9 @@ pub struct Backend {
     pub block_size: usize,
     /// Data-parallel ranks behind the URL.
     pub dp: u32,
+    /// GPU blocks per chunk of its CPU offload, when its events name a chunk by its last
+    /// block only (vLLM's `blocks_per_chunk` without `self_describing_kv_events`).
+    pub offload_chunk: usize,
 }
 
 /// Parses one `--backend` value.
@@ -410,6 +413,7 @@ pub fn parse_backend(spec: &str) -> anyhow::Result<Backend> {
         model: None,
         block_size: 16,
         dp: 1,
+        offload_chunk: 1,
     };
     for part in parts {
         let (key, value) = part
@@ -439,8 +443,15 @@ pub fn parse_backend(spec: &str) -> anyhow::Result<Backend> {
                     .filter(|n| (1..=1024).contains(n))
                     .with_context(|| format!("--backend {spec:?}: dp is 1..=1024"))?
             }
+            "offload_chunk" => {
+                b.offload_chunk = value
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=4096).contains(n))
+                    .with_context(|| format!("--backend {spec:?}: offload_chunk is 1..=4096"))?
+            }
             other => bail!(
-                "--backend {spec:?}: unknown key {other:?} (events, replay, topic, model, block_size, dp)"
+                "--backend {spec:?}: unknown key {other:?} (events, replay, topic, model, block_size, dp, offload_chunk)"
             ),
         }
     }
@@ -910,7 +921,11 @@ mod tests {
     fn backends_the_bridge_could_not_follow_are_refused_at_start() {
         let ok = parse_backend("http://e:8000,events=tcp://e:5557,dp=2,model=org/m-7b").unwrap();
         assert_eq!((ok.dp, ok.model.as_deref()), (2, Some("org/m-7b")));
+        assert_eq!(ok.offload_chunk, 1);
+        let chunked = parse_backend("http://e:8000,events=tcp://e:5557,offload_chunk=4").unwrap();
+        assert_eq!(chunked.offload_chunk, 4);
         for bad in [
+            "http://e:8000,offload_chunk=0",
             "https://e:8000",
             "http://e:8000,model=my model",
             "http://e:8000,events=tcp://e:65535,dp=2",

@@ -119,15 +119,18 @@ pub struct Update {
     pub stats: IngestStats,
 }
 
-/// Follows one engine rank until `tx` closes.
+/// Follows one engine rank until `tx` closes. `offload_chunk`: GPU blocks per chunk of the
+/// engine's offload tier, as its token-less events name them
+/// ([`EngineMirror::with_offload_chunk`]; 1 for engines that name every block).
 pub async fn run(
     endpoint: EngineEndpoint,
     block_size: NonZeroUsize,
+    offload_chunk: NonZeroUsize,
     limits: IngestLimits,
     tx: mpsc::Sender<Update>,
 ) {
     let mut ingest = Ingest {
-        mirror: EngineMirror::new(block_size),
+        mirror: EngineMirror::new(block_size).with_offload_chunk(offload_chunk),
         seq: SeqTracker::default(),
         replayed_from: None,
         publisher: None,

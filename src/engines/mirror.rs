@@ -82,6 +82,8 @@ pub struct MirrorStats {
 struct Entry {
     block: StoredBlock,
     parent: Option<SeqHash>,
+    /// The engine's hash of the block before it (to find a chunk's blocks from its last).
+    engine_parent: Option<EngineHash>,
     /// Stores minus removes per tier (an engine may store a block twice).
     refs: [u32; 4],
 }
@@ -107,6 +109,11 @@ pub struct EngineMirror {
     stats: MirrorStats,
     /// The last block size an engine sent that differs from the configured one.
     wrong_block_size: Option<u32>,
+    /// GPU blocks per chunk of the engine's offload tier ([`EngineMirror::with_offload_chunk`]).
+    offload_chunk: usize,
+    /// Per offload-tier chunk held (keyed by the hash that names it, and its tier): its
+    /// blocks, and how many stores of it are held.
+    chunks: FxHashMap<(EngineHash, usize), (Vec<EngineHash>, u32)>,
 }
 
 impl EngineMirror {
@@ -121,7 +128,23 @@ impl EngineMirror {
             storing_groups: 0,
             stats: MirrorStats::default(),
             wrong_block_size: None,
+            offload_chunk: 1,
+            chunks: FxHashMap::default(),
         }
+    }
+
+    /// An engine whose offload tier copies chunks of `blocks` GPU blocks and names each,
+    /// in its token-less events, by the hash of the chunk's last block only (vLLM's CPU
+    /// offload with `kv_connector_extra_config` `block_size` or `blocks_per_chunk`, without
+    /// `self_describing_kv_events`: `_placeholder_stored` in vLLM 0.33.0's
+    /// `distributed/kv_transfer/kv_connector/v1/offloading/events.py`). Such a store holds
+    /// the named block and the `blocks - 1` before it in that tier, and its removal lets
+    /// them all go. vLLM loads a chunk only for a request that reaches its last block, so
+    /// a request that matches part of a chunk is credited up to `blocks - 1` blocks the
+    /// engine would compute.
+    pub fn with_offload_chunk(mut self, blocks: NonZeroUsize) -> Self {
+        self.offload_chunk = blocks.get();
+        self
     }
 
     /// Counters so far.
@@ -167,7 +190,7 @@ impl EngineMirror {
                         continue;
                     }
                     for h in hashes {
-                        self.release(*h, medium.tier(), out);
+                        self.release_named(*h, medium.tier(), out);
                     }
                 }
                 // Every tier, not only the GPU's. SGLang's `HiRadixCache.reset` empties its
@@ -209,6 +232,7 @@ impl EngineMirror {
         }
         self.ghosts.clear();
         self.ghost_order.clear();
+        self.chunks.clear();
     }
 
     fn stored(&mut self, s: &Stored, out: &mut Vec<BlockChange>) {
@@ -240,6 +264,10 @@ impl EngineMirror {
         if s.token_ids.is_empty() {
             // An offload tier's copy of blocks the engine named before.
             for h in &s.hashes {
+                if self.offload_chunk > 1 && tier != Tier::Device {
+                    self.hold_chunk(*h, tier, out);
+                    continue;
+                }
                 match self.lookup(*h) {
                     Some(e) => self.hold(*h, e, tier, out),
                     None => self.stats.unresolved += 1,
@@ -299,6 +327,11 @@ impl EngineMirror {
             let entry = Entry {
                 block: StoredBlock { seq, local },
                 parent: up,
+                engine_parent: if i == 0 {
+                    s.parent
+                } else {
+                    Some(s.hashes[i - 1])
+                },
                 refs: [0; 4],
             };
             self.hold(*h, entry, tier, out);
@@ -334,6 +367,58 @@ impl EngineMirror {
                 parent: e.parent,
                 block: e.block,
             });
+        }
+    }
+
+    /// Holds in `tier` the chunk named by `last` (its last block): that block and the
+    /// `offload_chunk - 1` before it, as far as the mirror knows them.
+    fn hold_chunk(&mut self, last: EngineHash, tier: Tier, out: &mut Vec<BlockChange>) {
+        let key = (last, tier_index(tier));
+        let members = match self.chunks.get_mut(&key) {
+            Some((members, stores)) => {
+                *stores += 1;
+                members.clone()
+            }
+            None => {
+                let mut members = Vec::with_capacity(self.offload_chunk);
+                let mut at = Some(last);
+                while let Some(h) = at.filter(|_| members.len() < self.offload_chunk) {
+                    let Some(e) = self.lookup(h) else { break };
+                    members.push(h);
+                    at = e.engine_parent;
+                }
+                if members.is_empty() {
+                    self.stats.unresolved += 1;
+                    return;
+                }
+                self.chunks.insert(key, (members.clone(), 1));
+                members
+            }
+        };
+        // Root first, so that each block's parent is announced before it.
+        for h in members.into_iter().rev() {
+            if let Some(e) = self.lookup(h) {
+                self.hold(h, e, tier, out);
+            }
+        }
+    }
+
+    /// Lets go of `h` in `tier`: a chunk named by it, if the mirror holds one there, or the
+    /// block itself.
+    fn release_named(&mut self, h: EngineHash, tier: Tier, out: &mut Vec<BlockChange>) {
+        let key = (h, tier_index(tier));
+        let Some((members, stores)) = self.chunks.get_mut(&key) else {
+            self.release(h, tier, out);
+            return;
+        };
+        *stores -= 1;
+        let members = if *stores == 0 {
+            self.chunks.remove(&key).expect("invariant: just found").0
+        } else {
+            members.clone()
+        };
+        for m in members {
+            self.release(m, tier, out);
         }
     }
 

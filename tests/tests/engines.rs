@@ -412,7 +412,13 @@ async fn the_ingest_follows_a_libzmq_publisher_exactly() {
         topic: String::new(),
     };
     let bs = NonZeroUsize::new(2).unwrap();
-    tokio::spawn(ingest::run(endpoint, bs, IngestLimits::default(), tx));
+    tokio::spawn(ingest::run(
+        endpoint,
+        bs,
+        NonZeroUsize::MIN,
+        IngestLimits::default(),
+        tx,
+    ));
     // What the publisher holds at the end: the chain of blocks [i, i + 1], less every
     // block i - 2 removed at each i ≡ 3 (mod 4).
     let chain: Vec<u32> = (0..BATCHES).flat_map(|i| [i, i + 1]).collect();

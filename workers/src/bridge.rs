@@ -57,6 +57,9 @@ pub struct BridgeConfig {
     pub model: String,
     /// Tokens per KV block (the engine's).
     pub block_size: NonZeroUsize,
+    /// GPU blocks per chunk of the engine's offload tier, as its token-less events name
+    /// them (vLLM's CPU offload with `blocks_per_chunk` > 1: [`kvroute::engines::EngineMirror::with_offload_chunk`]).
+    pub offload_chunk: NonZeroUsize,
     /// Cluster name (NATS subjects).
     pub cluster: String,
     /// Registration lease.
@@ -143,6 +146,7 @@ pub async fn run(
             ingests.push(tokio::spawn(ingest::run(
                 endpoint,
                 config.block_size,
+                config.offload_chunk,
                 config.limits,
                 tx,
             )));

@@ -145,6 +145,11 @@ struct Args {
     /// The topic the engine publishes under.
     #[arg(long, env = "KVROUTE_KV_TOPIC", default_value = "")]
     kv_topic: String,
+    /// GPU blocks per chunk of the engine's CPU offload, when its events name a chunk by
+    /// its last block's hash only (vLLM's `kv_connector_extra_config` `block_size` or
+    /// `blocks_per_chunk` > 1 without `self_describing_kv_events`); 1 otherwise.
+    #[arg(long, env = "KVROUTE_KV_OFFLOAD_CHUNK", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    kv_offload_chunk: u32,
     /// Sidecar: the key sent as `Authorization: Bearer` to the engine (one started with
     /// `--api-key` refuses its `/v1/models` without it).
     #[arg(
@@ -489,6 +494,8 @@ async fn sidecar(
         // register the engine under a model it does not serve).
         model: args.model.clone().unwrap_or_default(),
         block_size: std::num::NonZeroUsize::new(args.block_size).context("--block-size 0")?,
+        offload_chunk: std::num::NonZeroUsize::new(args.kv_offload_chunk as usize)
+            .context("--kv-offload-chunk 0")?,
         cluster: args.cluster.clone(),
         lease: lease.clone(),
         health_every: Duration::from_millis(args.engine_health_ms.max(100)),

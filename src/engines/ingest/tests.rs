@@ -110,7 +110,13 @@ async fn start(engine: &EnginePublisher, replay: bool) -> Owner {
 /// Runs an ingest of `endpoint` and returns its owner once it follows the live stream.
 async fn follow(endpoint: EngineEndpoint, limits: IngestLimits) -> Owner {
     let (tx, rx) = mpsc::channel(16);
-    tokio::spawn(run(endpoint, NonZeroUsize::new(BS).unwrap(), limits, tx));
+    tokio::spawn(run(
+        endpoint,
+        NonZeroUsize::new(BS).unwrap(),
+        NonZeroUsize::MIN,
+        limits,
+        tx,
+    ));
     let mut owner = Owner {
         rx,
         held: BTreeSet::new(),
@@ -582,7 +588,13 @@ async fn a_replay_hands_its_changes_over_as_they_come() {
         ..IngestLimits::default()
     };
     let (tx, mut rx) = mpsc::channel(64);
-    tokio::spawn(run(endpoint, NonZeroUsize::new(BS).unwrap(), limits, tx));
+    tokio::spawn(run(
+        endpoint,
+        NonZeroUsize::new(BS).unwrap(),
+        NonZeroUsize::MIN,
+        limits,
+        tx,
+    ));
     let (mut sizes, mut stored) = (Vec::new(), 0);
     let wait = async {
         loop {

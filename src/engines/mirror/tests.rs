@@ -390,3 +390,55 @@ fn blocks_of_an_adapter_named_by_number_only_are_not_indexed() {
     s.lora_name = Some("adapter".into());
     assert_eq!(apply(&mut m, vec![EngineEvent::Stored(s)]).len(), 2);
 }
+
+/// vLLM's CPU offload with chunks of 2 GPU blocks, in its default (placeholder) events: a
+/// chunk is named by its last block's hash alone. The chunk holds both blocks on the host,
+/// and its removal lets both go; once the GPU has evicted them, the host still has the
+/// whole prefix.
+#[test]
+fn an_offload_chunk_named_by_its_last_block_holds_all_its_blocks() {
+    let toks = tokens(4 * BS);
+    let want = hash_blocks(&toks, bs(), Salt::NONE);
+    let mut m = EngineMirror::new(bs()).with_offload_chunk(NonZeroUsize::new(2).unwrap());
+    apply(
+        &mut m,
+        vec![stored(&[10, 11, 12, 13], None, &toks, Medium::Gpu)],
+    );
+    // Chunks (10, 11) and (12, 13), named 11 and 13; then the GPU evicts everything.
+    let out = apply(
+        &mut m,
+        vec![
+            stored(&[11, 13], None, &[], Medium::Cpu),
+            removed(&[13, 12, 11, 10], Medium::Gpu),
+        ],
+    );
+    let host: Vec<SeqHash> = out
+        .iter()
+        .filter_map(|c| match c {
+            BlockChange::Stored {
+                tier: Tier::Host,
+                block,
+                ..
+            } => Some(block.seq),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(host, want.iter().map(|b| b.seq).collect::<Vec<_>>());
+    assert_eq!(m.len(), 4, "all four are held on the host");
+    // Removing chunk 11 from the host lets blocks 10 and 11 go, and only those.
+    let out = apply(&mut m, vec![removed(&[11], Medium::Cpu)]);
+    let gone: Vec<SeqHash> = out
+        .iter()
+        .filter_map(|c| match c {
+            BlockChange::Removed {
+                tier: Tier::Host,
+                seq,
+            } => Some(*seq),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(gone.len(), 2);
+    assert!(gone.contains(&want[0].seq) && gone.contains(&want[1].seq));
+    assert_eq!(m.len(), 2);
+    assert_eq!(m.stats().unresolved, 0);
+}
