@@ -419,6 +419,13 @@ pub fn parse_backend(spec: &str) -> anyhow::Result<Backend> {
         let (key, value) = part
             .split_once('=')
             .with_context(|| format!("--backend {spec:?}: {part:?} is not key=value"))?;
+        // A count from 1 to `most`.
+        let count = |key: &str, v: &str, most: usize| -> anyhow::Result<usize> {
+            v.parse()
+                .ok()
+                .filter(|n| (1..=most).contains(n))
+                .with_context(|| format!("--backend {spec:?}: {key} is 1..={most}"))
+        };
         let zmq = |v: &str| -> anyhow::Result<String> {
             kvroute::engines::zmtp::tcp_address(v)
                 .with_context(|| format!("--backend {spec:?}"))?;
@@ -429,27 +436,9 @@ pub fn parse_backend(spec: &str) -> anyhow::Result<Backend> {
             "replay" => b.replay = Some(zmq(value)?),
             "topic" => b.topic = value.to_owned(),
             "model" if !value.is_empty() => b.model = Some(value.to_owned()),
-            "block_size" => {
-                b.block_size = value
-                    .parse()
-                    .ok()
-                    .filter(|n| (1..=4096).contains(n))
-                    .with_context(|| format!("--backend {spec:?}: block_size is 1..=4096"))?
-            }
-            "dp" => {
-                b.dp = value
-                    .parse()
-                    .ok()
-                    .filter(|n| (1..=1024).contains(n))
-                    .with_context(|| format!("--backend {spec:?}: dp is 1..=1024"))?
-            }
-            "offload_chunk" => {
-                b.offload_chunk = value
-                    .parse()
-                    .ok()
-                    .filter(|n| (1..=4096).contains(n))
-                    .with_context(|| format!("--backend {spec:?}: offload_chunk is 1..=4096"))?
-            }
+            "block_size" => b.block_size = count(key, value, 4096)?,
+            "dp" => b.dp = count(key, value, 1024)? as u32,
+            "offload_chunk" => b.offload_chunk = count(key, value, 4096)?,
             other => bail!(
                 "--backend {spec:?}: unknown key {other:?} (events, replay, topic, model, block_size, dp, offload_chunk)"
             ),

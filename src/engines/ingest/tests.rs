@@ -107,9 +107,8 @@ async fn start(engine: &EnginePublisher, replay: bool) -> Owner {
     follow(endpoint, limits).await
 }
 
-/// Runs an ingest of `endpoint` and returns its owner once it follows the live stream.
-async fn follow(endpoint: EngineEndpoint, limits: IngestLimits) -> Owner {
-    let (tx, rx) = mpsc::channel(16);
+/// Runs an ingest of `endpoint` (blocks of `BS` tokens, offload chunks of one block).
+fn spawn_ingest(endpoint: EngineEndpoint, limits: IngestLimits, tx: mpsc::Sender<Update>) {
     tokio::spawn(run(
         endpoint,
         NonZeroUsize::new(BS).unwrap(),
@@ -117,6 +116,12 @@ async fn follow(endpoint: EngineEndpoint, limits: IngestLimits) -> Owner {
         limits,
         tx,
     ));
+}
+
+/// Runs an ingest of `endpoint` and returns its owner once it follows the live stream.
+async fn follow(endpoint: EngineEndpoint, limits: IngestLimits) -> Owner {
+    let (tx, rx) = mpsc::channel(16);
+    spawn_ingest(endpoint, limits, tx);
     let mut owner = Owner {
         rx,
         held: BTreeSet::new(),
@@ -588,13 +593,7 @@ async fn a_replay_hands_its_changes_over_as_they_come() {
         ..IngestLimits::default()
     };
     let (tx, mut rx) = mpsc::channel(64);
-    tokio::spawn(run(
-        endpoint,
-        NonZeroUsize::new(BS).unwrap(),
-        NonZeroUsize::MIN,
-        limits,
-        tx,
-    ));
+    spawn_ingest(endpoint, limits, tx);
     let (mut sizes, mut stored) = (Vec::new(), 0);
     let wait = async {
         loop {
