@@ -431,7 +431,8 @@ pub fn parse_backend(spec: &str) -> anyhow::Result<Backend> {
                 .with_context(|| format!("--backend {spec:?}"))?;
             Ok(v.to_owned())
         };
-        match key.trim() {
+        let key = key.trim();
+        match key {
             "events" => b.events = Some(zmq(value)?),
             "replay" => b.replay = Some(zmq(value)?),
             "topic" => b.topic = value.to_owned(),
@@ -446,6 +447,9 @@ pub fn parse_backend(spec: &str) -> anyhow::Result<Backend> {
     }
     if b.replay.is_some() && b.events.is_none() {
         bail!("--backend {spec:?}: replay= needs events=");
+    }
+    if b.offload_chunk > 1 && b.events.is_none() {
+        bail!("--backend {spec:?}: offload_chunk= needs events=");
     }
     if let Some(model) = &b.model
         && !kvroute::discovery::model_name_ok(model)
@@ -915,6 +919,7 @@ mod tests {
         assert_eq!(chunked.offload_chunk, 4);
         for bad in [
             "http://e:8000,offload_chunk=0",
+            "http://e:8000,offload_chunk=4",
             "https://e:8000",
             "http://e:8000,model=my model",
             "http://e:8000,events=tcp://e:65535,dp=2",

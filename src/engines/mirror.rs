@@ -109,7 +109,7 @@ pub struct EngineMirror {
     stats: MirrorStats,
     /// The last block size an engine sent that differs from the configured one.
     wrong_block_size: Option<u32>,
-    /// GPU blocks per chunk of the engine's offload tier ([`EngineMirror::with_offload_chunk`]).
+    /// GPU blocks per chunk of the engine's host tier ([`EngineMirror::with_offload_chunk`]).
     offload_chunk: usize,
     /// Per offload-tier chunk held (keyed by the hash that names it, and its tier): its
     /// blocks, and how many stores of it are held.
@@ -133,8 +133,8 @@ impl EngineMirror {
         }
     }
 
-    /// An engine whose offload tier copies chunks of `blocks` GPU blocks and names each,
-    /// in its token-less events, by the hash of the chunk's last block only (vLLM's CPU
+    /// An engine whose host tier (CPU offload) copies chunks of `blocks` GPU blocks and names
+    /// each, in its token-less events, by the hash of the chunk's last block only (vLLM's CPU
     /// offload with `kv_connector_extra_config` `block_size` or `blocks_per_chunk`, without
     /// `self_describing_kv_events`: `_placeholder_stored` in vLLM 0.33.0's
     /// `distributed/kv_transfer/kv_connector/v1/offloading/events.py`). Such a store holds
@@ -264,7 +264,7 @@ impl EngineMirror {
         if s.token_ids.is_empty() {
             // An offload tier's copy of blocks the engine named before.
             for h in &s.hashes {
-                if self.offload_chunk > 1 && tier != Tier::Device {
+                if self.offload_chunk > 1 && tier == Tier::Host {
                     self.hold_chunk(*h, tier, out);
                     continue;
                 }
@@ -376,7 +376,7 @@ impl EngineMirror {
         let key = (last, tier_index(tier));
         let members = match self.chunks.get_mut(&key) {
             Some((members, stores)) => {
-                *stores += 1;
+                *stores = stores.saturating_add(1);
                 members.clone()
             }
             None => {
