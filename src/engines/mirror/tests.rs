@@ -442,3 +442,62 @@ fn an_offload_chunk_named_by_its_last_block_holds_all_its_blocks() {
     assert_eq!(m.len(), 2);
     assert_eq!(m.stats().unresolved, 0);
 }
+
+/// Two requests diverging inside a chunk (chunks of 2: blocks 10, 11 then 12 or 22): the
+/// chunks named 13 and 23 share nothing, but chunk 11 is stored by both; each store holds
+/// it once, so the first removal leaves it held. A removal after a clear finds nothing.
+#[test]
+fn offload_chunks_stored_twice_need_two_removals_and_a_clear_forgets_them() {
+    let toks = tokens(4 * BS);
+    let mut other = toks.clone();
+    other[2 * BS] += 1;
+    let mut m = EngineMirror::new(bs()).with_offload_chunk(NonZeroUsize::new(2).unwrap());
+    apply(
+        &mut m,
+        vec![
+            stored(&[10, 11, 12, 13], None, &toks, Medium::Gpu),
+            stored(&[22, 23], Some(11), &other[2 * BS..], Medium::Gpu),
+        ],
+    );
+    let host = |out: &[BlockChange]| {
+        out.iter()
+            .filter(|c| {
+                matches!(
+                    c,
+                    BlockChange::Stored {
+                        tier: Tier::Host,
+                        ..
+                    }
+                )
+            })
+            .count() as isize
+            - out
+                .iter()
+                .filter(|c| {
+                    matches!(
+                        c,
+                        BlockChange::Removed {
+                            tier: Tier::Host,
+                            ..
+                        }
+                    )
+                })
+                .count() as isize
+    };
+    let out = apply(
+        &mut m,
+        vec![
+            stored(&[11, 13], None, &[], Medium::Cpu),
+            stored(&[11, 23], None, &[], Medium::Cpu),
+        ],
+    );
+    assert_eq!(host(&out), 6, "10, 11, 12, 13, 22, 23 on the host");
+    assert_eq!(host(&apply(&mut m, vec![removed(&[11], Medium::Cpu)])), 0);
+    assert_eq!(host(&apply(&mut m, vec![removed(&[11], Medium::Cpu)])), -2);
+    let mut out = Vec::new();
+    m.clear(&mut out);
+    assert_eq!(m.len(), 0);
+    let before = m.stats().unresolved;
+    assert!(apply(&mut m, vec![removed(&[13], Medium::Cpu)]).is_empty());
+    assert_eq!(m.stats().unresolved, before + 1);
+}
