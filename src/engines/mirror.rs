@@ -111,9 +111,9 @@ pub struct EngineMirror {
     wrong_block_size: Option<u32>,
     /// GPU blocks per chunk of the engine's host tier ([`EngineMirror::with_offload_chunk`]).
     offload_chunk: usize,
-    /// Per offload-tier chunk held (keyed by the hash that names it, and its tier): its
-    /// blocks, and how many stores of it are held.
-    chunks: FxHashMap<(EngineHash, usize), (Vec<EngineHash>, u32)>,
+    /// Per host-tier chunk held (keyed by the hash that names it): its blocks, and how
+    /// many stores of it are held.
+    chunks: FxHashMap<EngineHash, (Vec<EngineHash>, u32)>,
 }
 
 impl EngineMirror {
@@ -265,7 +265,7 @@ impl EngineMirror {
             // An offload tier's copy of blocks the engine named before.
             for h in &s.hashes {
                 if self.offload_chunk > 1 && tier == Tier::Host {
-                    self.hold_chunk(*h, tier, out);
+                    self.hold_chunk(*h, out);
                     continue;
                 }
                 match self.lookup(*h) {
@@ -370,11 +370,10 @@ impl EngineMirror {
         }
     }
 
-    /// Holds in `tier` the chunk named by `last` (its last block): that block and the
+    /// Holds on the host the chunk named by `last` (its last block): that block and the
     /// `offload_chunk - 1` before it, as far as the mirror knows them.
-    fn hold_chunk(&mut self, last: EngineHash, tier: Tier, out: &mut Vec<BlockChange>) {
-        let key = (last, tier_index(tier));
-        let members = match self.chunks.get_mut(&key) {
+    fn hold_chunk(&mut self, last: EngineHash, out: &mut Vec<BlockChange>) {
+        let members = match self.chunks.get_mut(&last) {
             Some((members, stores)) => {
                 *stores = stores.saturating_add(1);
                 members.clone()
@@ -391,29 +390,32 @@ impl EngineMirror {
                     self.stats.unresolved += 1;
                     return;
                 }
-                self.chunks.insert(key, (members.clone(), 1));
+                self.chunks.insert(last, (members.clone(), 1));
                 members
             }
         };
         // Root first, so that each block's parent is announced before it.
         for h in members.into_iter().rev() {
             if let Some(e) = self.lookup(h) {
-                self.hold(h, e, tier, out);
+                self.hold(h, e, Tier::Host, out);
             }
         }
     }
 
-    /// Lets go of `h` in `tier`: a chunk named by it, if the mirror holds one there, or the
-    /// block itself.
+    /// Lets go of `h` in `tier`: the host chunk named by it, if the mirror holds one, or
+    /// the block itself.
     fn release_named(&mut self, h: EngineHash, tier: Tier, out: &mut Vec<BlockChange>) {
-        let key = (h, tier_index(tier));
-        let Some((members, stores)) = self.chunks.get_mut(&key) else {
+        let chunk = match tier {
+            Tier::Host => self.chunks.get_mut(&h),
+            _ => None,
+        };
+        let Some((members, stores)) = chunk else {
             self.release(h, tier, out);
             return;
         };
         *stores -= 1;
         let members = if *stores == 0 {
-            self.chunks.remove(&key).expect("invariant: just found").0
+            self.chunks.remove(&h).expect("invariant: just found").0
         } else {
             members.clone()
         };

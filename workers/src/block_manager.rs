@@ -251,29 +251,15 @@ impl BlockManager {
     /// Takes the cached prefix of `seqs` for a request: references on its G1 blocks, and
     /// pins on the G2 blocks after them so that they survive until onboarded.
     pub fn acquire_prefix(&self, seqs: &[SeqHash]) -> (Lease, PrefixMatch) {
-        let mut inner = self.inner.lock();
-        let (found, _) = inner.match_prefix(seqs);
-        let inner = &mut *inner;
-        inner.tick += 1;
-        let tick = inner.tick;
-        let blocks = inner.g1.acquire_hits(&seqs[..found.device], tick);
-        inner.stats.device_hits += found.device as u64;
-        let host_pins = inner
-            .g2
-            .acquire_hits(&seqs[found.device..found.device + found.host], tick);
-        (
-            Lease {
-                inner: Arc::clone(&self.inner),
-                blocks,
-                host_pins,
-            },
-            found,
-        )
+        // No fresh block asked for: room is made at once, and the time is never read.
+        self.admit(0, seqs, 0)
+            .expect("invariant: no fresh block is asked for")
     }
 
-    /// Admits a request under one lock: takes the cached prefix of `seqs` as
-    /// [`BlockManager::acquire_prefix`] does, and `blocks(found)` fresh G1 blocks after it
-    /// as [`BlockManager::allocate`] does. If the blocks cannot be had, the prefix is let go
+    /// Admits a request under one lock: takes the cached prefix of `seqs` (references on its
+    /// G1 blocks and pins on the G2 blocks after them, a hit each) and `blocks` fresh G1
+    /// blocks after it, as [`BlockManager::allocate`] gives them. If the blocks cannot be
+    /// had, the prefix is let go
     /// as it was: no hits counted, each block as recent as before (a request retried every
     /// step while copies finish would otherwise refresh its prefix and count its hits each
     /// time; vLLM's `allocate_slots` touches a request's hits only once it fits). Blocks
@@ -282,30 +268,28 @@ impl BlockManager {
         &self,
         now_us: u64,
         seqs: &[SeqHash],
-        blocks: impl FnOnce(PrefixMatch) -> usize,
+        blocks: usize,
     ) -> Result<(Lease, PrefixMatch), AllocError> {
         let mut inner = self.inner.lock();
         let (found, _) = inner.match_prefix(seqs);
         let inner = &mut *inner;
-        let device = &seqs[..found.device];
-        let host = &seqs[found.device..found.device + found.host];
-        let recency = |pool: &Pool, seqs: &[SeqHash]| -> Vec<u64> {
-            seqs.iter()
-                .map(|s| {
-                    let id = pool
-                        .lookup(*s)
-                        .expect("invariant: matched block is indexed");
-                    pool.slot(id).last_used
-                })
-                .collect()
+        let g1_ids = inner.g1.lookup_all(&seqs[..found.device]);
+        let g2_ids = inner
+            .g2
+            .lookup_all(&seqs[found.device..found.device + found.host]);
+        let recency = |pool: &Pool, ids: &[BlockId]| -> Vec<u64> {
+            ids.iter().map(|id| pool.slot(*id).last_used).collect()
         };
-        let (g1_before, g2_before) = (recency(&inner.g1, device), recency(&inner.g2, host));
+        let (g1_before, g2_before) = (recency(&inner.g1, &g1_ids), recency(&inner.g2, &g2_ids));
         inner.tick += 1;
         let tick = inner.tick;
-        let g1_ids = inner.g1.acquire_all(device, tick);
-        let g2_ids = inner.g2.acquire_all(host, tick);
-        let n = blocks(found);
-        if let Err(e) = inner.make_room(now_us, n) {
+        for &id in &g1_ids {
+            inner.g1.acquire(id, tick);
+        }
+        for &id in &g2_ids {
+            inner.g2.acquire(id, tick);
+        }
+        if let Err(e) = inner.make_room(now_us, blocks) {
             for (id, last_used) in g1_ids.into_iter().zip(g1_before) {
                 inner.g1.release(id, last_used);
             }
@@ -322,10 +306,7 @@ impl BlockManager {
             blocks: g1_ids,
             host_pins: g2_ids,
         };
-        for _ in 0..n {
-            let id = inner.g1.take_free().expect("invariant: room was made");
-            lease.blocks.push(id);
-        }
+        inner.take_room(blocks, &mut lease.blocks);
         Ok((lease, found))
     }
 
@@ -352,10 +333,7 @@ impl BlockManager {
         debug_assert!(Arc::ptr_eq(&self.inner, &lease.inner));
         let mut inner = self.inner.lock();
         inner.make_room(now_us, n)?;
-        for _ in 0..n {
-            let id = inner.g1.take_free().expect("invariant: room was made");
-            lease.blocks.push(id);
-        }
+        inner.take_room(n, &mut lease.blocks);
         Ok(())
     }
 
@@ -572,6 +550,14 @@ impl Inner {
         self.g1.free_mutable(*id);
         *id = shared;
         self.stats.shared_on_register += 1;
+    }
+
+    /// Appends `n` free G1 slots to `blocks`, made free by [`Inner::make_room`].
+    fn take_room(&mut self, n: usize, blocks: &mut Vec<BlockId>) {
+        for _ in 0..n {
+            let id = self.g1.take_free().expect("invariant: room was made");
+            blocks.push(id);
+        }
     }
 
     /// Gets `n` G1 slots free, evicting as needed; `Pending` if copies must finish first.

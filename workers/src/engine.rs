@@ -608,26 +608,23 @@ impl Engine {
                 self.waiting.push_front(seq);
                 break;
             }
+            let kv_len = found.device * bs;
+            let need = (total - kv_len).min(budget);
+            // Host hits are onboarded into blocks of their own; a computed chunk needs its.
+            let first = if found.host > 0 {
+                found.host
+            } else {
+                (kv_len + need).div_ceil(bs) - found.device
+            };
             // Nothing else touches the pool in between (the engine owns its leases), so
-            // this finds what the peek found. Host hits are onboarded into blocks of their
-            // own; a computed chunk needs its. A request that does not get them (copies
+            // this finds what the peek found. A request that does not get its blocks (copies
             // must finish first) leaves its prefix as it found it.
             let peeked = found;
-            let admitted = self.blocks.admit(now, &keys, |found| {
-                let kv_len = found.device * bs;
-                if found.host > 0 {
-                    found.host
-                } else {
-                    (kv_len + (total - kv_len).min(budget)).div_ceil(bs) - found.device
-                }
-            });
-            let Ok((mut lease, found)) = admitted else {
+            let Ok((mut lease, found)) = self.blocks.admit(now, &keys, first) else {
                 self.waiting.push_front(seq);
                 break;
             };
             debug_assert_eq!(found, peeked, "the prefix changed between peek and admit");
-            let kv_len = found.device * bs;
-            let need = (total - kv_len).min(budget);
             if !seq.admitted {
                 seq.admitted = true;
                 let prompt = seq.prompt_len;

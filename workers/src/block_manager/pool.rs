@@ -248,22 +248,12 @@ impl Pool {
         slot.last_used = tick;
     }
 
-    /// A request references the resident blocks `seqs`: one hit each.
-    pub fn acquire_hits(&mut self, seqs: &[SeqHash], tick: u64) -> Vec<BlockId> {
-        let ids = self.acquire_all(seqs, tick);
-        self.count_hits(&ids);
-        ids
-    }
-
-    /// References the resident blocks `seqs` (no hits counted yet: [`Pool::count_hits`]).
-    pub fn acquire_all(&mut self, seqs: &[SeqHash], tick: u64) -> Vec<BlockId> {
+    /// The slots of the resident blocks `seqs` (a prefix just matched).
+    pub fn lookup_all(&self, seqs: &[SeqHash]) -> Vec<BlockId> {
         seqs.iter()
             .map(|seq| {
-                let id = self
-                    .lookup(*seq)
-                    .expect("invariant: matched block is indexed");
-                self.acquire(id, tick);
-                id
+                self.lookup(*seq)
+                    .expect("invariant: matched block is indexed")
             })
             .collect()
     }

@@ -450,10 +450,8 @@ fn an_admission_that_waits_for_copies_leaves_its_prefix_untouched() {
     let was = before(&bm);
     // Prefix [0], then two fresh blocks: block 1 goes to G2 (a copy in flight), block 100
     // is dropped; one slot free, one on its way.
-    let got = bm.admit(0, &[SeqHash(0), SeqHash(7)], |found| {
-        assert_eq!(found.device, 1);
-        2
-    });
+    assert_eq!(bm.match_prefix(&[SeqHash(0), SeqHash(7)]).device, 1);
+    let got = bm.admit(0, &[SeqHash(0), SeqHash(7)], 2);
     assert_eq!(got.err(), Some(AllocError::Pending));
     assert_eq!(before(&bm), was);
     assert_eq!(bm.usage(Tier::Device).inactive, 1, "block 0 is let go");
@@ -461,7 +459,7 @@ fn an_admission_that_waits_for_copies_leaves_its_prefix_untouched() {
     // Once the copy is done, the same admission gets its blocks and counts its hit.
     let mut ready = Vec::new();
     bm.advance(u64::MAX / 2, &mut ready).unwrap();
-    let (lease, found) = bm.admit(1, &[SeqHash(0), SeqHash(7)], |_| 2).unwrap();
+    let (lease, found) = bm.admit(1, &[SeqHash(0), SeqHash(7)], 2).unwrap();
     assert_eq!((found.device, lease.len()), (1, 3));
     assert_eq!(before(&bm).0, was.0 + 1);
     assert_eq!(bm.stats().device_hits, was.2 + 1);
@@ -486,7 +484,7 @@ fn blocks_onboarded_twice_at_once_are_shared() {
     drop(other);
     assert_eq!(resident(&bm, Tier::Host), vec![0, 1]);
     let onboard = |bm: &BlockManager| {
-        let (mut lease, found) = bm.admit(t, &seqs(&c), |found| found.host).unwrap();
+        let (mut lease, found) = bm.admit(t, &seqs(&c), 2).unwrap();
         assert_eq!(found, PrefixMatch { device: 0, host: 2 });
         bm.start_onboard(t, &mut lease, 0);
         lease
