@@ -3,14 +3,17 @@
 //! and the fixed cost of a transfer (a one-block transfer less its bytes at the contiguous
 //! rate), split into the time the call takes to queue it (the engine thread's) and the rest
 //! (the device's). The contiguous copies run between G1 and the pinned G2, so they are the
-//! page-locked bandwidth the device reaches with a plain copy: the link's limit. Needs a CUDA
+//! page-locked bandwidth the device reaches with a plain copy: the link's limit. Last, how
+//! long the engine thread spends in a one-block fill (a prefill's KV writes), idle and while
+//! a 2,048-block onboard holds the H2D link: the worker's call (slots by value), next to the
+//! same fill over an uploaded piece list (the path before, kept for tests). Needs a CUDA
 //! device; says what is missing otherwise.
 
 use std::time::Instant;
 
 use anyhow::Context;
 use kvroute_kernels::cuda::{GpuError, GpuKv, Transfer};
-use kvroute_kernels::{Dtype, KvLayout};
+use kvroute_kernels::{Dtype, KvLayout, plan};
 use serde::Serialize;
 
 /// Flags of `kvroute-bench kernels`.
@@ -68,6 +71,96 @@ pub struct Report {
     pub submit_onboard_us: f64,
     /// Per size.
     pub rows: Vec<Row>,
+    /// Host µs of one-block fill calls.
+    pub fill_calls: FillCalls,
+}
+
+/// Host µs of a one-block fill call, p50 and p99 of every call timed.
+#[derive(Debug, Default, Serialize)]
+pub struct FillCalls {
+    /// Calls timed per case.
+    pub calls: usize,
+    /// [`GpuKv::fill`] (slots by value), no transfer in flight.
+    pub slots_idle: Quantiles,
+    /// The same, while an onboard holds the H2D link.
+    pub slots_busy: Quantiles,
+    /// `Gpu::fill` over the block's uploaded piece list, no transfer in flight.
+    pub pieces_idle: Quantiles,
+    /// The same, while an onboard holds the H2D link.
+    pub pieces_busy: Quantiles,
+}
+
+/// p50 and p99, µs.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Quantiles {
+    /// Median.
+    pub p50_us: f64,
+    /// 99th percentile.
+    pub p99_us: f64,
+}
+
+impl Quantiles {
+    fn of(mut v: Vec<f64>) -> Quantiles {
+        v.sort_by(f64::total_cmp);
+        let at = |q: f64| v.get(((v.len() as f64 * q) as usize).min(v.len().saturating_sub(1)));
+        Quantiles {
+            p50_us: at(0.5).copied().unwrap_or(0.0),
+            p99_us: at(0.99).copied().unwrap_or(0.0),
+        }
+    }
+}
+
+/// Times `per_rep` one-block fills per repetition through both paths, each path alone and
+/// while an onboard of `busy` pairs is in flight.
+fn fill_calls(
+    kv: &mut GpuKv,
+    reps: usize,
+    busy: &[(usize, usize)],
+    slots: &[usize],
+) -> anyhow::Result<FillCalls> {
+    let layout = *kv.layout();
+    // The piece path's own device buffer (a GpuKv's G1 is private), as large as G1.
+    let g1_blocks = 4096;
+    let stream = kv.gpu().stream()?;
+    let mut g1 = kv.gpu().alloc(&stream, g1_blocks * layout.block_bytes())?;
+    let per_rep = 64;
+    let mut times: [Vec<f64>; 4] = Default::default();
+    for rep in 0..reps.max(1) + 1 {
+        for (in_flight, case) in [(false, 0), (true, 1)] {
+            let transfer = if in_flight {
+                Some(kv.onboard(busy)?)
+            } else {
+                None
+            };
+            for i in 0..per_rep {
+                let block = [(slots[i % slots.len()], (rep * per_rep + i) as u64)];
+                let start = Instant::now();
+                kv.fill(&block)?;
+                times[case].push(start.elapsed().as_secs_f64() * 1e6);
+                let pieces = plan::g1_blocks(&layout, g1_blocks, &block);
+                let start = Instant::now();
+                kv.gpu().fill(&stream, &mut g1, &pieces)?;
+                times[case + 2].push(start.elapsed().as_secs_f64() * 1e6);
+            }
+            if let Some(transfer) = transfer {
+                kv.finish(transfer)?;
+            }
+            kv.synchronize()?;
+            stream.synchronize()?;
+        }
+        if rep == 0 {
+            // Warm-up: module load and first allocations stay out of the figures.
+            times.iter_mut().for_each(Vec::clear);
+        }
+    }
+    let [slots_idle, slots_busy, pieces_idle, pieces_busy] = times.map(Quantiles::of);
+    Ok(FillCalls {
+        calls: reps.max(1) * per_rep,
+        slots_idle,
+        slots_busy,
+        pieces_idle,
+        pieces_busy,
+    })
 }
 
 /// Medians of one operation, µs: from the call to the end of the transfer, and of the call
@@ -178,6 +271,8 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
     let best = |f: fn(&Row) -> f64| rows.iter().map(f).fold(0.0, f64::max);
     let d2h = best(|r| r.d2h_contiguous_gbps);
     let h2d = best(|r| r.h2d_contiguous_gbps);
+    let busy: Vec<(usize, usize)> = g2.iter().copied().zip(g1[..2048].iter().copied()).collect();
+    let fill_calls = fill_calls(&mut kv, args.reps, &busy, &g1[2048..])?;
     Ok(Report {
         device,
         layout,
@@ -187,6 +282,7 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         submit_offload_us: one.0.submit_us,
         submit_onboard_us: one.1.submit_us,
         rows,
+        fill_calls,
     })
 }
 
@@ -222,5 +318,18 @@ pub fn print(r: &Report) {
         r.fixed_onboard_us,
         r.submit_onboard_us,
         r.fixed_onboard_checked_us
+    );
+    let f = &r.fill_calls;
+    println!(
+        "one-block fill call, host µs p50/p99 over {} calls: slots idle {:.1}/{:.1}, busy {:.1}/{:.1}; uploaded pieces idle {:.1}/{:.1}, busy {:.1}/{:.1} (busy: a 2,048-block onboard in flight)",
+        f.calls,
+        f.slots_idle.p50_us,
+        f.slots_idle.p99_us,
+        f.slots_busy.p50_us,
+        f.slots_busy.p99_us,
+        f.pieces_idle.p50_us,
+        f.pieces_idle.p99_us,
+        f.pieces_busy.p50_us,
+        f.pieces_busy.p99_us,
     );
 }

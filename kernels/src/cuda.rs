@@ -6,11 +6,13 @@
 //! What blocks the calling thread: [`GpuKv::is_done`] never does (an event query), and
 //! neither does queuing a transfer or an onboard's verification, whose per-block results come
 //! back into pinned host memory behind the transfer's own event ([`GpuKv::onboard_checked`],
-//! read by [`GpuKv::finish`] once done). What may: the piece descriptors of a fill or a
-//! verification are uploaded from pageable memory, which CUDA documents as possibly
-//! synchronous with respect to the host (a transfer's gathers and scatters upload nothing:
-//! their slots travel as kernel parameters); a verification whose block count exceeds every pinned result buffer pooled so
-//! far allocates a new one (page-locking); [`Transfer::wait`], [`GpuKv::finish`] of a
+//! read by [`GpuKv::finish`] once done), nor does [`GpuKv::fill`]: a [`GpuKv`]'s kernels
+//! take their slots by value in the launch's parameters (`move_blocks`, `fill_blocks`,
+//! `verify_blocks`), so its path uploads no descriptors. What may: the operations over a
+//! piece list ([`Gpu::copy`], [`Gpu::fill`], [`Gpu::checksum`], [`Gpu::verify`]: tests and
+//! benchmarks) upload their descriptors from pageable memory, which CUDA documents as
+//! possibly synchronous with respect to the host; a verification whose block count exceeds
+//! every pinned result buffer pooled so far allocates a new one (page-locking); [`Transfer::wait`], [`GpuKv::finish`] of a
 //! transfer not yet done, the `*_g1`/`*_g2` checks and [`GpuKv::synchronize`] wait by design
 //! (tests and benchmarks); creating a [`GpuKv`] compiles and allocates, and dropping one
 //! synchronises its streams.
@@ -20,14 +22,14 @@
 //! are compiled from `kernels.cu` once per device architecture per process.
 //!
 //! Safety: the `unsafe` blocks are kernel launches, raw async copies, pinned allocations,
-//! the kernel parameter type's `DeviceRepr` and turning cudarc's event tracking off for a
+//! the kernel parameter types' `DeviceRepr` and turning cudarc's event tracking off for a
 //! [`GpuKv`]'s context. Every piece list and slot list is checked against its buffers' sizes
-//! before a launch ([`crate::plan`], `Gpu::move_blocks`), so kernels only touch memory the
+//! before a launch ([`crate::plan`], `g1_slot`), so kernels only touch memory the
 //! buffers own, and buffers outlive the work queued on them because [`GpuKv`] owns them,
 //! orders its streams by events and synchronises them before they drop. On a device without
 //! stream-ordered memory pools (`cuMemAllocAsync`), cudarc frees a buffer by synchronising
-//! its stream: the temporaries of a fill or a verification would then wait there (H100 and
-//! later have the pools).
+//! its stream: a verification's result buffer (and a piece-list operation's descriptors)
+//! would then wait there (H100 and later have the pools).
 #![allow(unsafe_code)]
 
 use std::collections::HashMap;
@@ -88,12 +90,14 @@ pub enum GpuError {
 }
 
 /// The kernels' entry points in `kernels.cu`.
-pub const KERNELS: [&str; 5] = [
+pub const KERNELS: [&str; 7] = [
     "copy_pieces",
     "fill_pieces",
     "checksum_pieces",
     "verify_pieces",
     "move_blocks",
+    "fill_blocks",
+    "verify_blocks",
 ];
 
 /// Most blocks one `move_blocks` launch moves: its slot list travels by value in the kernel's
@@ -119,6 +123,27 @@ struct SlotList {
 unsafe impl DeviceRepr for SlotList {}
 
 const _: () = assert!(std::mem::size_of::<SlotList>() == 4 + 4 * MOVE_MAX_BLOCKS);
+
+/// Most blocks one `fill_blocks` or `verify_blocks` launch covers: their slots and the blocks
+/// whose patterns they hold travel by value (`struct SeqList` in `kernels.cu`: 3,080 bytes,
+/// under the 4 KiB parameter limit with the other arguments); longer lists take several
+/// launches, and upload nothing either.
+pub const SEQ_MAX_BLOCKS: usize = 256;
+
+/// `struct SeqList` in `kernels.cu`: G1 slots and the `seq` of each one's pattern.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SeqList {
+    n: u32,
+    slots: [u32; SEQ_MAX_BLOCKS],
+    seqs: [u64; SEQ_MAX_BLOCKS],
+}
+
+// SAFETY: plain `repr(C)` data with the layout of the kernels' by-value parameter.
+unsafe impl DeviceRepr for SeqList {}
+
+const _: () = assert!(std::mem::offset_of!(SeqList, seqs) == 1032);
+const _: () = assert!(std::mem::size_of::<SeqList>() == 1032 + 8 * SEQ_MAX_BLOCKS);
 
 /// Whether NVRTC (`libnvrtc.so`) can be opened; it needs no GPU.
 pub fn nvrtc_present() -> bool {
@@ -169,6 +194,8 @@ pub struct Gpu {
     checksum: CudaFunction,
     verify: CudaFunction,
     move_blocks: CudaFunction,
+    fill_blocks: CudaFunction,
+    verify_blocks: CudaFunction,
     /// Device name.
     pub name: String,
     /// Compute capability.
@@ -215,6 +242,84 @@ struct MoveArgs<'a> {
     packed: (u64, usize),
 }
 
+/// A block at `start` outside a buffer of `len` bytes.
+fn outside(
+    index: usize,
+    buffer: &'static str,
+    start: usize,
+    block: usize,
+    len: usize,
+) -> PieceError {
+    PieceError {
+        index,
+        buffer,
+        start: start as u64,
+        end: start.saturating_add(block) as u64,
+        len,
+    }
+}
+
+/// Whether `blocks` blocks of `block` bytes fit in `len` bytes.
+fn fits(blocks: usize, block: usize, len: usize) -> bool {
+    blocks.checked_mul(block).is_some_and(|b| b <= len)
+}
+
+/// Checks that `g1_blocks` blocks of `layout` fit in G1's `g1_len` bytes and that its
+/// geometry fits the kernels' integers: `(pieces per block, bytes per piece)`.
+fn g1_geometry(layout: &KvLayout, g1_len: usize, g1_blocks: usize) -> Result<(u32, u32), GpuError> {
+    let block = layout.block_bytes();
+    let bad = || outside(0, "g1", 0, block, g1_len).into();
+    if !fits(g1_blocks, block, g1_len) || g1_blocks > u32::MAX as usize {
+        return Err(bad());
+    }
+    match (
+        u32::try_from(layout.pieces()),
+        u32::try_from(layout.piece_bytes()),
+    ) {
+        (Ok(pieces), Ok(piece_len)) => Ok((pieces, piece_len)),
+        _ => Err(bad()),
+    }
+}
+
+/// Slot `slot`, at position `index` of a list, as the kernels take it: below `g1_blocks`.
+fn g1_slot(
+    layout: &KvLayout,
+    g1_len: usize,
+    g1_blocks: usize,
+    index: usize,
+    slot: usize,
+) -> Result<u32, GpuError> {
+    if slot >= g1_blocks {
+        let block = layout.block_bytes();
+        return Err(outside(index, "g1", slot.saturating_mul(block), block, g1_len).into());
+    }
+    Ok(slot as u32)
+}
+
+/// `blocks` in by-value lists of at most [`SEQ_MAX_BLOCKS`], every slot checked first (a bad
+/// slot anywhere queues nothing).
+fn seq_lists(
+    layout: &KvLayout,
+    g1_len: usize,
+    g1_blocks: usize,
+    blocks: &[(usize, u64)],
+) -> Result<Vec<SeqList>, GpuError> {
+    let mut lists = Vec::with_capacity(blocks.len().div_ceil(SEQ_MAX_BLOCKS));
+    for (c, chunk) in blocks.chunks(SEQ_MAX_BLOCKS).enumerate() {
+        let mut list = SeqList {
+            n: chunk.len() as u32,
+            slots: [0; SEQ_MAX_BLOCKS],
+            seqs: [0; SEQ_MAX_BLOCKS],
+        };
+        for (j, &(slot, seq)) in chunk.iter().enumerate() {
+            list.slots[j] = g1_slot(layout, g1_len, g1_blocks, c * SEQ_MAX_BLOCKS + j, slot)?;
+            list.seqs[j] = seq;
+        }
+        lists.push(list);
+    }
+    Ok(lists)
+}
+
 impl Gpu {
     /// Opens device `ordinal` and loads the kernels (compiling them on first use per
     /// architecture).
@@ -233,13 +338,23 @@ impl Gpu {
         let ctx = CudaContext::new(ordinal)?;
         let arch = ctx.compute_capability()?;
         let module = ctx.load_module(ptx_for(arch.0, arch.1)?)?;
-        let [copy, fill, checksum, verify, move_blocks] = KERNELS;
+        let [
+            copy,
+            fill,
+            checksum,
+            verify,
+            move_blocks,
+            fill_blocks,
+            verify_blocks,
+        ] = KERNELS;
         Ok(Gpu {
             copy: module.load_function(copy)?,
             fill: module.load_function(fill)?,
             checksum: module.load_function(checksum)?,
             verify: module.load_function(verify)?,
             move_blocks: module.load_function(move_blocks)?,
+            fill_blocks: module.load_function(fill_blocks)?,
+            verify_blocks: module.load_function(verify_blocks)?,
             name: ctx.name()?,
             arch,
             ctx,
@@ -345,36 +460,24 @@ impl Gpu {
             g1: (g1, g1_len, g1_blocks),
             packed: (packed, packed_len),
         } = *args;
+        let (pieces, piece_len) = g1_geometry(layout, g1_len, g1_blocks)?;
         let block = layout.block_bytes();
-        let outside = |index: usize, buffer: &'static str, start: usize, len: usize| PieceError {
-            index,
-            buffer,
-            start: start as u64,
-            end: start.saturating_add(block) as u64,
-            len,
-        };
-        let fits = |blocks: usize, len: usize| blocks.checked_mul(block).is_some_and(|b| b <= len);
-        if !fits(g1_blocks, g1_len) || g1_blocks > u32::MAX as usize {
-            return Err(outside(0, "g1", 0, g1_len).into());
+        if slots.len() > MOVE_MAX_BLOCKS || !fits(slots.len(), block, packed_len) {
+            return Err(outside(
+                slots.len(),
+                "packed",
+                slots.len() * block,
+                block,
+                packed_len,
+            )
+            .into());
         }
-        if slots.len() > MOVE_MAX_BLOCKS || !fits(slots.len(), packed_len) {
-            return Err(outside(slots.len(), "packed", slots.len() * block, packed_len).into());
-        }
-        let (Ok(pieces), Ok(piece_len)) = (
-            u32::try_from(layout.pieces()),
-            u32::try_from(layout.piece_bytes()),
-        ) else {
-            return Err(outside(0, "packed", 0, packed_len).into());
-        };
         let mut list = SlotList {
             n: slots.len() as u32,
             slots: [0; MOVE_MAX_BLOCKS],
         };
         for (i, &slot) in slots.iter().enumerate() {
-            if slot >= g1_blocks {
-                return Err(outside(i, "g1", slot.saturating_mul(block), g1_len).into());
-            }
-            list.slots[i] = slot as u32;
+            list.slots[i] = g1_slot(layout, g1_len, g1_blocks, i, slot)?;
         }
         if slots.is_empty() {
             return Ok(());
@@ -394,6 +497,77 @@ impl Gpu {
         // every piece lies inside its buffer; both buffers are borrowed by the caller, which
         // keeps them allocated until the stream has run the launch.
         unsafe { launch.launch(launch_config(slots.len() * pieces as usize)) }?;
+        Ok(())
+    }
+
+    /// Queues writing into each G1 slot `blocks[j].0` of `g1` (`g1_blocks` slots laid out as
+    /// `layout`) the pattern of block `blocks[j].1`: the bytes of [`Gpu::fill`] over
+    /// [`plan::g1_blocks`], with no descriptor upload (a launch per [`SEQ_MAX_BLOCKS`]).
+    pub fn fill_slots(
+        &self,
+        stream: &Arc<CudaStream>,
+        layout: &KvLayout,
+        g1: &mut CudaSlice<u8>,
+        g1_blocks: usize,
+        blocks: &[(usize, u64)],
+    ) -> Result<(), GpuError> {
+        let g1_len = g1.len();
+        let (g1_ptr, _g) = g1.device_ptr_mut(stream);
+        let (pieces, piece_len) = g1_geometry(layout, g1_len, g1_blocks)?;
+        let lists = seq_lists(layout, g1_len, g1_blocks, blocks)?;
+        let g1_blocks = g1_blocks as u64;
+        for list in &lists {
+            let mut launch = stream.launch_builder(&self.fill_blocks);
+            launch
+                .arg(&g1_ptr)
+                .arg(&g1_blocks)
+                .arg(&pieces)
+                .arg(&piece_len)
+                .arg(list);
+            // SAFETY: `fill_blocks(u64, u64, u32, u32, SeqList)`; every slot was checked below
+            // `g1_blocks`, whose blocks fit in G1, so every piece lies inside it; G1 is
+            // borrowed by the caller, which keeps it allocated until the stream has run this.
+            unsafe { launch.launch(launch_config(list.n as usize * pieces as usize)) }?;
+        }
+        Ok(())
+    }
+
+    /// Queues the verification of G1 slots against their blocks' patterns: `out[j]` gains the
+    /// mismatching words of slot `blocks[j].0` against block `blocks[j].1` (`out` zeroed by
+    /// the caller). [`Gpu::queue_verify`] over [`plan::g1_blocks`], with no descriptor
+    /// upload.
+    pub fn queue_verify_slots(
+        &self,
+        stream: &Arc<CudaStream>,
+        layout: &KvLayout,
+        g1: &CudaSlice<u8>,
+        g1_blocks: usize,
+        blocks: &[(usize, u64)],
+        out: &mut CudaSlice<u32>,
+    ) -> Result<(), GpuError> {
+        let (g1_ptr, _g) = g1.device_ptr(stream);
+        let (pieces, piece_len) = g1_geometry(layout, g1.len(), g1_blocks)?;
+        if out.len() < blocks.len() {
+            return Err(outside(blocks.len(), "out", 4 * out.len(), 4, 4 * out.len()).into());
+        }
+        let lists = seq_lists(layout, g1.len(), g1_blocks, blocks)?;
+        let (out_ptr, _o) = out.device_ptr_mut(stream);
+        let g1_blocks = g1_blocks as u64;
+        for (i, list) in lists.iter().enumerate() {
+            let results = out_ptr + (4 * i * SEQ_MAX_BLOCKS) as u64;
+            let mut launch = stream.launch_builder(&self.verify_blocks);
+            launch
+                .arg(&g1_ptr)
+                .arg(&g1_blocks)
+                .arg(&pieces)
+                .arg(&piece_len)
+                .arg(&results)
+                .arg(list);
+            // SAFETY: `verify_blocks(u64, u64, u32, u32, u32*, SeqList)`; slots checked as in
+            // `fill_slots`, and this launch's results, `list.n` from `results`, lie inside
+            // `out` (checked above); both buffers are the caller's to keep until it has run.
+            unsafe { launch.launch(launch_config(list.n as usize * pieces as usize)) }?;
+        }
         Ok(())
     }
 
@@ -666,15 +840,31 @@ impl GpuKv {
     }
 
     /// Queues writing the pattern of `seq` into each G1 slot (prefill's KV writes).
+    /// Uploads nothing: the slots travel in the launches' parameters ([`Gpu::fill_slots`]).
     pub fn fill(&mut self, blocks: &[(usize, u64)]) -> Result<(), GpuError> {
-        let pieces = plan::g1_blocks(&self.layout, self.g1_blocks, blocks);
-        self.gpu.fill(&self.main, &mut self.g1, &pieces)
+        self.gpu.fill_slots(
+            &self.main,
+            &self.layout,
+            &mut self.g1,
+            self.g1_blocks,
+            blocks,
+        )
     }
 
     /// Mismatching words per G1 slot against the pattern of its `seq` (waits).
     pub fn verify_g1(&self, blocks: &[(usize, u64)]) -> Result<Vec<u32>, GpuError> {
-        let pieces = plan::g1_blocks(&self.layout, self.g1_blocks, blocks);
-        self.gpu.verify(&self.main, &self.g1, &pieces, blocks.len())
+        let mut out = self.main.alloc_zeros::<u32>(blocks.len().max(1))?;
+        self.gpu.queue_verify_slots(
+            &self.main,
+            &self.layout,
+            &self.g1,
+            self.g1_blocks,
+            blocks,
+            &mut out,
+        )?;
+        let mut bad = self.main.clone_dtoh(&out)?;
+        bad.truncate(blocks.len());
+        Ok(bad)
     }
 
     /// Checksums of G1 slots (waits).
@@ -879,11 +1069,16 @@ impl GpuKv {
             .zip(seqs)
             .map(|(&(_, g1), &seq)| (g1, seq))
             .collect();
-        let pieces = plan::g1_blocks(&self.layout, self.g1_blocks, &blocks);
         let n = blocks.len();
         let mut device = self.movers.alloc_zeros::<u32>(n.max(1))?;
-        self.gpu
-            .queue_verify(&self.movers, &self.g1, &pieces, &mut device)?;
+        self.gpu.queue_verify_slots(
+            &self.movers,
+            &self.layout,
+            &self.g1,
+            self.g1_blocks,
+            &blocks,
+            &mut device,
+        )?;
         let mut host = match self.results.iter().position(|b| b.len() >= n.max(1)) {
             Some(i) => self.results.swap_remove(i),
             // SAFETY: uninitialised pinned memory; only the first `n` values are read, after

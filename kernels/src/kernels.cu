@@ -1,6 +1,7 @@
 // KV block kernels of kvroute, compiled at run time with NVRTC (kvroute-kernels, cuda.rs).
-// Every kernel but move_blocks walks a list of pieces (one CUDA block per piece, grid-stride
-// over the list); move_blocks derives its pieces from a slot list and the layout. Addresses
+// The *_pieces kernels walk a list of pieces (one CUDA block per piece, grid-stride over the
+// list); move_blocks, fill_blocks and verify_blocks derive their pieces from a slot list
+// passed by value and the layout, so queuing them uploads nothing. Addresses
 // are absolute device addresses checked against their buffers by the Rust caller.
 // The CPU reference of each kernel is in reference.rs and must stay byte-identical.
 
@@ -89,24 +90,46 @@ extern "C" __global__ void move_blocks(u64 g1, u64 packed, u64 g1_blocks, u32 pi
     }
 }
 
+// Writes the pattern of piece `piece` of block `seq` into the `len` bytes at `d`, with the
+// calling CUDA block.
+__device__ __forceinline__ void fill_piece(unsigned char* d, u64 seq, u32 piece, u32 len) {
+    u64 words = ((u64)len + 7) / 8;
+    bool aligned = (((u64)d | (u64)len) & 7) == 0;
+    for (u64 w = threadIdx.x; w < words; w += blockDim.x) {
+        u64 word = pattern_word(seq, piece, w);
+        if (aligned) {
+            ((u64*)d)[w] = word;
+        } else {
+            for (u32 b = 0; b < 8; b++) {
+                u64 i = w * 8 + b;
+                if (i < len) d[i] = (unsigned char)(word >> (8 * b));
+            }
+        }
+    }
+}
+
+// Adds into *out, with the calling CUDA block, how many words of the `len` bytes at `s`
+// differ from the pattern of piece `piece` of block `seq`.
+__device__ __forceinline__ void verify_piece(const unsigned char* s, u64 seq, u32 piece, u32 len,
+                                             u32* out) {
+    u64 words = ((u64)len + 7) / 8;
+    bool aligned = (((u64)s | (u64)len) & 7) == 0;
+    u32 bad = 0;
+    for (u64 w = threadIdx.x; w < words; w += blockDim.x) {
+        u64 want = pattern_word(seq, piece, w);
+        u32 tail = (u32)min((u64)8, (u64)len - w * 8);
+        if (tail < 8) want &= (1ULL << (8 * tail)) - 1;
+        bad += load_word(s, len, w, aligned) != want;
+    }
+    for (int offset = 16; offset > 0; offset /= 2) bad += __shfl_down_sync(0xffffffffu, bad, offset);
+    if ((threadIdx.x & 31) == 0 && bad) atomicAdd(out, bad);
+}
+
 // Writes each piece's deterministic pattern (stands in for a prefill's KV writes).
 extern "C" __global__ void fill_pieces(const PatternPiece* pieces, u32 n) {
     for (u32 p = blockIdx.x; p < n; p += gridDim.x) {
         const PatternPiece pc = pieces[p];
-        unsigned char* d = (unsigned char*)pc.addr;
-        u64 words = ((u64)pc.len + 7) / 8;
-        bool aligned = ((pc.addr | (u64)pc.len) & 7) == 0;
-        for (u64 w = threadIdx.x; w < words; w += blockDim.x) {
-            u64 word = pattern_word(pc.seq, pc.piece, w);
-            if (aligned) {
-                ((u64*)d)[w] = word;
-            } else {
-                for (u32 b = 0; b < 8; b++) {
-                    u64 i = w * 8 + b;
-                    if (i < pc.len) d[i] = (unsigned char)(word >> (8 * b));
-                }
-            }
-        }
+        fill_piece((unsigned char*)pc.addr, pc.seq, pc.piece, pc.len);
     }
 }
 
@@ -131,17 +154,35 @@ extern "C" __global__ void checksum_pieces(const PatternPiece* pieces, u32 n, u6
 extern "C" __global__ void verify_pieces(const PatternPiece* pieces, u32 n, u32* out) {
     for (u32 p = blockIdx.x; p < n; p += gridDim.x) {
         const PatternPiece pc = pieces[p];
-        const unsigned char* s = (const unsigned char*)pc.addr;
-        u64 words = ((u64)pc.len + 7) / 8;
-        bool aligned = ((pc.addr | (u64)pc.len) & 7) == 0;
-        u32 bad = 0;
-        for (u64 w = threadIdx.x; w < words; w += blockDim.x) {
-            u64 want = pattern_word(pc.seq, pc.piece, w);
-            u32 tail = (u32)min((u64)8, (u64)pc.len - w * 8);
-            if (tail < 8) want &= (1ULL << (8 * tail)) - 1;
-            bad += load_word(s, pc.len, w, aligned) != want;
-        }
-        for (int offset = 16; offset > 0; offset /= 2) bad += __shfl_down_sync(0xffffffffu, bad, offset);
-        if ((threadIdx.x & 31) == 0 && bad) atomicAdd(&out[pc.block], bad);
+        verify_piece((const unsigned char*)pc.addr, pc.seq, pc.piece, pc.len, &out[pc.block]);
+    }
+}
+
+// G1 slots and the block each holds (the seed of its pattern), passed by value like SlotList:
+// cuda.rs SeqList, 3,080 bytes (the u64 array starts at byte 1,032).
+#define SEQ_MAX_BLOCKS 256
+struct SeqList { u32 n; u32 slots[SEQ_MAX_BLOCKS]; u64 seqs[SEQ_MAX_BLOCKS]; };
+
+// fill_pieces over every piece of G1 slots list.slots[j] with the pattern of list.seqs[j]
+// (plan::g1_blocks' pieces, derived here from the layout as move_blocks derives its own).
+extern "C" __global__ void fill_blocks(u64 g1, u64 g1_blocks, u32 pieces, u32 piece_len,
+                                       const SeqList list) {
+    const u64 total = (u64)list.n * pieces;
+    for (u64 q = blockIdx.x; q < total; q += gridDim.x) {
+        const u32 j = (u32)(q / pieces), p = (u32)(q % pieces);
+        unsigned char* d = (unsigned char*)(g1 + ((u64)p * g1_blocks + list.slots[j]) * piece_len);
+        fill_piece(d, list.seqs[j], p, piece_len);
+    }
+}
+
+// verify_pieces over the same pieces: out[j] gains the mismatching words of slot j.
+extern "C" __global__ void verify_blocks(u64 g1, u64 g1_blocks, u32 pieces, u32 piece_len,
+                                         u32* out, const SeqList list) {
+    const u64 total = (u64)list.n * pieces;
+    for (u64 q = blockIdx.x; q < total; q += gridDim.x) {
+        const u32 j = (u32)(q / pieces), p = (u32)(q % pieces);
+        const unsigned char* s =
+            (const unsigned char*)(g1 + ((u64)p * g1_blocks + list.slots[j]) * piece_len);
+        verify_piece(s, list.seqs[j], p, piece_len, &out[j]);
     }
 }

@@ -195,6 +195,78 @@ fn misaligned_pieces_take_the_byte_path_and_match() {
 
 #[test]
 #[ignore = "needs a CUDA device"]
+fn slot_lists_write_and_verify_the_bytes_of_the_piece_lists() {
+    // The worker's fills and verifications take slots by value (no upload), over lists longer
+    // than one launch's SEQ_MAX_BLOCKS: their bytes must be the reference's over
+    // plan::g1_blocks, and their counts those of the piece-list kernel.
+    let gpu = gpu();
+    let stream = gpu.stream().unwrap();
+    let mut rng = Rng(0x005e_ed0f_5107);
+    for dtype in Dtype::ALL {
+        for _ in 0..3 {
+            let layout = KvLayout {
+                layers: 1 + rng.below(4),
+                kv_heads: 1 + rng.below(4),
+                head_dim: [3, 8, 64][rng.below(3)],
+                block_size: 1 + rng.below(16),
+                dtype,
+            };
+            let g1_blocks = 700;
+            let n = 1 + rng.below(650);
+            let slots = rng.permutation(g1_blocks);
+            let blocks: Vec<(usize, u64)> = slots[..n].iter().map(|&s| (s, rng.next())).collect();
+            let mut host_g1 = vec![0u8; g1_blocks * layout.block_bytes()];
+            reference::fill(&mut host_g1, &plan::g1_blocks(&layout, g1_blocks, &blocks)).unwrap();
+            let mut g1 = gpu.alloc(&stream, host_g1.len()).unwrap();
+            gpu.fill_slots(&stream, &layout, &mut g1, g1_blocks, &blocks)
+                .unwrap();
+            assert_eq!(
+                stream.clone_dtoh(&g1).unwrap(),
+                host_g1,
+                "{n} blocks {layout:?}"
+            );
+
+            let mut wrong = blocks.clone();
+            let flipped: Vec<usize> = (0..4).map(|_| rng.below(n)).collect();
+            for &j in &flipped {
+                wrong[j].1 ^= 1 << rng.below(64);
+            }
+            let mut out = stream.alloc_zeros::<u32>(n).unwrap();
+            gpu.queue_verify_slots(&stream, &layout, &g1, g1_blocks, &wrong, &mut out)
+                .unwrap();
+            let by_slots = stream.clone_dtoh(&out).unwrap();
+            let pieces = plan::g1_blocks(&layout, g1_blocks, &wrong);
+            assert_eq!(by_slots, gpu.verify(&stream, &g1, &pieces, n).unwrap());
+            for (j, &bad) in by_slots.iter().enumerate() {
+                assert_eq!(bad != 0, flipped.contains(&j), "block {j}: {bad}");
+            }
+        }
+    }
+    // A slot outside G1 anywhere in the list queues nothing; a short result buffer is refused.
+    let layout = KvLayout {
+        layers: 2,
+        kv_heads: 1,
+        head_dim: 8,
+        block_size: 4,
+        dtype: Dtype::Fp32,
+    };
+    let mut g1 = gpu.alloc(&stream, 300 * layout.block_bytes()).unwrap();
+    let mut blocks: Vec<(usize, u64)> = (0..300).map(|s| (s, s as u64 + 1)).collect();
+    blocks[299].0 = 300;
+    assert!(
+        gpu.fill_slots(&stream, &layout, &mut g1, 300, &blocks)
+            .is_err()
+    );
+    assert!(stream.clone_dtoh(&g1).unwrap().iter().all(|&b| b == 0));
+    let mut short = stream.alloc_zeros::<u32>(10).unwrap();
+    assert!(
+        gpu.queue_verify_slots(&stream, &layout, &g1, 300, &blocks[..11], &mut short)
+            .is_err()
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
 fn offload_then_onboard_roundtrips_10000_random_blocks() {
     let layout = KvLayout {
         layers: 4,

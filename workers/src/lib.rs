@@ -27,13 +27,12 @@
 //! queued on a copy stream, their completion (and each onboarded block's verification,
 //! a kernel queued behind the copy) is an event query at the time the link model says they
 //! end, re-polled every [`block_manager::DEVICE_POLL_US`] while the device is behind
-//! (`kvroute_worker_copies_late_total`). It may still block briefly in the driver: a fill
-//! (per registered block) and a verification (per onboard) upload their piece descriptors
-//! from pageable memory, which CUDA allows to be synchronous with respect to the host (a
-//! transfer's gathers and scatters take their slots as kernel parameters and upload
-//! nothing), and the first checked onboard larger than any before it page-locks a result
-//! buffer. Queuing a one-block transfer takes about 9 µs of the thread on an H100
-//! (`kvroute-bench kernels`). Opening the device (NVRTC compile, allocations) and
+//! (`kvroute_worker_copies_late_total`). Nothing it queues uploads descriptors: fills,
+//! gathers, scatters and verifications take their slots as kernel parameters. It may still
+//! block briefly in the driver: a launch or a copy queued is a driver call (a one-block fill
+//! takes a median 5 µs of the thread on an H100, p99 17–47 µs; queuing a one-block transfer
+//! about 9–16 µs: `kvroute-bench kernels`), and the first checked onboard larger than any
+//! before it page-locks a result buffer. Opening the device (NVRTC compile, allocations) and
 //! dropping it (synchronising its streams) block, at start and at exit only. With bytes in
 //! host memory (`--device cpu`, byte mode), copies and checks are `memcpy`s and comparisons on the
 //! engine's thread, timed by the link model, not by how long they take.
