@@ -5,15 +5,16 @@
 //! (the device's). The contiguous copies run between G1 and the pinned G2, so they are the
 //! page-locked bandwidth the device reaches with a plain copy: the link's limit. Last, how
 //! long the engine thread spends in a one-block fill (a prefill's KV writes), idle and while
-//! a 2,048-block onboard holds the H2D link: the worker's call (slots by value), next to the
-//! same fill over an uploaded piece list (the path before, kept for tests). Needs a CUDA
+//! a 2,048-block onboard holds the H2D link (the fills queue behind it, as the engine's do):
+//! the worker's call (slots by value), next to the same fill over an uploaded piece list
+//! (the path before, [`GpuKv::fill_by_pieces`]). Needs a CUDA
 //! device; says what is missing otherwise.
 
 use std::time::Instant;
 
 use anyhow::Context;
 use kvroute_kernels::cuda::{GpuError, GpuKv, Transfer};
-use kvroute_kernels::{Dtype, KvLayout, plan};
+use kvroute_kernels::{Dtype, KvLayout};
 use serde::Serialize;
 
 /// Flags of `kvroute-bench kernels`.
@@ -84,7 +85,8 @@ pub struct FillCalls {
     pub slots_idle: Quantiles,
     /// The same, while an onboard holds the H2D link.
     pub slots_busy: Quantiles,
-    /// `Gpu::fill` over the block's uploaded piece list, no transfer in flight.
+    /// [`GpuKv::fill_by_pieces`] (the path before: the block's piece list uploaded), no
+    /// transfer in flight.
     pub pieces_idle: Quantiles,
     /// The same, while an onboard holds the H2D link.
     pub pieces_busy: Quantiles,
@@ -111,18 +113,13 @@ impl Quantiles {
 }
 
 /// Times `per_rep` one-block fills per repetition through both paths, each path alone and
-/// while an onboard of `busy` pairs is in flight.
+/// while an onboard of `busy` pairs is in flight (the engine's stream waits for it).
 fn fill_calls(
     kv: &mut GpuKv,
     reps: usize,
     busy: &[(usize, usize)],
     slots: &[usize],
 ) -> anyhow::Result<FillCalls> {
-    let layout = *kv.layout();
-    // The piece path's own device buffer (a GpuKv's G1 is private), as large as G1.
-    let g1_blocks = 4096;
-    let stream = kv.gpu().stream()?;
-    let mut g1 = kv.gpu().alloc(&stream, g1_blocks * layout.block_bytes())?;
     let per_rep = 64;
     let mut times: [Vec<f64>; 4] = Default::default();
     for rep in 0..reps.max(1) + 1 {
@@ -137,16 +134,14 @@ fn fill_calls(
                 let start = Instant::now();
                 kv.fill(&block)?;
                 times[case].push(start.elapsed().as_secs_f64() * 1e6);
-                let pieces = plan::g1_blocks(&layout, g1_blocks, &block);
                 let start = Instant::now();
-                kv.gpu().fill(&stream, &mut g1, &pieces)?;
+                kv.fill_by_pieces(&block)?;
                 times[case + 2].push(start.elapsed().as_secs_f64() * 1e6);
             }
             if let Some(transfer) = transfer {
                 kv.finish(transfer)?;
             }
             kv.synchronize()?;
-            stream.synchronize()?;
         }
         if rep == 0 {
             // Warm-up: module load and first allocations stay out of the figures.

@@ -6,12 +6,13 @@
 //! What blocks the calling thread: [`GpuKv::is_done`] never does (an event query), and
 //! neither does queuing a transfer or an onboard's verification, whose per-block results come
 //! back into pinned host memory behind the transfer's own event ([`GpuKv::onboard_checked`],
-//! read by [`GpuKv::finish`] once done), nor does [`GpuKv::fill`]: a [`GpuKv`]'s kernels
-//! take their slots by value in the launch's parameters (`move_blocks`, `fill_blocks`,
-//! `verify_blocks`), so its path uploads no descriptors. What may: the operations over a
-//! piece list ([`Gpu::copy`], [`Gpu::fill`], [`Gpu::checksum`], [`Gpu::verify`]: tests and
-//! benchmarks) upload their descriptors from pageable memory, which CUDA documents as
-//! possibly synchronous with respect to the host; a verification whose block count exceeds
+//! read by [`GpuKv::finish`] once done), nor does [`GpuKv::fill`]: the kernels of the
+//! worker's path take their slots by value in the launch's parameters (`move_blocks`,
+//! `fill_blocks`, `verify_blocks`), so fills, transfers and their verifications upload no
+//! descriptors. What may: the operations over a piece list ([`Gpu::copy`], [`Gpu::fill`],
+//! [`Gpu::checksum`], [`Gpu::verify`], and through them [`GpuKv::checksum_g1`] and
+//! [`GpuKv::fill_by_pieces`]: tests and benchmarks) upload their descriptors from pageable
+//! memory, which CUDA documents as possibly synchronous with respect to the host; a verification whose block count exceeds
 //! every pinned result buffer pooled so far allocates a new one (page-locking); [`Transfer::wait`], [`GpuKv::finish`] of a
 //! transfer not yet done, the `*_g1`/`*_g2` checks and [`GpuKv::synchronize`] wait by design
 //! (tests and benchmarks); creating a [`GpuKv`] compiles and allocates, and dropping one
@@ -24,7 +25,8 @@
 //! Safety: the `unsafe` blocks are kernel launches, raw async copies, pinned allocations,
 //! the kernel parameter types' `DeviceRepr` and turning cudarc's event tracking off for a
 //! [`GpuKv`]'s context. Every piece list and slot list is checked against its buffers' sizes
-//! before a launch ([`crate::plan`], `g1_slot`), so kernels only touch memory the
+//! before a launch ([`crate::plan`]; `g1_geometry` and `g1_slot` for G1, and for the packed
+//! buffer of `move_blocks` and the results of `queue_verify_slots` their own checks), so kernels only touch memory the
 //! buffers own, and buffers outlive the work queued on them because [`GpuKv`] owns them,
 //! orders its streams by events and synchronises them before they drop. On a device without
 //! stream-ordered memory pools (`cuMemAllocAsync`), cudarc frees a buffer by synchronising
@@ -511,10 +513,9 @@ impl Gpu {
         g1_blocks: usize,
         blocks: &[(usize, u64)],
     ) -> Result<(), GpuError> {
-        let g1_len = g1.len();
+        let (pieces, piece_len) = g1_geometry(layout, g1.len(), g1_blocks)?;
+        let lists = seq_lists(layout, g1.len(), g1_blocks, blocks)?;
         let (g1_ptr, _g) = g1.device_ptr_mut(stream);
-        let (pieces, piece_len) = g1_geometry(layout, g1_len, g1_blocks)?;
-        let lists = seq_lists(layout, g1_len, g1_blocks, blocks)?;
         let g1_blocks = g1_blocks as u64;
         for list in &lists {
             let mut launch = stream.launch_builder(&self.fill_blocks);
@@ -545,12 +546,12 @@ impl Gpu {
         blocks: &[(usize, u64)],
         out: &mut CudaSlice<u32>,
     ) -> Result<(), GpuError> {
-        let (g1_ptr, _g) = g1.device_ptr(stream);
         let (pieces, piece_len) = g1_geometry(layout, g1.len(), g1_blocks)?;
         if out.len() < blocks.len() {
             return Err(outside(blocks.len(), "out", 4 * out.len(), 4, 4 * out.len()).into());
         }
         let lists = seq_lists(layout, g1.len(), g1_blocks, blocks)?;
+        let (g1_ptr, _g) = g1.device_ptr(stream);
         let (out_ptr, _o) = out.device_ptr_mut(stream);
         let g1_blocks = g1_blocks as u64;
         for (i, list) in lists.iter().enumerate() {
@@ -849,6 +850,14 @@ impl GpuKv {
             self.g1_blocks,
             blocks,
         )
+    }
+
+    /// [`GpuKv::fill`] as it was before slot lists: the blocks' piece list (2 × layers
+    /// descriptors a block) uploaded from pageable memory for `fill_pieces`, on the same
+    /// stream. Kept for `kvroute-bench kernels` to time the two side by side.
+    pub fn fill_by_pieces(&mut self, blocks: &[(usize, u64)]) -> Result<(), GpuError> {
+        let pieces = plan::g1_blocks(&self.layout, self.g1_blocks, blocks);
+        self.gpu.fill(&self.main, &mut self.g1, &pieces)
     }
 
     /// Mismatching words per G1 slot against the pattern of its `seq` (waits).

@@ -2,8 +2,8 @@
 //! NVRTC: `cargo test -p kvroute-kernels --test gpu -- --ignored`.
 #![allow(missing_docs, clippy::unwrap_used)]
 
-use kvroute_kernels::cuda::{Gpu, GpuKv};
-use kvroute_kernels::plan::{self, PatternPiece, Piece};
+use kvroute_kernels::cuda::{Gpu, GpuError, GpuKv};
+use kvroute_kernels::plan::{self, PatternPiece, Piece, PieceError};
 use kvroute_kernels::{Dtype, KvLayout, reference};
 
 /// xorshift64: reproducible "random" without a dependency.
@@ -212,7 +212,8 @@ fn slot_lists_write_and_verify_the_bytes_of_the_piece_lists() {
                 dtype,
             };
             let g1_blocks = 700;
-            let n = 1 + rng.below(650);
+            // Lists of one launch, of exactly one and two, and across a launch's end.
+            let n = [1 + rng.below(650), 256, 512, 257][rng.below(4)];
             let slots = rng.permutation(g1_blocks);
             let blocks: Vec<(usize, u64)> = slots[..n].iter().map(|&s| (s, rng.next())).collect();
             let mut host_g1 = vec![0u8; g1_blocks * layout.block_bytes()];
@@ -253,16 +254,34 @@ fn slot_lists_write_and_verify_the_bytes_of_the_piece_lists() {
     let mut g1 = gpu.alloc(&stream, 300 * layout.block_bytes()).unwrap();
     let mut blocks: Vec<(usize, u64)> = (0..300).map(|s| (s, s as u64 + 1)).collect();
     blocks[299].0 = 300;
+    let err = gpu
+        .fill_slots(&stream, &layout, &mut g1, 300, &blocks)
+        .unwrap_err();
     assert!(
-        gpu.fill_slots(&stream, &layout, &mut g1, 300, &blocks)
-            .is_err()
+        matches!(
+            err,
+            GpuError::Piece(PieceError {
+                index: 299,
+                buffer: "g1",
+                ..
+            })
+        ),
+        "{err}"
     );
     assert!(stream.clone_dtoh(&g1).unwrap().iter().all(|&b| b == 0));
     let mut short = stream.alloc_zeros::<u32>(10).unwrap();
+    let err = gpu
+        .queue_verify_slots(&stream, &layout, &g1, 300, &blocks[..11], &mut short)
+        .unwrap_err();
     assert!(
-        gpu.queue_verify_slots(&stream, &layout, &g1, 300, &blocks[..11], &mut short)
-            .is_err()
+        matches!(err, GpuError::Piece(PieceError { buffer: "out", .. })),
+        "{err}"
     );
+    // Empty lists queue nothing and are no error.
+    gpu.fill_slots(&stream, &layout, &mut g1, 300, &[]).unwrap();
+    gpu.queue_verify_slots(&stream, &layout, &g1, 300, &[], &mut short)
+        .unwrap();
+    assert!(stream.clone_dtoh(&short).unwrap().iter().all(|&b| b == 0));
 }
 
 #[test]

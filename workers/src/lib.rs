@@ -30,8 +30,8 @@
 //! (`kvroute_worker_copies_late_total`). Nothing it queues uploads descriptors: fills,
 //! gathers, scatters and verifications take their slots as kernel parameters. It may still
 //! block briefly in the driver: a launch or a copy queued is a driver call (a one-block fill
-//! takes a median 5 µs of the thread on an H100, p99 17–47 µs; queuing a one-block transfer
-//! about 9–16 µs: `kvroute-bench kernels`), and the first checked onboard larger than any
+//! takes a median 5 µs of the thread on an H100, p99 14–45 µs; queuing a one-block transfer
+//! 9–16 µs over the runs so far: `kvroute-bench kernels`), and the first checked onboard larger than any
 //! before it page-locks a result buffer. Opening the device (NVRTC compile, allocations) and
 //! dropping it (synchronising its streams) block, at start and at exit only. With bytes in
 //! host memory (`--device cpu`, byte mode), copies and checks are `memcpy`s and comparisons on the
