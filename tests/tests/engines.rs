@@ -56,6 +56,19 @@ fn sidecar(e: &Engine, kind: &str, events: bool) -> WorkerSpec {
     }
 }
 
+/// The value of the one series of `name` in Prometheus `text` whose labels include every
+/// one of `labels` (`key="value"`).
+fn series(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(['{', ' ']))
+        })
+        .find(|l| labels.iter().all(|label| l.contains(label)))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
 /// Per (data-parallel rank, tier): (blocks, xor of hashes).
 type Tiers = BTreeMap<(u64, String), (u64, String)>;
 
@@ -331,6 +344,35 @@ async fn fleet_mode_gives_a_late_router_the_whole_cache() {
         .map(|w| w["model"].as_str().unwrap_or(""))
         .collect();
     assert_eq!(models, [MODEL, MODEL], "{listed}");
+    // Each sidecar's own /metrics: in the fleet, its engine healthy, its event stream up and
+    // whole, and as many device blocks announced as the engine holds.
+    for (i, e) in engines.iter().enumerate() {
+        let sidecar = format!("http://127.0.0.1:{}/metrics", fleet.workers[i].port);
+        let text = http.call("GET", &sidecar, "").await.unwrap().body;
+        let value = |name: &str, labels: &[&str]| series(&text, name, labels);
+        assert_eq!(value("kvroute_engine_registered", &[]), Some(1.0), "{text}");
+        assert_eq!(value("kvroute_engine_healthy", &[]), Some(1.0), "{text}");
+        assert_eq!(
+            value("kvroute_engine_events_connected", &[r#"rank="0""#]),
+            Some(1.0)
+        );
+        assert!(
+            value("kvroute_engine_event_batches_total", &[]).unwrap_or(0.0) > 0.0,
+            "{text}"
+        );
+        assert_eq!(
+            value("kvroute_engine_event_gaps_unrepaired_total", &[]),
+            Some(0.0)
+        );
+        let held = cache(&http, e).await.unwrap();
+        let device = held.get(&(0, "Device".to_owned())).map_or(0, |b| b.0);
+        assert!(device > 0);
+        assert_eq!(
+            value("kvroute_engine_blocks", &[r#"tier="device""#]),
+            Some(device as f64),
+            "{text}"
+        );
+    }
     // An engine whose /health fails is withdrawn by its sidecar; back, it registers again
     // (after two healthy checks in a row).
     let count = |v: serde_json::Value| v["workers"].as_array().map_or(0, Vec::len);
@@ -341,6 +383,18 @@ async fn fleet_mode_gives_a_late_router_the_whole_cache() {
         })
         .await;
     assert!(gone, "the dead engine stays registered");
+    let sidecar = format!("http://127.0.0.1:{}/metrics", fleet.workers[0].port);
+    let text = http.call("GET", &sidecar, "").await.unwrap().body;
+    assert_eq!(
+        series(&text, "kvroute_engine_registered", &[]),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(
+        series(&text, "kvroute_engine_healthy", &[]),
+        Some(0.0),
+        "{text}"
+    );
     engines[0].restart().unwrap();
     let back = fleet
         .until(WAIT, || async {
@@ -348,6 +402,16 @@ async fn fleet_mode_gives_a_late_router_the_whole_cache() {
         })
         .await;
     assert!(back, "the engine did not come back");
+    let registered = fleet
+        .until(WAIT, || async {
+            let text = http.call("GET", &sidecar, "").await.map(|r| r.body);
+            text.is_ok_and(|t| series(&t, "kvroute_engine_registered", &[]) == Some(1.0))
+        })
+        .await;
+    assert!(
+        registered,
+        "the sidecar's gauge did not follow the engine back"
+    );
 }
 
 /// The ZMQ and msgpack side against the real libraries: a publisher built the way vLLM's

@@ -24,6 +24,8 @@ use kvroute::protocol::{DpRank, WorkerId};
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch};
 
+mod telemetry;
+
 use crate::plane::{SnapshotRequest, WorkerPlane};
 use crate::publisher::{Announced, Publisher};
 use crate::server::new_epoch;
@@ -134,6 +136,8 @@ pub async fn run(
     let snapshot_task =
         WorkerPlane::serve_snapshots(transport.clone(), &config.cluster, config.id, snap_tx)
             .await?;
+    let telemetry = telemetry::Telemetry::new(config.id);
+    telemetry.registered(false);
     let mut streams: Vec<RankStream> = (0..config.dp_size)
         .map(|r| RankStream::new(Publisher::new(config.id, DpRank(r), epoch)))
         .collect();
@@ -191,7 +195,9 @@ pub async fn run(
             _ = stop.changed() => break,
             Some((rank, update)) = updates.recv() => {
                 let mut changes = update.changes;
-                publish_changes(&mut streams[rank as usize], &mut changes, &plane, registration.is_some(), config.id).await;
+                publish_changes(&mut streams[rank as usize], &mut changes, &plane, registration.is_some(), &telemetry).await;
+                telemetry.ingest(rank, &update.stats);
+                telemetry.resident(rank, &streams[rank as usize].announced);
                 let named = update.stats.engine_rank;
                 if named.is_some_and(|n| n != rank) && ranks[rank as usize].engine_rank != named {
                     // Engines offset the port by the rank they stamp on their batches; a node
@@ -222,7 +228,8 @@ pub async fn run(
                     .get_or_insert_with(|| ApproxCache::new(APPROX_TTL_MS, capacity));
                 cache.set_capacity(capacity);
                 cache.learn(now_ms, &routed.blocks, &mut approx_changes);
-                publish_changes(&mut streams[rank], &mut approx_changes, &plane, registration.is_some(), config.id).await;
+                publish_changes(&mut streams[rank], &mut approx_changes, &plane, registration.is_some(), &telemetry).await;
+                telemetry.resident(rank as u32, &streams[rank].announced);
             }
             _ = expiry.tick(), if learned.is_some() => {
                 let now_ms = clock.elapsed().as_millis() as u64;
@@ -230,7 +237,8 @@ pub async fn run(
                     if let Some(cache) = cache {
                         cache.expire(now_ms, &mut approx_changes);
                         if !approx_changes.is_empty() {
-                            publish_changes(&mut streams[rank], &mut approx_changes, &plane, registration.is_some(), config.id).await;
+                            publish_changes(&mut streams[rank], &mut approx_changes, &plane, registration.is_some(), &telemetry).await;
+                            telemetry.resident(rank as u32, &streams[rank].announced);
                         }
                     }
                 }
@@ -242,6 +250,7 @@ pub async fn run(
             }
             Some(probe) = probes.recv() => {
                 let healthy = probe.healthy;
+                telemetry.health(healthy);
                 failures = if healthy { 0 } else { failures + 1 };
                 successes = if healthy { successes.saturating_add(1) } else { 0 };
                 if healthy {
@@ -303,6 +312,7 @@ pub async fn run(
                     (Some(_), false) if failures >= config.health_failures => {
                         tracing::warn!(worker = %config.id, url = %config.engine_url, "engine unhealthy: registration withdrawn");
                         withdrawn = true;
+                        telemetry.registered(false);
                         if let Some(r) = registration.take() {
                             r.goodbye().await;
                         }
@@ -327,6 +337,7 @@ pub async fn run(
                         let model = info.lock().model.clone();
                         tracing::info!(worker = %config.id, url = %config.engine_url, %model, "engine healthy: registered");
                         registration = Some(r);
+                        telemetry.registered(true);
                     }
                     Ok(Err(e)) => tracing::warn!(worker = %config.id, error = %e, "cannot register the engine"),
                     Err(e) => tracing::warn!(worker = %config.id, error = %e, "registering the engine failed"),
@@ -338,6 +349,7 @@ pub async fn run(
         // SIGTERM while registering: an entry it may have written lapses with its lease.
         r.abort();
     }
+    telemetry.registered(false);
     if let Some(r) = registration.take() {
         r.goodbye().await;
     }
@@ -523,14 +535,15 @@ async fn publish_changes(
     changes: &mut Vec<kvroute::protocol::BlockChange>,
     plane: &WorkerPlane,
     registered: bool,
-    id: WorkerId,
+    telemetry: &telemetry::Telemetry,
 ) {
     stream.record(changes);
     changes.clear();
     if let Some(batch) = stream.publisher.flush(unix_us()) {
         if registered {
             if let Err(e) = plane.publish(&batch).await {
-                tracing::warn!(worker = %id, error = %e, "publishing failed; the router will resync");
+                telemetry.publish_failed();
+                tracing::warn!(worker = %telemetry.worker(), error = %e, "publishing failed; the router will resync");
                 // Announced in the heartbeat all the same: the router sees the gap.
                 plane.note_sent(&batch);
             }

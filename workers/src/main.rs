@@ -42,7 +42,8 @@ struct Args {
     /// servers).
     #[arg(long, env = "KVROUTE_REGISTRY_REPLICAS", default_value_t = 3)]
     registry_replicas: usize,
-    /// HTTP port (0: any free port).
+    /// HTTP port (0: any free port). A sidecar (`--engine`) serves its own `/metrics` and
+    /// `/health` there; the engine's API stays on its own port.
     #[arg(long, env = "KVROUTE_PORT", default_value_t = 9000)]
     port: u16,
     /// Address to listen on.
@@ -294,7 +295,7 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
         _ => WorkerId(new_epoch() & 0xffff_ffff_ffff),
     };
     if let Some(kind) = args.engine {
-        return sidecar(&args, kind, id, lease, signals).await;
+        return sidecar(&args, kind, id, lease, http, signals).await;
     }
     let emulate = match args.emulate {
         Some(flavor) => Some(std::sync::Arc::new(
@@ -461,6 +462,7 @@ async fn sidecar(
     kind: kvroute_worker::bridge::EngineKind,
     id: WorkerId,
     lease: LeaseConfig,
+    http: HttpConfig,
     signals: &tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     use kvroute_worker::bridge::{BridgeConfig, EngineKind};
@@ -503,6 +505,22 @@ async fn sidecar(
         limits: Default::default(),
         engine_api_key: args.engine_api_key.clone(),
     };
+    // Its own series and those of the bridge, on --host:--port (bound before NATS, so a
+    // port taken fails the start at once).
+    let listen = SocketAddr::new(args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| {
+            format!("binding the sidecar's /metrics and /health to {listen} (--host, --port)")
+        })?;
+    let listening = listener.local_addr()?;
+    let (http_stop, http_stop_rx) = tokio::sync::watch::channel(false);
+    let server = tokio::spawn(kvroute::http::serve_http(
+        listener,
+        http,
+        sidecar_http(kvroute::process::install_metrics()),
+        http_stop_rx,
+    ));
     let Some((transport, registry)) =
         connect_nats(args, "kvroute-sidecar", &lease, signals).await?
     else {
@@ -510,7 +528,7 @@ async fn sidecar(
     };
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
     println!(
-        "kvroute-worker {id}: sidecar of {kind:?} engine at {}",
+        "kvroute-worker {id}: sidecar of {kind:?} engine at {}, metrics on http://{listening}/metrics",
         config.engine_url
     );
     // An engine without KV events: its cache is guessed from the prompts routers send it.
@@ -529,12 +547,54 @@ async fn sidecar(
     let mut bridge = tokio::spawn(kvroute_worker::bridge::run(
         config, transport, registry, stop_rx, learned,
     ));
-    tokio::select! {
+    let outcome = tokio::select! {
         () = kvroute::process::signalled(signals) => {
             let _ = stop.send(true);
-            bridge.await??;
-            Ok(())
+            bridge.await
         }
-        outcome = &mut bridge => outcome?,
+        outcome = &mut bridge => outcome,
+    };
+    let _ = http_stop.send(true);
+    // A scrape in flight finishes; a client that holds its connection open is not waited for.
+    let _ = tokio::time::timeout(Duration::from_secs(1), server).await;
+    outcome?
+}
+
+/// The sidecar's HTTP: `GET /metrics` (its series and its bridge's) and `GET /health` (200
+/// while the process serves: the engine's health is `kvroute_engine_healthy`).
+fn sidecar_http(
+    metrics: Option<kvroute::process::Metrics>,
+) -> impl Fn(
+    hyper::Request<hyper::body::Incoming>,
+) -> std::future::Ready<hyper::Response<kvroute::http::Body>>
++ Clone
++ Send
++ Sync
++ 'static {
+    move |req| {
+        let (status, kind, body) = match (req.method(), req.uri().path()) {
+            (&hyper::Method::GET, "/metrics") => (
+                hyper::StatusCode::OK,
+                "text/plain; version=0.0.4",
+                metrics.as_ref().map(|m| m.render()).unwrap_or_default(),
+            ),
+            (&hyper::Method::GET, "/health") => (
+                hyper::StatusCode::OK,
+                "application/json",
+                r#"{"status":"ok"}"#.to_owned(),
+            ),
+            _ => (
+                hyper::StatusCode::NOT_FOUND,
+                "application/json",
+                r#"{"error":{"message":"a sidecar serves GET /metrics and GET /health","type":"invalid_request_error"}}"#.to_owned(),
+            ),
+        };
+        let mut response = hyper::Response::new(kvroute::http::full(body));
+        *response.status_mut() = status;
+        response.headers_mut().insert(
+            hyper::header::CONTENT_TYPE,
+            hyper::header::HeaderValue::from_static(kind),
+        );
+        std::future::ready(response)
     }
 }

@@ -39,6 +39,8 @@ struct Announcement {
 #[derive(Clone, Debug, Default)]
 pub struct Announced {
     blocks: FxHashMap<(Tier, SeqHash), Announcement>,
+    /// Announced blocks per tier (`Tier as usize`).
+    resident: [u64; 4],
     unannounced_removals: u64,
 }
 
@@ -62,6 +64,7 @@ impl Announced {
                         });
                     entry.refs += 1;
                     if entry.refs == 1 {
+                        self.resident[tier as usize] += 1;
                         out.push(change.clone());
                     }
                 }
@@ -69,6 +72,7 @@ impl Announced {
                     Some(entry) if entry.refs > 1 => entry.refs -= 1,
                     Some(_) => {
                         self.blocks.remove(&(tier, seq));
+                        self.resident[tier as usize] -= 1;
                         out.push(change.clone());
                     }
                     None => self.unannounced_removals += 1,
@@ -89,6 +93,11 @@ impl Announced {
                 },
             )
         })
+    }
+
+    /// How many blocks of `tier` are announced.
+    pub fn resident(&self, tier: Tier) -> u64 {
+        self.resident[tier as usize]
     }
 
     /// Removals of blocks never announced (dropped).

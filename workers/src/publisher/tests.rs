@@ -67,9 +67,11 @@ fn announced_keeps_only_what_alters_the_set() {
     a.filter(&[removed(Tier::Device, 1)], &mut out);
     assert!(out.is_empty());
     assert_eq!(a.blocks().count(), 1);
+    assert_eq!(a.resident(Tier::Device), 1);
     a.filter(&[removed(Tier::Device, 1)], &mut out);
     assert_eq!(out, vec![removed(Tier::Device, 1)]);
     assert_eq!(a.blocks().count(), 0);
+    assert_eq!(a.resident(Tier::Device), 0);
     // The same hash in another tier is another block.
     out.clear();
     a.filter(
@@ -77,6 +79,13 @@ fn announced_keeps_only_what_alters_the_set() {
         &mut out,
     );
     assert_eq!(out.len(), 2);
+    assert_eq!(
+        Tier::ALL.map(|t| a.resident(t)),
+        [1, 1, 0, 0],
+        "the count per tier is the announced set's"
+    );
+    a.filter(&[removed(Tier::Host, 2), removed(Tier::Disk, 2)], &mut out);
+    assert_eq!(Tier::ALL.map(|t| a.resident(t)), [1, 0, 0, 0]);
 }
 
 #[test]
