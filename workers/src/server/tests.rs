@@ -286,15 +286,29 @@ async fn a_client_too_slow_for_its_stream_is_cut_off_with_an_error() {
         body_text.len()
     );
     s.write_all(req.as_bytes()).await.unwrap();
-    // Read nothing until the worker has taken the request, then given up on it.
-    let started = async {
-        while w.active() == 0 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+    // Read no more than the answer's head (the request was taken: the stream has begun)
+    // until the worker has given up on it. Watching `active()` rise instead was a race: at
+    // this speed-up a fast machine starts and cuts off the stream between two looks.
+    let mut head = Vec::new();
+    let taken = async {
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            assert_eq!(
+                s.read(&mut byte).await.unwrap(),
+                1,
+                "closed before its head"
+            );
+            head.push(byte[0]);
         }
     };
-    tokio::time::timeout(Duration::from_secs(60), started)
+    tokio::time::timeout(Duration::from_secs(60), taken)
         .await
-        .expect("the worker never took the request");
+        .expect("the worker never answered");
+    assert!(
+        head.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&head)
+    );
     let gave_up = async {
         while w.active() > 0 {
             tokio::time::sleep(Duration::from_millis(20)).await;
