@@ -305,10 +305,42 @@ async fn direct_mode_mirrors_each_engine_exactly_and_forgets_a_restarted_one() {
         false,
     )
     .await;
+    // In direct mode the bridges' series are the router's: per backend, the engine healthy and
+    // registered, its stream up.
+    let metrics = format!("{url}/metrics");
+    let ones = |text: &str, name: &str| {
+        text.lines()
+            .filter(|l| l.starts_with(&format!("{name}{{")) && l.ends_with(" 1"))
+            .count()
+    };
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let text = http.call("GET", &metrics, "").await.unwrap().body;
+        let per_backend = [
+            "kvroute_engine_healthy",
+            "kvroute_engine_registered",
+            "kvroute_engine_events_connected",
+        ]
+        .map(|name| ones(&text, name));
+        if per_backend == [2, 2, 2] {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "healthy, registered, connected: {per_backend:?}\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     // The vLLM engine restarts (seq from 0, an empty cache): what the router held of it goes.
     vllm.restart().unwrap();
     conversations(&http, &url, 2, 2).await;
     wait_exact(&http, std::slice::from_ref(&admin), &[&vllm, &sglang], true).await;
+    let text = http.call("GET", &metrics, "").await.unwrap().body;
+    assert_eq!(
+        ones(&text, "kvroute_engine_restarts_total"),
+        1,
+        "one engine restarted once: {text}"
+    );
 }
 
 /// Fleet mode: a sidecar beside each engine publishes over NATS; a router started after the
@@ -345,33 +377,31 @@ async fn fleet_mode_gives_a_late_router_the_whole_cache() {
         .collect();
     assert_eq!(models, [MODEL, MODEL], "{listed}");
     // Each sidecar's own /metrics: in the fleet, its engine healthy, its event stream up and
-    // whole, and as many device blocks announced as the engine holds.
+    // whole, and as many device blocks announced as the engine holds (read until they agree:
+    // the gauges follow the events, which may still be on their way).
     for (i, e) in engines.iter().enumerate() {
         let sidecar = format!("http://127.0.0.1:{}/metrics", fleet.workers[i].port);
-        let text = http.call("GET", &sidecar, "").await.unwrap().body;
-        let value = |name: &str, labels: &[&str]| series(&text, name, labels);
-        assert_eq!(value("kvroute_engine_registered", &[]), Some(1.0), "{text}");
-        assert_eq!(value("kvroute_engine_healthy", &[]), Some(1.0), "{text}");
-        assert_eq!(
-            value("kvroute_engine_events_connected", &[r#"rank="0""#]),
-            Some(1.0)
-        );
-        assert!(
-            value("kvroute_engine_event_batches_total", &[]).unwrap_or(0.0) > 0.0,
-            "{text}"
-        );
-        assert_eq!(
-            value("kvroute_engine_event_gaps_unrepaired_total", &[]),
-            Some(0.0)
-        );
-        let held = cache(&http, e).await.unwrap();
-        let device = held.get(&(0, "Device".to_owned())).map_or(0, |b| b.0);
-        assert!(device > 0);
-        assert_eq!(
-            value("kvroute_engine_blocks", &[r#"tier="device""#]),
-            Some(device as f64),
-            "{text}"
-        );
+        let last = std::cell::RefCell::new(String::new());
+        let agreed = fleet
+            .until(WAIT, || async {
+                let Ok(reply) = http.call("GET", &sidecar, "").await else {
+                    return false;
+                };
+                let held = cache(&http, e).await.unwrap_or_default();
+                let device = held.get(&(0, "Device".to_owned())).map_or(0, |b| b.0);
+                let value = |name: &str, labels: &[&str]| series(&reply.body, name, labels);
+                let whole = value("kvroute_engine_registered", &[]) == Some(1.0)
+                    && value("kvroute_engine_healthy", &[]) == Some(1.0)
+                    && value("kvroute_engine_events_connected", &[r#"rank="0""#]) == Some(1.0)
+                    && value("kvroute_engine_event_batches_total", &[]).unwrap_or(0.0) > 0.0
+                    && value("kvroute_engine_event_gaps_unrepaired_total", &[]) == Some(0.0)
+                    && device > 0
+                    && value("kvroute_engine_blocks", &[r#"tier="device""#]) == Some(device as f64);
+                *last.borrow_mut() = format!("engine device blocks {device}\n{}", reply.body);
+                whole
+            })
+            .await;
+        assert!(agreed, "sidecar {i}: {}", last.borrow());
     }
     // An engine whose /health fails is withdrawn by its sidecar; back, it registers again
     // (after two healthy checks in a row).

@@ -136,8 +136,8 @@ pub async fn run(
     let snapshot_task =
         WorkerPlane::serve_snapshots(transport.clone(), &config.cluster, config.id, snap_tx)
             .await?;
-    let telemetry = telemetry::Telemetry::new(config.id);
-    telemetry.registered(false);
+    let mut telemetry =
+        telemetry::Telemetry::new(config.id, config.dp_size, config.events.is_some());
     let mut streams: Vec<RankStream> = (0..config.dp_size)
         .map(|r| RankStream::new(Publisher::new(config.id, DpRank(r), epoch)))
         .collect();
@@ -195,9 +195,8 @@ pub async fn run(
             _ = stop.changed() => break,
             Some((rank, update)) = updates.recv() => {
                 let mut changes = update.changes;
-                publish_changes(&mut streams[rank as usize], &mut changes, &plane, registration.is_some(), &telemetry).await;
                 telemetry.ingest(rank, &update.stats);
-                telemetry.resident(rank, &streams[rank as usize].announced);
+                publish_changes(&mut streams[rank as usize], rank, &mut changes, &plane, registration.is_some(), &mut telemetry).await;
                 let named = update.stats.engine_rank;
                 if named.is_some_and(|n| n != rank) && ranks[rank as usize].engine_rank != named {
                     // Engines offset the port by the rank they stamp on their batches; a node
@@ -228,8 +227,7 @@ pub async fn run(
                     .get_or_insert_with(|| ApproxCache::new(APPROX_TTL_MS, capacity));
                 cache.set_capacity(capacity);
                 cache.learn(now_ms, &routed.blocks, &mut approx_changes);
-                publish_changes(&mut streams[rank], &mut approx_changes, &plane, registration.is_some(), &telemetry).await;
-                telemetry.resident(rank as u32, &streams[rank].announced);
+                publish_changes(&mut streams[rank], rank as u32, &mut approx_changes, &plane, registration.is_some(), &mut telemetry).await;
             }
             _ = expiry.tick(), if learned.is_some() => {
                 let now_ms = clock.elapsed().as_millis() as u64;
@@ -237,8 +235,7 @@ pub async fn run(
                     if let Some(cache) = cache {
                         cache.expire(now_ms, &mut approx_changes);
                         if !approx_changes.is_empty() {
-                            publish_changes(&mut streams[rank], &mut approx_changes, &plane, registration.is_some(), &telemetry).await;
-                            telemetry.resident(rank as u32, &streams[rank].announced);
+                            publish_changes(&mut streams[rank], rank as u32, &mut approx_changes, &plane, registration.is_some(), &mut telemetry).await;
                         }
                     }
                 }
@@ -251,6 +248,9 @@ pub async fn run(
             Some(probe) = probes.recv() => {
                 let healthy = probe.healthy;
                 telemetry.health(healthy);
+                // Every check, so that a router that dropped the series (a withdrawn worker's,
+                // in direct mode) has it again.
+                telemetry.registered(registration.is_some());
                 failures = if healthy { 0 } else { failures + 1 };
                 successes = if healthy { successes.saturating_add(1) } else { 0 };
                 if healthy {
@@ -338,6 +338,7 @@ pub async fn run(
                         tracing::info!(worker = %config.id, url = %config.engine_url, %model, "engine healthy: registered");
                         registration = Some(r);
                         telemetry.registered(true);
+                        telemetry.rewrite();
                     }
                     Ok(Err(e)) => tracing::warn!(worker = %config.id, error = %e, "cannot register the engine"),
                     Err(e) => tracing::warn!(worker = %config.id, error = %e, "registering the engine failed"),
@@ -532,13 +533,16 @@ impl RankStream {
 /// carries it. A failed publish shows the router a gap, and it asks for a snapshot.
 async fn publish_changes(
     stream: &mut RankStream,
+    rank: u32,
     changes: &mut Vec<kvroute::protocol::BlockChange>,
     plane: &WorkerPlane,
     registered: bool,
-    telemetry: &telemetry::Telemetry,
+    telemetry: &mut telemetry::Telemetry,
 ) {
     stream.record(changes);
     changes.clear();
+    // Before the batch leaves: whoever sees it in a router finds the gauge there already.
+    telemetry.resident(rank, &stream.announced);
     if let Some(batch) = stream.publisher.flush(unix_us()) {
         if registered {
             if let Err(e) = plane.publish(&batch).await {

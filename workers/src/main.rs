@@ -285,9 +285,9 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
     };
     let id = match (args.id, host_name()) {
         (Some(id), _) => WorkerId(id),
-        // A sidecar serves no port of its own (--port keeps its default): its engine's URL
-        // tells it apart from the other sidecars of its host, which would otherwise all
-        // register as one worker and take turns replacing each other.
+        // A sidecar is named after its engine's URL, which tells it apart from the other
+        // sidecars of its host (each also needs a --port of its own, for its /metrics) and
+        // stays the same across its restarts.
         (None, Some(host)) if args.engine.is_some() => {
             stable_id_of(&host, args.engine_url.as_deref().unwrap_or_default())
         }

@@ -40,7 +40,7 @@ struct Announcement {
 pub struct Announced {
     blocks: FxHashMap<(Tier, SeqHash), Announcement>,
     /// Announced blocks per tier (`Tier as usize`).
-    resident: [u64; 4],
+    resident: [u64; Tier::ALL.len()],
     unannounced_removals: u64,
 }
 

@@ -5,7 +5,11 @@
 //! the rest of its per-worker ones.
 //!
 //! The stream counters mirror [`IngestStats`], which counts from the bridge's start: they are
-//! set to its totals (`absolute`), never incremented twice for one event.
+//! set to its totals (`absolute`), never incremented twice for one event. A figure is written
+//! when it changes (an engine's batch usually moves two or three of them, and each write looks
+//! its series up), and all of them again when the engine registers ([`Telemetry::rewrite`]):
+//! in direct mode a router drops a withdrawn worker's series after a while, and a registered
+//! worker's reappear whole.
 
 use kvroute::engines::ingest::IngestStats;
 use kvroute::protocol::{Tier, WorkerId};
@@ -13,16 +17,39 @@ use metrics::{counter, gauge};
 
 use crate::publisher::Announced;
 
+/// A series (or a reason) and how to read its total from the stream's counters.
+type Figure = (&'static str, fn(&IngestStats) -> u64);
+
+/// What was last written of one rank's stream (`None`: nothing yet, or forgotten).
+#[derive(Default)]
+struct Written {
+    stats: Option<IngestStats>,
+    resident: Option<[u64; Tier::ALL.len()]>,
+}
+
 /// The series of one bridged engine.
 pub(super) struct Telemetry {
     worker: String,
+    ranks: Vec<Written>,
 }
 
 impl Telemetry {
-    pub(super) fn new(id: WorkerId) -> Self {
-        Telemetry {
+    /// The series of worker `id`'s `ranks` ranks. With `events`, each rank's stream series
+    /// exist from the start (disconnected, all zero), so a sidecar that never reaches its
+    /// engine's event socket shows it.
+    pub(super) fn new(id: WorkerId, ranks: u32, events: bool) -> Self {
+        let mut t = Telemetry {
             worker: id.to_string(),
+            ranks: (0..ranks).map(|_| Written::default()).collect(),
+        };
+        t.registered(false);
+        t.health(false);
+        if events {
+            for rank in 0..ranks {
+                t.ingest(rank, &IngestStats::default());
+            }
         }
+        t
     }
 
     /// The worker label.
@@ -42,56 +69,100 @@ impl Telemetry {
             .set(f64::from(u8::from(registered)));
     }
 
-    /// A publish NATS did not take: routers see the gap and resync.
+    /// Writes every stream series again, as last known.
+    pub(super) fn rewrite(&mut self) {
+        for rank in 0..self.ranks.len() {
+            let written = std::mem::take(&mut self.ranks[rank]);
+            if let Some(stats) = written.stats {
+                self.ingest(rank as u32, &stats);
+            }
+            if let Some(resident) = written.resident {
+                self.write_resident(rank as u32, resident);
+            }
+        }
+    }
+
+    /// A batch the event plane did not take: routers see the gap and resync.
     pub(super) fn publish_failed(&self) {
         counter!("kvroute_engine_publish_failures_total", "worker" => self.worker.clone())
             .increment(1);
     }
 
     /// Rank `rank`'s event stream as its ingest counts it.
-    pub(super) fn ingest(&self, rank: u32, s: &IngestStats) {
-        let (worker, rank) = (self.worker.clone(), rank.to_string());
-        gauge!("kvroute_engine_events_connected", "worker" => worker.clone(), "rank" => rank.clone())
-            .set(f64::from(u8::from(s.connected)));
-        let m = &s.mirror;
-        for (name, total) in [
-            ("kvroute_engine_event_batches_total", m.batches),
-            ("kvroute_engine_event_gaps_total", s.gaps),
-            ("kvroute_engine_event_batches_replayed_total", s.replayed),
-            ("kvroute_engine_event_gaps_unrepaired_total", s.unrepaired),
-            ("kvroute_engine_restarts_total", s.restarts),
-            ("kvroute_engine_event_decode_errors_total", s.decode_errors),
-            ("kvroute_engine_blocks_stored_total", m.stored),
-            ("kvroute_engine_blocks_removed_total", m.removed),
-        ] {
-            counter!(name, "worker" => worker.clone(), "rank" => rank.clone()).absolute(total);
+    pub(super) fn ingest(&mut self, rank: u32, s: &IngestStats) {
+        let Some(written) = self.ranks.get_mut(rank as usize) else {
+            return;
+        };
+        let before = written.stats.replace(*s);
+        let (worker, label) = (&self.worker, rank.to_string());
+        let changed = |f: fn(&IngestStats) -> u64| before.as_ref().is_none_or(|b| f(b) != f(s));
+        if before.as_ref().is_none_or(|b| b.connected != s.connected) {
+            gauge!("kvroute_engine_events_connected", "worker" => worker.clone(), "rank" => label.clone())
+                .set(f64::from(u8::from(s.connected)));
         }
-        for (reason, total) in [
-            ("block_size", m.block_size_mismatch),
-            ("malformed", m.malformed),
-            ("orphan", m.orphans),
-            ("unresolved", m.unresolved),
-            ("other_group", m.other_groups),
-            ("unnamed_lora", m.unnamed_lora),
-        ] {
-            counter!("kvroute_engine_blocks_not_indexed_total", "worker" => worker.clone(), "rank" => rank.clone(), "reason" => reason)
-                .absolute(total);
+        let totals: [Figure; 8] = [
+            ("kvroute_engine_event_batches_total", |s| s.mirror.batches),
+            ("kvroute_engine_event_gaps_total", |s| s.gaps),
+            ("kvroute_engine_event_batches_replayed_total", |s| {
+                s.replayed
+            }),
+            ("kvroute_engine_event_gaps_unrepaired_total", |s| {
+                s.unrepaired
+            }),
+            ("kvroute_engine_restarts_total", |s| s.restarts),
+            ("kvroute_engine_event_decode_errors_total", |s| {
+                s.decode_errors
+            }),
+            ("kvroute_engine_blocks_stored_total", |s| s.mirror.stored),
+            ("kvroute_engine_blocks_removed_total", |s| s.mirror.removed),
+        ];
+        for (name, total) in totals {
+            if changed(total) {
+                counter!(name, "worker" => worker.clone(), "rank" => label.clone())
+                    .absolute(total(s));
+            }
         }
-        for (reason, total) in [
-            ("unknown_kind", m.unknown_events),
-            ("malformed", m.malformed_events),
-        ] {
-            counter!("kvroute_engine_events_skipped_total", "worker" => worker.clone(), "rank" => rank.clone(), "reason" => reason)
-                .absolute(total);
+        let not_indexed: [Figure; 6] = [
+            ("block_size", |s| s.mirror.block_size_mismatch),
+            ("malformed", |s| s.mirror.malformed),
+            ("orphan", |s| s.mirror.orphans),
+            ("unresolved", |s| s.mirror.unresolved),
+            ("other_group", |s| s.mirror.other_groups),
+            ("unnamed_lora", |s| s.mirror.unnamed_lora),
+        ];
+        for (reason, total) in not_indexed {
+            if changed(total) {
+                counter!("kvroute_engine_blocks_not_indexed_total", "worker" => worker.clone(), "rank" => label.clone(), "reason" => reason)
+                    .absolute(total(s));
+            }
+        }
+        let skipped: [Figure; 2] = [
+            ("unknown_kind", |s| s.mirror.unknown_events),
+            ("malformed", |s| s.mirror.malformed_events),
+        ];
+        for (reason, total) in skipped {
+            if changed(total) {
+                counter!("kvroute_engine_events_skipped_total", "worker" => worker.clone(), "rank" => label.clone(), "reason" => reason)
+                    .absolute(total(s));
+            }
         }
     }
 
     /// `kvroute_engine_blocks`: the blocks rank `rank` announces per tier (what routers index).
-    pub(super) fn resident(&self, rank: u32, announced: &Announced) {
-        let rank = rank.to_string();
-        for tier in Tier::ALL {
-            gauge!("kvroute_engine_blocks", "worker" => self.worker.clone(), "rank" => rank.clone(), "tier" => tier.to_string())
-                .set(announced.resident(tier) as f64);
+    pub(super) fn resident(&mut self, rank: u32, announced: &Announced) {
+        self.write_resident(rank, Tier::ALL.map(|t| announced.resident(t)));
+    }
+
+    fn write_resident(&mut self, rank: u32, now: [u64; Tier::ALL.len()]) {
+        let Some(written) = self.ranks.get_mut(rank as usize) else {
+            return;
+        };
+        let before = written.resident.replace(now);
+        for (i, tier) in Tier::ALL.into_iter().enumerate() {
+            if before.is_none_or(|b| b[i] != now[i]) {
+                gauge!("kvroute_engine_blocks", "worker" => self.worker.clone(), "rank" => rank.to_string(), "tier" => tier.to_string())
+                    .set(now[i] as f64);
+            }
         }
     }
 }
