@@ -159,6 +159,8 @@ struct Inner {
     offload_min_hits: u32,
     offload_parents: bool,
     bytes: Option<KvBytes>,
+    /// Scratch: the (slot, hash) pairs a registration fills, in one call.
+    fills: Vec<(usize, SeqHash)>,
     stats: CacheStats,
 }
 
@@ -237,6 +239,7 @@ impl BlockManager {
                 offload_min_hits: config.offload_min_hits,
                 offload_parents: config.offload_parents,
                 bytes,
+                fills: Vec::new(),
                 stats: CacheStats::default(),
             })),
         }
@@ -375,7 +378,9 @@ impl BlockManager {
     /// back to the pool, so that the blocks after it hang off a block the lease holds (a
     /// private copy would leave the registered one unheld, counted as evictable while
     /// this lease's blocks extend it). One lock for the run: a step registers a sequence's
-    /// new blocks together.
+    /// new blocks together, and their bytes are written in one call (on a GPU, a launch per
+    /// 256 blocks instead of one per block). A shared block's own slot is not written: it
+    /// went back to the pool.
     pub fn register(
         &self,
         lease: &mut Lease,
@@ -384,23 +389,28 @@ impl BlockManager {
     ) {
         let mut inner = self.inner.lock();
         let inner = &mut *inner;
+        inner.fills.clear();
         for (index, (parent, block)) in (first..).zip(blocks) {
             let id = lease.blocks[index];
             // The block before it in the lease holds its parent.
             let near = index.checked_sub(1).map(|i| lease.blocks[i]);
             inner.tick += 1;
-            if let Some(bytes) = &mut inner.bytes
-                && let Err(e) = bytes.fill(id.index(), block.seq)
-            {
-                // Its bytes will not verify when it comes back from G2.
-                tracing::error!(error = %e, "block bytes not written");
-            }
-            if !inner
+            if inner
                 .g1
                 .register(id, parent, near, block, inner.tick, &mut inner.changes)
             {
+                inner.fills.push((id.index(), block.seq));
+            } else {
                 inner.share(&mut lease.blocks[index]);
             }
+        }
+        // Before the lock goes: an offload of these blocks is queued after their bytes.
+        if let Some(bytes) = &mut inner.bytes
+            && !inner.fills.is_empty()
+            && let Err(e) = bytes.fill(&inner.fills)
+        {
+            // Their bytes will not verify when they come back from G2.
+            tracing::error!(error = %e, blocks = inner.fills.len(), "block bytes not written");
         }
     }
 

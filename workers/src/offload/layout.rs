@@ -155,14 +155,20 @@ impl KvBytes {
         }
     }
 
-    /// Writes the pattern of `seq` into G1 slot `slot`.
-    pub fn fill(&mut self, slot: usize, seq: SeqHash) -> Result<(), DeviceError> {
+    /// Writes into each G1 slot the pattern of its block's hash.
+    pub fn fill(&mut self, blocks: &[(usize, SeqHash)]) -> Result<(), DeviceError> {
         match self {
             KvBytes::Host(store) => {
-                store.fill(slot, seq);
+                for &(slot, seq) in blocks {
+                    store.fill(slot, seq);
+                }
                 Ok(())
             }
-            KvBytes::Cuda { kv, .. } => kv.fill(&[(slot, seq.0)]).map_err(device("fill")),
+            KvBytes::Cuda { kv, .. } => {
+                let blocks: Vec<(usize, u64)> =
+                    blocks.iter().map(|&(slot, seq)| (slot, seq.0)).collect();
+                kv.fill(&blocks).map_err(device("fill"))
+            }
         }
     }
 
