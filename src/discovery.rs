@@ -391,6 +391,8 @@ impl Registry {
                     reason: e.to_string(),
                 }),
             Registry::Local(local) => {
+                #[cfg(test)]
+                local.held.until_released().await;
                 local.put(info.clone());
                 Ok(())
             }
@@ -411,6 +413,8 @@ impl Registry {
                     })
             }
             Registry::Local(local) => {
+                #[cfg(test)]
+                local.held.until_released().await;
                 local.delete(id);
                 Ok(())
             }
@@ -943,6 +947,9 @@ async fn watch_local(local: LocalRegistry, tx: mpsc::Sender<RegistryEvent>) {
 pub struct LocalRegistry {
     workers: Arc<Mutex<HashMap<WorkerId, WorkerInfo>>>,
     changes: broadcast::Sender<RegistryEvent>,
+    /// A fault for tests: writes wait while it is held (a registry that takes none).
+    #[cfg(test)]
+    pub(crate) held: crate::events::transport::Hold,
 }
 
 impl Default for LocalRegistry {
@@ -950,6 +957,8 @@ impl Default for LocalRegistry {
         LocalRegistry {
             workers: Arc::default(),
             changes: broadcast::channel(4096).0,
+            #[cfg(test)]
+            held: Default::default(),
         }
     }
 }
@@ -1146,6 +1155,26 @@ mod tests {
             engine_rank_kv_usage: Vec::new(),
             learns_routes: false,
         }
+    }
+
+    /// A goodbye to a registry that takes no writes (NATS out of reach) gives up after the
+    /// lease's TTL, leaving the entry to lapse, instead of holding the worker's shutdown
+    /// (paused clock).
+    #[tokio::test(start_paused = true)]
+    async fn a_goodbye_the_registry_never_takes_gives_up_after_the_ttl() {
+        let local = LocalRegistry::default();
+        let registry = Registry::Local(local.clone());
+        let lease = LeaseConfig::default();
+        let info = Arc::new(Mutex::new(test_info()));
+        let registration = Registration::start(registry, info, &lease).await.unwrap();
+        local.held.set(true);
+        let ttl = Duration::from_millis(lease.ttl_ms);
+        let said = tokio::time::timeout(ttl + Duration::from_secs(1), registration.goodbye()).await;
+        assert!(said.is_ok(), "the goodbye held the shutdown past the lease");
+        assert!(
+            local.workers.lock().contains_key(&WorkerId(1)),
+            "the held delete landed"
+        );
     }
 
     #[test]

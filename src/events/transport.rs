@@ -264,6 +264,8 @@ impl Transport {
                 })
             }
             Transport::Local(bus) => {
+                #[cfg(test)]
+                bus.held.until_released().await;
                 bus.publish(Message {
                     subject: subject.to_owned(),
                     reply: reply.map(str::to_owned),
@@ -402,6 +404,41 @@ const LOCAL_QUEUE: usize = SUBSCRIPTION_QUEUE;
 #[derive(Clone, Debug, Default)]
 pub struct LocalBus {
     inner: Arc<Mutex<LocalInner>>,
+    /// A fault for tests: publishes wait while it is held (a server that takes nothing).
+    #[cfg(test)]
+    pub(crate) held: Hold,
+}
+
+/// A fault for tests: while held, [`Hold::until_released`] waits (a server that takes no
+/// writes); releasing wakes every waiter.
+#[cfg(test)]
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Hold(Arc<Mutex<Option<Arc<tokio::sync::Notify>>>>);
+
+#[cfg(test)]
+impl Hold {
+    /// Holds or releases.
+    pub(crate) fn set(&self, held: bool) {
+        let mut state = self.0.lock();
+        match (held, state.take()) {
+            (true, None) => *state = Some(Arc::default()),
+            (false, Some(release)) => release.notify_waiters(),
+            (_, kept) => *state = kept,
+        }
+    }
+
+    /// Returns at once unless held; else when released.
+    pub(crate) async fn until_released(&self) {
+        let release = self.0.lock().clone();
+        if let Some(release) = release {
+            let released = release.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
+            if self.0.lock().is_some() {
+                released.await;
+            }
+        }
+    }
 }
 
 #[derive(Debug, Default)]

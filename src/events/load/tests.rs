@@ -435,6 +435,41 @@ async fn updates_within_a_flush_window_go_out_as_one_message() {
     assert_eq!(decode_load(&message.payload).unwrap().len(), 10);
 }
 
+/// A server that takes no messages holds a flush for at most the publish wait: what that
+/// flush held is dropped, not sent late, and the next update goes out once the server takes
+/// messages again (paused clock).
+#[tokio::test(start_paused = true)]
+async fn a_server_that_takes_nothing_costs_a_flush_at_most_the_publish_wait() {
+    let local = LocalBus::new();
+    let bus = Transport::Local(local.clone());
+    let mut watch_bus = bus.subscribe(&load_subject("t")).await.unwrap();
+    let config = LoadShareConfig {
+        heartbeat_ms: 3_600_000,
+        flush_ms: 5,
+        ..LoadShareConfig::default()
+    };
+    let (_stop, rx) = watch::channel(false);
+    let s = Arc::new(Mutex::new(scheduler(1)));
+    let share = LoadShare::start(bus.clone(), "t", s, config, rx)
+        .await
+        .unwrap();
+    watch_bus.next().await.unwrap(); // the first heartbeat
+    local.held.set(true);
+    share.completed(BookingId { origin: 1, seq: 1 });
+    // The flush waits on the held server for PUBLISH_WAIT, then gives its message up.
+    tokio::time::sleep(PUBLISH_WAIT + Duration::from_millis(100)).await;
+    local.held.set(false);
+    share.completed(BookingId { origin: 1, seq: 2 });
+    let message = watch_bus.next().await.unwrap();
+    assert_eq!(
+        decode_load(&message.payload).unwrap(),
+        vec![LoadMessage::Complete {
+            id: BookingId { origin: 1, seq: 2 }
+        }],
+        "the held flush's update was sent late, or the next was lost"
+    );
+}
+
 /// A replica restarted under its pinned id (a StatefulSet pod) numbers its bookings past
 /// its previous life's: its first booking is not mistaken for an old one that peers still
 /// hold, and its first heartbeat drops every old booking at once.
