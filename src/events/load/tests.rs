@@ -407,17 +407,22 @@ async fn a_silent_replica_loses_its_bookings_after_the_ttl() {
     assert_eq!(b.lock().open_bookings(), 0);
 }
 
-/// Updates made within one flush window leave as one message.
-#[tokio::test(start_paused = true)]
-async fn updates_within_a_flush_window_go_out_as_one_message() {
-    let bus = Transport::Local(LocalBus::new());
+/// A replica sharing load on `bus` (cluster `t`, heartbeats an hour apart, flushes 5 ms
+/// after an update), and a subscription to what it sends, past its first heartbeat.
+async fn quiet_share(
+    bus: &Transport,
+) -> (
+    LoadShare,
+    crate::events::transport::Subscription,
+    watch::Sender<bool>,
+) {
     let mut watch_bus = bus.subscribe(&load_subject("t")).await.unwrap();
     let config = LoadShareConfig {
-        heartbeat_ms: 60_000,
+        heartbeat_ms: 3_600_000,
         flush_ms: 5,
         ..LoadShareConfig::default()
     };
-    let (_stop, rx) = watch::channel(false);
+    let (stop, rx) = watch::channel(false);
     let s = Arc::new(Mutex::new(scheduler(1)));
     let share = LoadShare::start(bus.clone(), "t", s, config, rx)
         .await
@@ -428,6 +433,14 @@ async fn updates_within_a_flush_window_go_out_as_one_message() {
         decode_load(&first.payload).unwrap()[0],
         LoadMessage::Heartbeat { .. }
     ));
+    (share, watch_bus, stop)
+}
+
+/// Updates made within one flush window leave as one message.
+#[tokio::test(start_paused = true)]
+async fn updates_within_a_flush_window_go_out_as_one_message() {
+    let bus = Transport::Local(LocalBus::new());
+    let (share, mut watch_bus, _stop) = quiet_share(&bus).await;
     for seq in 1..=10 {
         share.completed(BookingId { origin: 1, seq });
     }
@@ -441,19 +454,7 @@ async fn updates_within_a_flush_window_go_out_as_one_message() {
 #[tokio::test(start_paused = true)]
 async fn a_server_that_takes_nothing_costs_a_flush_at_most_the_publish_wait() {
     let local = LocalBus::new();
-    let bus = Transport::Local(local.clone());
-    let mut watch_bus = bus.subscribe(&load_subject("t")).await.unwrap();
-    let config = LoadShareConfig {
-        heartbeat_ms: 3_600_000,
-        flush_ms: 5,
-        ..LoadShareConfig::default()
-    };
-    let (_stop, rx) = watch::channel(false);
-    let s = Arc::new(Mutex::new(scheduler(1)));
-    let share = LoadShare::start(bus.clone(), "t", s, config, rx)
-        .await
-        .unwrap();
-    watch_bus.next().await.unwrap(); // the first heartbeat
+    let (share, mut watch_bus, _stop) = quiet_share(&Transport::Local(local.clone())).await;
     local.held.set(true);
     share.completed(BookingId { origin: 1, seq: 1 });
     // The flush waits on the held server for PUBLISH_WAIT, then gives its message up.

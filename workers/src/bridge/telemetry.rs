@@ -122,27 +122,24 @@ impl Telemetry {
                     .absolute(total(s));
             }
         }
-        let not_indexed: [Figure; 6] = [
-            ("block_size", |s| s.mirror.block_size_mismatch),
-            ("malformed", |s| s.mirror.malformed),
-            ("orphan", |s| s.mirror.orphans),
-            ("unresolved", |s| s.mirror.unresolved),
-            ("other_group", |s| s.mirror.other_groups),
-            ("unnamed_lora", |s| s.mirror.unnamed_lora),
+        const NOT_INDEXED: &str = "kvroute_engine_blocks_not_indexed_total";
+        const SKIPPED: &str = "kvroute_engine_events_skipped_total";
+        let by_reason: [(&'static str, Figure); 8] = [
+            (
+                NOT_INDEXED,
+                ("block_size", |s| s.mirror.block_size_mismatch),
+            ),
+            (NOT_INDEXED, ("malformed", |s| s.mirror.malformed)),
+            (NOT_INDEXED, ("orphan", |s| s.mirror.orphans)),
+            (NOT_INDEXED, ("unresolved", |s| s.mirror.unresolved)),
+            (NOT_INDEXED, ("other_group", |s| s.mirror.other_groups)),
+            (NOT_INDEXED, ("unnamed_lora", |s| s.mirror.unnamed_lora)),
+            (SKIPPED, ("unknown_kind", |s| s.mirror.unknown_events)),
+            (SKIPPED, ("malformed", |s| s.mirror.malformed_events)),
         ];
-        for (reason, total) in not_indexed {
+        for (name, (reason, total)) in by_reason {
             if changed(total) {
-                counter!("kvroute_engine_blocks_not_indexed_total", "worker" => worker.clone(), "rank" => label.clone(), "reason" => reason)
-                    .absolute(total(s));
-            }
-        }
-        let skipped: [Figure; 2] = [
-            ("unknown_kind", |s| s.mirror.unknown_events),
-            ("malformed", |s| s.mirror.malformed_events),
-        ];
-        for (reason, total) in skipped {
-            if changed(total) {
-                counter!("kvroute_engine_events_skipped_total", "worker" => worker.clone(), "rank" => label.clone(), "reason" => reason)
+                counter!(name, "worker" => worker.clone(), "rank" => label.clone(), "reason" => reason)
                     .absolute(total(s));
             }
         }
