@@ -1169,8 +1169,14 @@ mod tests {
         let registration = Registration::start(registry, info, &lease).await.unwrap();
         local.held.set(true);
         let ttl = Duration::from_millis(lease.ttl_ms);
+        let asked = tokio::time::Instant::now();
         let said = tokio::time::timeout(ttl + Duration::from_secs(1), registration.goodbye()).await;
         assert!(said.is_ok(), "the goodbye held the shutdown past the lease");
+        let waited = asked.elapsed();
+        assert!(
+            waited >= ttl && waited < ttl + Duration::from_millis(10),
+            "the goodbye waited {waited:?} for the registry, not the lease's {ttl:?}"
+        );
         assert!(
             local.workers.lock().contains_key(&WorkerId(1)),
             "the held delete landed"

@@ -427,16 +427,19 @@ impl Hold {
         }
     }
 
-    /// Returns at once unless held; else when released.
+    /// Returns at once unless held; else when released. The wait is taken under the lock
+    /// that `set` takes, so a release cannot slip between looking and waiting.
     pub(crate) async fn until_released(&self) {
-        let release = self.0.lock().clone();
-        if let Some(release) = release {
-            let released = release.notified();
-            tokio::pin!(released);
-            released.as_mut().enable();
-            if self.0.lock().is_some() {
-                released.await;
-            }
+        let released = {
+            let state = self.0.lock();
+            state.as_ref().map(|release| {
+                let mut released = Box::pin(Arc::clone(release).notified_owned());
+                released.as_mut().enable();
+                released
+            })
+        };
+        if let Some(released) = released {
+            released.await;
         }
     }
 }

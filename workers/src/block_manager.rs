@@ -160,7 +160,7 @@ struct Inner {
     offload_parents: bool,
     bytes: Option<KvBytes>,
     /// Scratch: the (slot, hash) pairs a registration fills, in one call.
-    fills: Vec<(usize, SeqHash)>,
+    fills: Vec<(usize, u64)>,
     stats: CacheStats,
 }
 
@@ -399,7 +399,9 @@ impl BlockManager {
                 .g1
                 .register(id, parent, near, block, inner.tick, &mut inner.changes)
             {
-                inner.fills.push((id.index(), block.seq));
+                if inner.bytes.is_some() {
+                    inner.fills.push((id.index(), block.seq.0));
+                }
             } else {
                 inner.share(&mut lease.blocks[index]);
             }

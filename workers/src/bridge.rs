@@ -249,8 +249,11 @@ pub async fn run(
                 let healthy = probe.healthy;
                 telemetry.health(healthy);
                 // Every check, so that a router that dropped the series (a withdrawn worker's,
-                // in direct mode) has it again.
+                // in direct mode, swept before it saw the worker back) has them again.
                 telemetry.registered(registration.is_some());
+                if registration.is_some() {
+                    telemetry.rewrite();
+                }
                 failures = if healthy { 0 } else { failures + 1 };
                 successes = if healthy { successes.saturating_add(1) } else { 0 };
                 if healthy {

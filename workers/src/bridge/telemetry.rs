@@ -44,10 +44,12 @@ impl Telemetry {
         };
         t.registered(false);
         t.health(false);
-        if events {
-            for rank in 0..ranks {
+        counter!("kvroute_engine_publish_failures_total", "worker" => t.worker.clone()).absolute(0);
+        for rank in 0..ranks {
+            if events {
                 t.ingest(rank, &IngestStats::default());
             }
+            t.write_resident(rank, [0; Tier::ALL.len()]);
         }
         t
     }
@@ -69,8 +71,11 @@ impl Telemetry {
             .set(f64::from(u8::from(registered)));
     }
 
-    /// Writes every stream series again, as last known.
+    /// Writes every series again, as last known (the publish failures' too: a router's sweep
+    /// may have dropped it, and what it counted since is lost, so it restarts from 0 there).
     pub(super) fn rewrite(&mut self) {
+        counter!("kvroute_engine_publish_failures_total", "worker" => self.worker.clone())
+            .increment(0);
         for rank in 0..self.ranks.len() {
             let written = std::mem::take(&mut self.ranks[rank]);
             if let Some(stats) = written.stats {

@@ -155,20 +155,16 @@ impl KvBytes {
         }
     }
 
-    /// Writes into each G1 slot the pattern of its block's hash.
-    pub fn fill(&mut self, blocks: &[(usize, SeqHash)]) -> Result<(), DeviceError> {
+    /// Writes into each G1 slot the pattern of its block's hash (`SeqHash.0`).
+    pub fn fill(&mut self, blocks: &[(usize, u64)]) -> Result<(), DeviceError> {
         match self {
             KvBytes::Host(store) => {
                 for &(slot, seq) in blocks {
-                    store.fill(slot, seq);
+                    store.fill(slot, SeqHash(seq));
                 }
                 Ok(())
             }
-            KvBytes::Cuda { kv, .. } => {
-                let blocks: Vec<(usize, u64)> =
-                    blocks.iter().map(|&(slot, seq)| (slot, seq.0)).collect();
-                kv.fill(&blocks).map_err(device("fill"))
-            }
+            KvBytes::Cuda { kv, .. } => kv.fill(blocks).map_err(device("fill")),
         }
     }
 
