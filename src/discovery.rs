@@ -1183,6 +1183,35 @@ mod tests {
         );
     }
 
+    /// A heartbeat the registry does not take is given up after its deadline and the next
+    /// one sent, so the lease is renewed as soon as the registry takes writes again, with
+    /// the worker's current state (paused clock).
+    #[tokio::test(start_paused = true)]
+    async fn a_heartbeat_the_registry_holds_is_given_up_and_the_next_sent() {
+        let local = LocalRegistry::default();
+        let registry = Registry::Local(local.clone());
+        let lease = LeaseConfig::default();
+        let info = Arc::new(Mutex::new(test_info()));
+        let _registration = Registration::start(registry, Arc::clone(&info), &lease)
+            .await
+            .unwrap();
+        local.held.set(true);
+        info.lock().g1_blocks = 7;
+        // Ten heartbeat periods held: with each beat given up after its deadline (2 periods,
+        // at most a third of the TTL), several are tried; without, the first waits it out.
+        let period = Duration::from_millis(lease.heartbeat_ms);
+        tokio::time::sleep(10 * period).await;
+        let tried = local.held.held_writes();
+        assert!(tried >= 3, "{tried} heartbeats tried while held");
+        local.held.set(false);
+        tokio::time::sleep(2 * period).await;
+        assert_eq!(
+            local.workers.lock().get(&WorkerId(1)).map(|w| w.g1_blocks),
+            Some(7),
+            "the lease was not renewed with the current state"
+        );
+    }
+
     #[test]
     fn a_url_the_router_cannot_build_a_request_from_is_refused() {
         let mut info = test_info();

@@ -410,16 +410,19 @@ pub struct LocalBus {
 }
 
 /// A fault for tests: while held, [`Hold::until_released`] waits (a server that takes no
-/// writes); releasing wakes every waiter.
+/// writes); releasing wakes every waiter. Counts the writes that found it held.
 #[cfg(test)]
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Hold(Arc<Mutex<Option<Arc<tokio::sync::Notify>>>>);
+pub(crate) struct Hold {
+    state: Arc<Mutex<Option<Arc<tokio::sync::Notify>>>>,
+    held_writes: Arc<std::sync::atomic::AtomicU64>,
+}
 
 #[cfg(test)]
 impl Hold {
     /// Holds or releases.
     pub(crate) fn set(&self, held: bool) {
-        let mut state = self.0.lock();
+        let mut state = self.state.lock();
         match (held, state.take()) {
             (true, None) => *state = Some(Arc::default()),
             (false, Some(release)) => release.notify_waiters(),
@@ -431,8 +434,10 @@ impl Hold {
     /// that `set` takes, so a release cannot slip between looking and waiting.
     pub(crate) async fn until_released(&self) {
         let released = {
-            let state = self.0.lock();
+            let state = self.state.lock();
             state.as_ref().map(|release| {
+                self.held_writes
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 let mut released = Box::pin(Arc::clone(release).notified_owned());
                 released.as_mut().enable();
                 released
@@ -441,6 +446,11 @@ impl Hold {
         if let Some(released) = released {
             released.await;
         }
+    }
+
+    /// Writes that found it held.
+    pub(crate) fn held_writes(&self) -> u64 {
+        self.held_writes.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
