@@ -1157,16 +1157,25 @@ mod tests {
         }
     }
 
+    /// Worker 1 registered in a local registry under the default lease.
+    async fn registered_locally() -> (LocalRegistry, Arc<Mutex<WorkerInfo>>, Registration) {
+        let local = LocalRegistry::default();
+        let info = Arc::new(Mutex::new(test_info()));
+        let registry = Registry::Local(local.clone());
+        let registration =
+            Registration::start(registry, Arc::clone(&info), &LeaseConfig::default())
+                .await
+                .unwrap();
+        (local, info, registration)
+    }
+
     /// A goodbye to a registry that takes no writes (NATS out of reach) gives up after the
     /// lease's TTL, leaving the entry to lapse, instead of holding the worker's shutdown
     /// (paused clock).
     #[tokio::test(start_paused = true)]
     async fn a_goodbye_the_registry_never_takes_gives_up_after_the_ttl() {
-        let local = LocalRegistry::default();
-        let registry = Registry::Local(local.clone());
+        let (local, _, registration) = registered_locally().await;
         let lease = LeaseConfig::default();
-        let info = Arc::new(Mutex::new(test_info()));
-        let registration = Registration::start(registry, info, &lease).await.unwrap();
         local.held.set(true);
         let ttl = Duration::from_millis(lease.ttl_ms);
         let asked = tokio::time::Instant::now();
@@ -1188,13 +1197,8 @@ mod tests {
     /// the worker's current state (paused clock).
     #[tokio::test(start_paused = true)]
     async fn a_heartbeat_the_registry_holds_is_given_up_and_the_next_sent() {
-        let local = LocalRegistry::default();
-        let registry = Registry::Local(local.clone());
+        let (local, info, _registration) = registered_locally().await;
         let lease = LeaseConfig::default();
-        let info = Arc::new(Mutex::new(test_info()));
-        let _registration = Registration::start(registry, Arc::clone(&info), &lease)
-            .await
-            .unwrap();
         local.held.set(true);
         info.lock().g1_blocks = 7;
         // Ten heartbeat periods held: with each beat given up after its deadline (2 periods,

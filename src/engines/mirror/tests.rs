@@ -47,6 +47,26 @@ fn apply(m: &mut EngineMirror, events: Vec<EngineEvent>) -> Vec<BlockChange> {
     out
 }
 
+/// The host tier's stores and removals among `out`, in order.
+fn host_changes(out: &[BlockChange]) -> (Vec<SeqHash>, Vec<SeqHash>) {
+    let (mut stored, mut removed) = (Vec::new(), Vec::new());
+    for c in out {
+        match c {
+            BlockChange::Stored {
+                tier: Tier::Host,
+                block,
+                ..
+            } => stored.push(block.seq),
+            BlockChange::Removed {
+                tier: Tier::Host,
+                seq,
+            } => removed.push(*seq),
+            _ => {}
+        }
+    }
+    (stored, removed)
+}
+
 fn tokens(n: usize) -> Vec<u32> {
     (0..n as u32).map(|t| t * 7 + 1).collect()
 }
@@ -412,31 +432,12 @@ fn an_offload_chunk_named_by_its_last_block_holds_all_its_blocks() {
             removed(&[13, 12, 11, 10], Medium::Gpu),
         ],
     );
-    let host: Vec<SeqHash> = out
-        .iter()
-        .filter_map(|c| match c {
-            BlockChange::Stored {
-                tier: Tier::Host,
-                block,
-                ..
-            } => Some(block.seq),
-            _ => None,
-        })
-        .collect();
+    let (host, _) = host_changes(&out);
     assert_eq!(host, want.iter().map(|b| b.seq).collect::<Vec<_>>());
     assert_eq!(m.len(), 4, "all four are held on the host");
     // Removing chunk 11 from the host lets blocks 10 and 11 go, and only those.
     let out = apply(&mut m, vec![removed(&[11], Medium::Cpu)]);
-    let gone: Vec<SeqHash> = out
-        .iter()
-        .filter_map(|c| match c {
-            BlockChange::Removed {
-                tier: Tier::Host,
-                seq,
-            } => Some(*seq),
-            _ => None,
-        })
-        .collect();
+    let (_, gone) = host_changes(&out);
     assert_eq!(gone.len(), 2);
     assert!(gone.contains(&want[0].seq) && gone.contains(&want[1].seq));
     assert_eq!(m.len(), 2);
@@ -460,29 +461,8 @@ fn offload_chunks_stored_twice_need_two_removals_and_a_clear_forgets_them() {
         ],
     );
     let host = |out: &[BlockChange]| {
-        out.iter()
-            .filter(|c| {
-                matches!(
-                    c,
-                    BlockChange::Stored {
-                        tier: Tier::Host,
-                        ..
-                    }
-                )
-            })
-            .count() as isize
-            - out
-                .iter()
-                .filter(|c| {
-                    matches!(
-                        c,
-                        BlockChange::Removed {
-                            tier: Tier::Host,
-                            ..
-                        }
-                    )
-                })
-                .count() as isize
+        let (stored, removed) = host_changes(out);
+        stored.len() as isize - removed.len() as isize
     };
     let out = apply(
         &mut m,
