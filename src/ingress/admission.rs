@@ -324,6 +324,8 @@ struct PumpWalk {
     read: usize,
     /// A ticket waits for the fleet's budget: the tickets after it wait too.
     fleet_full: bool,
+    /// Tickets looked at, over every walk of the pump.
+    visited: usize,
 }
 
 impl PumpWalk {
@@ -425,7 +427,8 @@ impl Router {
     /// Expires what is due, then admits queued requests in order while the fleet has room.
     /// Index lookups, the slow part, run with the queue unlocked, so that requests arriving
     /// meanwhile are not held up; decisions are made with it locked, in queue order.
-    pub(super) fn pump(&self) {
+    /// Returns how many queued tickets it looked at, over all its walks (its cost).
+    pub(super) fn pump(&self) -> usize {
         {
             let now = self.now_ms();
             let expired = self.queue.lock().expire(now);
@@ -449,7 +452,7 @@ impl Router {
             match self.walk_queue(&mut walk) {
                 Walked::Done => {
                     self.fleet_full.store(walk.fleet_full, Ordering::Relaxed);
-                    return;
+                    return walk.visited;
                 }
                 Walked::Admitted => {}
                 Walked::Read(tickets) => {
@@ -467,25 +470,32 @@ impl Router {
 
     /// One walk over the queue in order, locked: weighs each ticket nothing holds back whose
     /// overlaps have been read, up to the first that has none; from there on, only gathers
-    /// the tickets whose overlaps to read next.
+    /// the tickets whose overlaps to read next. It ends early once every pool with a
+    /// ticket waiting is held back: what is left could only be passed over, and under
+    /// overload (the queue thousands deep, every worker full) each pump would otherwise
+    /// visit all of it with the queue locked.
     fn walk_queue(&self, walk: &mut PumpWalk) -> Walked {
         let now = self.now_ms();
         let mut queue = self.queue.lock();
-        let order: Vec<TicketId> = queue.in_order().map(|(id, _, _)| id).collect();
         let mut to_read: Vec<(TicketId, Arc<Routable>)> = Vec::new();
-        for id in order {
-            let Some((ticket, waiter)) = queue.get(id) else {
-                continue;
-            };
+        // Tickets to take out once the walk lets go of the queue's order: handlers gone,
+        // models with no worker left.
+        let mut closed: Vec<TicketId> = Vec::new();
+        let mut orphaned: Vec<TicketId> = Vec::new();
+        // How the walk ended, if not by running out of tickets to weigh.
+        enum End {
+            FleetFull,
+            Admit(TicketId, Box<Decision>),
+        }
+        let mut ended = None;
+        for (id, ticket, waiter) in queue.in_order() {
+            walk.visited += 1;
             if walk.holds_back(waiter) {
                 continue;
             }
             if waiter.tx.is_closed() {
                 // The handler is going; its guard would remove the ticket a moment later.
-                walk.overlaps.remove(&id);
-                if let Some(left) = queue.cancel(now, id) {
-                    rejected(left.ticket.band, "cancelled");
-                }
+                closed.push(id);
                 continue;
             }
             let overlaps = match walk.overlaps.get(&id) {
@@ -504,8 +514,7 @@ impl Router {
                 }
             };
             let share = queue.config().band(ticket.band).budget_share;
-            let routable = Arc::clone(&waiter.request);
-            let pool = Arc::clone(&waiter.pool);
+            let routable = &waiter.request;
             let request = routable.request(overlaps);
             let mut scheduler = self.scheduler.lock();
             let admission = scheduler.admit_reserving(now, &request, share, &walk.reserved);
@@ -531,37 +540,62 @@ impl Router {
                         }
                     }
                     _ => {
-                        walk.blocked_pools.insert(Arc::clone(&pool));
+                        if walk.blocked_pools.insert(Arc::clone(&waiter.pool))
+                            && self.every_waiting_pool_in(&walk.blocked_pools)
+                        {
+                            break;
+                        }
                     }
                 },
                 Admission::FleetFull => {
                     walk.fleet_full = true;
-                    return Walked::Done;
+                    ended = Some(End::FleetFull);
+                    break;
                 }
-                Admission::NoWorkers => {
-                    if let Some(left) = queue.cancel(now, id) {
-                        rejected(left.ticket.band, "no_workers");
-                        let _ = left.payload.tx.send(Err(Refusal::NoWorkers));
-                    }
-                }
+                Admission::NoWorkers => orphaned.push(id),
                 Admission::Routed(decision) => {
-                    record_decision(&decision);
-                    let booking = Booking::new(self, decision.booking);
-                    let left = queue
-                        .admit_waiting(now, id)
-                        .expect("invariant: the ticket waits while the queue is locked");
-                    waited(left.ticket.band, left.waited_ms);
-                    // A handler gone since the check drops the booking with the message.
-                    let _ = left.payload.tx.send(Ok((decision, booking)));
-                    return Walked::Admitted;
+                    ended = Some(End::Admit(id, Box::new(decision)));
+                    break;
                 }
             }
         }
-        if to_read.is_empty() {
-            Walked::Done
-        } else {
-            Walked::Read(to_read)
+        for id in closed {
+            walk.overlaps.remove(&id);
+            if let Some(left) = queue.cancel(now, id) {
+                rejected(left.ticket.band, "cancelled");
+            }
         }
+        for id in orphaned {
+            if let Some(left) = queue.cancel(now, id) {
+                rejected(left.ticket.band, "no_workers");
+                let _ = left.payload.tx.send(Err(Refusal::NoWorkers));
+            }
+        }
+        match ended {
+            Some(End::Admit(id, decision)) => {
+                record_decision(&decision);
+                let booking = Booking::new(self, decision.booking);
+                let left = queue
+                    .admit_waiting(now, id)
+                    .expect("invariant: the ticket waits while the queue is locked");
+                waited(left.ticket.band, left.waited_ms);
+                // A handler gone since the check drops the booking with the message.
+                let _ = left.payload.tx.send(Ok((*decision, booking)));
+                Walked::Admitted
+            }
+            Some(End::FleetFull) => Walked::Done,
+            None if to_read.is_empty() => Walked::Done,
+            None => Walked::Read(to_read),
+        }
+    }
+
+    /// Whether every pool with a request queued is in `blocked` (a leaf lock, under the
+    /// queue's).
+    fn every_waiting_pool_in(&self, blocked: &HashSet<Arc<str>>) -> bool {
+        self.waiting_models
+            .lock()
+            .keys()
+            .all(|pool| blocked.contains(pool.as_str()))
     }
 
     /// `GET /admin/queues`: every band's depth, limits and counters; the budgets and the

@@ -925,6 +925,39 @@ mod queue {
         }
     }
 
+    /// Under overload a pump's work does not grow with the queue: once every pool with a
+    /// request waiting is held back, what is behind could only be passed over, and the walk
+    /// ends (it visited all 5,000 tickets, with the queue locked, at every pump: every
+    /// request queued and every token of room released). A pool with room behind them is
+    /// still reached ([`one_model_s_backlog_holds_back_no_other_model`]).
+    #[tokio::test(start_paused = true)]
+    async fn a_pump_over_a_full_fleet_looks_at_a_few_tickets_whatever_the_depth() {
+        let (router, _plane) = router(1, ["a", "b"]).await;
+        let running = [enter(&router, "a"), enter(&router, "b")];
+        assert!(running.iter().all(|e| matches!(e, Entered::Admitted(_))));
+        let mut waiting = Vec::new();
+        for i in 0..5_000 {
+            let model = if i % 2 == 0 { "a" } else { "b" };
+            let Entered::Queued { guard, rx, .. } = enter(&router, model) else {
+                panic!("request {i} found room in a full fleet");
+            };
+            waiting.push((guard, rx));
+        }
+        let visited = router.pump();
+        // The first walk gathers the first tickets' overlaps to read; in the next, the first
+        // of each model's is weighed and waits, and the walk ends there.
+        let bound = super::super::admission::READ_AHEAD + 2;
+        assert!(
+            visited <= bound,
+            "a pump over a full fleet looked at {visited} tickets (at most {bound})"
+        );
+        assert!(waiting.iter_mut().all(|(_, rx)| rx.try_recv().is_err()));
+        // With room again, the next ticket in order goes.
+        drop(running);
+        router.pump();
+        assert!(matches!(waiting[0].1.try_recv(), Ok(Ok(_))));
+    }
+
     /// A request of a model with nothing waiting is routed at once, whatever another model
     /// has queued; and one queued behind more than a pump weighs of another model's is still
     /// admitted once its worker has room.
