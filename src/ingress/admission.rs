@@ -302,8 +302,12 @@ pub(super) fn record_decision(d: &Decision) {
 /// Tickets held back by one that must wait are passed over without a lookup.
 const MAX_LOOKAHEAD: usize = 1024;
 
-/// Overlaps read per round with the queue unlocked: the next tickets in order that nothing
-/// holds back yet (some may turn out held back once those before them are weighed).
+/// Most overlaps read per round with the queue unlocked: the next tickets in order that
+/// nothing holds back yet (some may turn out held back once those before them are
+/// weighed). A pump reads one in its first round and twice as many in each next one, up to
+/// this: most pumps find the fleet still full (one is run for every request queued) and
+/// need one lookup a pool, which can take a few hundred µs for a long prompt; one that
+/// finds room for many admits them in a few rounds.
 pub(super) const READ_AHEAD: usize = 16;
 
 /// What one pump has learned so far: which tickets are held back, and the overlaps read for
@@ -326,6 +330,17 @@ struct PumpWalk {
     fleet_full: bool,
     /// Tickets looked at, over every walk of the pump.
     visited: usize,
+    /// Overlaps to read in the next round.
+    ahead: usize,
+}
+
+/// What one pump cost.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Pumped {
+    /// Queued tickets looked at, over all its walks.
+    pub visited: usize,
+    /// Index lookups made.
+    pub read: usize,
 }
 
 impl PumpWalk {
@@ -427,8 +442,7 @@ impl Router {
     /// Expires what is due, then admits queued requests in order while the fleet has room.
     /// Index lookups, the slow part, run with the queue unlocked, so that requests arriving
     /// meanwhile are not held up; decisions are made with it locked, in queue order.
-    /// Returns how many queued tickets it looked at, over all its walks (its cost).
-    pub(super) fn pump(&self) -> usize {
+    pub(super) fn pump(&self) -> Pumped {
         {
             let now = self.now_ms();
             let expired = self.queue.lock().expire(now);
@@ -446,16 +460,23 @@ impl Router {
                 }));
             }
         }
-        let mut walk = PumpWalk::default();
+        let mut walk = PumpWalk {
+            ahead: 1,
+            ..PumpWalk::default()
+        };
         let mut seqs: Vec<SeqHash> = Vec::new();
         loop {
             match self.walk_queue(&mut walk) {
                 Walked::Done => {
                     self.fleet_full.store(walk.fleet_full, Ordering::Relaxed);
-                    return walk.visited;
+                    return Pumped {
+                        visited: walk.visited,
+                        read: walk.read,
+                    };
                 }
                 Walked::Admitted => {}
                 Walked::Read(tickets) => {
+                    walk.ahead = (2 * walk.ahead).min(READ_AHEAD);
                     for (id, routable) in tickets {
                         seqs.clear();
                         seqs.extend(routable.blocks.iter().map(|b| b.seq));
@@ -507,7 +528,7 @@ impl Router {
                         break;
                     }
                     to_read.push((id, Arc::clone(&waiter.request)));
-                    if to_read.len() == READ_AHEAD {
+                    if to_read.len() == walk.ahead {
                         break;
                     }
                     continue;

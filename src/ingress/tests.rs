@@ -928,8 +928,11 @@ mod queue {
     /// Under overload a pump's work does not grow with the queue: once every pool with a
     /// request waiting is held back, what is behind could only be passed over, and the walk
     /// ends (it visited all 5,000 tickets, with the queue locked, at every pump: every
-    /// request queued and every token of room released). A pool with room behind them is
-    /// still reached ([`one_model_s_backlog_holds_back_no_other_model`]).
+    /// request queued and every token of room released); and it reads the overlaps of
+    /// about one ticket a pool, not a round of [`READ_AHEAD`](super::super::admission::READ_AHEAD)
+    /// (16 lookups of which 14 went unused). A pool with room behind them is still reached
+    /// ([`one_model_s_backlog_holds_back_no_other_model`]), and room for many is filled in
+    /// one pump ([`one_pump_admits_more_than_it_reads_at_a_time`]).
     #[tokio::test(start_paused = true)]
     async fn a_pump_over_a_full_fleet_looks_at_a_few_tickets_whatever_the_depth() {
         let (router, _plane) = router(1, ["a", "b"]).await;
@@ -943,13 +946,15 @@ mod queue {
             };
             waiting.push((guard, rx));
         }
-        let visited = router.pump();
-        // The first walk gathers the first tickets' overlaps to read; in the next, the first
-        // of each model's is weighed and waits, and the walk ends there.
-        let bound = super::super::admission::READ_AHEAD + 2;
+        let pumped = router.pump();
+        // The first walk gathers the first ticket's overlaps to read (1 visited); the next
+        // weighs it (it waits) and gathers the next two not held back (4); the third
+        // weighs model b's first (it waits) and ends (2).
         assert!(
-            visited <= bound,
-            "a pump over a full fleet looked at {visited} tickets (at most {bound})"
+            pumped.visited <= 7 && pumped.read <= 3,
+            "a pump over a full fleet looked at {} tickets and read {} overlaps",
+            pumped.visited,
+            pumped.read
         );
         assert!(waiting.iter_mut().all(|(_, rx)| rx.try_recv().is_err()));
         // With room again, the next ticket in order goes.
