@@ -1452,6 +1452,56 @@ mod tests {
         drop(hog);
     }
 
+    /// A client that stops reading holds its relay no longer than the send's deadline: with
+    /// its channel full, the next event's send gives up then (the relay ends the stream as
+    /// `client_stalled`), and the event's share of the bodies' budget goes back with it. A
+    /// client that takes an event in time lets the send through.
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_stops_reading_stalls_its_relay_at_the_deadline() {
+        let bodies = BodyBudget::new(2 * CLIENT_EVENTS * GRAIN);
+        let (tx, mut rx) = mpsc::channel::<Held>(CLIENT_EVENTS);
+        let event = || Bytes::from_static(b"data: {}\n\n");
+        async fn share(bodies: &BodyBudget) -> Reservation {
+            bodies.reserve(GRAIN, Duration::ZERO).await.expect("room")
+        }
+        let far = Instant::now() + Duration::from_secs(3600);
+        for _ in 0..CLIENT_EVENTS {
+            send_event(&tx, event(), share(&bodies).await, far)
+                .await
+                .unwrap();
+        }
+        let start = Instant::now();
+        let idle = Duration::from_secs(30);
+        let sent = tokio::time::timeout_at(
+            far,
+            send_event(&tx, event(), share(&bodies).await, start + idle),
+        )
+        .await
+        .expect("the send waited past its deadline");
+        assert_eq!(sent, Err(RelayEnd::ClientStalled));
+        assert_eq!(Instant::now(), start + idle, "it gave up at its deadline");
+        assert_eq!(
+            bodies.in_use(),
+            CLIENT_EVENTS * GRAIN,
+            "the stalled event's share stayed taken"
+        );
+        // A client that reads one event in time makes room for the next.
+        let reader = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let taken = rx.recv().await;
+            (taken.is_some(), rx)
+        });
+        let sent = send_event(&tx, event(), share(&bodies).await, Instant::now() + idle).await;
+        assert_eq!(sent, Ok(()));
+        let (taken, rx) = reader.await.unwrap();
+        assert!(taken);
+        drop(rx);
+        assert_eq!(
+            send_event(&tx, event(), share(&bodies).await, Instant::now() + idle).await,
+            Err(RelayEnd::ClientGone)
+        );
+    }
+
     /// The worker's message is found in every shape engines answer errors in.
     #[test]
     fn worker_error_messages_are_read_in_each_shape() {
