@@ -226,6 +226,10 @@ pub struct Router {
     fleet_full: AtomicBool,
     /// Signalled when booked work is released: the queue is pumped.
     room: Arc<Notify>,
+    /// Under `cfg(test)`, the next walk of the queue panics with it locked (a broken
+    /// invariant), for the pump's guard's test.
+    #[cfg(test)]
+    break_next_walk: AtomicBool,
     /// The keys accepted on `/v1/*`: `config.api_keys` and the file's, as last read.
     api_keys: Mutex<Arc<Vec<Secret>>>,
 }
@@ -317,6 +321,8 @@ impl Router {
             waiting_models: Arc::default(),
             fleet_full: AtomicBool::new(false),
             room: Arc::new(Notify::new()),
+            #[cfg(test)]
+            break_next_walk: AtomicBool::new(false),
         });
         tokio::spawn(watch_hashes(Arc::downgrade(&router)));
         if let Some(path) = router.config.api_keys_file.clone() {

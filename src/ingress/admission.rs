@@ -498,6 +498,10 @@ impl Router {
     fn walk_queue(&self, walk: &mut PumpWalk) -> Walked {
         let now = self.now_ms();
         let mut queue = self.queue.lock();
+        #[cfg(test)]
+        if self.break_next_walk.swap(false, Ordering::Relaxed) {
+            panic!("a broken invariant, with the queue locked (test)");
+        }
         let mut to_read: Vec<(TicketId, Arc<Routable>)> = Vec::new();
         // Tickets to take out once the walk lets go of the queue's order: handlers gone,
         // models with no worker left.

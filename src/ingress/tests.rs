@@ -550,6 +550,8 @@ mod queue {
     //! only, and requests are admitted or queued (nothing is sent anywhere).
 
     use std::sync::Arc;
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
 
     use super::super::admission::{Class, Entered, Routable};
     use super::super::{IngressConfig, Router, Tokenizer};
@@ -961,6 +963,35 @@ mod queue {
         drop(running);
         router.pump();
         assert!(matches!(waiting[0].1.try_recv(), Ok(Ok(_))));
+    }
+
+    /// A pump that panics (a broken invariant, with the queue locked) is logged and the next
+    /// one goes on: the queued request is admitted once room opens, instead of waiting out
+    /// its deadline behind a dead pump.
+    #[tokio::test(start_paused = true)]
+    async fn the_pump_after_one_that_panicked_admits_the_queue() {
+        let (router, _plane) = router(1, ["a", "b"]).await;
+        let running = enter(&router, "a");
+        assert!(matches!(running, Entered::Admitted(_)));
+        let Entered::Queued {
+            guard: _waiting,
+            rx,
+            ttl_ms,
+        } = enter(&router, "a")
+        else {
+            panic!("the worker is busy: queued");
+        };
+        router.break_next_walk.store(true, Ordering::Relaxed);
+        // Room opens: the queue's task pumps, and that pump panics.
+        drop(running);
+        let outcome = tokio::time::timeout(Duration::from_millis(ttl_ms / 2), rx)
+            .await
+            .expect("no pump admitted the request after one panicked");
+        assert!(matches!(outcome, Ok(Ok(_))));
+        assert!(
+            !router.break_next_walk.load(Ordering::Relaxed),
+            "no pump panicked"
+        );
     }
 
     /// A request of a model with nothing waiting is routed at once, whatever another model
