@@ -19,13 +19,18 @@
 //! - Within a tenant, first come first served.
 //!
 //! Everything is bounded: each band holds at most `max_queued` tickets; a tenant's state is
-//! dropped when its last ticket leaves, so memory follows what is queued.
+//! dropped when its last ticket leaves, so memory follows what is queued, apart from the
+//! charge of a tenant that left ahead of the band's level, kept until the level reaches it
+//! (at most [`MAX_IDLE_TENANTS`] a band).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
+
+/// Idle tenants a band remembers the charge of, at most.
+pub const MAX_IDLE_TENANTS: usize = 10_000;
 
 /// Limits of one priority band.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -553,8 +558,12 @@ impl<T> AdmissionQueue<T> {
         } else {
             band.order.insert((tenant.tag, arrival, Arc::clone(name)));
         }
+        // Forgotten once the level reaches them, and the nearest to it first past a bound:
+        // the level stands still while a tenant ahead is held back (its model's workers
+        // full), and tenant names come from clients. One forgotten early comes back level
+        // with the band, credited at most its lead over the level.
         while let Some((ended, name)) = band.idle.first().cloned()
-            && ended <= band.level
+            && (ended <= band.level || band.idle.len() > MAX_IDLE_TENANTS)
         {
             band.idle.pop_first();
             band.idle_tag.remove(&name);

@@ -225,6 +225,26 @@ fn a_tenant_that_keeps_emptying_its_backlog_keeps_its_charge() {
     );
 }
 
+/// The charges of tenants whose backlog emptied are bounded while the band's level stands
+/// still: a tenant held back at the front (its model's workers full) keeps it there, and a
+/// stream of tenants named by clients served past it would each be remembered until it
+/// moved.
+#[test]
+fn idle_tenants_are_bounded_while_the_level_stands_still() {
+    let mut q = AdmissionQueue::new(QueueConfig::default());
+    q.push(0, ticket(0, "held", 1_000), 0).unwrap();
+    for i in 1..=(MAX_IDLE_TENANTS as u32 + 5_000) {
+        let id = q.push(0, ticket(0, &format!("client-{i}"), 10), i).unwrap();
+        q.admit_waiting(0, id).unwrap();
+    }
+    let band = &q.bands[&std::cmp::Reverse(0)];
+    assert_eq!(band.level, 0, "the held tenant keeps the level");
+    assert_eq!(band.idle.len(), MAX_IDLE_TENANTS);
+    assert_eq!(band.idle_tag.len(), MAX_IDLE_TENANTS);
+    // The held tenant still goes first.
+    assert_eq!(q.peek().map(|(_, _, p)| *p), Some(0));
+}
+
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (-2i32..=2, 0u8..4, 1u64..5_000).prop_map(|(band, tenant, work)| Op::Push { band, tenant, work }),
