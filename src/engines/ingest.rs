@@ -395,9 +395,16 @@ impl Ingest {
     }
 
     /// Asks the replay socket for every batch from `from` on and applies those not seen;
-    /// with `rebuild`, a buffer that starts at seq 0 replaces the mirror. Returns the last seq
-    /// the engine sent.
+    /// with `rebuild`, a buffer that starts at seq 0 replaces the mirror, handing out only
+    /// what differs from what it held ([`EngineMirror::begin_rebuild`]), however the replay
+    /// ends. Returns the last seq the engine sent.
     async fn replay(&mut self, from: u64, rebuild: bool) -> Result<Option<u64>, ZmtpError> {
+        let replayed = self.replay_batches(from, rebuild).await;
+        self.mirror.end_rebuild(&mut self.changes);
+        replayed
+    }
+
+    async fn replay_batches(&mut self, from: u64, rebuild: bool) -> Result<Option<u64>, ZmtpError> {
         let Some(endpoint) = self.endpoint.replay.clone() else {
             return Ok(None);
         };
@@ -460,7 +467,7 @@ impl Ingest {
                 if seq < from {
                     self.restarted(seq);
                 } else {
-                    self.mirror.clear(&mut self.changes);
+                    self.mirror.begin_rebuild();
                     self.seq.reset();
                 }
                 self.replayed_from = Some(seq);

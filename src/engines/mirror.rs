@@ -7,7 +7,7 @@
 use std::collections::VecDeque;
 use std::num::NonZeroUsize;
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::wire::{EngineBatch, EngineEvent, EngineHash, ExtraKey, MAX_GROUP, Stored};
@@ -114,6 +114,10 @@ pub struct EngineMirror {
     /// Per host-tier chunk held (keyed by the hash that names it): its blocks, and how
     /// many stores of it are held.
     chunks: FxHashMap<EngineHash, (Vec<EngineHash>, u32)>,
+    /// While the mirror is rebuilt from the engine's whole history
+    /// ([`EngineMirror::begin_rebuild`]): what it held before, by (block, tier), less what
+    /// has been stored again since. Their owner still holds them.
+    rebuilding: Option<FxHashSet<(SeqHash, Tier)>>,
 }
 
 impl EngineMirror {
@@ -130,6 +134,7 @@ impl EngineMirror {
             wrong_block_size: None,
             offload_chunk: 1,
             chunks: FxHashMap::default(),
+            rebuilding: None,
         }
     }
 
@@ -219,6 +224,7 @@ impl EngineMirror {
     /// Everything held is gone (the engine cleared its cache, restarted, or events were lost
     /// with no way to replay them).
     pub fn clear(&mut self, out: &mut Vec<BlockChange>) {
+        self.end_rebuild(out);
         for (_, e) in self.blocks.drain() {
             for (i, tier) in TIERS.iter().enumerate() {
                 if e.refs[i] > 0 {
@@ -233,6 +239,34 @@ impl EngineMirror {
         self.ghosts.clear();
         self.ghost_order.clear();
         self.chunks.clear();
+    }
+
+    /// Starts over from the engine's whole history (its replay from the first batch it
+    /// sent), without telling the owner: what is held now is set aside, a block stored
+    /// again is not handed out a second time, and [`EngineMirror::end_rebuild`] hands out
+    /// the removal of what was not. A reconnect's replay thus hands out only what changed
+    /// while the mirror was away, not every block removed and then stored again (which left
+    /// routers without the engine's blocks in between, for many updates on a large cache).
+    pub fn begin_rebuild(&mut self) {
+        let held = self.rebuilding.get_or_insert_with(FxHashSet::default);
+        for (_, e) in self.blocks.drain() {
+            for (i, tier) in TIERS.iter().enumerate() {
+                if e.refs[i] > 0 {
+                    held.insert((e.block.seq, *tier));
+                }
+            }
+        }
+        self.ghosts.clear();
+        self.ghost_order.clear();
+        self.chunks.clear();
+    }
+
+    /// Ends a rebuild: what was held before it and not stored again is gone.
+    pub fn end_rebuild(&mut self, out: &mut Vec<BlockChange>) {
+        for (seq, tier) in self.rebuilding.take().into_iter().flatten() {
+            self.stats.removed += 1;
+            out.push(BlockChange::Removed { tier, seq });
+        }
     }
 
     fn stored(&mut self, s: &Stored, out: &mut Vec<BlockChange>) {
@@ -358,9 +392,16 @@ impl EngineMirror {
             }
             *e = entry;
         }
+        let seq = e.block.seq;
         let refs = &mut e.refs[tier_index(tier)];
         *refs = refs.saturating_add(1);
-        if *refs == 1 {
+        // Held before a rebuild and stored again: its owner has it already.
+        let kept = |rebuilding: &mut Option<FxHashSet<_>>| {
+            rebuilding
+                .as_mut()
+                .is_some_and(|held| held.remove(&(seq, tier)))
+        };
+        if *refs == 1 && !kept(&mut self.rebuilding) {
             self.stats.stored += 1;
             out.push(BlockChange::Stored {
                 tier,

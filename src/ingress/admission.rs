@@ -691,10 +691,16 @@ pub(super) async fn drive_queue(router: Weak<Router>, room: Arc<Notify>) {
             let Some(router) = router.upgrade() else {
                 return;
             };
-            let pumped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| router.pump()));
-            if pumped.is_err() {
-                metrics::counter!("kvroute_queue_pump_panics_total").increment(1);
-                tracing::error!("the admission queue's pump panicked; pumping again");
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| router.pump())) {
+                Ok(Pumped { visited, read }) => {
+                    metrics::counter!("kvroute_queue_pump_tickets_visited_total")
+                        .increment(visited as u64);
+                    metrics::counter!("kvroute_queue_pump_lookups_total").increment(read as u64);
+                }
+                Err(_) => {
+                    metrics::counter!("kvroute_queue_pump_panics_total").increment(1);
+                    tracing::error!("the admission queue's pump panicked; pumping again");
+                }
             }
             let next = router.queue.lock().next_deadline_ms();
             next.map_or(100, |d| d.saturating_sub(router.now_ms()).clamp(1, 100))

@@ -17,6 +17,8 @@ const BS: usize = 2;
 struct Owner {
     rx: mpsc::Receiver<Update>,
     held: BTreeSet<SeqHash>,
+    /// Every device removal seen, in order.
+    removed: Vec<SeqHash>,
     stats: IngestStats,
 }
 
@@ -40,6 +42,7 @@ impl Owner {
                             seq,
                         } => {
                             assert!(self.held.remove(&seq), "removed unknown {seq:?}");
+                            self.removed.push(seq);
                         }
                         _ => {}
                     }
@@ -125,6 +128,7 @@ async fn follow(endpoint: EngineEndpoint, limits: IngestLimits) -> Owner {
     let mut owner = Owner {
         rx,
         held: BTreeSet::new(),
+        removed: Vec::new(),
         stats: IngestStats::default(),
     };
     owner.until("connected", |o| o.stats.connected).await;
@@ -471,6 +475,66 @@ async fn a_batch_lost_inside_a_replay_is_asked_for_again() {
         .await;
     assert_eq!(owner.stats.unrepaired, 0, "{:?}", owner.stats);
     assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
+/// After its connection failed, the ingest rebuilds the mirror from the engine's whole
+/// replay buffer; its owner is handed only what changed meanwhile (block 3 removed, block 4
+/// stored), not every block removed and stored again, which left the router without the
+/// engine's blocks in between.
+#[tokio::test]
+async fn a_reconnect_s_rebuild_hands_over_only_what_changed() {
+    let buffer: std::sync::Arc<std::sync::Mutex<Vec<Bytes>>> =
+        std::sync::Arc::new(std::sync::Mutex::new(vec![
+            store(1, None),
+            store(2, Some(1)),
+            store(3, Some(2)),
+        ]));
+    let batches = std::sync::Arc::clone(&buffer);
+    let handler: RouterHandler = std::sync::Arc::new(move |request: Vec<Bytes>| {
+        let from = asked_from(&request);
+        let frame = |seq: u64, payload: Bytes| {
+            vec![
+                Bytes::new(),
+                Bytes::new(),
+                Bytes::copy_from_slice(&seq.to_be_bytes()),
+                payload,
+            ]
+        };
+        let batches = batches.lock().unwrap();
+        (from..batches.len() as u64)
+            .map(|seq| frame(seq, batches[seq as usize].clone()))
+            .chain(std::iter::once(frame(u64::MAX, Bytes::new())))
+            .collect()
+    });
+    let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
+    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
+    let endpoint = scripted(&pubs, &replay);
+    let mut owner = follow(endpoint, IngestLimits::default()).await;
+    let before = hashes_of(&[(1, None), (2, Some(1)), (3, Some(2))]);
+    owner.until("replayed", |o| o.held == before).await;
+    // While the follower is away the engine removes block 3 and stores block 4.
+    buffer
+        .lock()
+        .unwrap()
+        .extend([remove(3), store(4, Some(2))]);
+    let port = pubs.port();
+    drop(pubs);
+    let mut pubs = None;
+    for _ in 0..100 {
+        match PubSocket::bind("127.0.0.1", port).await {
+            Ok(p) => {
+                pubs = Some(p);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+    let _pubs = pubs.expect("the PUB port stays taken");
+    let after = hashes_of(&[(1, None), (2, Some(1)), (4, Some(2))]);
+    owner.until("rebuilt", |o| o.held == after).await;
+    let three = *before.difference(&after).next().unwrap();
+    assert_eq!(owner.removed, vec![three], "removed and stored again");
+    assert_eq!(owner.stats.restarts, 0, "{:?}", owner.stats);
 }
 
 #[test]

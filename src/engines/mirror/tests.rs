@@ -206,6 +206,76 @@ fn a_malformed_store_is_skipped_and_a_malformed_removal_drops_everything() {
     }
 }
 
+/// A rebuild from the engine's whole history hands out only what changed while the mirror
+/// was away: a block held before and stored again goes unsaid, one stored anew or in
+/// another tier is stored, one not stored again is removed at the end; the mirror then
+/// holds what the history says, and a clear during a rebuild removes both what was set
+/// aside and what was stored again.
+#[test]
+fn a_rebuild_hands_out_only_what_changed() {
+    let toks = tokens(4 * BS);
+    let want = hash_blocks(&toks, bs(), Salt::NONE);
+    let chain = |m: &mut EngineMirror, hashes: &[u64]| {
+        let events = hashes
+            .iter()
+            .enumerate()
+            .map(|(i, h)| {
+                let parent = i.checked_sub(1).map(|p| hashes[p]);
+                stored(&[*h], parent, &toks[i * BS..(i + 1) * BS], Medium::Gpu)
+            })
+            .collect();
+        apply(m, events)
+    };
+    let mut m = EngineMirror::new(bs());
+    assert_eq!(chain(&mut m, &[1, 2, 3]).len(), 3);
+    m.begin_rebuild();
+    // The history: 1, 2 and a fourth block in the GPU, and block 1 offloaded; not 3.
+    let mut out = chain(&mut m, &[1, 2, 3, 4]);
+    out.extend(apply(&mut m, vec![removed(&[3], Medium::Gpu)]));
+    out.extend(apply(&mut m, vec![stored(&[1], None, &[], Medium::Cpu)]));
+    m.end_rebuild(&mut out);
+    let device = |seq| BlockChange::Removed {
+        tier: Tier::Device,
+        seq,
+    };
+    // Blocks 1 to 3 were held before: stored again, unsaid. Block 3's removal after is
+    // handed out (its owner held it throughout), so nothing is left to remove at the end.
+    assert!(
+        matches!(&out[..], [
+            BlockChange::Stored { tier: Tier::Device, block: b4, .. },
+            removed_3,
+            BlockChange::Stored { tier: Tier::Host, block: b1, .. },
+        ] if b4.seq == want[3].seq && *removed_3 == device(want[2].seq)
+            && b1.seq == want[0].seq),
+        "{out:?}"
+    );
+    assert_eq!(m.len(), 3);
+    // Set aside, then cleared before being stored again: removed once, like the rest.
+    m.begin_rebuild();
+    chain(&mut m, &[1]);
+    let mut cleared = Vec::new();
+    m.clear(&mut cleared);
+    let mut gone: Vec<_> = cleared
+        .iter()
+        .map(|c| match c {
+            BlockChange::Removed { tier, seq } => (*tier, *seq),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    gone.sort();
+    let mut expect = vec![
+        (Tier::Device, want[0].seq),
+        (Tier::Device, want[1].seq),
+        (Tier::Device, want[3].seq),
+        (Tier::Host, want[0].seq),
+    ];
+    expect.sort();
+    assert_eq!(gone, expect);
+    let mut none = Vec::new();
+    m.end_rebuild(&mut none);
+    assert!(none.is_empty());
+}
+
 #[test]
 fn a_block_stored_twice_stays_until_removed_twice() {
     let toks = tokens(BS);
