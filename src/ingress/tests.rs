@@ -13,6 +13,11 @@ fn status(code: u16) -> ProxyError {
     }
 }
 
+/// The body a bundled worker is sent for chat request `p`, read back.
+fn generate_json(p: &Parsed, salt: crate::protocol::Salt) -> serde_json::Value {
+    serde_json::from_slice(&generate_body(p, salt, true)).unwrap()
+}
+
 #[test]
 fn the_error_decides_retry_fault_and_status() {
     // Overloaded, misdirected, broken or redirecting workers: another worker is tried.
@@ -137,7 +142,7 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
         let p = parse(&t, body.as_bytes(), false).unwrap();
         assert_eq!(p.include_usage, usage, "{options}");
     }
-    let body = generate_body(&nulls, crate::protocol::Salt(9), true);
+    let body = generate_json(&nulls, crate::protocol::Salt(9));
     assert_eq!(
         (
             body["max_tokens"].as_u64(),
@@ -147,7 +152,7 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
         (Some(7), Some(3), Some(9))
     );
     assert!(
-        generate_body(&chat, crate::protocol::Salt::NONE, true)
+        generate_json(&chat, crate::protocol::Salt::NONE)
             .get("max_tokens")
             .is_none()
     );
@@ -235,7 +240,7 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
     let prefix = super::openai::byte_tokens(&super::openai::render_chat(&system, false));
     assert_eq!((image.media, &image.tokens), (true, &prefix));
     assert_eq!(
-        generate_body(&image, crate::protocol::Salt::NONE, true)["media"],
+        generate_json(&image, crate::protocol::Salt::NONE)["media"],
         true
     );
     let only = parse(
@@ -246,7 +251,7 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
     .unwrap();
     assert!(only.media && only.tokens.is_empty());
     assert!(
-        generate_body(&chat, crate::protocol::Salt::NONE, true)
+        generate_json(&chat, crate::protocol::Salt::NONE)
             .get("media")
             .is_none()
     );
