@@ -109,11 +109,22 @@ struct BlockCounts {
     len: usize,
 }
 
-/// A block and its holders; `count == 0` is an empty slot.
+/// A block and its holders; `count == 0` is an empty slot. The count is 64 bits (the slot
+/// is 16 bytes either way): peers' bookings may name a block any number of times, and a
+/// 32-bit count could wrap to the empty mark.
 #[derive(Clone, Copy, Default)]
 struct Slot {
     seq: u64,
-    count: u32,
+    count: u64,
+}
+
+/// This process's key for [`BlockCounts::home`], drawn at first use.
+fn home_key() -> u64 {
+    use std::hash::BuildHasher;
+    static KEY: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *KEY.get_or_init(|| {
+        std::collections::hash_map::RandomState::new().hash_one(0x6b76_726f_7574_65u64)
+    })
 }
 
 /// Blocks whose home slots are loaded together before any is read.
@@ -132,11 +143,16 @@ impl std::fmt::Debug for BlockCounts {
 }
 
 impl BlockCounts {
-    /// Where `seq`'s probe starts: the top bits of a Fibonacci multiply (Knuth, TAOCP vol. 3,
-    /// 6.4), so that any keys, not only well-mixed hashes, spread.
+    /// Where `seq`'s probe starts: the top bits of `seq` mixed with this process's key
+    /// (a Fibonacci multiply, Knuth, TAOCP vol. 3, 6.4, after a xor-shift-multiply round),
+    /// so that any keys spread, and keys chosen to share a home (a peer's booking is input
+    /// from the network: blocks `i * 0x9e37_79b9_7f4a_7c15^-1` all met at slot 0 of the
+    /// unkeyed multiply, making each probe walk the whole run) cannot be made without the key.
     fn home(&self, seq: u64) -> usize {
         let bits = self.slots.len().trailing_zeros();
-        (seq.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - bits)) as usize
+        let mut x = seq ^ home_key();
+        x = (x ^ (x >> 32)).wrapping_mul(0xd6e8_feb8_6659_fd93);
+        (x.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - bits)) as usize
     }
 
     fn mask(&self) -> usize {
@@ -275,6 +291,38 @@ mod tests {
 
     use super::*;
 
+    /// Keys a peer could choose so that every one starts its probe at the same slot of an
+    /// unkeyed Fibonacci hash (`i` times the multiplier's inverse: the multiply gives `i`,
+    /// whose top bits are 0) spread under the keyed one: no probe walks far from its home.
+    #[test]
+    fn keys_chosen_to_collide_still_spread() {
+        const A: u64 = 0x9e37_79b9_7f4a_7c15;
+        // Newton's iteration for the inverse mod 2^64 (each step doubles the bits).
+        let mut inverse = A;
+        for _ in 0..6 {
+            inverse = inverse.wrapping_mul(2u64.wrapping_sub(A.wrapping_mul(inverse)));
+        }
+        assert_eq!(A.wrapping_mul(inverse), 1);
+        let blocks: Vec<SeqHash> = (1..=4096u64)
+            .map(|i| SeqHash(i.wrapping_mul(inverse)))
+            .collect();
+        let mut table = BlockCounts::default();
+        table.add(&blocks);
+        let mask = table.mask();
+        let farthest = blocks
+            .iter()
+            .map(|b| {
+                let at = table.find(b.0).expect("added");
+                at.wrapping_sub(table.home(b.0)) & mask
+            })
+            .max()
+            .unwrap();
+        assert!(
+            farthest < 64,
+            "a probe walked {farthest} slots from its home"
+        );
+    }
+
     proptest! {
         /// The table agrees with a `HashMap` of counts through any bookings and releases,
         /// growing and shrinking: keys from a small range so that runs collide and
@@ -287,7 +335,7 @@ mod tests {
             ),
         ) {
             let mut table = BlockCounts::default();
-            let mut model: HashMap<u64, u32> = HashMap::new();
+            let mut model: HashMap<u64, u64> = HashMap::new();
             let mut booked: Vec<Vec<SeqHash>> = Vec::new();
             for (book, keys, spread) in ops {
                 if book || booked.is_empty() {
