@@ -4,7 +4,6 @@
 //! the table follows the live conversations whatever clients send.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
@@ -56,14 +55,29 @@ struct Entry {
     last_ms: u64,
 }
 
+/// A session's id as the table keeps it: 128 bits of a hash keyed per process. Ids come from
+/// clients' headers, scoped by tenant and model (up to about 530 bytes): kept whole, a full
+/// table of a million sessions took over half a GB. Two ids that met here would share a
+/// worker, nothing more; finding such a pair takes the key.
+type SessionKey = u128;
+
+fn session_key(id: &str) -> SessionKey {
+    use std::hash::BuildHasher;
+    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let seed = *SEED.get_or_init(|| {
+        std::collections::hash_map::RandomState::new().hash_one(0x6b76_7365_7373_696fu64)
+    });
+    xxhash_rust::xxh3::xxh3_128_with_seed(id.as_bytes(), seed)
+}
+
 /// The session table.
 #[derive(Debug)]
 pub(super) struct Sessions {
     config: SessionConfig,
-    map: FxHashMap<Arc<str>, Entry>,
+    map: FxHashMap<SessionKey, Entry>,
     /// (last turn, session) by age; entries whose session had a later turn are stale and
     /// skipped.
-    by_age: VecDeque<(u64, Arc<str>)>,
+    by_age: VecDeque<(u64, SessionKey)>,
     /// Live sessions per worker (entries removed at zero).
     per_worker: FxHashMap<WorkerKey, u32>,
     stats: SessionStats,
@@ -101,13 +115,13 @@ impl Sessions {
     /// The worker `id` sticks to at `now_ms` (forgetting expired sessions first).
     pub(super) fn worker(&mut self, now_ms: u64, id: &str) -> Option<WorkerKey> {
         self.forget(now_ms);
-        self.map.get(id).map(|e| e.worker)
+        self.map.get(&session_key(id)).map(|e| e.worker)
     }
 
     /// Like [`Sessions::worker`], without forgetting anything.
     pub(super) fn peek(&self, now_ms: u64, id: &str) -> Option<WorkerKey> {
         self.map
-            .get(id)
+            .get(&session_key(id))
             .filter(|e| now_ms.saturating_sub(e.last_ms) < self.config.ttl_ms)
             .map(|e| e.worker)
     }
@@ -128,12 +142,9 @@ impl Sessions {
             Some(_) if !registered => self.stats.moved += 1,
             Some(_) => self.stats.yielded += 1,
         }
-        let key: Arc<str> = match self.map.get_key_value(id) {
-            Some((k, _)) => Arc::clone(k),
-            None => Arc::from(id),
-        };
+        let key = session_key(id);
         let previous = self.map.insert(
-            Arc::clone(&key),
+            key,
             Entry {
                 worker: chosen,
                 last_ms: now_ms,
