@@ -190,7 +190,7 @@ pub async fn serve_http<F, Fut>(
         configure(&stream);
         let handler = handler.clone();
         let mut closing = shutdown.clone();
-        metrics::gauge!("kvroute_http_connections_open").increment(1.0);
+        let open = OpenConnection::new();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
                 let response = handler(req);
@@ -220,13 +220,29 @@ pub async fn serve_http<F, Fut>(
                 connection.as_mut().graceful_shutdown();
                 let _ = connection.await;
             }
-            metrics::gauge!("kvroute_http_connections_open").decrement(1.0);
-            drop(permit);
+            drop((open, permit));
         });
     }
     drop(listener);
     let all = u32::try_from(config.max_connections.max(1)).unwrap_or(u32::MAX);
     let _ = permits.acquire_many(all).await;
+}
+
+/// An open connection, counted in `kvroute_http_connections_open` while it lives: the
+/// count goes down however the connection's task ends (a handler that panics unwinds it).
+struct OpenConnection;
+
+impl OpenConnection {
+    fn new() -> OpenConnection {
+        metrics::gauge!("kvroute_http_connections_open").increment(1.0);
+        OpenConnection
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        metrics::gauge!("kvroute_http_connections_open").decrement(1.0);
+    }
 }
 
 /// Longest a closing connection reads and discards what its client still sends.
