@@ -140,7 +140,8 @@ impl<'de> serde::Deserialize<'de> for TextOnly {
     }
 }
 
-/// A later prompt of a list of token-id lists: checked to be one, not kept.
+/// A later prompt of a list of token-id lists (or any of a batch's): checked to be one, not
+/// kept.
 struct TokensOnly;
 
 impl<'de> serde::Deserialize<'de> for TokensOnly {
@@ -205,7 +206,7 @@ pub fn split_batch(body: &[u8], limit: usize) -> Result<Option<Vec<bytes::Bytes>
         if texts {
             p.get().starts_with('"')
         } else {
-            serde_json::from_str::<TokenIdsOnly>(p.get()).is_ok()
+            serde_json::from_str::<TokensOnly>(p.get()).is_ok()
         }
     });
     if count < 2 || !alike {
@@ -278,29 +279,6 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for PromptList<'a> {
             }
         }
         d.deserialize_seq(V(std::marker::PhantomData))
-    }
-}
-
-/// A list of token ids (whole numbers from 0): checked, not kept.
-struct TokenIdsOnly;
-
-impl<'de> serde::Deserialize<'de> for TokenIdsOnly {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<TokenIdsOnly, D::Error> {
-        struct V;
-        impl<'de> serde::de::Visitor<'de> for V {
-            type Value = TokenIdsOnly;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a list of token ids")
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                mut seq: A,
-            ) -> Result<TokenIdsOnly, A::Error> {
-                while seq.next_element::<u64>()?.is_some() {}
-                Ok(TokenIdsOnly)
-            }
-        }
-        d.deserialize_seq(V)
     }
 }
 

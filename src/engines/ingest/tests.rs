@@ -402,6 +402,17 @@ fn scripted(pubs: &PubSocket, replay: &RouterSocket) -> EngineEndpoint {
     }
 }
 
+/// A replay socket's reply carrying batch `seq` (`u64::MAX`: the end marker), as vLLM sends
+/// it: delimiter, topic, seq, payload.
+fn replay_reply(seq: u64, payload: Bytes) -> Vec<Bytes> {
+    vec![
+        Bytes::new(),
+        Bytes::new(),
+        Bytes::copy_from_slice(&seq.to_be_bytes()),
+        payload,
+    ]
+}
+
 /// The seq a replay request asks from.
 fn asked_from(request: &[Bytes]) -> u64 {
     request
@@ -418,15 +429,7 @@ async fn a_replay_without_end_is_cut_at_its_cap() {
     let handler: RouterHandler = std::sync::Arc::new(|request: Vec<Bytes>| {
         let from = asked_from(&request);
         (from..from + 200)
-            .map(|seq| {
-                let parent = (seq > 0).then_some(seq);
-                vec![
-                    Bytes::new(),
-                    Bytes::new(),
-                    Bytes::copy_from_slice(&seq.to_be_bytes()),
-                    store(seq + 1, parent),
-                ]
-            })
+            .map(|seq| replay_reply(seq, store(seq + 1, (seq > 0).then_some(seq))))
             .collect()
     });
     let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
@@ -452,19 +455,11 @@ async fn a_batch_lost_inside_a_replay_is_asked_for_again() {
     let handler: RouterHandler = std::sync::Arc::new(move |request: Vec<Bytes>| {
         let from = asked_from(&request);
         let first = asks.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
-        let frame = |seq: u64, payload: Bytes| {
-            vec![
-                Bytes::new(),
-                Bytes::new(),
-                Bytes::copy_from_slice(&seq.to_be_bytes()),
-                payload,
-            ]
-        };
         (from..10)
             // The first stream loses batch 5 on the way.
             .filter(|&seq| !(first && seq == 5))
-            .map(|seq| frame(seq, store(seq + 1, (seq > 0).then_some(seq))))
-            .chain(std::iter::once(frame(u64::MAX, Bytes::new())))
+            .map(|seq| replay_reply(seq, store(seq + 1, (seq > 0).then_some(seq))))
+            .chain(std::iter::once(replay_reply(u64::MAX, Bytes::new())))
             .collect()
     });
     let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
@@ -492,18 +487,10 @@ async fn a_reconnect_s_rebuild_hands_over_only_what_changed() {
     let batches = std::sync::Arc::clone(&buffer);
     let handler: RouterHandler = std::sync::Arc::new(move |request: Vec<Bytes>| {
         let from = asked_from(&request);
-        let frame = |seq: u64, payload: Bytes| {
-            vec![
-                Bytes::new(),
-                Bytes::new(),
-                Bytes::copy_from_slice(&seq.to_be_bytes()),
-                payload,
-            ]
-        };
         let batches = batches.lock().unwrap();
         (from..batches.len() as u64)
-            .map(|seq| frame(seq, batches[seq as usize].clone()))
-            .chain(std::iter::once(frame(u64::MAX, Bytes::new())))
+            .map(|seq| replay_reply(seq, batches[seq as usize].clone()))
+            .chain(std::iter::once(replay_reply(u64::MAX, Bytes::new())))
             .collect()
     });
     let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
