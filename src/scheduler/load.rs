@@ -123,7 +123,7 @@ fn home_key() -> u64 {
     use std::hash::BuildHasher;
     static KEY: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     *KEY.get_or_init(|| {
-        std::collections::hash_map::RandomState::new().hash_one(0x6b76_726f_7574_65u64)
+        std::collections::hash_map::RandomState::new().hash_one(0x6b76_726f_7574_6573_u64)
     })
 }
 
