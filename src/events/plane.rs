@@ -1041,14 +1041,22 @@ async fn run_stream(
     let mut commands = Vec::new();
     let worker = key.0.to_string();
     let apply_metrics = ApplyMetrics::new(&worker);
-    let request_snapshot = |request: u64, wait_ms: u64| {
-        tokio::spawn(fetch_snapshot(
+    // One snapshot fetch at a time: a new request supersedes the one before (its answer
+    // would be refused as stale), so that fetch is stopped, with its reply subscription. A
+    // worker changing epoch at every batch otherwise left a fetch per batch waiting out its
+    // deadline.
+    let mut fetching: Option<tokio::task::AbortHandle> = None;
+    let mut request_snapshot = |request: u64, wait_ms: u64| {
+        let fetch = tokio::spawn(fetch_snapshot(
             Arc::clone(&shared),
             key,
             tx.clone(),
             request,
             Duration::from_millis(wait_ms),
         ));
+        if let Some(superseded) = fetching.replace(fetch.abort_handle()) {
+            superseded.abort();
+        }
     };
     // A rank the index has no slot for resyncs after a wait that doubles, not at once: a
     // worker answers a snapshot request in a round trip, and every snapshot would be
@@ -1161,6 +1169,9 @@ async fn run_stream(
         s.stats = after;
         s.applied += applied;
         s.wipes += wipes;
+    }
+    if let Some(fetch) = fetching.take() {
+        fetch.abort();
     }
     shared.indexer.retire_rank(key.0, key.1);
     reap_later(&shared.indexer);

@@ -497,6 +497,17 @@ impl LocalBus {
     pub fn dropped(&self) -> u64 {
         self.inner.lock().dropped
     }
+
+    /// Subscriptions still open to subjects that start with `prefix`.
+    #[cfg(test)]
+    pub(crate) fn open_subscriptions(&self, prefix: &str) -> usize {
+        let inner = self.inner.lock();
+        inner
+            .subscribers
+            .iter()
+            .filter(|(pattern, tx)| !tx.is_closed() && pattern.join(".").starts_with(prefix))
+            .count()
+    }
 }
 
 /// NATS subject matching: `*` matches one token, a trailing `>` one or more.

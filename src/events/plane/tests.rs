@@ -303,7 +303,40 @@ async fn an_unanswered_snapshot_request_is_retried_after_its_deadline() {
     assert!(status.stats.snapshot_retries >= 3, "{:?}", status.stats);
 }
 
-/// A registry that stops reporting leaves the router blind: the plane says so, loudly.
+/// A worker that changes epoch at every batch, each starting mid-stream (a snapshot is
+/// needed each time), has one snapshot fetch under way at a time: each request supersedes
+/// the one before, whose fetch is stopped with its reply subscription (each waited out its
+/// deadline, one per batch).
+#[tokio::test(start_paused = true)]
+async fn a_worker_flapping_epochs_has_one_snapshot_fetch_at_a_time() {
+    let s = setup(LeaseConfig::default()).await;
+    s.local.put(info(1, 1));
+    assert!(settle(|| s.plane.streams().len() == 1).await);
+    let Transport::Local(bus) = &s.bus else {
+        panic!("a local bus");
+    };
+    for epoch in 10..30 {
+        let b = EventBatch {
+            worker: WorkerId(1),
+            dp_rank: DpRank(0),
+            epoch,
+            sent_unix_us: 0,
+            events: vec![KvEvent {
+                id: 5,
+                tier: Tier::Device,
+                data: KvEventData::Removed {
+                    blocks: vec![crate::protocol::SeqHash(epoch)],
+                },
+            }],
+        };
+        s.publish(1, encode(&b).unwrap().into()).await;
+    }
+    assert!(settle(|| s.plane.streams()[0].1.epoch == Some(29)).await);
+    let fetching = bus.open_subscriptions("_INBOX");
+    assert!(fetching <= 1, "{fetching} snapshot fetches under way");
+}
+
+/// A registry that stops reporting leaves the router blind: the plane says so, loudly./// A registry that stops reporting leaves the router blind: the plane says so, loudly.
 #[tokio::test(start_paused = true)]
 async fn a_closed_registry_watch_is_fatal() {
     let bus = Transport::Local(LocalBus::new());
