@@ -143,15 +143,16 @@ impl std::fmt::Debug for BlockCounts {
 }
 
 impl BlockCounts {
-    /// Where `seq`'s probe starts: the top bits of `seq` mixed with this process's key
-    /// (a Fibonacci multiply, Knuth, TAOCP vol. 3, 6.4, after a xor-shift-multiply round),
-    /// so that any keys spread, and keys chosen to share a home (a peer's booking is input
-    /// from the network: blocks `i * 0x9e37_79b9_7f4a_7c15^-1` all met at slot 0 of the
+    /// Where `seq`'s probe starts: the top bits of `seq` mixed with this process's key (a
+    /// xor-shift, multiply, xor-shift round, then a Fibonacci multiply: Knuth, TAOCP vol. 3,
+    /// 6.4), so that any keys spread, and keys chosen to share a home (a peer's booking is
+    /// input from the network: blocks `i * 0x9e37_79b9_7f4a_7c15^-1` all met at slot 0 of the
     /// unkeyed multiply, making each probe walk the whole run) cannot be made without the key.
     fn home(&self, seq: u64) -> usize {
         let bits = self.slots.len().trailing_zeros();
         let mut x = seq ^ home_key();
         x = (x ^ (x >> 32)).wrapping_mul(0xd6e8_feb8_6659_fd93);
+        x ^= x >> 29;
         (x.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - bits)) as usize
     }
 
