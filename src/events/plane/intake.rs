@@ -122,9 +122,13 @@ impl Intake {
     }
 }
 
-/// What a message holds while queued.
+/// What a message holds while queued: its payload, subject and reply subject (a publisher
+/// may set one of up to a few KiB on an empty payload), and the message's own fields.
 fn charge(message: &Message) -> usize {
-    message.payload.len() + message.subject.len() + 64
+    message.payload.len()
+        + message.subject.len()
+        + message.reply.as_ref().map_or(0, String::len)
+        + 64
 }
 
 /// Heartbeats' watermarks waiting for the barrier that lets them follow their events: one
@@ -191,6 +195,19 @@ mod tests {
 
     fn mark(last_id: u64) -> Watermark {
         Watermark { epoch: 7, last_id }
+    }
+
+    /// A message is charged what it holds: an empty payload with a long reply subject
+    /// (which the publisher chooses) costs the reply's bytes too.
+    #[test]
+    fn a_message_is_charged_its_reply_subject() {
+        let message = |reply: Option<String>| Message {
+            subject: "kvroute.c.events.1".into(),
+            reply,
+            payload: bytes::Bytes::new(),
+        };
+        let bare = charge(&message(None));
+        assert_eq!(charge(&message(Some("r".repeat(4096)))), bare + 4096);
     }
 
     #[test]
