@@ -527,6 +527,17 @@ impl Router {
                 Some(overlaps) if to_read.is_empty() => overlaps,
                 Some(_) => continue,
                 None => {
+                    // A hard session whose worker's room is kept for an earlier request
+                    // waits: no worker but its own may take it, and that one takes none
+                    // but the earlier. Held back without a lookup (a queue of such turns,
+                    // an agent fleet at capacity, cost one lookup each at every pump).
+                    if let Some((session, true)) = &waiter.request.session
+                        && let Some(worker) = self.scheduler.lock().session_worker(now, session)
+                        && walk.reserved.contains(&worker)
+                    {
+                        walk.blocked_sessions.insert(session.clone());
+                        continue;
+                    }
                     // Past the lookahead, the walk ends at the first ticket not read.
                     if walk.read + to_read.len() == MAX_LOOKAHEAD {
                         break;

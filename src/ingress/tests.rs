@@ -970,6 +970,50 @@ mod queue {
         assert!(matches!(waiting[0].1.try_recv(), Ok(Ok(_))));
     }
 
+    /// Turns of hard sessions whose worker's room is kept for an earlier turn wait without
+    /// a lookup each: a pump over 40 such turns, both workers full, reads the overlaps of
+    /// a few (it read every one, up to 1,024, at every pump), and the first turn gets its
+    /// worker once room opens.
+    #[tokio::test(start_paused = true)]
+    async fn hard_session_turns_behind_a_kept_worker_wait_without_lookups() {
+        let (router, _plane) = router(100, ["a", "a"]).await;
+        // Forty sessions, each stuck to the worker its first turn went to.
+        for i in 0..40 {
+            let Entered::Admitted(first) = enter_with(&router, "a", 16, Some(&format!("s{i}")))
+            else {
+                panic!("an idle fleet admits session {i}");
+            };
+            drop(first);
+        }
+        // 60 tokens of work on each worker (a request's work is its tokens and 4): a turn
+        // of 80 fits on neither.
+        let running: Vec<_> = (0..2)
+            .map(|_| match enter_with(&router, "a", 56, None) {
+                admitted @ Entered::Admitted(_) => admitted,
+                Entered::Queued { .. } => panic!("an idle worker admits"),
+            })
+            .collect();
+        let big = |i: usize| {
+            let Entered::Queued { guard, rx, .. } =
+                enter_with(&router, "a", 76, Some(&format!("s{i}")))
+            else {
+                panic!("turn {i} found room in a full fleet");
+            };
+            (guard, rx)
+        };
+        let mut turns: Vec<_> = (0..40).map(big).collect();
+        let pumped = router.pump();
+        assert!(
+            pumped.read <= 4,
+            "a pump over 40 kept turns read {} overlaps",
+            pumped.read
+        );
+        assert!(turns.iter_mut().all(|(_, rx)| rx.try_recv().is_err()));
+        drop(running);
+        router.pump();
+        assert!(matches!(turns[0].1.try_recv(), Ok(Ok(_))));
+    }
+
     /// A pump that panics (a broken invariant, with the queue locked) is logged and the next
     /// one goes on: the queued request is admitted once room opens, instead of waiting out
     /// its deadline behind a dead pump.
