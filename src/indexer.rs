@@ -77,6 +77,7 @@ use lanes::{LaneState, Lanes, SlotsExhausted, TierMask};
 use slots::SlotRef;
 use sync::Mutex;
 use table::{Change, Entry, Map, ShardWriter, View};
+pub(crate) use table::{home_of_key, seed as process_seed};
 
 /// Sizing of the index.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -396,12 +396,12 @@ impl EngineMirror {
         let refs = &mut e.refs[tier_index(tier)];
         *refs = refs.saturating_add(1);
         // Held before a rebuild and stored again: its owner has it already.
-        let kept = |rebuilding: &mut Option<FxHashSet<_>>| {
-            rebuilding
+        if *refs == 1
+            && !self
+                .rebuilding
                 .as_mut()
                 .is_some_and(|held| held.remove(&(seq, tier)))
-        };
-        if *refs == 1 && !kept(&mut self.rebuilding) {
+        {
             self.stats.stored += 1;
             out.push(BlockChange::Stored {
                 tier,

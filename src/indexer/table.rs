@@ -763,8 +763,9 @@ fn spill_words(owners: &[Entry]) -> usize {
     }
 }
 
-/// The probe seed: random per process so that publishers cannot aim at one probe chain.
-fn seed() -> u64 {
+/// The probe seed: random per process so that publishers cannot aim at one probe chain
+/// (also the key of the other tables whose keys come from the network).
+pub(crate) fn seed() -> u64 {
     use std::sync::OnceLock;
     static SEED: OnceLock<u64> = OnceLock::new();
     *SEED.get_or_init(|| {

@@ -558,7 +558,7 @@ mod queue {
     use std::sync::atomic::Ordering;
     use std::time::Duration;
 
-    use super::super::admission::{Class, Entered, Routable};
+    use super::super::admission::{Class, Entered, Outcome, Pumped, Queued, Routable};
     use super::super::{IngressConfig, Router, Tokenizer};
     use crate::discovery::LeaseConfig;
     use crate::events::plane::PlaneConfig;
@@ -953,7 +953,7 @@ mod queue {
             };
             waiting.push((guard, rx));
         }
-        let pumped = router.pump();
+        let pumped = pump_full_then_free(&router, &mut waiting, running);
         // The first walk gathers the first ticket's overlaps to read (1 visited); the next
         // weighs it (it waits) and gathers the next two not held back (4); the third
         // weighs model b's first (it waits) and ends (2).
@@ -963,11 +963,22 @@ mod queue {
             pumped.visited,
             pumped.read
         );
+    }
+
+    /// Pumps over a full fleet, where none of `waiting` may go, then again once `running`
+    /// is dropped, when the first of them goes (the next in order): what the first pump
+    /// cost.
+    fn pump_full_then_free<R>(
+        router: &Router,
+        waiting: &mut [(Queued<'_>, tokio::sync::oneshot::Receiver<Outcome>)],
+        running: R,
+    ) -> Pumped {
+        let pumped = router.pump();
         assert!(waiting.iter_mut().all(|(_, rx)| rx.try_recv().is_err()));
-        // With room again, the next ticket in order goes.
         drop(running);
         router.pump();
         assert!(matches!(waiting[0].1.try_recv(), Ok(Ok(_))));
+        pumped
     }
 
     /// Turns of hard sessions whose worker's room is kept for an earlier turn wait without
@@ -1002,16 +1013,12 @@ mod queue {
             (guard, rx)
         };
         let mut turns: Vec<_> = (0..40).map(big).collect();
-        let pumped = router.pump();
+        let pumped = pump_full_then_free(&router, &mut turns, running);
         assert!(
             pumped.read <= 4,
             "a pump over 40 kept turns read {} overlaps",
             pumped.read
         );
-        assert!(turns.iter_mut().all(|(_, rx)| rx.try_recv().is_err()));
-        drop(running);
-        router.pump();
-        assert!(matches!(turns[0].1.try_recv(), Ok(Ok(_))));
     }
 
     /// A pump that panics (a broken invariant, with the queue locked) is logged and the next

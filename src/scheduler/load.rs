@@ -118,15 +118,6 @@ struct Slot {
     count: u64,
 }
 
-/// This process's key for [`BlockCounts::home`], drawn at first use.
-fn home_key() -> u64 {
-    use std::hash::BuildHasher;
-    static KEY: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *KEY.get_or_init(|| {
-        std::collections::hash_map::RandomState::new().hash_one(0x6b76_726f_7574_6573_u64)
-    })
-}
-
 /// Blocks whose home slots are loaded together before any is read.
 const GROUP: usize = 16;
 
@@ -143,17 +134,14 @@ impl std::fmt::Debug for BlockCounts {
 }
 
 impl BlockCounts {
-    /// Where `seq`'s probe starts: the top bits of `seq` mixed with this process's key (a
-    /// xor-shift, multiply, xor-shift round, then a Fibonacci multiply: Knuth, TAOCP vol. 3,
-    /// 6.4), so that any keys spread, and keys chosen to share a home (a peer's booking is
-    /// input from the network: blocks `i * 0x9e37_79b9_7f4a_7c15^-1` all met at slot 0 of the
-    /// unkeyed multiply, making each probe walk the whole run) cannot be made without the key.
+    /// Where `seq`'s probe starts: the top bits of its hash keyed per process (the index's,
+    /// [`crate::indexer::home_of_key`]), so that any keys spread, and keys chosen to share a
+    /// home (a peer's booking is input from the network: blocks `i * 0x9e37_79b9_7f4a_7c15^-1`
+    /// all met at slot 0 of the unkeyed Fibonacci multiply this used, making each probe walk
+    /// the whole run) cannot be made without the key.
     fn home(&self, seq: u64) -> usize {
         let bits = self.slots.len().trailing_zeros();
-        let mut x = seq ^ home_key();
-        x = (x ^ (x >> 32)).wrapping_mul(0xd6e8_feb8_6659_fd93);
-        x ^= x >> 29;
-        (x.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - bits)) as usize
+        (crate::indexer::home_of_key(seq) >> (64 - bits)) as usize
     }
 
     fn mask(&self) -> usize {

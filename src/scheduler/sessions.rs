@@ -62,12 +62,7 @@ struct Entry {
 type SessionKey = u128;
 
 fn session_key(id: &str) -> SessionKey {
-    use std::hash::BuildHasher;
-    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    let seed = *SEED.get_or_init(|| {
-        std::collections::hash_map::RandomState::new().hash_one(0x6b76_7365_7373_696fu64)
-    });
-    xxhash_rust::xxh3::xxh3_128_with_seed(id.as_bytes(), seed)
+    xxhash_rust::xxh3::xxh3_128_with_seed(id.as_bytes(), crate::indexer::process_seed())
 }
 
 /// The session table.

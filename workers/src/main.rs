@@ -518,7 +518,15 @@ async fn sidecar(
     let server = tokio::spawn(kvroute::http::serve_http(
         listener,
         http,
-        sidecar_http(kvroute::process::install_metrics()),
+        {
+            let metrics = kvroute::process::install_metrics();
+            move |req: hyper::Request<hyper::body::Incoming>| {
+                std::future::ready(kvroute_worker::server::sidecar_response(
+                    metrics.as_ref(),
+                    &req,
+                ))
+            }
+        },
         http_stop_rx,
     ));
     let Some((transport, registry)) =
@@ -558,43 +566,4 @@ async fn sidecar(
     // A scrape in flight finishes; a client that holds its connection open is not waited for.
     let _ = tokio::time::timeout(Duration::from_secs(1), server).await;
     outcome?
-}
-
-/// The sidecar's HTTP: `GET /metrics` (its series and its bridge's) and `GET /health` (200
-/// while the process serves: the engine's health is `kvroute_engine_healthy`).
-fn sidecar_http(
-    metrics: Option<kvroute::process::Metrics>,
-) -> impl Fn(
-    hyper::Request<hyper::body::Incoming>,
-) -> std::future::Ready<hyper::Response<kvroute::http::Body>>
-+ Clone
-+ Send
-+ Sync
-+ 'static {
-    move |req| {
-        let (status, kind, body) = match (req.method(), req.uri().path()) {
-            (&hyper::Method::GET, "/metrics") => (
-                hyper::StatusCode::OK,
-                "text/plain; version=0.0.4",
-                metrics.as_ref().map(|m| m.render()).unwrap_or_default(),
-            ),
-            (&hyper::Method::GET, "/health") => (
-                hyper::StatusCode::OK,
-                "application/json",
-                r#"{"status":"ok"}"#.to_owned(),
-            ),
-            _ => (
-                hyper::StatusCode::NOT_FOUND,
-                "application/json",
-                r#"{"error":{"message":"a sidecar serves GET /metrics and GET /health","type":"invalid_request_error"}}"#.to_owned(),
-            ),
-        };
-        let mut response = hyper::Response::new(kvroute::http::full(body));
-        *response.status_mut() = status;
-        response.headers_mut().insert(
-            hyper::header::CONTENT_TYPE,
-            hyper::header::HeaderValue::from_static(kind),
-        );
-        std::future::ready(response)
-    }
 }

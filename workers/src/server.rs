@@ -29,7 +29,7 @@ use crate::EngineConfig;
 use crate::engine::Engine;
 use crate::plane::{SnapshotRequest, WorkerPlane};
 use engine_thread::{EngineHandle, EngineInput};
-pub use http::decode_generate;
+pub use http::{decode_generate, sidecar_response};
 
 /// The epoch of an incarnation starting now: start time in ms in the high bits, so later
 /// incarnations compare larger (`EventBatch` docs), and 16 low bits against ties.

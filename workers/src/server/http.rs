@@ -145,6 +145,28 @@ pub(crate) fn error(status: StatusCode, kind: &str, message: &str) -> Response<B
     )
 }
 
+/// A sidecar's answer to `req` on its own port: `GET /metrics` (its series and its
+/// bridge's) and `GET /health` (200 while the process serves: the engine's health is
+/// `kvroute_engine_healthy`).
+pub fn sidecar_response<B>(
+    metrics: Option<&kvroute::process::Metrics>,
+    req: &hyper::Request<B>,
+) -> Response<Body> {
+    match (req.method(), req.uri().path()) {
+        (&Method::GET, "/metrics") => full(
+            StatusCode::OK,
+            "text/plain; version=0.0.4",
+            metrics.map(|m| m.render()).unwrap_or_default(),
+        ),
+        (&Method::GET, "/health") => full(StatusCode::OK, "application/json", r#"{"status":"ok"}"#),
+        _ => error(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "a sidecar serves GET /metrics and GET /health",
+        ),
+    }
+}
+
 fn bad_request(message: &str) -> Response<Body> {
     error(StatusCode::BAD_REQUEST, "invalid_request_error", message)
 }
