@@ -510,3 +510,66 @@ fn a_replica_restarted_under_its_pinned_id_leaves_no_booking_of_its_previous_lif
     peers.on_message(11, 0, vec![beat], &mut peer);
     assert_eq!(peer.open_seqs(7), vec![seq]);
 }
+
+/// A peer's large message is applied in parts of bounded work (the reader hands the
+/// scheduler's lock to waiting routes in between), and the parts do what the whole does.
+#[test]
+fn a_large_message_is_applied_in_parts_of_bounded_work() {
+    let ops = || {
+        let mut ops: Vec<LoadMessage> = (0..40)
+            .map(|seq| LoadMessage::Book {
+                booking: shared(7, seq, 512, 1.0),
+            })
+            .collect();
+        ops.extend((0..10).map(|seq| LoadMessage::Complete {
+            id: BookingId { origin: 7, seq },
+        }));
+        ops.push(LoadMessage::Heartbeat {
+            replica: 7,
+            open: vec![(10, 19), (30, 39)],
+            next: 40,
+        });
+        ops
+    };
+    let mut whole = scheduler(0);
+    Peers::default().on_message(0, 0, ops(), &mut whole);
+    assert_eq!(whole.open_bookings(), 20);
+
+    let mut parted = scheduler(0);
+    let mut peers = Peers::default();
+    let mut incoming = Peers::take(0, ops());
+    let mut parts = 0;
+    loop {
+        parts += 1;
+        let work: Vec<usize> = incoming.ops.iter().map(LoadMessage::work).collect();
+        let more = peers.apply(0, &mut incoming, &mut parted, APPLY_BUDGET);
+        // A part stops at the first operation that reaches the budget.
+        let applied = work.len() - incoming.len();
+        assert!(applied >= 1);
+        assert!(work[..applied - 1].iter().sum::<usize>() < APPLY_BUDGET);
+        if !more {
+            break;
+        }
+    }
+    assert!(incoming.is_empty());
+    assert!(parts >= 40 * 513 / APPLY_BUDGET, "{parts} parts");
+    assert_eq!(parted.open_seqs(7), whole.open_seqs(7));
+    assert_eq!(parted.open_bookings(), 20);
+
+    // An operation over the whole budget still goes through, alone.
+    let mut incoming = Peers::take(
+        0,
+        vec![
+            LoadMessage::Book {
+                booking: shared(8, 0, 4 * APPLY_BUDGET, 1.0),
+            },
+            LoadMessage::Complete {
+                id: BookingId { origin: 8, seq: 0 },
+            },
+        ],
+    );
+    assert!(peers.apply(1, &mut incoming, &mut parted, APPLY_BUDGET));
+    assert_eq!(parted.open_seqs(8), vec![0]);
+    assert!(!peers.apply(1, &mut incoming, &mut parted, APPLY_BUDGET));
+    assert_eq!(parted.open_seqs(8), Vec::<u64>::new());
+}
