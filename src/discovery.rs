@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_nats::jetstream::kv;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -341,7 +342,7 @@ pub enum DiscoveryError {
 #[derive(Clone, Debug)]
 pub enum Registry {
     /// A JetStream KV bucket (boxed: the store handle is large).
-    Nats(Box<async_nats::jetstream::kv::Store>),
+    Nats(Box<NatsBucket>),
     /// In process.
     Local(LocalRegistry),
     /// A fixed list: never changes, never expires.
@@ -374,7 +375,11 @@ impl Registry {
             // Not there, or JetStream not ready yet: creating retries either way.
             Err(_) => create_bucket(&js, &bucket, lease, wanted).await?,
         };
-        Ok(Registry::Nats(Box::new(store)))
+        Ok(Registry::Nats(Box::new(NatsBucket {
+            store,
+            js,
+            config: bucket_config(&bucket, lease, wanted),
+        })))
     }
 
     /// Writes (or refreshes) a registration.
@@ -382,8 +387,8 @@ impl Registry {
         let value =
             Bytes::from(serde_json::to_vec(info).expect("invariant: WorkerInfo serializes"));
         match self {
-            Registry::Nats(store) => store
-                .put(info.id.to_string(), value)
+            Registry::Nats(bucket) => bucket
+                .put(&info.id.to_string(), value)
                 .await
                 .map(|_| ())
                 .map_err(|e| DiscoveryError::Register {
@@ -403,8 +408,9 @@ impl Registry {
     /// Removes a registration (goodbye).
     pub async fn delete(&self, id: WorkerId) -> Result<(), DiscoveryError> {
         match self {
-            Registry::Nats(store) => {
-                store
+            Registry::Nats(bucket) => {
+                bucket
+                    .store
                     .delete(id.to_string())
                     .await
                     .map_err(|e| DiscoveryError::Register {
@@ -431,18 +437,14 @@ impl Registry {
         // In-process and static registries always take writes and are always heard.
         let (healthy_tx, healthy) = watch::channel(true);
         let lease_ttl_ms = match self.clone() {
-            Registry::Nats(store) => {
+            Registry::Nats(bucket) => {
                 let period = probe_period(lease.ttl_ms);
                 let (writable_tx, writable) = watch::channel(true);
                 let (acked_tx, acked) = watch::channel(0);
-                tokio::spawn(probe_bucket(
-                    (*store).clone(),
-                    writable_tx,
-                    acked_tx,
-                    period,
-                ));
+                let store = bucket.store.clone();
+                tokio::spawn(probe_bucket(*bucket, writable_tx, acked_tx, period));
                 tokio::spawn(watch_bucket(
-                    *store,
+                    store,
                     tx,
                     writable,
                     acked,
@@ -498,7 +500,7 @@ pub fn probe_period_ms(ttl_ms: u64) -> u64 {
 /// call itself the leader.) The key ages out with the bucket's `max_age` once the router is
 /// gone; watchers take it as a sign that they still hear the bucket, not as a registration.
 async fn probe_bucket(
-    store: async_nats::jetstream::kv::Store,
+    bucket: NatsBucket,
     writable: watch::Sender<bool>,
     acked: watch::Sender<u64>,
     period: Duration,
@@ -517,7 +519,7 @@ async fn probe_bucket(
             _ = writable.closed() => return,
         }
         beats += 1;
-        let put = store.put(key.as_str(), Bytes::from(beats.to_string()));
+        let put = bucket.put(&key, Bytes::from(beats.to_string()));
         let error = match tokio::time::timeout(2 * period, put).await {
             Ok(Ok(_)) => None,
             Ok(Err(e)) => Some(e.to_string()),
@@ -565,13 +567,7 @@ async fn create_bucket(
     let mut replicas = wanted;
     let mut backoff = Duration::from_millis(100);
     loop {
-        let config = async_nats::jetstream::kv::Config {
-            bucket: bucket.to_owned(),
-            history: 1,
-            max_age: Duration::from_millis(lease.ttl_ms.max(1000) * 2),
-            num_replicas: replicas,
-            ..Default::default()
-        };
+        let config = bucket_config(bucket, lease, replicas);
         let error = match js.create_key_value(config).await {
             Ok(store) => {
                 tracing::info!(bucket, replicas, "created the worker registry bucket");
@@ -600,6 +596,78 @@ async fn create_bucket(
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(2));
     }
+}
+
+/// The registry bucket's configuration: one value a key, kept for two leases.
+fn bucket_config(bucket: &str, lease: &LeaseConfig, replicas: usize) -> kv::Config {
+    kv::Config {
+        bucket: bucket.to_owned(),
+        history: 1,
+        max_age: Duration::from_millis(lease.ttl_ms.max(1000) * 2),
+        num_replicas: replicas,
+        ..Default::default()
+    }
+}
+
+/// A registry bucket on JetStream, and what it takes to create it again.
+#[derive(Clone, Debug)]
+pub struct NatsBucket {
+    store: kv::Store,
+    js: async_nats::jetstream::Context,
+    config: kv::Config,
+}
+
+impl NatsBucket {
+    /// Writes `key`. A bucket that is gone (deleted, or lost with a server's store: the
+    /// chart's NATS without persistence keeps it in an `emptyDir`) is created again and
+    /// the write tried once more: without it every heartbeat and probe failed until some
+    /// process restarted, and routers stayed deaf, keeping crashed workers routable.
+    async fn put(&self, key: &str, value: Bytes) -> Result<u64, kv::PutError> {
+        match self.store.put(key, value.clone()).await {
+            Err(e) if stream_gone(&e) => {
+                self.create_again().await;
+                self.store.put(key, value).await
+            }
+            result => result,
+        }
+    }
+
+    /// One try at creating the bucket again (the next failed write tries again). Creating
+    /// a bucket that exists with the same configuration succeeds and changes nothing; one
+    /// with another (another process's lease) is refused, and nothing is lost either way.
+    async fn create_again(&self) {
+        let bucket = &self.config.bucket;
+        let mut config = self.config.clone();
+        let mut result = self.js.create_key_value(config.clone()).await;
+        if let Err(e) = &result
+            && config.num_replicas > 1
+            && e.to_string().contains("non-clustered")
+        {
+            config.num_replicas = 1;
+            result = self.js.create_key_value(config).await;
+        }
+        match result {
+            Ok(_) => {
+                metrics::counter!("kvroute_registry_bucket_created_again_total").increment(1);
+                tracing::warn!(
+                    bucket,
+                    "the worker registry bucket was gone; created it again (workers re-register with their next heartbeat)"
+                );
+            }
+            Err(e) => {
+                tracing::warn!(bucket, error = %e, "the worker registry bucket is gone and cannot be created yet")
+            }
+        }
+    }
+}
+
+/// Whether a write failed because no stream takes the bucket's subjects (JetStream answers
+/// a publish to them with "no responders").
+fn stream_gone(e: &kv::PutError) -> bool {
+    use async_nats::jetstream::context::{PublishError, PublishErrorKind};
+    std::error::Error::source(e)
+        .and_then(|source| source.downcast_ref::<PublishError>())
+        .is_some_and(|e| e.kind() == PublishErrorKind::StreamNotFound)
 }
 
 /// Raises an existing bucket's replicas towards `wanted`, as far as the cluster allows (a

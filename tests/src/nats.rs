@@ -164,6 +164,17 @@ impl NatsServer {
         self.kill();
         self.spawn()
     }
+
+    /// Starts it again on the same port with an empty store (a pod whose `emptyDir` went
+    /// with it): every stream and bucket is gone.
+    pub fn restart_empty(&mut self) -> anyhow::Result<()> {
+        self.kill();
+        if self.store.exists() {
+            std::fs::remove_dir_all(&self.store)
+                .with_context(|| format!("removing {}", self.store.display()))?;
+        }
+        self.spawn()
+    }
 }
 
 impl Drop for NatsServer {

@@ -440,6 +440,60 @@ async fn a_nats_outage_longer_than_the_lease_keeps_every_worker_routable() {
     run_workload(&sims, 8, 20).await;
     assert_exact(&r, &sims).await;
     assert_eq!(r.scheduler.lock().workers().count(), 4);
+    // And the router hears the registry again (a router deaf for good would pass the
+    // checks above): a worker that crashes now lapses.
+    let mut sims = sims;
+    sims.pop().unwrap().stop(false).await;
+    let gone = eventually(Duration::from_secs(20), || {
+        r.plane.worker(WorkerId(3)).is_none()
+    })
+    .await;
+    assert!(gone, "a worker that crashed after the outage never lapsed");
+    assert_eq!(r.scheduler.lock().workers().count(), 3);
+}
+
+/// A NATS server that comes back without its store (the chart's NATS without persistence
+/// keeps it in an `emptyDir`) has lost the registry bucket. The router's probe and the
+/// workers' heartbeats create it again, so the router hears the registry again: a worker
+/// that crashes afterwards lapses (a deaf router would keep it routable for good), the live
+/// ones stay, and the index is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_bucket_lost_with_the_server_s_store_is_created_again() {
+    let mut server = NatsServer::start().unwrap();
+    let (transport, registry) = nats(&server, "workers").await;
+    let (rt, rreg) = nats(&server, "router").await;
+    let r = router(rt, &rreg).await;
+    let sims = workers(&transport, &registry, 0..3, Faults::default()).await;
+    run_workload(&sims, 7, 20).await;
+    let all = eventually(Duration::from_secs(10), || {
+        r.scheduler.lock().workers().count() == 3
+    })
+    .await;
+    assert!(all, "the workers never became routable");
+    server.restart_empty().unwrap();
+    let mut sims = sims;
+    let crashed = sims.pop().unwrap();
+    crashed.stop(false).await;
+    let gone = eventually(Duration::from_secs(20), || {
+        r.plane.worker(WorkerId(2)).is_none()
+    })
+    .await;
+    assert!(
+        gone,
+        "the crashed worker never lapsed: the router does not hear the registry"
+    );
+    run_workload(&sims, 8, 20).await;
+    assert_exact(&r, &sims).await;
+    assert_eq!(r.scheduler.lock().workers().count(), 2);
+    let js = async_nats::jetstream::new(transport.nats_client().unwrap().clone());
+    let store = js
+        .get_key_value(kvroute::discovery::bucket_name(CLUSTER))
+        .await
+        .unwrap();
+    assert!(
+        store.get("0").await.unwrap().is_some(),
+        "worker 0 registered again"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
