@@ -20,7 +20,6 @@
 //! [`EngineHash`]: the engine's name for a block, used only to resolve removals.
 
 use rmpv::ValueRef;
-use xxhash_rust::xxh3::xxh3_64;
 
 use crate::protocol::Tier;
 
@@ -514,7 +513,15 @@ fn hash(v: &ValueRef<'_>) -> Result<EngineHash, String> {
             .or_else(|| i.as_i64().map(|i| i as u64))
             .map(EngineHash)
             .ok_or_else(|| "a block hash is out of 64-bit range".into()),
-        ValueRef::Binary(b) if !b.is_empty() => Ok(EngineHash(xxh3_64(b))),
+        // A digest sent as bytes: the int vLLM sends for it otherwise, the digest as a
+        // big-endian int masked to 64 bits (`maybe_convert_block_hash`,
+        // vllm/v1/core/kv_cache_utils.py), so that the two forms name a block alike. A
+        // stream can mix them: vLLM's offloading connector sent its CPU stores' hashes as
+        // bytes (before it converted them too) while the GPU's went as ints, and its
+        // token-less CPU stores resolve only through the GPU's names.
+        ValueRef::Binary(b) if !b.is_empty() => Ok(EngineHash(
+            b.iter().fold(0u64, |acc, &byte| acc << 8 | u64::from(byte)),
+        )),
         _ => Err("a block hash is neither an int nor bytes".into()),
     }
 }
@@ -540,9 +547,8 @@ pub struct Encoding {
 }
 
 /// A hash in an engine's form: `raw` is the engine's 64-bit value (unsigned ints above
-/// `i64::MAX` are written as msgpack uint64, as vLLM does); bytes hashes spread it over 32
-/// bytes. [`decode_batch`] maps both back to the same [`EngineHash`] for the same `raw`
-/// only in the int form; use [`engine_hash`] for the value a decoder will produce.
+/// `i64::MAX` are written as msgpack uint64, as vLLM does); a bytes hash is a 32-byte
+/// digest whose last 8 bytes are `raw`, big-endian, as vLLM's int form of a digest is.
 fn write_hash(out: &mut Vec<u8>, raw: u64, encoding: Encoding) {
     if encoding.bytes_hashes {
         rmp::encode::write_bin(out, &hash_bytes(raw))
@@ -557,18 +563,10 @@ fn write_hash(out: &mut Vec<u8>, raw: u64, encoding: Encoding) {
 fn hash_bytes(raw: u64) -> [u8; 32] {
     let mut b = [0u8; 32];
     for (i, chunk) in b.chunks_exact_mut(8).enumerate() {
-        chunk.copy_from_slice(&raw.rotate_left(i as u32 * 16).to_be_bytes());
+        chunk.copy_from_slice(&raw.rotate_left(i as u32 * 16 + 16).to_be_bytes());
     }
+    b[24..].copy_from_slice(&raw.to_be_bytes());
     b
-}
-
-/// The [`EngineHash`] a decoder gives for a hash an encoder wrote from `raw`.
-pub fn engine_hash(raw: u64, encoding: Encoding) -> EngineHash {
-    if encoding.bytes_hashes {
-        EngineHash(xxh3_64(&hash_bytes(raw)))
-    } else {
-        EngineHash(raw)
-    }
 }
 
 /// Writes `v` in msgpack's smallest int form, as msgspec does (uint64 above `i64::MAX`).

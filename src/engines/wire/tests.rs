@@ -58,7 +58,8 @@ fn every_encoding_round_trips() {
                 (12.5, Some(3), 4),
                 "{enc:?}"
             );
-            let h = |raw| engine_hash(raw, enc);
+            // Every form decodes to the engine's 64-bit value.
+            let h = EngineHash;
             let EngineEvent::Stored(st) = &b.events[0] else {
                 panic!("{enc:?}: {:?}", b.events[0])
             };
@@ -177,6 +178,53 @@ fn positional_events_old_vllm_and_sglang() {
     assert_eq!(sg.medium.tier(), Tier::Host);
     assert_eq!(sg.cache_salt.as_deref(), Some("tenant-9"));
     assert_eq!(b.events[3], EngineEvent::Cleared);
+}
+
+/// A digest sent as bytes names the block vLLM's int form of it names (the digest as a
+/// big-endian int, masked to 64 bits): a GPU store sent with int hashes and the token-less
+/// CPU store of the same block sent with bytes (vLLM's offloading connector before it
+/// converted its hashes) meet in one mirror.
+#[test]
+fn a_bytes_hash_decodes_to_vllm_s_int_form_of_it() {
+    // A 32-byte digest (sha256-sized); vLLM's int form: its last 8 bytes, big-endian.
+    let digest: Vec<u8> = (0u8..32)
+        .map(|i| i.wrapping_mul(37).wrapping_add(200))
+        .collect();
+    let int_form = u64::from_be_bytes(digest[24..].try_into().unwrap());
+    let gpu = Value::Array(vec![
+        s("BlockStored"),
+        Value::Array(vec![Value::from(int_form)]),
+        Value::Nil,
+        ints(&[1, 2]),
+        Value::from(2),
+        Value::Nil,
+    ]);
+    let cpu = Value::Array(vec![
+        s("BlockStored"),
+        Value::Array(vec![Value::Binary(digest.clone())]),
+        Value::Nil,
+        Value::Array(Vec::new()),
+        Value::from(0),
+        Value::Nil,
+        s("CPU"),
+    ]);
+    // A short one is an int too (msgpack would never carry it, but it decodes alike).
+    let short = Value::Array(vec![
+        s("BlockRemoved"),
+        Value::Array(vec![Value::Binary(vec![1, 2])]),
+    ]);
+    let batch = Value::Array(vec![Value::F64(1.0), Value::Array(vec![gpu, cpu, short])]);
+    let b = decode_batch(&encode(&batch)).unwrap();
+    let (EngineEvent::Stored(gpu), EngineEvent::Stored(cpu)) = (&b.events[0], &b.events[1]) else {
+        panic!("{:?}", b.events)
+    };
+    assert_eq!(gpu.hashes, vec![EngineHash(int_form)]);
+    assert_eq!(cpu.hashes, gpu.hashes);
+    assert_eq!(cpu.medium.tier(), Tier::Host);
+    let EngineEvent::Removed { hashes, .. } = &b.events[2] else {
+        panic!()
+    };
+    assert_eq!(hashes, &vec![EngineHash(0x0102)]);
 }
 
 /// SGLang with EAGLE keys its radix tree by bigrams and publishes each position as
