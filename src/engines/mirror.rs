@@ -20,6 +20,10 @@ use crate::protocol::{
 /// evicted it) still resolves.
 const GHOSTS: usize = 1 << 16;
 
+/// How SGLang tags a request's cache salt among an event's extra keys (the prefix is
+/// NVIDIA Dynamo's, whose router strips it; SGLang's `CACHE_SALT_EXTRA_KEY_PREFIX`).
+const TAGGED_SALT: &str = "dynamo-cache-salt:";
+
 /// The salt of a sequence computed with a LoRA adapter and a cache salt: how the router
 /// hashes a request for adapter `lora` with `cache_salt`, and how a mirror hashes an engine's
 /// blocks carrying them. No adapter and no salt is [`Salt::NONE`].
@@ -349,6 +353,16 @@ impl EngineMirror {
                 match key {
                     // The adapter's name is in the salt already.
                     ExtraKey::Str(k) if Some(k.as_str()) == lora => {}
+                    // SGLang tags the request's cache salt (`dynamo-cache-salt:` + salt,
+                    // `CACHE_SALT_EXTRA_KEY_PREFIX` in sglang/srt/disaggregation/kv_events.py)
+                    // as the first key of every event of a salted request: it salts a chain
+                    // at its root, and after that it is in the parent's hash already.
+                    ExtraKey::Str(k) if k.starts_with(TAGGED_SALT) => {
+                        let salt = &k[TAGGED_SALT.len()..];
+                        if up.is_none() && cache_salt.is_none() && !salt.is_empty() {
+                            cache_salt = Some(salt);
+                        }
+                    }
                     // vLLM puts the request's cache salt on the first block's keys.
                     ExtraKey::Str(k) if up.is_none() && cache_salt.is_none() => {
                         cache_salt = Some(k);

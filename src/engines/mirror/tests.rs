@@ -353,6 +353,41 @@ fn lora_and_cache_salt_name_their_own_blocks() {
     assert_eq!(engine_salt(None, None), Salt::NONE);
 }
 
+/// SGLang tags a salted request's cache salt as the first key of each of its events:
+/// `[["dynamo-cache-salt:tenant-a"]]`. It salts the chain at its root (as the request's
+/// `cache_salt` salts the router's hashes) and is not mixed into a later event's block.
+#[test]
+fn sglang_s_tagged_cache_salt_salts_the_root_only() {
+    let toks = tokens(3 * BS);
+    let mut m = EngineMirror::new(bs());
+    let tagged = |hashes: &[u64], parent: Option<u64>, toks: &[u32]| {
+        let mut e = stored(hashes, parent, toks, Medium::Gpu);
+        if let EngineEvent::Stored(s) = &mut e {
+            s.extra_keys = vec![vec![ExtraKey::Str("dynamo-cache-salt:tenant-a".into())]];
+        }
+        e
+    };
+    let out = apply(
+        &mut m,
+        vec![
+            tagged(&[1, 2], None, &toks[..2 * BS]),
+            tagged(&[3], Some(2), &toks[2 * BS..]),
+        ],
+    );
+    let got: Vec<SeqHash> = out
+        .iter()
+        .map(|c| match c {
+            BlockChange::Stored { block, .. } => block.seq,
+            BlockChange::Removed { seq, .. } => *seq,
+        })
+        .collect();
+    let want: Vec<SeqHash> = hash_blocks(&toks, bs(), engine_salt(None, Some("tenant-a")))
+        .iter()
+        .map(|b| b.seq)
+        .collect();
+    assert_eq!(got, want);
+}
+
 #[test]
 fn multimodal_keys_make_blocks_no_text_prompt_matches() {
     let toks = tokens(BS);

@@ -180,6 +180,53 @@ fn positional_events_old_vllm_and_sglang() {
     assert_eq!(b.events[3], EngineEvent::Cleared);
 }
 
+/// SGLang's layout since it moved the salt out of the `lora_name` slot: every vLLM field
+/// by position, then `locality`, `ownership` and (salted) a metadata map at 14; the salt
+/// rides tagged in `extra_keys` (SGLang's unit tests of `sglang.srt.disaggregation.kv_events`,
+/// `TestBlockStoredWireFormat`). Removals carry the same trailing slots.
+#[test]
+fn sglang_s_layout_with_its_salt_in_extra_keys_decodes() {
+    let stored = Value::Array(vec![
+        s("BlockStored"),
+        ints(&[123]),
+        Value::Nil,
+        ints(&[1, 2]),
+        Value::from(2),
+        Value::Nil,
+        s("GPU"),
+        Value::Nil,
+        Value::Array(vec![Value::Array(vec![s("dynamo-cache-salt:tenant-a")])]),
+        Value::Nil,
+        Value::Nil,
+        Value::Nil,
+        Value::Nil,
+        Value::Nil,
+        map(vec![("cache_salt", s("tenant-a"))]),
+    ]);
+    let mut removed = vec![s("BlockRemoved"), ints(&[123])];
+    removed.extend(std::iter::repeat_n(Value::Nil, 6));
+    let batch = Value::Array(vec![
+        Value::F64(1.0),
+        Value::Array(vec![stored, Value::Array(removed)]),
+    ]);
+    let b = decode_batch(&encode(&batch)).unwrap();
+    let EngineEvent::Stored(st) = &b.events[0] else {
+        panic!("{:?}", b.events)
+    };
+    assert_eq!(st.hashes, vec![EngineHash(123)]);
+    assert_eq!(
+        (st.lora_name.as_deref(), st.medium.tier()),
+        (None, Tier::Device)
+    );
+    assert_eq!(
+        st.extra_keys,
+        vec![vec![ExtraKey::Str("dynamo-cache-salt:tenant-a".into())]]
+    );
+    assert!(
+        matches!(&b.events[1], EngineEvent::Removed { hashes, .. } if hashes == &vec![EngineHash(123)])
+    );
+}
+
 /// A digest sent as bytes names the block vLLM's int form of it names (the digest as a
 /// big-endian int, masked to 64 bits): a GPU store sent with int hashes and the token-less
 /// CPU store of the same block sent with bytes (vLLM's offloading connector before it
