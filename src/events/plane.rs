@@ -128,6 +128,8 @@ pub struct PlaneCounters {
     /// Registrations read back from the registry older than their lease, kept aside (a
     /// worker that stopped without a goodbye).
     pub stale_registrations: AtomicU64,
+    /// Fleet views published (each a copy of every registration; see [`VIEW_EVERY`]).
+    pub views_published: AtomicU64,
 }
 
 /// What the plane reports of one stream.
@@ -353,6 +355,8 @@ impl EventPlane {
             refusals_logged: Default::default(),
             watermarks: WatermarkGate::default(),
             ask_barrier: false,
+            view_stale: false,
+            view_published: Instant::now(),
         };
         let intake = {
             let shared = Arc::clone(&shared);
@@ -528,7 +532,16 @@ struct FleetOwner {
     /// The gate wants a barrier the intake has not been asked for yet (asked after the
     /// owner's next step).
     ask_barrier: bool,
+    /// The fleet changed since the view was last published, and when that was.
+    view_stale: bool,
+    view_published: Instant,
 }
+
+/// Longest a changed fleet waits for its view while registrations keep arriving. A view is
+/// a copy of every registration; published at each change, a router reading 10,000 workers'
+/// registrations at start copied 5 × 10⁷ of them on the one task that reads every event.
+/// It is published once the registrations waiting have been read, or after this long.
+const VIEW_EVERY: Duration = Duration::from_millis(50);
 
 /// How often a worker's repeated refusal is logged (each is counted).
 const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(60);
@@ -549,6 +562,11 @@ impl FleetOwner {
         loop {
             if std::mem::take(&mut self.ask_barrier) {
                 subscription.ask_barrier();
+            }
+            if self.view_stale
+                && (registry.is_empty() || self.view_published.elapsed() >= VIEW_EVERY)
+            {
+                self.publish_view();
             }
             tokio::select! {
                 delivery = subscription.next() => {
@@ -667,7 +685,7 @@ impl FleetOwner {
                 if let Some(s) = &self.shared.scheduler {
                     s.lock().set_engine_load(key.0, None, &[]);
                 }
-                self.publish_view();
+                self.view_stale = true;
             }
         }
         let reason = match self.fleet.on_batch(self.now_ms(), key) {
@@ -745,7 +763,7 @@ impl FleetOwner {
             s.lock().set_engine_load(id, load, &ranks);
         }
         if changed {
-            self.publish_view();
+            self.view_stale = true;
         }
     }
 
@@ -850,7 +868,7 @@ impl FleetOwner {
             }
         }
         if membership {
-            self.publish_view();
+            self.view_stale = true;
         }
     }
 
@@ -864,12 +882,18 @@ impl FleetOwner {
         self.closing.push((key, handle.task));
     }
 
-    fn publish_view(&self) {
+    fn publish_view(&mut self) {
         let view = FleetView {
             workers: self.fleet.workers().map(|w| (w.id, w.clone())).collect(),
         };
         metrics::gauge!("kvroute_workers_registered").set(view.workers.len() as f64);
         *self.shared.view.write() = Arc::new(view);
+        self.view_stale = false;
+        self.view_published = Instant::now();
+        self.shared
+            .counters
+            .views_published
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     /// Removes any stream, index lane or scheduler entry whose worker is not registered

@@ -544,3 +544,21 @@ async fn a_burst_past_the_intake_bound_is_dropped_and_counted() {
     let dropped = s.plane.counters().intake_dropped.load(Ordering::Relaxed);
     assert!(dropped < 100, "{dropped}: some fit");
 }
+
+/// Registrations arriving together (a router reading a large fleet's registry at start)
+/// publish the fleet view once they have been read, not once each: every view is a copy
+/// of every registration, so a view a registration cost O(n²) copies.
+#[tokio::test(start_paused = true)]
+async fn a_burst_of_registrations_publishes_few_views() {
+    let s = setup(LeaseConfig::default()).await;
+    let before = s.plane.counters().views_published.load(Ordering::Relaxed);
+    for id in 1..=2_000 {
+        s.local.put(info(id, 1));
+    }
+    assert!(settle(|| s.plane.view().workers.len() == 2_000).await);
+    let views = s.plane.counters().views_published.load(Ordering::Relaxed) - before;
+    assert!(views <= 100, "{views} views for 2,000 registrations");
+    // A lone change is published at once.
+    s.local.delete(WorkerId(1));
+    assert!(settle(|| s.plane.view().workers.len() == 1_999).await);
+}
