@@ -87,6 +87,11 @@ pub struct PlaneConfig {
     /// workers. The NATS client's own queue is bounded by a count of messages (65,536), each
     /// up to the server's max_payload, which bounds no memory worth the name.
     pub intake_bytes: usize,
+    /// Snapshot fetches under way at once, all streams together (at least one). After a
+    /// NATS reconnect every stream resyncs; unbounded, a fleet's every snapshot would be in
+    /// the router's memory at once, beside the index it replaces. Fetches beyond it wait
+    /// their turn in order.
+    pub snapshot_fetches: usize,
 }
 
 impl Default for PlaneConfig {
@@ -101,6 +106,7 @@ impl Default for PlaneConfig {
             sweep_ms: 1_000,
             lag_samples: 1_024,
             intake_bytes: 256 << 20,
+            snapshot_fetches: 32,
         }
     }
 }
@@ -204,6 +210,8 @@ enum Input {
     },
     /// A snapshot, and the request (resync) it answers.
     Snapshot(Snapshot, u64),
+    /// The fetch for this request (resync) has had its turn and asked the worker.
+    FetchStarted(u64),
 }
 
 impl Input {
@@ -289,6 +297,8 @@ struct Shared {
     router: Mutex<LagSamples>,
     scheduler: Option<Arc<Mutex<Scheduler>>>,
     failure: watch::Sender<Option<String>>,
+    /// Permits for snapshot fetches ([`PlaneConfig::snapshot_fetches`]).
+    snapshot_fetches: tokio::sync::Semaphore,
 }
 
 /// The running plane (a cheap handle).
@@ -330,6 +340,7 @@ impl EventPlane {
             })
         };
         let (lags, transit, router) = (samples(), samples(), samples());
+        let snapshot_fetches = tokio::sync::Semaphore::new(config.snapshot_fetches.max(1));
         let shared = Arc::new(Shared {
             transport,
             indexer,
@@ -343,6 +354,7 @@ impl EventPlane {
             router,
             scheduler,
             failure: watch::channel(None).0,
+            snapshot_fetches,
         });
         let owner = FleetOwner {
             shared: Arc::clone(&shared),
@@ -1068,17 +1080,28 @@ async fn run_stream(
     // One snapshot fetch at a time: a new request supersedes the one before (its answer
     // would be refused as stale), so that fetch is stopped, with its reply subscription. A
     // worker changing epoch at every batch otherwise left a fetch per batch waiting out its
-    // deadline.
-    let mut fetching: Option<tokio::task::AbortHandle> = None;
+    // deadline. A fetch still waiting for its turn (the plane's permits) takes the new
+    // request over instead: what it will fetch is newer than both, and it keeps its place.
+    let mut fetching: Option<(tokio::task::AbortHandle, Arc<Mutex<FetchTurn>>)> = None;
     let mut request_snapshot = |request: u64, wait_ms: u64| {
+        let wait = Duration::from_millis(wait_ms);
+        if let Some((_, turn)) = &fetching
+            && turn.lock().take_over(request, wait)
+        {
+            return;
+        }
+        let turn = Arc::new(Mutex::new(FetchTurn {
+            request,
+            wait,
+            started: false,
+        }));
         let fetch = tokio::spawn(fetch_snapshot(
             Arc::clone(&shared),
             key,
             tx.clone(),
-            request,
-            Duration::from_millis(wait_ms),
+            Arc::clone(&turn),
         ));
-        if let Some(superseded) = fetching.replace(fetch.abort_handle()) {
+        if let Some((superseded, _)) = fetching.replace((fetch.abort_handle(), turn)) {
             superseded.abort();
         }
     };
@@ -1110,6 +1133,7 @@ async fn run_stream(
                         }
                         stream.on_watermark(now, epoch, last_id, &mut commands);
                     }
+                    Input::FetchStarted(request) => stream.on_fetch_started(now, request),
                     Input::Snapshot(snapshot, request) => {
                         stream.on_snapshot(now, request, snapshot, &mut commands);
                     }
@@ -1194,7 +1218,7 @@ async fn run_stream(
         s.applied += applied;
         s.wipes += wipes;
     }
-    if let Some(fetch) = fetching.take() {
+    if let Some((fetch, _)) = fetching.take() {
         fetch.abort();
     }
     shared.indexer.retire_rank(key.0, key.1);
@@ -1273,16 +1297,45 @@ fn record_stream_metrics(worker: &str, before: &StreamStats, after: &StreamStats
     }
 }
 
-/// Asks the worker for a snapshot of `key`'s rank and feeds the assembled result back to
-/// the stream task. A fetch that times out or fails is simply not delivered: the stream
-/// asks again after its snapshot timeout.
+/// A stream's snapshot fetch: the request it answers, how long it may take once started,
+/// and whether it has started (holds one of the plane's permits).
+#[derive(Debug)]
+struct FetchTurn {
+    request: u64,
+    wait: Duration,
+    started: bool,
+}
+
+impl FetchTurn {
+    /// Makes a fetch not started yet answer `request` instead; false once it has started.
+    fn take_over(&mut self, request: u64, wait: Duration) -> bool {
+        if self.started {
+            return false;
+        }
+        (self.request, self.wait) = (request, wait);
+        true
+    }
+}
+
+/// Asks the worker for a snapshot of `key`'s rank, once one of the plane's fetch permits
+/// is free, and feeds the assembled result back to the stream task. A fetch that times out
+/// or fails is simply not delivered: the stream asks again after its snapshot timeout.
 async fn fetch_snapshot(
     shared: Arc<Shared>,
     key: StreamKey,
     tx: mpsc::Sender<Input>,
-    request: u64,
-    deadline: Duration,
+    turn: Arc<Mutex<FetchTurn>>,
 ) {
+    let Ok(_permit) = shared.snapshot_fetches.acquire().await else {
+        return;
+    };
+    let (request, deadline) = {
+        let mut turn = turn.lock();
+        turn.started = true;
+        (turn.request, turn.wait)
+    };
+    // Its wait runs from now (if the queue is full, the stream asks again a little early).
+    let _ = tx.try_send(Input::FetchStarted(request));
     // As long as the stream waits before asking again (doubling with each retry): a
     // snapshot slower to come than that is asked for again anyway.
     let fetched = tokio::time::timeout(deadline, fetch(&shared, key)).await;

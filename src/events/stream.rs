@@ -233,6 +233,17 @@ impl WorkerStream {
         self.resyncs
     }
 
+    /// The fetch for `request` has just been sent to the worker (it may have waited for its
+    /// turn among every stream's fetches): the wait for its answer runs from now, so that a
+    /// fetch is not asked again, and stopped, before it had its whole wait.
+    pub fn on_fetch_started(&mut self, now_ms: u64, request: u64) {
+        if let State::Resyncing { requested_ms, .. } = &mut self.state
+            && request == self.resyncs
+        {
+            *requested_ms = now_ms;
+        }
+    }
+
     /// Handles a complete snapshot from the worker, the answer to `request`.
     pub fn on_snapshot(
         &mut self,

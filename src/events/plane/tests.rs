@@ -336,7 +336,7 @@ async fn a_worker_flapping_epochs_has_one_snapshot_fetch_at_a_time() {
     assert!(fetching <= 1, "{fetching} snapshot fetches under way");
 }
 
-/// A registry that stops reporting leaves the router blind: the plane says so, loudly./// A registry that stops reporting leaves the router blind: the plane says so, loudly.
+/// A registry that stops reporting leaves the router blind: the plane says so, loudly.
 #[tokio::test(start_paused = true)]
 async fn a_closed_registry_watch_is_fatal() {
     let bus = Transport::Local(LocalBus::new());
@@ -561,4 +561,48 @@ async fn a_burst_of_registrations_publishes_few_views() {
     // A lone change is published at once.
     s.local.delete(WorkerId(1));
     assert!(settle(|| s.plane.view().workers.len() == 1_999).await);
+}
+
+/// Snapshot fetches are bounded across streams: after a reconnect (or a router start
+/// amid a running fleet) every stream wants one, and each would hold a worker's snapshot
+/// in the router's memory. With two permits and ten streams mid-stream whose workers never
+/// answer, at most two fetches are under way at a time, and every worker is asked in turn.
+#[tokio::test(start_paused = true)]
+async fn snapshot_fetches_are_bounded_across_streams() {
+    let config = PlaneConfig {
+        snapshot_fetches: 2,
+        ..PlaneConfig::default()
+    };
+    let scheduler = Scheduler::new(Default::default()).unwrap();
+    // Leases outlast the test: the workers are registered once, never heartbeat.
+    let lease = LeaseConfig {
+        heartbeat_ms: 60_000,
+        ttl_ms: 600_000,
+    };
+    let s = Setup::start(lease, Config::default(), config, scheduler).await;
+    let Transport::Local(bus) = &s.bus else {
+        panic!("a local bus");
+    };
+    let mut asked = s.bus.subscribe("kvroute.t.snapshot.>").await.unwrap();
+    for id in 1..=10 {
+        // Mid-stream (10 events sent already): each stream starts from a snapshot.
+        let mut registered = info(id, 1);
+        registered.last_event_ids = vec![10];
+        s.local.put(registered);
+    }
+    assert!(settle(|| s.plane.streams().len() == 10).await);
+    let mut workers = std::collections::BTreeSet::new();
+    let mut most = 0;
+    let until = tokio::time::Instant::now() + Duration::from_secs(120);
+    while workers.len() < 10 && tokio::time::Instant::now() < until {
+        most = most.max(bus.open_subscriptions("_INBOX"));
+        if let Ok(Some(request)) =
+            tokio::time::timeout(Duration::from_millis(50), asked.next()).await
+        {
+            workers.insert(request.subject.clone());
+        }
+    }
+    most = most.max(bus.open_subscriptions("_INBOX"));
+    assert_eq!(workers.len(), 10, "workers asked: {workers:?}");
+    assert!(most <= 2, "{most} snapshot fetches under way at once");
 }

@@ -221,6 +221,30 @@ fn a_restart_from_id_1_needs_no_snapshot_and_old_stragglers_are_dropped() {
     assert_eq!(s.stats().stale_epoch, 1);
 }
 
+/// A fetch that waited for its turn (the plane bounds fetches across streams) gets its
+/// whole wait from when it was sent; one for another request changes nothing.
+#[test]
+fn a_snapshot_wait_runs_from_when_its_fetch_started() {
+    let mut s = stream();
+    let mut out = Vec::new();
+    s.on_batch(0, batch(7, 5..=6), &mut out);
+    out.clear();
+    s.on_fetch_started(1_500, 0);
+    s.on_fetch_started(1_500, 1);
+    s.on_tick(2_000, &mut out);
+    s.on_tick(3_499, &mut out);
+    assert!(out.is_empty(), "{out:?}");
+    s.on_tick(3_500, &mut out);
+    assert_eq!(
+        out,
+        vec![Command::RequestSnapshot {
+            epoch: 7,
+            request: 1,
+            wait_ms: 4_000
+        }]
+    );
+}
+
 #[test]
 fn joining_mid_stream_resyncs_and_retries_an_unanswered_request() {
     let mut s = stream();
