@@ -585,7 +585,9 @@ async fn create_bucket(
                 reason: error,
             });
         }
-        if error.contains("non-clustered") {
+        // At once, but only once: a server that says so of one replica too must not be
+        // asked again without a pause.
+        if replicas > 1 && error.contains("non-clustered") {
             replicas = 1;
             continue;
         }
