@@ -404,14 +404,17 @@ impl Ingest {
         replayed
     }
 
-    async fn replay_batches(&mut self, from: u64, rebuild: bool) -> Result<Option<u64>, ZmtpError> {
+    async fn replay_batches(
+        &mut self,
+        mut from: u64,
+        rebuild: bool,
+    ) -> Result<Option<u64>, ZmtpError> {
         let Some(endpoint) = self.endpoint.replay.clone() else {
             return Ok(None);
         };
         let limits = self.limits;
         let mut dealer = Connection::connect(&endpoint, "DEALER", limits.connect).await?;
         dealer.send(&[b"", &from.to_be_bytes()]).await?;
-        self.replayed_from = Some(from);
         let mut last = None;
         let ends = tokio::time::Instant::now() + limits.replay_total;
         let mut replies = 0u64;
@@ -466,6 +469,8 @@ impl Ingest {
                 // gave less (it numbers from 0 again): start over from what it sends.
                 if seq < from {
                     self.restarted(seq);
+                    // Once: the replies that follow are the new engine's, in order.
+                    from = seq;
                 } else {
                     self.mirror.begin_rebuild();
                     self.seq.reset();
@@ -491,6 +496,11 @@ impl Ingest {
                 }
                 SeqCheck::Restarted => continue,
             }
+            // Live batches from `from` on are duplicates only once the replay has brought
+            // some: one that failed before bringing any (an engine whose replay takes the
+            // request and never answers) covered nothing, and a batch numbered below the
+            // expected seq is then a restarted engine's, not a duplicate.
+            self.replayed_from.get_or_insert(from);
             self.stats.replayed += 1;
             self.apply(seq, &payload);
             if self.changes.len() >= limits.replay_flush_changes {

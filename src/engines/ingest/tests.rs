@@ -524,6 +524,135 @@ async fn a_reconnect_s_rebuild_hands_over_only_what_changed() {
     assert_eq!(owner.stats.restarts, 0, "{:?}", owner.stats);
 }
 
+/// A restarted engine (numbering from 0 again) whose replay socket takes the request and
+/// never answers: the failed replay brought nothing, so the new engine's live batches,
+/// numbered below what the old one reached, are a restart, not duplicates of a replay.
+#[tokio::test]
+async fn a_restart_is_seen_when_the_replay_takes_the_request_and_never_answers() {
+    // The old engine's life: block 1, then block 10 stored and removed 150 times.
+    let mut old = vec![store(1, None)];
+    for _ in 0..150 {
+        old.extend([store(10, None), remove(10)]);
+    }
+    let reached = old.len();
+    let silent = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mute = std::sync::Arc::clone(&silent);
+    let handler: RouterHandler = std::sync::Arc::new(move |request: Vec<Bytes>| {
+        if mute.load(std::sync::atomic::Ordering::SeqCst) {
+            return Vec::new();
+        }
+        let from = asked_from(&request);
+        (from..old.len() as u64)
+            .map(|seq| replay_reply(seq, old[seq as usize].clone()))
+            .chain(std::iter::once(replay_reply(u64::MAX, Bytes::new())))
+            .collect()
+    });
+    let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
+    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
+    let endpoint = scripted(&pubs, &replay);
+    let limits = IngestLimits {
+        replay: Duration::from_millis(200),
+        ..IngestLimits::default()
+    };
+    let mut owner = follow(endpoint, limits).await;
+    owner
+        .until("the old engine replayed", |o| {
+            o.stats.replayed == reached as u64
+        })
+        .await;
+    assert_eq!(owner.held, hashes_of(&[(1, None)]));
+    // The engine restarts: its PUB goes away and comes back, its replay says nothing.
+    silent.store(true, std::sync::atomic::Ordering::SeqCst);
+    let port = pubs.port();
+    drop(pubs);
+    let mut pubs = None;
+    for _ in 0..100 {
+        match PubSocket::bind("127.0.0.1", port).await {
+            Ok(p) => {
+                pubs = Some(p);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+    let pubs = pubs.expect("the PUB port stays taken");
+    // The new engine's batches, live from seq 0, one root block each, until the follower
+    // has them (the first ones go nowhere until its subscription reaches the PUB).
+    for seq in 0..100u64 {
+        assert!(
+            seq < reached as u64,
+            "numbered below what the old engine reached"
+        );
+        pubs.publish(vec![
+            Bytes::new(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            store(100 + seq, None),
+        ]);
+        let new_engine_s_only = |o: &Owner| {
+            o.stats.restarts > 0
+                && !o.held.is_empty()
+                && o.held.is_disjoint(&hashes_of(&[(1, None)]))
+        };
+        let wait = owner.until("the new engine's blocks only", new_engine_s_only);
+        if tokio::time::timeout(Duration::from_millis(50), wait)
+            .await
+            .is_ok()
+        {
+            return;
+        }
+    }
+    panic!(
+        "the new engine's batches were never applied: held {}, {:?}",
+        owner.held.len(),
+        owner.stats
+    );
+}
+
+/// A replay server that does not start where it is asked (here: always from 0) shows a
+/// restart once: the replies below what was asked for are the new numbering, in order, and
+/// are applied, not each taken for one more restart that empties the mirror again.
+#[tokio::test]
+async fn replies_below_what_was_asked_for_are_one_restart() {
+    let chain: Vec<Bytes> = (0..12u64)
+        .map(|seq| store(seq + 1, (seq > 0).then_some(seq)))
+        .collect();
+    let buffer = std::sync::Arc::new(std::sync::Mutex::new(chain[..10].to_vec()));
+    let batches = std::sync::Arc::clone(&buffer);
+    let handler: RouterHandler = std::sync::Arc::new(move |_request: Vec<Bytes>| {
+        let batches = batches.lock().unwrap();
+        (0..batches.len() as u64)
+            .map(|seq| replay_reply(seq, batches[seq as usize].clone()))
+            .chain(std::iter::once(replay_reply(u64::MAX, Bytes::new())))
+            .collect()
+    });
+    let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
+    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
+    let mut owner = follow(scripted(&pubs, &replay), IngestLimits::default()).await;
+    owner.until("replayed", |o| o.held.len() == 10).await;
+    // Batch 10 is lost on the way; 11 arrives live: a gap, replayed from 10, answered from 0.
+    buffer.lock().unwrap().extend_from_slice(&chain[10..]);
+    let whole: Vec<(u64, Option<u64>)> = (0..12u64)
+        .map(|seq| (seq + 1, (seq > 0).then_some(seq)))
+        .collect();
+    let whole = hashes_of(&whole);
+    for _ in 0..100 {
+        pubs.publish(vec![
+            Bytes::new(),
+            Bytes::copy_from_slice(&11u64.to_be_bytes()),
+            chain[11].clone(),
+        ]);
+        let wait = owner.until("the whole chain", |o| o.held == whole);
+        if tokio::time::timeout(Duration::from_millis(50), wait)
+            .await
+            .is_ok()
+        {
+            break;
+        }
+    }
+    assert_eq!(owner.held, whole, "{:?}", owner.stats);
+    assert_eq!(owner.stats.restarts, 1, "{:?}", owner.stats);
+}
+
 #[test]
 fn data_parallel_ranks_offset_the_port() {
     let e = EngineEndpoint {
