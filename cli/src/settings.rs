@@ -826,14 +826,28 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
             .or(file.exclude_tools_when_tool_choice_none)
             .unwrap_or(false),
         log_format: flags.log_format.or(file.log_format).unwrap_or_default(),
-        backends: flags
-            .backends
-            .or(file.backends)
-            .unwrap_or_default()
-            .iter()
-            .map(|b| parse_backend(b))
-            .collect::<anyhow::Result<_>>()?,
+        backends: unique_backends(
+            flags
+                .backends
+                .or(file.backends)
+                .unwrap_or_default()
+                .iter()
+                .map(|b| parse_backend(b))
+                .collect::<anyhow::Result<_>>()?,
+        )?,
     })
+}
+
+/// Refuses an engine given twice: a worker's id is its URL's hash, so the two would
+/// register as one worker in turn, each retiring the other's stream.
+fn unique_backends(backends: Vec<Backend>) -> anyhow::Result<Vec<Backend>> {
+    let mut seen = std::collections::HashSet::new();
+    for b in &backends {
+        if !seen.insert(b.url.as_str()) {
+            bail!("--backend {}: given twice", b.url);
+        }
+    }
+    Ok(backends)
 }
 
 fn redacted_urls<S: serde::Serializer>(urls: &str, s: S) -> Result<S::Ok, S::Error> {
@@ -928,6 +942,24 @@ mod tests {
             assert!(parse_backend(bad).is_err(), "{bad:?} accepted");
         }
         assert!(parse_backend("http://e:8000,events=tcp://e:65535").is_ok());
+        // The same engine twice (its worker id is its URL's hash) is refused; two are not.
+        let flags = |backends: &[&str]| ServeFlags {
+            backends: Some(backends.iter().map(|b| (*b).to_owned()).collect()),
+            ..ServeFlags::default()
+        };
+        let twice = resolve(
+            flags(&["http://e:8000", "http://e:8000,events=tcp://e:5557"]),
+            ServeFlags::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(twice.contains("given twice"), "{twice}");
+        let two = resolve(
+            flags(&["http://e:8000", "http://f:8000"]),
+            ServeFlags::default(),
+        )
+        .unwrap();
+        assert_eq!(two.backends.len(), 2);
     }
 
     #[test]
