@@ -463,9 +463,11 @@ impl Router {
             })
     }
 
-    /// What a request learnt of `key`'s reachability: a worker that could not be reached
-    /// counts towards its ejection; one that answered (with anything) is reachable. A
-    /// stream's headers say neither: its relay reports its first token, or its silence.
+    /// What a request learnt of `key`'s health: a worker that could not be reached, or
+    /// answered with an error status of its own (5xx, 429, ...), counts towards its
+    /// ejection; one that answered otherwise (a refusal of the request included) is
+    /// healthy. A stream's headers say neither: its relay reports its first token, or its
+    /// silence.
     fn note_reachability(&self, key: WorkerKey, outcome: Result<(), &ProxyError>, stream: bool) {
         let reach = proxy::Reach::new(self, key.0);
         match outcome {
@@ -477,7 +479,7 @@ impl Router {
                 | ProxyError::AnswerTimeout { .. }
                 | ProxyError::StreamFailed { .. },
             ) => {}
-            Err(e) if e.unreachable() => reach.failed(),
+            Err(e) if e.unreachable() || e.worker_status() => reach.failed(),
             _ => reach.answered(),
         }
     }
@@ -1424,12 +1426,11 @@ async fn complete(
                     return Err(e.to_api());
                 }
                 tracing::warn!(worker = %decision.chosen.key.0, error = %e, "worker failed before the client was answered; trying another");
+                // Its other ranks sit behind the same endpoint (and the same engine), which
+                // fails them the same way; and a request counts against a worker's ejection
+                // once.
                 failed.push(decision.chosen.key);
-                if e.unreachable() || matches!(e, ProxyError::StreamFailed { .. }) {
-                    // Its other ranks sit behind the same endpoint (and the same engine), and
-                    // a request counts against a worker's ejection once.
-                    failed.extend(router.scheduler.lock().ranks(decision.chosen.key.0));
-                }
+                failed.extend(router.scheduler.lock().ranks(decision.chosen.key.0));
                 last_error = Some(e);
             }
         }

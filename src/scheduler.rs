@@ -103,7 +103,8 @@ pub struct Config {
 }
 
 /// Passive ejection: a worker whose HTTP endpoint fails this many requests in a row
-/// (connection refused or timed out, no response headers in time) sits out for `base_ms`,
+/// (connection refused or timed out, no response headers in time, an error status of its
+/// own: 5xx, 429, 401/403, a redirect) sits out for `base_ms`,
 /// doubling at each further failure up to `max_ms`; one answer ends it. Its load reads as
 /// light (its bookings are released at once), so without it a worker that still heartbeats
 /// over NATS but cannot be reached over HTTP (a partition, a wrong URL) would win request

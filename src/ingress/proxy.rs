@@ -141,7 +141,7 @@ impl Reach {
         self.scheduler.lock().worker_answered(self.worker);
     }
 
-    /// The worker failed a request as a dead or hung one does.
+    /// The worker failed a request as a dead, hung or broken one does.
     pub(super) fn failed(&self) {
         let now_ms = self.clock.elapsed().as_millis() as u64;
         let ejected = self
@@ -151,7 +151,7 @@ impl Reach {
         if let Some(ms) = ejected {
             metrics::counter!("kvroute_worker_ejections_total", "worker" => self.worker.to_string())
                 .increment(1);
-            tracing::warn!(worker = %self.worker, ejected_ms = ms, "worker unreachable or silent several times in a row; it sits out");
+            tracing::warn!(worker = %self.worker, ejected_ms = ms, "worker unreachable, silent or failing several times in a row; it sits out");
         }
     }
 }
@@ -272,6 +272,15 @@ impl ProxyError {
             self,
             ProxyError::Connect { .. } | ProxyError::HeadersTimeout { .. }
         ) && !self.router_exhausted()
+    }
+
+    /// Whether the worker answered with an error status of its own (overloaded, broken,
+    /// misconfigured: [`worker_side`]), not one that refuses the request. Counts towards
+    /// its ejection as not answering does: its bookings are released at once, so it reads
+    /// as idle, and with its cached prefixes it would win request after request, each
+    /// paying a failed round trip before its retry.
+    pub fn worker_status(&self) -> bool {
+        matches!(self, ProxyError::Status { status, .. } if worker_side(*status))
     }
 
     /// Whether connecting failed for want of the router's own resources (file

@@ -987,6 +987,33 @@ async fn a_worker_whose_streams_bring_no_token_sits_out() {
     );
 }
 
+/// A worker whose server answers every request with an error status of its own (an engine
+/// broken behind a live API server) sits out like an unreachable one: its bookings are
+/// released at once, so it reads as idle, and with its cached prefixes it would keep
+/// drawing requests, each paying a failed round trip.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_answering_its_own_errors_sits_out() {
+    let f = faulty_worker(
+        &["--eject-ms", "600000"],
+        serde_json::json!({"status": 503}),
+    )
+    .await;
+    let url = format!("{}/v1/completions", f.url());
+    for i in 0..4 {
+        let r = f
+            .http
+            .call("POST", &url, request(i, 0, i % 2 == 0))
+            .await
+            .unwrap();
+        assert_eq!(r.status, 503, "{}", r.body);
+    }
+    let scrape = f.scrape().await.unwrap();
+    assert!(
+        counter_sum(&scrape, "kvroute_worker_ejections_total", "worker=") >= 1.0,
+        "{scrape}"
+    );
+}
+
 /// Half-sent requests (slow-loris) are cut off at the header timeout instead of piling up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn half_sent_requests_are_cut_off() {
