@@ -753,6 +753,12 @@ const PREFILL_POLL: Duration = Duration::from_millis(50);
 /// prefill it finished long before. The prompt's last full block shows up in the worker's
 /// KV events once computed: the prefill is released then. A prompt shorter than a block,
 /// or a block evicted between two looks, keeps it booked until the answer.
+///
+/// A prompt not computed by `first_token_timeout_ms` counts once towards the worker's
+/// ejection, as a stream's missing first token does: a hung engine still takes the
+/// connection, and a non-streamed answer's headers come only with its last token, so it
+/// would otherwise hold request after request for the whole answer's deadline and never sit
+/// out. The request waits on for its answer (the engine may still be queueing it).
 pub(super) async fn watch_prefill<F: std::future::Future>(
     router: &Router,
     key: WorkerKey,
@@ -779,12 +785,19 @@ pub(super) async fn watch_prefill<F: std::future::Future>(
     let mut answer = std::pin::pin!(answer);
     let mut look = tokio::time::interval(PREFILL_POLL);
     look.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut silent_at = Some(
+        tokio::time::Instant::now() + Duration::from_millis(router.config.first_token_timeout_ms),
+    );
     loop {
         tokio::select! {
             out = &mut answer => return out,
             _ = look.tick(), if booking.prefill_open() => {
                 if computed() {
                     booking.prompt_cached();
+                } else if silent_at.is_some_and(|at| tokio::time::Instant::now() >= at) {
+                    silent_at = None;
+                    tracing::warn!(worker = %key.0, "a non-streamed request's prompt not computed within the first-token timeout");
+                    Reach::new(router, key.0).failed();
                 }
             }
         }

@@ -1014,6 +1014,39 @@ async fn a_worker_answering_its_own_errors_sits_out() {
     );
 }
 
+/// A hung engine that takes non-streamed requests and never answers (no headers: they come
+/// with the last token) sits out once three prompts were not computed by the first-token
+/// deadline, though each request waits on for its own answer's deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_computes_no_non_streamed_prompt_sits_out() {
+    let f = faulty_worker(
+        &[
+            "--eject-ms",
+            "600000",
+            "--first-token-timeout-ms",
+            "500",
+            "--upstream-body-timeout-ms",
+            "3000",
+        ],
+        serde_json::json!({"stall_before_headers": true}),
+    )
+    .await;
+    let url = format!("{}/v1/completions", f.url());
+    // At once: each waits out its answer's deadline. Prompts of several blocks: their last
+    // block is what the router watches for.
+    let call = |i| f.http.call("POST", &url, request(i, 0, false));
+    let (a, b, c) = tokio::join!(call(0), call(1), call(2));
+    for r in [a, b, c] {
+        let r = r.unwrap();
+        assert_eq!(r.status, 504, "{}", r.body);
+    }
+    let scrape = f.scrape().await.unwrap();
+    assert!(
+        counter_sum(&scrape, "kvroute_worker_ejections_total", "worker=") >= 1.0,
+        "{scrape}"
+    );
+}
+
 /// Half-sent requests (slow-loris) are cut off at the header timeout instead of piling up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn half_sent_requests_are_cut_off() {
