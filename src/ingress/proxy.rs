@@ -701,6 +701,9 @@ pub(super) async fn forward(
     Ok(builder
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")
+        // Proxies in front (ingress-nginx's default) would buffer the stream, holding each
+        // token back from the client.
+        .header("x-accel-buffering", "no")
         .body(crate::http::streamed(rx, ending, |(bytes, _held)| bytes))
         .expect("invariant: static response parts are valid"))
 }

@@ -416,6 +416,11 @@ async fn worker_errors_decide_retries_and_release_bookings_everywhere() {
             r.header("x-kvroute-worker"),
             Some(f.workers[1].port.to_string().as_str())
         );
+        if i % 2 == 0 {
+            // A stream, not to be buffered by a proxy in front.
+            assert_eq!(r.header("content-type"), Some("text/event-stream"));
+            assert_eq!(r.header("x-accel-buffering"), Some("no"));
+        }
     }
     for w in 0..2 {
         f.faults(w, serde_json::json!({"status": 400}))
