@@ -65,6 +65,13 @@ pub struct IngressConfig {
     /// byte; a stream, before its first token, for up to `worker_timeout_ms` after its
     /// headers).
     pub retries: usize,
+    /// Retries, all requests together, as a percentage of requests ([`RetryBudget`]): when
+    /// much of a fleet fails at once, a retry for every failure would multiply the load on
+    /// what is left. Beyond it, a request gets its worker's error.
+    pub retry_budget_percent: u32,
+    /// Retries allowed a second beyond `retry_budget_percent` (and at most held up at once):
+    /// a quiet fleet still retries.
+    pub retry_budget_per_s: u32,
     /// How long connecting to a worker, and a stream's response headers, may take, ms (a
     /// non-streamed answer's headers come once it is generated: `upstream_body_timeout_ms`);
     /// also how long after them a stream's headers are held back from the client for its
@@ -124,6 +131,8 @@ impl Default for IngressConfig {
             body_memory_bytes: 256 << 20,
             max_inflight: 4096,
             retries: 2,
+            retry_budget_percent: 20,
+            retry_budget_per_s: 10,
             worker_timeout_ms: 10_000,
             relay_idle_timeout_ms: 30_000,
             worker_pool_idle_ms: crate::http::ENGINE_POOL_IDLE_MS,
@@ -139,6 +148,67 @@ impl Default for IngressConfig {
             headers: ClassHeaders::default(),
             route_headers: false,
         }
+    }
+}
+
+/// Retries the router may make, all requests together: a token bucket that every request
+/// fills by `percent` / 100 and time by `per_s` a second, up to `per_s` tokens, and that every
+/// retry empties by one. When much of a fleet fails at once (a brownout, a request that
+/// crashes the engines it reaches), each failure retried would send up to `retries` + 1
+/// times the load at what is left; so retries stay a fraction of the requests (Envoy's and
+/// Finagle's retry budgets; 20 % by default), and a quiet fleet still has a few a second.
+/// No I/O: time is given.
+#[derive(Debug)]
+pub struct RetryBudget {
+    percent: f64,
+    per_s: f64,
+    tokens: f64,
+    at_ms: u64,
+}
+
+impl RetryBudget {
+    /// A full bucket.
+    pub fn new(percent: u32, per_s: u32) -> RetryBudget {
+        RetryBudget {
+            percent: f64::from(percent),
+            per_s: f64::from(per_s),
+            tokens: f64::from(per_s),
+            at_ms: 0,
+        }
+    }
+
+    /// The most tokens held: `per_s`, and at least one when requests earn them.
+    fn most(&self) -> f64 {
+        if self.percent > 0.0 {
+            self.per_s.max(1.0)
+        } else {
+            self.per_s
+        }
+    }
+
+    fn refill(&mut self, now_ms: u64) {
+        let elapsed_s = now_ms.saturating_sub(self.at_ms) as f64 / 1e3;
+        self.at_ms = self.at_ms.max(now_ms);
+        self.tokens = (self.tokens + elapsed_s * self.per_s).min(self.most());
+    }
+
+    /// A request comes (its first attempt).
+    pub fn on_request(&mut self, now_ms: u64) {
+        self.refill(now_ms);
+        self.tokens = (self.tokens + self.percent / 100.0).min(self.most());
+    }
+
+    /// Whether the budget has a retry now.
+    pub fn has_retry(&mut self, now_ms: u64) -> bool {
+        self.refill(now_ms);
+        self.tokens >= 1.0
+    }
+
+    /// A retry is made (after [`RetryBudget::has_retry`], once a worker to retry on is
+    /// found; requests retried at once may take the bucket below zero, made up by the
+    /// next ones).
+    pub fn spend(&mut self) {
+        self.tokens -= 1.0;
     }
 }
 
@@ -227,6 +297,8 @@ pub struct Router {
     fleet_full: AtomicBool,
     /// Signalled when booked work is released: the queue is pumped.
     room: Arc<Notify>,
+    /// What retries may still be made.
+    retry_budget: Mutex<RetryBudget>,
     /// Under `cfg(test)`, the next walk of the queue panics with it locked (a broken
     /// invariant), for the pump's guard's test.
     #[cfg(test)]
@@ -301,6 +373,10 @@ impl Router {
             }
         }
         let api_keys = Mutex::new(Arc::new(keys));
+        let retry_budget = Mutex::new(RetryBudget::new(
+            config.retry_budget_percent,
+            config.retry_budget_per_s,
+        ));
         let router = Arc::new(Router {
             api_keys,
             scheduler,
@@ -321,6 +397,7 @@ impl Router {
             queue: Mutex::new(queue),
             waiting_models: Arc::default(),
             fleet_full: AtomicBool::new(false),
+            retry_budget,
             room: Arc::new(Notify::new()),
             #[cfg(test)]
             break_next_walk: AtomicBool::new(false),
@@ -1369,6 +1446,13 @@ async fn complete(
         {
             break;
         }
+        if attempt == 0 {
+            router.retry_budget.lock().on_request(router.now_ms());
+        } else if !router.retry_budget.lock().has_retry(router.now_ms()) {
+            metrics::counter!("kvroute_retries_refused_total").increment(1);
+            tracing::debug!("no retry left in the budget: the client gets the worker's error");
+            break;
+        }
         if attempt > 0 {
             // Retried where it was not tried: the request was admitted, the budgets are
             // not applied again.
@@ -1377,6 +1461,7 @@ async fn complete(
                 .lock()
                 .route_excluding(router.now_ms(), &request, &failed);
             let Some(retry) = retry else { break };
+            router.retry_budget.lock().spend();
             admission::record_decision(&retry);
             decision = retry;
             booking = Some(Booking::new(router, decision.booking));

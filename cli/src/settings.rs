@@ -232,6 +232,14 @@ pub struct ServeFlags {
     /// its first token, within --worker-timeout-ms of its headers) [default: 2].
     #[arg(long, env = "KVROUTE_RETRIES")]
     pub retries: Option<usize>,
+    /// Retries, all requests together, as a percentage of requests (a token bucket; when
+    /// much of the fleet fails at once, retries stay a fraction of the load) [default: 20].
+    #[arg(long, env = "KVROUTE_RETRY_BUDGET_PERCENT")]
+    pub retry_budget_percent: Option<u32>,
+    /// Retries allowed a second beyond --retry-budget-percent, and at most held up at once
+    /// [default: 10].
+    #[arg(long, env = "KVROUTE_RETRY_BUDGET_PER_S")]
+    pub retry_budget_per_s: Option<u32>,
     /// How long connecting to a worker, and a stream's response headers, may take, ms
     /// [default: 10000]; also how long after them the client's headers wait for the first
     /// token (a worker failing meanwhile is retried elsewhere). A non-streamed answer has
@@ -667,6 +675,14 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
             .or(file.body_memory_bytes)
             .unwrap_or(d.body_memory_bytes),
         retries: flags.retries.or(file.retries).unwrap_or(d.retries),
+        retry_budget_percent: flags
+            .retry_budget_percent
+            .or(file.retry_budget_percent)
+            .unwrap_or(d.retry_budget_percent),
+        retry_budget_per_s: flags
+            .retry_budget_per_s
+            .or(file.retry_budget_per_s)
+            .unwrap_or(d.retry_budget_per_s),
         worker_timeout_ms: flags
             .worker_timeout_ms
             .or(file.worker_timeout_ms)

@@ -1129,3 +1129,34 @@ fn path_parameters_are_percent_decoded() {
         assert_eq!(percent_decoded(raw), raw);
     }
 }
+
+/// Retries stay a fraction of the requests when everything fails: the bucket's `per_s`
+/// first, then `percent` of the requests, and `per_s` more a second; none with both zero.
+#[test]
+fn the_retry_budget_is_a_fraction_of_requests_and_a_few_a_second() {
+    let mut budget = RetryBudget::new(20, 10);
+    let retries_at = |budget: &mut RetryBudget, now_ms: u64, requests: usize| {
+        (0..requests)
+            .filter(|_| {
+                budget.on_request(now_ms);
+                let retry = budget.has_retry(now_ms);
+                if retry {
+                    budget.spend();
+                }
+                retry
+            })
+            .count()
+    };
+    // 1,000 requests at once, every one failing: the 10 held, then one in five.
+    let burst = retries_at(&mut budget, 0, 1_000);
+    assert!((205..=215).contains(&burst), "{burst}");
+    // A second later, the bucket is full again: its 10 (no more are held at once).
+    let later = retries_at(&mut budget, 1_000, 20);
+    assert!((12..=13).contains(&later), "{later}");
+    // A quiet fleet: no share, a few a second.
+    let mut quiet = RetryBudget::new(0, 10);
+    assert_eq!(retries_at(&mut quiet, 0, 100), 10);
+    assert_eq!(retries_at(&mut quiet, 500, 100), 5);
+    let mut none = RetryBudget::new(0, 0);
+    assert_eq!(retries_at(&mut none, 60_000, 100), 0);
+}

@@ -1052,6 +1052,51 @@ async fn a_worker_that_computes_no_non_streamed_prompt_sits_out() {
     );
 }
 
+/// Retries come out of a budget shared by every request: with none (no share of the
+/// requests, none a second), a request whose worker fails gets that worker's error, and
+/// the other worker, failing too, is not asked as well (a brownout's load not doubled).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_come_out_of_a_budget() {
+    let f = Fleet::start(injectable_pair(&[
+        "--retry-budget-percent",
+        "0",
+        "--retry-budget-per-s",
+        "0",
+    ]))
+    .await
+    .unwrap();
+    for w in 0..2 {
+        f.faults(w, serde_json::json!({"status": 503}))
+            .await
+            .unwrap();
+    }
+    let url = format!("{}/v1/completions", f.url());
+    for i in 0..4 {
+        let r = f
+            .http
+            .call("POST", &url, request(i, 0, false))
+            .await
+            .unwrap();
+        assert_eq!(r.status, 503, "{}", r.body);
+    }
+    let scrape = f.scrape().await.unwrap();
+    assert_eq!(
+        counter_sum(
+            &scrape,
+            "kvroute_proxy_errors_total",
+            "kind=\"worker_status\""
+        ),
+        4.0,
+        "one worker asked a request\n{scrape}"
+    );
+    let refused: f64 = scrape
+        .lines()
+        .filter_map(|l| l.strip_prefix("kvroute_retries_refused_total "))
+        .filter_map(|v| v.trim().parse::<f64>().ok())
+        .sum();
+    assert_eq!(refused, 4.0, "{scrape}");
+}
+
 /// Half-sent requests (slow-loris) are cut off at the header timeout instead of piling up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn half_sent_requests_are_cut_off() {

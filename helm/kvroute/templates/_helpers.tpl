@@ -307,7 +307,7 @@ temperature = {{ include "kvroute.tomlFloat" $r.temperature }}
 {{- end }}
 lease_ttl_ms = {{ $r.leaseTtlMs | int64 }}
 max_inflight = {{ $r.maxInflight | int64 }}
-{{- range $key, $value := dict "max_body_bytes" $r.maxBodyBytes "body_memory_bytes" $r.bodyMemoryBytes "retries" $r.retries "worker_timeout_ms" $r.workerTimeoutMs }}
+{{- range $key, $value := dict "max_body_bytes" $r.maxBodyBytes "body_memory_bytes" $r.bodyMemoryBytes "retries" $r.retries "retry_budget_percent" $r.retryBudgetPercent "retry_budget_per_s" $r.retryBudgetPerS "worker_timeout_ms" $r.workerTimeoutMs }}
 {{- if not (kindIs "invalid" $value) }}
 {{ $key }} = {{ $value | int64 }}
 {{- end }}
