@@ -886,6 +886,9 @@ pub struct ApiError {
     pub retryable: bool,
     /// For a retryable error, the `Retry-After` the client is sent, s.
     pub retry_after_s: u64,
+    /// The worker's own error body (a JSON object), sent as it came instead of one of the
+    /// router's: an engine's refusal keeps its type, code and param.
+    pub worker_body: Option<bytes::Bytes>,
 }
 
 impl ApiError {
@@ -898,6 +901,7 @@ impl ApiError {
             fault,
             retryable: matches!(status, 429 | 503 | 504),
             retry_after_s: 1,
+            worker_body: None,
         }
     }
 
@@ -1084,13 +1088,24 @@ impl ApiError {
     }
 
     /// A worker refused the request itself (a 4xx that another worker would refuse too):
-    /// its status and message, the client's fault.
-    pub fn refused_by_worker(status: u16, message: impl Into<String>) -> Self {
-        ApiError::new(status, "invalid_request_error", Fault::Client, message)
+    /// its status and message, the client's fault; its own error body, if it sent a JSON
+    /// object, goes to the client as it came.
+    pub fn refused_by_worker(
+        status: u16,
+        message: impl Into<String>,
+        body: Option<bytes::Bytes>,
+    ) -> Self {
+        ApiError {
+            worker_body: body,
+            ..ApiError::new(status, "invalid_request_error", Fault::Client, message)
+        }
     }
 
-    /// The JSON body, in OpenAI's shape.
+    /// The JSON body: the worker's own, or one in OpenAI's shape.
     pub fn body(&self) -> String {
+        if let Some(body) = &self.worker_body {
+            return String::from_utf8_lossy(body).into_owned();
+        }
         serde_json::json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": self.code}}).to_string()
     }
 

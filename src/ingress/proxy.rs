@@ -203,6 +203,8 @@ pub enum ProxyError {
         status: StatusCode,
         /// Its error message (from its OpenAI-shaped body, else the body's text).
         message: String,
+        /// Its body, if a whole JSON object (a refusal reaches the client as it came).
+        body: Option<Bytes>,
     },
     /// A non-streamed answer failed after its success status: its body broke off, was
     /// over `max_upstream_body_bytes`, or would pass the router's memory budget for bodies
@@ -342,9 +344,12 @@ impl ProxyError {
     pub fn to_api(&self) -> ApiError {
         match self {
             ProxyError::Status {
-                status, message, ..
+                status,
+                message,
+                body,
+                ..
             } if !worker_side(*status) => {
-                ApiError::refused_by_worker(status.as_u16(), message.clone())
+                ApiError::refused_by_worker(status.as_u16(), message.clone(), body.clone())
             }
             ProxyError::HeadersTimeout { .. }
             | ProxyError::AnswerTimeout { .. }
@@ -412,9 +417,13 @@ fn worker_side(status: StatusCode) -> bool {
 /// at 4,096 requests failing at once, 64 MiB; the message kept is its first KiB).
 const ERROR_BODY_BYTES: usize = 16 << 10;
 
-/// The message of a worker's error body, read within `deadline`; a body longer than
+/// The message of a worker's error body, read within `deadline`, and the body itself if it
+/// is a whole JSON object (what the client is sent for a refusal); a body longer than
 /// [`ERROR_BODY_BYTES`] is cut there (its message is in its first bytes, if anywhere).
-async fn error_body(body: hyper::body::Incoming, deadline: Duration) -> Result<String, BodyError> {
+async fn error_body(
+    body: hyper::body::Incoming,
+    deadline: Duration,
+) -> Result<(String, Option<Bytes>), BodyError> {
     let read = async {
         let mut body = std::pin::pin!(body);
         let mut bytes = Vec::new();
@@ -428,7 +437,9 @@ async fn error_body(body: hyper::body::Incoming, deadline: Duration) -> Result<S
                 bytes.extend_from_slice(&data[..data.len().min(room)]);
             }
         }
-        Ok(error_message(&bytes))
+        let object = bytes.len() < ERROR_BODY_BYTES
+            && serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(&bytes).is_ok();
+        Ok((error_message(&bytes), object.then(|| Bytes::from(bytes))))
     };
     tokio::time::timeout(deadline, read)
         .await
@@ -582,13 +593,14 @@ pub(super) async fn forward(
         if !stream {
             wait = wait.min(answer_left());
         }
-        let message = error_body(response.into_body(), wait)
+        let (message, body) = error_body(response.into_body(), wait)
             .await
             .map_err(|source| ProxyError::Body { worker, source })?;
         return Err(ProxyError::Status {
             worker,
             status,
             message,
+            body,
         });
     }
     let o = decision.chosen.overlap;

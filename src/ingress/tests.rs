@@ -10,6 +10,7 @@ fn status(code: u16) -> ProxyError {
         worker: WorkerId(1),
         status: StatusCode::from_u16(code).unwrap(),
         message: "m".into(),
+        body: None,
     }
 }
 

@@ -434,7 +434,10 @@ async fn worker_errors_decide_retries_and_release_bookings_everywhere() {
             .await
             .unwrap();
         assert_eq!(r.status, 400, "{}", r.body);
-        assert!(r.body.contains("\"error\""), "{}", r.body);
+        // The worker's own error body, as it came (type, code and param kept).
+        let body: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+        assert_eq!(body["error"]["type"], "server_error", "{}", r.body);
+        assert_eq!(body["error"]["message"], "fault injected", "{}", r.body);
     }
     let freed = f
         .until(Duration::from_secs(10), || all_bookings_closed(&f))
