@@ -219,6 +219,16 @@ pub enum ProxyError {
         #[source]
         source: BodyError,
     },
+    /// A non-streamed answer with a success status whose body is not JSON (empty, a
+    /// proxy's HTML page, cut short but ended cleanly). Never tried elsewhere, as
+    /// [`ProxyError::Answer`]; counts towards the worker's ejection.
+    #[error("worker {worker}: its answer is not JSON: {error}")]
+    NotJson {
+        /// The worker.
+        worker: WorkerId,
+        /// What the parser said.
+        error: String,
+    },
     /// The worker's error body failed or was too slow.
     #[error("worker {worker}: {source}")]
     Body {
@@ -258,6 +268,7 @@ impl ProxyError {
             ProxyError::Status { status, .. } => worker_side(*status),
             ProxyError::AnswerTimeout { .. }
             | ProxyError::Answer { .. }
+            | ProxyError::NotJson { .. }
             | ProxyError::RelayLost { .. } => false,
             // Any other worker would fail the same way.
             _ if self.router_exhausted() => false,
@@ -277,12 +288,14 @@ impl ProxyError {
     }
 
     /// Whether the worker answered with an error status of its own (overloaded, broken,
-    /// misconfigured: [`worker_side`]), not one that refuses the request. Counts towards
+    /// misconfigured: [`worker_side`]), not one that refuses the request, or with a success
+    /// whose body is not JSON. Counts towards
     /// its ejection as not answering does: its bookings are released at once, so it reads
     /// as idle, and with its cached prefixes it would win request after request, each
     /// paying a failed round trip before its retry.
     pub fn worker_status(&self) -> bool {
         matches!(self, ProxyError::Status { status, .. } if worker_side(*status))
+            || matches!(self, ProxyError::NotJson { .. })
     }
 
     /// Whether connecting failed for want of the router's own resources (file
@@ -334,6 +347,7 @@ impl ProxyError {
                 ..
             } => "answer_over_budget",
             ProxyError::Answer { .. } => "answer_failed",
+            ProxyError::NotJson { .. } => "answer_not_json",
             ProxyError::Body { .. } => "body",
             ProxyError::StreamFailed { .. } => "stream_failed",
             ProxyError::RelayLost { .. } => "relay_lost",
@@ -361,7 +375,9 @@ impl ProxyError {
                 source: BodyError::OverBudget { budget },
                 ..
             } => ApiError::bodies_over_budget(*budget),
-            ProxyError::Answer { .. } => ApiError::bad_gateway(self.to_string()),
+            ProxyError::Answer { .. } | ProxyError::NotJson { .. } => {
+                ApiError::bad_gateway(self.to_string())
+            }
             ProxyError::StreamFailed {
                 end: RelayEnd::NoFirstFrame,
                 message,
@@ -642,6 +658,14 @@ pub(super) async fn forward(
                 },
                 source => ProxyError::Answer { worker, source },
             })?;
+        // Passed on as it came, but JSON: a 200 whose body is empty, a proxy's HTML page,
+        // or cut short yet ended cleanly would reach the client as a success.
+        if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(&bytes) {
+            return Err(ProxyError::NotJson {
+                worker,
+                error: e.to_string(),
+            });
+        }
         booking.answered();
         drop(booking);
         metrics::histogram!("kvroute_e2e_seconds", "worker" => label)

@@ -1100,6 +1100,31 @@ async fn retries_come_out_of_a_budget() {
     assert_eq!(refused, 4.0, "{scrape}");
 }
 
+/// A non-streamed success whose body is not JSON (a proxy's HTML page in front of a
+/// failed engine) is the worker's failure: the client gets a 502, not the page as a 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_success_whose_body_is_not_json_is_a_bad_gateway() {
+    let f = faulty_worker(&[], serde_json::json!({"html_answer": true})).await;
+    let url = format!("{}/v1/completions", f.url());
+    let r = f
+        .http
+        .call("POST", &url, request(0, 0, false))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 502, "{}", r.body);
+    assert!(r.body.contains("not JSON"), "{}", r.body);
+    let scrape = f.scrape().await.unwrap();
+    assert_eq!(
+        counter_sum(
+            &scrape,
+            "kvroute_proxy_errors_total",
+            "kind=\"answer_not_json\""
+        ),
+        1.0,
+        "{scrape}"
+    );
+}
+
 /// Half-sent requests (slow-loris) are cut off at the header timeout instead of piling up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn half_sent_requests_are_cut_off() {

@@ -113,6 +113,9 @@ pub struct Faults {
     pub stall_before_headers: bool,
     /// Answer generate requests with this error status (e.g. 429, 503, 400).
     pub status: Option<u16>,
+    /// Answer generate requests with 200 and an HTML page (a proxy in front of an engine
+    /// that failed).
+    pub html_answer: bool,
     /// Answer `status` this long after the request came (an engine failing late, after
     /// generating a whole non-streamed answer).
     pub status_delay_ms: Option<u64>,

@@ -614,6 +614,13 @@ async fn run(state: State, g: Generate) -> Response<Body> {
             let status = StatusCode::from_u16(code).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
             return error(status, "server_error", "fault injected");
         }
+        if f.html_answer {
+            return full(
+                StatusCode::OK,
+                "text/html",
+                "<html><body><h1>502 Bad Gateway</h1></body></html>".to_owned(),
+            );
+        }
         if f.stall_after_headers || f.end_after_headers {
             use futures_util::future::Either;
             let nothing = if f.stall_after_headers {
