@@ -101,6 +101,9 @@ pub struct IngestStats {
     pub unrepaired: u64,
     /// Engine restarts seen (seq went back).
     pub restarts: u64,
+    /// Replays not asked for while the replay socket rested after leaving requests
+    /// unanswered.
+    pub replays_skipped: u64,
     /// Payloads that did not decode (the mirror was cleared: it could no longer be exact).
     pub decode_errors: u64,
     /// The block size the engine used where it differed from the configured one.
@@ -130,6 +133,7 @@ pub async fn run(
     tx: mpsc::Sender<Update>,
 ) {
     let mut ingest = Ingest {
+        resting: Resting::default(),
         mirror: EngineMirror::new(block_size).with_offload_chunk(offload_chunk),
         seq: SeqTracker::default(),
         replayed_from: None,
@@ -192,7 +196,36 @@ pub fn warn_without_replay(engine: &str) {
     );
 }
 
+/// Unanswered replays in a row after which the replay socket is not asked for a while: each
+/// one holds the live stream for the reply deadline, and under a burst that makes more gaps
+/// (the PUB socket's high-water mark), each asking again.
+const REPLAYS_UNANSWERED_TO_REST: u32 = 2;
+/// The first rest of an unanswering replay socket; each further one doubles, up to
+/// [`REPLAY_REST_MAX`]; one answered replay ends it.
+const REPLAY_REST_FIRST: Duration = Duration::from_secs(30);
+/// The longest rest.
+const REPLAY_REST_MAX: Duration = Duration::from_secs(300);
+
+/// Whether the replay socket rests ([`REPLAYS_UNANSWERED_TO_REST`]).
+#[derive(Debug)]
+struct Resting {
+    unanswered: u32,
+    until: Option<tokio::time::Instant>,
+    next: Duration,
+}
+
+impl Default for Resting {
+    fn default() -> Self {
+        Resting {
+            unanswered: 0,
+            until: None,
+            next: REPLAY_REST_FIRST,
+        }
+    }
+}
+
 struct Ingest {
+    resting: Resting,
     mirror: EngineMirror,
     seq: SeqTracker,
     /// Where the last replay started: live batches from there up to the expected seq were
@@ -232,7 +265,9 @@ impl Ingest {
                 (true, Some(expected)) => self.resync(expected).await,
                 (_, expected) => self.replay(expected.unwrap_or(0), false).await.map(|_| ()),
             };
-            if let Err(e) = caught_up {
+            if let Err(e) = caught_up
+                && !matches!(e, ZmtpError::Resting(_))
+            {
                 tracing::warn!(endpoint = ?self.endpoint.replay, error = %e, "replay failed; going on with live events");
             }
         }
@@ -300,6 +335,7 @@ impl Ingest {
                 self.stats.gaps += 1;
                 if self.endpoint.replay.is_some()
                     && let Err(e) = self.replay(expected, false).await
+                    && !matches!(e, ZmtpError::Resting(_))
                 {
                     tracing::warn!(endpoint = ?self.endpoint.replay, error = %e, "replay failed");
                 }
@@ -341,6 +377,7 @@ impl Ingest {
         if seq > 0
             && self.endpoint.replay.is_some()
             && let Err(e) = self.replay(0, false).await
+            && !matches!(e, ZmtpError::Resting(_))
         {
             // The new engine's batches before this one were missed.
             tracing::warn!(endpoint = ?self.endpoint.replay, error = %e, "replay failed");
@@ -399,8 +436,27 @@ impl Ingest {
     /// what differs from what it held ([`EngineMirror::begin_rebuild`]), however the replay
     /// ends. Returns the last seq the engine sent.
     async fn replay(&mut self, from: u64, rebuild: bool) -> Result<Option<u64>, ZmtpError> {
+        let now = tokio::time::Instant::now();
+        if let Some(until) = self.resting.until.filter(|until| now < *until) {
+            self.stats.replays_skipped += 1;
+            return Err(ZmtpError::Resting(until - now));
+        }
         let replayed = self.replay_batches(from, rebuild).await;
         self.mirror.end_rebuild(&mut self.changes);
+        match &replayed {
+            Err(ZmtpError::Timeout(_)) => {
+                self.resting.unanswered += 1;
+                if self.resting.unanswered >= REPLAYS_UNANSWERED_TO_REST {
+                    let rest = self.resting.next;
+                    self.resting.until = Some(tokio::time::Instant::now() + rest);
+                    self.resting.next = (rest * 2).min(REPLAY_REST_MAX);
+                    tracing::warn!(endpoint = ?self.endpoint.replay, unanswered = self.resting.unanswered, ?rest,
+                        "the engine's replay socket leaves requests unanswered: not asked for a while (a gap meanwhile clears what the router knows of the engine, as without replay)");
+                }
+            }
+            Ok(_) => self.resting = Resting::default(),
+            Err(_) => {}
+        }
         replayed
     }
 

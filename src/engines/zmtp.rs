@@ -39,6 +39,9 @@ pub enum ZmtpError {
     /// The peer broke the protocol (or is not ZMTP 3).
     #[error("protocol: {0}")]
     Protocol(String),
+    /// Not asked: it left the last requests unanswered, and rests this long more.
+    #[error("not asked: it left its last requests unanswered (asked again in {0:?})")]
+    Resting(Duration),
 }
 
 fn protocol<T>(what: impl Into<String>) -> Result<T, ZmtpError> {

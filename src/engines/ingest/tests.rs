@@ -653,6 +653,45 @@ async fn replies_below_what_was_asked_for_are_one_restart() {
     assert_eq!(owner.stats.restarts, 1, "{:?}", owner.stats);
 }
 
+/// A replay socket that takes requests and never answers rests after two: each holds the
+/// live stream for the reply deadline, and the gaps that come meanwhile (a burst past the
+/// PUB socket's high-water mark) are handled as without replay instead of each asking and
+/// waiting again.
+#[tokio::test]
+async fn an_unanswering_replay_socket_rests() {
+    let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let asks = std::sync::Arc::clone(&asked);
+    let handler: RouterHandler = std::sync::Arc::new(move |_request: Vec<Bytes>| {
+        asks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Vec::new()
+    });
+    let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
+    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
+    let limits = IngestLimits {
+        replay: Duration::from_millis(100),
+        ..IngestLimits::default()
+    };
+    // The replay at subscription is the first left unanswered.
+    let mut owner = follow(scripted(&pubs, &replay), limits).await;
+    // Every other batch lost: seq 0, 2, 4, 6, 8 arrive, four gaps.
+    for seq in (0..10u64).step_by(2) {
+        pubs.publish(vec![
+            Bytes::new(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            store(seq + 1, None),
+        ]);
+    }
+    owner.until("four gaps", |o| o.stats.gaps == 4).await;
+    assert_eq!(
+        asked.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "{:?}",
+        owner.stats
+    );
+    assert_eq!(owner.stats.replays_skipped, 3, "{:?}", owner.stats);
+    assert_eq!(owner.stats.unrepaired, 4, "{:?}", owner.stats);
+}
+
 #[test]
 fn data_parallel_ranks_offset_the_port() {
     let e = EngineEndpoint {

@@ -105,7 +105,7 @@ impl Telemetry {
             gauge!("kvroute_engine_events_connected", "worker" => worker.clone(), "rank" => label.clone())
                 .set(f64::from(u8::from(s.connected)));
         }
-        let totals: [Figure; 8] = [
+        let totals: [Figure; 9] = [
             ("kvroute_engine_event_batches_total", |s| s.mirror.batches),
             ("kvroute_engine_event_gaps_total", |s| s.gaps),
             ("kvroute_engine_event_batches_replayed_total", |s| {
@@ -115,6 +115,9 @@ impl Telemetry {
                 s.unrepaired
             }),
             ("kvroute_engine_restarts_total", |s| s.restarts),
+            ("kvroute_engine_replays_skipped_total", |s| {
+                s.replays_skipped
+            }),
             ("kvroute_engine_event_decode_errors_total", |s| {
                 s.decode_errors
             }),
