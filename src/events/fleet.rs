@@ -79,6 +79,16 @@ pub enum FleetCommand {
     /// The worker came back as another incarnation (a new epoch, or a new URL) without
     /// leaving: the failures of the old one say nothing of it (an ejection ends).
     Reincarnated(WorkerId),
+    /// A worker's heartbeat came late for the router's lease: more than three quarters of
+    /// it after the one before (`gap_ms`), or after the lease had lapsed (`gap_ms` unknown),
+    /// the router hearing all along. Its heartbeat period, or the registry's delay, does not
+    /// fit the lease: it lapses, and each lapse drops what the index holds of it.
+    LateHeartbeat {
+        /// The worker.
+        id: WorkerId,
+        /// Since its heartbeat before, ms (`None`: its lease had lapsed).
+        gap_ms: Option<u64>,
+    },
     /// A worker left (for counters and logs; its streams and entries are closed by the
     /// commands before this one).
     Departed {
@@ -127,6 +137,8 @@ pub struct FleetStats {
     pub stale_registrations: u64,
     /// Workers registered from such a registration by a batch of theirs.
     pub woken: u64,
+    /// Heartbeats late for the lease ([`FleetCommand::LateHeartbeat`]).
+    pub late_heartbeats: u64,
 }
 
 /// What became of a registration read back from the registry's history.
@@ -169,6 +181,8 @@ struct Member {
     /// how old it was then. While the router is deaf such a lease keeps that age (its age
     /// is the registry's own measure), where a lease heard live runs afresh.
     replay_age_ms: Option<u64>,
+    /// When its last live heartbeat came.
+    heard_ms: Option<u64>,
 }
 
 /// A registration read back older than its lease: not a member (not routed to), until a
@@ -190,6 +204,8 @@ pub struct Fleet {
     dormant: BTreeMap<WorkerId, Dormant>,
     /// Since when the router has been out of earshot ([`Fleet::on_deaf_tick`]).
     deaf_since: Option<u64>,
+    /// When it last was.
+    deaf_at: Option<u64>,
     stats: FleetStats,
 }
 
@@ -202,6 +218,7 @@ impl Fleet {
             tombstones: BTreeMap::new(),
             dormant: BTreeMap::new(),
             deaf_since: None,
+            deaf_at: None,
             stats: FleetStats::default(),
         }
     }
@@ -255,7 +272,31 @@ impl Fleet {
         out: &mut Vec<FleetCommand>,
     ) -> Result<(), Refusal> {
         self.dormant.remove(&info.id);
-        self.register(now_ms, info, None, out)
+        let id = info.id;
+        let heard_before = |at: u64| self.deaf_at.is_none_or(|deaf| deaf < at);
+        let late = match (self.members.get(&id), self.tombstones.get(&id)) {
+            (Some(m), _) => m
+                .heard_ms
+                .filter(|&at| heard_before(at))
+                .map(|at| now_ms.saturating_sub(at))
+                .filter(|&gap| {
+                    self.config
+                        .lease_ttl_ms
+                        .is_some_and(|ttl| gap.saturating_mul(4) > ttl.saturating_mul(3))
+                })
+                .map(Some),
+            (None, Some(&(epoch, _, Departure::Expired))) if epoch == info.epoch => Some(None),
+            _ => None,
+        };
+        if let Some(gap_ms) = late {
+            self.stats.late_heartbeats += 1;
+            out.push(FleetCommand::LateHeartbeat { id, gap_ms });
+        }
+        let registered = self.register(now_ms, info, None, out);
+        if let Some(member) = self.members.get_mut(&id) {
+            member.heard_ms = Some(now_ms);
+        }
+        registered
     }
 
     /// A registration read back from the registry's history as a watch starts (a router
@@ -361,12 +402,14 @@ impl Fleet {
             Some(m) if m.renewed_ms >= written_ms => (m.renewed_ms, m.replay_age_ms),
             _ => (written_ms, replay_age_ms),
         };
+        let heard_ms = self.members.get(&id).and_then(|m| m.heard_ms);
         let previous = self.members.insert(
             id,
             Member {
                 info: info.clone(),
                 renewed_ms,
                 replay_age_ms,
+                heard_ms,
             },
         );
         let old: BTreeSet<DpRank> = previous
@@ -472,11 +515,17 @@ impl Fleet {
     /// afresh ([`Fleet::renew_all`]) from its end. (Renewing at once on a blip gave a crashed
     /// worker a new lease with every late acknowledgement.)
     pub fn on_deaf_tick(&mut self, now_ms: u64) {
+        self.deaf_at = Some(now_ms);
         let since = *self.deaf_since.get_or_insert(now_ms);
         if now_ms.saturating_sub(since) >= self.deaf_grace_ms() {
             self.renew_all(now_ms);
         }
         self.sweep_tombstones(now_ms);
+    }
+
+    /// The lease, ms (`None`: leases never lapse).
+    pub fn lease_ttl_ms(&self) -> Option<u64> {
+        self.config.lease_ttl_ms
     }
 
     /// How long a deafness pauses leases before they are renewed: a registry probe period.

@@ -365,6 +365,7 @@ impl EventPlane {
             registry_healthy: watch.healthy,
             transit_seconds: metrics::histogram!("kvroute_event_transit_seconds"),
             refusals_logged: Default::default(),
+            lates_logged: Default::default(),
             watermarks: WatermarkGate::default(),
             ask_barrier: false,
             view_stale: false,
@@ -539,6 +540,9 @@ struct FleetOwner {
     /// When each refused worker was last logged: a refused worker's every heartbeat is
     /// refused again, and logged once per [`REFUSAL_LOG_EVERY`].
     refusals_logged: HashMap<WorkerId, Instant>,
+    /// When each worker whose heartbeat came late was last logged (at most
+    /// [`LATES_LOGGED`] remembered; each late one is counted).
+    lates_logged: HashMap<WorkerId, Instant>,
     /// Heartbeats' watermarks held until the events they count have been read ([`intake`]).
     watermarks: WatermarkGate,
     /// The gate wants a barrier the intake has not been asked for yet (asked after the
@@ -554,6 +558,11 @@ struct FleetOwner {
 /// registrations at start copied 5 × 10⁷ of them on the one task that reads every event.
 /// It is published once the registrations waiting have been read, or after this long.
 const VIEW_EVERY: Duration = Duration::from_millis(50);
+
+/// How often a worker's late heartbeats are logged (each is counted).
+const LATE_LOG_EVERY: Duration = Duration::from_secs(600);
+/// Workers whose late heartbeats are remembered for [`LATE_LOG_EVERY`], at most.
+const LATES_LOGGED: usize = 4096;
 
 /// How often a worker's repeated refusal is logged (each is counted).
 const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(60);
@@ -854,6 +863,30 @@ impl FleetOwner {
                 FleetCommand::Unroutable(key) => {
                     if let Some(s) = &self.shared.scheduler {
                         s.lock().remove_worker(key);
+                    }
+                }
+                FleetCommand::LateHeartbeat { id, gap_ms } => {
+                    metrics::counter!("kvroute_registry_late_heartbeats_total").increment(1);
+                    let now = Instant::now();
+                    let logged = self
+                        .lates_logged
+                        .get(&id)
+                        .is_some_and(|at| now.duration_since(*at) < LATE_LOG_EVERY);
+                    if !logged {
+                        if self.lates_logged.len() >= LATES_LOGGED {
+                            self.lates_logged
+                                .retain(|_, at| now.duration_since(*at) < LATE_LOG_EVERY);
+                        }
+                        self.lates_logged.insert(id, now);
+                        let lease_ms = self.fleet.lease_ttl_ms();
+                        match gap_ms {
+                            Some(gap_ms) => {
+                                tracing::warn!(worker = %id, gap_ms, ?lease_ms, "a worker's heartbeat came late for this router's lease: its heartbeat period (--heartbeat-ms) or the registry's delay does not fit --lease-ttl-ms, and each lapse drops what the index holds of it")
+                            }
+                            None => {
+                                tracing::warn!(worker = %id, ?lease_ms, "a worker's lease lapsed and the same incarnation heartbeats again: its heartbeat period (--heartbeat-ms) or the registry's delay does not fit --lease-ttl-ms, and each lapse drops what the index holds of it")
+                            }
+                        }
                     }
                 }
                 FleetCommand::Reincarnated(id) => {

@@ -73,7 +73,9 @@ impl Driver {
                 FleetCommand::Unroutable(k) => {
                     self.routable.remove(&k);
                 }
-                FleetCommand::Departed { .. } | FleetCommand::Reincarnated(_) => {}
+                FleetCommand::Departed { .. }
+                | FleetCommand::Reincarnated(_)
+                | FleetCommand::LateHeartbeat { .. } => {}
             }
         }
     }
@@ -271,6 +273,46 @@ fn a_short_deafness_pauses_leases_and_a_long_one_renews_them() {
 /// kept aside, not routed to, until a batch of the worker's shows it alive; a younger one
 /// lapses when its lease would have, even through the router's deafness (which renews
 /// leases heard live); an old copy read back does not shorten a lease renewed since.
+/// A heartbeat more than three quarters of the lease after the one before, or one of an
+/// incarnation whose lease lapsed, is late for the router's lease (a worker's heartbeat
+/// period that does not fit it): said, and counted. Not after a deafness of the router's,
+/// and not for heartbeats on time.
+#[test]
+fn heartbeats_late_for_the_lease_are_said() {
+    let late = |out: &[FleetCommand]| {
+        out.iter()
+            .filter_map(|c| match c {
+                FleetCommand::LateHeartbeat { id, gap_ms } => Some((*id, *gap_ms)),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut fleet = Fleet::new(config());
+    let mut out = Vec::new();
+    let beat = |fleet: &mut Fleet, now_ms: u64, out: &mut Vec<FleetCommand>| {
+        out.clear();
+        fleet
+            .on_registration(now_ms, info(1, 7, 1, "m", 16), out)
+            .unwrap();
+    };
+    beat(&mut fleet, 0, &mut out);
+    beat(&mut fleet, 500, &mut out);
+    assert_eq!(late(&out), vec![]);
+    beat(&mut fleet, 1_300, &mut out);
+    assert_eq!(late(&out), vec![(WorkerId(1), Some(800))]);
+    // Lapsed (the lease is 1 s), then the same incarnation again.
+    fleet.on_tick(2_400, &mut out);
+    assert!(fleet.worker(WorkerId(1)).is_none());
+    beat(&mut fleet, 2_600, &mut out);
+    assert_eq!(late(&out), vec![(WorkerId(1), None)]);
+    // Deaf in between: says nothing of the worker.
+    fleet.on_deaf_tick(2_700);
+    fleet.on_tick(2_750, &mut out);
+    beat(&mut fleet, 3_500, &mut out);
+    assert_eq!(late(&out), vec![]);
+    assert_eq!(fleet.stats().late_heartbeats, 2);
+}
+
 #[test]
 fn a_replayed_registration_keeps_its_age() {
     let mut fleet = Fleet::new(config());
