@@ -909,6 +909,11 @@ fn registry_event(entry: &async_nats::jetstream::kv::Entry) -> Option<RegistryEv
     registry_change(&entry.key, put)
 }
 
+/// Invalid registrations are logged at most this often, all together (each is counted): a
+/// misconfigured worker's every heartbeat is invalid again.
+static INVALID_LOGGED: crate::process::LogEvery =
+    crate::process::LogEvery::new(Duration::from_secs(10));
+
 /// What a change to registry key `key` reports: a put of `value`, or a delete (`None`).
 /// A registration lives under its worker's id, so that the worker's goodbye (a delete of
 /// that key) ends it: one under another key is invalid.
@@ -917,14 +922,23 @@ fn registry_change(key: &str, put: Option<&[u8]>) -> Option<RegistryEvent> {
         return None;
     }
     let Some(value) = put else {
+        // Only a worker's own key (its id as written: "013" is no worker's key) says its
+        // goodbye.
         return key
             .parse::<u64>()
             .ok()
+            .filter(|id| id.to_string() == key)
             .map(|id| RegistryEvent::Delete(WorkerId(id)));
     };
     let invalid = |error: String| {
         metrics::counter!("kvroute_registry_invalid_total").increment(1);
-        tracing::warn!(key, error, "ignoring invalid worker registration");
+        if INVALID_LOGGED.due() {
+            tracing::warn!(
+                key,
+                error,
+                "ignoring invalid worker registration (each is counted in kvroute_registry_invalid_total; this is said at most every 10 s)"
+            );
+        }
         None
     };
     match WorkerInfo::decode(value) {
@@ -1204,6 +1218,7 @@ mod tests {
             registry_change("12", None),
             Some(RegistryEvent::Delete(WorkerId(12)))
         ));
+        assert!(registry_change("012", None).is_none(), "no worker's key");
         assert!(registry_change(&format!("{PROBE_PREFIX}x"), None).is_none());
     }
 

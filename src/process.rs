@@ -155,3 +155,46 @@ pub fn install_metrics() -> Option<Metrics> {
     });
     Some(metrics)
 }
+
+/// A warning said at most once per period, all callers together.
+pub struct LogEvery {
+    period: std::time::Duration,
+    last: parking_lot::Mutex<Option<std::time::Instant>>,
+}
+
+impl LogEvery {
+    /// Says at most once per `period`.
+    pub const fn new(period: std::time::Duration) -> LogEvery {
+        LogEvery {
+            period,
+            last: parking_lot::Mutex::new(None),
+        }
+    }
+
+    /// Whether to say it now (and, if so, it counts as said).
+    pub fn due(&self) -> bool {
+        let now = std::time::Instant::now();
+        let mut last = self.last.lock();
+        if last.is_some_and(|at| now.duration_since(at) < self.period) {
+            return false;
+        }
+        *last = Some(now);
+        true
+    }
+}
+
+#[cfg(test)]
+mod log_every_tests {
+    use super::LogEvery;
+
+    /// Said once, then not again within the period.
+    #[test]
+    fn said_at_most_once_a_period() {
+        let every = LogEvery::new(std::time::Duration::from_secs(3600));
+        assert!(every.due());
+        assert!(!every.due());
+        assert!(!every.due());
+        let always = LogEvery::new(std::time::Duration::ZERO);
+        assert!(always.due() && always.due());
+    }
+}

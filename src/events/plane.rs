@@ -559,6 +559,10 @@ struct FleetOwner {
 /// It is published once the registrations waiting have been read, or after this long.
 const VIEW_EVERY: Duration = Duration::from_millis(50);
 
+/// Invalid registrations are logged at most this often, all together (each is counted).
+static INVALID_LOGGED: crate::process::LogEvery =
+    crate::process::LogEvery::new(Duration::from_secs(10));
+
 /// How often a worker's late heartbeats are logged (each is counted).
 const LATE_LOG_EVERY: Duration = Duration::from_secs(600);
 /// Workers whose late heartbeats are remembered for [`LATE_LOG_EVERY`], at most.
@@ -744,7 +748,9 @@ impl FleetOwner {
         // Every registry's reports pass here: bound them before they cost anything.
         if let Err(e) = info.validate() {
             metrics::counter!("kvroute_registry_invalid_total").increment(1);
-            tracing::warn!(error = %e, "ignoring invalid worker registration");
+            if INVALID_LOGGED.due() {
+                tracing::warn!(error = %e, "ignoring invalid worker registration (each is counted in kvroute_registry_invalid_total; this is said at most every 10 s)");
+            }
             return;
         }
         let changed = self
