@@ -1006,20 +1006,8 @@ async fn a_worker_answering_its_own_errors_sits_out() {
         serde_json::json!({"status": 503}),
     )
     .await;
-    let url = format!("{}/v1/completions", f.url());
-    for i in 0..4 {
-        let r = f
-            .http
-            .call("POST", &url, request(i, 0, i % 2 == 0))
-            .await
-            .unwrap();
-        assert_eq!(r.status, 503, "{}", r.body);
-    }
-    let scrape = f.scrape().await.unwrap();
-    assert!(
-        counter_sum(&scrape, "kvroute_worker_ejections_total", "worker=") >= 1.0,
-        "{scrape}"
-    );
+    expect_status(&f, 4, |i| i % 2 == 0, 503).await;
+    assert_ejected(&f).await;
 }
 
 /// A hung engine that takes non-streamed requests and never answers (no headers: they come
@@ -1048,11 +1036,7 @@ async fn a_worker_that_computes_no_non_streamed_prompt_sits_out() {
         let r = r.unwrap();
         assert_eq!(r.status, 504, "{}", r.body);
     }
-    let scrape = f.scrape().await.unwrap();
-    assert!(
-        counter_sum(&scrape, "kvroute_worker_ejections_total", "worker=") >= 1.0,
-        "{scrape}"
-    );
+    assert_ejected(&f).await;
 }
 
 /// Retries come out of a budget shared by every request: with none (no share of the
@@ -1073,15 +1057,7 @@ async fn retries_come_out_of_a_budget() {
             .await
             .unwrap();
     }
-    let url = format!("{}/v1/completions", f.url());
-    for i in 0..4 {
-        let r = f
-            .http
-            .call("POST", &url, request(i, 0, false))
-            .await
-            .unwrap();
-        assert_eq!(r.status, 503, "{}", r.body);
-    }
+    expect_status(&f, 4, |_| false, 503).await;
     let scrape = f.scrape().await.unwrap();
     assert_eq!(
         counter_sum(
@@ -1607,6 +1583,29 @@ async fn api_keys_in_a_file_are_revoked_and_added_without_a_restart() {
 }
 
 /// Sum of a counter's series whose labels contain `label`, from a Prometheus scrape.
+/// Sends `n` completions (group `i`, streamed where `stream(i)`), one after another, and
+/// asserts each gets `status`.
+async fn expect_status(f: &Fleet, n: usize, stream: impl Fn(usize) -> bool, status: u16) {
+    let url = format!("{}/v1/completions", f.url());
+    for i in 0..n {
+        let r = f
+            .http
+            .call("POST", &url, request(i, 0, stream(i)))
+            .await
+            .unwrap();
+        assert_eq!(r.status, status, "{}", r.body);
+    }
+}
+
+/// Asserts that the router ejected a worker.
+async fn assert_ejected(f: &Fleet) {
+    let scrape = f.scrape().await.unwrap();
+    assert!(
+        counter_sum(&scrape, "kvroute_worker_ejections_total", "worker=") >= 1.0,
+        "no worker ejected\n{scrape}"
+    );
+}
+
 fn counter_sum(scrape: &str, name: &str, label: &str) -> f64 {
     scrape
         .lines()

@@ -393,6 +393,20 @@ async fn without_replay_a_gap_clears_and_rebuilds_from_what_follows() {
     assert_eq!((owner.stats.gaps, owner.stats.unrepaired), (1, 1));
 }
 
+/// Closes `pubs` (an engine's PUB socket going away, as in a restart) and binds its port
+/// again, once the port is free.
+async fn rebind(pubs: PubSocket) -> PubSocket {
+    let port = pubs.port();
+    drop(pubs);
+    for _ in 0..100 {
+        if let Ok(p) = PubSocket::bind("127.0.0.1", port).await {
+            return p;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the PUB port {port} stays taken");
+}
+
 /// The endpoint of an engine played by `pubs` and a scripted replay socket.
 fn scripted(pubs: &PubSocket, replay: &RouterSocket) -> EngineEndpoint {
     EngineEndpoint {
@@ -504,19 +518,7 @@ async fn a_reconnect_s_rebuild_hands_over_only_what_changed() {
         .lock()
         .unwrap()
         .extend([remove(3), store(4, Some(2))]);
-    let port = pubs.port();
-    drop(pubs);
-    let mut pubs = None;
-    for _ in 0..100 {
-        match PubSocket::bind("127.0.0.1", port).await {
-            Ok(p) => {
-                pubs = Some(p);
-                break;
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    }
-    let _pubs = pubs.expect("the PUB port stays taken");
+    let _pubs = rebind(pubs).await;
     let after = hashes_of(&[(1, None), (2, Some(1)), (4, Some(2))]);
     owner.until("rebuilt", |o| o.held == after).await;
     let three = *before.difference(&after).next().unwrap();
@@ -563,19 +565,7 @@ async fn a_restart_is_seen_when_the_replay_takes_the_request_and_never_answers()
     assert_eq!(owner.held, hashes_of(&[(1, None)]));
     // The engine restarts: its PUB goes away and comes back, its replay says nothing.
     silent.store(true, std::sync::atomic::Ordering::SeqCst);
-    let port = pubs.port();
-    drop(pubs);
-    let mut pubs = None;
-    for _ in 0..100 {
-        match PubSocket::bind("127.0.0.1", port).await {
-            Ok(p) => {
-                pubs = Some(p);
-                break;
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    }
-    let pubs = pubs.expect("the PUB port stays taken");
+    let pubs = rebind(pubs).await;
     // The new engine's batches, live from seq 0, one root block each, until the follower
     // has them (the first ones go nowhere until its subscription reaches the PUB).
     for seq in 0..100u64 {
