@@ -708,8 +708,18 @@ async fn handle(router: Arc<Router>, req: hyper::Request<Incoming>) -> Response<
         (Method::GET, p) if p.starts_with("/v1/models/") => {
             model(&router, &p["/v1/models/".len()..])
         }
-        (Method::POST, "/v1/completions") => completions(&router, req, false).await,
-        (Method::POST, "/v1/chat/completions") => completions(&router, req, true).await,
+        (Method::POST, "/v1/completions" | "/v1/chat/completions") => {
+            let chat = path == "/v1/chat/completions";
+            let mut req = req;
+            let id = request_id(req.headers());
+            req.headers_mut().insert(REQUEST_ID, id.clone());
+            let span = tracing::info_span!("request", id = %id.to_str().unwrap_or_default());
+            let answer =
+                tracing::Instrument::instrument(completions(&router, req, chat), span).await;
+            let mut response = answer.unwrap_or_else(|e| api_error(&e));
+            response.headers_mut().insert(REQUEST_ID, id);
+            return response;
+        }
         (method, p) => match allowed_methods(p) {
             // A known endpoint asked with another method: 405 with `Allow`, as vLLM's
             // FastAPI answers (a 404 read as a wrong URL).
@@ -723,6 +733,25 @@ async fn handle(router: Arc<Router>, req: hyper::Request<Incoming>) -> Response<
         },
     };
     result.unwrap_or_else(|e| api_error(&e))
+}
+
+/// The header naming a request, end to end: the client's, or one made up here; answered
+/// with the response, and passed on to the worker ([`proxy::PASSED_HEADERS`]).
+const REQUEST_ID: header::HeaderName = header::HeaderName::from_static("x-request-id");
+
+/// The client's request id if it is one (1 to 128 visible ASCII characters), else a new
+/// one (`req-` and 24 hex digits).
+fn request_id(headers: &hyper::HeaderMap) -> header::HeaderValue {
+    headers
+        .get(&REQUEST_ID)
+        .filter(|v| {
+            (1..=128).contains(&v.len()) && v.as_bytes().iter().all(|b| (0x21..=0x7e).contains(b))
+        })
+        .cloned()
+        .unwrap_or_else(|| {
+            header::HeaderValue::from_str(&openai::response_id("req-"))
+                .expect("invariant: a made-up id is ASCII")
+        })
 }
 
 /// The methods the API listener answers at `path`, if it is one of its endpoints.
@@ -1423,6 +1452,15 @@ async fn complete(
         chat,
         receipt: class.receipt,
         media: p.media,
+        passed: proxy::PASSED_HEADERS
+            .iter()
+            .filter_map(|name| {
+                Some((
+                    header::HeaderName::from_static(name),
+                    headers.get(*name)?.clone(),
+                ))
+            })
+            .collect(),
     };
     let mut request = prepared.request();
     request.session = class

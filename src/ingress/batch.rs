@@ -74,7 +74,14 @@ pub(super) async fn complete_batch(
     let (shared_router, shared_headers) = (Arc::clone(router), headers.clone());
     let part = move |(i, (part, held)): (usize, (Bytes, Reservation))| {
         let router = Arc::clone(&shared_router);
-        let headers = shared_headers.clone();
+        let mut headers = shared_headers.clone();
+        // Each prompt is a request of its own at the engine, under an id of its own (vLLM
+        // refuses an id already running).
+        if let Some(id) = headers.get("x-request-id").and_then(|v| v.to_str().ok())
+            && let Ok(part_id) = hyper::header::HeaderValue::from_str(&format!("{id}-{i}"))
+        {
+            headers.insert("x-request-id", part_id);
+        }
         async move {
             (
                 i,

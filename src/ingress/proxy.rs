@@ -493,7 +493,15 @@ pub(super) struct Upstream {
     /// The prompt has images, audio or video: an engine fetches and decodes them before
     /// it answers with headers (vLLM allows a video URL 30 s, `VLLM_VIDEO_FETCH_TIMEOUT`).
     pub media: bool,
+    /// Headers passed on to the worker as they came: the request's id (`x-request-id`,
+    /// which vLLM takes for its own with `--enable-request-id-headers`) and the W3C trace
+    /// context (`traceparent`, `tracestate`), so that one request is followed from the
+    /// router into the engine.
+    pub passed: Vec<(header::HeaderName, header::HeaderValue)>,
 }
+
+/// The request headers passed on to workers ([`Upstream::passed`]).
+pub(super) const PASSED_HEADERS: [&str; 3] = ["x-request-id", "traceparent", "tracestate"];
 
 impl Upstream {
     /// The HTTP request for worker `info` (rank `rank` of it); an engine's carries
@@ -512,6 +520,9 @@ impl Upstream {
         };
         let mut request = hyper::Request::post(format!("{base}{path}"))
             .header(header::CONTENT_TYPE, "application/json");
+        for (name, value) in &self.passed {
+            request = request.header(name, value);
+        }
         if info.api == WorkerApi::Openai && info.dp_size > 1 {
             // One endpoint fronting several data-parallel ranks: pin the rank the router
             // chose. vLLM reads `X-data-parallel-rank` (OpenAIServing._get_data_parallel_rank
@@ -707,7 +718,7 @@ pub(super) async fn forward(
         tokens: false,
         worker_error: None,
     };
-    tokio::spawn(relay.run());
+    tokio::spawn(tracing::Instrument::in_current_span(relay.run()));
     // Dropped with the client's connection meanwhile, this drops `rx`: the relay sees the
     // client gone and ends.
     match opened.await {
@@ -1733,6 +1744,10 @@ mod tests {
             chat: true,
             receipt: false,
             media: false,
+            passed: vec![(
+                header::HeaderName::from_static("x-request-id"),
+                header::HeaderValue::from_static("req-7"),
+            )],
         };
         let key = crate::auth::Secret::new("engine-secret");
         let r = up.request(&info(WorkerApi::Kvroute, 1), 0, Some(&key));
@@ -1742,6 +1757,11 @@ mod tests {
         // engine's key when one is set (never the client's).
         let r = up.request(&info(WorkerApi::Openai, 1), 0, Some(&key));
         assert_eq!(r.uri(), "http://10.0.0.1:8000/v1/chat/completions");
+        assert_eq!(
+            r.headers()["x-request-id"],
+            "req-7",
+            "the request's id goes along"
+        );
         assert!(r.headers().get("x-data-parallel-rank").is_none());
         assert_eq!(r.headers()["authorization"], "Bearer engine-secret");
         // Several ranks behind one endpoint: the chosen one is pinned.

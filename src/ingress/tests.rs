@@ -1161,3 +1161,27 @@ fn the_retry_budget_is_a_fraction_of_requests_and_a_few_a_second() {
     let mut none = RetryBudget::new(0, 0);
     assert_eq!(retries_at(&mut none, 60_000, 100), 0);
 }
+
+/// A client's request id is kept if it is one (1 to 128 visible ASCII characters); else
+/// the request gets a new one.
+#[test]
+fn a_request_id_is_the_client_s_or_a_new_one() {
+    let with = |v: &str| {
+        let mut h = hyper::HeaderMap::new();
+        h.insert("x-request-id", header::HeaderValue::from_str(v).unwrap());
+        request_id(&h)
+    };
+    assert_eq!(with("abc-123"), "abc-123");
+    let made = |v: header::HeaderValue| {
+        let v = v.to_str().unwrap().to_owned();
+        v.starts_with("req-") && v.len() == 4 + 24
+    };
+    assert!(made(request_id(&hyper::HeaderMap::new())));
+    assert!(made(with("two words")));
+    assert!(made(with(&"x".repeat(129))));
+    assert_eq!(with(&"x".repeat(128)), "x".repeat(128).as_str());
+    assert_ne!(
+        request_id(&hyper::HeaderMap::new()),
+        request_id(&hyper::HeaderMap::new())
+    );
+}

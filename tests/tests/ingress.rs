@@ -1101,6 +1101,46 @@ async fn a_success_whose_body_is_not_json_is_a_bad_gateway() {
     );
 }
 
+/// Every answer names its request (`x-request-id`): the client's id if it sent one, else a
+/// new one; errors too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_name_their_request() {
+    let f = Fleet::start(spec(1, 50.0)).await.unwrap();
+    let url = format!("{}/v1/completions", f.url());
+    let named = f
+        .http
+        .call_with(
+            "POST",
+            &url,
+            request(0, 0, true),
+            &[("x-request-id", "abc-123")],
+        )
+        .await
+        .unwrap();
+    assert_eq!(named.status, 200, "{}", named.body);
+    assert_eq!(named.header("x-request-id"), Some("abc-123"));
+    let unnamed = f
+        .http
+        .call("POST", &url, request(1, 0, false))
+        .await
+        .unwrap();
+    assert_eq!(unnamed.status, 200, "{}", unnamed.body);
+    assert!(
+        unnamed
+            .header("x-request-id")
+            .is_some_and(|id| id.starts_with("req-")),
+        "{:?}",
+        unnamed.header("x-request-id")
+    );
+    let refused = f
+        .http
+        .call_with("POST", &url, "{".to_owned(), &[("x-request-id", "bad-1")])
+        .await
+        .unwrap();
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    assert_eq!(refused.header("x-request-id"), Some("bad-1"));
+}
+
 /// Half-sent requests (slow-loris) are cut off at the header timeout instead of piling up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn half_sent_requests_are_cut_off() {
