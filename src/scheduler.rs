@@ -119,6 +119,11 @@ pub struct EjectionConfig {
     pub base_ms: u64,
     /// The longest ejection, ms.
     pub max_ms: u64,
+    /// Most of a model's workers that sit out at once, percent (at least one may): when a
+    /// load spike slows every worker of a model, their timeouts would otherwise eject them
+    /// one after another and pile the load on those left. Past it, failures are counted
+    /// but eject no one more.
+    pub max_ejected_percent: u32,
 }
 
 impl Default for EjectionConfig {
@@ -127,6 +132,7 @@ impl Default for EjectionConfig {
             after_failures: 3,
             base_ms: 5_000,
             max_ms: 60_000,
+            max_ejected_percent: 50,
         }
     }
 }
@@ -748,6 +754,7 @@ impl Scheduler {
     /// sent before) change nothing; the first after the ejection ends doubles it.
     pub fn worker_unreachable(&mut self, worker: WorkerId, now_ms: u64) -> Option<u64> {
         let ejection = self.config.ejection;
+        let room = self.ejection_room(worker, now_ms);
         let mut ejected = None;
         for (_, state) in self.workers.range_mut(ranks_of(worker)) {
             if state.ejected(now_ms) {
@@ -755,12 +762,41 @@ impl Scheduler {
             }
             state.failures = state.failures.saturating_add(1);
             let ms = ejection.ejection_ms(state.failures);
-            if ms > 0 {
+            if ms > 0 && room {
                 state.ejected_until_ms = now_ms.saturating_add(ms);
                 ejected = Some(ms);
             }
         }
         ejected
+    }
+
+    /// Whether `worker` may be ejected now: the workers of its model ejected, itself
+    /// included, stay within [`EjectionConfig::max_ejected_percent`] of the model's
+    /// workers (at least one may be; a worker's ranks are one endpoint, ejected together).
+    /// Walks the workers (a failure's ejection only).
+    fn ejection_room(&self, worker: WorkerId, now_ms: u64) -> bool {
+        let Some(model) = self
+            .workers
+            .range(ranks_of(worker))
+            .next()
+            .map(|(_, s)| s.model.as_str())
+        else {
+            return false;
+        };
+        // Ranks of one worker are adjacent (keys are ordered by worker first).
+        let (mut workers, mut out, mut last) = (0u64, 0u64, None);
+        for (key, state) in &self.workers {
+            if state.model != model || last == Some(key.0) {
+                continue;
+            }
+            last = Some(key.0);
+            workers += 1;
+            if key.0 == worker || state.ejected(now_ms) {
+                out += 1;
+            }
+        }
+        let most = (workers * u64::from(self.config.ejection.max_ejected_percent) / 100).max(1);
+        out <= most
     }
 
     /// `worker` answered a request: it is reachable, and no longer ejected.

@@ -177,8 +177,8 @@ pub struct ServeFlags {
     /// worker, blocks [default: 64].
     #[arg(long, env = "KVROUTE_SESSION_SPREAD")]
     pub session_spread: Option<f64>,
-    /// A worker that fails this many requests in a row (no connection, no headers in time)
-    /// sits out; 0 never [default: 3].
+    /// A worker that fails this many requests in a row (no connection, no headers in time,
+    /// an error status of its own) sits out; 0 never [default: 3].
     #[arg(long, env = "KVROUTE_EJECT_AFTER_FAILURES")]
     pub eject_after_failures: Option<u32>,
     /// How long an unreachable worker first sits out, ms; doubling at each further
@@ -188,6 +188,10 @@ pub struct ServeFlags {
     /// The longest an unreachable worker sits out, ms [default: 60000].
     #[arg(long, env = "KVROUTE_EJECT_MAX_MS")]
     pub eject_max_ms: Option<u64>,
+    /// Most of a model's workers that sit out at once, percent (at least one may): a load
+    /// spike's timeouts do not eject them one after another [default: 50].
+    #[arg(long, env = "KVROUTE_EJECT_MAX_PERCENT")]
+    pub eject_max_percent: Option<u32>,
     /// Answer with the routing headers (x-kvroute-worker, -overlap, -cached-blocks,
     /// -reachable-blocks, receipts): they tell clients what the fleet caches, so leave them off
     /// where tenants share it [default: false; `kvroute up`: true].
@@ -633,6 +637,10 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
                 .eject_max_ms
                 .or(file.eject_max_ms)
                 .unwrap_or(defaults.ejection.max_ms),
+            max_ejected_percent: flags
+                .eject_max_percent
+                .or(file.eject_max_percent)
+                .unwrap_or(defaults.ejection.max_ejected_percent),
         },
         ..defaults.clone()
     };

@@ -1162,11 +1162,11 @@ fn unreachable_workers_sit_out_for_a_growing_while() {
     assert_eq!(s.worker_unreachable(w0, 16_000), Some(20_000));
     assert_eq!(s.worker_unreachable(w0, 36_000), Some(40_000));
     assert_eq!(s.worker_unreachable(w0, 76_000), Some(60_000));
-    // Every worker ejected: they still serve rather than refuse the model.
+    // Half the model's workers sit out at most: the other is not ejected.
     for _ in 0..3 {
         s.worker_unreachable(WorkerId(1), 80_000);
     }
-    assert!(s.ejected(key(1), 80_000));
+    assert!(!s.ejected(key(1), 80_000));
     assert!(s.route(80_000, &request(&b, 64, &cached)).is_some());
     // One answer and it is back at once, its count of failures reset.
     s.worker_answered(w0);
@@ -1185,6 +1185,44 @@ fn unreachable_workers_sit_out_for_a_growing_while() {
     for _ in 0..10 {
         assert_eq!(off.worker_unreachable(w0, 0), None);
     }
+}
+
+/// At most `max_ejected_percent` of a model's workers sit out at once (at least one may):
+/// when a load spike times every worker out, they are not ejected one after another onto
+/// those left. With no bound (100 %), every worker may sit out, and they still serve.
+#[test]
+fn at_most_half_of_a_model_s_workers_sit_out() {
+    let eject = |s: &mut Scheduler, w: u64| {
+        for _ in 0..3 {
+            s.worker_unreachable(WorkerId(w), 0);
+        }
+        s.ejected(key(w), 0)
+    };
+    let mut s = scheduler(PolicyKind::Kv, 4);
+    s.add_worker(key(9), 1000, "other");
+    assert!(eject(&mut s, 0) && eject(&mut s, 1));
+    assert!(!eject(&mut s, 2), "a third of four would pass half");
+    // Another model's workers are counted on their own.
+    assert!(eject(&mut s, 9), "the one worker of its model may sit out");
+    // Once one is back, another may go.
+    s.worker_answered(WorkerId(0));
+    assert!(eject(&mut s, 3));
+    let mut all = Scheduler::new(Config {
+        ejection: EjectionConfig {
+            max_ejected_percent: 100,
+            ..EjectionConfig::default()
+        },
+        ..unit_weights()
+    })
+    .unwrap();
+    all.add_worker(key(0), 1000, "m");
+    all.add_worker(key(1), 1000, "m");
+    assert!(eject(&mut all, 0) && eject(&mut all, 1));
+    let b = blocks(4, 0);
+    assert!(
+        all.route(0, &request(&b, 64, &scores(&[]))).is_some(),
+        "every worker out, the model is still served"
+    );
 }
 
 /// A retry leaves out the worker that failed it; it does not then go to an ejected one
