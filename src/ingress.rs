@@ -556,7 +556,7 @@ impl Router {
                 | ProxyError::AnswerTimeout { .. }
                 | ProxyError::StreamFailed { .. },
             ) => {}
-            Err(e) if e.unreachable() || e.worker_status() => reach.failed(),
+            Err(e) if e.unreachable() || e.worker_broken() => reach.failed(),
             _ => reach.answered(),
         }
     }
@@ -693,7 +693,7 @@ fn metrics_text(router: &Router) -> Response<Body> {
         .expect("invariant: static response parts are valid")
 }
 
-async fn handle(router: Arc<Router>, req: hyper::Request<Incoming>) -> Response<Body> {
+async fn handle(router: Arc<Router>, mut req: hyper::Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_owned();
     let api = path.starts_with("/v1/");
     if api && router.keys_required() && !bearer_ok(req.headers(), &router.api_keys()) {
@@ -710,7 +710,6 @@ async fn handle(router: Arc<Router>, req: hyper::Request<Incoming>) -> Response<
         }
         (Method::POST, "/v1/completions" | "/v1/chat/completions") => {
             let chat = path == "/v1/chat/completions";
-            let mut req = req;
             let id = request_id(req.headers());
             req.headers_mut().insert(REQUEST_ID, id.clone());
             let span = tracing::info_span!("request", id = %id.to_str().unwrap_or_default());

@@ -265,13 +265,19 @@ impl Ingest {
                 (true, Some(expected)) => self.resync(expected).await,
                 (_, expected) => self.replay(expected.unwrap_or(0), false).await.map(|_| ()),
             };
-            if let Err(e) = caught_up
-                && !matches!(e, ZmtpError::Resting(_))
-            {
-                tracing::warn!(endpoint = ?self.endpoint.replay, error = %e, "replay failed; going on with live events");
+            if let Err(e) = caught_up {
+                self.replay_failed(&e);
             }
         }
         Ok(sub)
+    }
+
+    /// Says a replay failed and the live stream goes on without it; not for one not asked
+    /// (the socket rests: said once, when it began to).
+    fn replay_failed(&self, e: &ZmtpError) {
+        if !matches!(e, ZmtpError::Resting(_)) {
+            tracing::warn!(endpoint = ?self.endpoint.replay, error = %e, "replay failed; going on with live events");
+        }
     }
 
     async fn resync(&mut self, expected: u64) -> Result<(), ZmtpError> {
@@ -335,9 +341,8 @@ impl Ingest {
                 self.stats.gaps += 1;
                 if self.endpoint.replay.is_some()
                     && let Err(e) = self.replay(expected, false).await
-                    && !matches!(e, ZmtpError::Resting(_))
                 {
-                    tracing::warn!(endpoint = ?self.endpoint.replay, error = %e, "replay failed");
+                    self.replay_failed(&e);
                 }
                 match self.seq.check(seq) {
                     SeqCheck::Next => self.apply(seq, payload),
@@ -377,10 +382,9 @@ impl Ingest {
         if seq > 0
             && self.endpoint.replay.is_some()
             && let Err(e) = self.replay(0, false).await
-            && !matches!(e, ZmtpError::Resting(_))
         {
             // The new engine's batches before this one were missed.
-            tracing::warn!(endpoint = ?self.endpoint.replay, error = %e, "replay failed");
+            self.replay_failed(&e);
         }
         if !matches!(self.seq.check(seq), SeqCheck::Restarted) {
             // Not brought by the replay (it failed, or there is none).

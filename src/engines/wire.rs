@@ -562,7 +562,7 @@ fn write_hash(out: &mut Vec<u8>, raw: u64, encoding: Encoding) {
 
 fn hash_bytes(raw: u64) -> [u8; 32] {
     let mut b = [0u8; 32];
-    for (i, chunk) in b.chunks_exact_mut(8).enumerate() {
+    for (i, chunk) in b[..24].chunks_exact_mut(8).enumerate() {
         chunk.copy_from_slice(&raw.rotate_left(i as u32 * 16 + 16).to_be_bytes());
     }
     b[24..].copy_from_slice(&raw.to_be_bytes());

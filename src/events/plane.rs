@@ -364,8 +364,8 @@ impl EventPlane {
             commands: Vec::new(),
             registry_healthy: watch.healthy,
             transit_seconds: metrics::histogram!("kvroute_event_transit_seconds"),
-            refusals_logged: Default::default(),
-            lates_logged: Default::default(),
+            refusals_logged: PerWorkerLog::new(Duration::from_secs(60)),
+            lates_logged: PerWorkerLog::new(Duration::from_secs(600)),
             watermarks: WatermarkGate::default(),
             ask_barrier: false,
             view_stale: false,
@@ -537,12 +537,12 @@ struct FleetOwner {
     /// `kvroute_event_transit_seconds`, resolved once (it is recorded per batch, on the one
     /// task that reads every worker's events).
     transit_seconds: metrics::Histogram,
-    /// When each refused worker was last logged: a refused worker's every heartbeat is
-    /// refused again, and logged once per [`REFUSAL_LOG_EVERY`].
-    refusals_logged: HashMap<WorkerId, Instant>,
-    /// When each worker whose heartbeat came late was last logged (at most
-    /// [`LATES_LOGGED`] remembered; each late one is counted).
-    lates_logged: HashMap<WorkerId, Instant>,
+    /// Refused workers, logged once a minute each: a refused worker's every heartbeat is
+    /// refused again (each is counted).
+    refusals_logged: PerWorkerLog,
+    /// Workers whose heartbeat came late, logged once per 10 minutes each (each late one
+    /// is counted).
+    lates_logged: PerWorkerLog,
     /// Heartbeats' watermarks held until the events they count have been read ([`intake`]).
     watermarks: WatermarkGate,
     /// The gate wants a barrier the intake has not been asked for yet (asked after the
@@ -563,13 +563,43 @@ const VIEW_EVERY: Duration = Duration::from_millis(50);
 static INVALID_LOGGED: crate::process::LogEvery =
     crate::process::LogEvery::new(Duration::from_secs(10));
 
-/// How often a worker's late heartbeats are logged (each is counted).
-const LATE_LOG_EVERY: Duration = Duration::from_secs(600);
-/// Workers whose late heartbeats are remembered for [`LATE_LOG_EVERY`], at most.
-const LATES_LOGGED: usize = 4096;
+/// A warning said at most once per `every` for each worker. Workers logged within `every`
+/// are remembered; the others are forgotten once [`PER_WORKER_LOGS`] are remembered.
+#[derive(Debug)]
+struct PerWorkerLog {
+    every: Duration,
+    at: HashMap<WorkerId, Instant>,
+}
 
-/// How often a worker's repeated refusal is logged (each is counted).
-const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(60);
+/// Workers a [`PerWorkerLog`] remembers before it forgets those logged long enough ago.
+const PER_WORKER_LOGS: usize = 4096;
+
+impl PerWorkerLog {
+    fn new(every: Duration) -> PerWorkerLog {
+        PerWorkerLog {
+            every,
+            at: HashMap::new(),
+        }
+    }
+
+    /// Whether to say it of `id` now (and, if so, it counts as said).
+    fn due(&mut self, id: WorkerId) -> bool {
+        let now = Instant::now();
+        if self
+            .at
+            .get(&id)
+            .is_some_and(|at| now.duration_since(*at) < self.every)
+        {
+            return false;
+        }
+        if self.at.len() >= PER_WORKER_LOGS {
+            let every = self.every;
+            self.at.retain(|_, at| now.duration_since(*at) < every);
+        }
+        self.at.insert(id, now);
+        true
+    }
+}
 
 impl FleetOwner {
     async fn run(
@@ -801,14 +831,10 @@ impl FleetOwner {
             .registrations_refused
             .fetch_add(1, Ordering::Relaxed);
         metrics::counter!("kvroute_fleet_registrations_refused_total").increment(1);
-        let now = Instant::now();
-        self.refusals_logged
-            .retain(|_, at| now.duration_since(*at) < REFUSAL_LOG_EVERY);
         let id = match refusal {
             Refusal::BlockSize { id, .. } => *id,
         };
-        if let std::collections::hash_map::Entry::Vacant(e) = self.refusals_logged.entry(id) {
-            e.insert(now);
+        if self.refusals_logged.due(id) {
             tracing::error!(%refusal, "refusing a worker registration (each heartbeat of it is refused and counted; logged once a minute)");
         }
     }
@@ -873,17 +899,7 @@ impl FleetOwner {
                 }
                 FleetCommand::LateHeartbeat { id, gap_ms } => {
                     metrics::counter!("kvroute_registry_late_heartbeats_total").increment(1);
-                    let now = Instant::now();
-                    let logged = self
-                        .lates_logged
-                        .get(&id)
-                        .is_some_and(|at| now.duration_since(*at) < LATE_LOG_EVERY);
-                    if !logged {
-                        if self.lates_logged.len() >= LATES_LOGGED {
-                            self.lates_logged
-                                .retain(|_, at| now.duration_since(*at) < LATE_LOG_EVERY);
-                        }
-                        self.lates_logged.insert(id, now);
+                    if self.lates_logged.due(id) {
                         let lease_ms = self.fleet.lease_ttl_ms();
                         match gap_ms {
                             Some(gap_ms) => {

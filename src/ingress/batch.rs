@@ -19,6 +19,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::{HeaderMap, Response, StatusCode, header};
 use serde_json::{Map, Value};
 
+use super::REQUEST_ID;
 use super::openai::{self, ApiError};
 use super::proxy::error_events;
 use super::{Router, complete};
@@ -77,10 +78,10 @@ pub(super) async fn complete_batch(
         let mut headers = shared_headers.clone();
         // Each prompt is a request of its own at the engine, under an id of its own (vLLM
         // refuses an id already running).
-        if let Some(id) = headers.get("x-request-id").and_then(|v| v.to_str().ok())
-            && let Ok(part_id) = hyper::header::HeaderValue::from_str(&format!("{id}-{i}"))
+        if let Some(id) = headers.get(&REQUEST_ID).and_then(|v| v.to_str().ok())
+            && let Ok(part_id) = header::HeaderValue::from_str(&format!("{id}-{i}"))
         {
-            headers.insert("x-request-id", part_id);
+            headers.insert(REQUEST_ID, part_id);
         }
         async move {
             (

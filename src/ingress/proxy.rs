@@ -293,7 +293,7 @@ impl ProxyError {
     /// its ejection as not answering does: its bookings are released at once, so it reads
     /// as idle, and with its cached prefixes it would win request after request, each
     /// paying a failed round trip before its retry.
-    pub fn worker_status(&self) -> bool {
+    pub fn worker_broken(&self) -> bool {
         matches!(self, ProxyError::Status { status, .. } if worker_side(*status))
             || matches!(self, ProxyError::NotJson { .. })
     }
@@ -453,9 +453,7 @@ async fn error_body(
                 bytes.extend_from_slice(&data[..data.len().min(room)]);
             }
         }
-        let object = bytes.len() < ERROR_BODY_BYTES
-            && serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(&bytes).is_ok();
-        Ok((error_message(&bytes), object.then(|| Bytes::from(bytes))))
+        Ok(error_parts(bytes))
     };
     tokio::time::timeout(deadline, read)
         .await
@@ -466,18 +464,21 @@ async fn error_body(
 
 /// The error message of a worker's error body: OpenAI's shape (`error.message`), vLLM's
 /// older flat one (`{"object": "error", "message": …}`), FastAPI's (`detail`), else its
-/// text (at most 1 KiB of it).
-fn error_message(body: &[u8]) -> String {
-    let parsed = serde_json::from_slice::<serde_json::Value>(body).ok();
+/// text (at most 1 KiB of it); and the body itself if it is a whole JSON object (not cut at
+/// [`ERROR_BODY_BYTES`]).
+fn error_parts(body: Vec<u8>) -> (String, Option<Bytes>) {
+    let parsed = serde_json::from_slice::<serde_json::Value>(&body).ok();
     let message = parsed.as_ref().and_then(|v| {
         [&v["error"]["message"], &v["message"], &v["detail"]]
             .into_iter()
             .find_map(|m| m.as_str())
     });
-    match message {
+    let message = match message {
         Some(m) => m.chars().take(1024).collect(),
         None => String::from_utf8_lossy(&body[..body.len().min(1024)]).into_owned(),
-    }
+    };
+    let object = body.len() < ERROR_BODY_BYTES && parsed.is_some_and(|v| v.is_object());
+    (message, object.then(|| Bytes::from(body)))
 }
 
 /// A request as each kind of worker takes it.
@@ -1584,7 +1585,7 @@ mod tests {
             b"too long",
         ] {
             assert_eq!(
-                error_message(body),
+                error_parts(body.to_vec()).0,
                 "too long",
                 "{}",
                 String::from_utf8_lossy(body)
