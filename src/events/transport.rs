@@ -107,14 +107,20 @@ pub enum Transport {
     Local(LocalBus),
 }
 
-/// A NATS client, the count of its reconnections and whether it is connected now.
+/// A NATS client, the count of its reconnections, whether it is connected now and the
+/// messages it dropped for a subscription whose queue was full.
 #[derive(Clone, Debug)]
 pub struct NatsTransport {
     /// The client.
     pub client: async_nats::Client,
     reconnects: watch::Receiver<u64>,
     connected: watch::Receiver<bool>,
+    dropped: Arc<std::sync::atomic::AtomicU64>,
 }
+
+/// Warnings of messages dropped for a full subscription queue, all connections together.
+static SLOW_CONSUMER_LOG: crate::process::LogEvery =
+    crate::process::LogEvery::new(std::time::Duration::from_secs(10));
 
 /// A subscription; `next` yields messages until the transport closes.
 #[derive(Debug)]
@@ -138,6 +144,8 @@ impl Transport {
         let (link, connected) = watch::channel(true);
         let link = Arc::new(link);
         let connects = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let dropped = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let dropped_here = Arc::clone(&dropped);
         let connect_error = |reason: String| TransportError::Connect {
             url: crate::auth::redact_credentials(url),
             reason,
@@ -187,8 +195,12 @@ impl Transport {
             .name(name)
             .subscription_capacity(SUBSCRIPTION_QUEUE)
             .event_callback(move |event| {
-                let (tx, connects, link) =
-                    (Arc::clone(&tx), Arc::clone(&connects), Arc::clone(&link));
+                let (tx, connects, link, dropped) = (
+                    Arc::clone(&tx),
+                    Arc::clone(&connects),
+                    Arc::clone(&link),
+                    Arc::clone(&dropped_here),
+                );
                 async move {
                     match event {
                         async_nats::Event::Connected => {
@@ -204,6 +216,20 @@ impl Transport {
                         }
                         async_nats::Event::ServerError(e) => {
                             tracing::warn!(error = %e, "NATS server error")
+                        }
+                        // The client dropped a message: the subscription's queue was full
+                        // (its reader behind by SUBSCRIPTION_QUEUE messages). One event per
+                        // message, as long as the client's event queue has room.
+                        async_nats::Event::SlowConsumer(sid) => {
+                            dropped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            metrics::counter!("kvroute_nats_slow_consumer_total").increment(1);
+                            if SLOW_CONSUMER_LOG.due() {
+                                tracing::warn!(
+                                    subscription = sid,
+                                    queue = SUBSCRIPTION_QUEUE,
+                                    "NATS client dropped messages: a subscription's reader is behind by its whole queue"
+                                );
+                            }
                         }
                         other => tracing::debug!(event = %other, "NATS event"),
                     }
@@ -238,6 +264,7 @@ impl Transport {
             client,
             reconnects,
             connected,
+            dropped,
         }))
     }
 
@@ -288,6 +315,17 @@ impl Transport {
                     reason: e.to_string(),
                 }),
             Transport::Local(bus) => Ok(Subscription::Local(bus.subscribe(subject))),
+        }
+    }
+
+    /// Messages dropped so far because a subscription's queue was full (for NATS, those
+    /// the client said it dropped).
+    pub fn dropped(&self) -> u64 {
+        match self {
+            Transport::Nats(NatsTransport { dropped, .. }) => {
+                dropped.load(std::sync::atomic::Ordering::Relaxed)
+            }
+            Transport::Local(bus) => bus.dropped(),
         }
     }
 

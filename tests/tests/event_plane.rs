@@ -751,3 +751,31 @@ async fn publishing_without_nats_fails_at_once() {
         .expect("publish waited on a disconnected client");
     assert!(r.is_err(), "a batch was taken while NATS was down");
 }
+
+/// A subscription whose reader falls behind by its whole queue loses messages in the NATS
+/// client (a slow consumer): the transport counts them (and `kvroute_nats_slow_consumer_total`
+/// says so), where before only a debug line did and the plane's gaps were the only sign.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_a_full_subscription_queue_drops_are_counted() {
+    use kvroute::events::transport::SUBSCRIPTION_QUEUE;
+    let nats = NatsServer::start().unwrap();
+    let reader = Transport::connect_nats(&nats.url(), "reader", &Default::default())
+        .await
+        .unwrap();
+    let writer = Transport::connect_nats(&nats.url(), "writer", &Default::default())
+        .await
+        .unwrap();
+    // Never read: every message past the queue's room is dropped.
+    let _unread = reader.subscribe("slow.subject").await.unwrap();
+    reader.flush().await;
+    assert_eq!(reader.dropped(), 0);
+    for _ in 0..SUBSCRIPTION_QUEUE + 1_000 {
+        writer
+            .publish("slow.subject", None, bytes::Bytes::from_static(b"x"))
+            .await
+            .unwrap();
+    }
+    writer.flush().await;
+    let counted = eventually(Duration::from_secs(20), || reader.dropped() > 0).await;
+    assert!(counted, "no dropped message counted");
+}
