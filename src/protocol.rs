@@ -9,7 +9,7 @@ mod snapshot;
 
 pub use codec::{
     DecodeError, EncodeError, FORMAT_VERSION, HEADER_LEN, Limits, MAGIC, decode, encode,
-    encode_split, split_batch,
+    encode_split, payload_for_event, split_batch,
 };
 pub use events::{BlockChange, EventBatch, KvEvent, KvEventData, StoredBlock, parents_first};
 pub use hashing::{BlockHash, HASH_SEED, Salt, extend_blocks, hash_blocks, local_hash, seq_hash};

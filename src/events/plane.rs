@@ -325,10 +325,7 @@ impl EventPlane {
             .await?;
         // Started means subscribed: the server has our interest before we return.
         transport.synced().await;
-        let limits = Limits {
-            max_payload_bytes: transport.max_payload().max(1 << 20),
-            ..Limits::default()
-        };
+        let limits = Limits::for_payload(transport.max_payload().max(1 << 20));
         let fleet = Fleet::new(FleetConfig {
             lease_ttl_ms: watch.lease_ttl_ms,
             tombstone_ttl_ms: config.tombstone_ttl_ms,

@@ -38,13 +38,33 @@ pub struct Limits {
 }
 
 impl Default for Limits {
+    /// For NATS' default `max_payload` of 1 MiB: 65,536 events, 131,072 blocks.
     fn default() -> Self {
+        Limits::for_payload(1 << 20)
+    }
+}
+
+impl Limits {
+    /// Caps for payloads of up to `max_payload_bytes`: the counts grow with the bytes (an
+    /// event takes at least 16 of them, a block at least 8), so whatever an encoder fits in
+    /// a payload of that size decodes, and what a payload may hold stays in proportion to
+    /// its bytes. A server whose `max_payload` is above 1 MiB lets a worker send more
+    /// blocks in one message (a snapshot's chunk is cut by bytes alone): fixed counts
+    /// refused those chunks, and the resync asking for them never ended.
+    pub fn for_payload(max_payload_bytes: usize) -> Limits {
         Limits {
-            max_payload_bytes: 1 << 20,
-            max_events: 1 << 16,
-            max_blocks: 1 << 17,
+            max_payload_bytes,
+            max_events: max_payload_bytes / 16,
+            max_blocks: max_payload_bytes / 8,
         }
     }
+}
+
+/// The smallest payload that holds one event of `blocks` stored blocks (by the encoder's
+/// size model), what a NATS server's `max_payload` must allow for a worker that writes
+/// events of up to that many blocks.
+pub fn payload_for_event(blocks: usize) -> usize {
+    BATCH_OVERHEAD + EVENT_OVERHEAD + blocks * STORED_BLOCK_BYTES
 }
 
 /// Why bytes from the network are not a usable `EventBatch`.
@@ -135,6 +155,19 @@ pub enum EncodeError {
         /// The smallest workable limit.
         minimum: usize,
     },
+    /// One event is larger than a payload may be: events are never cut, since a piece
+    /// would need an id of its own and every later id would move under its writer.
+    #[error(
+        "event {id} takes {bytes} bytes, more than the payload limit of {limit} (raise the NATS server's max_payload)"
+    )]
+    EventTooLarge {
+        /// The event's id.
+        id: u64,
+        /// Its size by the encoder's model, with a batch's overhead.
+        bytes: usize,
+        /// The limit.
+        limit: usize,
+    },
     /// A split batch still encoded larger than the limit (a bug in the size model).
     #[error("encoded batch of {len} bytes exceeds the limit of {limit}")]
     Oversized {
@@ -161,8 +194,8 @@ pub fn encode(batch: &EventBatch) -> Result<Vec<u8>, EncodeError> {
         .map_err(|source| EncodeError::Serialize { source })
 }
 
-/// Splits `batch` into batches that each encode within `max_payload_bytes` and encodes them.
-/// See [`split_batch`] for how ids are kept contiguous.
+/// Splits `batch` into batches that each encode within `max_payload_bytes` and encodes them
+/// (see [`split_batch`]).
 pub fn encode_split(
     batch: &EventBatch,
     max_payload_bytes: usize,
@@ -182,18 +215,17 @@ pub fn encode_split(
         .collect()
 }
 
-/// Cuts `batch` into consecutive batches that each encode within `max_payload_bytes`.
-///
-/// Events are kept whole where they fit. An event too large for one payload is cut into
-/// several events of the same kind (a `Stored` chain continues from the last block of the
-/// previous piece), so the output may hold more events than the input: ids are renumbered
-/// from the input's first id and stay gap-free across the output, and the caller continues
-/// its stream at `output.last().last_id() + 1`. An empty batch comes back as one empty batch.
+/// Cuts `batch` into consecutive batches that each encode within `max_payload_bytes`,
+/// events whole and in order, with their ids. An empty batch comes back as one empty batch.
+/// An event too large for one payload is an error ([`EncodeError::EventTooLarge`]): cutting
+/// it would take ids its writer has already given to the events after it (those would then
+/// be read as duplicates and dropped, with no gap to show it). Writers cap their events'
+/// blocks ([`payload_for_event`] says what payload that needs).
 pub fn split_batch(
     batch: &EventBatch,
     max_payload_bytes: usize,
 ) -> Result<Vec<EventBatch>, EncodeError> {
-    let minimum = BATCH_OVERHEAD + EVENT_OVERHEAD + STORED_BLOCK_BYTES;
+    let minimum = payload_for_event(1);
     if max_payload_bytes < minimum {
         return Err(EncodeError::LimitTooSmall {
             limit: max_payload_bytes,
@@ -208,54 +240,26 @@ pub fn split_batch(
     let mut out = Vec::new();
     let mut current = shell();
     let mut used = 0;
-    let mut next_id = batch.first_id().unwrap_or(1);
     for event in &batch.events {
-        for data in pieces(&event.data, budget - EVENT_OVERHEAD) {
-            let cost = EVENT_OVERHEAD + data_bytes(&data);
-            if used + cost > budget && !current.events.is_empty() {
-                out.push(std::mem::replace(&mut current, shell()));
-                used = 0;
-            }
-            current.events.push(KvEvent {
-                id: next_id,
-                tier: event.tier,
-                data,
+        let cost = EVENT_OVERHEAD + data_bytes(&event.data);
+        if cost > budget {
+            return Err(EncodeError::EventTooLarge {
+                id: event.id,
+                bytes: BATCH_OVERHEAD + cost,
+                limit: max_payload_bytes,
             });
-            next_id += 1;
-            used += cost;
         }
+        if used + cost > budget && !current.events.is_empty() {
+            out.push(std::mem::replace(&mut current, shell()));
+            used = 0;
+        }
+        current.events.push(event.clone());
+        used += cost;
     }
     if !current.events.is_empty() || out.is_empty() {
         out.push(current);
     }
     Ok(out)
-}
-
-/// Cuts one event's data into pieces whose blocks take at most `room` bytes.
-fn pieces(data: &KvEventData, room: usize) -> Vec<KvEventData> {
-    match data {
-        KvEventData::Stored { parent, blocks } if blocks.len() * STORED_BLOCK_BYTES > room => {
-            let mut parent = *parent;
-            blocks
-                .chunks(room / STORED_BLOCK_BYTES)
-                .map(|chunk| {
-                    let piece = KvEventData::Stored {
-                        parent,
-                        blocks: chunk.to_vec(),
-                    };
-                    parent = chunk.last().map(|b| b.seq);
-                    piece
-                })
-                .collect()
-        }
-        KvEventData::Removed { blocks } if blocks.len() * REMOVED_BLOCK_BYTES > room => blocks
-            .chunks(room / REMOVED_BLOCK_BYTES)
-            .map(|chunk| KvEventData::Removed {
-                blocks: chunk.to_vec(),
-            })
-            .collect(),
-        other => vec![other.clone()],
-    }
 }
 
 fn data_bytes(data: &KvEventData) -> usize {

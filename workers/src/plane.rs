@@ -11,7 +11,7 @@ use futures_util::FutureExt;
 use kvroute::discovery::WorkerInfo;
 use kvroute::events::plane::{events_subject, snapshot_subject};
 use kvroute::events::transport::{Transport, TransportError};
-use kvroute::protocol::{DpRank, EventBatch, Snapshot, WorkerId, encode_split};
+use kvroute::protocol::{DpRank, EventBatch, Snapshot, WorkerId, encode_split, payload_for_event};
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
 
@@ -39,6 +39,14 @@ impl WorkerPlane {
     /// A publisher for the worker `info` describes, in `cluster`.
     pub fn new(transport: Transport, cluster: &str, info: Arc<Mutex<WorkerInfo>>) -> Self {
         let subject = events_subject(cluster, info.lock().id);
+        let needed = payload_for_event(crate::publisher::MAX_EVENT_BLOCKS);
+        if transport.max_payload() < needed {
+            tracing::error!(
+                max_payload = transport.max_payload(),
+                needed,
+                "the NATS server's max_payload is below one event of the most blocks this worker writes: such events cannot be published, and routers resync from a snapshot after each"
+            );
+        }
         WorkerPlane {
             transport,
             subject,
