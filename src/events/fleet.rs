@@ -137,6 +137,8 @@ pub struct FleetStats {
     pub stale_registrations: u64,
     /// Workers registered from such a registration by a batch of theirs.
     pub woken: u64,
+    /// Such registrations forgotten because a batch of a later incarnation came instead.
+    pub superseded: u64,
     /// Heartbeats late for the lease ([`FleetCommand::LateHeartbeat`]).
     pub late_heartbeats: u64,
 }
@@ -329,20 +331,28 @@ impl Fleet {
             .map(|()| Replayed::Registered)
     }
 
-    /// A batch of worker `id` arrived while it is not a member: if its registration was
-    /// kept aside ([`Replayed::KeptAside`]), the worker is alive (its heartbeats do not
-    /// reach the registry) and is registered now, its commands in `out` to be carried out
-    /// before the batch is delivered. `None` if nothing was kept aside for it.
+    /// A batch of worker `id`, incarnation `epoch`, arrived while it is not a member: if its
+    /// registration was kept aside ([`Replayed::KeptAside`]), the worker is alive (its
+    /// heartbeats do not reach the registry) and is registered now, its commands in `out`
+    /// to be carried out before the batch is delivered. `None` if nothing was kept aside
+    /// for it, or if what was is an older incarnation's (forgotten then: the batch proves a
+    /// restart since, and that registration's heartbeat would take the stream back to the
+    /// old epoch, where the new one's batches and snapshots are refused as past).
     pub fn wake(
         &mut self,
         now_ms: u64,
         id: WorkerId,
+        epoch: u64,
         out: &mut Vec<FleetCommand>,
     ) -> Option<Result<(), Refusal>> {
         if self.members.contains_key(&id) {
             return None;
         }
         let dormant = self.dormant.remove(&id)?;
+        if dormant.info.epoch < epoch {
+            self.stats.superseded += 1;
+            return None;
+        }
         let registered = self.register(now_ms, dormant.info, None, out);
         if registered.is_ok() {
             self.stats.woken += 1;

@@ -723,7 +723,10 @@ impl FleetOwner {
             self.transit_seconds.record(ms / 1e3);
         }
         let key = (batch.worker, batch.dp_rank);
-        match self.fleet.wake(self.now_ms(), key.0, &mut self.commands) {
+        match self
+            .fleet
+            .wake(self.now_ms(), key.0, batch.epoch, &mut self.commands)
+        {
             None => {}
             Some(Err(refusal)) => self.refused(&refusal),
             Some(Ok(())) => {

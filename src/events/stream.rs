@@ -261,10 +261,9 @@ impl WorkerStream {
             // its watermark may lie before batches since dropped.
             return;
         }
-        if self.retired.contains(&snapshot.epoch) {
-            // From a past incarnation.
-            return;
-        }
+        // An answer to the request made now is the worker's present, even in an epoch this
+        // stream retired (a stale heartbeat took it back to an older one): it is adopted,
+        // else every answer is refused and the resync never ends.
         self.stats.resync_ms += now_ms.saturating_sub(since_ms);
         if self.epoch != Some(snapshot.epoch) {
             // The worker restarted since we asked: the snapshot is of its new incarnation.
@@ -388,6 +387,7 @@ impl WorkerStream {
     }
 
     fn adopt_epoch(&mut self, epoch: u64, out: &mut Vec<Command>) {
+        self.retired.retain(|&e| e != epoch);
         if let Some(old) = self.epoch.replace(epoch) {
             self.retired.push(old);
             if self.retired.len() > RETIRED_EPOCHS {

@@ -80,9 +80,14 @@ impl Driver {
         }
     }
 
+    /// A batch of incarnation 7 (the epoch `info` gives).
     fn batch(&mut self, fleet: &mut Fleet, now_ms: u64, key: StreamKey) {
+        self.batch_of(fleet, now_ms, key, 7);
+    }
+
+    fn batch_of(&mut self, fleet: &mut Fleet, now_ms: u64, key: StreamKey, epoch: u64) {
         let mut out = Vec::new();
-        let _ = fleet.wake(now_ms, key.0, &mut out);
+        let _ = fleet.wake(now_ms, key.0, epoch, &mut out);
         self.apply(&mut out);
         if fleet.on_batch(now_ms, key) == BatchVerdict::Deliver {
             assert!(
@@ -370,6 +375,22 @@ fn a_replayed_registration_keeps_its_age() {
     assert_eq!(fleet.dormant(), 0);
     d.batch(&mut fleet, 6_600, (WorkerId(5), DpRank(0)));
     assert!(fleet.worker(WorkerId(5)).is_none());
+    // A batch of a later incarnation than the one kept aside (the worker restarted while it
+    // could not write the registry): not registered from the old registration, whose
+    // heartbeat would take the stream back to the old epoch; forgotten instead.
+    fleet
+        .on_replayed_registration(6_700, info(8, 7, 1, "m", 16), 2_000, &mut out)
+        .unwrap();
+    d.batch_of(&mut fleet, 6_800, (WorkerId(8), DpRank(0)), 9);
+    assert!(fleet.worker(WorkerId(8)).is_none());
+    assert!(!d.lanes.contains(&(WorkerId(8), DpRank(0))));
+    assert_eq!((fleet.stats().superseded, fleet.dormant()), (1, 0));
+    // Its own registration, when it comes, registers it as any other.
+    fleet
+        .on_registration(6_900, info(8, 9, 1, "m", 16), &mut out)
+        .unwrap();
+    d.apply(&mut out);
+    assert!(fleet.worker(WorkerId(8)).is_some());
     // A live member's lease is not shortened by an old copy read back (a watch re-created),
     // even one past the lease: it is still a member, so its shape is taken.
     let mut fleet = Fleet::new(config());

@@ -202,6 +202,31 @@ fn stragglers_of_an_incarnation_never_seen_do_not_undo_the_restart() {
     assert_eq!(out, vec![Command::Reset]);
 }
 
+/// A stale heartbeat of an older incarnation takes a stream back to that epoch (the
+/// registry is trusted about the epoch): the snapshot it then asks for answers with the
+/// worker's present epoch, which is adopted though retired, and the stream goes live there.
+/// Refused as a past incarnation's, every answer was dropped and the resync never ended.
+#[test]
+fn a_snapshot_of_a_retired_epoch_answering_the_present_request_is_adopted() {
+    let mut s = stream();
+    let mut out = Vec::new();
+    s.on_batch(0, batch(8, 5..=6), &mut out);
+    s.on_watermark(1, 7, 40, &mut out);
+    assert_eq!(s.epoch(), Some(7));
+    out.clear();
+    s.on_snapshot(2, s.snapshot_request(), snapshot(8, 10), &mut out);
+    assert_eq!(s.epoch(), Some(8));
+    assert!(s.is_live());
+    s.on_batch(3, batch(8, 11..=11), &mut out);
+    s.on_watermark(4, 8, 11, &mut out);
+    assert_eq!((s.epoch(), s.next_id()), (Some(8), Some(12)));
+    assert_eq!(applied_ids(&out).last(), Some(&11));
+    // The epoch it left is retired in its turn: its stragglers are dropped.
+    out.clear();
+    s.on_batch(5, batch(7, 41..=41), &mut out);
+    assert!(out.is_empty());
+}
+
 #[test]
 fn a_restart_from_id_1_needs_no_snapshot_and_old_stragglers_are_dropped() {
     let mut s = stream();
