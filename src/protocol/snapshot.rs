@@ -67,8 +67,17 @@ const CHUNK_OVERHEAD: usize = HEADER_LEN + 96;
 
 impl Snapshot {
     /// The snapshot as one batch of `Stored` events (one per block, ids from 1), for an
-    /// index that applies events.
+    /// index that applies events. A device block whose parent is not on the device (evicted
+    /// before it, as an LRU that is not leaf-first does) is stored as a root: a router
+    /// following the stream live holds it, and the index refuses a device block whose
+    /// named parent it does not hold, so a replica that resynced would have lacked it.
     pub fn to_batch(&self) -> EventBatch {
+        let on_device: std::collections::HashSet<SeqHash> = self
+            .blocks
+            .iter()
+            .filter(|b| b.tier == Tier::Device)
+            .map(|b| b.block.seq)
+            .collect();
         EventBatch {
             worker: self.worker,
             dp_rank: self.dp_rank,
@@ -82,7 +91,9 @@ impl Snapshot {
                     id,
                     tier: b.tier,
                     data: KvEventData::Stored {
-                        parent: b.parent,
+                        parent: b
+                            .parent
+                            .filter(|p| b.tier != Tier::Device || on_device.contains(p)),
                         blocks: vec![b.block],
                     },
                 })

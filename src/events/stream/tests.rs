@@ -227,6 +227,59 @@ fn a_snapshot_of_a_retired_epoch_answering_the_present_request_is_adopted() {
     assert!(out.is_empty());
 }
 
+/// A device block outliving its parent (an LRU that is not leaf-first evicted the parent):
+/// a replica that resyncs from the snapshot holds it as one that followed live does.
+/// Replayed with its named parent, the index refused it, and once the worker stored the
+/// parent again the live replica matched two blocks and the resynced one one.
+#[test]
+fn a_resync_keeps_a_device_block_whose_parent_was_evicted() {
+    let stored = |id, parent: Option<u64>, b| EventBatch {
+        events: vec![KvEvent {
+            id,
+            tier: Tier::Device,
+            data: KvEventData::Stored {
+                parent: parent.map(SeqHash),
+                blocks: vec![block(b)],
+            },
+        }],
+        ..batch(7, 1..=1)
+    };
+    let live = Indexer::new(Config::default()).unwrap();
+    live.apply(&stored(1, None, 1));
+    live.apply(&stored(2, Some(1), 2));
+    live.apply(&EventBatch {
+        events: vec![KvEvent {
+            id: 3,
+            tier: Tier::Device,
+            data: KvEventData::Removed {
+                blocks: vec![SeqHash(1)],
+            },
+        }],
+        ..batch(7, 1..=1)
+    });
+    // The worker's snapshot now: block 2 alone, naming block 1 as its parent.
+    let resynced = Indexer::new(Config::default()).unwrap();
+    let snap = Snapshot {
+        blocks: vec![SnapshotBlock {
+            tier: Tier::Device,
+            parent: Some(SeqHash(1)),
+            block: block(2),
+        }],
+        ..snapshot(7, 3)
+    };
+    resynced.apply(&snap.to_batch());
+    for ix in [&live, &resynced] {
+        ix.apply(&stored(4, None, 1));
+    }
+    let matched = |ix: &Indexer| {
+        ix.find_matches_seq(&[SeqHash(1), SeqHash(2)])
+            .get(WorkerId(1), DpRank(0))
+            .device
+    };
+    assert_eq!((matched(&live), matched(&resynced)), (2, 2));
+    assert_eq!(resynced.dump(None).len(), live.dump(None).len());
+}
+
 #[test]
 fn a_restart_from_id_1_needs_no_snapshot_and_old_stragglers_are_dropped() {
     let mut s = stream();
