@@ -1134,6 +1134,11 @@ fn generate_body(p: &Parsed, salt: crate::protocol::Salt, chat: bool) -> Bytes {
     Bytes::from(serde_json::to_vec(&body).expect("invariant: plain fields serialize"))
 }
 
+/// Most completions one request may ask for (`n`): each is booked on its worker as
+/// `max_tokens` of decode, so an unbounded `n` let one request hold a worker's whole budget
+/// (and, with `--fleet-budget-tokens`, every model's queue) until it ended.
+pub const MAX_N: u32 = 1_024;
+
 /// Parses and tokenizes a completion or chat body (on the tokenizer pool).
 fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
     let invalid =
@@ -1224,8 +1229,10 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
             cache_salt: r.cache_salt,
         }
     };
-    if parsed.n == 0 {
-        return Err(ApiError::bad_request("n must be at least 1"));
+    if parsed.n == 0 || parsed.n > MAX_N {
+        return Err(ApiError::bad_request(format!(
+            "n must be between 1 and {MAX_N}"
+        )));
     }
     if parsed.cache_salt.as_deref() == Some("") {
         // As vLLM refuses it.

@@ -1126,6 +1126,13 @@ impl Scheduler {
         self.sessions.stats()
     }
 
+    /// Forgets the sessions past their TTL at `now_ms`. Sessions are otherwise forgotten
+    /// only as session requests come: after a burst of them, up to `max_sessions` entries
+    /// (and the live count, and each worker's share of new sessions) stayed as they were.
+    pub fn forget_sessions(&mut self, now_ms: u64) {
+        self.sessions.forget(now_ms);
+    }
+
     /// The worker a session sticks to, if it is remembered at `now_ms`.
     pub fn session_worker(&self, now_ms: u64, id: &str) -> Option<WorkerKey> {
         self.sessions.peek(now_ms, id)
@@ -1413,6 +1420,7 @@ impl Scheduler {
 
     /// Drops peers' bookings older than the TTL.
     pub fn expire(&mut self, now_ms: u64) {
+        self.sessions.forget(now_ms);
         let ttl = self.config.booking_ttl_ms;
         while let Some(&(at, id)) = self.by_age.front() {
             if now_ms.saturating_sub(at) <= ttl {

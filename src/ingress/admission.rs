@@ -673,7 +673,8 @@ impl Router {
             metrics::gauge!("kvroute_queue_limit", "band" => band.clone()).set(b.max_queued as f64);
             metrics::gauge!("kvroute_queue_ttl_seconds", "band" => band).set(b.ttl_ms as f64 / 1e3);
         }
-        let s = self.scheduler.lock();
+        let mut s = self.scheduler.lock();
+        s.forget_sessions(now);
         let a = s.config().admission;
         metrics::gauge!("kvroute_admission_budget_tokens", "scope" => "worker")
             .set(a.worker_budget_tokens as f64);

@@ -261,11 +261,15 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
         (br#"{"model":"m","prompt":""}"#, false),
         (br#"{"model":"m","messages":[]}"#, true),
         (br#"{"model":"m","prompt":"x","n":0}"#, false),
+        (br#"{"model":"m","prompt":"x","n":1025}"#, false),
+        (br#"{"model":"m","prompt":"x","n":1000000}"#, false),
         (br#"{"model":"m","prompt":"x","cache_salt":""}"#, false),
     ] {
         let e = parse(&t, body, chat).unwrap_err();
         assert_eq!(e.status, 400, "{}", String::from_utf8_lossy(body));
     }
+    let most = parse(&t, br#"{"model":"m","prompt":"x","n":1024}"#, false).unwrap();
+    assert_eq!(most.n, MAX_N);
     // No model named parses, as vLLM takes it: which model is the fleet's to say (its only
     // one, or a 400 naming them; tests/tests/engines.rs).
     let unnamed = parse(&t, br#"{"prompt":"x"}"#, false).unwrap();

@@ -162,7 +162,7 @@ impl Sessions {
 
     /// Drops sessions past their TTL, then the oldest while over the cap; keeps `by_age`
     /// bounded by the live sessions.
-    fn forget(&mut self, now_ms: u64) {
+    pub(super) fn forget(&mut self, now_ms: u64) {
         while let Some((at, id)) = self.by_age.front() {
             let expired = now_ms.saturating_sub(*at) >= self.config.ttl_ms;
             let over = self.map.len() > self.config.max_sessions;

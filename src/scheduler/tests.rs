@@ -1033,6 +1033,15 @@ fn sessions_are_forgotten_after_their_ttl_and_past_the_cap() {
     let d = s.route(5_000, &in_session(request(&b, 32, &none), "e", false));
     s.complete(d.unwrap().booking);
     assert_eq!(s.session_stats().live, 1);
+    // With no session request after them, sessions still go with time: a request without
+    // one, or the clock alone (the scrape, the peers' tick), forgets them.
+    let d = s.route(6_000, &request(&b, 32, &none));
+    s.complete(d.unwrap().booking);
+    assert_eq!(s.session_stats().live, 0);
+    let d = s.route(7_000, &in_session(request(&b, 32, &none), "f", false));
+    s.complete(d.unwrap().booking);
+    s.forget_sessions(8_000);
+    assert_eq!(s.session_stats().live, 0);
 }
 
 /// One paced request at a time (each done before the next), each a new conversation that
