@@ -1452,8 +1452,8 @@ async fn complete(
         p.service_tier.as_deref(),
     )?;
     class.scope_session(&p.model);
-    let body = proxy::Upstream {
-        generate: generate_body(p, prepared.salt, chat),
+    let mut body = proxy::Upstream {
+        generate: None,
         raw: prepared.raw.clone(),
         chat,
         receipt: class.receipt,
@@ -1475,6 +1475,8 @@ async fn complete(
         .map(|(id, hard)| scheduler::SessionRef { id, hard: *hard });
     let (mut decision, booking) = admit(router, &prepared, &class, &request).await?;
     let mut booking = Some(booking);
+    // The generate body's share of the bodies' memory budget, once written.
+    let mut generate_held = Reservation::default();
     let mut failed: Vec<WorkerKey> = Vec::new();
     let mut last_error: Option<ProxyError> = None;
     // One deadline for a non-streamed answer, the retries included: each retry gets what
@@ -1519,6 +1521,14 @@ async fn complete(
             .expect("invariant: every attempt has its booking")
             .expecting(decision.chosen.key.0, last);
         let key = decision.chosen.key;
+        let api = router.plane.view().workers.get(&key.0).map(|w| w.api);
+        if api.is_some_and(|api| body.needs_generate(api)) {
+            let generate = generate_body(p, prepared.salt, chat);
+            if !router.bodies.cover(&mut generate_held, generate.len()) {
+                return Err(ApiError::bodies_over_budget(router.bodies.bytes()));
+            }
+            body.generate = Some(generate);
+        }
         let outcome = forward(
             router,
             &decision,

@@ -230,10 +230,12 @@ pub enum ProxyError {
         error: String,
     },
     /// The worker's error body failed or was too slow.
-    #[error("worker {worker}: {source}")]
+    #[error("worker {worker} ({status}): {source}")]
     Body {
         /// The worker.
         worker: WorkerId,
+        /// The error status it came with: whose fault the request's failure is.
+        status: StatusCode,
         /// What went wrong.
         #[source]
         source: BodyError,
@@ -265,7 +267,9 @@ impl ProxyError {
     /// the worker's (unreachable, too slow, overloaded, misdirected, broken), not the request's.
     pub fn retry_elsewhere(&self) -> bool {
         match self {
-            ProxyError::Status { status, .. } => worker_side(*status),
+            ProxyError::Status { status, .. } | ProxyError::Body { status, .. } => {
+                worker_side(*status)
+            }
             ProxyError::AnswerTimeout { .. }
             | ProxyError::Answer { .. }
             | ProxyError::NotJson { .. }
@@ -294,8 +298,13 @@ impl ProxyError {
     /// as idle, and with its cached prefixes it would win request after request, each
     /// paying a failed round trip before its retry.
     pub fn worker_broken(&self) -> bool {
-        matches!(self, ProxyError::Status { status, .. } if worker_side(*status))
-            || matches!(self, ProxyError::NotJson { .. })
+        match self {
+            ProxyError::Status { status, .. } | ProxyError::Body { status, .. } => {
+                worker_side(*status)
+            }
+            ProxyError::NotJson { .. } => true,
+            _ => false,
+        }
     }
 
     /// Whether connecting failed for want of the router's own resources (file
@@ -483,8 +492,10 @@ fn error_parts(body: Vec<u8>) -> (String, Option<Bytes>) {
 
 /// A request as each kind of worker takes it.
 pub(super) struct Upstream {
-    /// For a kvroute worker: the internal generate body (the router's token ids).
-    pub generate: Bytes,
+    /// For a kvroute worker: the internal generate body (the router's token ids), written
+    /// when a kvroute worker is first chosen ([`Upstream::needs_generate`]): engines never
+    /// read it, and it is several times the client's body (about 6.5 B a token).
+    pub generate: Option<Bytes>,
     /// For an engine: the client's body as it came.
     pub raw: Bytes,
     /// A chat completion (else a completion).
@@ -505,6 +516,11 @@ pub(super) struct Upstream {
 pub(super) const PASSED_HEADERS: [&str; 3] = ["x-request-id", "traceparent", "tracestate"];
 
 impl Upstream {
+    /// Whether sending to `api` needs the generate body, not written yet.
+    pub(super) fn needs_generate(&self, api: WorkerApi) -> bool {
+        api == WorkerApi::Kvroute && self.generate.is_none()
+    }
+
     /// The HTTP request for worker `info` (rank `rank` of it); an engine's carries
     /// `engine_key` (vLLM and SGLang started with `--api-key` refuse requests without it).
     fn request(
@@ -515,7 +531,12 @@ impl Upstream {
     ) -> hyper::Request<Full<Bytes>> {
         let base = info.url.trim_end_matches('/');
         let (path, body) = match info.api {
-            WorkerApi::Kvroute => ("/internal/generate", self.generate.clone()),
+            // Written before a kvroute worker is sent to; were it not (the worker registered
+            // again as another kind between the two looks), the worker refuses an empty body.
+            WorkerApi::Kvroute => (
+                "/internal/generate",
+                self.generate.clone().unwrap_or_default(),
+            ),
             WorkerApi::Openai if self.chat => ("/v1/chat/completions", self.raw.clone()),
             WorkerApi::Openai => ("/v1/completions", self.raw.clone()),
         };
@@ -623,7 +644,11 @@ pub(super) async fn forward(
         }
         let (message, body) = error_body(response.into_body(), wait)
             .await
-            .map_err(|source| ProxyError::Body { worker, source })?;
+            .map_err(|source| ProxyError::Body {
+                worker,
+                status,
+                source,
+            })?;
         return Err(ProxyError::Status {
             worker,
             status,
@@ -1575,6 +1600,23 @@ mod tests {
         );
     }
 
+    /// An error body that breaks or stalls is judged by the status it followed: after a 503
+    /// the worker is broken (counted towards its ejection, tried elsewhere), after a 400 the
+    /// request is (neither). Taken for an answer, a 503 with a broken body reset the
+    /// worker's failures, and a client's 400 was tried on other workers.
+    #[test]
+    fn a_broken_error_body_is_judged_by_its_status() {
+        let body = |status| ProxyError::Body {
+            worker: WorkerId(1),
+            status,
+            source: BodyError::TimedOut { ms: 10 },
+        };
+        let unavailable = body(StatusCode::SERVICE_UNAVAILABLE);
+        assert!(unavailable.worker_broken() && unavailable.retry_elsewhere());
+        let refused = body(StatusCode::BAD_REQUEST);
+        assert!(!refused.worker_broken() && !refused.retry_elsewhere());
+    }
+
     /// The worker's message is found in every shape engines answer errors in.
     #[test]
     fn worker_error_messages_are_read_in_each_shape() {
@@ -1740,7 +1782,7 @@ mod tests {
     #[test]
     fn each_kind_of_worker_gets_its_own_request() {
         let up = Upstream {
-            generate: Bytes::from_static(b"{\"token_ids\":[1]}"),
+            generate: Some(Bytes::from_static(b"{\"token_ids\":[1]}")),
             raw: Bytes::from_static(b"{\"prompt\":\"hi\"}"),
             chat: true,
             receipt: false,

@@ -1688,3 +1688,31 @@ async fn an_unreachable_worker_sits_out_after_three_failures() {
         "{scrape}"
     );
 }
+
+/// A kvroute worker's generate body (the prompt's token ids as JSON, several times the
+/// client's body) counts in `--body-memory-bytes` while the request holds it; it was
+/// written for every request, engines' too, and counted nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kvroute_worker_s_generate_body_counts_in_the_memory_budget() {
+    let f = faulty_worker(&[], serde_json::json!({"first_chunk_delay_ms": 8000})).await;
+    let body = completion(MODEL, &"w ".repeat(2_000), 8, true);
+    let mut s = send_raw(&f.url(), &body).await.unwrap();
+    assert!(
+        f.until(Duration::from_secs(5), || async {
+            f.open_bookings(0).await.unwrap_or(0) == 1
+        })
+        .await
+    );
+    // 4,000 tokens of "119,32," against a 4 KB body.
+    let held = gauge(
+        &f.scrape().await.unwrap(),
+        "kvroute_request_body_bytes_held",
+    );
+    assert!(
+        held >= 2.5 * body.len() as f64,
+        "{held} bytes held for a body of {}",
+        body.len()
+    );
+    assert_answered(&read_rest(&mut s, Duration::from_secs(30)).await);
+    assert!(bodies_held(&f, |bytes| bytes == 0.0).await);
+}
