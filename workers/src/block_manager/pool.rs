@@ -261,7 +261,8 @@ impl Pool {
     /// One hit for each of the (acquired) blocks `ids`.
     pub fn count_hits(&mut self, ids: &[BlockId]) {
         for id in ids {
-            self.slots[id.index()].hits += 1;
+            let hits = &mut self.slots[id.index()].hits;
+            *hits = hits.saturating_add(1);
         }
     }
 
@@ -556,6 +557,18 @@ mod tests {
             seq: SeqHash(n),
             local: LocalHash(n),
         }
+    }
+
+    /// A block's hit count stops at its largest value (a hot prefix's did overflow: a panic
+    /// in a debug build, and in a release build a wrap to 0 that made it look cold to the
+    /// offload rule).
+    #[test]
+    fn a_hot_block_s_hits_stop_at_the_largest_count() {
+        let mut pool = Pool::new(Tier::Device, 1, Box::new(Lru));
+        let id = pool.take_free().unwrap();
+        pool.slots[id.index()].hits = u32::MAX - 1;
+        pool.count_hits(&[id, id]);
+        assert_eq!(pool.slots[id.index()].hits, u32::MAX);
     }
 
     /// A child's remembered parent slot is checked before it is used. The parent A is

@@ -682,3 +682,34 @@ fn a_sequence_waiting_for_copies_keeps_newcomers_out() {
     let stats = e.blocks().stats();
     assert!(stats.offloaded > 0, "{stats:?}");
 }
+
+/// Changes made while no step is in flight (copies to the host landing after the last
+/// step, a cancel) are published then: they waited for the end of some later step, while
+/// routers missed the blocks on the host, and the heartbeat announced no gap. (The mirror
+/// here takes no snapshot, which would flush them.)
+#[test]
+fn changes_made_while_idle_are_published_at_once() {
+    let mut e = engine(EngineConfig {
+        g1_blocks: 8,
+        g2_blocks: 8,
+        offload_min_hits: 0,
+        max_num_batched_tokens: 48,
+        ..EngineConfig::default()
+    });
+    let mut out = Vec::new();
+    // X leaves 3 cached blocks; A's 6 blocks fit only by evicting them to the host.
+    e.submit(0, request(1, (1000..1048).collect(), 1), &mut out);
+    while let Some(t) = e.next_wakeup_us() {
+        e.advance(t, &mut out).unwrap();
+    }
+    e.submit(1_000_000, request(2, (2000..2096).collect(), 1), &mut out);
+    e.advance(1_000_000, &mut out).unwrap();
+    while let Some(t) = e.next_wakeup_us() {
+        e.advance(t, &mut out).unwrap();
+    }
+    assert!(e.is_idle());
+    let mut mirror = Mirror::default();
+    mirror.apply(&mut e);
+    assert_eq!(mirror.blocks, resident_set(e.blocks()));
+    assert!(e.blocks().stats().offloaded > 0, "{:?}", e.blocks().stats());
+}
