@@ -400,6 +400,19 @@ impl EventPlane {
         v
     }
 
+    /// Whether this router hears `key`'s events now: its transport is connected and the
+    /// stream applies live batches (no gap being repaired, no snapshot awaited). While it
+    /// does not, a prompt missing from the index says nothing of the worker.
+    pub fn hears(&self, key: StreamKey) -> bool {
+        self.shared.transport.is_connected()
+            && self
+                .shared
+                .streams
+                .lock()
+                .get(&key)
+                .is_some_and(|h| h.status.lock().live)
+    }
+
     /// The registered workers (a snapshot; cheap).
     pub fn view(&self) -> Arc<FleetView> {
         Arc::clone(&self.shared.view.read())

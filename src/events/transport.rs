@@ -205,6 +205,7 @@ impl Transport {
                     match event {
                         async_nats::Event::Connected => {
                             link.send_replace(true);
+                            metrics::gauge!("kvroute_nats_connected").set(1.0);
                             // The first connect is not a reconnect.
                             if connects.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 0 {
                                 tx.send_modify(|n| *n += 1);
@@ -212,6 +213,7 @@ impl Transport {
                         }
                         async_nats::Event::Disconnected => {
                             link.send_replace(false);
+                            metrics::gauge!("kvroute_nats_connected").set(0.0);
                             tracing::warn!("NATS connection lost; reconnecting")
                         }
                         async_nats::Event::ServerError(e) => {
@@ -260,6 +262,7 @@ impl Transport {
                 }
             }
         };
+        metrics::gauge!("kvroute_nats_connected").set(1.0);
         Ok(Transport::Nats(NatsTransport {
             client,
             reconnects,

@@ -872,8 +872,14 @@ pub(super) async fn watch_prefill<F: std::future::Future>(
                     booking.prompt_cached();
                 } else if silent_at.is_some_and(|at| tokio::time::Instant::now() >= at) {
                     silent_at = None;
-                    tracing::warn!(worker = %key.0, "a non-streamed request's prompt not computed within the first-token timeout");
-                    Reach::new(router, key.0).failed();
+                    // Blamed only while this router hears the worker's events: with its
+                    // NATS link down, or the stream resyncing, the prompt cannot show.
+                    if router.plane.hears(key) {
+                        tracing::warn!(worker = %key.0, "a non-streamed request's prompt not computed within the first-token timeout");
+                        Reach::new(router, key.0).failed();
+                    } else {
+                        tracing::debug!(worker = %key.0, "a non-streamed request's prompt not seen, but the worker's events are not heard: not counted");
+                    }
                 }
             }
         }

@@ -7,7 +7,7 @@
 use rkyv::rancor;
 
 use super::events::{ArchivedEventBatch, ArchivedKvEventData};
-use super::{EventBatch, KvEvent, KvEventData};
+use super::{EventBatch, KvEventData};
 
 /// First three header bytes of every payload.
 pub const MAGIC: [u8; 3] = *b"KVR";

@@ -1039,6 +1039,48 @@ async fn a_worker_that_computes_no_non_streamed_prompt_sits_out() {
     assert_ejected(&f).await;
 }
 
+/// While the router cannot hear the worker's events (its NATS link is down), a prompt
+/// missing from its index says nothing of the worker: the same three requests that eject
+/// a hung engine above eject nobody then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_missing_while_the_router_hears_no_events_blames_no_worker() {
+    let mut f = faulty_worker(
+        &[
+            "--eject-ms",
+            "600000",
+            "--first-token-timeout-ms",
+            "500",
+            "--upstream-body-timeout-ms",
+            "3000",
+        ],
+        serde_json::json!({"stall_before_headers": true}),
+    )
+    .await;
+    f.nats[0].kill();
+    assert!(
+        f.until(Duration::from_secs(20), || async {
+            f.scrape()
+                .await
+                .is_ok_and(|m| gauge(&m, "kvroute_nats_connected") == 0.0)
+        })
+        .await,
+        "the router never saw its NATS link go down"
+    );
+    let url = format!("{}/v1/completions", f.url());
+    let call = |i| f.http.call("POST", &url, request(i, 0, false));
+    let (a, b, c) = tokio::join!(call(0), call(1), call(2));
+    for r in [a, b, c] {
+        let r = r.unwrap();
+        assert_eq!(r.status, 504, "{}", r.body);
+    }
+    let scrape = f.scrape().await.unwrap();
+    assert_eq!(
+        counter_sum(&scrape, "kvroute_worker_ejections_total", "worker="),
+        0.0,
+        "{scrape}"
+    );
+}
+
 /// Retries come out of a budget shared by every request: with none (no share of the
 /// requests, none a second), a request whose worker fails gets that worker's error, and
 /// the other worker, failing too, is not asked as well (a brownout's load not doubled).
