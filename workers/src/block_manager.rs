@@ -161,6 +161,11 @@ struct Inner {
     bytes: Option<KvBytes>,
     /// Scratch: the (slot, hash) pairs a registration fills, in one call.
     fills: Vec<(usize, u64)>,
+    /// The first fill or offload the device refused to start: the next `advance` reports
+    /// it, which stops the engine (as a failed onboard does). Left to run, the blocks it
+    /// concerned were announced (in G1 with bytes never written, or in G2 with stale ones)
+    /// and failed much later, as corrupted G2 data, when a request onboarded one.
+    device_failed: Option<DeviceError>,
     stats: CacheStats,
 }
 
@@ -240,6 +245,7 @@ impl BlockManager {
                 offload_parents: config.offload_parents,
                 bytes,
                 fills: Vec::new(),
+                device_failed: None,
                 stats: CacheStats::default(),
             })),
         }
@@ -411,8 +417,8 @@ impl BlockManager {
             && !inner.fills.is_empty()
             && let Err(e) = bytes.fill(&inner.fills)
         {
-            // Their bytes will not verify when they come back from G2.
             tracing::error!(error = %e, blocks = inner.fills.len(), "block bytes not written");
+            inner.device_failed.get_or_insert(e);
         }
     }
 
@@ -512,6 +518,14 @@ impl BlockManager {
     pub fn verify_bytes(&self, id: BlockId, seq: SeqHash) -> Option<bool> {
         let inner = self.inner.lock();
         inner.bytes.as_ref().map(|b| b.verify(id.index(), seq))
+    }
+
+    /// Makes the "device" refuse every fill and offload from now on (byte mode).
+    #[cfg(test)]
+    pub(crate) fn fail_device(&self) {
+        if let Some(bytes) = &mut self.inner.lock().bytes {
+            bytes.fail_device();
+        }
     }
 
     /// Makes every copy finish on the "device" only at its `polls + 1`-th poll (byte mode).
@@ -615,6 +629,7 @@ impl Inner {
                     .collect();
                 if let Err(e) = bytes.start_offload(id.0, &slots) {
                     tracing::error!(error = %e, "offload copy not started");
+                    self.device_failed.get_or_insert(e);
                 }
             }
             self.offloads.insert(id, copies);
@@ -640,6 +655,9 @@ impl Inner {
     }
 
     fn advance(&mut self, now_us: u64, ready: &mut Vec<OnboardTicket>) -> Result<(), OffloadError> {
+        if let Some(e) = self.device_failed.take() {
+            return Err(e.into());
+        }
         // Copies the device was late with first, then those the link model ends now.
         let mut due = std::mem::take(&mut self.device_wait);
         let retries = due.len();

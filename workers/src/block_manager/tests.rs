@@ -277,6 +277,35 @@ fn corrupted_host_bytes_fail_loudly_on_onboard() {
     assert_eq!((bm.stats().verified, bm.stats().verify_failures), (1, 1));
 }
 
+/// A fill or an offload the device refuses to start stops the engine at the next advance
+/// (as a failed onboard does), before its blocks reach G2: left to run, they were announced
+/// on the host with stale bytes and failed much later as corrupted G2 data.
+#[test]
+fn a_fill_or_offload_the_device_refuses_is_reported() {
+    let bm = BlockManager::new(&byte_config(2, 4));
+    bm.fail_device();
+    drop(compute(&bm, 0, &chain(0, 2)));
+    assert!(matches!(
+        bm.advance(1, &mut Vec::new()),
+        Err(OffloadError::Device(DeviceError { op: "fill", .. }))
+    ));
+    bm.advance(2, &mut Vec::new()).unwrap();
+
+    let bm = BlockManager::new(&byte_config(2, 4));
+    let c = chain(0, 2);
+    drop(compute(&bm, 0, &c));
+    drop(bm.acquire_prefix(&seqs(&c)).0);
+    bm.fail_device();
+    let mut other = bm.lease();
+    assert_eq!(bm.allocate(10, &mut other, 2), Err(AllocError::Pending));
+    let done = bm.next_wakeup_us().unwrap();
+    assert!(matches!(
+        bm.advance(done, &mut Vec::new()),
+        Err(OffloadError::Device(DeviceError { op: "offload", .. }))
+    ));
+    assert!(resident(&bm, Tier::Host).is_empty());
+}
+
 /// A copy the device has not finished when the link model says it ends is polled, not
 /// waited for: the request's ticket and its G1 blocks wait, the slots stay held, and the
 /// block manager asks to be woken a poll period later.

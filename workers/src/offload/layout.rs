@@ -31,6 +31,9 @@ pub struct KvStore {
     /// Polls seen per transfer still lagging.
     #[cfg(test)]
     polls: FxHashMap<u64, u32>,
+    /// Fills and offloads are refused ([`KvBytes::fail_device`]).
+    #[cfg(test)]
+    fail: bool,
 }
 
 impl KvStore {
@@ -45,6 +48,8 @@ impl KvStore {
             lag: 0,
             #[cfg(test)]
             polls: FxHashMap::default(),
+            #[cfg(test)]
+            fail: false,
         }
     }
 
@@ -138,6 +143,15 @@ pub struct DeviceError {
     pub message: String,
 }
 
+/// The failure a test's [`KvBytes::fail_device`] injects.
+#[cfg(test)]
+fn injected(op: &'static str) -> DeviceError {
+    DeviceError {
+        op,
+        message: "injected".into(),
+    }
+}
+
 fn device(op: &'static str) -> impl Fn(kvroute_kernels::cuda::GpuError) -> DeviceError {
     move |e| DeviceError {
         op,
@@ -158,6 +172,8 @@ impl KvBytes {
     /// Writes into each G1 slot the pattern of its block's hash (`SeqHash.0`).
     pub fn fill(&mut self, blocks: &[(usize, u64)]) -> Result<(), DeviceError> {
         match self {
+            #[cfg(test)]
+            KvBytes::Host(store) if store.fail => Err(injected("fill")),
             KvBytes::Host(store) => {
                 for &(slot, seq) in blocks {
                     store.fill(slot, SeqHash(seq));
@@ -170,6 +186,12 @@ impl KvBytes {
 
     /// Starts copying `(g1, g2)` pairs to G2 (offload `id`).
     pub fn start_offload(&mut self, id: u64, pairs: &[(usize, usize)]) -> Result<(), DeviceError> {
+        #[cfg(test)]
+        if let KvBytes::Host(store) = self
+            && store.fail
+        {
+            return Err(injected("offload"));
+        }
         if let KvBytes::Cuda { kv, offloads, .. } = self {
             offloads.insert(id, kv.offload(pairs).map_err(device("offload"))?);
         }
@@ -274,6 +296,15 @@ impl KvBytes {
         match self {
             KvBytes::Host(store) => store.verify(slot, seq),
             KvBytes::Cuda { kv, .. } => kv.verify_g1(&[(slot, seq.0)]).is_ok_and(|bad| bad[0] == 0),
+        }
+    }
+
+    /// Test hook: every fill and offload is refused from now on, as a failing device would
+    /// (host memory only).
+    #[cfg(test)]
+    pub fn fail_device(&mut self) {
+        if let KvBytes::Host(store) = self {
+            store.fail = true;
         }
     }
 
