@@ -195,6 +195,8 @@ enum SeqState {
 #[derive(Debug)]
 struct Seq {
     id: RequestId,
+    /// When it was submitted: no step starting earlier takes it.
+    arrived_us: u64,
     prompt_len: usize,
     /// The prompt's tokens from position `known_from` on: all of them, or a hashed prompt's
     /// tail (the only ones ever read again).
@@ -394,6 +396,7 @@ impl Engine {
         };
         self.waiting.push_back(Seq {
             id: request.id,
+            arrived_us: now_us,
             prompt_len,
             known,
             known_from,
@@ -592,6 +595,12 @@ impl Engine {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
+            if seq.arrived_us > now {
+                // Submitted by a caller that had not advanced to a step's start before (a
+                // late engine thread): that step began before the request existed.
+                self.waiting.push_front(seq);
+                break;
+            }
             let total = seq.total();
             // At least one token is computed (its logits give the next token): a prompt
             // cached whole reuses ⌊(len − 1) / bs⌋ blocks and recomputes the rest.

@@ -713,3 +713,29 @@ fn changes_made_while_idle_are_published_at_once() {
     assert_eq!(mirror.blocks, resident_set(e.blocks()));
     assert!(e.blocks().stats().offloaded > 0, "{:?}", e.blocks().stats());
 }
+
+/// A request submitted after a step was due, without the engine advanced to that step first
+/// (an engine thread running late), is not admitted into it: the step began before the
+/// request existed, and its admission and first token read earlier than its arrival.
+#[test]
+fn a_request_is_not_admitted_into_a_step_that_began_before_it() {
+    let mut e = engine(EngineConfig::default());
+    let mut out = Vec::new();
+    e.submit(0, request(1, (0..64).collect(), 4), &mut out);
+    e.advance(0, &mut out).unwrap();
+    let due = e.next_wakeup_us().unwrap();
+    let late = due + 5_000;
+    e.submit(late, request(2, (1000..1064).collect(), 4), &mut out);
+    e.advance(late, &mut out).unwrap();
+    while let Some(t) = e.next_wakeup_us() {
+        e.advance(t, &mut out).unwrap();
+    }
+    let admitted = out
+        .iter()
+        .find(|o| o.request == RequestId(2) && matches!(o.kind, OutputKind::Admitted { .. }))
+        .map(|o| o.at_us);
+    assert!(
+        admitted.is_some_and(|at| at >= late),
+        "admitted at {admitted:?}, submitted at {late}"
+    );
+}
