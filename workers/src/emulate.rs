@@ -81,8 +81,14 @@ struct Learnt1 {
     lora: Option<Arc<str>>,
 }
 
-/// Blocks by hash, and the order they were learnt in.
-type Learnt = (FxHashMap<SeqHash, Learnt1>, VecDeque<SeqHash>);
+/// Blocks by hash with the number of their last learning, and the hashes in the order they
+/// were learnt (each with that number: an entry whose block was learnt again since is
+/// stale, and skipped).
+type Learnt = (
+    FxHashMap<SeqHash, (Learnt1, u64)>,
+    VecDeque<(SeqHash, u64)>,
+    u64,
+);
 
 impl TokenBook {
     /// A book for blocks of `block_size` tokens, holding at most `capacity` blocks.
@@ -95,33 +101,41 @@ impl TokenBook {
     }
 
     /// Learns the full blocks of a sequence, hashed as the engine hashes it (`salt`: a LoRA
-    /// adapter's, named `lora`).
+    /// adapter's, named `lora`). The least recently learnt go first past the capacity: a
+    /// block learnt long ago and used since (a shared system prompt) stays.
     pub fn learn(&self, sequence: &[u32], salt: Salt, lora: Option<&str>) {
         let hashes = hash_blocks(sequence, self.block_size, salt);
         let lora: Option<Arc<str>> = lora.map(Arc::from);
         let mut guard = self.blocks.lock();
-        let (blocks, order) = &mut *guard;
+        let (blocks, order, learnt) = &mut *guard;
         for (h, tokens) in hashes
             .iter()
             .zip(sequence.chunks_exact(self.block_size.get()))
         {
+            *learnt += 1;
             let block = Learnt1 {
                 tokens: tokens.into(),
                 lora: lora.clone(),
             };
-            if blocks.insert(h.seq, block).is_none() {
-                order.push_back(h.seq);
-            }
+            blocks.insert(h.seq, (block, *learnt));
+            order.push_back((h.seq, *learnt));
         }
-        while order.len() > self.capacity {
-            if let Some(old) = order.pop_front() {
+        while blocks.len() > self.capacity {
+            let Some((old, at)) = order.pop_front() else {
+                break;
+            };
+            if blocks.get(&old).is_some_and(|(_, last)| *last == at) {
                 blocks.remove(&old);
             }
+        }
+        // Entries of blocks learnt again since: kept within twice the blocks.
+        if order.len() > 2 * blocks.len() + 64 {
+            order.retain(|(seq, at)| blocks.get(seq).is_some_and(|(_, last)| last == at));
         }
     }
 
     fn block(&self, seq: SeqHash) -> Option<Learnt1> {
-        self.blocks.lock().0.get(&seq).cloned()
+        self.blocks.lock().0.get(&seq).map(|(b, _)| b.clone())
     }
 
     /// Blocks known.
@@ -284,33 +298,57 @@ impl Emulation {
             match &e.data {
                 KvEventData::Stored { parent, blocks } => {
                     let tokenless = e.tier != Tier::Device && self.flavor != Flavor::Sglang;
-                    let learnt: Option<Vec<Learnt1>> =
+                    let learnt: Vec<Option<Learnt1>> =
                         blocks.iter().map(|b| self.book.block(b.seq)).collect();
-                    // A block whose tokens were never learnt cannot be described.
-                    let Some(learnt) = learnt else { continue };
-                    let token_ids: Vec<u32> = match tokenless {
-                        true => Vec::new(),
-                        false => learnt
+                    // A block whose tokens were never learnt cannot be described (a
+                    // token-less store needs none): the chain is cut around it, and the
+                    // runs of blocks that can be go out each as an event, naming the block
+                    // before them as their parent.
+                    let described = |i: usize| tokenless || learnt[i].is_some();
+                    let mut parent = *parent;
+                    let mut start = 0;
+                    while start < blocks.len() {
+                        if !described(start) {
+                            parent = Some(blocks[start].seq);
+                            start += 1;
+                            continue;
+                        }
+                        let end = (start..blocks.len())
+                            .find(|&i| !described(i))
+                            .unwrap_or(blocks.len());
+                        let run = &learnt[start..end];
+                        let token_ids: Vec<u32> = match tokenless {
+                            true => Vec::new(),
+                            false => run
+                                .iter()
+                                .flatten()
+                                .flat_map(|b| b.tokens.iter().copied())
+                                .collect(),
+                        };
+                        let lora_name = run
                             .iter()
-                            .flat_map(|b| b.tokens.iter().copied())
-                            .collect(),
-                    };
-                    let lora_name = learnt
-                        .first()
-                        .and_then(|b| b.lora.as_deref())
-                        .map(str::to_owned);
-                    out.push(RawEvent::Stored {
-                        hashes: blocks.iter().map(|b| engine_name(b.seq)).collect(),
-                        parent: parent.map(engine_name),
-                        block_size: if token_ids.is_empty() {
-                            0
-                        } else {
-                            self.block_size.get() as u32
-                        },
-                        token_ids,
-                        medium: medium.into(),
-                        lora_name,
-                    });
+                            .flatten()
+                            .next()
+                            .and_then(|b| b.lora.as_deref())
+                            .map(str::to_owned);
+                        out.push(RawEvent::Stored {
+                            hashes: blocks[start..end]
+                                .iter()
+                                .map(|b| engine_name(b.seq))
+                                .collect(),
+                            parent: parent.map(engine_name),
+                            block_size: if token_ids.is_empty() {
+                                0
+                            } else {
+                                self.block_size.get() as u32
+                            },
+                            token_ids,
+                            medium: medium.into(),
+                            lora_name,
+                        });
+                        parent = Some(blocks[end - 1].seq);
+                        start = end;
+                    }
                 }
                 KvEventData::Removed { blocks } => {
                     out.push(RawEvent::Removed {
@@ -355,6 +393,85 @@ mod tests {
     use kvroute::engines::metrics::{EngineLoad, scrape};
 
     use super::*;
+
+    /// A stored chain with a block whose tokens the book does not know goes out as the runs
+    /// around it (the known blocks were dropped with it), and a token-less host store needs
+    /// no tokens at all.
+    #[test]
+    fn a_chain_with_an_unknown_block_is_cut_around_it() {
+        use kvroute::engines::wire::{EngineEvent, decode_batch};
+        use kvroute::protocol::{DpRank, EventBatch, KvEvent, StoredBlock, WorkerId};
+        let bs = NonZeroUsize::new(1).unwrap();
+        let emulation = Emulation {
+            flavor: Flavor::Vllm,
+            bytes_hashes: false,
+            book: TokenBook::new(bs, 16),
+            block_size: bs,
+            capacity_tokens: 16,
+            vocab: 100,
+            adapters: Vec::new(),
+            ranks: Vec::new(),
+        };
+        // Blocks 1, 2, 3 chained; the book knows the tokens of 1 and 3 only.
+        let chain = hash_blocks(&[1, 2, 3], bs, Salt::NONE);
+        emulation.book.learn(&[1, 2, 3], Salt::NONE, None);
+        emulation.book.blocks.lock().0.remove(&chain[1].seq);
+        let stored = |tier| EventBatch {
+            worker: WorkerId(1),
+            dp_rank: DpRank(0),
+            epoch: 1,
+            sent_unix_us: 0,
+            events: vec![KvEvent {
+                id: 1,
+                tier,
+                data: KvEventData::Stored {
+                    parent: None,
+                    blocks: chain
+                        .iter()
+                        .map(|b| StoredBlock {
+                            seq: b.seq,
+                            local: b.local,
+                        })
+                        .collect(),
+                },
+            }],
+        };
+        let runs = |tier| -> Vec<(usize, Option<u64>)> {
+            decode_batch(&emulation.encode(&stored(tier)))
+                .unwrap()
+                .events
+                .into_iter()
+                .map(|e| match e {
+                    EngineEvent::Stored(s) => (s.hashes.len(), s.parent.map(|p| p.0)),
+                    other => panic!("{other:?}"),
+                })
+                .collect()
+        };
+        let name = |i: usize| engine_name(chain[i].seq);
+        assert_eq!(runs(Tier::Device), vec![(1, None), (1, Some(name(1)))]);
+        assert_eq!(runs(Tier::Host), vec![(3, None)]);
+    }
+
+    /// The book forgets the block learnt least recently, not the one learnt first: a block
+    /// learnt early and in use since stayed only until newer blocks pushed it out, and its
+    /// engine's events about it were then dropped whole.
+    #[test]
+    fn the_book_forgets_the_least_recently_learnt_block() {
+        let book = TokenBook::new(NonZeroUsize::new(1).unwrap(), 2);
+        let hash = |t: u32| hash_blocks(&[t], NonZeroUsize::new(1).unwrap(), Salt::NONE)[0].seq;
+        for t in [1, 2, 1, 3] {
+            book.learn(&[t], Salt::NONE, None);
+        }
+        assert!(book.block(hash(1)).is_some(), "learnt again, kept");
+        assert!(book.block(hash(2)).is_none());
+        assert!(book.block(hash(3)).is_some());
+        assert_eq!(book.len(), 2);
+        // Learning the same block over and over keeps the order bounded.
+        for _ in 0..1_000 {
+            book.learn(&[1], Salt::NONE, None);
+        }
+        assert!(book.blocks.lock().1.len() <= 2 * 2 + 64);
+    }
 
     /// What the test engine's `/metrics` says is what the sidecar reads: each flavour's
     /// series, parsed by the sidecar's own scraper.
