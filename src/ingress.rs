@@ -1353,10 +1353,17 @@ async fn explain(
 ) -> Result<Response<Body>, ApiError> {
     let prepared = Prepared::read(router, req, false).await?;
     let request = prepared.request();
-    let mut candidates = router
-        .scheduler
-        .lock()
-        .candidates(router.now_ms(), &request);
+    let now = router.now_ms();
+    let (mut candidates, ejected) = {
+        let s = router.scheduler.lock();
+        let candidates = s.candidates(now, &request);
+        let ejected: Vec<WorkerKey> = candidates
+            .iter()
+            .filter(|c| s.ejected(c.key, now))
+            .map(|c| c.key)
+            .collect();
+        (candidates, ejected)
+    };
     let reachable = candidates
         .iter()
         .map(scheduler::Candidate::cached_blocks)
@@ -1369,14 +1376,25 @@ async fn explain(
             "worker": c.key.0, "dp_rank": c.key.1.0, "device_blocks": c.overlap.device, "host_blocks": c.overlap.host,
             "disk_blocks": c.overlap.disk, "booked_prefix_blocks": c.booked_prefix, "cost": c.cost, "busy": c.busy,
             "cached_blocks": c.cached_blocks(), "work_tokens": c.work.total(), "booked_work_tokens": c.booked_work_tokens,
-            "room": c.room,
+            "room": c.room, "ejected": ejected.contains(&c.key),
         }))
         .collect();
-    // What a decision now would report (the lowest cost among those with room).
-    let pick = candidates
+    // What a decision now would report: the lowest cost among those with room, a worker
+    // sitting out an ejection only if every one does (as a decision takes them; a
+    // session's affinity and a band's share of the budget are not known here).
+    let eligible: Vec<&scheduler::Candidate> =
+        match candidates.iter().any(|c| !ejected.contains(&c.key)) {
+            true => candidates
+                .iter()
+                .filter(|c| !ejected.contains(&c.key))
+                .collect(),
+            false => candidates.iter().collect(),
+        };
+    let pick = eligible
         .iter()
         .find(|c| c.room && !c.busy)
-        .or(candidates.first());
+        .or(eligible.first())
+        .copied();
     let receipt = pick.map(|c| {
         serde_json::json!({
             "worker": c.key.0, "dp_rank": c.key.1.0, "cached_blocks": c.cached_blocks(),

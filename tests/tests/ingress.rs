@@ -1758,3 +1758,61 @@ async fn a_kvroute_worker_s_generate_body_counts_in_the_memory_budget() {
     assert_answered(&read_rest(&mut s, Duration::from_secs(30)).await);
     assert!(bodies_held(&f, |bytes| bytes == 0.0).await);
 }
+
+/// `/admin/explain` names the worker a decision would take: not one sitting out an
+/// ejection while another serves, though its cached prefix makes it the cheapest (it was
+/// named, where no request would go).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_picks_no_worker_sitting_out() {
+    let f = Fleet::start(injectable_pair(&["--eject-ms", "600000", "--retries", "0"]))
+        .await
+        .unwrap();
+    let url = format!("{}/v1/completions", f.url());
+    let r = f
+        .http
+        .call("POST", &url, request(5, 0, false))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    let home: u16 = r.header("x-kvroute-worker").unwrap().parse().unwrap();
+    let i = f.workers.iter().position(|w| w.port == home).unwrap();
+    f.faults(i, serde_json::json!({"status": 503}))
+        .await
+        .unwrap();
+    // Its cached prefix draws the group's requests: each fails there (no retry) and counts.
+    assert!(
+        f.until(Duration::from_secs(30), || async {
+            let _ = f.http.call("POST", &url, request(5, 1, false)).await;
+            f.scrape()
+                .await
+                .is_ok_and(|m| counter_sum(&m, "kvroute_worker_ejections_total", "worker=") >= 1.0)
+        })
+        .await,
+        "the failing worker was never ejected"
+    );
+    let admin = f.routers[0].admin();
+    let r = f
+        .http
+        .call(
+            "POST",
+            &format!("{admin}/admin/explain"),
+            request(5, 2, false),
+        )
+        .await
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    let rows = v["candidates"].as_array().unwrap();
+    let row = |id: u16| rows.iter().find(|c| c["worker"] == id).unwrap();
+    assert_eq!(row(home)["ejected"], true, "{}", r.body);
+    assert!(
+        row(home)["cached_blocks"].as_u64() > Some(0),
+        "the test needs the prefix cached there: {}",
+        r.body
+    );
+    assert_ne!(
+        v["would_pick"].as_u64(),
+        Some(u64::from(home)),
+        "{}",
+        r.body
+    );
+}
