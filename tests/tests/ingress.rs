@@ -1015,7 +1015,15 @@ async fn a_worker_answering_its_own_errors_sits_out() {
 /// deadline, though each request waits on for its own answer's deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_computes_no_non_streamed_prompt_sits_out() {
-    let f = faulty_worker(
+    let f = hung_engine().await;
+    three_unanswered(&f).await;
+    assert_ejected(&f).await;
+}
+
+/// A worker that takes requests and never answers (not even headers), behind a router
+/// whose first-token deadline is 0.5 s and answer deadline 3 s.
+async fn hung_engine() -> Fleet {
+    faulty_worker(
         &[
             "--eject-ms",
             "600000",
@@ -1026,17 +1034,19 @@ async fn a_worker_that_computes_no_non_streamed_prompt_sits_out() {
         ],
         serde_json::json!({"stall_before_headers": true}),
     )
-    .await;
+    .await
+}
+
+/// Three non-streamed requests at once, each waiting out its answer's deadline (504).
+/// Prompts of several blocks: their last block is what the router watches for.
+async fn three_unanswered(f: &Fleet) {
     let url = format!("{}/v1/completions", f.url());
-    // At once: each waits out its answer's deadline. Prompts of several blocks: their last
-    // block is what the router watches for.
     let call = |i| f.http.call("POST", &url, request(i, 0, false));
     let (a, b, c) = tokio::join!(call(0), call(1), call(2));
     for r in [a, b, c] {
         let r = r.unwrap();
         assert_eq!(r.status, 504, "{}", r.body);
     }
-    assert_ejected(&f).await;
 }
 
 /// While the router cannot hear the worker's events (its NATS link is down), a prompt
@@ -1044,18 +1054,7 @@ async fn a_worker_that_computes_no_non_streamed_prompt_sits_out() {
 /// a hung engine above eject nobody then.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_missing_while_the_router_hears_no_events_blames_no_worker() {
-    let mut f = faulty_worker(
-        &[
-            "--eject-ms",
-            "600000",
-            "--first-token-timeout-ms",
-            "500",
-            "--upstream-body-timeout-ms",
-            "3000",
-        ],
-        serde_json::json!({"stall_before_headers": true}),
-    )
-    .await;
+    let mut f = hung_engine().await;
     f.nats[0].kill();
     assert!(
         f.until(Duration::from_secs(20), || async {
@@ -1066,13 +1065,7 @@ async fn a_prompt_missing_while_the_router_hears_no_events_blames_no_worker() {
         .await,
         "the router never saw its NATS link go down"
     );
-    let url = format!("{}/v1/completions", f.url());
-    let call = |i| f.http.call("POST", &url, request(i, 0, false));
-    let (a, b, c) = tokio::join!(call(0), call(1), call(2));
-    for r in [a, b, c] {
-        let r = r.unwrap();
-        assert_eq!(r.status, 504, "{}", r.body);
-    }
+    three_unanswered(&f).await;
     let scrape = f.scrape().await.unwrap();
     assert_eq!(
         counter_sum(&scrape, "kvroute_worker_ejections_total", "worker="),
