@@ -35,6 +35,13 @@ app.kubernetes.io/component: {{ .component }}
 {{/* All labels of one component: call with (dict "ctx" $ "component" "router"). */}}
 {{- define "kvroute.labels" -}}
 helm.sh/chart: {{ include "kvroute.chart" .ctx }}
+{{ include "kvroute.podLabels" . }}
+{{- end }}
+
+{{/* The labels of one component's pods: all but the chart's version, which changes with
+     any template's edit; on a pod template it restarted every router, NATS server and
+     engine (reloading its model) at each chart upgrade. Call as kvroute.labels. */}}
+{{- define "kvroute.podLabels" -}}
 {{ include "kvroute.selectorLabels" . }}
 app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
