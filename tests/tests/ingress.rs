@@ -915,14 +915,15 @@ async fn comments_before_the_first_token_wait_for_no_budget() {
         .await
     );
     // Two uploads take the rest of the budget, to the last grain: the stream's own body is
-    // held until its first token (it may be tried on another worker before).
+    // held until its first token (it may be tried on another worker before). Each sends
+    // all but the last byte of what it announces (its buffer grows to that length).
     let stream_body = gauge(
         &f.scrape().await.unwrap(),
         "kvroute_request_body_bytes_held",
     ) as usize;
     let mut held = Vec::new();
-    for first in [512 << 10, (512 << 10) - stream_body] {
-        held.push(start_upload(&f, 600 << 10, &vec![b' '; first]).await);
+    for length in [512 << 10, (512 << 10) - stream_body] {
+        held.push(start_upload(&f, length, &vec![b' '; length - 1]).await);
     }
     assert!(
         bodies_held(&f, |bytes| bytes >= f64::from(1u32 << 20)).await,
@@ -1379,10 +1380,11 @@ async fn bodies_held(f: &Fleet, check: impl Fn(f64) -> bool) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_bodies_share_a_memory_budget() {
     let f = one_worker(ONE_MIB_OF_BODIES).await;
-    // Two clients each send 512 KiB of a 600 KiB body and stop: the whole budget.
+    // Two clients each send all but the last byte of a 512 KiB body and stop: the whole
+    // budget (a body's buffer grows to its announced length).
     let mut held = Vec::new();
     for _ in 0..2 {
-        held.push(start_upload(&f, 600 << 10, &vec![b' '; 512 << 10]).await);
+        held.push(start_upload(&f, 512 << 10, &vec![b' '; (512 << 10) - 1]).await);
     }
     assert!(
         bodies_held(&f, |bytes| bytes >= f64::from(1u32 << 20)).await,
