@@ -214,6 +214,60 @@ where
         }))
 }
 
+/// Largest slice of a held answer handed to hyper at once.
+pub const HELD_SLICE: usize = 64 << 10;
+
+/// A whole answer (a non-streamed completion, a merged batch) that keeps its share of the
+/// budget until the client's connection has taken all but its last slice. hyper takes the
+/// next slice only once its write buffer has room, so what the budget does not count is
+/// at most what that buffer holds (about 400 KiB). Handed over in one frame, the answer was
+/// taken at once, the body dropped with its reservation, and the bytes sat in hyper's
+/// write queue uncounted for as long as the client read slowly (an audit found).
+#[derive(Debug)]
+pub struct HeldBody {
+    rest: Bytes,
+    held: Option<Reservation>,
+}
+
+impl HeldBody {
+    /// `bytes`, holding `held` until the last slice is taken.
+    pub fn new(bytes: Bytes, held: Reservation) -> HeldBody {
+        HeldBody {
+            rest: bytes,
+            held: Some(held),
+        }
+    }
+}
+
+impl hyper::body::Body for HeldBody {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        if self.rest.is_empty() {
+            self.held = None;
+            return std::task::Poll::Ready(None);
+        }
+        let n = self.rest.len().min(HELD_SLICE);
+        let slice = self.rest.split_to(n);
+        if self.rest.is_empty() {
+            self.held = None;
+        }
+        std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(slice))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.rest.is_empty()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        hyper::body::SizeHint::with_exact(self.rest.len() as u64)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -258,6 +312,32 @@ mod tests {
             .await
             .unwrap();
         assert_eq!((d.len(), held_d.bytes()), (3 * GRAIN, 3 * GRAIN));
+    }
+
+    /// A held answer goes out in slices and keeps its reservation until the last is taken:
+    /// hyper drops a body at its end, so one handed over whole gave its share back before
+    /// a byte of it reached the client.
+    #[tokio::test]
+    async fn a_held_answer_keeps_its_share_until_its_last_slice_is_taken() {
+        use hyper::body::Body as _;
+        let budget = BodyBudget::new(4 << 20);
+        let answer = Bytes::from(vec![b'x'; (1 << 20) + 5]);
+        let mut held = Reservation::default();
+        assert!(budget.cover(&mut held, answer.len()));
+        let mut body = std::pin::pin!(HeldBody::new(answer, held));
+        assert_eq!(body.size_hint().exact(), Some((1 << 20) + 5));
+        let mut taken = 0;
+        while let Some(frame) = body.frame().await {
+            let slice = frame.unwrap().into_data().unwrap();
+            assert!(slice.len() <= HELD_SLICE);
+            taken += slice.len();
+            if taken < (1 << 20) + 5 {
+                assert!(!body.is_end_stream(), "ended with bytes left");
+                assert!(budget.in_use() > 1 << 20, "given back with bytes left");
+            }
+        }
+        assert_eq!(taken, (1 << 20) + 5);
+        assert_eq!(budget.in_use(), 0);
     }
 
     /// A reservation waits for room, up to its wait; one larger than the whole budget is

@@ -15,7 +15,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::stream::FuturesUnordered;
 use futures_util::{StreamExt, TryStreamExt};
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use hyper::{HeaderMap, Response, StatusCode, header};
 use serde_json::{Map, Value};
 
@@ -254,12 +254,8 @@ async fn merge_whole(
         return Err(over());
     }
     drop(held);
-    let body = Full::new(merged)
-        .map_frame(move |frame| {
-            let _held = &held_merged;
-            frame
-        })
-        .map_err(|never| match never {});
+    let body =
+        crate::http::budget::HeldBody::new(merged, held_merged).map_err(|never| match never {});
     Ok(response
         .unwrap_or_else(|| Response::builder().status(StatusCode::OK))
         .body(BodyExt::boxed(body))

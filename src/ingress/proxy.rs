@@ -707,14 +707,9 @@ pub(super) async fn forward(
         drop(booking);
         metrics::histogram!("kvroute_e2e_seconds", "worker" => label)
             .record(started.elapsed().as_secs_f64());
-        // The reservation lives as long as the body, which hyper drops once written out; its
+        // The reservation lives until the client's connection has taken the answer; its
         // length stays known (`Content-Length`).
-        let body = Full::new(bytes)
-            .map_frame(move |frame| {
-                let _held = &held;
-                frame
-            })
-            .map_err(|never| match never {});
+        let body = crate::http::budget::HeldBody::new(bytes, held).map_err(|never| match never {});
         return Ok(builder
             .header(header::CONTENT_TYPE, "application/json")
             .body(BodyExt::boxed(body))
