@@ -592,7 +592,13 @@ pub async fn serve(
 }
 
 /// Connections the status listener serves at once: probes and scrapes are few and short.
-const STATUS_MAX_CONNECTIONS: usize = 64;
+const STATUS_MAX_CONNECTIONS: usize = 256;
+
+/// How long a status connection may take to send its headers, and stay idle between
+/// requests, ms: below the kubelet's probe timeout (the chart's is 2 s). With the API's 30 s,
+/// 64 connections that sent nothing held every slot, and the probes waited in the accept
+/// queue past their timeout until the kubelet restarted the router (an audit found).
+const STATUS_HEADER_TIMEOUT_MS: u64 = 1_000;
 
 /// Serves liveness (`/health`), readiness (`/ready`) and `/metrics`, open and nothing else,
 /// on `listener` until `shutdown`: the kubelet's probes and Prometheus's scrapes on their own
@@ -607,6 +613,8 @@ pub async fn serve_status(
 ) {
     let http = HttpConfig {
         max_connections: STATUS_MAX_CONNECTIONS,
+        header_read_timeout_ms: STATUS_HEADER_TIMEOUT_MS
+            .min(router.config.http.header_read_timeout_ms),
         ..router.config.http.clone()
     };
     serve_http(

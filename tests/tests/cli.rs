@@ -470,3 +470,57 @@ async fn the_status_listener_answers_when_the_api_s_connections_are_all_taken() 
     }
     drop(held);
 }
+
+/// Connections to the status listener that send nothing are closed within a second, under
+/// the kubelet's probe timeout: 300 of them (more than its cap) do not keep a probe from
+/// its answer. With the API's 30 s header timeout, 64 such connections held every slot and
+/// probes waited in the accept queue past their timeout, restarting the router.
+#[tokio::test]
+async fn silent_connections_do_not_starve_the_status_listener() {
+    let status_port = free_port();
+    let engine = format!("http://127.0.0.1:{}", free_port());
+    let (_router, url, _admin) = kvroute_e2e::engines::direct_router(
+        &[engine],
+        &[
+            "--status-port".into(),
+            status_port.to_string(),
+            "--status-host".into(),
+            "127.0.0.1".into(),
+        ],
+    )
+    .unwrap();
+    let http = Http::default();
+    let mut up = false;
+    for _ in 0..200 {
+        if http
+            .call("GET", &format!("{url}/health"), "")
+            .await
+            .is_ok_and(|r| r.status == 200)
+        {
+            up = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(up, "the router never answered /health");
+    let mut silent = Vec::new();
+    for _ in 0..300 {
+        silent.push(
+            tokio::net::TcpStream::connect(("127.0.0.1", status_port))
+                .await
+                .unwrap(),
+        );
+    }
+    let probe = tokio::time::timeout(
+        Duration::from_secs(10),
+        Http::default().call("GET", &format!("http://127.0.0.1:{status_port}/health"), ""),
+    )
+    .await;
+    assert!(
+        probe
+            .as_ref()
+            .is_ok_and(|r| r.as_ref().is_ok_and(|r| r.status == 200)),
+        "the probe got no answer while silent connections were open: {probe:?}"
+    );
+    drop(silent);
+}
