@@ -500,9 +500,11 @@ impl Router {
     }
 
     /// Starts a graceful shutdown: `/ready` fails from now on (the load balancer stops
-    /// sending), requests in flight go on.
+    /// sending), requests in flight go on, and requests waiting in the queue (or that would)
+    /// get 503 with `Retry-After`, for their clients to try another replica.
     pub fn begin_drain(&self) {
-        self.draining.store(true, Ordering::Relaxed);
+        self.draining.store(true, Ordering::SeqCst);
+        self.refuse_queued();
     }
 
     /// Requests in flight (accepted, not yet finished streaming).
@@ -1646,6 +1648,7 @@ async fn admit(
             Err(ApiError::queue_deadline(band, waited_ms, retry_after_s))
         }
         Ok(Ok(Err(Refusal::NoWorkers))) => Err(ApiError::no_workers()),
+        Ok(Ok(Err(Refusal::ShuttingDown))) => Err(ApiError::shutting_down()),
         Ok(Err(_)) | Err(_) => Err(ApiError::queue_deadline(band, ttl_ms, 1)),
     }
 }

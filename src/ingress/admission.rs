@@ -190,6 +190,8 @@ pub(super) enum Refusal {
     Expired { band: i32, waited_ms: u64 },
     /// Every worker of its model left while it waited.
     NoWorkers,
+    /// The router began shutting down: another replica may serve it now.
+    ShuttingDown,
 }
 
 /// The answer a queued request's handler waits for.
@@ -419,6 +421,12 @@ impl Router {
             _waiting: ModelWaiting::new(&self.waiting_models, &pool),
             pool,
         };
+        // Checked under the queue's lock, which the drain's sweep takes after saying so: a
+        // request is either swept or refused here, never left to wait out the drain.
+        if self.draining.load(Ordering::SeqCst) {
+            rejected(band, "shutting_down");
+            return Err(ApiError::shutting_down());
+        }
         match queue.push(now, ticket, waiter) {
             Ok(id) => Ok(Entered::Queued {
                 guard: Queued {
@@ -435,6 +443,21 @@ impl Router {
                 // A request queued now would wait about as long as the oldest has.
                 let retry_after_s = (queue.oldest_wait_ms(band, now) / 1000).clamp(1, 60);
                 Err(ApiError::queue_full(band, limit, retry_after_s))
+            }
+        }
+    }
+
+    /// Answers every queued request 503 with `Retry-After` (the router is shutting down):
+    /// queued, they waited out the drain and their connections closed with no answer when
+    /// the process ended, where another replica could have served them at once.
+    pub(super) fn refuse_queued(&self) {
+        let now = self.now_ms();
+        let mut queue = self.queue.lock();
+        let ids: Vec<_> = queue.in_order().map(|(id, _, _)| id).collect();
+        for id in ids {
+            if let Some(left) = queue.cancel(now, id) {
+                rejected(left.ticket.band, "shutting_down");
+                let _ = left.payload.tx.send(Err(Refusal::ShuttingDown));
             }
         }
     }

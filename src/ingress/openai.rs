@@ -1044,6 +1044,17 @@ impl ApiError {
         ApiError::new(503, "server_error", Fault::Router, "no worker registered")
     }
 
+    /// 503: the router is shutting down; another replica can take the request.
+    pub fn shutting_down() -> Self {
+        ApiError::new(
+            503,
+            "server_error",
+            Fault::Router,
+            "this router is shutting down: retry, another replica will take it",
+        )
+        .retry_after(1)
+    }
+
     /// 502: the worker's answer broke off or was unusable after its success status (not
     /// retried: it was generated).
     pub fn bad_gateway(message: impl Into<String>) -> Self {

@@ -660,6 +660,74 @@ mod queue {
             .unwrap_or_else(|e| panic!("{model}: {e:?}"))
     }
 
+    /// A drain answers the queued requests 503 with `Retry-After` at once, and refuses those
+    /// that would queue after it: they waited out the drain and were cut off with no answer
+    /// when the process ended, where another replica could have served them.
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_sends_queued_requests_to_another_replica() {
+        let (router, _plane) = router(100, ["a", "a"]).await;
+        let mut admitted = Vec::new();
+        for _ in 0..2 {
+            let Entered::Admitted(a) = enter_with(&router, "a", 90, None) else {
+                panic!("an idle worker admits");
+            };
+            admitted.push(a);
+        }
+        let Entered::Queued {
+            guard: _q,
+            rx: mut queued,
+            ..
+        } = enter_with(&router, "a", 90, None)
+        else {
+            panic!("both workers are full");
+        };
+        router.begin_drain();
+        assert!(matches!(
+            queued.try_recv(),
+            Ok(Err(super::super::admission::Refusal::ShuttingDown))
+        ));
+        let class = Class {
+            tenant: Arc::from("default"),
+            band: 0,
+            session: None,
+            receipt: false,
+        };
+        let none = OverlapScores::default();
+        let request = RouteRequest {
+            model: "a",
+            blocks: &[],
+            prompt_tokens: 90,
+            block_size: 4,
+            overlaps: &none,
+            max_tokens: 4,
+            n: 1,
+            session: None,
+        };
+        let routable = || Routable {
+            model: "a".into(),
+            blocks: Vec::new(),
+            prompt_tokens: 90,
+            block_size: 4,
+            max_tokens: 4,
+            n: 1,
+            session: None,
+        };
+        let Err(e) = router.enter(&class, &request, routable) else {
+            panic!("a request queued during the drain");
+        };
+        assert_eq!(
+            (e.status, e.retryable, e.retry_after_s),
+            (503, true, 1),
+            "{e:?}"
+        );
+        // Room during the drain still admits: requests on open connections are served.
+        drop(admitted);
+        assert!(matches!(
+            enter_with(&router, "a", 90, None),
+            Entered::Admitted(_)
+        ));
+    }
+
     /// How [`a_later_request_waits_behind`] fills its two workers (a budget of 100 tokens each;
     /// a request's work is its tokens and 4 to generate).
     struct Scene<'a> {
