@@ -964,6 +964,44 @@ impl Indexer {
         out
     }
 
+    /// For each (worker, rank, tier) the index holds blocks of: how many, and the XOR of
+    /// their hashes (`/admin/index`, to compare replicas), in that order. Read as
+    /// [`Indexer::dump`] reads, but without a list of the blocks: at millions of blocks that
+    /// list was hundreds of MB, built and sorted for two numbers a row.
+    pub fn digest(&self) -> Vec<(WorkerId, DpRank, Tier, u64, u64)> {
+        let mut rows: Vec<(WorkerId, DpRank, [(u64, u64); 3])> = Vec::new();
+        let mut at_slot: rustc_hash::FxHashMap<u32, usize> = Default::default();
+        for ((w, rank), lane) in self.lanes.all() {
+            at_slot.insert(lane.slot.index, rows.len());
+            rows.push((w, rank, [(0, 0); 3]));
+        }
+        for index in 0..self.map.shards() {
+            self.map.write_shard(index).for_each(|key, owners| {
+                for &e in owners {
+                    if let Some(&i) = at_slot.get(&table::slot_of(e)) {
+                        for (t, tier) in Tier::ALL.into_iter().enumerate() {
+                            if table::tiers_of(e) & bit(tier) != 0 {
+                                let row = &mut rows[i].2[t];
+                                row.0 += 1;
+                                row.1 ^= key;
+                            }
+                        }
+                    }
+                }
+            });
+        }
+        rows.sort_by_key(|(w, r, _)| (*w, *r));
+        rows.into_iter()
+            .flat_map(|(w, r, tiers)| {
+                Tier::ALL
+                    .into_iter()
+                    .zip(tiers)
+                    .filter(|(_, (n, _))| *n > 0)
+                    .map(move |(t, (n, x))| (w, r, t, n, x))
+            })
+            .collect()
+    }
+
     /// Counters since creation.
     pub fn counters(&self) -> Counters {
         let c = &self.counters;

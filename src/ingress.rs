@@ -784,7 +784,7 @@ async fn handle_admin(router: Arc<Router>, req: hyper::Request<Incoming>) -> Res
         (Method::GET, "/health") => Ok(health()),
         (Method::GET, "/metrics") => Ok(metrics_text(&router)),
         (Method::GET, "/admin/workers") => Ok(admin_workers(&router)),
-        (Method::GET, "/admin/index") => Ok(admin_index(&router)),
+        (Method::GET, "/admin/index") => Ok(admin_index(&router).await),
         (Method::GET, "/admin/queues") => {
             Ok(json(StatusCode::OK, router.queues_view().to_string()))
         }
@@ -944,25 +944,23 @@ fn admin_workers(router: &Router) -> Response<Body> {
 
 /// Per worker and tier, how many blocks the index holds and an order-independent digest of
 /// them (xor of their hashes), to compare with the workers' own (`kvroute-bench soak`).
-fn admin_index(router: &Router) -> Response<Body> {
-    let mut rows = std::collections::BTreeMap::new();
-    for held in router.plane.indexer().dump(None) {
-        for (tier, seq) in held.blocks {
-            let row = rows
-                .entry((held.worker, held.dp_rank, tier))
-                .or_insert((0u64, 0u64));
-            row.0 += 1;
-            row.1 ^= seq.0;
+/// Each (worker, rank, tier)'s block count and digest, read off the runtime's threads (it
+/// walks the whole index).
+async fn admin_index(router: &Router) -> Response<Body> {
+    let indexer = Arc::clone(router.plane.indexer());
+    match router.off_runtime(move || indexer.digest()).await {
+        Ok(rows) => {
+            let rows: Vec<_> = rows
+                .into_iter()
+                .map(|(w, r, t, n, x)| serde_json::json!({"worker": w, "dp_rank": r.0, "tier": format!("{t:?}"), "blocks": n, "digest": format!("{x:016x}")}))
+                .collect();
+            json(
+                StatusCode::OK,
+                serde_json::json!({"ranks": rows}).to_string(),
+            )
         }
+        Err(e) => api_error(&e),
     }
-    let rows: Vec<_> = rows
-        .into_iter()
-        .map(|((w, r, t), (n, x))| serde_json::json!({"worker": w, "dp_rank": r.0, "tier": format!("{t:?}"), "blocks": n, "digest": format!("{x:016x}")}))
-        .collect();
-    json(
-        StatusCode::OK,
-        serde_json::json!({"ranks": rows}).to_string(),
-    )
 }
 
 /// Reads `path` now and every [`API_KEYS_RELOAD`]: a key added to or revoked from the

@@ -406,6 +406,23 @@ fn dump_lists_every_held_block_per_tier() {
         }]
     );
     assert_eq!(ix.dump(None).len(), 2);
+    // The digest counts and XORs what the dump lists, row by row, without the list.
+    let from_dump: Vec<(WorkerId, DpRank, Tier, u64, u64)> = ix
+        .dump(None)
+        .into_iter()
+        .flat_map(|h| {
+            let mut rows: std::collections::BTreeMap<Tier, (u64, u64)> = Default::default();
+            for (tier, seq) in &h.blocks {
+                let row = rows.entry(*tier).or_default();
+                row.0 += 1;
+                row.1 ^= seq.0;
+            }
+            rows.into_iter()
+                .map(move |(t, (n, x))| (h.worker, h.dp_rank, t, n, x))
+        })
+        .collect();
+    assert_eq!(ix.digest(), from_dump);
+    assert_eq!(ix.digest().len(), 3);
 }
 
 #[test]
