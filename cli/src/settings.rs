@@ -227,9 +227,10 @@ pub struct ServeFlags {
     /// Largest request body, bytes (413 beyond) [default: 8388608].
     #[arg(long, env = "KVROUTE_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
-    /// Bytes of request bodies (and non-streamed answers) held at once, all requests
-    /// together; one that would pass it gets 429 (the parsed prompt takes about twice as
-    /// much again; at least --max-body-bytes) [default: 268435456].
+    /// Bytes of request bodies (and non-streamed answers, and a kvroute worker's generate
+    /// bodies) held at once, all requests together; one that would pass it gets 429 (the
+    /// parsed prompt takes about twice as much again; at least --max-body-bytes and
+    /// --max-upstream-body-bytes) [default: 268435456].
     #[arg(long, env = "KVROUTE_BODY_MEMORY_BYTES")]
     pub body_memory_bytes: Option<usize>,
     /// Other workers tried when one fails before the client is answered (a stream: before
