@@ -305,6 +305,21 @@ pub struct Holding {
     pub blocks: Vec<(Tier, SeqHash)>,
 }
 
+/// What one (worker, rank) holds in one tier, as [`Indexer::digest`] sums it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Digest {
+    /// The worker.
+    pub worker: WorkerId,
+    /// Its rank.
+    pub dp_rank: DpRank,
+    /// The tier.
+    pub tier: Tier,
+    /// Blocks held there.
+    pub blocks: u64,
+    /// The XOR of their hashes.
+    pub xor: u64,
+}
+
 /// The index. Share it behind an `Arc`; every method takes `&self`.
 #[derive(Debug)]
 pub struct Indexer {
@@ -968,8 +983,10 @@ impl Indexer {
     /// their hashes (`/admin/index`, to compare replicas), in that order. Read as
     /// [`Indexer::dump`] reads, but without a list of the blocks: at millions of blocks that
     /// list was hundreds of MB, built and sorted for two numbers a row.
-    pub fn digest(&self) -> Vec<(WorkerId, DpRank, Tier, u64, u64)> {
-        let mut rows: Vec<(WorkerId, DpRank, [(u64, u64); 3])> = Vec::new();
+    pub fn digest(&self) -> Vec<Digest> {
+        // Per lane: (count, XOR) for each tier of `Tier::ALL`.
+        type Tiers = [(u64, u64); 3];
+        let mut rows: Vec<(WorkerId, DpRank, Tiers)> = Vec::new();
         let mut at_slot: rustc_hash::FxHashMap<u32, usize> = Default::default();
         for ((w, rank), lane) in self.lanes.all() {
             at_slot.insert(lane.slot.index, rows.len());
@@ -997,7 +1014,13 @@ impl Indexer {
                     .into_iter()
                     .zip(tiers)
                     .filter(|(_, (n, _))| *n > 0)
-                    .map(move |(t, (n, x))| (w, r, t, n, x))
+                    .map(move |(tier, (blocks, xor))| Digest {
+                        worker: w,
+                        dp_rank: r,
+                        tier,
+                        blocks,
+                        xor,
+                    })
             })
             .collect()
     }

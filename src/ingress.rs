@@ -952,7 +952,7 @@ async fn admin_index(router: &Router) -> Response<Body> {
         Ok(rows) => {
             let rows: Vec<_> = rows
                 .into_iter()
-                .map(|(w, r, t, n, x)| serde_json::json!({"worker": w, "dp_rank": r.0, "tier": format!("{t:?}"), "blocks": n, "digest": format!("{x:016x}")}))
+                .map(|d| serde_json::json!({"worker": d.worker, "dp_rank": d.dp_rank.0, "tier": format!("{:?}", d.tier), "blocks": d.blocks, "digest": format!("{:016x}", d.xor)}))
                 .collect();
             json(
                 StatusCode::OK,

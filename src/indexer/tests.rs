@@ -407,7 +407,7 @@ fn dump_lists_every_held_block_per_tier() {
     );
     assert_eq!(ix.dump(None).len(), 2);
     // The digest counts and XORs what the dump lists, row by row, without the list.
-    let from_dump: Vec<(WorkerId, DpRank, Tier, u64, u64)> = ix
+    let from_dump: Vec<Digest> = ix
         .dump(None)
         .into_iter()
         .flat_map(|h| {
@@ -417,8 +417,13 @@ fn dump_lists_every_held_block_per_tier() {
                 row.0 += 1;
                 row.1 ^= seq.0;
             }
-            rows.into_iter()
-                .map(move |(t, (n, x))| (h.worker, h.dp_rank, t, n, x))
+            rows.into_iter().map(move |(tier, (blocks, xor))| Digest {
+                worker: h.worker,
+                dp_rank: h.dp_rank,
+                tier,
+                blocks,
+                xor,
+            })
         })
         .collect();
     assert_eq!(ix.digest(), from_dump);
