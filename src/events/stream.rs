@@ -261,9 +261,15 @@ impl WorkerStream {
             // its watermark may lie before batches since dropped.
             return;
         }
-        // An answer to the request made now is the worker's present, even in an epoch this
-        // stream retired (a stale heartbeat took it back to an older one): it is adopted,
-        // else every answer is refused and the resync never ends.
+        // An answer to the request made now in an epoch this stream retired, but later than
+        // the one it follows, is the worker's present (a stale heartbeat took the stream
+        // back to an older epoch): adopted, else every answer is refused and the resync
+        // never ends. An older retired epoch's answer is a past incarnation's (one still
+        // draining under the same id).
+        if self.retired.contains(&snapshot.epoch) && self.epoch.is_some_and(|e| snapshot.epoch < e)
+        {
+            return;
+        }
         self.stats.resync_ms += now_ms.saturating_sub(since_ms);
         if self.epoch != Some(snapshot.epoch) {
             // The worker restarted since we asked: the snapshot is of its new incarnation.

@@ -221,10 +221,16 @@ fn a_snapshot_of_a_retired_epoch_answering_the_present_request_is_adopted() {
     s.on_watermark(4, 8, 11, &mut out);
     assert_eq!((s.epoch(), s.next_id()), (Some(8), Some(12)));
     assert_eq!(applied_ids(&out).last(), Some(&11));
-    // The epoch it left is retired in its turn: its stragglers are dropped.
+    // The epoch it left is retired in its turn: its stragglers are dropped, and an answer
+    // from it (an old process still draining under the same id) is not taken back.
     out.clear();
     s.on_batch(5, batch(7, 41..=41), &mut out);
     assert!(out.is_empty());
+    s.resync(6, &mut out);
+    out.clear();
+    s.on_snapshot(7, s.snapshot_request(), snapshot(7, 40), &mut out);
+    assert_eq!(s.epoch(), Some(8));
+    assert!(out.is_empty(), "{out:?}");
 }
 
 /// A device block outliving its parent (an LRU that is not leaf-first evicted the parent):
