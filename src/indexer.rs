@@ -985,12 +985,12 @@ impl Indexer {
     /// list was hundreds of MB, built and sorted for two numbers a row.
     pub fn digest(&self) -> Vec<Digest> {
         // Per lane: (count, XOR) for each tier of `Tier::ALL`.
-        type Tiers = [(u64, u64); 3];
+        type Tiers = [(u64, u64); Tier::ALL.len()];
         let mut rows: Vec<(WorkerId, DpRank, Tiers)> = Vec::new();
         let mut at_slot: rustc_hash::FxHashMap<u32, usize> = Default::default();
         for ((w, rank), lane) in self.lanes.all() {
             at_slot.insert(lane.slot.index, rows.len());
-            rows.push((w, rank, [(0, 0); 3]));
+            rows.push((w, rank, [(0, 0); Tier::ALL.len()]));
         }
         for index in 0..self.map.shards() {
             self.map.write_shard(index).for_each(|key, owners| {

@@ -52,9 +52,11 @@ pub struct IngressConfig {
     /// proxied), of non-streamed answers being relayed, and of streamed events on their way
     /// to their clients; a body or answer that would pass it gets 429, and a stream waits
     /// for room (ending with an error event past `relay_idle_timeout_ms`). The parsed
-    /// prompt and the body sent on take more again, uncounted: a body of 4 M token ids (8
-    /// MiB) raised the peak memory of `kvroute up` (router and four workers in one process)
-    /// by about 100 MB. At least `max_body_bytes` and `max_upstream_body_bytes`.
+    /// prompt takes more again, uncounted, and so does an engine's copy of the body: a body
+    /// of 4 M token ids (8 MiB) raised the peak memory of `kvroute up` (router and four
+    /// workers in one process) by about 100 MB. A kvroute worker's generate body (the
+    /// prompt's token ids as JSON) is counted. At least `max_body_bytes` and
+    /// `max_upstream_body_bytes`.
     pub body_memory_bytes: usize,
     /// Requests accepted at once, queued or in flight, counted from when their body is in
     /// (bodies being read are bounded by `body_memory_bytes`); beyond it new ones get 429. What
@@ -602,6 +604,10 @@ const STATUS_MAX_CONNECTIONS: usize = 256;
 /// queue past their timeout until the kubelet restarted the router (an audit found).
 const STATUS_HEADER_TIMEOUT_MS: u64 = 1_000;
 
+/// How long a status connection may leave what it is sent unread, ms (as
+/// [`STATUS_HEADER_TIMEOUT_MS`], for a client that pipelines requests and reads nothing).
+const STATUS_WRITE_STALL_MS: u64 = 2_000;
+
 /// Serves liveness (`/health`), readiness (`/ready`) and `/metrics`, open and nothing else,
 /// on `listener` until `shutdown`: the kubelet's probes and Prometheus's scrapes on their own
 /// port and connection cap. On the API port they queue behind client connections once
@@ -617,6 +623,9 @@ pub async fn serve_status(
         max_connections: STATUS_MAX_CONNECTIONS,
         header_read_timeout_ms: STATUS_HEADER_TIMEOUT_MS
             .min(router.config.http.header_read_timeout_ms),
+        // A client that asks and never reads holds its slot no longer either.
+        write_stall_timeout_ms: STATUS_WRITE_STALL_MS
+            .min(router.config.http.write_stall_timeout_ms),
         ..router.config.http.clone()
     };
     serve_http(
@@ -942,13 +951,13 @@ fn admin_workers(router: &Router) -> Response<Body> {
     )
 }
 
-/// Per worker and tier, how many blocks the index holds and an order-independent digest of
-/// them (xor of their hashes), to compare with the workers' own (`kvroute-bench soak`).
-/// Each (worker, rank, tier)'s block count and digest, read off the runtime's threads (it
-/// walks the whole index).
+/// Per worker, rank and tier, how many blocks the index holds and an order-independent
+/// digest of them (xor of their hashes), to compare with the workers' own (`kvroute-bench
+/// soak`). Read on a blocking thread, not the runtime's, nor a tokenizer's slot: it walks
+/// the whole index.
 async fn admin_index(router: &Router) -> Response<Body> {
     let indexer = Arc::clone(router.plane.indexer());
-    match router.off_runtime(move || indexer.digest()).await {
+    match tokio::task::spawn_blocking(move || indexer.digest()).await {
         Ok(rows) => {
             let rows: Vec<_> = rows
                 .into_iter()
@@ -959,7 +968,9 @@ async fn admin_index(router: &Router) -> Response<Body> {
                 serde_json::json!({"ranks": rows}).to_string(),
             )
         }
-        Err(e) => api_error(&e),
+        Err(e) => api_error(&ApiError::unavailable(format!(
+            "the index digest failed: {e}"
+        ))),
     }
 }
 
@@ -1362,15 +1373,11 @@ async fn explain(
     let prepared = Prepared::read(router, req, false).await?;
     let request = prepared.request();
     let now = router.now_ms();
-    let (mut candidates, ejected) = {
+    let (mut candidates, out) = {
         let s = router.scheduler.lock();
         let candidates = s.candidates(now, &request);
-        let ejected: Vec<WorkerKey> = candidates
-            .iter()
-            .filter(|c| s.ejected(c.key, now))
-            .map(|c| c.key)
-            .collect();
-        (candidates, ejected)
+        let out = s.sitting_out(now, &candidates);
+        (candidates, out)
     };
     let reachable = candidates
         .iter()
@@ -1384,20 +1391,16 @@ async fn explain(
             "worker": c.key.0, "dp_rank": c.key.1.0, "device_blocks": c.overlap.device, "host_blocks": c.overlap.host,
             "disk_blocks": c.overlap.disk, "booked_prefix_blocks": c.booked_prefix, "cost": c.cost, "busy": c.busy,
             "cached_blocks": c.cached_blocks(), "work_tokens": c.work.total(), "booked_work_tokens": c.booked_work_tokens,
-            "room": c.room, "ejected": ejected.contains(&c.key),
+            "room": c.room, "sitting_out": out.contains(&c.key),
         }))
         .collect();
-    // What a decision now would report: the lowest cost among those with room, a worker
-    // sitting out an ejection only if every one does (as a decision takes them; a
-    // session's affinity and a band's share of the budget are not known here).
-    let eligible: Vec<&scheduler::Candidate> =
-        match candidates.iter().any(|c| !ejected.contains(&c.key)) {
-            true => candidates
-                .iter()
-                .filter(|c| !ejected.contains(&c.key))
-                .collect(),
-            false => candidates.iter().collect(),
-        };
+    // What a decision now would report: the lowest cost among those with room, leaving out
+    // those sitting out an ejection as a decision does (a session's affinity and a band's
+    // share of the budget are not known here).
+    let eligible: Vec<&scheduler::Candidate> = candidates
+        .iter()
+        .filter(|c| !out.contains(&c.key))
+        .collect();
     let pick = eligible
         .iter()
         .find(|c| c.room && !c.busy)
@@ -1551,7 +1554,13 @@ async fn complete(
         if api.is_some_and(|api| body.needs_generate(api)) {
             let generate = generate_body(p, prepared.salt, chat);
             if !router.bodies.cover(&mut generate_held, generate.len()) {
-                return Err(ApiError::bodies_over_budget(router.bodies.bytes()));
+                // Beside its own body it could never fit: no retry would pass.
+                let never = generate.len() + prepared._held.bytes() > router.bodies.bytes();
+                return Err(if never {
+                    ApiError::too_large(router.bodies.bytes() - prepared._held.bytes())
+                } else {
+                    ApiError::bodies_over_budget(router.bodies.bytes())
+                });
             }
             body.generate = Some(generate);
         }

@@ -27,7 +27,7 @@ mod sessions;
 
 use std::collections::{BTreeMap, VecDeque};
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use serde::{Deserialize, Serialize};
 
 pub use load::{ActiveLoad, Work};
@@ -998,10 +998,23 @@ impl Scheduler {
     ) -> (Vec<Candidate>, u32) {
         let mut all = self.candidates(now_ms, request);
         let reachable = all.iter().map(Candidate::cached_blocks).max().unwrap_or(0);
-        let ejected = |c: &Candidate| self.workers.get(&c.key).is_some_and(|s| s.ejected(now_ms));
-        let some_not_ejected = all.iter().any(|c| !ejected(c));
-        all.retain(|c| !(exclude.contains(&c.key) || some_not_ejected && ejected(c)));
+        let out = self.sitting_out(now_ms, &all);
+        all.retain(|c| !(exclude.contains(&c.key) || out.contains(&c.key)));
         (all, reachable)
+    }
+
+    /// Of `candidates`, those a decision at `now_ms` leaves out for an ejection: every one
+    /// ejected, unless all are (an ejected worker still serves when no other can).
+    pub fn sitting_out(&self, now_ms: u64, candidates: &[Candidate]) -> FxHashSet<WorkerKey> {
+        let out: FxHashSet<WorkerKey> = candidates
+            .iter()
+            .filter(|c| self.workers.get(&c.key).is_some_and(|s| s.ejected(now_ms)))
+            .map(|c| c.key)
+            .collect();
+        if out.len() == candidates.len() {
+            return FxHashSet::default();
+        }
+        out
     }
 
     /// The worker a hard-session request is held to, as [`Scheduler::admit`] holds it: its

@@ -262,7 +262,8 @@ impl Transport {
                 }
             }
         };
-        metrics::gauge!("kvroute_nats_connected").set(1.0);
+        // As the link says now (a loss during the start may have come since).
+        metrics::gauge!("kvroute_nats_connected").set(if *connected.borrow() { 1.0 } else { 0.0 });
         Ok(Transport::Nats(NatsTransport {
             client,
             reconnects,

@@ -319,7 +319,11 @@ impl ProxyError {
     /// Whose fault it is.
     pub fn fault(&self) -> Fault {
         match self {
-            ProxyError::Status { status, .. } if !worker_side(*status) => Fault::Client,
+            ProxyError::Status { status, .. } | ProxyError::Body { status, .. }
+                if !worker_side(*status) =>
+            {
+                Fault::Client
+            }
             ProxyError::Answer {
                 source: BodyError::OverBudget { .. },
                 ..
@@ -373,6 +377,10 @@ impl ProxyError {
                 ..
             } if !worker_side(*status) => {
                 ApiError::refused_by_worker(status.as_u16(), message.clone(), body.clone())
+            }
+            // The worker refused the request; only its reasons did not come whole.
+            ProxyError::Body { status, .. } if !worker_side(*status) => {
+                ApiError::refused_by_worker(status.as_u16(), self.to_string(), None)
             }
             ProxyError::HeadersTimeout { .. }
             | ProxyError::AnswerTimeout { .. }
@@ -531,8 +539,7 @@ impl Upstream {
     ) -> hyper::Request<Full<Bytes>> {
         let base = info.url.trim_end_matches('/');
         let (path, body) = match info.api {
-            // Written before a kvroute worker is sent to; were it not (the worker registered
-            // again as another kind between the two looks), the worker refuses an empty body.
+            // Written before a kvroute worker is sent to (`forward` checks).
             WorkerApi::Kvroute => (
                 "/internal/generate",
                 self.generate.clone().unwrap_or_default(),
@@ -588,6 +595,11 @@ pub(super) async fn forward(
     let Some(info) = router.plane.worker(worker) else {
         return Err(ProxyError::WorkerLeft { worker });
     };
+    if body.needs_generate(info.api) {
+        // It registered again as a kvroute worker since the caller looked: tried elsewhere,
+        // as one that left (its next attempt writes the body).
+        return Err(ProxyError::WorkerLeft { worker });
+    }
     router.plane.note_routed(key);
     let config = &router.config;
     let request = body.request(&info, key.1.0, config.engine_api_key.as_ref());
@@ -1616,6 +1628,11 @@ mod tests {
         assert!(unavailable.worker_broken() && unavailable.retry_elsewhere());
         let refused = body(StatusCode::BAD_REQUEST);
         assert!(!refused.worker_broken() && !refused.retry_elsewhere());
+        // The client is told the worker's refusal, as its own fault; the 503, the worker's.
+        assert_eq!(refused.fault(), Fault::Client);
+        assert_eq!(refused.to_api().status, 400);
+        assert_eq!(unavailable.fault(), Fault::Worker);
+        assert_eq!(unavailable.to_api().status, 504);
     }
 
     /// The worker's message is found in every shape engines answer errors in.
