@@ -444,6 +444,16 @@ impl BlockManager {
         inner.advance(now_us, ready)
     }
 
+    /// A fill or offload the device refused to start since the last look, if any: the
+    /// engine stops on it at its next `advance`, whether or not a copy is due then.
+    pub fn take_device_failure(&self) -> Option<OffloadError> {
+        self.inner
+            .lock()
+            .device_failed
+            .take()
+            .map(OffloadError::from)
+    }
+
     /// When the next copy completes by the link model, or a copy the device has not
     /// finished is polled again; `None` if no copy is in flight.
     pub fn next_wakeup_us(&self) -> Option<u64> {

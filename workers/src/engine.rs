@@ -428,7 +428,7 @@ impl Engine {
         } else {
             return false;
         }
-        self.collect_changes(false);
+        self.collect_changes(self.step.is_none());
         true
     }
 
@@ -446,6 +446,9 @@ impl Engine {
     /// flight ending (tokens out, blocks registered, events flushed), and the next step
     /// starting the moment the previous one ends.
     pub fn advance(&mut self, now_us: u64, out: &mut Vec<Output>) -> Result<(), EngineError> {
+        if let Some(e) = self.blocks.take_device_failure() {
+            return Err(e.into());
+        }
         let mut result = Ok(());
         while let Some(t) = self.next_wakeup_us().filter(|t| *t <= now_us) {
             self.now_us = self.now_us.max(t);
@@ -459,12 +462,15 @@ impl Engine {
             if self.step.is_none() {
                 self.schedule(t, out);
             }
-            self.collect_changes(false);
+            // With no step in flight (copies that landed after the last one), nothing would
+            // flush them before the next step, however far off: routers would miss the
+            // blocks on the host meanwhile, and the heartbeat would show no gap.
+            self.collect_changes(self.step.is_none());
         }
         self.now_us = self.now_us.max(now_us);
         if self.step.is_none() {
             self.schedule(self.now_us, out);
-            self.collect_changes(false);
+            self.collect_changes(self.step.is_none());
         }
         result
     }

@@ -683,12 +683,13 @@ fn a_sequence_waiting_for_copies_keeps_newcomers_out() {
     assert!(stats.offloaded > 0, "{stats:?}");
 }
 
-/// Changes made while no step is in flight (copies to the host landing after the last
-/// step, a cancel) are published then: they waited for the end of some later step, while
-/// routers missed the blocks on the host, and the heartbeat announced no gap. (The mirror
-/// here takes no snapshot, which would flush them.)
+/// Once the engine is idle, a router following its events without a snapshot (which would
+/// flush them) holds what its pools hold, copies to the host that the device finished late
+/// included. (Changes recorded while no step is in flight are flushed at once; this
+/// workload's late copies are followed by the step that waited for them, so it does not
+/// reach that path by itself.)
 #[test]
-fn changes_made_while_idle_are_published_at_once() {
+fn an_idle_engine_s_events_describe_its_pools() {
     let mut e = engine(EngineConfig {
         g1_blocks: 8,
         g2_blocks: 8,
@@ -696,6 +697,9 @@ fn changes_made_while_idle_are_published_at_once() {
         max_num_batched_tokens: 48,
         ..EngineConfig::default()
     });
+    // Copies finish on the "device" a few polls after the link model says: after the
+    // step that started them has ended.
+    e.blocks().lag_device(3);
     let mut out = Vec::new();
     // X leaves 3 cached blocks; A's 6 blocks fit only by evicting them to the host.
     e.submit(0, request(1, (1000..1048).collect(), 1), &mut out);
@@ -738,4 +742,26 @@ fn a_request_is_not_admitted_into_a_step_that_began_before_it() {
         admitted.is_some_and(|at| at >= late),
         "admitted at {admitted:?}, submitted at {late}"
     );
+}
+
+/// A fill the device refused stops the engine at its next advance, though nothing is due
+/// then: a request's last step registered its blocks (their bytes never written), and the
+/// engine, idle after it, reported nothing until another request's step ended.
+#[test]
+fn a_refused_fill_stops_an_idle_engine() {
+    let mut e = engine(EngineConfig {
+        kv_bytes: Some(KvLayout::default()),
+        ..EngineConfig::default()
+    });
+    e.blocks().fail_device();
+    let mut out = Vec::new();
+    e.submit(0, request(1, (0..64).collect(), 1), &mut out);
+    let mut failed = e.advance(0, &mut out).is_err();
+    while !failed && let Some(t) = e.next_wakeup_us() {
+        failed = e.advance(t, &mut out).is_err();
+    }
+    if !failed {
+        failed = e.advance(u64::MAX / 2, &mut out).is_err();
+    }
+    assert!(failed, "the refused fill was never reported");
 }
