@@ -629,6 +629,17 @@ mod queue {
         prompt_tokens: usize,
         session: Option<&str>,
     ) -> Entered<'a> {
+        try_enter_with(router, model, prompt_tokens, session)
+            .unwrap_or_else(|e| panic!("{model}: {e:?}"))
+    }
+
+    /// [`enter_with`], refusals returned.
+    fn try_enter_with<'a>(
+        router: &'a Router,
+        model: &str,
+        prompt_tokens: usize,
+        session: Option<&str>,
+    ) -> Result<Entered<'a>, crate::ingress::openai::ApiError> {
         let class = Class {
             tenant: Arc::from("default"),
             band: 0,
@@ -655,9 +666,7 @@ mod queue {
             n: 1,
             session: class.session.clone(),
         };
-        router
-            .enter(&class, &request, routable)
-            .unwrap_or_else(|e| panic!("{model}: {e:?}"))
+        router.enter(&class, &request, routable)
     }
 
     /// A drain answers the queued requests 503 with `Retry-After` at once, and refuses those
@@ -686,33 +695,7 @@ mod queue {
             queued.try_recv(),
             Ok(Err(super::super::admission::Refusal::ShuttingDown))
         ));
-        let class = Class {
-            tenant: Arc::from("default"),
-            band: 0,
-            session: None,
-            receipt: false,
-        };
-        let none = OverlapScores::default();
-        let request = RouteRequest {
-            model: "a",
-            blocks: &[],
-            prompt_tokens: 90,
-            block_size: 4,
-            overlaps: &none,
-            max_tokens: 4,
-            n: 1,
-            session: None,
-        };
-        let routable = || Routable {
-            model: "a".into(),
-            blocks: Vec::new(),
-            prompt_tokens: 90,
-            block_size: 4,
-            max_tokens: 4,
-            n: 1,
-            session: None,
-        };
-        let Err(e) = router.enter(&class, &request, routable) else {
+        let Err(e) = try_enter_with(&router, "a", 90, None) else {
             panic!("a request queued during the drain");
         };
         assert_eq!(

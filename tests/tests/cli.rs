@@ -379,35 +379,8 @@ async fn sigterm_stops_a_start_up_waiting_for_nats() {
 #[tokio::test]
 async fn the_status_listener_answers_when_the_api_s_connections_are_all_taken() {
     use tokio::io::AsyncWriteExt;
-    let status_port = free_port();
-    let engine = format!("http://127.0.0.1:{}", free_port());
-    let (_router, url, _admin) = kvroute_e2e::engines::direct_router(
-        &[engine],
-        &[
-            "--max-connections".into(),
-            "2".into(),
-            "--status-port".into(),
-            status_port.to_string(),
-            "--status-host".into(),
-            "127.0.0.1".into(),
-        ],
-    )
-    .unwrap();
+    let (_router, url, status_port) = router_with_status(&["--max-connections", "2"]).await;
     let status = format!("http://127.0.0.1:{status_port}");
-    let http = Http::default();
-    let mut up = false;
-    for _ in 0..200 {
-        if http
-            .call("GET", &format!("{url}/health"), "")
-            .await
-            .is_ok_and(|r| r.status == 200)
-        {
-            up = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(up, "the router never answered /health");
     // Two clients that never finish their request heads hold both API connections.
     let mut held = Vec::new();
     for _ in 0..2 {
@@ -477,32 +450,7 @@ async fn the_status_listener_answers_when_the_api_s_connections_are_all_taken() 
 /// probes waited in the accept queue past their timeout, restarting the router.
 #[tokio::test]
 async fn silent_connections_do_not_starve_the_status_listener() {
-    let status_port = free_port();
-    let engine = format!("http://127.0.0.1:{}", free_port());
-    let (_router, url, _admin) = kvroute_e2e::engines::direct_router(
-        &[engine],
-        &[
-            "--status-port".into(),
-            status_port.to_string(),
-            "--status-host".into(),
-            "127.0.0.1".into(),
-        ],
-    )
-    .unwrap();
-    let http = Http::default();
-    let mut up = false;
-    for _ in 0..200 {
-        if http
-            .call("GET", &format!("{url}/health"), "")
-            .await
-            .is_ok_and(|r| r.status == 200)
-        {
-            up = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(up, "the router never answered /health");
+    let (_router, _url, status_port) = router_with_status(&[]).await;
     let mut silent = Vec::new();
     for _ in 0..300 {
         silent.push(
@@ -523,4 +471,35 @@ async fn silent_connections_do_not_starve_the_status_listener() {
         "the probe got no answer while silent connections were open: {probe:?}"
     );
     drop(silent);
+}
+
+/// A router in direct mode before a backend that does not answer, with its status listener
+/// on a port of its own on 127.0.0.1, once its API answers /health: the process, the API's
+/// URL and the status port.
+async fn router_with_status(extra: &[&str]) -> (kvroute_e2e::procs::Proc, String, u16) {
+    let status_port = free_port();
+    let engine = format!("http://127.0.0.1:{}", free_port());
+    let mut args: Vec<String> = extra.iter().map(|a| (*a).to_owned()).collect();
+    args.extend([
+        "--status-port".into(),
+        status_port.to_string(),
+        "--status-host".into(),
+        "127.0.0.1".into(),
+    ]);
+    let (router, url, _admin) = kvroute_e2e::engines::direct_router(&[engine], &args).unwrap();
+    let http = Http::default();
+    let mut up = false;
+    for _ in 0..200 {
+        if http
+            .call("GET", &format!("{url}/health"), "")
+            .await
+            .is_ok_and(|r| r.status == 200)
+        {
+            up = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(up, "the router never answered /health");
+    (router, url, status_port)
 }
