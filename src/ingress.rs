@@ -1448,7 +1448,17 @@ async fn completions(
 ) -> Result<Response<Body>, ApiError> {
     let api_key = bearer_key(req.headers(), &router.api_keys());
     let headers = req.headers().clone();
-    let (body, held) = read_body(router, req).await?;
+    let (body, mut held) = read_body(router, req).await?;
+    // The request's headers are kept with it (its class, its id, what is passed on), through
+    // the queue too: up to the connection's 64 KiB head each, counted with its body.
+    let header_bytes: usize = headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len())
+        .sum();
+    let with_headers = held.bytes() + header_bytes;
+    if !router.bodies.cover(&mut held, with_headers) {
+        return Err(ApiError::bodies_over_budget(router.bodies.bytes()));
+    }
     match complete(router, &headers, api_key, body.clone(), held, chat).await {
         // A completions prompt list: one request per prompt, answers merged.
         Err(e) if e.code == Some(openai::PROMPT_BATCH) && !chat => {

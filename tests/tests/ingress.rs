@@ -1812,3 +1812,34 @@ async fn explain_picks_no_worker_sitting_out() {
         r.body
     );
 }
+
+/// A request's headers count in `--body-memory-bytes` with its body: they are kept with it
+/// (through the queue too), up to 64 KiB a request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_s_headers_count_in_the_memory_budget() {
+    let f = faulty_worker(&[], serde_json::json!({"first_chunk_delay_ms": 8000})).await;
+    let body = completion(MODEL, "hi", 8, true);
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nx-padding: {}\r\ncontent-length: {}\r\n\r\n",
+        "p".repeat(40_000),
+        body.len()
+    );
+    let mut s = TcpStream::connect(f.url().trim_start_matches("http://"))
+        .await
+        .unwrap();
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(body.as_bytes()).await.unwrap();
+    assert!(
+        f.until(Duration::from_secs(5), || async {
+            f.open_bookings(0).await.unwrap_or(0) == 1
+        })
+        .await
+    );
+    let held = gauge(
+        &f.scrape().await.unwrap(),
+        "kvroute_request_body_bytes_held",
+    );
+    assert!(held >= 40_000.0, "{held} bytes held for 40 KB of headers");
+    drop(s);
+    assert!(bodies_held(&f, |bytes| bytes == 0.0).await);
+}
