@@ -701,12 +701,7 @@ async fn a_stream_that_breaks_before_its_first_token_is_retried_elsewhere() {
     }
     let before = failed(&f.scrape().await.unwrap());
     let waiting = send_raw(&f.url(), &request(0, 9, true)).await.unwrap();
-    assert!(
-        f.until(Duration::from_secs(5), || async {
-            f.open_bookings(0).await.unwrap_or(0) == 1
-        })
-        .await
-    );
+    assert!(one_booking_open(&f).await);
     drop(waiting);
     assert!(
         f.until(Duration::from_secs(5), || all_bookings_closed(&f))
@@ -908,19 +903,11 @@ async fn comments_before_the_first_token_wait_for_no_budget() {
     let mut s = send_raw(&f.url(), &completion(MODEL, &prompt(7), 8, true))
         .await
         .unwrap();
-    assert!(
-        f.until(Duration::from_secs(5), || async {
-            f.open_bookings(0).await.unwrap_or(0) == 1
-        })
-        .await
-    );
+    assert!(one_booking_open(&f).await);
     // Two uploads take the rest of the budget, to the last grain: the stream's own body is
     // held until its first token (it may be tried on another worker before). Each sends
     // all but the last byte of what it announces (its buffer grows to that length).
-    let stream_body = gauge(
-        &f.scrape().await.unwrap(),
-        "kvroute_request_body_bytes_held",
-    ) as usize;
+    let stream_body = body_bytes_held(&f).await as usize;
     let mut held = Vec::new();
     for length in [512 << 10, (512 << 10) - stream_body] {
         held.push(start_upload(&f, length, &vec![b' '; length - 1]).await);
@@ -928,10 +915,7 @@ async fn comments_before_the_first_token_wait_for_no_budget() {
     assert!(
         bodies_held(&f, |bytes| bytes >= f64::from(1u32 << 20)).await,
         "the uploads never filled the budget: {}",
-        gauge(
-            &f.scrape().await.unwrap(),
-            "kvroute_request_body_bytes_held"
-        )
+        body_bytes_held(&f).await
     );
     // Full for more than the idle timeout, with comments arriving all along.
     tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -1364,6 +1348,22 @@ async fn start_upload(f: &Fleet, length: usize, first: &[u8]) -> TcpStream {
     s
 }
 
+/// Whether the router comes to hold exactly one booking (a request taken by the worker).
+async fn one_booking_open(f: &Fleet) -> bool {
+    f.until(Duration::from_secs(5), || async {
+        f.open_bookings(0).await.unwrap_or(0) == 1
+    })
+    .await
+}
+
+/// The router's `kvroute_request_body_bytes_held` now.
+async fn body_bytes_held(f: &Fleet) -> f64 {
+    gauge(
+        &f.scrape().await.unwrap(),
+        "kvroute_request_body_bytes_held",
+    )
+}
+
 /// Whether the router's `kvroute_request_body_bytes_held` comes to satisfy `check`.
 async fn bodies_held(f: &Fleet, check: impl Fn(f64) -> bool) -> bool {
     f.until(Duration::from_secs(20), || async {
@@ -1734,17 +1734,9 @@ async fn a_kvroute_worker_s_generate_body_counts_in_the_memory_budget() {
     let f = faulty_worker(&[], serde_json::json!({"first_chunk_delay_ms": 8000})).await;
     let body = completion(MODEL, &"w ".repeat(2_000), 8, true);
     let mut s = send_raw(&f.url(), &body).await.unwrap();
-    assert!(
-        f.until(Duration::from_secs(5), || async {
-            f.open_bookings(0).await.unwrap_or(0) == 1
-        })
-        .await
-    );
+    assert!(one_booking_open(&f).await);
     // 4,000 tokens of "119,32," against a 4 KB body.
-    let held = gauge(
-        &f.scrape().await.unwrap(),
-        "kvroute_request_body_bytes_held",
-    );
+    let held = body_bytes_held(&f).await;
     assert!(
         held >= 2.5 * body.len() as f64,
         "{held} bytes held for a body of {}",
@@ -1829,16 +1821,8 @@ async fn a_request_s_headers_count_in_the_memory_budget() {
         .unwrap();
     s.write_all(head.as_bytes()).await.unwrap();
     s.write_all(body.as_bytes()).await.unwrap();
-    assert!(
-        f.until(Duration::from_secs(5), || async {
-            f.open_bookings(0).await.unwrap_or(0) == 1
-        })
-        .await
-    );
-    let held = gauge(
-        &f.scrape().await.unwrap(),
-        "kvroute_request_body_bytes_held",
-    );
+    assert!(one_booking_open(&f).await);
+    let held = body_bytes_held(&f).await;
     assert!(held >= 40_000.0, "{held} bytes held for 40 KB of headers");
     drop(s);
     assert!(bodies_held(&f, |bytes| bytes == 0.0).await);
