@@ -152,7 +152,11 @@ async fn serve_direct(
             },
             health_every: Duration::from_secs(2),
             health_failures: 2,
-            limits: Default::default(),
+            limits: kvroute::engines::ingest::IngestLimits {
+                max_blocks: std::num::NonZeroUsize::new(b.max_blocks)
+                    .context("backend max_blocks 0")?,
+                ..Default::default()
+            },
             engine_api_key: settings.ingress.engine_api_key.clone(),
         };
         let learned = match config.events {

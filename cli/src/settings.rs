@@ -327,7 +327,7 @@ pub struct ServeFlags {
     #[arg(long, env = "KVROUTE_LOG_FORMAT")]
     pub log_format: Option<LogFormat>,
     /// Direct mode, no NATS: route to this engine (vLLM, SGLang, any OpenAI server).
-    /// `URL[,events=ZMQ_ENDPOINT[,replay=ZMQ_ENDPOINT][,topic=T][,offload_chunk=K]][,model=M][,block_size=B][,dp=N]`;
+    /// `URL[,events=ZMQ_ENDPOINT[,replay=ZMQ_ENDPOINT][,topic=T][,offload_chunk=K][,max_blocks=N]][,model=M][,block_size=B][,dp=N]`;
     /// repeat for each engine. With `events` the router follows the engine's KV events
     /// itself; without, it routes on load and its own in-flight requests.
     #[arg(long = "backend", env = "KVROUTE_BACKENDS", value_delimiter = ';')]
@@ -404,6 +404,9 @@ pub struct Backend {
     /// GPU blocks per chunk of its CPU offload, when its events name a chunk by its last
     /// block only (vLLM's `blocks_per_chunk` without `self_describing_kv_events`).
     pub offload_chunk: usize,
+    /// Most blocks the router's mirror of each of its ranks holds (past it, what the
+    /// engine stores is not indexed).
+    pub max_blocks: usize,
 }
 
 /// Parses one `--backend` value.
@@ -427,6 +430,7 @@ pub fn parse_backend(spec: &str) -> anyhow::Result<Backend> {
         block_size: 16,
         dp: 1,
         offload_chunk: 1,
+        max_blocks: kvroute::engines::mirror::DEFAULT_MAX_BLOCKS,
     };
     for part in parts {
         let (key, value) = part
@@ -453,8 +457,9 @@ pub fn parse_backend(spec: &str) -> anyhow::Result<Backend> {
             "block_size" => b.block_size = count(key, value, 4096)?,
             "dp" => b.dp = count(key, value, 1024)? as u32,
             "offload_chunk" => b.offload_chunk = count(key, value, 4096)?,
+            "max_blocks" => b.max_blocks = count(key, value, 1 << 32)?,
             other => bail!(
-                "--backend {spec:?}: unknown key {other:?} (events, replay, topic, model, block_size, dp, offload_chunk)"
+                "--backend {spec:?}: unknown key {other:?} (events, replay, topic, model, block_size, dp, offload_chunk, max_blocks)"
             ),
         }
     }
@@ -463,6 +468,9 @@ pub fn parse_backend(spec: &str) -> anyhow::Result<Backend> {
     }
     if b.offload_chunk > 1 && b.events.is_none() {
         bail!("--backend {spec:?}: offload_chunk= needs events=");
+    }
+    if b.max_blocks != kvroute::engines::mirror::DEFAULT_MAX_BLOCKS && b.events.is_none() {
+        bail!("--backend {spec:?}: max_blocks= needs events=");
     }
     if let Some(model) = &b.model
         && !kvroute::discovery::model_name_ok(model)
@@ -956,9 +964,17 @@ mod tests {
         assert_eq!(ok.offload_chunk, 1);
         let chunked = parse_backend("http://e:8000,events=tcp://e:5557,offload_chunk=4").unwrap();
         assert_eq!(chunked.offload_chunk, 4);
+        assert_eq!(
+            chunked.max_blocks,
+            kvroute::engines::mirror::DEFAULT_MAX_BLOCKS
+        );
+        let capped = parse_backend("http://e:8000,events=tcp://e:5557,max_blocks=1000").unwrap();
+        assert_eq!(capped.max_blocks, 1000);
         for bad in [
             "http://e:8000,offload_chunk=0",
             "http://e:8000,offload_chunk=4",
+            "http://e:8000,max_blocks=1000",
+            "http://e:8000,events=tcp://e:5557,max_blocks=0",
             "https://e:8000",
             "http://e:8000,model=my model",
             "http://e:8000,events=tcp://e:65535,dp=2",

@@ -69,6 +69,10 @@ pub struct IngestLimits {
     /// not all at its end (a reconnect to a busy engine whose buffer holds 10,000 batches of
     /// long prefills made millions of them, held in one list until the replay ended).
     pub replay_flush_changes: usize,
+    /// Most blocks the engine's mirror holds ([`EngineMirror::with_max_blocks`]): what an
+    /// engine stores past it is not indexed (counted in `capped`), so that an engine that
+    /// never removes cannot grow the process without end.
+    pub max_blocks: NonZeroUsize,
 }
 
 impl Default for IngestLimits {
@@ -81,6 +85,8 @@ impl Default for IngestLimits {
             idle: Duration::from_secs(30),
             max_backoff: Duration::from_secs(5),
             replay_flush_changes: 1 << 16,
+            max_blocks: NonZeroUsize::new(super::mirror::DEFAULT_MAX_BLOCKS)
+                .expect("invariant: a positive constant"),
         }
     }
 }
@@ -134,7 +140,9 @@ pub async fn run(
 ) {
     let mut ingest = Ingest {
         resting: Resting::default(),
-        mirror: EngineMirror::new(block_size).with_offload_chunk(offload_chunk),
+        mirror: EngineMirror::new(block_size)
+            .with_offload_chunk(offload_chunk)
+            .with_max_blocks(limits.max_blocks),
         seq: SeqTracker::default(),
         replayed_from: None,
         publisher: None,
@@ -424,6 +432,9 @@ impl Ingest {
                     })
                 {
                     tracing::warn!(endpoint = %self.endpoint.events, kind = %tag, "engine events of a kind kvroute does not know; skipped (counted in unknown_events)");
+                }
+                if before.capped == 0 && self.mirror.stats().capped > 0 {
+                    tracing::warn!(endpoint = %self.endpoint.events, blocks = self.mirror.len(), "the engine's mirror is full: blocks it stores from now on are not indexed until it removes some (counted in capped; raise the mirror's max_blocks if the engine really holds this many)");
                 }
                 self.stats.engine_rank = batch.dp_rank.or(self.stats.engine_rank);
             }

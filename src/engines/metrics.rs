@@ -60,6 +60,9 @@ pub struct EventFaults {
     /// drops the engine's blocks until they are stored again).
     #[serde(default)]
     pub malformed_events: u64,
+    /// Blocks not indexed because the mirror of a rank was full (its `max_blocks`).
+    #[serde(default)]
+    pub capped_blocks: u64,
 }
 
 /// What one scrape found.

@@ -20,6 +20,12 @@ use crate::protocol::{
 /// evicted it) still resolves.
 const GHOSTS: usize = 1 << 16;
 
+/// Most blocks one mirror holds by default ([`EngineMirror::with_max_blocks`]). A mirror
+/// entry costs about 100 B with its map's share, so this is under 1 GiB per engine rank, and
+/// above what engines hold: an H200's 140 GB in blocks of 16 tokens of a 0.5 B-parameter
+/// model (12 KiB a token) is about 700 k blocks, and a CPU offload tier of 1 TiB about 5.6 M.
+pub const DEFAULT_MAX_BLOCKS: usize = 8 << 20;
+
 /// How SGLang tags a request's cache salt among an event's extra keys (the prefix is
 /// NVIDIA Dynamo's, whose router strips it; SGLang's `CACHE_SALT_EXTRA_KEY_PREFIX`).
 const TAGGED_SALT: &str = "dynamo-cache-salt:";
@@ -80,6 +86,10 @@ pub struct MirrorStats {
     /// Events that did not decode. A store's is skipped; any other's drops every block the
     /// mirror held (what it removed cannot be told).
     pub malformed_events: u64,
+    /// Blocks not held because the mirror was full ([`EngineMirror::with_max_blocks`]): an
+    /// engine that stores without end, or whose removals are lost, is not followed past
+    /// it. They are not indexed; their removals count as `unresolved`.
+    pub capped: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -103,6 +113,8 @@ const TIERS: [Tier; 4] = Tier::ALL;
 pub struct EngineMirror {
     block_size: NonZeroUsize,
     blocks: FxHashMap<EngineHash, Entry>,
+    /// Most entries in `blocks`, and most chunks in `chunks`.
+    max_blocks: usize,
     /// Released entries, oldest first, kept for token-less stores (bounded by [`GHOSTS`]).
     ghosts: FxHashMap<EngineHash, Entry>,
     ghost_order: VecDeque<EngineHash>,
@@ -130,6 +142,7 @@ impl EngineMirror {
         EngineMirror {
             block_size,
             blocks: FxHashMap::default(),
+            max_blocks: DEFAULT_MAX_BLOCKS,
             ghosts: FxHashMap::default(),
             ghost_order: VecDeque::new(),
             groups: [None; MAX_GROUP as usize + 1],
@@ -153,6 +166,16 @@ impl EngineMirror {
     /// engine would compute.
     pub fn with_offload_chunk(mut self, blocks: NonZeroUsize) -> Self {
         self.offload_chunk = blocks.get();
+        self
+    }
+
+    /// Holds at most `blocks` blocks (default [`DEFAULT_MAX_BLOCKS`]): a store of a block
+    /// the mirror does not hold, while it holds that many, is refused and counted in
+    /// [`MirrorStats::capped`], and so is a host chunk past as many chunks. What the
+    /// mirror hands out stays exact for what it holds (a refused block is never announced,
+    /// its children are orphans), and its memory stays bounded whatever the engine sends.
+    pub fn with_max_blocks(mut self, blocks: NonZeroUsize) -> Self {
+        self.max_blocks = blocks.get();
         self
     }
 
@@ -307,7 +330,9 @@ impl EngineMirror {
                     continue;
                 }
                 match self.lookup(*h) {
-                    Some(e) => self.hold(*h, e, tier, out),
+                    Some(e) => {
+                        self.hold(*h, e, tier, out);
+                    }
                     None => self.stats.unresolved += 1,
                 }
             }
@@ -338,8 +363,8 @@ impl EngineMirror {
         {
             if let Some(known) = self.lookup(*h) {
                 // Named before (another tier, or stored twice): the same block.
-                self.hold(*h, known, tier, out);
-                parent = Some(Some(known.block.seq));
+                let held = self.hold(*h, known, tier, out);
+                parent = held.then_some(Some(known.block.seq));
                 continue;
             }
             let Some(up) = parent else {
@@ -382,8 +407,10 @@ impl EngineMirror {
                 },
                 refs: [0; 4],
             };
-            self.hold(*h, entry, tier, out);
-            parent = Some(Some(seq));
+            // A block refused for room makes its children orphans: none is announced
+            // without its parent.
+            let held = self.hold(*h, entry, tier, out);
+            parent = held.then_some(Some(seq));
         }
     }
 
@@ -392,7 +419,18 @@ impl EngineMirror {
         self.blocks.get(&h).or_else(|| self.ghosts.get(&h)).copied()
     }
 
-    fn hold(&mut self, h: EngineHash, entry: Entry, tier: Tier, out: &mut Vec<BlockChange>) {
+    /// Holds `h` once more in `tier`; false if refused for room (counted in `capped`).
+    fn hold(
+        &mut self,
+        h: EngineHash,
+        entry: Entry,
+        tier: Tier,
+        out: &mut Vec<BlockChange>,
+    ) -> bool {
+        if self.blocks.len() >= self.max_blocks && !self.blocks.contains_key(&h) {
+            self.stats.capped += 1;
+            return false;
+        }
         let e = self.blocks.entry(h).or_insert(entry);
         if e.block != entry.block {
             // The engine reused a hash for other content: the old block is gone.
@@ -423,37 +461,49 @@ impl EngineMirror {
                 block: e.block,
             });
         }
+        true
     }
 
     /// Holds on the host the chunk named by `last` (its last block): that block and the
     /// `offload_chunk - 1` before it, as far as the mirror knows them.
     fn hold_chunk(&mut self, last: EngineHash, out: &mut Vec<BlockChange>) {
-        let members = match self.chunks.get_mut(&last) {
-            Some((members, stores)) => {
-                *stores = stores.saturating_add(1);
-                members.clone()
-            }
-            None => {
-                let mut members = Vec::with_capacity(self.offload_chunk);
-                let mut at = Some(last);
-                while let Some(h) = at.filter(|_| members.len() < self.offload_chunk) {
-                    let Some(e) = self.lookup(h) else { break };
-                    members.push(h);
-                    at = e.engine_parent;
+        if let Some((members, stores)) = self.chunks.get_mut(&last) {
+            // Its blocks are held by its first store: holding them again needs no room.
+            *stores = stores.saturating_add(1);
+            for h in members.clone().into_iter().rev() {
+                if let Some(e) = self.lookup(h) {
+                    self.hold(h, e, Tier::Host, out);
                 }
-                if members.is_empty() {
-                    self.stats.unresolved += 1;
-                    return;
-                }
-                self.chunks.insert(last, (members.clone(), 1));
-                members
             }
-        };
-        // Root first, so that each block's parent is announced before it.
-        for h in members.into_iter().rev() {
-            if let Some(e) = self.lookup(h) {
-                self.hold(h, e, Tier::Host, out);
+            return;
+        }
+        let mut members = Vec::with_capacity(self.offload_chunk);
+        let mut at = Some(last);
+        while let Some(h) = at.filter(|_| members.len() < self.offload_chunk) {
+            let Some(e) = self.lookup(h) else { break };
+            members.push((h, e));
+            at = e.engine_parent;
+        }
+        if members.is_empty() {
+            self.stats.unresolved += 1;
+            return;
+        }
+        if self.chunks.len() >= self.max_blocks {
+            self.stats.capped += members.len() as u64;
+            return;
+        }
+        // Root first, so that each block's parent is announced before it; none after one
+        // refused for room. The chunk keeps the blocks it holds, and its removal lets go of
+        // those only.
+        let mut held = Vec::with_capacity(members.len());
+        for (h, e) in members.into_iter().rev() {
+            if !self.hold(h, e, Tier::Host, out) {
+                break;
             }
+            held.push(h);
+        }
+        if !held.is_empty() {
+            self.chunks.insert(last, (held, 1));
         }
     }
 

@@ -980,6 +980,46 @@ async fn an_engine_block_size_unlike_the_configured_one_is_shown() {
     assert_eq!(index.body, r#"{"ranks":[]}"#);
 }
 
+/// A mirror capped at 4 blocks (`max_blocks=4`) indexes at most 4 of an engine's blocks in
+/// each tier and says how many it refused, while the engine itself holds many more (the
+/// control: the cap is what binds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capped_engine_mirror_indexes_no_more_than_its_cap() {
+    let http = Http::default();
+    let e = engine("vllm");
+    let backend = format!("{},max_blocks=4", e.backend());
+    let (_router, url, admin) = direct_router(&[backend], &[]).unwrap();
+    wait_routable(&http, &url).await;
+    conversations(&http, &url, 2, 2).await;
+    let w = first_worker_once(&http, &admin, |w| {
+        w["engine_event_faults"]["capped_blocks"]
+            .as_u64()
+            .unwrap_or(0)
+            > 0
+    })
+    .await;
+    let engine_blocks: u64 = cache(&http, &e)
+        .await
+        .unwrap()
+        .iter()
+        .filter(|((_, tier), _)| tier == "Device")
+        .map(|(_, (blocks, _))| *blocks)
+        .sum();
+    assert!(engine_blocks > 4, "the engine holds {engine_blocks}");
+    let index = http
+        .call("GET", &format!("{admin}/admin/index"), "")
+        .await
+        .unwrap();
+    let index: serde_json::Value = serde_json::from_str(&index.body).unwrap();
+    let rows = rows(&index["ranks"], None);
+    assert!(!rows.is_empty(), "{index}");
+    for tiers in rows.values() {
+        for ((_, tier), (blocks, _)) in tiers {
+            assert!(*blocks <= 4, "{tier}: {blocks} indexed ({w})");
+        }
+    }
+}
+
 /// A response body of fixed frames, then its end or (`hang`) nothing more, ever.
 struct Frames {
     frames: std::collections::VecDeque<bytes::Bytes>,

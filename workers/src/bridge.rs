@@ -437,6 +437,7 @@ fn event_faults(ranks: &[IngestStats]) -> metrics::EventFaults {
         f.unnamed_lora_blocks += r.mirror.unnamed_lora;
         f.unknown_events += r.mirror.unknown_events;
         f.malformed_events += r.mirror.malformed_events;
+        f.capped_blocks += r.mirror.capped;
     }
     f
 }

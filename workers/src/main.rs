@@ -172,6 +172,11 @@ struct Args {
     /// registration).
     #[arg(long, env = "KVROUTE_ENGINE_HEALTH_MS", default_value_t = 2_000)]
     engine_health_ms: u64,
+    /// Sidecar: most blocks the mirror of each engine rank holds (about 100 B each); what
+    /// the engine stores past it is not indexed (`kvroute_engine_blocks_not_indexed_total`
+    /// reason `capped`) until it removes some.
+    #[arg(long, env = "KVROUTE_ENGINE_MAX_BLOCKS", default_value_t = kvroute::engines::mirror::DEFAULT_MAX_BLOCKS as u64, value_parser = clap::value_parser!(u64).range(1..=(1 << 32)))]
+    engine_max_blocks: u64,
     /// Be a test engine instead: the simulated engine, speaking `vllm`, `vllm-legacy` or
     /// `sglang` wire formats (KV events on ZMQ, no NATS, no registration).
     #[arg(long, env = "KVROUTE_EMULATE", conflicts_with = "engine")]
@@ -502,7 +507,11 @@ async fn sidecar(
         lease: lease.clone(),
         health_every: Duration::from_millis(args.engine_health_ms.max(100)),
         health_failures: 2,
-        limits: Default::default(),
+        limits: kvroute::engines::ingest::IngestLimits {
+            max_blocks: std::num::NonZeroUsize::new(args.engine_max_blocks as usize)
+                .context("--engine-max-blocks 0")?,
+            ..Default::default()
+        },
         engine_api_key: args.engine_api_key.clone(),
     };
     // Its own series and those of the bridge, on --host:--port (bound before NATS, so a

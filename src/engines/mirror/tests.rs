@@ -586,3 +586,118 @@ fn offload_chunks_stored_twice_need_two_removals_and_a_clear_forgets_them() {
     assert!(apply(&mut m, vec![removed(&[13], Medium::Cpu)]).is_empty());
     assert_eq!(m.stats().unresolved, before + 1);
 }
+
+/// An engine that stores without end (or whose removals are lost) fills a capped mirror to
+/// its cap and no further: a new block past it is refused and counted, its children are
+/// orphans (never announced without it), and a removal makes room again. Control: the same
+/// events without the cap hold every block.
+#[test]
+fn a_full_mirror_refuses_new_blocks_and_stays_exact() {
+    let toks = tokens(4 * BS);
+    let want = hash_blocks(&toks, bs(), Salt::NONE);
+    let capped = || EngineMirror::new(bs()).with_max_blocks(NonZeroUsize::new(2).unwrap());
+    let events = || vec![stored(&[10, 11, 12, 13], None, &toks, Medium::Gpu)];
+
+    let mut m = capped();
+    let out = apply(&mut m, events());
+    let seqs: Vec<SeqHash> = out
+        .iter()
+        .map(|c| match c {
+            BlockChange::Stored { block, .. } => block.seq,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        seqs,
+        [want[0].seq, want[1].seq],
+        "a prefix, nothing past it"
+    );
+    assert_eq!(m.len(), 2);
+    assert_eq!((m.stats().capped, m.stats().orphans), (1, 1));
+    // Held blocks are still followed: a second tier of a held block needs no room.
+    assert_eq!(
+        apply(&mut m, vec![stored(&[11], None, &[], Medium::Cpu)]).len(),
+        1
+    );
+    // Many more stores change nothing.
+    for i in 0..1_000u64 {
+        let other: Vec<u32> = (0..BS as u32).map(|t| t + 1_000 * (i as u32 + 1)).collect();
+        assert!(apply(&mut m, vec![stored(&[100 + i], None, &other, Medium::Gpu)]).is_empty());
+    }
+    assert_eq!(m.len(), 2);
+    assert_eq!(m.stats().capped, 1_001);
+    // A removal makes room for the block refused before.
+    apply(
+        &mut m,
+        vec![removed(&[11], Medium::Cpu), removed(&[11], Medium::Gpu)],
+    );
+    assert_eq!(m.len(), 1);
+    let out = apply(
+        &mut m,
+        vec![stored(&[11], Some(10), &toks[BS..2 * BS], Medium::Gpu)],
+    );
+    assert_eq!(out.len(), 1);
+    assert_eq!(m.len(), 2);
+
+    let mut control = EngineMirror::new(bs());
+    assert_eq!(apply(&mut control, events()).len(), 4);
+    assert_eq!(control.stats().capped, 0);
+}
+
+/// Host chunks count against the cap too, and a chunk keeps only the blocks it could hold:
+/// its removal lets go of those alone.
+#[test]
+fn a_full_mirror_refuses_new_offload_chunks() {
+    let toks = tokens(2 * BS);
+    let chunked = |max: usize| {
+        EngineMirror::new(bs())
+            .with_offload_chunk(NonZeroUsize::new(2).unwrap())
+            .with_max_blocks(NonZeroUsize::new(max).unwrap())
+    };
+    // Block 10 is evicted from the GPU (remembered for token-less stores), then 20 fills
+    // the mirror: chunk 10 cannot be held, and chunk 20 is held.
+    let events = vec![
+        stored(&[10], None, &toks[..BS], Medium::Gpu),
+        removed(&[10], Medium::Gpu),
+        stored(&[20], None, &toks[BS..], Medium::Gpu),
+    ];
+    let mut m = chunked(1);
+    apply(&mut m, events.clone());
+    let (host, _) = host_changes(&apply(
+        &mut m,
+        vec![stored(&[10, 20], None, &[], Medium::Cpu)],
+    ));
+    assert_eq!(host.len(), 1, "chunk 20 only");
+    assert_eq!(m.stats().capped, 1);
+    // Chunk 10 was not kept: a second store of it is refused again, its removal finds
+    // nothing, and chunk 20's removal lets its block go.
+    apply(&mut m, vec![stored(&[10], None, &[], Medium::Cpu)]);
+    assert_eq!(m.stats().capped, 2);
+    assert!(apply(&mut m, vec![removed(&[10], Medium::Cpu)]).is_empty());
+    let (_, gone) = host_changes(&apply(&mut m, vec![removed(&[20], Medium::Cpu)]));
+    assert_eq!(gone.len(), 1);
+    // One chunk past as many chunks as blocks is refused whole.
+    // (20 is remembered, 10 is held on the host by its chunk.)
+    let mut m = chunked(1);
+    apply(
+        &mut m,
+        vec![
+            stored(&[20], None, &toks[BS..], Medium::Gpu),
+            removed(&[20], Medium::Gpu),
+            stored(&[10], None, &toks[..BS], Medium::Gpu),
+            stored(&[10], None, &[], Medium::Cpu),
+            removed(&[10], Medium::Gpu),
+        ],
+    );
+    assert_eq!(m.stats().capped, 0);
+    assert!(apply(&mut m, vec![stored(&[20], None, &[], Medium::Cpu)]).is_empty());
+    assert_eq!(m.stats().capped, 1);
+    // Control: without the cap both chunks are held.
+    let mut control = chunked(1 << 20);
+    apply(&mut control, events);
+    let (host, _) = host_changes(&apply(
+        &mut control,
+        vec![stored(&[10, 20], None, &[], Medium::Cpu)],
+    ));
+    assert_eq!(host.len(), 2);
+}

@@ -132,7 +132,7 @@ impl Telemetry {
         }
         const NOT_INDEXED: &str = "kvroute_engine_blocks_not_indexed_total";
         const SKIPPED: &str = "kvroute_engine_events_skipped_total";
-        let by_reason: [(&'static str, Figure); 8] = [
+        let by_reason: [(&'static str, Figure); 9] = [
             (
                 NOT_INDEXED,
                 ("block_size", |s| s.mirror.block_size_mismatch),
@@ -142,6 +142,7 @@ impl Telemetry {
             (NOT_INDEXED, ("unresolved", |s| s.mirror.unresolved)),
             (NOT_INDEXED, ("other_group", |s| s.mirror.other_groups)),
             (NOT_INDEXED, ("unnamed_lora", |s| s.mirror.unnamed_lora)),
+            (NOT_INDEXED, ("capped", |s| s.mirror.capped)),
             (SKIPPED, ("unknown_kind", |s| s.mirror.unknown_events)),
             (SKIPPED, ("malformed", |s| s.mirror.malformed_events)),
         ];
