@@ -236,6 +236,14 @@ impl Tokenizer {
         };
         let mut tokenizer =
             tokenizers::Tokenizer::from_file(path).map_err(|e| err(e.to_string()))?;
+        // The file's own truncation and padding are not the engines': transformers turns
+        // both off for every call that does not ask for them (`set_truncation_and_padding`
+        // in `tokenization_utils_fast.py`), so vLLM and SGLang see whole, unpadded prompts.
+        // Some repacks ship `"truncation": {"max_length": 2048}`, which cut every prompt.
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| err(e.to_string()))?;
+        tokenizer.with_padding(None);
         let config_path = path.with_file_name("tokenizer_config.json");
         let raw: serde_json::Value = match std::fs::read_to_string(&config_path) {
             Ok(text) => serde_json::from_str(&text)
@@ -469,20 +477,17 @@ impl Tokenizer {
                 let encoding = match keep {
                     None => tokenizer.encode(text, add_special_tokens).map_err(failed)?,
                     Some(keep) => {
-                        let mut text_only = tokenizer.encode(text, false).map_err(failed)?;
+                        let text_only = tokenizer.encode(text, false).map_err(failed)?;
                         let added = match tokenizer.get_post_processor() {
                             Some(p) if add_special_tokens => {
                                 tokenizers::PostProcessor::added_tokens(p, false)
                             }
                             _ => 0,
                         };
-                        text_only.truncate(
-                            keep.saturating_sub(added),
-                            0,
-                            tokenizers::TruncationDirection::Left,
-                        );
+                        let kept = last_tokens(&text_only, keep.saturating_sub(added));
+                        drop(text_only);
                         tokenizer
-                            .post_process(text_only, None, add_special_tokens)
+                            .post_process(kept, None, add_special_tokens)
                             .map_err(failed)?
                     }
                 };
@@ -955,6 +960,25 @@ fn civil_from_days(days: u64) -> (u64, u64, u64) {
     (year, month, day)
 }
 
+/// The last `n` tokens of `e`, as `Encoding::truncate(n, 0, Left)` keeps them but without
+/// its overflowing pieces: it makes one encoding of every window of `n` tokens it drops
+/// (and post-processing copies them twice more), so a 4 M-token text cut to its last two
+/// took gigabytes.
+fn last_tokens(e: &tokenizers::Encoding, n: usize) -> tokenizers::Encoding {
+    let cut = e.len().saturating_sub(n);
+    tokenizers::Encoding::new(
+        e.get_ids()[cut..].to_vec(),
+        e.get_type_ids()[cut..].to_vec(),
+        e.get_tokens()[cut..].to_vec(),
+        e.get_word_ids()[cut..].to_vec(),
+        e.get_offsets()[cut..].to_vec(),
+        e.get_special_tokens_mask()[cut..].to_vec(),
+        e.get_attention_mask()[cut..].to_vec(),
+        Vec::new(),
+        Default::default(),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -986,6 +1010,31 @@ mod tests {
         };
         std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
         path
+    }
+
+    /// A `tokenizer.json` that carries its own truncation and padding is read as
+    /// transformers reads it for the engines: neither applies (control: the file's
+    /// settings do cut and pad when the tokenizers crate is used as the file says).
+    #[test]
+    fn the_file_s_truncation_and_padding_do_not_apply() {
+        let dir = std::env::temp_dir().join(format!("kvroute-tok-trunc-{}", std::process::id()));
+        let path = write_tokenizer(&dir, false);
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        json["truncation"] = serde_json::json!({"direction": "Right", "max_length": 3, "strategy": "LongestFirst", "stride": 0});
+        json["padding"] = serde_json::json!({"strategy": {"Fixed": 8}, "direction": "Right", "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "[UNK]"});
+        std::fs::write(&path, json.to_string()).unwrap();
+        let text = "hello world world hello";
+        let control = tokenizers::Tokenizer::from_file(&path).unwrap();
+        assert_eq!(
+            control.encode(text, true).unwrap().get_ids(),
+            [6, 1, 2, 0, 0, 0, 0, 0]
+        );
+        let t = Tokenizer::load(&path).unwrap();
+        assert_eq!(t.encode(text, true).unwrap(), [6, 1, 2, 2, 1]);
+        assert_eq!(t.encode("hello", true).unwrap(), [6, 1]);
+        assert_eq!(t.encode_within(text, true, Some(4)).unwrap(), [6, 2, 2, 1]);
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     /// `truncate_prompt_tokens` cuts as Hugging Face's tokenizers cut for vLLM: the text's
