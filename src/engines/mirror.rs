@@ -572,7 +572,7 @@ fn mix(local: LocalHash, key: &ExtraKey) -> LocalHash {
     let mut bytes = local.0.to_le_bytes().to_vec();
     match key {
         ExtraKey::Str(s) => bytes.extend_from_slice(s.as_bytes()),
-        ExtraKey::Other(b) => bytes.extend_from_slice(b),
+        ExtraKey::Other(digest) => bytes.extend_from_slice(&digest.to_le_bytes()),
     }
     LocalHash(xxh3_64_with_seed(&bytes, HASH_SEED))
 }

@@ -32,6 +32,11 @@ const MAX_DEPTH: usize = 16;
 /// from as little as one byte (a nil, a small int), so this bounds the tree (64 MiB) where
 /// the payload limit alone allowed 512 MiB. A 128 k-token prefill is about 140 k values.
 pub const MAX_VALUES: usize = 1 << 21;
+/// Most events one batch may hold (a batch is one engine step's: a few per request in
+/// it). With [`MAX_VALUES`] alone, 2 M nils (2 MB) decoded into 2 M events of 200 B and an
+/// error message each, 0.5 GB; a batch is now refused past this, and an event costs 64 B
+/// (a store is boxed).
+pub const MAX_EVENTS: usize = 1 << 16;
 /// Highest `group_idx` accepted (a hybrid model has a handful of KV-cache groups).
 pub const MAX_GROUP: u32 = 63;
 
@@ -75,9 +80,10 @@ impl Medium {
 pub enum ExtraKey {
     /// A string (vLLM: the LoRA name, or the request's cache salt on a sequence's first block).
     Str(String),
-    /// Anything else (a multimodal `[identifier, offset]`, a prompt-embeds digest), re-encoded
-    /// as msgpack so that equal keys give equal bytes.
-    Other(Vec<u8>),
+    /// Anything else (a multimodal `[identifier, offset]`, a prompt-embeds digest), by a
+    /// 64-bit digest of its msgpack encoding, so that equal keys are equal (a key of its own
+    /// would cost an allocation per value, however small).
+    Other(u64),
 }
 
 impl ExtraKey {
@@ -88,7 +94,7 @@ impl ExtraKey {
                 let mut bytes = Vec::new();
                 rmpv::encode::write_value_ref(&mut bytes, v)
                     .expect("invariant: writing msgpack to a Vec cannot fail");
-                ExtraKey::Other(bytes)
+                ExtraKey::Other(xxhash_rust::xxh3::xxh3_64(&bytes))
             }
         }
     }
@@ -125,8 +131,8 @@ pub struct Stored {
 /// One engine KV event.
 #[derive(Clone, Debug, PartialEq)]
 pub enum EngineEvent {
-    /// Blocks became resident.
-    Stored(Stored),
+    /// Blocks became resident (boxed: the other events are a quarter of its size).
+    Stored(Box<Stored>),
     /// Blocks left a medium.
     Removed {
         /// The engine's hashes.
@@ -219,6 +225,12 @@ pub fn decode_batch(payload: &[u8]) -> Result<EngineBatch, WireError> {
     let Some(ValueRef::Array(list)) = events else {
         return shape("batch events are not an array");
     };
+    if list.len() > MAX_EVENTS {
+        return shape(format!(
+            "batch holds {} events, more than {MAX_EVENTS}",
+            list.len()
+        ));
+    }
     let dp_rank = match rank {
         None | Some(ValueRef::Nil) => None,
         Some(v) => match as_u64(v).and_then(|r| u32::try_from(r).ok()) {
@@ -371,7 +383,7 @@ fn event_tag<'a>(value: &'a ValueRef<'_>) -> Option<&'a str> {
 fn decode_event(value: &ValueRef<'_>) -> Result<EngineEvent, String> {
     let tag = event_tag(value).ok_or("an event is a tagged map or an array with its tag first")?;
     match tag {
-        "BlockStored" => decode_stored(value).map(EngineEvent::Stored),
+        "BlockStored" => decode_stored(value).map(|s| EngineEvent::Stored(Box::new(s))),
         "BlockRemoved" => {
             let f = Fields {
                 value,

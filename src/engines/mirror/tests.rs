@@ -11,7 +11,7 @@ fn bs() -> NonZeroUsize {
 }
 
 fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], medium: Medium) -> EngineEvent {
-    EngineEvent::Stored(Stored {
+    EngineEvent::Stored(Box::new(Stored {
         hashes: hashes.iter().map(|h| EngineHash(*h)).collect(),
         parent: parent.map(EngineHash),
         token_ids: tokens.to_vec(),
@@ -23,7 +23,7 @@ fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], medium: Medium) -
         cache_salt: None,
         group: None,
         spec_kind: None,
-    })
+    }))
 }
 
 fn removed(hashes: &[u64], medium: Medium) -> EngineEvent {
@@ -394,7 +394,7 @@ fn multimodal_keys_make_blocks_no_text_prompt_matches() {
     let mut m = EngineMirror::new(bs());
     let mut e = stored(&[1], None, &toks, Medium::Gpu);
     if let EngineEvent::Stored(s) = &mut e {
-        s.extra_keys = vec![vec![ExtraKey::Other(vec![0x92, 0xa3, b'i', b'm', b'g', 0])]];
+        s.extra_keys = vec![vec![ExtraKey::Other(0x92a3)]];
     }
     let out = apply(&mut m, vec![e]);
     let BlockChange::Stored { block, .. } = out[0] else {

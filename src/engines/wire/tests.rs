@@ -531,3 +531,29 @@ fn an_unknown_event_kind_does_not_refuse_its_batch() {
     let b = decode_batch(&encode(&long)).unwrap();
     assert_eq!(b.events, vec![EngineEvent::Other("x".repeat(64))]);
 }
+
+/// A batch of more events than one engine step makes is refused before any is decoded
+/// (2 M nils, 2 MB, decoded into 0.5 GB of malformed events), and an event costs at most
+/// 64 B in the batch (a store is boxed). Control: `MAX_EVENTS` nils decode, each malformed.
+#[test]
+fn a_batch_of_too_many_events_is_refused() {
+    assert!(std::mem::size_of::<EngineEvent>() <= 64);
+    let nils = |n: usize| {
+        let mut payload = vec![0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd];
+        payload.extend((n as u32).to_be_bytes());
+        payload.resize(payload.len() + n, 0xc0);
+        payload
+    };
+    assert!(matches!(
+        decode_batch(&nils(MAX_EVENTS + 1)),
+        Err(WireError::Shape(reason)) if reason.contains("events, more than")
+    ));
+    let batch = decode_batch(&nils(MAX_EVENTS)).unwrap();
+    assert_eq!(batch.events.len(), MAX_EVENTS);
+    assert!(
+        batch
+            .events
+            .iter()
+            .all(|e| matches!(e, EngineEvent::Malformed { .. }))
+    );
+}
