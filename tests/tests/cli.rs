@@ -320,6 +320,72 @@ fn dry_run_redacts_secrets() {
     assert_eq!(v["ingress"]["api_keys"].as_array().unwrap().len(), 2);
 }
 
+/// The worker prints its NATS URL without the credentials in it.
+#[test]
+fn worker_dry_run_redacts_the_nats_url_s_credentials() {
+    let out = Command::new(binary("kvroute-worker").unwrap())
+        .arg("--dry-run")
+        .env("KVROUTE_NATS", "nats://u:hunter2@n1:4222")
+        .env("KVROUTE_NATS_TOKEN", "tok-123")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !text.contains("hunter2") && !text.contains("tok-123"),
+        "{text}"
+    );
+    assert!(text.contains("n1:4222"), "{text}");
+}
+
+/// A sidecar's settings are checked before it starts, and by `--dry-run`: each of these
+/// left a process that never registered its engine and never exited. Control: the same
+/// command with good values passes.
+#[test]
+fn sidecar_settings_are_checked_at_start() {
+    let good = [
+        "--engine",
+        "vllm",
+        "--engine-url",
+        "http://127.0.0.1:8000",
+        "--kv-events",
+        "tcp://127.0.0.1:5557",
+        "--dry-run",
+    ];
+    let run = |extra: &[&str]| {
+        Command::new(binary("kvroute-worker").unwrap())
+            .args(good)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let ok = run(&[]);
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    for bad in [
+        &["--engine-dp-size", "0"][..],
+        &["--engine-dp-size", "5000"],
+        &["--block-size", "100000"],
+        &["--model", "my model"],
+        &["--device", "cuda:0"],
+        &["--kv-replay", "udp://x"],
+        &[
+            "--kv-events",
+            "tcp://127.0.0.1:65535",
+            "--engine-dp-size",
+            "2",
+        ],
+        &["--engine-url", "https://engine:8000"],
+    ] {
+        let out = run(bad);
+        assert!(!out.status.success(), "{bad:?} accepted");
+        assert!(!out.stderr.is_empty(), "{bad:?}: no reason given");
+    }
+}
+
 /// A router or worker still waiting for NATS at start (it retries without end) stops on
 /// SIGTERM, with status 0: in a container it is PID 1, which ignores SIGTERM unless a handler
 /// is installed, so before the fix the kubelet had to wait for its SIGKILL.

@@ -23,6 +23,11 @@ use kvroute_worker::engine::{MixedStep, TimingModel};
 use kvroute_worker::server::{ServerConfig, Worker, host_name, new_epoch, stable_id, stable_id_of};
 use kvroute_worker::{Device, EngineConfig};
 
+/// NATS URLs as `--dry-run` prints them: credentials in them as `<redacted>`.
+fn redacted_urls<S: serde::Serializer>(urls: &str, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&kvroute::auth::redact_credentials(urls))
+}
+
 /// A kvroute worker: continuous-batching engine (timing model, no model weights), HTTP
 /// generate endpoint, KV events over NATS.
 #[derive(Parser, Debug, serde::Serialize)]
@@ -35,6 +40,7 @@ struct Args {
         default_value = "nats://127.0.0.1:4222",
         hide_env_values = true
     )]
+    #[serde(serialize_with = "redacted_urls")]
     nats: String,
     #[command(flatten)]
     nats_auth: NatsAuth,
@@ -272,6 +278,9 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
     if !(1..=5).contains(&args.registry_replicas) {
         bail!("--registry-replicas must be 1..=5 (JetStream's limit)");
     }
+    if args.engine.is_some() {
+        check_sidecar(&args)?;
+    }
     if args.dry_run {
         println!("{}", serde_json::to_string_pretty(&args)?);
         return Ok(());
@@ -461,6 +470,51 @@ async fn emulation(
     })
 }
 
+/// The sidecar's settings, checked before anything starts (and by `--dry-run`): a value the
+/// bridge would refuse only once the engine answered left a process that never registered
+/// and never exited, its `/health` green.
+fn check_sidecar(args: &Args) -> anyhow::Result<()> {
+    use kvroute_worker::bridge::EngineKind;
+    let url = args
+        .engine_url
+        .as_deref()
+        .context("--engine needs --engine-url")?;
+    if !url.starts_with("http://") || url.parse::<hyper::Uri>().is_err() {
+        bail!("--engine-url {url:?}: the engine's http:// URL");
+    }
+    if args.engine != Some(EngineKind::Openai) && args.kv_events.is_none() {
+        bail!("--engine needs --kv-events (the engine's ZMQ KV-event endpoint)");
+    }
+    if !(1..=1024).contains(&args.engine_dp_size) {
+        bail!("--engine-dp-size must be 1..=1024");
+    }
+    if !(1..=4096).contains(&args.block_size) {
+        bail!("--block-size must be 1..=4096 (the engine's tokens per KV block)");
+    }
+    if let Some(model) = &args.model
+        && !kvroute::discovery::model_name_ok(model)
+    {
+        bail!("--model must be 1..=256 bytes without spaces or control characters");
+    }
+    if args.device != Device::Cpu {
+        bail!("--device is the simulated engine's: a sidecar keeps no KV cache of its own");
+    }
+    if let Some(events) = &args.kv_events {
+        let endpoint = kvroute::engines::ingest::EngineEndpoint {
+            events: events.clone(),
+            replay: args.kv_replay.clone(),
+            topic: args.kv_topic.clone(),
+        };
+        // Every rank's ports exist (each rank publishes on rank 0's ports plus its rank).
+        endpoint
+            .for_rank(args.engine_dp_size - 1)
+            .context("--kv-events, --kv-replay and --engine-dp-size")?;
+    } else if args.kv_replay.is_some() {
+        bail!("--kv-replay needs --kv-events");
+    }
+    Ok(())
+}
+
 /// Runs as a real engine's sidecar until SIGINT or SIGTERM.
 async fn sidecar(
     args: &Args,
@@ -470,17 +524,11 @@ async fn sidecar(
     http: HttpConfig,
     signals: &tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
-    use kvroute_worker::bridge::{BridgeConfig, EngineKind};
-    let engine_url = args
-        .engine_url
-        .clone()
-        .context("--engine needs --engine-url")?;
-    if kind != EngineKind::Openai && args.kv_events.is_none() {
-        bail!("--engine {kind:?} needs --kv-events (the engine's ZMQ KV-event endpoint)");
-    }
+    use kvroute_worker::bridge::BridgeConfig;
+    // Checked by `check_sidecar`.
+    let engine_url = args.engine_url.clone().unwrap_or_default();
     let events = match &args.kv_events {
         Some(e) => {
-            kvroute::engines::zmtp::tcp_address(e)?;
             if args.kv_replay.is_none() {
                 kvroute::engines::ingest::warn_without_replay(&engine_url);
             }
