@@ -55,6 +55,9 @@ pub fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         let (stop, stop_rx) = watch::channel(false);
         // NATS may still be starting (it is retried without end): SIGTERM stops the wait.
         let startup = async {
+            // Bound first: a port taken fails the start at once, not after NATS answers
+            // (which may be never).
+            let listeners = Listeners::bind(&settings).await?;
             let transport =
                 Transport::connect_nats(&settings.nats, "kvroute-router", &settings.nats_auth)
                     .await?;
@@ -79,7 +82,6 @@ pub fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             // Engines without KV events learn from the prompts routed to them: their
             // sidecars hear of each one.
             router.publish_decisions(transport, settings.cluster.clone());
-            let listeners = Listeners::bind(&settings).await?;
             anyhow::Ok((router, listeners))
         };
         let Some(started) = kvroute::process::unless_signalled(&signals, startup).await else {

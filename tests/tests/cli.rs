@@ -439,6 +439,34 @@ async fn sigterm_stops_a_start_up_waiting_for_nats() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A router whose port is taken fails at once, naming it, even while NATS does not answer
+/// (it bound its ports only once NATS had answered, and waited for NATS without end).
+#[tokio::test]
+async fn a_taken_port_fails_the_start_before_nats_answers() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let dir = std::env::temp_dir().join(format!("kvroute-e2e-taken-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("kvroute.log");
+    let args = [
+        "serve".to_string(),
+        "--nats".into(),
+        format!("nats://127.0.0.1:{}", free_port()),
+        "--port".into(),
+        port.to_string(),
+        "--admin-port".into(),
+        free_port().to_string(),
+    ];
+    let mut proc = kvroute_e2e::procs::Proc::start_logged("kvroute", &args, &log).unwrap();
+    let status = proc
+        .wait_timeout(Duration::from_secs(60))
+        .unwrap_or_else(|| panic!("still waiting: {:?}", std::fs::read_to_string(&log)));
+    assert!(!status.success());
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains(&port.to_string()), "{text}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// With every API connection taken (`--max-connections`), the kubelet's probes and
 /// Prometheus's scrapes still get answers on the status listener, which has its own cap;
 /// on the API port they would wait in the accept queue and fail liveness.
