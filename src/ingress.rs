@@ -225,10 +225,21 @@ pub enum IngressConfigError {
         /// Its smallest useful value.
         min: u64,
     },
+    /// A limit above its largest working value.
+    #[error("ingress.{field} must be at most {max}")]
+    TooLarge {
+        /// The field.
+        field: &'static str,
+        /// Its largest working value.
+        max: u64,
+    },
     /// The HTTP server limits.
     #[error(transparent)]
     Http(#[from] crate::http::HttpConfigError),
 }
+
+/// Most `tokenizer_threads` (tokio's blocking pool holds 512 threads).
+pub const MAX_TOKENIZER_THREADS: usize = 512;
 
 impl IngressConfig {
     /// Checks every limit.
@@ -254,6 +265,14 @@ impl IngressConfig {
         ];
         if let Some((field, _, min)) = checks.into_iter().find(|(_, v, min)| v < min) {
             return Err(IngressConfigError::TooSmall { field, min });
+        }
+        // Each permit is a thread of tokio's blocking pool (512 by default): past it, work
+        // waits in the pool's queue, outside the permits' 10 s deadline.
+        if self.tokenizer_threads > MAX_TOKENIZER_THREADS {
+            return Err(IngressConfigError::TooLarge {
+                field: "tokenizer_threads",
+                max: MAX_TOKENIZER_THREADS as u64,
+            });
         }
         self.http.validate()?;
         Ok(())

@@ -782,8 +782,27 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
             .map_err(|e| anyhow::anyhow!("admin_token {e}"))?;
     }
     let lease_ttl_ms = flags.lease_ttl_ms.or(file.lease_ttl_ms).unwrap_or(5_000);
-    if lease_ttl_ms < 1_000 {
-        bail!("lease_ttl_ms must be at least 1000 (workers heartbeat every second)");
+    if !(1_000..=3_600_000).contains(&lease_ttl_ms) {
+        bail!(
+            "lease_ttl_ms must be 1000..=3600000 (workers heartbeat every second; a worker \
+             gone is noticed only after it)"
+        );
+    }
+    let admin_host = flags
+        .admin_host
+        .or(file.admin_host)
+        .unwrap_or(IpAddr::from([127, 0, 0, 1]));
+    if !admin_host.is_loopback() && ingress.admin_token.is_none() {
+        bail!(
+            "admin_host {admin_host} is reachable from other hosts: set admin_token \
+             (KVROUTE_ADMIN_TOKEN), since /admin/* shows what each prompt finds cached and \
+             every worker's state"
+        );
+    }
+    let chat_template = flags.chat_template.or(file.chat_template);
+    let tokenizer = flags.tokenizer.or(file.tokenizer);
+    if chat_template.is_some() && tokenizer.is_none() {
+        bail!("chat_template needs tokenizer (the template renders for its tokens)");
     }
     let nats = flags
         .nats
@@ -822,10 +841,7 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
             .or(file.host)
             .unwrap_or(IpAddr::from([0, 0, 0, 0])),
         admin_port: flags.admin_port.or(file.admin_port).unwrap_or(8081),
-        admin_host: flags
-            .admin_host
-            .or(file.admin_host)
-            .unwrap_or(IpAddr::from([127, 0, 0, 1])),
+        admin_host,
         status_port: flags.status_port.or(file.status_port),
         status_host: flags
             .status_host
@@ -839,8 +855,8 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
             .drain_timeout_ms
             .or(file.drain_timeout_ms)
             .unwrap_or(30_000),
-        tokenizer: flags.tokenizer.or(file.tokenizer),
-        chat_template: flags.chat_template.or(file.chat_template),
+        tokenizer,
+        chat_template,
         chat_template_content_format: flags
             .chat_template_content_format
             .or(file.chat_template_content_format)
@@ -1042,6 +1058,19 @@ mod tests {
         assert!(bad("worker_pool_idle_ms = 0").is_err());
         assert!(bad("max_connections = 0").is_err());
         assert!(bad("nats_user = \"u\"").is_err());
+        // A semaphore past tokio's maximum panicked at start; past the blocking pool, work
+        // waited outside the deadline.
+        assert!(bad("tokenizer_threads = 4611686018427387904").is_err());
+        assert!(bad("tokenizer_threads = 513").is_err());
+        assert!(bad("tokenizer_threads = 512").is_ok());
+        assert!(bad("lease_ttl_ms = 9223372036854775807").is_err());
+        assert!(bad("lease_ttl_ms = 3600000").is_ok());
+        // /admin/* open to other hosts needs its token.
+        assert!(bad("admin_host = \"0.0.0.0\"").is_err());
+        assert!(bad("admin_host = \"0.0.0.0\"\nadmin_token = \"t0k\"").is_ok());
+        assert!(bad("admin_host = \"::1\"").is_ok());
+        // A template without its tokenizer passed --dry-run and failed at start.
+        assert!(bad("chat_template = \"t.jinja\"").is_err());
         assert!(bad("").is_ok());
     }
 }
