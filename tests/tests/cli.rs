@@ -338,6 +338,23 @@ fn worker_dry_run_redacts_the_nats_url_s_credentials() {
     assert!(text.contains("n1:4222"), "{text}");
 }
 
+/// A worker listening on every address must be told the URL it registers (it registered
+/// `http://0.0.0.0:PORT`). Control: with `--url`.
+#[test]
+fn a_worker_on_every_address_needs_its_url() {
+    let run = |extra: &[&str]| {
+        Command::new(binary("kvroute-worker").unwrap())
+            .args(["--host", "0.0.0.0", "--dry-run"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = run(&[]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--url"));
+    assert!(run(&["--url", "http://worker-0:9000"]).status.success());
+}
+
 /// A sidecar's settings are checked before it starts, and by `--dry-run`: each of these
 /// left a process that never registered its engine and never exited. Control: the same
 /// command with good values passes.

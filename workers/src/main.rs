@@ -280,6 +280,13 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
     }
     if args.engine.is_some() {
         check_sidecar(&args)?;
+    } else if args.emulate.is_none() && args.url.is_none() && args.host.is_unspecified() {
+        // It would register http://0.0.0.0:PORT, which a router on another host reads as
+        // its own loopback.
+        bail!(
+            "--host {} needs --url (the URL routers reach this worker at)",
+            args.host
+        );
     }
     if args.dry_run {
         println!("{}", serde_json::to_string_pretty(&args)?);
