@@ -1187,6 +1187,13 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
             return Err(ApiError::bad_request("messages must not be empty"));
         }
         openai::check_stream_options(r.stream, r.stream_options)?;
+        // vLLM refuses both set (`check_generation_prompt`), and with `add_generation_prompt`
+        // left at its default of true, transformers' renderer refuses the pair.
+        if r.continue_final_message == Some(true) && r.add_generation_prompt != Some(false) {
+            return Err(ApiError::bad_request(
+                "continue_final_message needs add_generation_prompt: false (both cannot be true)",
+            ));
+        }
         let template = tokenizer
             .chat_template_for(r.take_templates()?)
             .map_err(|e| ApiError::bad_request(e.to_string()))?;

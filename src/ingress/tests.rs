@@ -131,6 +131,21 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
         // Booked per sequence: the scheduler counts it `n` times.
         (Some(7), 3, 7, false, true)
     );
+    // continue_final_message with add_generation_prompt true, or left at its default of
+    // true, is refused as vLLM and transformers refuse it; with it false, accepted.
+    for (generation, ok) in [
+        ("", false),
+        (r#","add_generation_prompt":true"#, false),
+        (r#","add_generation_prompt":false"#, true),
+    ] {
+        let body = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}},{{"role":"assistant","content":"hi"}}],"continue_final_message":true{generation}}}"#
+        );
+        match parse(&t, body.as_bytes(), true) {
+            Ok(_) => assert!(ok, "{generation} accepted"),
+            Err(e) => assert!(!ok && e.status == 400, "{generation}: {e:?}"),
+        }
+    }
     // An include_usage sent as null is vLLM's None: no usage chunk.
     for (options, usage) in [
         (r#"{"include_usage":null}"#, false),

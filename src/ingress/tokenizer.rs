@@ -626,31 +626,40 @@ fn with_parts(messages: &[ChatMessage]) -> Result<Vec<serde_json::Value>, Tokeni
         .collect()
 }
 
-/// The rendered chat cut right after the last message's content, so the model continues it
-/// (Hugging Face's `continue_final_message`: the content's last occurrence, or its trimmed
-/// form's, since some templates strip whitespace; of a list of parts, the last part's text).
+/// The rendered chat cut right after the last message's content, so the model continues it,
+/// as Hugging Face's renderer cuts it for `continue_final_message` (`render_jinja_template`
+/// in transformers' `utils/chat_template_utils.py`): at the last occurrence of the trimmed
+/// content (some templates trim it), ending after its untrimmed end where the rendering
+/// kept that whole, else after the trimmed end; of a list of parts, the last part with text.
 fn continued(
     text: &str,
     messages: &[ChatMessage],
     format: ContentFormat,
 ) -> Result<String, TokenizerError> {
-    let last = messages.last().map_or("", |m| match format {
-        ContentFormat::String => m.content.as_str(),
-        ContentFormat::OpenAi => m
+    let fail = |what: &str| TokenizerError::Template {
+        reason: format!("continue_final_message: {what}"),
+    };
+    let last = match (messages.last(), format) {
+        (None, _) => "",
+        (Some(m), ContentFormat::String) => m.content.as_str(),
+        (Some(m), ContentFormat::OpenAi) => m
             .parts
-            .last()
-            .and_then(|p| p.get("text")?.as_str())
-            .unwrap_or(""),
-    });
-    for needle in [last, last.trim()] {
-        if let Some(at) = text.rfind(needle) {
-            return Ok(text[..at + needle.len()].to_owned());
-        }
-    }
-    Err(TokenizerError::Template {
-        reason: "continue_final_message: the last message's content is not in the rendered chat"
-            .into(),
-    })
+            .iter()
+            .rev()
+            .find_map(|p| p.get("text")?.as_str())
+            .ok_or_else(|| fail("the last message has no text to continue"))?,
+    };
+    let trimmed = last.trim();
+    let at = text
+        .rfind(trimmed)
+        .ok_or_else(|| fail("the last message's content is not in the rendered chat"))?;
+    let whole = last.trim_start().len();
+    let end = if text.get(at..at + whole) == Some(last) {
+        at + whole
+    } else {
+        at + trimmed.len()
+    };
+    Ok(text[..end].to_owned())
 }
 
 /// The environment chat templates are rendered in: what Hugging Face's renderer (Jinja2,
@@ -1148,6 +1157,48 @@ mod tests {
             assert_eq!(t.encode("hello world", false).unwrap(), vec![1, 2]);
             std::fs::remove_dir_all(&dir).ok();
         }
+    }
+
+    /// `continue_final_message` cuts where transformers cuts: at the last occurrence of the
+    /// trimmed content, keeping its trailing whitespace only where the rendering kept it.
+    /// The untrimmed content searched first (as before) found "yes " inside the user's turn.
+    #[test]
+    fn a_continued_message_is_cut_as_transformers_cuts_it() {
+        let turns = |last: &str| {
+            [
+                ChatMessage::text("user", "yes please"),
+                ChatMessage::text("assistant", last),
+            ]
+        };
+        let cut = |text: &str, last: &str, format| continued(text, &turns(last), format).unwrap();
+        // A template that trims (Llama 3.x's `| trim`).
+        let trimmed = "<user>yes please</s><assistant>yes</s>";
+        assert_eq!(
+            cut(trimmed, "yes ", ContentFormat::String),
+            "<user>yes please</s><assistant>yes"
+        );
+        // One that keeps the content whole keeps its trailing space.
+        let kept = "<user>yes please</s><assistant>yes </s>";
+        assert_eq!(
+            cut(kept, "yes ", ContentFormat::String),
+            "<user>yes please</s><assistant>yes "
+        );
+        // Leading whitespace: the trimmed end (transformers compares with the whole).
+        let led = "<user>yes please</s><assistant> yes </s>";
+        assert_eq!(
+            cut(led, " yes ", ContentFormat::String),
+            "<user>yes please</s><assistant> yes"
+        );
+        // Parts: the last one with text, past an image after it.
+        let mut last = ChatMessage::text("assistant", "yes");
+        last.parts
+            .push(serde_json::json!({"type": "image_url", "image_url": {"url": "x"}}));
+        let messages = [ChatMessage::text("user", "yes please"), last];
+        assert_eq!(
+            continued(trimmed, &messages, ContentFormat::OpenAi).unwrap(),
+            "<user>yes please</s><assistant>yes"
+        );
+        assert!(continued("<user>no</s>", &turns("yes"), ContentFormat::String).is_err());
     }
 
     /// The template sees what Hugging Face's `apply_chat_template` gives it in vLLM: tools,
