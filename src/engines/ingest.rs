@@ -458,19 +458,20 @@ impl Ingest {
         }
         let replayed = self.replay_batches(from, rebuild).await;
         self.mirror.end_rebuild(&mut self.changes);
+        // Any failure counts (a socket that refuses connections, or speaks something else,
+        // cost a connection and a warning at every gap).
         match &replayed {
-            Err(ZmtpError::Timeout(_)) => {
+            Ok(_) => self.resting = Resting::default(),
+            Err(error) => {
                 self.resting.unanswered += 1;
                 if self.resting.unanswered >= REPLAYS_UNANSWERED_TO_REST {
                     let rest = self.resting.next;
                     self.resting.until = Some(tokio::time::Instant::now() + rest);
                     self.resting.next = (rest * 2).min(REPLAY_REST_MAX);
-                    tracing::warn!(endpoint = ?self.endpoint.replay, unanswered = self.resting.unanswered, ?rest,
-                        "the engine's replay socket leaves requests unanswered: not asked for a while (a gap meanwhile clears what the router knows of the engine, as without replay)");
+                    tracing::warn!(endpoint = ?self.endpoint.replay, failed = self.resting.unanswered, ?rest, %error,
+                        "the engine's replay socket fails requests: not asked for a while (a gap meanwhile clears what the router knows of the engine, as without replay)");
                 }
             }
-            Ok(_) => self.resting = Resting::default(),
-            Err(_) => {}
         }
         replayed
     }
@@ -494,6 +495,7 @@ impl Ingest {
         // asked for again once this reply stream has ended, up to REPLAY_ASKS times in all.
         let mut lost: Option<u64> = None;
         let mut asks = 1;
+        let mut answered = false;
         loop {
             if replies == limits.max_replay_batches {
                 return Err(ZmtpError::Protocol(format!(
@@ -503,15 +505,29 @@ impl Ingest {
             }
             replies += 1;
             let next = tokio::time::Instant::now() + limits.replay;
-            let frames = tokio::time::timeout_at(next.min(ends), dealer.recv())
-                .await
-                .map_err(|_| {
-                    ZmtpError::Timeout(if next <= ends {
+            let frames = match tokio::time::timeout_at(next.min(ends), dealer.recv()).await {
+                Ok(frames) => frames?,
+                // The engine answered and then fell silent: its ROUTER socket drops what the
+                // peer's queue has no room for, and the end marker, sent right after the last
+                // batch, is what a burst drops most often. The stream has ended; what it lost
+                // is asked for again.
+                Err(_) if answered && next <= ends => match lost.take() {
+                    Some(from) => {
+                        asks += 1;
+                        dealer.send(&[b"", &from.to_be_bytes()]).await?;
+                        continue;
+                    }
+                    None => return Ok(last),
+                },
+                Err(_) => {
+                    return Err(ZmtpError::Timeout(if next <= ends {
                         limits.replay
                     } else {
                         limits.replay_total
-                    })
-                })??;
+                    }));
+                }
+            };
+            answered = true;
             let Some((seq, payload)) = replay_message(&frames) else {
                 return Err(ZmtpError::Protocol(format!(
                     "a replay reply of {} frames",

@@ -486,6 +486,63 @@ async fn a_batch_lost_inside_a_replay_is_asked_for_again() {
     assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 2);
 }
 
+/// A burst that makes the engine's ROUTER drop a batch drops its end marker too (sent right
+/// after the last batch): a stream that falls silent after answering has ended, and what it
+/// lost is asked for again. The replay waited for the marker, gave up, threw the batches
+/// after the hole away and counted towards resting.
+#[tokio::test]
+async fn a_replay_whose_end_marker_was_dropped_is_asked_for_again() {
+    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
+    let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let asks = std::sync::Arc::clone(&asked);
+    let handler: RouterHandler = std::sync::Arc::new(move |request: Vec<Bytes>| {
+        let from = asked_from(&request);
+        let first = asks.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+        let batches = (from..10)
+            .filter(|&seq| !(first && seq == 5))
+            .map(|seq| replay_reply(seq, store(seq + 1, (seq > 0).then_some(seq))));
+        // The first stream lost batch 5 and its end marker.
+        let end = (!first).then(|| replay_reply(u64::MAX, Bytes::new()));
+        batches.chain(end).collect()
+    });
+    let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
+    let limits = IngestLimits {
+        replay: Duration::from_millis(200),
+        ..IngestLimits::default()
+    };
+    let mut owner = follow(scripted(&pubs, &replay), limits).await;
+    owner
+        .until("the chain is whole", |o| o.held.len() == 10)
+        .await;
+    assert_eq!(owner.stats.unrepaired, 0, "{:?}", owner.stats);
+    assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
+/// A replay socket that refuses connections rests like one that leaves requests unanswered
+/// (each gap cost a connection attempt and a warning).
+#[tokio::test]
+async fn a_refusing_replay_socket_rests() {
+    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let endpoint = EngineEndpoint {
+        events: format!("tcp://127.0.0.1:{}", pubs.port()),
+        replay: Some(format!("tcp://127.0.0.1:{port}")),
+        topic: String::new(),
+    };
+    let mut owner = follow(endpoint, IngestLimits::default()).await;
+    for seq in (0..10u64).step_by(2) {
+        pubs.publish(vec![
+            Bytes::new(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            store(seq + 1, None),
+        ]);
+    }
+    owner.until("four gaps", |o| o.stats.gaps == 4).await;
+    assert!(owner.stats.replays_skipped > 0, "{:?}", owner.stats);
+}
+
 /// After its connection failed, the ingest rebuilds the mirror from the engine's whole
 /// replay buffer; its owner is handed only what changed meanwhile (block 3 removed, block 4
 /// stored), not every block removed and stored again, which left the router without the
