@@ -4,6 +4,7 @@
 //! last routed, and at most `capacity` blocks are kept (the oldest go first). The approximate
 //! mode other routers use for engines that publish nothing. No I/O: time is an argument.
 
+use std::cmp::Reverse;
 use std::collections::BTreeSet;
 
 use rustc_hash::FxHashMap;
@@ -15,10 +16,13 @@ use crate::protocol::{BlockChange, BlockHash, SeqHash, StoredBlock, Tier};
 pub struct ApproxCache {
     ttl_ms: u64,
     capacity: usize,
-    /// Block → when it lapses.
-    blocks: FxHashMap<SeqHash, u64>,
-    /// (when it lapses, block), soonest first.
-    by_expiry: BTreeSet<(u64, SeqHash)>,
+    /// Block → when it lapses, and its depth in its prompt.
+    blocks: FxHashMap<SeqHash, (u64, u32)>,
+    /// (when it lapses, depth, block), soonest first, and of those lapsing together the
+    /// deepest first: a block routed is routed with its parent, so a parent never lapses
+    /// before its children, and the cache stays a set of prefixes (a root gone first left
+    /// its descendants held, matching nothing).
+    by_expiry: BTreeSet<(u64, Reverse<u32>, SeqHash)>,
 }
 
 impl ApproxCache {
@@ -54,10 +58,11 @@ impl ApproxCache {
         self.expire(now_ms, out);
         let until = now_ms.saturating_add(self.ttl_ms);
         let mut parent = None;
-        for b in prompt {
-            match self.blocks.insert(b.seq, until) {
-                Some(old) => {
-                    self.by_expiry.remove(&(old, b.seq));
+        for (depth, b) in prompt.iter().enumerate() {
+            let depth = u32::try_from(depth).unwrap_or(u32::MAX);
+            match self.blocks.insert(b.seq, (until, depth)) {
+                Some((old, old_depth)) => {
+                    self.by_expiry.remove(&(old, Reverse(old_depth), b.seq));
                 }
                 None => out.push(BlockChange::Stored {
                     tier: Tier::Device,
@@ -68,7 +73,7 @@ impl ApproxCache {
                     },
                 }),
             }
-            self.by_expiry.insert((until, b.seq));
+            self.by_expiry.insert((until, Reverse(depth), b.seq));
             parent = Some(b.seq);
         }
         while self.blocks.len() > self.capacity {
@@ -81,14 +86,14 @@ impl ApproxCache {
         while self
             .by_expiry
             .first()
-            .is_some_and(|(until, _)| *until <= now_ms)
+            .is_some_and(|(until, ..)| *until <= now_ms)
         {
             self.pop_soonest(out);
         }
     }
 
     fn pop_soonest(&mut self, out: &mut Vec<BlockChange>) {
-        if let Some((_, seq)) = self.by_expiry.pop_first() {
+        if let Some((.., seq)) = self.by_expiry.pop_first() {
             self.blocks.remove(&seq);
             out.push(BlockChange::Removed {
                 tier: Tier::Device,
@@ -159,5 +164,34 @@ mod tests {
         c.set_capacity(2);
         c.learn(2, &prompt(1, 2_000), &mut out);
         assert_eq!(c.len(), 2);
+    }
+
+    /// Blocks routed together go deepest first, so every block held has its parent held:
+    /// popped by hash, a prompt's root could go while its descendants stayed, matching
+    /// nothing and taking room. Control: with room for everything, nothing goes.
+    #[test]
+    fn the_cache_stays_a_set_of_prefixes() {
+        for capacity in [4, 5, 7, 1_000] {
+            let mut c = ApproxCache::new(u64::MAX / 2, capacity);
+            let mut parents = FxHashMap::default();
+            let mut out = Vec::new();
+            for i in 0..20u32 {
+                let p = prompt(3 + i % 3, 1_000 * (i % 4));
+                for (j, b) in p.iter().enumerate() {
+                    parents.insert(b.seq, j.checked_sub(1).map(|k| p[k].seq));
+                }
+                c.learn(u64::from(i / 2), &p, &mut out);
+                for seq in c.blocks.keys() {
+                    if let Some(parent) = parents[seq] {
+                        assert!(
+                            c.blocks.contains_key(&parent),
+                            "capacity {capacity}: orphan"
+                        );
+                    }
+                }
+            }
+            let removed = out.iter().any(|c| matches!(c, BlockChange::Removed { .. }));
+            assert_eq!(removed, capacity < 20, "capacity {capacity}");
+        }
     }
 }
