@@ -96,6 +96,13 @@ pub struct IngressConfig {
     pub first_token_timeout_ms: u64,
     /// Largest non-streamed worker answer, bytes.
     pub max_upstream_body_bytes: usize,
+    /// Longest prompt text the router tokenizes, bytes (a chat's as its template renders
+    /// it). A Hugging Face tokenizer peaks at 150 to 350 times the text it is given, so the
+    /// default of 1 MiB (about 250 k tokens of prose) costs at most about 350 MiB a
+    /// tokenizer thread. A longer prompt is routed on load alone (an engine is sent the
+    /// request as it came; a kvroute worker, which needs the router's tokens, answers 413),
+    /// and counted in `kvroute_prompts_untokenized_total`.
+    pub max_tokenize_bytes: usize,
     /// Threads that parse, template and tokenize request bodies (0: one per core), off the
     /// async runtime's threads.
     pub tokenizer_threads: usize,
@@ -141,6 +148,7 @@ impl Default for IngressConfig {
             upstream_body_timeout_ms: 600_000,
             first_token_timeout_ms: 60_000,
             max_upstream_body_bytes: 64 << 20,
+            max_tokenize_bytes: 1 << 20,
             tokenizer_threads: 0,
             http: HttpConfig::default(),
             api_keys: Vec::new(),
@@ -252,6 +260,7 @@ impl IngressConfig {
                 self.max_body_bytes.max(self.max_upstream_body_bytes) as u64,
             ),
             ("max_inflight", self.max_inflight as u64, 1),
+            ("max_tokenize_bytes", self.max_tokenize_bytes as u64, 1024),
             ("worker_timeout_ms", self.worker_timeout_ms, 1),
             ("relay_idle_timeout_ms", self.relay_idle_timeout_ms, 1),
             ("worker_pool_idle_ms", self.worker_pool_idle_ms, 1),
@@ -1125,6 +1134,9 @@ struct Parsed {
     cache_salt: Option<String>,
     /// The chat has images or audio: `tokens` are the conversation before them only.
     media: bool,
+    /// The prompt's text is longer than the router tokenizes (`max_tokenize_bytes`):
+    /// `tokens` is empty, and the request is routed on load alone.
+    untokenized: bool,
 }
 
 impl Parsed {
@@ -1177,10 +1189,38 @@ fn generate_body(p: &Parsed, salt: crate::protocol::Salt, chat: bool) -> Bytes {
 /// (and, with `--fleet-budget-tokens`, every model's queue) until it ended.
 pub const MAX_N: u32 = 1_024;
 
-/// Parses and tokenizes a completion or chat body (on the tokenizer pool).
+/// Parses and tokenizes a completion or chat body, with the default `max_tokenize_bytes`.
 fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
+    parse_within(
+        tokenizer,
+        body,
+        chat,
+        IngressConfig::default().max_tokenize_bytes,
+    )
+}
+
+/// Parses and tokenizes a completion or chat body (on the tokenizer pool), tokenizing at
+/// most `text_limit` bytes of prompt text: a longer one is not tokenized at all. A Hugging
+/// Face tokenizer's peak memory is 150 to 350 times the text it tokenizes (its encoding's
+/// per-token records and per-byte alignments; measured with a byte-level BPE at one token a
+/// byte), so one 8 MiB prompt took up to 2.8 GB.
+fn parse_within(
+    tokenizer: &Tokenizer,
+    body: &[u8],
+    chat: bool,
+    text_limit: usize,
+) -> Result<Parsed, ApiError> {
     let invalid =
         |e: serde_json::Error| ApiError::bad_request(format!("invalid request body: {e}"));
+    let rejected = |e: tokenizer::TokenizerError| ApiError::bad_request(e.to_string());
+    // `None`: longer than the limit, not tokenized.
+    let encode = |text: &str, special: bool, keep: Option<usize>| {
+        if text.len() > text_limit {
+            metrics::counter!("kvroute_prompts_untokenized_total").increment(1);
+            return Ok(None);
+        }
+        tokenizer.encode_within(text, special, keep).map(Some)
+    };
     let parsed = if chat {
         let mut r: ChatRequest = serde_json::from_slice(body).map_err(invalid)?;
         if r.messages.is_empty() {
@@ -1209,32 +1249,46 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
         // and forward the request as it came.
         let media_at = r.messages.iter().position(|m| m.media);
         let keep = openai::prompt_keep(r.truncate_prompt_tokens)?;
+        let mut untokenized = false;
         let tokens = match media_at {
             // The engine cuts the whole rendering, media tokens included, which the router
             // cannot count: no prefix of the cut one is known.
             Some(_) if keep.is_some() => Vec::new(),
-            None => tokenizer
-                .encode_chat_within(&r.messages, &options, keep)
-                .map_err(|e| ApiError::bad_request(e.to_string()))?,
+            None => {
+                let text = tokenizer
+                    .chat_text(&r.messages, &options)
+                    .map_err(rejected)?;
+                match encode(&text, options.add_special_tokens, keep).map_err(rejected)? {
+                    Some(tokens) => tokens,
+                    None => {
+                        untokenized = true;
+                        Vec::new()
+                    }
+                }
+            }
             Some(0) => Vec::new(),
             // A template may refuse the shortened conversation (a system turn with no user
             // turn after it) where it takes the whole one, which the engine renders: the
             // request is then routed without a prefix, not refused.
-            Some(k) => tokenizer
-                .encode_chat(&r.messages[..k], &{
-                    let mut before = openai::ChatOptions {
-                        add_generation_prompt: false,
-                        continue_final_message: false,
-                        ..options
-                    };
-                    // The kwargs win over the fixed variables: not over this one, or the
-                    // text before the media would not be a prefix of the whole.
-                    before.kwargs.shift_remove("add_generation_prompt");
-                    before
-                })
-                .unwrap_or_default(),
+            Some(k) => {
+                let mut before = openai::ChatOptions {
+                    add_generation_prompt: false,
+                    continue_final_message: false,
+                    ..options
+                };
+                // The kwargs win over the fixed variables: not over this one, or the text
+                // before the media would not be a prefix of the whole.
+                before.kwargs.shift_remove("add_generation_prompt");
+                tokenizer
+                    .chat_text(&r.messages[..k], &before)
+                    .ok()
+                    .and_then(|text| encode(&text, before.add_special_tokens, None).ok())
+                    .flatten()
+                    .unwrap_or_default()
+            }
         };
         Parsed {
+            untokenized,
             media: media_at.is_some(),
             max_tokens: r.max_tokens(),
             n: r.n.unwrap_or(1),
@@ -1251,10 +1305,17 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
         openai::check_stream_options(r.stream, r.stream_options)?;
         let max_tokens = Some(r.max_tokens());
         let keep = openai::prompt_keep(r.truncate_prompt_tokens)?;
+        let mut untokenized = false;
         let tokens = match r.prompt {
-            Prompt::Text(t) => tokenizer
-                .encode_within(&t, r.add_special_tokens.unwrap_or(true), keep)
-                .map_err(|e| ApiError::bad_request(e.to_string()))?,
+            Prompt::Text(t) => {
+                match encode(&t, r.add_special_tokens.unwrap_or(true), keep).map_err(rejected)? {
+                    Some(tokens) => tokens,
+                    None => {
+                        untokenized = true;
+                        Vec::new()
+                    }
+                }
+            }
             Prompt::Tokens(mut t) => {
                 tokenizer::keep_last(&mut t, keep);
                 t
@@ -1262,6 +1323,7 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
             Prompt::Batch(n) => return Err(ApiError::prompt_batch(n)),
         };
         Parsed {
+            untokenized,
             media: false,
             model: r.model.unwrap_or_default(),
             tokens,
@@ -1285,7 +1347,7 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
             "cache_salt must be a non-empty string if provided",
         ));
     }
-    if parsed.tokens.is_empty() && !parsed.media {
+    if parsed.tokens.is_empty() && !parsed.media && !parsed.untokenized {
         return Err(ApiError::bad_request("prompt must not be empty"));
     }
     Ok(parsed)
@@ -1334,10 +1396,11 @@ impl Prepared {
     ) -> Result<Prepared, ApiError> {
         let raw = body.clone();
         let tokenizer = Arc::clone(&router.tokenizer);
+        let text_limit = router.config.max_tokenize_bytes;
         let view = router.plane.view();
         let (parsed, block_size, blocks, salt) = router
             .off_runtime(move || {
-                let mut parsed = parse(&tokenizer, &body, chat)?;
+                let mut parsed = parse_within(&tokenizer, &body, chat, text_limit)?;
                 if view.workers.is_empty() {
                     return Err(ApiError::no_workers());
                 }
@@ -1588,6 +1651,12 @@ async fn complete(
         let key = decision.chosen.key;
         let api = router.plane.view().workers.get(&key.0).map(|w| w.api);
         if api.is_some_and(|api| body.needs_generate(api)) {
+            if p.untokenized {
+                // A kvroute worker generates from the router's tokens.
+                return Err(ApiError::prompt_not_tokenized(
+                    router.config.max_tokenize_bytes,
+                ));
+            }
             let generate = generate_body(p, prepared.salt, chat);
             if !router.bodies.cover(&mut generate_held, generate.len()) {
                 // Beside its own body it could never fit: no retry would pass.

@@ -270,6 +270,10 @@ pub struct ServeFlags {
     /// Largest non-streamed worker answer, bytes [default: 67108864].
     #[arg(long, env = "KVROUTE_MAX_UPSTREAM_BODY_BYTES")]
     pub max_upstream_body_bytes: Option<usize>,
+    /// Longest prompt text the router tokenizes, bytes (tokenizing peaks at up to 350
+    /// times it); a longer prompt is routed on load alone [default: 1048576].
+    #[arg(long, env = "KVROUTE_MAX_TOKENIZE_BYTES")]
+    pub max_tokenize_bytes: Option<usize>,
     /// Client connections served at once [default: 10000].
     #[arg(long, env = "KVROUTE_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
@@ -724,6 +728,10 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
             .max_upstream_body_bytes
             .or(file.max_upstream_body_bytes)
             .unwrap_or(d.max_upstream_body_bytes),
+        max_tokenize_bytes: flags
+            .max_tokenize_bytes
+            .or(file.max_tokenize_bytes)
+            .unwrap_or(d.max_tokenize_bytes),
         tokenizer_threads: flags
             .tokenizer_threads
             .or(file.tokenizer_threads)

@@ -957,6 +957,19 @@ impl ApiError {
         )
     }
 
+    /// 413: a prompt too long to tokenize, for a worker that needs its tokens.
+    pub fn prompt_not_tokenized(limit: usize) -> Self {
+        ApiError::new(
+            413,
+            "invalid_request_error",
+            Fault::Client,
+            format!(
+                "the prompt's text is over the {limit} bytes the router tokenizes \
+                 (max_tokenize_bytes), and the worker chosen needs its tokens"
+            ),
+        )
+    }
+
     /// 413: the body is over the limit.
     pub fn too_large(limit: usize) -> Self {
         ApiError::new(

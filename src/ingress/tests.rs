@@ -146,6 +146,23 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
             Err(e) => assert!(!ok && e.status == 400, "{generation}: {e:?}"),
         }
     }
+    // A prompt's text past max_tokenize_bytes is not tokenized: routed on load alone.
+    // Control: at the limit, it is.
+    for (limit, untokenized) in [(4, true), (5, false)] {
+        let p = parse_within(&t, br#"{"model":"m","prompt":"hello"}"#, false, limit).unwrap();
+        assert_eq!(
+            (p.untokenized, p.tokens.is_empty()),
+            (untokenized, untokenized)
+        );
+        let chat = parse_within(
+            &t,
+            br#"{"model":"m","messages":[{"role":"user","content":"hello"}]}"#,
+            true,
+            if untokenized { 20 } else { 1 << 20 },
+        )
+        .unwrap();
+        assert_eq!(chat.untokenized, untokenized);
+    }
     // An include_usage sent as null is vLLM's None: no usage chunk.
     for (options, usage) in [
         (r#"{"include_usage":null}"#, false),

@@ -521,6 +521,16 @@ impl Tokenizer {
         self.encode_within(&text, options.add_special_tokens, keep)
     }
 
+    /// The chat's text as the template renders it, before it is tokenized
+    /// ([`Tokenizer::encode_chat`] is this and [`Tokenizer::encode_within`]).
+    pub fn chat_text(
+        &self,
+        messages: &[ChatMessage],
+        options: &ChatOptions,
+    ) -> Result<String, TokenizerError> {
+        self.render(messages, options)
+    }
+
     /// The chat's text as the template renders it ([`Tokenizer::encode_chat`] tokenizes it).
     fn render(
         &self,

@@ -1020,6 +1020,36 @@ async fn a_capped_engine_mirror_indexes_no_more_than_its_cap() {
     }
 }
 
+/// A prompt longer than the router tokenizes (`--max-tokenize-bytes`) still reaches an
+/// engine, as it came: the engine tokenizes it itself, and the router routes it on load.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_past_the_tokenize_limit_goes_to_an_engine_as_it_came() {
+    let http = Http::default();
+    let e = engine("vllm");
+    let (_router, url, _admin) = direct_router(
+        &[e.backend()],
+        &["--max-tokenize-bytes".into(), "1024".into()],
+    )
+    .unwrap();
+    wait_routable(&http, &url).await;
+    // 1,360 bytes: past the limit, within the test engine's 96 blocks of 16.
+    let long = "a question about a long document. ".repeat(40);
+    let a = complete(&http, &url, MODEL, &long, 2).await.unwrap();
+    let metrics = http
+        .call("GET", &format!("{url}/metrics"), "")
+        .await
+        .unwrap();
+    assert_eq!(
+        series(&metrics.body, "kvroute_prompts_untokenized_total", &[]),
+        Some(1.0)
+    );
+    assert!(
+        a.prompt_tokens as usize >= long.len() / 8,
+        "{}",
+        a.prompt_tokens
+    );
+}
+
 /// A response body of fixed frames, then its end or (`hang`) nothing more, ever.
 struct Frames {
     frames: std::collections::VecDeque<bytes::Bytes>,

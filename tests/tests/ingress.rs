@@ -178,6 +178,38 @@ async fn requests_of_a_group_follow_their_cached_prefix() {
     }
 }
 
+/// A prompt longer than the router tokenizes (`--max-tokenize-bytes`) is not tokenized; a
+/// kvroute worker, which generates from the router's tokens, cannot take it: 413, counted.
+/// Control: a prompt within the limit is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_past_the_tokenize_limit_is_refused_by_a_kvroute_worker() {
+    let f = Fleet::start(FleetSpec {
+        router_args: vec!["--max-tokenize-bytes".into(), "2048".into()],
+        ..spec(1, 50.0)
+    })
+    .await
+    .unwrap();
+    let url = format!("{}/v1/completions", f.url());
+    let body = |len: usize| {
+        serde_json::json!({"model": MODEL, "prompt": "a".repeat(len), "max_tokens": 2}).to_string()
+    };
+    let long = f.http.call("POST", &url, body(3_000)).await.unwrap();
+    assert_eq!(long.status, 413, "{}", long.body);
+    assert!(long.body.contains("max_tokenize_bytes"), "{}", long.body);
+    let short = f.http.call("POST", &url, body(1_000)).await.unwrap();
+    assert_eq!(short.status, 200, "{}", short.body);
+    let metrics = f
+        .http
+        .call("GET", &format!("{}/metrics", f.url()), "")
+        .await
+        .unwrap();
+    assert!(
+        metrics.body.contains("kvroute_prompts_untokenized_total 1"),
+        "{}",
+        metrics.body
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_inputs_get_their_status_codes() {
     let f = Fleet::start(spec(1, 50.0)).await.unwrap();
