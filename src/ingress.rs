@@ -1222,6 +1222,9 @@ fn parse_within(
         tokenizer.encode_within(text, special, keep).map(Some)
     };
     let parsed = if chat {
+        if openai::json_values_over(body, openai::MAX_CHAT_VALUES) {
+            return Err(ApiError::too_many_values());
+        }
         let mut r: ChatRequest = serde_json::from_slice(body).map_err(invalid)?;
         if r.messages.is_empty() {
             return Err(ApiError::bad_request("messages must not be empty"));

@@ -1,4 +1,5 @@
-//! A prompt cut by `truncate_prompt_tokens` costs what tokenizing it whole costs, however
+//! Parsing a request costs memory in proportion to what the router reads. A prompt cut by
+//! `truncate_prompt_tokens` costs what tokenizing it whole costs, however
 //! few tokens it keeps: the cut must not go through `Encoding::truncate`, which makes one
 //! encoding of every window it drops (millions for a long text kept to its last few
 //! tokens). The test owns the process's allocator (a counting one), which is why it lives
@@ -12,6 +13,9 @@ use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
+
+/// The counts are the whole process's: one test at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// A word-level tokenizer in the Hugging Face format whose post-processor adds a BOS, as
 /// Llama's does.
@@ -45,6 +49,7 @@ fn allocated<T>(f: impl FnOnce() -> T) -> (u64, T) {
 
 #[test]
 fn a_long_prompt_cut_to_a_few_tokens_costs_no_more_than_encoding_it() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let t = tokenizer();
     let text = "hello world ".repeat(100_000);
     let (whole, ids) = allocated(|| t.encode(&text, true).unwrap());
@@ -58,4 +63,29 @@ fn a_long_prompt_cut_to_a_few_tokens_costs_no_more_than_encoding_it() {
         cut <= whole + whole / 4,
         "cutting allocated {cut} bytes, encoding whole {whole}"
     );
+}
+
+/// Fields the router does not read cost nothing to skip: a `stream_options` key it does
+/// not know, holding a million small values (2 MB), was buffered as JSON values (109 MB
+/// allocated on the parent commit); and a chat body of that many values is refused before
+/// it is read.
+#[test]
+fn values_the_router_does_not_read_are_not_kept() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let zeros = vec!["0"; 1_000_000].join(",");
+    let completion = format!(
+        r#"{{"model":"m","prompt":"hi","stream":true,"stream_options":{{"include_usage":true,"x":[{zeros}]}}}}"#
+    );
+    let t = Tokenizer::Bytes;
+    let (bytes, tokens) =
+        allocated(|| kvroute::ingress::decode_request(&t, completion.as_bytes(), false).unwrap());
+    assert_eq!(tokens, 2);
+    assert!(bytes < 1 << 20, "{bytes} bytes to skip a 2 MB field");
+    let chat = format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"tools":[{zeros}]}}"#
+    );
+    let (bytes, refused) =
+        allocated(|| kvroute::ingress::decode_request(&t, chat.as_bytes(), true).unwrap_err());
+    assert_eq!(refused.status, 413);
+    assert!(bytes < 1 << 20, "{bytes} bytes to refuse a 2 MB chat");
 }

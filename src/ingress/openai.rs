@@ -352,8 +352,7 @@ pub fn prompt_keep(truncate_prompt_tokens: Option<i64>) -> Result<Option<usize>,
 }
 
 /// Options of a streamed answer.
-#[derive(Clone, Copy, Debug, Default, Deserialize)]
-#[serde(from = "RawStreamOptions")]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct StreamOptions {
     /// Send the usage in a last chunk (with no choices) before `[DONE]`: absent, vLLM's
     /// default once `stream_options` is sent, true; sent as null, vLLM's `None`, which it
@@ -363,21 +362,34 @@ pub struct StreamOptions {
     pub any: bool,
 }
 
-#[derive(Deserialize)]
-struct RawStreamOptions {
-    #[serde(default, deserialize_with = "present")]
-    include_usage: Option<Option<bool>>,
-    /// vLLM's `continuous_usage_stats` and whatever else was sent: counted, not used.
-    #[serde(flatten)]
-    other: serde_json::Map<String, serde_json::Value>,
-}
-
-impl From<RawStreamOptions> for StreamOptions {
-    fn from(raw: RawStreamOptions) -> Self {
-        StreamOptions {
-            include_usage: raw.include_usage,
-            any: raw.include_usage.is_some() || !raw.other.is_empty(),
+/// Read key by key, the others (vLLM's `continuous_usage_stats`, whatever else was sent)
+/// skipped unread: a flattened map of them buffered every value first, so an 8 MiB array
+/// under an unknown key took 300 MB.
+impl<'de> Deserialize<'de> for StreamOptions {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = StreamOptions;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an object of stream options")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<StreamOptions, A::Error> {
+                let mut options = StreamOptions::default();
+                while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                    options.any = true;
+                    if key == "include_usage" {
+                        options.include_usage = Some(map.next_value::<Option<bool>>()?);
+                    } else {
+                        map.next_value::<serde::de::IgnoredAny>()?;
+                    }
+                }
+                Ok(options)
+            }
         }
+        d.deserialize_map(Visitor)
     }
 }
 
@@ -396,12 +408,40 @@ pub fn check_stream_options(
     Ok(())
 }
 
-/// A field that was sent, null or not (`Some`), apart from one that was not (`None`, by
-/// `#[serde(default)]`).
-fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(
-    d: D,
-) -> Result<Option<Option<T>>, D::Error> {
-    Option::<T>::deserialize(d).map(Some)
+/// Most JSON values a chat body may hold. A chat is read into JSON values whole (messages'
+/// extra fields, tools, documents and template kwargs go to the template as they came), at
+/// 80 B or more a value, from as little as two bytes (`0,`): an 8 MiB body of small values
+/// took 340 MB. A conversation of 1,000 messages with 500 tools' schemas holds some tens
+/// of thousands.
+pub const MAX_CHAT_VALUES: usize = 1 << 18;
+
+/// Whether the JSON text `body` holds more than `limit` values (a fast upper estimate: each
+/// comma, colon and opening bracket outside strings counts one, so a key counts with its
+/// value). Linear, and reads nothing into memory.
+pub fn json_values_over(body: &[u8], limit: usize) -> bool {
+    let (mut values, mut in_string, mut escaped) = (1usize, false, false);
+    for &b in body {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b',' | b':' | b'[' | b'{' => {
+                values += 1;
+                if values > limit {
+                    return true;
+                }
+            }
+            _ => {}
+        }
+    }
+    false
 }
 
 /// Whether a request's `stream_options` ask for the usage chunk.
@@ -967,6 +1007,16 @@ impl ApiError {
                 "the prompt's text is over the {limit} bytes the router tokenizes \
                  (max_tokenize_bytes), and the worker chosen needs its tokens"
             ),
+        )
+    }
+
+    /// 413: a chat body of more JSON values than [`MAX_CHAT_VALUES`].
+    pub fn too_many_values() -> Self {
+        ApiError::new(
+            413,
+            "invalid_request_error",
+            Fault::Client,
+            format!("a chat body of more than {MAX_CHAT_VALUES} JSON values"),
         )
     }
 

@@ -163,6 +163,20 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
         .unwrap();
         assert_eq!(chat.untokenized, untokenized);
     }
+    // A chat body of a few hundred thousand small values is refused before it is read
+    // (each became a JSON value of 80 B or more), as is a stream_options key's; a body
+    // at the limit is read.
+    let values = |n: usize| vec!["0"; n].join(",");
+    let many = format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":"hi, [\"]:"}}],"tools":[{}]}}"#,
+        values(openai::MAX_CHAT_VALUES)
+    );
+    assert_eq!(parse(&t, many.as_bytes(), true).unwrap_err().status, 413);
+    let fits = format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":"hi, [\"]:"}}],"documents":[{}]}}"#,
+        values(openai::MAX_CHAT_VALUES - 16)
+    );
+    assert!(parse(&t, fits.as_bytes(), true).is_ok());
     // An include_usage sent as null is vLLM's None: no usage chunk.
     for (options, usage) in [
         (r#"{"include_usage":null}"#, false),
