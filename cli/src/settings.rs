@@ -318,8 +318,9 @@ pub struct ServeFlags {
     /// Render the chat templates requests bring (`chat_template`, or one in
     /// `chat_template_kwargs`), as vLLM does with the flag of the same name; set it with the
     /// engines'. Without it such requests are refused (400), as vLLM refuses them: a
-    /// template is a program, run here on the tokenizer threads (bounded per render)
-    /// [default: false].
+    /// template is a program, run here on the tokenizer threads: its steps are bounded per
+    /// render, its memory is not (a few string doublings take gigabytes), so trust only
+    /// clients you would let run code on the router [default: false].
     #[arg(long, env = "KVROUTE_TRUST_REQUEST_CHAT_TEMPLATE", num_args = 0..=1, default_missing_value = "true")]
     pub trust_request_chat_template: Option<bool>,
     /// Render no `tools` for a chat whose `tool_choice` is `none`, as vLLM does with the flag
