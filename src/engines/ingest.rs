@@ -61,7 +61,8 @@ pub struct IngestLimits {
     /// the live stream, whose gap then clears and rebuilds the mirror.
     pub max_replay_batches: u64,
     /// Silence after which the subscription is re-established (an engine that died without
-    /// closing its socket), catching up through replay.
+    /// closing its socket), catching up through replay; only with a replay socket (without
+    /// one, TCP keepalive notices a dead host).
     pub idle: Duration,
     /// Longest wait between reconnection attempts.
     pub max_backoff: Duration,
@@ -305,9 +306,17 @@ impl Ingest {
         tx: &mpsc::Sender<Update>,
     ) -> Result<bool, Closed> {
         self.flush(tx).await?;
+        // Without replay a batch published while the subscription is re-established is
+        // lost, and the gap it leaves clears the mirror: an engine that is only quiet (vLLM
+        // publishes nothing while idle) is then followed for as long as its socket stays
+        // up, and a dead host is noticed by TCP keepalive ([`Connection::connect`]).
+        let idle = match self.endpoint.replay {
+            Some(_) => self.limits.idle,
+            None => Duration::MAX,
+        };
         loop {
             let message = tokio::select! {
-                m = tokio::time::timeout(self.limits.idle, sub.recv()) => m,
+                m = tokio::time::timeout(idle, sub.recv()) => m,
                 _ = tx.closed() => return Err(Closed),
             };
             let frames = match message {

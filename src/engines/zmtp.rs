@@ -127,6 +127,14 @@ impl Connection {
         let stream = tokio::time::timeout(deadline, TcpStream::connect(&address))
             .await
             .map_err(|_| ZmtpError::Timeout(deadline))??;
+        // A peer whose host died (no FIN, no RST) is noticed in about 30 s: a silent engine
+        // is not a dead one, so silence alone cannot tell.
+        socket2::SockRef::from(&stream).set_tcp_keepalive(
+            &socket2::TcpKeepalive::new()
+                .with_time(Duration::from_secs(15))
+                .with_interval(Duration::from_secs(5))
+                .with_retries(3),
+        )?;
         let c = Connection::handshake(stream, socket_type, deadline).await?;
         // libzmq greets any peer, then closes a pair it cannot serve: refused here, a
         // misconfigured endpoint (the event and replay ports swapped) is an error that
@@ -345,6 +353,8 @@ pub struct PubSocket {
     tx: tokio::sync::broadcast::Sender<std::sync::Arc<Vec<Bytes>>>,
     port: u16,
     accept: tokio::task::JoinHandle<()>,
+    /// Connections accepted so far.
+    accepted: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Messages a slow subscriber may fall behind before it loses some.
@@ -357,16 +367,29 @@ impl PubSocket {
         let port = listener.local_addr()?.port();
         let (tx, _) = tokio::sync::broadcast::channel(PUB_QUEUE);
         let sender = tx.clone();
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counted = std::sync::Arc::clone(&accepted);
         let accept = tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 };
+                counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 tokio::spawn(serve_subscriber(stream, sender.subscribe()));
             }
         });
-        Ok(PubSocket { tx, port, accept })
+        Ok(PubSocket {
+            tx,
+            port,
+            accept,
+            accepted,
+        })
+    }
+
+    /// Connections accepted so far (each subscription is one).
+    pub fn accepted(&self) -> u64 {
+        self.accepted.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The bound port.

@@ -543,6 +543,39 @@ async fn a_refusing_replay_socket_rests() {
     assert!(owner.stats.replays_skipped > 0, "{:?}", owner.stats);
 }
 
+/// Without a replay socket a quiet engine is not resubscribed to (a batch published while
+/// the subscription is re-established is lost, and its gap clears the mirror): one
+/// subscription however long the silence. Control: with replay, silence resubscribes.
+#[tokio::test]
+async fn without_replay_a_quiet_engine_keeps_its_subscription() {
+    let limits = IngestLimits {
+        idle: Duration::from_millis(50),
+        ..IngestLimits::default()
+    };
+    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
+    let endpoint = EngineEndpoint {
+        events: format!("tcp://127.0.0.1:{}", pubs.port()),
+        replay: None,
+        topic: String::new(),
+    };
+    let _owner = follow(endpoint, limits).await;
+    // The control resubscribes at least twice in this time.
+    let handler: RouterHandler =
+        std::sync::Arc::new(|_request: Vec<Bytes>| vec![replay_reply(u64::MAX, Bytes::new())]);
+    let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
+    let control_pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
+    let _control = follow(scripted(&control_pubs, &replay), limits).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while control_pubs.accepted() < 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the control never resubscribed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(pubs.accepted(), 1);
+}
+
 /// After its connection failed, the ingest rebuilds the mirror from the engine's whole
 /// replay buffer; its owner is handed only what changed meanwhile (block 3 removed, block 4
 /// stored), not every block removed and stored again, which left the router without the
