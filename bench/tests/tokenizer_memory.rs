@@ -4,7 +4,7 @@
 //! encoding of every window it drops (millions for a long text kept to its last few
 //! tokens). The test owns the process's allocator (a counting one), which is why it lives
 //! in a crate of its own test binaries.
-#![allow(missing_docs)]
+#![allow(missing_docs, clippy::unwrap_used)]
 
 use std::alloc::System;
 
