@@ -171,9 +171,13 @@ pub fn scrape(text: &str) -> Scraped {
 }
 
 /// `name{labels} value` (labels may be absent); `None` for a malformed or non-finite sample.
+/// A label value may hold `}`, `,` and escaped quotes (the exposition format's `\"`).
 fn sample(line: &str) -> Option<(&str, &str, f64)> {
-    let (head, value) = match line.find('}') {
-        Some(end) => (&line[..=end], line[end + 1..].trim()),
+    let (head, value) = match line.find('{') {
+        Some(start) => {
+            let end = start + 1 + labels_end(&line[start + 1..])?;
+            (&line[..=end], line[end + 1..].trim())
+        }
         None => line.split_once(' ')?,
     };
     let (name, labels) = match head.find('{') {
@@ -185,15 +189,68 @@ fn sample(line: &str) -> Option<(&str, &str, f64)> {
     value.is_finite().then_some((name, labels, value))
 }
 
+/// Where the label set that `labels` starts (after its `{`) ends: its `}` outside quotes.
+fn labels_end(labels: &str) -> Option<usize> {
+    let (mut quoted, mut escaped) = (false, false);
+    for (i, c) in labels.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if quoted => escaped = true,
+            '"' => quoted = !quoted,
+            '}' if !quoted => return Some(i),
+            _ => {}
+        }
+    }
+    None
+}
+
+/// The value of label `key` (as written, escapes kept), matched by its whole name: `engine`
+/// is not `xengine`, nor a value that reads `engine="`.
 fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
-    let at = labels.find(&format!("{key}=\""))? + key.len() + 2;
-    let end = labels[at..].find('"')?;
-    Some(&labels[at..at + end])
+    let mut rest = labels;
+    loop {
+        let (name, after) = rest.split_once('=')?;
+        let after = after.strip_prefix('"')?;
+        let (mut end, mut escaped) = (None, false);
+        for (i, c) in after.char_indices() {
+            match c {
+                _ if escaped => escaped = false,
+                '\\' => escaped = true,
+                '"' => {
+                    end = Some(i);
+                    break;
+                }
+                _ => {}
+            }
+        }
+        let end = end?;
+        if name.trim() == key {
+            return Some(&after[..end]);
+        }
+        rest = after[end + 1..].trim_start().strip_prefix(',')?;
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Labels are read by their whole names, and values may hold `}`, `,` and escaped
+    /// quotes; substring matching read `xengine` as `engine`, and a `}` in a value cut the
+    /// sample short.
+    #[test]
+    fn labels_are_read_whole() {
+        let line =
+            r#"vllm:num_requests_running{model_name="a}b,engine=\"9\"",xengine="7",engine="0"} 3"#;
+        let (name, labels, value) = sample(line).unwrap();
+        assert_eq!((name, value), ("vllm:num_requests_running", 3.0));
+        assert_eq!(label(labels, "engine"), Some("0"));
+        assert_eq!(label(labels, "xengine"), Some("7"));
+        assert_eq!(label(labels, "model_name"), Some(r#"a}b,engine=\"9\""#));
+        assert_eq!(label(labels, "missing"), None);
+        assert_eq!(label("", "engine"), None);
+        assert!(sample(r#"m{a="unterminated} 3"#).is_none());
+    }
 
     #[test]
     fn reads_vllm_and_sglang_load() {
