@@ -463,35 +463,12 @@ async fn a_replay_without_end_is_cut_at_its_cap() {
 /// mirror is repaired, not dropped.
 #[tokio::test]
 async fn a_batch_lost_inside_a_replay_is_asked_for_again() {
-    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
-    let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let asks = std::sync::Arc::clone(&asked);
-    let handler: RouterHandler = std::sync::Arc::new(move |request: Vec<Bytes>| {
-        let from = asked_from(&request);
-        let first = asks.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
-        (from..10)
-            // The first stream loses batch 5 on the way.
-            .filter(|&seq| !(first && seq == 5))
-            .map(|seq| replay_reply(seq, store(seq + 1, (seq > 0).then_some(seq))))
-            .chain(std::iter::once(replay_reply(u64::MAX, Bytes::new())))
-            .collect()
-    });
-    let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
-    let endpoint = scripted(&pubs, &replay);
-    let mut owner = follow(endpoint, IngestLimits::default()).await;
-    owner
-        .until("the chain is whole", |o| o.held.len() == 10)
-        .await;
-    assert_eq!(owner.stats.unrepaired, 0, "{:?}", owner.stats);
-    assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 2);
+    lost_inside_a_replay(true).await;
 }
 
-/// A burst that makes the engine's ROUTER drop a batch drops its end marker too (sent right
-/// after the last batch): a stream that falls silent after answering has ended, and what it
-/// lost is asked for again. The replay waited for the marker, gave up, threw the batches
-/// after the hole away and counted towards resting.
-#[tokio::test]
-async fn a_replay_whose_end_marker_was_dropped_is_asked_for_again() {
+/// Batch 5 lost in the first reply stream of a replay (and its end marker too, unless
+/// `end_marker`): the chain is whole after one more request, and nothing is unrepaired.
+async fn lost_inside_a_replay(end_marker: bool) {
     let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
     let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let asks = std::sync::Arc::clone(&asked);
@@ -501,8 +478,7 @@ async fn a_replay_whose_end_marker_was_dropped_is_asked_for_again() {
         let batches = (from..10)
             .filter(|&seq| !(first && seq == 5))
             .map(|seq| replay_reply(seq, store(seq + 1, (seq > 0).then_some(seq))));
-        // The first stream lost batch 5 and its end marker.
-        let end = (!first).then(|| replay_reply(u64::MAX, Bytes::new()));
+        let end = (end_marker || !first).then(|| replay_reply(u64::MAX, Bytes::new()));
         batches.chain(end).collect()
     });
     let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
@@ -516,6 +492,15 @@ async fn a_replay_whose_end_marker_was_dropped_is_asked_for_again() {
         .await;
     assert_eq!(owner.stats.unrepaired, 0, "{:?}", owner.stats);
     assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
+/// A burst that makes the engine's ROUTER drop a batch drops its end marker too (sent right
+/// after the last batch): a stream that falls silent after answering has ended, and what it
+/// lost is asked for again. The replay waited for the marker, gave up, threw the batches
+/// after the hole away and counted towards resting.
+#[tokio::test]
+async fn a_replay_whose_end_marker_was_dropped_is_asked_for_again() {
+    lost_inside_a_replay(false).await;
 }
 
 /// A replay socket that refuses connections rests like one that leaves requests unanswered
