@@ -40,6 +40,14 @@ pub enum TokenizerError {
     /// A request brought its own chat template, and this router does not render them.
     #[error("{0}")]
     RequestTemplateRefused(&'static str),
+    /// A prompt's text longer than is tokenized (a tokenizer peaks at up to 350 times it).
+    #[error("a prompt text of {bytes} bytes, over the {limit} tokenized")]
+    TooLong {
+        /// The text's length.
+        bytes: usize,
+        /// The most tokenized.
+        limit: usize,
+    },
 }
 
 /// The router's tokenizer.

@@ -228,6 +228,17 @@ async fn read_json<T: serde::de::DeserializeOwned>(
     state: &State,
     req: hyper::Request<Incoming>,
 ) -> Result<T, Response<Body>> {
+    read_json_within(state, req, usize::MAX).await
+}
+
+/// As [`read_json`], refusing (413) a body of more than `max_values` JSON values before it
+/// is parsed: a chat is read into JSON values whole, 80 B or more each, from as little as
+/// two bytes (the router's rule, [`kvroute::ingress::openai::MAX_CHAT_VALUES`]).
+async fn read_json_within<T: serde::de::DeserializeOwned>(
+    state: &State,
+    req: hyper::Request<Incoming>,
+    max_values: usize,
+) -> Result<T, Response<Body>> {
     let (body, _held) = collect_within(
         req.into_body(),
         MAX_BODY,
@@ -244,7 +255,37 @@ async fn read_json<T: serde::de::DeserializeOwned>(
         };
         error(status, "invalid_request_error", &e.to_string())
     })?;
+    if max_values != usize::MAX && kvroute::ingress::openai::json_values_over(&body, max_values) {
+        return Err(error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            &format!("a chat body of more than {max_values} JSON values"),
+        ));
+    }
     serde_json::from_slice(&body).map_err(|e| bad_request(&format!("invalid request body: {e}")))
+}
+
+/// Longest prompt text this engine tokenizes, bytes: the router's default
+/// `max_tokenize_bytes` (a Hugging Face tokenizer peaks at up to 350 times its text); in
+/// unit tests, whose body budget is 1 MiB, 64 KiB.
+pub(crate) fn max_text_bytes() -> usize {
+    if cfg!(test) {
+        1 << 16
+    } else {
+        kvroute::ingress::IngressConfig::default().max_tokenize_bytes
+    }
+}
+
+/// `text`, or a 413 if it is longer than [`max_text_bytes`].
+fn within_text_limit(text: &str) -> Result<(), kvroute::ingress::tokenizer::TokenizerError> {
+    let limit = max_text_bytes();
+    if text.len() > limit {
+        return Err(kvroute::ingress::tokenizer::TokenizerError::TooLong {
+            bytes: text.len(),
+            limit,
+        });
+    }
+    Ok(())
 }
 
 async fn generate(state: State, req: hyper::Request<Incoming>) -> Response<Body> {
@@ -268,6 +309,11 @@ async fn tokenize(
     let wait = kvroute::http::TOKENIZER_WAIT;
     match kvroute::http::run_blocking(&state.tokenize_permits, wait, move || f(&tokenizer)).await {
         Ok(Ok(tokens)) => Ok(tokens),
+        Ok(Err(e @ kvroute::ingress::tokenizer::TokenizerError::TooLong { .. })) => Err(error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            &e.to_string(),
+        )),
         Ok(Err(e)) => Err(bad_request(&e.to_string())),
         Err(e) => Err(unavailable(&e.to_string())),
     }
@@ -284,7 +330,8 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
         Err(message) => return bad_request(&message),
     };
     let (model, token_ids, max_tokens, n, stream, options, cache_salt) = if chat {
-        match read_json::<ChatRequest>(&state, req).await {
+        let most = kvroute::ingress::openai::MAX_CHAT_VALUES;
+        match read_json_within::<ChatRequest>(&state, req, most).await {
             Ok(r) if r.messages.iter().any(|m| m.media) => {
                 return bad_request(
                     "content parts other than text (images, audio) are not supported by this engine",
@@ -308,7 +355,9 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                 let messages = std::mem::take(&mut r.messages);
                 let encoded = tokenize(&state, move |t| {
                     chat_options.template = t.chat_template_for(templates)?;
-                    t.encode_chat_within(&messages, &chat_options, keep)
+                    let text = t.chat_text(&messages, &chat_options)?;
+                    within_text_limit(&text)?;
+                    t.encode_within(&text, chat_options.add_special_tokens, keep)
                 });
                 match encoded.await {
                     Ok(tokens) => (
@@ -339,8 +388,10 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                 };
                 let tokens = match r.prompt {
                     Prompt::Text(text) => {
-                        let encoded =
-                            tokenize(&state, move |t| t.encode_within(&text, special, keep));
+                        let encoded = tokenize(&state, move |t| {
+                            within_text_limit(&text)?;
+                            t.encode_within(&text, special, keep)
+                        });
                         match encoded.await {
                             Ok(tokens) => tokens,
                             Err(response) => return response,

@@ -115,6 +115,22 @@ async fn generate_without_stream_returns_one_body_and_bad_input_is_400() {
     assert!(chat.starts_with("HTTP/1.1 200"), "{chat}");
     assert!(chat.contains("\"object\":\"chat.completion\""), "{chat}");
     assert!(chat.contains("\"role\":\"assistant\""), "{chat}");
+    // Text past the router's max_tokenize_bytes, and a chat of more JSON values than the
+    // router reads, are 413s, not gigabytes (a tokenizer peaks at up to 350 times its
+    // text; every value of a chat is an 80-byte JSON value).
+    let limit = super::http::max_text_bytes();
+    let long = serde_json::json!({"model": "sim", "prompt": "a".repeat(limit + 1)});
+    let refused = post(w.addr, "/v1/completions", &long.to_string()).await;
+    assert!(refused.starts_with("HTTP/1.1 413"), "{}", &refused[..200]);
+    let long_chat = serde_json::json!({"model": "sim", "messages": [{"role": "user", "content": "a".repeat(limit)}]});
+    let refused = post(w.addr, "/v1/chat/completions", &long_chat.to_string()).await;
+    assert!(refused.starts_with("HTTP/1.1 413"), "{}", &refused[..200]);
+    let zeros = vec!["0"; kvroute::ingress::openai::MAX_CHAT_VALUES].join(",");
+    let many = format!(
+        r#"{{"model": "sim", "messages": [{{"role": "user", "content": "hi"}}], "tools": [{zeros}]}}"#
+    );
+    let refused = post(w.addr, "/v1/chat/completions", &many).await;
+    assert!(refused.starts_with("HTTP/1.1 413"), "{}", &refused[..200]);
     let chunks = post(
         w.addr,
         "/v1/chat/completions",
