@@ -256,12 +256,16 @@ pub async fn run(args: &Args) -> anyhow::Result<Report> {
         Some(paced_rate),
     )
     .await?;
-    wait_applied(
-        &plane,
-        total + args.workers * paced_batches,
-        Duration::from_secs(60),
-    )
-    .await;
+    // A router that fell behind would leave its slowest batches out of the lag figures:
+    // no report then.
+    let paced_total = total + args.workers * paced_batches;
+    if !wait_applied(&plane, paced_total, Duration::from_secs(60)).await {
+        anyhow::bail!(
+            "the router applied {} of {paced_total} batches by the paced phase's end: its lag \
+             figures would leave the slowest out",
+            applied(&plane)
+        );
+    }
     let paced = |mut all: Vec<f64>, before: usize| all.split_off(before.min(all.len()));
     let mut lags = paced(plane.lag_samples(), before.0);
     let mut transit = paced(plane.transit_samples(), before.1);

@@ -251,8 +251,21 @@ pub struct Phase {
     pub wall_s: f64,
     /// (stored + removed + walked lookup blocks) / wall.
     pub block_ops_per_s: f64,
-    /// `find_matches` latency, µs.
+    /// `find_matches` latency, µs: the call alone (service time).
     pub lookup_us: Summary,
+    /// Paced: from each lookup's due time to its answer, µs, the wait behind the lookups
+    /// before it on the one reader thread included (lookups due together, as a request's
+    /// copies or a trace's same-millisecond requests are, run one after another). Flat out,
+    /// the same as `lookup_us`.
+    pub lookup_response_us: Summary,
+    /// Paced: lookups whose due time had passed when the reader came to them (it was busy
+    /// with earlier ones due with them, or had woken late for them).
+    pub lookups_behind: u64,
+    /// Paced: how long those waited past their due time, µs.
+    pub behind_us: Summary,
+    /// Paced: how late the reader woke for the others (it slept until their due time; the
+    /// OS's timer slack and scheduling, not the index), µs.
+    pub woke_late_us: Summary,
     /// Blocks a lookup walked (matched + 1, at most the prompt), mean.
     pub walked_blocks_mean: f64,
     /// Lookup time per walked block, ns (total time / total blocks walked).
@@ -262,14 +275,19 @@ pub struct Phase {
 impl Phase {
     /// The figures of a phase that took `wall_s`, applied `event_blocks` and ran lookups
     /// with these `latencies` (µs) that walked `walked` blocks.
-    fn new(wall_s: f64, event_blocks: u64, mut latencies: Vec<f64>, walked: u64) -> Phase {
-        let total_us: f64 = latencies.iter().sum();
-        let lookups = latencies.len().max(1) as f64;
+    fn new(wall_s: f64, event_blocks: u64, mut lookups: Lookups) -> Phase {
+        let walked = lookups.walked;
+        let total_us: f64 = lookups.service_us.iter().sum();
+        let count = lookups.service_us.len().max(1) as f64;
         Phase {
             wall_s,
             block_ops_per_s: (event_blocks + walked) as f64 / wall_s,
-            lookup_us: Summary::of(&mut latencies),
-            walked_blocks_mean: walked as f64 / lookups,
+            lookup_us: Summary::of(&mut lookups.service_us),
+            lookup_response_us: Summary::of(&mut lookups.response_us),
+            lookups_behind: lookups.behind_us.len() as u64,
+            behind_us: Summary::of(&mut lookups.behind_us),
+            woke_late_us: Summary::of(&mut lookups.woke_late_us),
+            walked_blocks_mean: walked as f64 / count,
             ns_per_walked_block: total_us * 1e3 / walked.max(1) as f64,
         }
     }
@@ -296,8 +314,11 @@ pub struct Report {
     pub block_ops_per_s: f64,
     /// Lookup p50 at the trace's rate, µs.
     pub lookup_p50_us: f64,
-    /// Lookup p99 at the trace's rate, µs.
+    /// Lookup p99 at the trace's rate, µs (the call alone).
     pub lookup_p99_us: f64,
+    /// Lookup p99 at the trace's rate from each lookup's due time, µs (its wait behind
+    /// lookups due before it included: `paced.lookup_response_us`).
+    pub lookup_response_p99_us: f64,
     /// Paced phase.
     pub paced: Phase,
     /// The lookups again, flat out, against the full index the paced phase left (no
@@ -449,6 +470,7 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         block_ops_per_s: saturated.phase.block_ops_per_s,
         lookup_p50_us: paced.phase.lookup_us.p50,
         lookup_p99_us: paced.phase.lookup_us.p99,
+        lookup_response_p99_us: paced.phase.lookup_response_us.p99,
         paced: paced.phase,
         full,
         saturated: saturated.phase,
@@ -598,15 +620,11 @@ fn replay(
     let event_blocks = writer
         .join()
         .map_err(|_| anyhow::anyhow!("writer thread panicked"))?;
-    let (latencies, walked) = reader
+    let lookups = reader
         .join()
         .map_err(|_| anyhow::anyhow!("reader thread panicked"))?;
-    let phase = Phase::new(
-        start.elapsed().as_secs_f64(),
-        event_blocks,
-        latencies,
-        walked,
-    );
+    let walked = lookups.walked;
+    let phase = Phase::new(start.elapsed().as_secs_f64(), event_blocks, lookups);
     Ok(Replayed {
         phase,
         walked,
@@ -614,40 +632,87 @@ fn replay(
     })
 }
 
+/// What a run of lookups measured.
+struct Lookups {
+    /// Each call alone, µs.
+    service_us: Vec<f64>,
+    /// From each one's due time (its start, flat out) to its answer, µs.
+    response_us: Vec<f64>,
+    /// Of those the reader came to late, being busy: how late, µs.
+    behind_us: Vec<f64>,
+    /// Of those it slept for: how late it woke, µs.
+    woke_late_us: Vec<f64>,
+    /// Blocks walked, all lookups together.
+    walked: u64,
+}
+
 /// Runs the timeline's lookups against `index`, each once `due` (if it names a time) has
-/// come. Returns their latencies, µs, and the blocks they walked.
-fn lookups(
-    timeline: &Timeline,
-    index: &Indexer,
-    due: impl Fn(u64) -> Option<Instant>,
-) -> (Vec<f64>, u64) {
-    let mut latencies = Vec::new();
-    let mut walked = 0u64;
+/// come, one after another.
+fn lookups(timeline: &Timeline, index: &Indexer, due: impl Fn(u64) -> Option<Instant>) -> Lookups {
+    let mut out = Lookups {
+        service_us: Vec::new(),
+        response_us: Vec::new(),
+        behind_us: Vec::new(),
+        woke_late_us: Vec::new(),
+        walked: 0,
+    };
     for (t, item) in &timeline.items {
         if let Item::Lookup {
             locals, seqs, copy, ..
         } = item
         {
-            if let Some(when) = due(*t) {
+            let when = due(*t);
+            let slept = when.is_some_and(|when| when > Instant::now());
+            if let Some(when) = when {
                 sleep_until(when);
             }
             let began = Instant::now();
+            if let Some(when) = when {
+                let late = began.saturating_duration_since(when).as_secs_f64() * 1e6;
+                if slept {
+                    out.woke_late_us.push(late);
+                } else {
+                    out.behind_us.push(late);
+                }
+            }
             let scores = if *copy == 0 {
                 index.find_matches(locals)
             } else {
-                index.find_matches_seq(seqs)
+                // The hashing `find_matches` does, moved into the copy's space: every copy's
+                // lookup is timed with it (copies looked up pre-hashed ran about 4 ns a block
+                // faster than copy 0).
+                let mask = mix(*copy);
+                let mut parent = None;
+                let moved: Vec<SeqHash> = locals
+                    .iter()
+                    .map(|local| {
+                        let seq = kvroute::protocol::seq_hash(parent, *local, Salt::NONE);
+                        parent = Some(seq);
+                        SeqHash(seq.0 ^ mask)
+                    })
+                    .collect();
+                debug_assert_eq!(&moved, seqs);
+                index.find_matches_seq(&moved)
             };
-            latencies.push(began.elapsed().as_secs_f64() * 1e6);
+            let ended = Instant::now();
+            out.service_us
+                .push(ended.duration_since(began).as_secs_f64() * 1e6);
+            out.response_us.push(
+                ended
+                    .duration_since(when.unwrap_or(began).min(began))
+                    .as_secs_f64()
+                    * 1e6,
+            );
             let deepest = scores
                 .workers
                 .iter()
                 .map(|o| (o.device + o.host + o.disk) as u64)
                 .max()
                 .unwrap_or(0);
-            walked += (deepest + 1).min(locals.len() as u64);
+            out.walked += (deepest + 1).min(locals.len() as u64);
         }
     }
-    (latencies, walked)
+    out
 }
 
 /// Every lookup of the timeline again, flat out on one thread, against the index as the
@@ -655,8 +720,8 @@ fn lookups(
 /// previous lookup rather than cold from a sleep.
 fn settled(timeline: &Timeline, index: &Indexer) -> Phase {
     let start = Instant::now();
-    let (latencies, walked) = lookups(timeline, index, |_| None);
-    Phase::new(start.elapsed().as_secs_f64(), 0, latencies, walked)
+    let lookups = lookups(timeline, index, |_| None);
+    Phase::new(start.elapsed().as_secs_f64(), 0, lookups)
 }
 
 /// Fills a fresh index with `blocks` distinct blocks (64 workers, 16-block chains, on the
@@ -762,26 +827,38 @@ pub fn print(report: &Report) {
         report.trace, report.workers, report.events, report.lookups
     );
     println!(
-        "| phase | wall s | block-ops/s | lookup p50 µs | lookup p90 µs | lookup p99 µs | mean µs | blocks walked (mean) | ns per block |"
+        "| phase | wall s | block-ops/s | lookup p50 µs | lookup p90 µs | lookup p99 µs | mean µs | from due time p50 / p99 µs | blocks walked (mean) | ns per block |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for (name, p) in [
         ("paced (trace rate)", &report.paced),
         ("lookups only, full index", &report.full),
         ("saturated", &report.saturated),
     ] {
         println!(
-            "| {name} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.1} |",
+            "| {name} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} / {:.2} | {:.1} | {:.1} |",
             p.wall_s,
             p.block_ops_per_s,
             p.lookup_us.p50,
             p.lookup_us.p90,
             p.lookup_us.p99,
             p.lookup_us.mean,
+            p.lookup_response_us.p50,
+            p.lookup_response_us.p99,
             p.walked_blocks_mean,
             p.ns_per_walked_block
         );
     }
+    let p = &report.paced;
+    println!(
+        "paced, from each lookup's due time: {} of {} found the reader not yet free (earlier lookups due with them, or its own late wake for them) and waited p50 / p99 {:.1} / {:.1} µs; for the others it slept and woke p50 / p99 {:.1} / {:.1} µs late (timer slack and scheduling)",
+        p.lookups_behind,
+        report.lookups,
+        p.behind_us.p50,
+        p.behind_us.p99,
+        p.woke_late_us.p50,
+        p.woke_late_us.p99
+    );
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     let m = &report.memory;
     println!(
