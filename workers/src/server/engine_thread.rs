@@ -3,7 +3,7 @@
 //! publisher its KV event batches. Nothing it sends to can make it wait: outputs and
 //! batches go through `try_send`, and what does not fit is dealt with and counted.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
 use std::time::{Duration, Instant};
 
@@ -100,6 +100,8 @@ fn run(
     // thread's wake-up latency per step. It never runs more than 1 ms ahead.
     let mut clock = 0u64;
     let mut waiting: HashMap<RequestId, mpsc::Sender<Output>> = HashMap::new();
+    // Outputs a request's channel had no room for, in order, until its client reads them.
+    let mut backlog: HashMap<RequestId, Backlog> = HashMap::new();
     let mut out = Vec::new();
     let mut batches = Vec::new();
     // Its G1 size is in its `/metrics` before its first request.
@@ -116,13 +118,21 @@ fn run(
         if let Some(due) = engine.next_wakeup_us().filter(|t| *t <= wall + 1_000) {
             clock = clock.max(due);
         }
+        // With outputs held back, their clients are looked at again within a millisecond.
+        let flush = (!backlog.is_empty()).then_some(BACKLOG_POLL);
         let input = match engine.next_wakeup_us() {
             Some(t) if t <= clock => inputs.try_recv().map_err(|e| match e {
                 std::sync::mpsc::TryRecvError::Empty => RecvTimeoutError::Timeout,
                 std::sync::mpsc::TryRecvError::Disconnected => RecvTimeoutError::Disconnected,
             }),
-            Some(t) => inputs.recv_timeout(Duration::from_micros(t - clock)),
-            None => inputs.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            Some(t) => {
+                let wait = Duration::from_micros(t - clock);
+                inputs.recv_timeout(flush.map_or(wait, |f| f.min(wait)))
+            }
+            None => match flush {
+                Some(f) => inputs.recv_timeout(f),
+                None => inputs.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            },
         };
         clock = clock.max(wall_us());
         match input {
@@ -154,34 +164,71 @@ fn run(
         series.shared_on_register.absolute(cache.shared_on_register);
         // A failed copy or verification stops the engine, after it has been counted.
         advanced.map_err(|e| e.to_string())?;
+        // What clients left unread before goes first, in order.
+        let now = Instant::now();
+        let (mut ended, mut stalled) = (Vec::new(), Vec::new());
+        backlog.retain(|id, held| {
+            let Some(tx) = waiting.get(id) else {
+                return false;
+            };
+            match held.flush(tx, now) {
+                Flushed::Empty => {
+                    if held.ended {
+                        ended.push(*id);
+                    }
+                    false
+                }
+                Flushed::Waiting => true,
+                Flushed::Stalled | Flushed::Closed => {
+                    stalled.push(*id);
+                    false
+                }
+            }
+        });
+        for id in ended {
+            waiting.remove(&id);
+        }
+        for id in stalled {
+            end_unread(&mut engine, &mut waiting, id);
+        }
         for o in out.drain(..) {
             if matches!(o.kind, OutputKind::Token { .. }) {
                 series.tokens.increment(1);
             }
+            let id = o.request;
             let done = matches!(o.kind, OutputKind::Finished | OutputKind::Rejected(_));
-            let Some(tx) = waiting.get(&o.request) else {
+            let Some(tx) = waiting.get(&id) else {
                 continue;
             };
-            let cut = match tx.try_send(o) {
-                Ok(()) => false,
-                Err(mpsc::error::TrySendError::Closed(_)) => true,
-                Err(mpsc::error::TrySendError::Full(_)) => {
-                    // The client reads slower than the engine writes and the request's
-                    // buffer is full: end it (dropping the sender ends the stream with an
-                    // error), rather than lose a token silently or stall the engine.
-                    metrics::counter!("kvroute_worker_slow_client_total").increment(1);
-                    tracing::warn!(
-                        request = o.request.0,
-                        "client too slow; its stream is cut off"
-                    );
-                    true
-                }
-            };
-            if done || cut {
-                waiting.remove(&o.request);
+            if let Some(held) = backlog.get_mut(&id) {
+                held.outputs.push_back(o);
+                held.ended |= done;
+                continue;
             }
-            if cut && !done {
-                engine.cancel(o.request);
+            match tx.try_send(o) {
+                Ok(()) if done => {
+                    waiting.remove(&id);
+                }
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Closed(_)) => {
+                    waiting.remove(&id);
+                    if !done {
+                        engine.cancel(id);
+                    }
+                }
+                // The client has not read what it was sent yet: the rest waits here, in
+                // order (a fast engine, or a thread that woke late, writes many tokens in
+                // one turn).
+                Err(mpsc::error::TrySendError::Full(o)) => {
+                    backlog.insert(
+                        id,
+                        Backlog {
+                            outputs: VecDeque::from([o]),
+                            progress: now,
+                            ended: done,
+                        },
+                    );
+                }
             }
         }
         // Clients that went away between outputs: free their blocks now.
@@ -206,6 +253,73 @@ fn run(
             }
         }
     }
+}
+
+/// How often outputs held back are offered to their clients again.
+const BACKLOG_POLL: Duration = Duration::from_millis(1);
+
+/// A client that reads none of its outputs for this long is cut off: its request is
+/// cancelled and its stream ends with an error (the router's idle timeout between tokens
+/// is 30 s; a worker's clients are its routers).
+const CLIENT_STALL: Duration = Duration::from_secs(10);
+
+/// A request's outputs its channel had no room for. Bounded by the request's own outputs
+/// (at most its `max_tokens` and an end), which its G1 blocks bound.
+struct Backlog {
+    outputs: VecDeque<Output>,
+    /// When its client last took one.
+    progress: Instant,
+    /// The request's end is among them.
+    ended: bool,
+}
+
+/// What offering a backlog to its client came to.
+enum Flushed {
+    /// All taken (the request's end included, if it was there).
+    Empty,
+    /// Some left; the client is reading.
+    Waiting,
+    /// Some left, and the client has taken none for [`CLIENT_STALL`].
+    Stalled,
+    /// The client is gone.
+    Closed,
+}
+
+impl Backlog {
+    fn flush(&mut self, tx: &mpsc::Sender<Output>, now: Instant) -> Flushed {
+        while let Some(o) = self.outputs.pop_front() {
+            match tx.try_send(o) {
+                Ok(()) => self.progress = now,
+                Err(mpsc::error::TrySendError::Full(o)) => {
+                    self.outputs.push_front(o);
+                    return if now.duration_since(self.progress) >= CLIENT_STALL {
+                        Flushed::Stalled
+                    } else {
+                        Flushed::Waiting
+                    };
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => return Flushed::Closed,
+            }
+        }
+        Flushed::Empty
+    }
+}
+
+/// Ends request `id`, whose client stopped reading or left: cancelled (if it was still
+/// running), its channel dropped (its stream ends with an error).
+fn end_unread(
+    engine: &mut Engine,
+    waiting: &mut HashMap<RequestId, mpsc::Sender<Output>>,
+    id: RequestId,
+) {
+    if waiting.remove(&id).is_some_and(|tx| !tx.is_closed()) {
+        metrics::counter!("kvroute_worker_slow_client_total").increment(1);
+        tracing::warn!(
+            request = id.0,
+            "client read nothing for {CLIENT_STALL:?}; its stream is cut off"
+        );
+    }
+    engine.cancel(id);
 }
 
 /// The engine's own series, registered once. An engine that is one rank of several (an
