@@ -1144,8 +1144,11 @@ impl Registration {
 
     /// Stops the heartbeat and removes the registration, waiting at most the lease's TTL
     /// (a registry that cannot be reached, as in a NATS outage, must not hold a shutdown).
-    pub async fn goodbye(self) {
+    pub async fn goodbye(mut self) {
         self.task.abort();
+        // Until it has stopped: a beat being sent on another thread could otherwise land
+        // after the delete, and a router starting then would take it for a registration.
+        let _ = (&mut self.task).await;
         let id = self.info.lock().id;
         let error = match tokio::time::timeout(self.ttl, self.registry.delete(id)).await {
             Ok(Ok(())) => return,
