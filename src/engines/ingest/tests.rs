@@ -503,6 +503,19 @@ async fn a_replay_whose_end_marker_was_dropped_is_asked_for_again() {
     lost_inside_a_replay(false).await;
 }
 
+/// Publishes every other batch (seq 0, 2, 4, 6, 8: four gaps) and waits until `owner` has
+/// seen the four gaps.
+async fn four_gaps(pubs: &PubSocket, owner: &mut Owner) {
+    for seq in (0..10u64).step_by(2) {
+        pubs.publish(vec![
+            Bytes::new(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            store(seq + 1, None),
+        ]);
+    }
+    owner.until("four gaps", |o| o.stats.gaps == 4).await;
+}
+
 /// A replay socket that refuses connections rests like one that leaves requests unanswered
 /// (each gap cost a connection attempt and a warning).
 #[tokio::test]
@@ -517,14 +530,7 @@ async fn a_refusing_replay_socket_rests() {
         topic: String::new(),
     };
     let mut owner = follow(endpoint, IngestLimits::default()).await;
-    for seq in (0..10u64).step_by(2) {
-        pubs.publish(vec![
-            Bytes::new(),
-            Bytes::copy_from_slice(&seq.to_be_bytes()),
-            store(seq + 1, None),
-        ]);
-    }
-    owner.until("four gaps", |o| o.stats.gaps == 4).await;
+    four_gaps(&pubs, &mut owner).await;
     assert!(owner.stats.replays_skipped > 0, "{:?}", owner.stats);
 }
 
@@ -738,15 +744,7 @@ async fn an_unanswering_replay_socket_rests() {
     };
     // The replay at subscription is the first left unanswered.
     let mut owner = follow(scripted(&pubs, &replay), limits).await;
-    // Every other batch lost: seq 0, 2, 4, 6, 8 arrive, four gaps.
-    for seq in (0..10u64).step_by(2) {
-        pubs.publish(vec![
-            Bytes::new(),
-            Bytes::copy_from_slice(&seq.to_be_bytes()),
-            store(seq + 1, None),
-        ]);
-    }
-    owner.until("four gaps", |o| o.stats.gaps == 4).await;
+    four_gaps(&pubs, &mut owner).await;
     assert_eq!(
         asked.load(std::sync::atomic::Ordering::SeqCst),
         2,
