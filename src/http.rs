@@ -148,8 +148,10 @@ pub const MAX_HEAD_BYTES: usize = 64 << 10;
 /// stream to the last byte its client reads), an idle one at once. A caller draining waits
 /// for this under its deadline; returning earlier, a process would exit with answers still
 /// in its sockets. Each connection holds one of `max_connections` permits, taken before
-/// `accept`, so a flood queues in the kernel instead of in memory.
+/// `accept`, so a flood queues in the kernel instead of in memory. `name` labels its
+/// connections in `kvroute_http_connections_open{listener}` (`api`, `admin`, `status`…).
 pub async fn serve_http<F, Fut>(
+    name: &'static str,
     listener: tokio::net::TcpListener,
     config: HttpConfig,
     handler: F,
@@ -190,7 +192,7 @@ pub async fn serve_http<F, Fut>(
         configure(&stream);
         let handler = handler.clone();
         let mut closing = shutdown.clone();
-        let open = OpenConnection::new();
+        let open = OpenConnection::new(name);
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
                 let response = handler(req);
@@ -228,20 +230,21 @@ pub async fn serve_http<F, Fut>(
     let _ = permits.acquire_many(all).await;
 }
 
-/// An open connection, counted in `kvroute_http_connections_open` while it lives: the
-/// count goes down however the connection's task ends (a handler that panics unwinds it).
-struct OpenConnection;
+/// An open connection, counted in `kvroute_http_connections_open{listener}` while it
+/// lives: the count goes down however the connection's task ends (a handler that panics
+/// unwinds it).
+struct OpenConnection(&'static str);
 
 impl OpenConnection {
-    fn new() -> OpenConnection {
-        metrics::gauge!("kvroute_http_connections_open").increment(1.0);
-        OpenConnection
+    fn new(listener: &'static str) -> OpenConnection {
+        metrics::gauge!("kvroute_http_connections_open", "listener" => listener).increment(1.0);
+        OpenConnection(listener)
     }
 }
 
 impl Drop for OpenConnection {
     fn drop(&mut self) {
-        metrics::gauge!("kvroute_http_connections_open").decrement(1.0);
+        metrics::gauge!("kvroute_http_connections_open", "listener" => self.0).decrement(1.0);
     }
 }
 

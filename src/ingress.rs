@@ -615,6 +615,7 @@ pub async fn serve(
 ) {
     let http = router.config.http.clone();
     serve_http(
+        "api",
         listener,
         http,
         move |req| handle(Arc::clone(&router), req),
@@ -657,6 +658,7 @@ pub async fn serve_status(
         ..router.config.http.clone()
     };
     serve_http(
+        "status",
         listener,
         http,
         move |req| {
@@ -690,6 +692,7 @@ pub async fn serve_admin(
         ..router.config.http.clone()
     };
     serve_http(
+        "admin",
         listener,
         http,
         move |req| handle_admin(Arc::clone(&router), req),

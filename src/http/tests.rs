@@ -27,7 +27,7 @@ where
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, rx) = watch::channel(false);
-    tokio::spawn(serve_http(listener, config, handler, rx));
+    tokio::spawn(serve_http("test", listener, config, handler, rx));
     (addr, stop)
 }
 
@@ -187,6 +187,7 @@ async fn an_answer_before_the_body_reaches_a_client_still_uploading() {
     let addr = listener.local_addr().unwrap();
     let (_stop, rx) = watch::channel(false);
     tokio::spawn(serve_http(
+        "test",
         listener,
         HttpConfig::default(),
         |_req: hyper::Request<Incoming>| async {
@@ -256,6 +257,7 @@ async fn a_client_that_stops_reading_is_cut_off_and_frees_its_slot() {
     let (_stop, rx) = watch::channel(false);
     let big = Bytes::from(vec![b'x'; 64 << 20]);
     tokio::spawn(serve_http(
+        "test",
         listener,
         HttpConfig {
             max_connections: 1,
@@ -394,6 +396,7 @@ async fn shutdown_closes_kept_alive_connections_once_their_request_is_done() {
     let release = Arc::new(tokio::sync::Notify::new());
     let released = Arc::clone(&release);
     let server = tokio::spawn(serve_http(
+        "test",
         listener,
         HttpConfig::default(),
         move |req: hyper::Request<Incoming>| {

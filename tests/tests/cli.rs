@@ -503,9 +503,9 @@ async fn the_status_listener_answers_when_the_api_s_connections_are_all_taken() 
             .unwrap();
         held.push(s);
     }
-    // The API port is full once the router holds 3 connections: its cap of 2, and the
-    // status listener's own scrape (a probe on the API port would wait in the accept
-    // queue from then on).
+    // The API port is full once it holds its cap of 2 connections (a probe on it would
+    // wait in the accept queue from then on); the status listener's own scrape is counted
+    // apart.
     let probe = Http::default();
     let mut full = false;
     for _ in 0..200 {
@@ -513,17 +513,14 @@ async fn the_status_listener_answers_when_the_api_s_connections_are_all_taken() 
             .call("GET", &format!("{status}/metrics"), "")
             .await
             .unwrap();
-        let open = m
-            .body
-            .lines()
-            .find_map(|l| {
-                l.strip_prefix("kvroute_http_connections_open ")?
-                    .trim()
-                    .parse()
-                    .ok()
-            })
-            .unwrap_or(0.0);
-        if open >= 3.0 {
+        let open = |listener: &str| {
+            let series = format!("kvroute_http_connections_open{{listener=\"{listener}\"}} ");
+            m.body
+                .lines()
+                .find_map(|l| l.strip_prefix(&series)?.trim().parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        if open("api") >= 2.0 && open("status") >= 1.0 {
             full = true;
             break;
         }

@@ -1101,6 +1101,7 @@ async fn scripted_engine(
     tokio::spawn(async move {
         let _keep = keep;
         kvroute::http::serve_http(
+            "engine",
             listener,
             kvroute::http::HttpConfig::default(),
             move |req: hyper::Request<hyper::body::Incoming>| {

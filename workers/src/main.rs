@@ -580,6 +580,7 @@ async fn sidecar(
     let listening = listener.local_addr()?;
     let (http_stop, http_stop_rx) = tokio::sync::watch::channel(false);
     let server = tokio::spawn(kvroute::http::serve_http(
+        "sidecar",
         listener,
         http,
         {

@@ -116,6 +116,7 @@ pub(crate) async fn serve(
     shutdown: watch::Receiver<bool>,
 ) {
     serve_http(
+        "worker",
         listener,
         config,
         move |req| handle(state.clone(), req),
