@@ -65,11 +65,20 @@ impl Medium {
         }
     }
 
-    /// The kvroute tier: GPU → device, CPU → host, anything else → disk.
+    /// The kvroute tier: GPU → device, CPU → host, a shared or remote pool → remote
+    /// (SGLang's `EXTERNAL`, "L4: shared / remote pool (e.g. Mooncake)" in its
+    /// `StorageMedium`, python/sglang/srt/disaggregation/kv_events.py; `REMOTE`), anything
+    /// else (vLLM's `STORAGE`, SGLang's `DISK`, L3) → disk. Apart, an L3 eviction does not
+    /// take the router's knowledge of an L4 copy with it.
     pub fn tier(&self) -> Tier {
         match self {
             Medium::Gpu => Tier::Device,
             Medium::Cpu => Tier::Host,
+            Medium::Other(name)
+                if name.eq_ignore_ascii_case("EXTERNAL") || name.eq_ignore_ascii_case("REMOTE") =>
+            {
+                Tier::Remote
+            }
             Medium::Other(_) => Tier::Disk,
         }
     }

@@ -557,3 +557,22 @@ fn a_batch_of_too_many_events_is_refused() {
             .all(|e| matches!(e, EngineEvent::Malformed { .. }))
     );
 }
+
+/// Media name tiers: SGLang's `EXTERNAL` (L4, a shared or remote pool such as Mooncake) is
+/// the remote tier, apart from `DISK` and vLLM's `STORAGE` (L3), so an L3 eviction does not
+/// take an L4 copy with it.
+#[test]
+fn media_name_their_tiers() {
+    for (name, tier) in [
+        (None, Tier::Device),
+        (Some("GPU"), Tier::Device),
+        (Some("CPU_PINNED"), Tier::Host),
+        (Some("cpu"), Tier::Host),
+        (Some("DISK"), Tier::Disk),
+        (Some("STORAGE"), Tier::Disk),
+        (Some("EXTERNAL"), Tier::Remote),
+        (Some("REMOTE"), Tier::Remote),
+    ] {
+        assert_eq!(Medium::parse(name).tier(), tier, "{name:?}");
+    }
+}
