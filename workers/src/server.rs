@@ -270,6 +270,10 @@ impl Worker {
                     std::thread::available_parallelism().map_or(1, |n| n.get()),
                 )),
                 digests: Arc::new(tokio::sync::Semaphore::new(1)),
+                max_tokens_held: config
+                    .engine
+                    .g1_blocks
+                    .saturating_mul(config.engine.block_size),
             },
             shutdown_rx,
         ));

@@ -63,6 +63,9 @@ pub(crate) struct State {
     pub digests: Arc<tokio::sync::Semaphore>,
     /// Required on `/v1/*` (`--api-key`).
     pub api_key: Option<kvroute::auth::Secret>,
+    /// Tokens a request's prompt and answer can hold at most: its G1 (a longer one is
+    /// refused before its body is parsed into a token list of 4 B a token).
+    pub max_tokens_held: usize,
 }
 
 /// The internal generate request: what the router sends.
@@ -232,6 +235,9 @@ async fn read_json<T: serde::de::DeserializeOwned>(
     read_json_within(state, req, usize::MAX).await
 }
 
+/// JSON values a generate or completion body may hold beside its token list.
+const FIELD_VALUES: usize = 4096;
+
 /// As [`read_json`], refusing (413) a body of more than `max_values` JSON values before it
 /// is parsed: a chat is read into JSON values whole, 80 B or more each, from as little as
 /// two bytes (the router's rule, [`kvroute::ingress::openai::MAX_CHAT_VALUES`]).
@@ -260,7 +266,12 @@ async fn read_json_within<T: serde::de::DeserializeOwned>(
         return Err(error(
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
-            &format!("a chat body of more than {max_values} JSON values"),
+            &format!(
+                "a body of more than {max_values} JSON values (a chat's at most {}; a token \
+                 prompt at most the {} tokens this engine's G1 holds)",
+                kvroute::ingress::openai::MAX_CHAT_VALUES,
+                state.max_tokens_held
+            ),
         ));
     }
     serde_json::from_slice(&body).map_err(|e| bad_request(&format!("invalid request body: {e}")))
@@ -290,7 +301,8 @@ fn within_text_limit(text: &str) -> Result<(), kvroute::ingress::tokenizer::Toke
 }
 
 async fn generate(state: State, req: hyper::Request<Incoming>) -> Response<Body> {
-    match read_json::<Generate>(&state, req).await {
+    let most = state.max_tokens_held.saturating_add(FIELD_VALUES);
+    match read_json_within::<Generate>(&state, req, most).await {
         Ok(g) => run(state, g).await,
         Err(response) => response,
     }
@@ -376,7 +388,8 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
             Err(response) => return response,
         }
     } else {
-        match read_json::<CompletionRequest>(&state, req).await {
+        let most = state.max_tokens_held.saturating_add(FIELD_VALUES);
+        match read_json_within::<CompletionRequest>(&state, req, most).await {
             Ok(r) => {
                 if let Err(e) = check_stream_options(r.stream, r.stream_options) {
                     return bad_request(&e.message);

@@ -54,6 +54,46 @@ async fn post(addr: SocketAddr, path: &str, body: &str) -> String {
     out
 }
 
+/// A token list longer than the engine's G1 could ever hold is refused before it is parsed
+/// (at 4 B a token, where its JSON costs as little as 2: the engine refused it only once
+/// it had been parsed and copied, 4 times the body's bytes). Control: one that fits runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_list_longer_than_g1_is_refused_before_it_is_parsed() {
+    let bus = LocalBus::new();
+    let mut small = config();
+    small.engine.g1_blocks = 64;
+    let w = Worker::start(
+        small,
+        Transport::Local(bus.clone()),
+        Registry::Local(LocalRegistry::default()),
+    )
+    .await
+    .unwrap();
+    let body = |n: u32| {
+        serde_json::json!({"token_ids": (0..n).collect::<Vec<u32>>(), "max_tokens": 2}).to_string()
+    };
+    let long = post(w.addr, "/internal/generate", &body(20_000)).await;
+    assert!(
+        long.starts_with("HTTP/1.1 413"),
+        "{}",
+        &long[..200.min(long.len())]
+    );
+    let completion =
+        serde_json::json!({"model": "sim", "prompt": (0..20_000).collect::<Vec<u32>>()});
+    let long = post(w.addr, "/v1/completions", &completion.to_string()).await;
+    assert!(
+        long.starts_with("HTTP/1.1 413"),
+        "{}",
+        &long[..200.min(long.len())]
+    );
+    let fits = post(w.addr, "/internal/generate", &body(100)).await;
+    assert!(
+        fits.starts_with("HTTP/1.1 200"),
+        "{}",
+        &fits[..200.min(fits.len())]
+    );
+}
+
 /// A fast engine writes thousands of tokens in one turn of its thread (each turn runs every
 /// step due, up to a millisecond ahead): what a request's channel has no room for waits, in
 /// order, until the client reads it, instead of cutting a client that had no chance to
