@@ -148,7 +148,7 @@ impl Default for IngressConfig {
             upstream_body_timeout_ms: 600_000,
             first_token_timeout_ms: 60_000,
             max_upstream_body_bytes: 64 << 20,
-            max_tokenize_bytes: 1 << 20,
+            max_tokenize_bytes: DEFAULT_MAX_TOKENIZE_BYTES,
             tokenizer_threads: 0,
             http: HttpConfig::default(),
             api_keys: Vec::new(),
@@ -245,6 +245,9 @@ pub enum IngressConfigError {
     #[error(transparent)]
     Http(#[from] crate::http::HttpConfigError),
 }
+
+/// `max_tokenize_bytes` unless configured: 1 MiB.
+pub const DEFAULT_MAX_TOKENIZE_BYTES: usize = 1 << 20;
 
 /// Most `tokenizer_threads` (tokio's blocking pool holds 512 threads).
 pub const MAX_TOKENIZER_THREADS: usize = 512;
@@ -1194,12 +1197,15 @@ pub const MAX_N: u32 = 1_024;
 
 /// Parses and tokenizes a completion or chat body, with the default `max_tokenize_bytes`.
 fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
-    parse_within(
-        tokenizer,
-        body,
-        chat,
-        IngressConfig::default().max_tokenize_bytes,
-    )
+    parse_within(tokenizer, body, chat, DEFAULT_MAX_TOKENIZE_BYTES)
+}
+
+/// Tokens of a prompt encoded within the text limit, or none and `true` (untokenized).
+fn or_untokenized(encoded: Option<Vec<u32>>) -> (Vec<u32>, bool) {
+    match encoded {
+        Some(tokens) => (tokens, false),
+        None => (Vec::new(), true),
+    }
 }
 
 /// Parses and tokenizes a completion or chat body (on the tokenizer pool), tokenizing at
@@ -1217,12 +1223,15 @@ fn parse_within(
         |e: serde_json::Error| ApiError::bad_request(format!("invalid request body: {e}"));
     let rejected = |e: tokenizer::TokenizerError| ApiError::bad_request(e.to_string());
     // `None`: longer than the limit, not tokenized.
-    let encode = |text: &str, special: bool, keep: Option<usize>| {
-        if text.len() > text_limit {
+    let encode = |text: &str, special: bool, keep: Option<usize>| match tokenizer
+        .encode_limited(text, special, keep, text_limit)
+    {
+        Ok(tokens) => Ok(Some(tokens)),
+        Err(tokenizer::TokenizerError::TooLong { .. }) => {
             metrics::counter!("kvroute_prompts_untokenized_total").increment(1);
-            return Ok(None);
+            Ok(None)
         }
-        tokenizer.encode_within(text, special, keep).map(Some)
+        Err(e) => Err(e),
     };
     let parsed = if chat {
         if openai::json_values_over(body, openai::MAX_CHAT_VALUES) {
@@ -1255,24 +1264,17 @@ fn parse_within(
         // and forward the request as it came.
         let media_at = r.messages.iter().position(|m| m.media);
         let keep = openai::prompt_keep(r.truncate_prompt_tokens)?;
-        let mut untokenized = false;
-        let tokens = match media_at {
+        let (tokens, untokenized) = match media_at {
             // The engine cuts the whole rendering, media tokens included, which the router
             // cannot count: no prefix of the cut one is known.
-            Some(_) if keep.is_some() => Vec::new(),
+            Some(_) if keep.is_some() => (Vec::new(), false),
             None => {
                 let text = tokenizer
                     .chat_text(&r.messages, &options)
                     .map_err(rejected)?;
-                match encode(&text, options.add_special_tokens, keep).map_err(rejected)? {
-                    Some(tokens) => tokens,
-                    None => {
-                        untokenized = true;
-                        Vec::new()
-                    }
-                }
+                or_untokenized(encode(&text, options.add_special_tokens, keep).map_err(rejected)?)
             }
-            Some(0) => Vec::new(),
+            Some(0) => (Vec::new(), false),
             // A template may refuse the shortened conversation (a system turn with no user
             // turn after it) where it takes the whole one, which the engine renders: the
             // request is then routed without a prefix, not refused.
@@ -1285,12 +1287,13 @@ fn parse_within(
                 // The kwargs win over the fixed variables: not over this one, or the text
                 // before the media would not be a prefix of the whole.
                 before.kwargs.shift_remove("add_generation_prompt");
-                tokenizer
+                let tokens = tokenizer
                     .chat_text(&r.messages[..k], &before)
                     .ok()
                     .and_then(|text| encode(&text, before.add_special_tokens, None).ok())
                     .flatten()
-                    .unwrap_or_default()
+                    .unwrap_or_default();
+                (tokens, false)
             }
         };
         Parsed {
@@ -1311,20 +1314,13 @@ fn parse_within(
         openai::check_stream_options(r.stream, r.stream_options)?;
         let max_tokens = Some(r.max_tokens());
         let keep = openai::prompt_keep(r.truncate_prompt_tokens)?;
-        let mut untokenized = false;
-        let tokens = match r.prompt {
-            Prompt::Text(t) => {
-                match encode(&t, r.add_special_tokens.unwrap_or(true), keep).map_err(rejected)? {
-                    Some(tokens) => tokens,
-                    None => {
-                        untokenized = true;
-                        Vec::new()
-                    }
-                }
-            }
+        let (tokens, untokenized) = match r.prompt {
+            Prompt::Text(t) => or_untokenized(
+                encode(&t, r.add_special_tokens.unwrap_or(true), keep).map_err(rejected)?,
+            ),
             Prompt::Tokens(mut t) => {
                 tokenizer::keep_last(&mut t, keep);
-                t
+                (t, false)
             }
             Prompt::Batch(n) => return Err(ApiError::prompt_batch(n)),
         };

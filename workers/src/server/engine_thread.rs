@@ -172,12 +172,11 @@ fn run(
                 return false;
             };
             match held.flush(tx, now) {
-                Flushed::Empty => {
-                    if held.ended {
-                        ended.push(*id);
-                    }
+                Flushed::Empty { ended: true } => {
+                    ended.push(*id);
                     false
                 }
+                Flushed::Empty { ended: false } => false,
                 Flushed::Waiting => true,
                 Flushed::Stalled | Flushed::Closed => {
                     stalled.push(*id);
@@ -202,7 +201,6 @@ fn run(
             };
             if let Some(held) = backlog.get_mut(&id) {
                 held.outputs.push_back(o);
-                held.ended |= done;
                 continue;
             }
             match tx.try_send(o) {
@@ -225,7 +223,6 @@ fn run(
                         Backlog {
                             outputs: VecDeque::from([o]),
                             progress: now,
-                            ended: done,
                         },
                     );
                 }
@@ -269,14 +266,12 @@ struct Backlog {
     outputs: VecDeque<Output>,
     /// When its client last took one.
     progress: Instant,
-    /// The request's end is among them.
-    ended: bool,
 }
 
 /// What offering a backlog to its client came to.
 enum Flushed {
-    /// All taken (the request's end included, if it was there).
-    Empty,
+    /// All taken; `ended`: the last was the request's end.
+    Empty { ended: bool },
     /// Some left; the client is reading.
     Waiting,
     /// Some left, and the client has taken none for [`CLIENT_STALL`].
@@ -287,9 +282,14 @@ enum Flushed {
 
 impl Backlog {
     fn flush(&mut self, tx: &mpsc::Sender<Output>, now: Instant) -> Flushed {
+        let mut ended = false;
         while let Some(o) = self.outputs.pop_front() {
+            let end = matches!(o.kind, OutputKind::Finished | OutputKind::Rejected(_));
             match tx.try_send(o) {
-                Ok(()) => self.progress = now,
+                Ok(()) => {
+                    self.progress = now;
+                    ended = end;
+                }
                 Err(mpsc::error::TrySendError::Full(o)) => {
                     self.outputs.push_front(o);
                     return if now.duration_since(self.progress) >= CLIENT_STALL {
@@ -301,7 +301,7 @@ impl Backlog {
                 Err(mpsc::error::TrySendError::Closed(_)) => return Flushed::Closed,
             }
         }
-        Flushed::Empty
+        Flushed::Empty { ended }
     }
 }
 

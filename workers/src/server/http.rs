@@ -232,7 +232,7 @@ async fn read_json<T: serde::de::DeserializeOwned>(
     state: &State,
     req: hyper::Request<Incoming>,
 ) -> Result<T, Response<Body>> {
-    read_json_within(state, req, usize::MAX).await
+    read_json_within(state, req, None).await
 }
 
 /// JSON values a generate or completion body may hold beside its token list.
@@ -244,7 +244,7 @@ const FIELD_VALUES: usize = 4096;
 async fn read_json_within<T: serde::de::DeserializeOwned>(
     state: &State,
     req: hyper::Request<Incoming>,
-    max_values: usize,
+    max_values: Option<usize>,
 ) -> Result<T, Response<Body>> {
     let (body, _held) = collect_within(
         req.into_body(),
@@ -262,7 +262,9 @@ async fn read_json_within<T: serde::de::DeserializeOwned>(
         };
         error(status, "invalid_request_error", &e.to_string())
     })?;
-    if max_values != usize::MAX && kvroute::ingress::openai::json_values_over(&body, max_values) {
+    if let Some(max_values) = max_values
+        && kvroute::ingress::openai::json_values_over(&body, max_values)
+    {
         return Err(error(
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
@@ -284,25 +286,13 @@ pub(crate) fn max_text_bytes() -> usize {
     if cfg!(test) {
         1 << 16
     } else {
-        kvroute::ingress::IngressConfig::default().max_tokenize_bytes
+        kvroute::ingress::DEFAULT_MAX_TOKENIZE_BYTES
     }
-}
-
-/// `text`, or a 413 if it is longer than [`max_text_bytes`].
-fn within_text_limit(text: &str) -> Result<(), kvroute::ingress::tokenizer::TokenizerError> {
-    let limit = max_text_bytes();
-    if text.len() > limit {
-        return Err(kvroute::ingress::tokenizer::TokenizerError::TooLong {
-            bytes: text.len(),
-            limit,
-        });
-    }
-    Ok(())
 }
 
 async fn generate(state: State, req: hyper::Request<Incoming>) -> Response<Body> {
     let most = state.max_tokens_held.saturating_add(FIELD_VALUES);
-    match read_json_within::<Generate>(&state, req, most).await {
+    match read_json_within::<Generate>(&state, req, Some(most)).await {
         Ok(g) => run(state, g).await,
         Err(response) => response,
     }
@@ -344,7 +334,7 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
     };
     let (model, token_ids, max_tokens, n, stream, options, cache_salt) = if chat {
         let most = kvroute::ingress::openai::MAX_CHAT_VALUES;
-        match read_json_within::<ChatRequest>(&state, req, most).await {
+        match read_json_within::<ChatRequest>(&state, req, Some(most)).await {
             Ok(r) if r.messages.iter().any(|m| m.media) => {
                 return bad_request(
                     "content parts other than text (images, audio) are not supported by this engine",
@@ -369,8 +359,8 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                 let encoded = tokenize(&state, move |t| {
                     chat_options.template = t.chat_template_for(templates)?;
                     let text = t.chat_text(&messages, &chat_options)?;
-                    within_text_limit(&text)?;
-                    t.encode_within(&text, chat_options.add_special_tokens, keep)
+                    let special = chat_options.add_special_tokens;
+                    t.encode_limited(&text, special, keep, max_text_bytes())
                 });
                 match encoded.await {
                     Ok(tokens) => (
@@ -389,7 +379,7 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
         }
     } else {
         let most = state.max_tokens_held.saturating_add(FIELD_VALUES);
-        match read_json_within::<CompletionRequest>(&state, req, most).await {
+        match read_json_within::<CompletionRequest>(&state, req, Some(most)).await {
             Ok(r) => {
                 if let Err(e) = check_stream_options(r.stream, r.stream_options) {
                     return bad_request(&e.message);
@@ -403,8 +393,7 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                 let tokens = match r.prompt {
                     Prompt::Text(text) => {
                         let encoded = tokenize(&state, move |t| {
-                            within_text_limit(&text)?;
-                            t.encode_within(&text, special, keep)
+                            t.encode_limited(&text, special, keep, max_text_bytes())
                         });
                         match encoded.await {
                             Ok(tokens) => tokens,
