@@ -2,7 +2,9 @@
 //! through W worker engines on a virtual clock (requests stick to a worker by conversation,
 //! so each worker builds real prefixes); their KV event batches and the requests' lookups
 //! form a timeline, which is then replayed into a fresh index twice with one writer thread
-//! and one reader thread: paced at the trace's own rate (sped up), and at saturation. Between
+//! and `--readers` reader threads (one by default) that take the lookups in due order, as a
+//! router's request tasks would: paced at the trace's own rate (sped up), and at saturation.
+//! Between
 //! the two, every lookup runs again flat out against the full index the paced replay left,
 //! with no writer (the walk's own cost, caches warm). The
 //! paced index is then emptied by removing every worker, with the process's resident memory
@@ -23,6 +25,7 @@
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kvroute::indexer::{Config, Indexer};
@@ -64,6 +67,11 @@ pub struct Args {
     /// Blocks the index reserves room for at start (`indexer.initial_blocks`).
     #[arg(long, default_value_t = 0)]
     pub initial_blocks: usize,
+    /// Reader threads: each takes the next lookup due, waits for its time and runs it, so
+    /// lookups due together run side by side on up to this many threads (a router's request
+    /// tasks on its runtime's threads) rather than one after another.
+    #[arg(long, default_value_t = 1)]
+    pub readers: usize,
     /// Shards of the block map (`indexer.shards`).
     #[arg(long, default_value_t = Config::default().shards)]
     pub shards: usize,
@@ -253,13 +261,13 @@ pub struct Phase {
     pub block_ops_per_s: f64,
     /// `find_matches` latency, µs: the call alone (service time).
     pub lookup_us: Summary,
-    /// Paced: from each lookup's due time to its answer, µs, the wait behind the lookups
-    /// before it on the one reader thread included (lookups due together, as a request's
-    /// copies or a trace's same-millisecond requests are, run one after another). Flat out,
-    /// the same as `lookup_us`.
+    /// Paced: from each lookup's due time to its answer, µs, the wait for a free reader
+    /// thread included (lookups due together, as a request's copies or a trace's
+    /// same-millisecond requests are, queue for the `--readers` threads). Flat out, the same
+    /// as `lookup_us`.
     pub lookup_response_us: Summary,
-    /// Paced: lookups whose due time had passed when the reader came to them (it was busy
-    /// with earlier ones due with them, or had woken late for them).
+    /// Paced: lookups whose due time had passed when a reader came to them (every reader was
+    /// busy with earlier ones, or had woken late for them).
     pub lookups_behind: u64,
     /// Paced: how long those waited past their due time, µs.
     pub behind_us: Summary,
@@ -300,6 +308,8 @@ pub struct Report {
     pub trace: String,
     /// Workers (× copies).
     pub workers: usize,
+    /// Reader threads (`--readers`).
+    pub readers: usize,
     /// Copies per worker.
     pub duplicate: usize,
     /// Event batches replayed.
@@ -371,6 +381,7 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         args.compress_to_s = Some(10.0);
         args.window_s = Some(30.0);
     }
+    anyhow::ensure!(args.readers > 0, "--readers must be at least 1");
     let args = &args;
     // Churn first, in a process that has not yet allocated the timeline, so its RSS is the
     // index's own.
@@ -427,7 +438,7 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         None => Some(args.pace_speedup),
     };
     let rss_before = settled_rss_bytes(args.settle_ms);
-    let paced = replay(&timeline, &config, pace)?;
+    let paced = replay(&timeline, &config, pace, args.readers)?;
     let rss_full = settled_rss_bytes(args.settle_ms);
     let full = settled(&timeline, &paced.index);
     let table_full = paced.index.table_bytes();
@@ -457,11 +468,12 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
     };
     drop(paced.index);
     eprintln!("indexer: saturated replay …");
-    let saturated = replay(&timeline, &config, None)?;
+    let saturated = replay(&timeline, &config, None, args.readers)?;
     drop(saturated.index);
     Ok(Report {
         trace: args.trace.display().to_string(),
         workers: args.workers * args.duplicate * args.replicas,
+        readers: args.readers,
         duplicate: args.duplicate,
         events,
         lookups,
@@ -587,12 +599,13 @@ struct Replayed {
     index: Arc<Indexer>,
 }
 
-/// Replays the timeline into a fresh index: a writer thread applies the batches, a reader
-/// thread runs the lookups, both paced at `speedup` × the recorded rate or flat out.
+/// Replays the timeline into a fresh index: a writer thread applies the batches, `readers`
+/// threads run the lookups, all paced at `speedup` × the recorded rate or flat out.
 fn replay(
     timeline: &Arc<Timeline>,
     config: &Config,
     speedup: Option<f64>,
+    readers: usize,
 ) -> anyhow::Result<Replayed> {
     let index = Arc::new(Indexer::new(config.clone())?);
     let start = Instant::now();
@@ -613,16 +626,26 @@ fn replay(
             blocks
         })
     };
-    let reader = {
-        let (timeline, index) = (Arc::clone(timeline), Arc::clone(&index));
-        std::thread::spawn(move || lookups(&timeline, &index, |t| due(t).map(|d| start + d)))
-    };
+    let next = Arc::new(AtomicUsize::new(0));
+    let readers: Vec<_> = (0..readers)
+        .map(|_| {
+            let (timeline, index, next) =
+                (Arc::clone(timeline), Arc::clone(&index), Arc::clone(&next));
+            std::thread::spawn(move || {
+                lookups(&timeline, &next, &index, |t| due(t).map(|d| start + d))
+            })
+        })
+        .collect();
     let event_blocks = writer
         .join()
         .map_err(|_| anyhow::anyhow!("writer thread panicked"))?;
-    let lookups = reader
-        .join()
-        .map_err(|_| anyhow::anyhow!("reader thread panicked"))?;
+    let mut lookups = Lookups::default();
+    for reader in readers {
+        let one = reader
+            .join()
+            .map_err(|_| anyhow::anyhow!("reader thread panicked"))?;
+        lookups.merge(one);
+    }
     let walked = lookups.walked;
     let phase = Phase::new(start.elapsed().as_secs_f64(), event_blocks, lookups);
     Ok(Replayed {
@@ -633,6 +656,7 @@ fn replay(
 }
 
 /// What a run of lookups measured.
+#[derive(Default)]
 struct Lookups {
     /// Each call alone, µs.
     service_us: Vec<f64>,
@@ -646,17 +670,28 @@ struct Lookups {
     walked: u64,
 }
 
+impl Lookups {
+    /// Adds another reader thread's figures.
+    fn merge(&mut self, other: Lookups) {
+        self.service_us.extend(other.service_us);
+        self.response_us.extend(other.response_us);
+        self.behind_us.extend(other.behind_us);
+        self.woke_late_us.extend(other.woke_late_us);
+        self.walked += other.walked;
+    }
+}
+
 /// Runs the timeline's lookups against `index`, each once `due` (if it names a time) has
-/// come, one after another.
-fn lookups(timeline: &Timeline, index: &Indexer, due: impl Fn(u64) -> Option<Instant>) -> Lookups {
-    let mut out = Lookups {
-        service_us: Vec::new(),
-        response_us: Vec::new(),
-        behind_us: Vec::new(),
-        woke_late_us: Vec::new(),
-        walked: 0,
-    };
-    for (t, item) in &timeline.items {
+/// come, taking the next item not yet taken from `next` (shared by the reader threads, so
+/// each lookup runs once, and in due order of starting).
+fn lookups(
+    timeline: &Timeline,
+    next: &AtomicUsize,
+    index: &Indexer,
+    due: impl Fn(u64) -> Option<Instant>,
+) -> Lookups {
+    let mut out = Lookups::default();
+    while let Some((t, item)) = timeline.items.get(next.fetch_add(1, Ordering::Relaxed)) {
         if let Item::Lookup {
             locals, seqs, copy, ..
         } = item
@@ -720,7 +755,7 @@ fn lookups(timeline: &Timeline, index: &Indexer, due: impl Fn(u64) -> Option<Ins
 /// previous lookup rather than cold from a sleep.
 fn settled(timeline: &Timeline, index: &Indexer) -> Phase {
     let start = Instant::now();
-    let lookups = lookups(timeline, index, |_| None);
+    let lookups = lookups(timeline, &AtomicUsize::new(0), index, |_| None);
     Phase::new(start.elapsed().as_secs_f64(), 0, lookups)
 }
 
@@ -823,8 +858,8 @@ fn sleep_until(when: Instant) {
 /// Prints the report as a table.
 pub fn print(report: &Report) {
     println!(
-        "indexer on {} ({} workers, {} events, {} lookups)",
-        report.trace, report.workers, report.events, report.lookups
+        "indexer on {} ({} workers, {} events, {} lookups, {} reader thread(s))",
+        report.trace, report.workers, report.events, report.lookups, report.readers
     );
     println!(
         "| phase | wall s | block-ops/s | lookup p50 µs | lookup p90 µs | lookup p99 µs | mean µs | from due time p50 / p99 µs | blocks walked (mean) | ns per block |"
@@ -851,7 +886,7 @@ pub fn print(report: &Report) {
     }
     let p = &report.paced;
     println!(
-        "paced, from each lookup's due time: {} of {} found the reader not yet free (earlier lookups due with them, or its own late wake for them) and waited p50 / p99 {:.1} / {:.1} µs; for the others it slept and woke p50 / p99 {:.1} / {:.1} µs late (timer slack and scheduling)",
+        "paced, from each lookup's due time: {} of {} found no reader free (earlier lookups due with them, or its own late wake for them) and waited p50 / p99 {:.1} / {:.1} µs; for the others it slept and woke p50 / p99 {:.1} / {:.1} µs late (timer slack and scheduling)",
         p.lookups_behind,
         report.lookups,
         p.behind_us.p50,
@@ -908,5 +943,92 @@ pub fn print(report: &Report) {
             c.table_bytes_per_block,
             c.allocator
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// Worker `w` holds a 40-block chain; lookup `k` asks for the first `k` blocks of one.
+    fn timeline() -> (Timeline, Indexer) {
+        let locals: Vec<LocalHash> = (0..40).map(|k| LocalHash(mix(k))).collect();
+        let hashes: Vec<SeqHash> = {
+            let mut parent = None;
+            locals
+                .iter()
+                .map(|l| {
+                    let seq = kvroute::protocol::seq_hash(parent, *l, Salt::NONE);
+                    parent = Some(seq);
+                    seq
+                })
+                .collect()
+        };
+        let index = Indexer::new(Config::default()).unwrap();
+        let mut items = Vec::new();
+        for w in 0..4u64 {
+            let batch = EventBatch {
+                worker: WorkerId(w),
+                dp_rank: kvroute::protocol::DpRank(0),
+                epoch: 1,
+                sent_unix_us: 0,
+                events: vec![kvroute::protocol::KvEvent {
+                    id: 1,
+                    tier: kvroute::protocol::Tier::Device,
+                    data: KvEventData::Stored {
+                        parent: None,
+                        blocks: locals
+                            .iter()
+                            .zip(&hashes)
+                            .map(|(&local, &seq)| kvroute::protocol::StoredBlock { seq, local })
+                            .collect(),
+                    },
+                }],
+            };
+            index.apply(&batch);
+            items.push((0, Item::Batch(batch)));
+        }
+        for k in 1..=40 {
+            items.push((
+                k as u64,
+                Item::Lookup {
+                    locals: locals[..k].to_vec(),
+                    seqs: hashes[..k].to_vec(),
+                    copy: 0,
+                    worker: 0,
+                },
+            ));
+        }
+        let timeline = Timeline {
+            items,
+            duplicate: 1,
+            replicas: 1,
+            workers: 4,
+        };
+        (timeline, index)
+    }
+
+    #[test]
+    fn reader_threads_share_the_lookups_and_run_each_once() {
+        let (timeline, index) = timeline();
+        let one = lookups(&timeline, &AtomicUsize::new(0), &index, |_| None);
+        assert_eq!(one.service_us.len(), 40);
+        // Lookup k walks k blocks (each matched in full): 1 + 2 + … + 40.
+        assert_eq!(one.walked, 820);
+        let next = AtomicUsize::new(0);
+        let mut shared = Lookups::default();
+        std::thread::scope(|s| {
+            let threads: Vec<_> = (0..3)
+                .map(|_| s.spawn(|| lookups(&timeline, &next, &index, |_| None)))
+                .collect();
+            for t in threads {
+                shared.merge(t.join().unwrap());
+            }
+        });
+        assert_eq!(shared.service_us.len(), 40);
+        assert_eq!(shared.response_us.len(), 40);
+        assert_eq!(shared.walked, 820);
     }
 }
