@@ -119,8 +119,8 @@ pub struct IngressConfig {
     /// Token required on the admin listener (`Authorization: Bearer TOKEN`); `None`: open
     /// (bind it to loopback, the default).
     pub admin_token: Option<Secret>,
-    /// Sent as `Authorization: Bearer` to engines' OpenAI endpoints (vLLM and SGLang started
-    /// with `--api-key`); clients' own keys are never passed on.
+    /// Sent as `Authorization: Bearer` with every request to a worker (vLLM, SGLang and
+    /// kvroute workers started with `--api-key`); clients' own keys are never passed on.
     pub engine_api_key: Option<Secret>,
     /// Names of the tenant, priority, session, affinity and receipt request headers.
     pub headers: ClassHeaders,

@@ -114,8 +114,8 @@ pub struct ServeFlags {
         hide_env_values = true
     )]
     pub api_keys: Option<Vec<Secret>>,
-    /// Key sent as `Authorization: Bearer` to engines (vLLM, SGLang started with
-    /// `--api-key`) and used by direct mode's bridges.
+    /// Key sent as `Authorization: Bearer` to workers (vLLM, SGLang and kvroute workers
+    /// started with `--api-key`) and used by direct mode's bridges.
     #[arg(long, env = "KVROUTE_ENGINE_API_KEY", hide_env_values = true)]
     pub engine_api_key: Option<Secret>,
     /// File of API keys, one per line (added to --api-keys), re-read every 2 s: a key revoked

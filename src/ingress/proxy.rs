@@ -529,8 +529,9 @@ impl Upstream {
         api == WorkerApi::Kvroute && self.generate.is_none()
     }
 
-    /// The HTTP request for worker `info` (rank `rank` of it); an engine's carries
-    /// `engine_key` (vLLM and SGLang started with `--api-key` refuse requests without it).
+    /// The HTTP request for worker `info` (rank `rank` of it), carrying `engine_key`
+    /// (vLLM, SGLang and kvroute workers started with `--api-key` refuse requests without
+    /// it).
     fn request(
         &self,
         info: &WorkerInfo,
@@ -559,9 +560,7 @@ impl Upstream {
             // case-insensitively (serving_base.extract_routed_dp_rank_from_header).
             request = request.header("x-data-parallel-rank", rank.to_string());
         }
-        if info.api == WorkerApi::Openai
-            && let Some(key) = engine_key
-        {
+        if let Some(key) = engine_key {
             request = request.header(header::AUTHORIZATION, format!("Bearer {}", key.expose()));
         }
         request
@@ -1813,7 +1812,10 @@ mod tests {
         let key = crate::auth::Secret::new("engine-secret");
         let r = up.request(&info(WorkerApi::Kvroute, 1), 0, Some(&key));
         assert_eq!(r.uri(), "http://10.0.0.1:8000/internal/generate");
-        assert!(r.headers().get("authorization").is_none(), "not an engine");
+        // A kvroute worker started with --api-key guards /internal/generate too.
+        assert_eq!(r.headers()["authorization"], "Bearer engine-secret");
+        let r = up.request(&info(WorkerApi::Kvroute, 1), 0, None);
+        assert!(r.headers().get("authorization").is_none(), "no key set");
         // An engine gets the client's body on its own endpoint; a single rank, no pin; the
         // engine's key when one is set (never the client's).
         let r = up.request(&info(WorkerApi::Openai, 1), 0, Some(&key));

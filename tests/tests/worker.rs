@@ -294,3 +294,103 @@ async fn logs_are_plain_text_or_json_off_a_terminal() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A worker started with `--api-key` refuses everything but its probes without the key,
+/// `/internal/generate` (the router's path to it) and `/admin/cache` included: vLLM's
+/// `--api-key` guards `/v1/*` only, which left this worker generating for anyone. A router
+/// given the key (`--engine-api-key`) is served; one without it answers 503 naming the
+/// worker's 401.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_an_api_key_serves_only_a_router_that_has_it() {
+    let mut f = Fleet::start(FleetSpec {
+        router_args: vec!["--engine-api-key".into(), "worker-secret".into()],
+        workers: vec![WorkerSpec {
+            model: "kvroute-sim".into(),
+            args: vec!["--api-key".into(), "worker-secret".into()],
+        }],
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    f.add_router(&[]).unwrap();
+    f.wait_synced(Duration::from_secs(30)).await.unwrap();
+    let worker = f.workers[0].url();
+    let generate = serde_json::json!({"token_ids": [1, 2, 3, 4], "max_tokens": 2}).to_string();
+    let keyed = [("authorization", "Bearer worker-secret")];
+    let open = f
+        .http
+        .call(
+            "POST",
+            &format!("{worker}/internal/generate"),
+            generate.clone(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(open.status, 401, "{}", open.body);
+    let wrong = f
+        .http
+        .call_with(
+            "POST",
+            &format!("{worker}/internal/generate"),
+            generate.clone(),
+            &[("authorization", "Bearer another")],
+        )
+        .await
+        .unwrap();
+    assert_eq!(wrong.status, 401, "{}", wrong.body);
+    let served = f
+        .http
+        .call_with(
+            "POST",
+            &format!("{worker}/internal/generate"),
+            generate,
+            &keyed,
+        )
+        .await
+        .unwrap();
+    assert_eq!(served.status, 200, "{}", served.body);
+    for path in ["/admin/cache", "/v1/models"] {
+        let reply = f
+            .http
+            .call("GET", &format!("{worker}{path}"), "")
+            .await
+            .unwrap();
+        assert_eq!(reply.status, 401, "{path}: {}", reply.body);
+    }
+    let cache = f
+        .http
+        .call_with("GET", &format!("{worker}/admin/cache"), "", &keyed)
+        .await
+        .unwrap();
+    assert_eq!(cache.status, 200, "{}", cache.body);
+    for path in ["/health", "/metrics"] {
+        let reply = f
+            .http
+            .call("GET", &format!("{worker}{path}"), "")
+            .await
+            .unwrap();
+        assert_eq!(reply.status, 200, "{path}: {}", reply.body);
+    }
+    let body = completion("kvroute-sim", "a prompt for a keyed worker", 2, false);
+    let with_key = f
+        .http
+        .call(
+            "POST",
+            &format!("{}/v1/completions", f.routers[0].url()),
+            body.clone(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(with_key.status, 200, "{}", with_key.body);
+    let without_key = f
+        .http
+        .call(
+            "POST",
+            &format!("{}/v1/completions", f.routers[1].url()),
+            body,
+        )
+        .await
+        .unwrap();
+    assert_eq!(without_key.status, 503, "{}", without_key.body);
+    assert!(without_key.body.contains("401"), "{}", without_key.body);
+}

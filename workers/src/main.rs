@@ -166,8 +166,9 @@ struct Args {
         requires = "engine"
     )]
     engine_api_key: Option<kvroute::auth::Secret>,
-    /// Require `Authorization: Bearer KEY` on this worker's `/v1/*`, as vLLM's `--api-key`
-    /// does (the test engine, `--emulate`, behind a sidecar or a router given the key).
+    /// Require `Authorization: Bearer KEY` on every endpoint of this worker but `/health` and
+    /// `/metrics`: `/v1/*` as vLLM's `--api-key` does (the test engine, `--emulate`), and the
+    /// `/internal/generate` a router sends to (routers need `--engine-api-key KEY`).
     #[arg(long, env = "KVROUTE_WORKER_API_KEY", hide_env_values = true)]
     api_key: Option<kvroute::auth::Secret>,
     /// Data-parallel ranks behind --engine-url, each publishing on the event ports offset by

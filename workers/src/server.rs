@@ -91,7 +91,9 @@ pub struct ServerConfig {
     /// Serve `POST /admin/faults` (pause the publisher, stall after headers, fail the
     /// engine): for chaos tests only.
     pub fault_injection: bool,
-    /// Required on `/v1/*` as `Authorization: Bearer`, as vLLM's `--api-key` requires it.
+    /// Required as `Authorization: Bearer` on every endpoint but `GET /health` and `GET
+    /// /metrics` (vLLM's `--api-key` guards `/v1/*`; this worker also generates on
+    /// `/internal/generate`).
     pub api_key: Option<kvroute::auth::Secret>,
     /// Look like a real engine (`--emulate`): KV events on ZMQ in its wire format, no NATS
     /// and no registration (a sidecar or a router in direct mode does that).

@@ -171,13 +171,21 @@ pub fn sidecar_response<B>(
     }
 }
 
+/// What a worker started with `--api-key` answers without the key: its probes. vLLM's
+/// `--api-key` guards `/v1/*` only, but this worker also generates on `/internal/generate`
+/// (the router's path to it) and shows its cache on `/admin/*`, so everything else needs
+/// the key.
+fn open_without_key(method: &Method, path: &str) -> bool {
+    method == Method::GET && matches!(path, "/health" | "/metrics")
+}
+
 fn bad_request(message: &str) -> Response<Body> {
     error(StatusCode::BAD_REQUEST, "invalid_request_error", message)
 }
 
 async fn handle(state: State, req: hyper::Request<Incoming>) -> Response<Body> {
     if let Some(key) = &state.api_key
-        && req.uri().path().starts_with("/v1/")
+        && !open_without_key(req.method(), req.uri().path())
         && !kvroute::auth::bearer_ok(req.headers(), std::slice::from_ref(key))
     {
         // As vLLM answers a request without its --api-key.
