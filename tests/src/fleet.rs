@@ -203,8 +203,6 @@ impl Fleet {
             &port.to_string(),
             "--id",
             &port.to_string(),
-            "--speedup",
-            &self.spec.speedup.to_string(),
             "--heartbeat-ms",
             &self.spec.heartbeat_ms.to_string(),
             "--lease-ttl-ms",
@@ -215,6 +213,10 @@ impl Fleet {
         .iter()
         .map(|s| s.to_string())
         .collect();
+        // A sidecar runs no engine of its own: the simulated engine's flags are refused.
+        if !w.args.iter().any(|a| a == "--engine") {
+            args.extend(["--speedup".to_string(), self.spec.speedup.to_string()]);
+        }
         // An empty model: none given (a sidecar then reads the engine's).
         if !w.model.is_empty() {
             args.extend(["--model".to_string(), w.model.clone()]);

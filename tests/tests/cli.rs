@@ -356,8 +356,9 @@ fn a_worker_on_every_address_needs_its_url() {
 }
 
 /// A sidecar's settings are checked before it starts, and by `--dry-run`: each of these
-/// left a process that never registered its engine and never exited. Control: the same
-/// command with good values passes.
+/// left a process that never registered its engine and never exited, or (the simulated
+/// engine's flags) was ignored without a word. Control: the same command with good values
+/// passes.
 #[test]
 fn sidecar_settings_are_checked_at_start() {
     let good = [
@@ -396,6 +397,13 @@ fn sidecar_settings_are_checked_at_start() {
             "2",
         ],
         &["--engine-url", "https://engine:8000"],
+        // The simulated engine's settings: a sidecar has no engine of its own to apply them
+        // to (they were ignored without a word).
+        &["--g1-blocks", "1000"],
+        &["--speedup", "10"],
+        &["--tokenizer", "/models/tokenizer.json"],
+        &["--fault-injection"],
+        &["--api-key", "k"],
     ] {
         let out = run(bad);
         assert!(!out.status.success(), "{bad:?} accepted");

@@ -77,31 +77,35 @@ struct Args {
     #[arg(long, env = "KVROUTE_BLOCK_SIZE", default_value_t = EngineConfig::default().block_size)]
     block_size: usize,
     /// G1 (GPU) blocks.
-    #[arg(long, env = "KVROUTE_G1_BLOCKS", default_value_t = EngineConfig::default().g1_blocks)]
+    #[arg(long, conflicts_with = "engine", env = "KVROUTE_G1_BLOCKS", default_value_t = EngineConfig::default().g1_blocks)]
     g1_blocks: usize,
     /// G2 (host) blocks; 0 disables offload.
-    #[arg(long, env = "KVROUTE_G2_BLOCKS", default_value_t = EngineConfig::default().g2_blocks)]
+    #[arg(long, conflicts_with = "engine", env = "KVROUTE_G2_BLOCKS", default_value_t = EngineConfig::default().g2_blocks)]
     g2_blocks: usize,
     /// Divides step times of the timing model.
-    #[arg(long, env = "KVROUTE_SPEEDUP", default_value_t = EngineConfig::default().speedup)]
+    #[arg(long, conflicts_with = "engine", env = "KVROUTE_SPEEDUP", default_value_t = EngineConfig::default().speedup)]
     speedup: f64,
     /// Token budget per engine step.
-    #[arg(long, env = "KVROUTE_MAX_NUM_BATCHED_TOKENS", default_value_t = EngineConfig::default().max_num_batched_tokens)]
+    #[arg(long, conflicts_with = "engine", env = "KVROUTE_MAX_NUM_BATCHED_TOKENS", default_value_t = EngineConfig::default().max_num_batched_tokens)]
     max_num_batched_tokens: usize,
     /// Most sequences running at once.
-    #[arg(long, env = "KVROUTE_MAX_NUM_SEQS", default_value_t = EngineConfig::default().max_num_seqs)]
+    #[arg(long, conflicts_with = "engine", env = "KVROUTE_MAX_NUM_SEQS", default_value_t = EngineConfig::default().max_num_seqs)]
     max_num_seqs: usize,
     /// Price of a step holding prefill and decode: `marginal` (one forward pass) or
     /// `additive` (prefill plus a whole decode step, as Dynamo's mocker).
-    #[arg(long, env = "KVROUTE_MIXED_STEP", default_value = "marginal", value_parser = parse_mixed_step)]
+    #[arg(long, conflicts_with = "engine", env = "KVROUTE_MIXED_STEP", default_value = "marginal", value_parser = parse_mixed_step)]
     mixed_step: MixedStep,
     /// Hugging Face `tokenizer.json` for the text endpoints (chat template from the
     /// `tokenizer_config.json` beside it); without it, one token per UTF-8 byte, as the router.
-    #[arg(long, env = "KVROUTE_TOKENIZER")]
+    #[arg(long, conflicts_with = "engine", env = "KVROUTE_TOKENIZER")]
     tokenizer: Option<std::path::PathBuf>,
     /// Render the chat templates requests bring (vLLM's flag of the same name); without
     /// it such requests are refused (400), as vLLM refuses them.
-    #[arg(long, env = "KVROUTE_TRUST_REQUEST_CHAT_TEMPLATE")]
+    #[arg(
+        long,
+        conflicts_with = "engine",
+        env = "KVROUTE_TRUST_REQUEST_CHAT_TEMPLATE"
+    )]
     trust_request_chat_template: bool,
     /// Registration heartbeat, ms.
     #[arg(long, env = "KVROUTE_HEARTBEAT_MS", default_value_t = LeaseConfig::default().heartbeat_ms)]
@@ -131,7 +135,7 @@ struct Args {
     log_format: LogFormat,
     /// Serve `POST /admin/faults` (pause the publisher, stall after headers, fail the
     /// engine). For chaos tests only.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "engine")]
     fault_injection: bool,
     /// Be the sidecar of a real engine instead of a simulated one: `vllm`, `sglang`, or
     /// `openai` (any OpenAI server, no KV events). Starts no engine: follows the engine's
@@ -169,7 +173,12 @@ struct Args {
     /// Require `Authorization: Bearer KEY` on every endpoint of this worker but `/health` and
     /// `/metrics`: `/v1/*` as vLLM's `--api-key` does (the test engine, `--emulate`), and the
     /// `/internal/generate` a router sends to (routers need `--engine-api-key KEY`).
-    #[arg(long, env = "KVROUTE_WORKER_API_KEY", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "KVROUTE_WORKER_API_KEY",
+        hide_env_values = true,
+        conflicts_with = "engine"
+    )]
     api_key: Option<kvroute::auth::Secret>,
     /// Data-parallel ranks behind --engine-url, each publishing on the event ports offset by
     /// its rank (as vLLM and SGLang do).
