@@ -116,11 +116,23 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         let listeners = Listeners::bind(&settings).await?;
         // Ready when the router follows every worker's event stream.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let live = || {
+            let streams = router.plane.streams();
+            streams.iter().filter(|(_, s)| s.live).count().min(args.workers)
+        };
         while tokio::time::Instant::now() < deadline
-            && (router.plane.workers().len() < args.workers
-                || router.plane.streams().iter().any(|(_, s)| !s.live))
+            && (router.plane.workers().len() < args.workers || live() < args.workers)
         {
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let followed = live();
+        if followed < args.workers {
+            // Requests route over the workers that are followed; the others join when
+            // their streams go live.
+            println!(
+                "kvroute up: only {followed} of {} workers' event streams are live after 10 s",
+                args.workers
+            );
         }
         let shown = listeners.api_addr;
         let admin = listeners.admin_addr;
