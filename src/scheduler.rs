@@ -399,6 +399,24 @@ pub struct SharedBooking {
     pub decode_tokens: u64,
 }
 
+/// Inclusive ranges of booking numbers sorted and apart, as a heartbeat sends them (made so
+/// if a peer sent them otherwise), so that a number is found in them by bisection.
+pub(crate) fn normalized_ranges(ranges: &[(u64, u64)]) -> std::borrow::Cow<'_, [(u64, u64)]> {
+    if ranges.windows(2).all(|w| w[0].1 < w[1].0) && ranges.iter().all(|(a, b)| a <= b) {
+        return std::borrow::Cow::Borrowed(ranges);
+    }
+    let mut v: Vec<(u64, u64)> = ranges.iter().filter(|(a, b)| a <= b).copied().collect();
+    v.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(v.len());
+    for (a, b) in v {
+        match merged.last_mut() {
+            Some(last) if a <= last.1 => last.1 = last.1.max(b),
+            _ => merged.push((a, b)),
+        }
+    }
+    std::borrow::Cow::Owned(merged)
+}
+
 /// Most blocks a peer's booking may hold (a 16 M-token prompt at block size 16).
 pub const MAX_SHARED_BLOCKS: usize = 1 << 20;
 
@@ -1244,6 +1262,11 @@ impl Scheduler {
         })
     }
 
+    /// Whether booking `id` is open and its first token was seen.
+    pub fn started(&self, id: BookingId) -> bool {
+        self.bookings.get(&id).is_some_and(|b| !b.prefill_open)
+    }
+
     /// Books load another replica routed (idempotent), after checking it: a peer's message
     /// is input from the network like any other.
     pub fn book_shared(&mut self, now_ms: u64, b: SharedBooking) -> Result<(), SharedBookingError> {
@@ -1337,25 +1360,9 @@ impl Scheduler {
         next: u64,
         now_ms: u64,
     ) -> usize {
-        // Ranges come sorted and apart from a heartbeat (made so here if a peer sent them
-        // otherwise): each booking is then found by bisection, not by a scan of thousands
-        // of ranges under the scheduler's lock.
-        let normal;
-        let open = if open.windows(2).all(|w| w[0].1 < w[1].0) {
-            open
-        } else {
-            let mut v = open.to_vec();
-            v.sort_unstable();
-            let mut merged: Vec<(u64, u64)> = Vec::with_capacity(v.len());
-            for (a, b) in v {
-                match merged.last_mut() {
-                    Some(last) if a <= last.1 => last.1 = last.1.max(b),
-                    _ => merged.push((a, b)),
-                }
-            }
-            normal = merged;
-            &normal[..]
-        };
+        // Each booking is found by bisection, not by a scan of thousands of ranges under
+        // the scheduler's lock.
+        let open = normalized_ranges(open);
         let held = |seq: u64| {
             let at = open.partition_point(|(a, _)| *a <= seq);
             at > 0 && seq <= open[at - 1].1
@@ -1378,6 +1385,43 @@ impl Scheduler {
             self.complete(*id);
         }
         stale.len()
+    }
+
+    /// The numbers below `next` in `open` (inclusive ranges a heartbeat of `origin` named
+    /// open) of which no booking is held here, as at most `max` ranges, lowest first.
+    pub fn missing_from(
+        &self,
+        origin: u64,
+        open: &[(u64, u64)],
+        next: u64,
+        max: usize,
+    ) -> Vec<(u64, u64)> {
+        let open = normalized_ranges(open);
+        let held = self.open_seqs(origin);
+        let mut out = Vec::new();
+        for &(a, b) in open.iter() {
+            if a >= next {
+                break;
+            }
+            let b = b.min(next - 1);
+            // The held numbers inside [a, b] split it into the missing gaps between them.
+            let mut from = a;
+            let first = held.partition_point(|s| *s < a);
+            for &s in held[first..].iter().take_while(|s| **s <= b) {
+                if s > from {
+                    out.push((from, s - 1));
+                }
+                from = s + 1;
+            }
+            if from <= b {
+                out.push((from, b));
+            }
+            if out.len() >= max {
+                out.truncate(max);
+                break;
+            }
+        }
+        out
     }
 
     /// Drops every booking a replica made (it stopped announcing itself). Returns how many.

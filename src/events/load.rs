@@ -6,9 +6,12 @@
 //! operations, each message under the server's `max_payload`. The outbox is bounded: past
 //! `max_pending` operations it sheds bookings and first tokens first and completions last
 //! (counted). Every heartbeat names the replica's open bookings, so peers drop whatever it no
-//! longer holds, however the completion was lost; a replica silent for `replica_ttl_ms` loses
-//! all its bookings; and every booking also has the scheduler's own TTL. Peers' bookings are
-//! validated before they are booked.
+//! longer holds, however the completion was lost, and ask for whatever they lack (a replica
+//! that started after the booking was announced, one that dropped them while the replica was
+//! silent, a booking shed on the way): the replica announces those again, each at most once
+//! per `replica_ttl_ms`. A replica silent for `replica_ttl_ms` loses all its bookings; and
+//! every booking also has the scheduler's own TTL. Peers' bookings are validated before they
+//! are booked.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -84,6 +87,17 @@ pub enum LoadMessage {
         #[serde(default)]
         next: u64,
     },
+    /// A replica lacks some bookings another one's heartbeat named open, and asks it to
+    /// announce them again. Always sent in a message of its own: a replica of a version
+    /// without it refuses the whole message it comes in.
+    Want {
+        /// The replica asking.
+        replica: u64,
+        /// The replica whose bookings they are.
+        from: u64,
+        /// Their numbers, as inclusive ranges (sorted).
+        open: Vec<(u64, u64)>,
+    },
 }
 
 impl LoadMessage {
@@ -92,7 +106,7 @@ impl LoadMessage {
     fn work(&self) -> usize {
         1 + match self {
             LoadMessage::Book { booking } => booking.blocks.len(),
-            LoadMessage::Heartbeat { open, .. } => open.len(),
+            LoadMessage::Heartbeat { open, .. } | LoadMessage::Want { open, .. } => open.len(),
             LoadMessage::FirstToken { .. } | LoadMessage::Complete { .. } => 0,
         }
     }
@@ -101,10 +115,13 @@ impl LoadMessage {
         match self {
             LoadMessage::Book { booking } => booking.id.origin,
             LoadMessage::FirstToken { id } | LoadMessage::Complete { id } => id.origin,
-            LoadMessage::Heartbeat { replica, .. } => *replica,
+            LoadMessage::Heartbeat { replica, .. } | LoadMessage::Want { replica, .. } => *replica,
         }
     }
 }
+
+/// Most ranges of missing bookings one [`LoadMessage::Want`] asks for (about 40 KiB).
+pub const MAX_WANT_RANGES: usize = 1024;
 
 /// Longest a flush waits for the NATS client to take one message (it stops taking them
 /// while it reconnects).
@@ -168,7 +185,9 @@ impl Outbox {
             LoadMessage::Complete { .. } | LoadMessage::Heartbeat { .. } => {
                 self.kept.push_back((place, op));
             }
-            LoadMessage::Book { .. } | LoadMessage::FirstToken { .. } => {
+            LoadMessage::Book { .. }
+            | LoadMessage::FirstToken { .. }
+            | LoadMessage::Want { .. } => {
                 self.sheddable.push_back((place, op));
             }
         }
@@ -216,12 +235,24 @@ impl Outbox {
         }
     }
 
-    /// Takes everything pending as payloads of at most `max_payload` bytes each, in order.
+    /// Takes everything pending as payloads of at most `max_payload` bytes each, in order,
+    /// asks for bookings ([`LoadMessage::Want`]) in payloads of their own after the rest.
     /// An operation too large for any message alone (a booking of a huge prompt) is shed.
     pub fn drain_payloads(&mut self, max_payload: usize) -> Vec<Bytes> {
+        let (wants, rest): (Vec<LoadMessage>, Vec<LoadMessage>) = self
+            .drain()
+            .into_iter()
+            .partition(|op| matches!(op, LoadMessage::Want { .. }));
+        let mut payloads = self.pack(rest, max_payload);
+        payloads.extend(self.pack(wants, max_payload));
+        payloads
+    }
+
+    /// `ops` as JSON arrays of at most `max_payload` bytes each, in order.
+    fn pack(&mut self, ops: Vec<LoadMessage>, max_payload: usize) -> Vec<Bytes> {
         let mut payloads = Vec::new();
         let mut current: Vec<u8> = Vec::new();
-        for op in self.drain() {
+        for op in ops {
             let encoded = serde_json::to_vec(&op).expect("invariant: load messages serialize");
             // `[` + op + `]` must fit alone.
             if encoded.len() + 2 > max_payload {
@@ -247,6 +278,8 @@ impl Outbox {
 /// The operations of a peer's message still to apply ([`Peers::take`]).
 #[derive(Debug, Default)]
 pub struct Incoming {
+    /// The replica applying them.
+    me: u64,
     ops: VecDeque<LoadMessage>,
 }
 
@@ -272,12 +305,41 @@ pub const APPLY_BUDGET: usize = 2_048;
 pub const MAX_PEERS: usize = 1024;
 
 /// The other replicas, as one replica sees them (no I/O: `now_ms` is given).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Peers {
     seen: HashMap<u64, u64>,
+    /// This replica's bookings announced again on a peer's ask, by number: when (each goes
+    /// again at most once per `resend_ms`; forgotten after that).
+    resent: HashMap<u64, u64>,
+    resend_ms: u64,
+    /// Operations to publish: asks for missing bookings, bookings announced again.
+    outgoing: Vec<LoadMessage>,
+}
+
+impl Default for Peers {
+    fn default() -> Self {
+        Peers::new(LoadShareConfig::default().replica_ttl_ms)
+    }
 }
 
 impl Peers {
+    /// No peer known yet; a booking asked for is announced again at most once per
+    /// `resend_ms` (a peer that keeps refusing it, say for a worker it does not know, keeps
+    /// asking on every heartbeat).
+    pub fn new(resend_ms: u64) -> Peers {
+        Peers {
+            seen: HashMap::new(),
+            resent: HashMap::new(),
+            resend_ms,
+            outgoing: Vec::new(),
+        }
+    }
+
+    /// What applying peers' messages gave this replica to publish, taken.
+    pub fn take_outgoing(&mut self) -> Vec<LoadMessage> {
+        std::mem::take(&mut self.outgoing)
+    }
+
     /// Applies one message's operations from peers (this replica's own echoes are skipped)
     /// in one go. The replica's reader applies a message in parts instead
     /// ([`Peers::take`], [`Peers::apply`]), letting routing in between.
@@ -313,7 +375,7 @@ impl Peers {
             })
             .map(|(_, op)| op)
             .collect();
-        Incoming { ops }
+        Incoming { me, ops }
     }
 
     /// Applies operations from the front of `incoming` until their work passes `budget`
@@ -361,10 +423,52 @@ impl Peers {
                             "dropped peer bookings it no longer holds"
                         );
                     }
+                    let missing = scheduler.missing_from(origin, &open, next, MAX_WANT_RANGES);
+                    if !missing.is_empty() {
+                        self.outgoing.push(LoadMessage::Want {
+                            replica: incoming.me,
+                            from: origin,
+                            open: missing,
+                        });
+                    }
+                }
+                LoadMessage::Want { from, open, .. } => {
+                    if from == incoming.me {
+                        self.resend(now_ms, incoming.me, &open, scheduler);
+                    }
                 }
             }
         }
         !incoming.ops.is_empty()
+    }
+
+    /// Announces again this replica's open bookings among `wanted` (number ranges a peer
+    /// lacks), each at most once per `resend_ms`; one past its first token with its first
+    /// token after it, as it was announced the first time.
+    fn resend(&mut self, now_ms: u64, me: u64, wanted: &[(u64, u64)], scheduler: &Scheduler) {
+        let wanted = crate::scheduler::normalized_ranges(wanted);
+        for seq in scheduler.open_seqs(me) {
+            let at = wanted.partition_point(|(a, _)| *a <= seq);
+            if at == 0 || seq > wanted[at - 1].1 {
+                continue;
+            }
+            if self
+                .resent
+                .get(&seq)
+                .is_some_and(|sent| now_ms.saturating_sub(*sent) < self.resend_ms)
+            {
+                continue;
+            }
+            let id = BookingId { origin: me, seq };
+            if let Some(booking) = scheduler.shared(id) {
+                self.resent.insert(seq, now_ms);
+                self.outgoing.push(LoadMessage::Book { booking });
+                if scheduler.started(id) {
+                    self.outgoing.push(LoadMessage::FirstToken { id });
+                }
+                metrics::counter!("kvroute_load_resent_total").increment(1);
+            }
+        }
     }
 
     /// This replica cannot hear its peers (its own NATS connection is down): their silence
@@ -380,6 +484,9 @@ impl Peers {
     /// nowhere else, and their age queue would grow with every booking its peers make).
     pub fn on_tick(&mut self, now_ms: u64, ttl_ms: u64, scheduler: &mut Scheduler) {
         scheduler.expire(now_ms);
+        let resend_ms = self.resend_ms;
+        self.resent
+            .retain(|_, sent| now_ms.saturating_sub(*sent) < resend_ms);
         let gone: Vec<u64> = self
             .seen
             .iter()
@@ -507,7 +614,7 @@ impl LoadShare {
         tokio::spawn(async move {
             let start = Instant::now();
             let now_ms = || start.elapsed().as_millis() as u64;
-            let mut peers = Peers::default();
+            let mut peers = Peers::new(config.replica_ttl_ms);
             let mut beat =
                 tokio::time::interval(Duration::from_millis(config.heartbeat_ms.max(10)));
             loop {
@@ -528,9 +635,14 @@ impl LoadShare {
                         // In parts, letting routes that wait for the scheduler in
                         // between (`bump` hands the lock to a waiting thread, if any).
                         let mut incoming = Peers::take(me, ops);
-                        let mut scheduler = s.scheduler.lock();
-                        while peers.apply(now_ms(), &mut incoming, &mut scheduler, APPLY_BUDGET) {
-                            MutexGuard::bump(&mut scheduler);
+                        {
+                            let mut scheduler = s.scheduler.lock();
+                            while peers.apply(now_ms(), &mut incoming, &mut scheduler, APPLY_BUDGET) {
+                                MutexGuard::bump(&mut scheduler);
+                            }
+                        }
+                        for op in peers.take_outgoing() {
+                            s.send(op);
                         }
                     }
                     _ = beat.tick() => {

@@ -115,6 +115,7 @@ fn a_full_outbox_sheds_in_constant_time_and_drains_in_order() {
             LoadMessage::FirstToken { id } => format!("first {}", id.seq),
             LoadMessage::Complete { id } => format!("complete {}", id.seq),
             LoadMessage::Heartbeat { .. } => "heartbeat".into(),
+            LoadMessage::Want { .. } => "want".into(),
         })
         .collect();
     assert_eq!(kinds, ["complete 1", "first 2", "complete 2", "heartbeat"]);
@@ -572,4 +573,194 @@ fn a_large_message_is_applied_in_parts_of_bounded_work() {
     assert_eq!(parted.open_seqs(8), vec![0]);
     assert!(!peers.apply(1, &mut incoming, &mut parted, APPLY_BUDGET));
     assert_eq!(parted.open_seqs(8), Vec::<u64>::new());
+}
+
+/// The numbers a heartbeat names open that are not held here, as ranges: those below its
+/// `next` only, and at most `max` ranges.
+#[test]
+fn what_a_heartbeat_names_and_is_not_held_is_missing() {
+    let mut s = scheduler(0);
+    for seq in [2, 4, 9] {
+        s.book_shared(0, shared(7, seq, 1, 1.0)).unwrap();
+    }
+    assert_eq!(
+        s.missing_from(7, &[(1, 5), (8, 10)], 11, 100),
+        vec![(1, 1), (3, 3), (5, 5), (8, 8), (10, 10)]
+    );
+    assert_eq!(
+        s.missing_from(7, &[(1, 5), (8, 10)], 4, 100),
+        vec![(1, 1), (3, 3)]
+    );
+    assert_eq!(
+        s.missing_from(7, &[(1, 5), (8, 10)], 11, 2),
+        vec![(1, 1), (3, 3)]
+    );
+    assert_eq!(
+        s.missing_from(7, &[(2, 2), (4, 4), (9, 9)], 11, 100),
+        vec![]
+    );
+    // Unsorted, overlapping or reversed ranges from a peer are read as their union.
+    assert_eq!(
+        s.missing_from(7, &[(8, 10), (3, 4), (1, 3), (6, 5)], 11, 100),
+        vec![(1, 1), (3, 3), (8, 8), (10, 10)]
+    );
+    assert_eq!(s.missing_from(8, &[(1, 2)], 0, 100), vec![]);
+}
+
+/// A replica that lacks bookings a peer's heartbeat names asks that peer for them; the peer
+/// announces again those it still holds, each at most once per `resend_ms`, and answers
+/// asks addressed to others with nothing.
+#[test]
+fn missing_bookings_are_asked_for_and_announced_again() {
+    // Replica 7 holds three bookings of its own.
+    let mut owner = scheduler(7);
+    let blocks = hash_blocks(
+        &[1; 64],
+        std::num::NonZeroUsize::new(16).unwrap(),
+        Salt::NONE,
+    );
+    let overlaps = OverlapScores {
+        workers: Vec::new(),
+    };
+    let ids: Vec<BookingId> = (0..3)
+        .map(|_| {
+            owner
+                .route(0, &request(&blocks, &overlaps))
+                .unwrap()
+                .booking
+        })
+        .collect();
+    owner.first_token(ids[1]);
+    let seqs = owner.open_seqs(7);
+    let beat = LoadMessage::Heartbeat {
+        replica: 7,
+        open: ranges(&seqs),
+        next: owner.next_seq(),
+    };
+    // Replica 0 heard none of them (it started later): it asks.
+    let mut late = scheduler(0);
+    let mut late_peers = Peers::default();
+    late_peers.on_message(0, 0, vec![beat.clone()], &mut late);
+    let asks = late_peers.take_outgoing();
+    assert_eq!(
+        asks,
+        vec![LoadMessage::Want {
+            replica: 0,
+            from: 7,
+            open: ranges(&seqs),
+        }]
+    );
+    // Replica 7 announces them again, the started one followed by its first token.
+    let mut owner_peers = Peers::new(5_000);
+    owner_peers.on_message(10, 7, asks.clone(), &mut owner);
+    let again = owner_peers.take_outgoing();
+    let books = again
+        .iter()
+        .filter(|op| matches!(op, LoadMessage::Book { .. }))
+        .count();
+    assert_eq!(books, 3, "{again:?}");
+    assert!(
+        again.contains(&LoadMessage::FirstToken { id: ids[1] }),
+        "{again:?}"
+    );
+    assert_eq!(again.len(), 4, "{again:?}");
+    // Asked again within resend_ms: nothing; after it (and a tick), again.
+    owner_peers.on_message(4_000, 7, asks.clone(), &mut owner);
+    assert!(owner_peers.take_outgoing().is_empty());
+    owner_peers.on_tick(6_000, 60_000, &mut owner);
+    owner_peers.on_message(6_000, 7, asks.clone(), &mut owner);
+    assert_eq!(owner_peers.take_outgoing().len(), 4);
+    // An ask addressed to another replica is not this one's to answer.
+    let mut other = scheduler(8);
+    let mut other_peers = Peers::default();
+    other_peers.on_message(0, 8, asks, &mut other);
+    assert!(other_peers.take_outgoing().is_empty());
+    // Once the late replica has them, the heartbeat asks for nothing, and the same load is
+    // booked on both.
+    late_peers.on_message(20, 0, again, &mut late);
+    late_peers.on_message(30, 0, vec![beat], &mut late);
+    assert!(late_peers.take_outgoing().is_empty());
+    assert_eq!(late.open_seqs(7), seqs);
+    let worker = (WorkerId(1), DpRank(0));
+    assert_eq!(figures(&late, worker), figures(&owner, worker));
+}
+
+/// What a worker's booked load weighs in routing: prefill blocks, requests, requests in
+/// prefill, blocks held, work tokens.
+fn figures(s: &Scheduler, worker: crate::scheduler::WorkerKey) -> (f64, usize, usize, usize, f64) {
+    let l = s.load(worker).unwrap();
+    (
+        l.prefill_blocks,
+        l.requests,
+        l.prefill_requests,
+        l.decode_blocks(),
+        l.work_tokens,
+    )
+}
+
+/// An ask goes out in a message of its own: a replica of a version without it refuses the
+/// whole message it comes in, and must not lose the bookings beside it.
+#[test]
+fn asks_leave_in_messages_of_their_own() {
+    let mut o = Outbox::new(16);
+    o.push(LoadMessage::Want {
+        replica: 0,
+        from: 7,
+        open: vec![(1, 3)],
+    });
+    o.push(LoadMessage::Book {
+        booking: shared(0, 1, 2, 1.0),
+    });
+    o.push(LoadMessage::Complete {
+        id: BookingId { origin: 0, seq: 0 },
+    });
+    let payloads: Vec<Vec<LoadMessage>> = o
+        .drain_payloads(1 << 20)
+        .iter()
+        .map(|p| decode_load(p).unwrap())
+        .collect();
+    assert_eq!(payloads.len(), 2, "{payloads:?}");
+    assert_eq!(payloads[0].len(), 2);
+    assert!(matches!(payloads[1][..], [LoadMessage::Want { .. }]));
+}
+
+/// A replica that starts after its peer booked learns the booking from the peer's next
+/// heartbeat (it asks, the peer announces it again); before, it never did, and admitted a
+/// whole budget more onto a worker the peer had full (paused clock).
+#[tokio::test(start_paused = true)]
+async fn a_replica_started_later_learns_the_load_already_booked() {
+    let bus = Transport::Local(LocalBus::new());
+    let config = LoadShareConfig {
+        heartbeat_ms: 100,
+        replica_ttl_ms: 1_000,
+        flush_ms: 2,
+        max_pending: 1024,
+    };
+    let (_stop_a, rx_a) = watch::channel(false);
+    let (_stop_b, rx_b) = watch::channel(false);
+    let a = Arc::new(Mutex::new(scheduler(1)));
+    let b = Arc::new(Mutex::new(scheduler(2)));
+    let share_a = LoadShare::start(bus.clone(), "t", Arc::clone(&a), config.clone(), rx_a)
+        .await
+        .unwrap();
+    let blocks = hash_blocks(
+        &[1; 64],
+        std::num::NonZeroUsize::new(16).unwrap(),
+        Salt::NONE,
+    );
+    let overlaps = OverlapScores {
+        workers: Vec::new(),
+    };
+    let decision = a.lock().route(0, &request(&blocks, &overlaps)).unwrap();
+    share_a.booked(decision.booking);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // B starts once the booking was announced: it heard none of it.
+    let _share_b = LoadShare::start(bus.clone(), "t", Arc::clone(&b), config, rx_b)
+        .await
+        .unwrap();
+    assert_eq!(b.lock().open_bookings(), 0);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(b.lock().open_seqs(1), vec![decision.booking.seq]);
+    let worker = (WorkerId(1), DpRank(0));
+    assert_eq!(figures(&b.lock(), worker), figures(&a.lock(), worker));
 }
