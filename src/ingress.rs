@@ -582,17 +582,10 @@ impl Router {
     /// silence.
     fn note_reachability(&self, key: WorkerKey, outcome: Result<(), &ProxyError>, stream: bool) {
         let reach = proxy::Reach::new(self, key.0);
-        match outcome {
-            Ok(()) if stream => {}
-            // Says nothing of reachability: gone, or slow to generate a whole answer; or a
-            // stream that failed before its first token, which its relay has counted.
-            Err(
-                ProxyError::WorkerLeft { .. }
-                | ProxyError::AnswerTimeout { .. }
-                | ProxyError::StreamFailed { .. },
-            ) => {}
-            Err(e) if e.unreachable() || e.worker_broken() => reach.failed(),
-            _ => reach.answered(),
+        match proxy::answered(outcome, stream) {
+            Some(true) => reach.answered(),
+            Some(false) => reach.failed(),
+            None => {}
         }
     }
 

@@ -394,6 +394,22 @@ impl Merge {
                         push_event(&mut out, event);
                         break;
                     }
+                    // Older vLLM's flat error: in OpenAI's shape, which clients raise for
+                    // (as a chunk it would also have had the batch's fields written over
+                    // its `"object": "error"`).
+                    Ok(Value::Object(chunk))
+                        if chunk.get("object").and_then(Value::as_str) == Some("error") =>
+                    {
+                        self.failed = true;
+                        let error = serde_json::json!({"error": {
+                            "message": chunk.get("message").cloned().unwrap_or(Value::Null),
+                            "type": chunk.get("type").cloned().unwrap_or(Value::Null),
+                            "param": chunk.get("param").cloned().unwrap_or(Value::Null),
+                            "code": chunk.get("code").cloned().unwrap_or(Value::Null),
+                        }});
+                        push_event(&mut out, format!("data: {error}").as_bytes());
+                        break;
+                    }
                     Ok(Value::Object(mut chunk)) => {
                         let head = self.head.get_or_insert_with(|| {
                             ["id", "object", "created", "model"]
@@ -667,5 +683,40 @@ mod tests {
         ));
         assert!(e.contains("error") && !e.contains("[DONE]"), "{e}");
         assert!(merge.failed);
+    }
+
+    /// A prompt's error mid-stream reaches the client in OpenAI's shape, whose clients raise
+    /// only for an event with an `error`: older vLLM's flat error is rewritten (it passed as
+    /// a chunk, its `"object": "error"` overwritten with the batch's), and the error of a
+    /// prompt refused before it streamed is written from the refusal, not the worker's body.
+    #[test]
+    fn errors_in_a_merged_stream_are_in_openai_s_shape() {
+        let mut merge = Merge::new(1, true, 2);
+        let first = json!({"id":"c0","object":"text_completion","model":"m","choices":[{"index":0,"text":"x"}]});
+        merge.rewrite(0, format!("data: {first}\n\n").as_bytes());
+        let flat = json!({"object":"error","message":"too long","type":"BadRequestError","param":null,"code":400});
+        let out = merge.rewrite(1, format!("data: {flat}\n\n").as_bytes());
+        assert!(merge.failed);
+        let event = String::from_utf8(out.to_vec()).unwrap();
+        let data: Value =
+            serde_json::from_str(event.trim_end().strip_prefix("data: ").unwrap()).unwrap();
+        assert_eq!(
+            data,
+            json!({"error":{"message":"too long","type":"BadRequestError","param":null,"code":400}})
+        );
+        let refused = ApiError::refused_by_worker(
+            400,
+            "too long",
+            Some(Bytes::from_static(
+                b"{\"object\":\"error\",\n\"message\":\"too long\",\"code\":400}",
+            )),
+        );
+        let events = String::from_utf8(error_events(&refused).to_vec()).unwrap();
+        let mut lines = events.lines();
+        let data: Value =
+            serde_json::from_str(lines.next().unwrap().strip_prefix("data: ").unwrap()).unwrap();
+        assert_eq!(data["error"]["message"], "too long");
+        assert_eq!(data["error"]["type"], "invalid_request_error");
+        assert_eq!(lines.collect::<Vec<_>>(), ["", "data: [DONE]", ""]);
     }
 }

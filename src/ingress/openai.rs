@@ -1180,6 +1180,14 @@ impl ApiError {
         if let Some(body) = &self.worker_body {
             return String::from_utf8_lossy(body).into_owned();
         }
+        self.openai_body()
+    }
+
+    /// The body in OpenAI's shape (`{"error": {…}}`) whatever the worker sent, on one line:
+    /// what an error event in a stream carries, since OpenAI's clients raise only for an
+    /// event with an `error` (older vLLM's flat `{"object": "error", …}` was read as a
+    /// malformed chunk, and a body with a line break would have split the event).
+    pub fn openai_body(&self) -> String {
         serde_json::json!({"error": {"message": self.message, "type": self.kind, "param": null, "code": self.code}}).to_string()
     }
 

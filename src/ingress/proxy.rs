@@ -303,6 +303,12 @@ impl ProxyError {
                 worker_side(*status)
             }
             ProxyError::NotJson { .. } => true,
+            // Its answer broke off after a success status (a worker that resets its
+            // connections mid-body would otherwise never be ejected).
+            ProxyError::Answer {
+                source: BodyError::Io(_),
+                ..
+            } => true,
             _ => false,
         }
     }
@@ -425,6 +431,28 @@ pub fn local_exhaustion(error: &(dyn std::error::Error + 'static)) -> bool {
         next = e.source();
     }
     false
+}
+
+/// What a request's outcome says of its worker's health: `Some(true)` it answered (a
+/// refusal of the request included), `Some(false)` it could not be reached or answered
+/// with an error of its own (towards its ejection), `None` nothing: a stream's headers
+/// (its relay reports its first token, or its silence), a worker gone, one slow to generate
+/// a whole answer, a stream that failed before its first token (its relay counted it), an
+/// answer the router could not hold (its size or memory budget), or a relay that ended
+/// without a word (the router's bug).
+pub(super) fn answered(outcome: Result<(), &ProxyError>, stream: bool) -> Option<bool> {
+    match outcome {
+        Ok(()) => (!stream).then_some(true),
+        Err(e) if e.unreachable() || e.worker_broken() => Some(false),
+        Err(
+            ProxyError::WorkerLeft { .. }
+            | ProxyError::AnswerTimeout { .. }
+            | ProxyError::StreamFailed { .. }
+            | ProxyError::Answer { .. }
+            | ProxyError::RelayLost { .. },
+        ) => None,
+        Err(_) => Some(true),
+    }
 }
 
 /// Statuses that say the worker, not the request, is the problem: overloaded (429),
@@ -1288,7 +1316,7 @@ impl Relay {
 /// The events that end a stream with `err`: the error, then `[DONE]` (what OpenAI's clients
 /// read as an answer that failed).
 pub(super) fn error_events(err: &ApiError) -> Bytes {
-    Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", err.body()))
+    Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", err.openai_body()))
 }
 
 /// How long a relay that failed waits for room to send its client the error event: a full
@@ -1794,6 +1822,44 @@ mod tests {
             engine_rank_kv_usage: Vec::new(),
             learns_routes: false,
         }
+    }
+
+    /// What an outcome says of the worker's health: a body broken off after a success
+    /// status counts towards its ejection (it counted as answered, so a worker resetting
+    /// its connections mid-body was never ejected), and neither an answer over the router's
+    /// own limits nor a relay lost to a router bug clears its failures.
+    #[test]
+    fn outcomes_say_what_they_know_of_the_worker() {
+        let worker = WorkerId(1);
+        let answer = |source| ProxyError::Answer { worker, source };
+        let status = |status| ProxyError::Status {
+            worker,
+            status,
+            message: String::new(),
+            body: None,
+        };
+        let broke = answer(BodyError::Io(Box::new(std::io::Error::other("reset"))));
+        assert_eq!(answered(Err(&broke), false), Some(false));
+        assert_eq!(
+            answered(Err(&answer(BodyError::OverBudget { budget: 1 })), false),
+            None
+        );
+        assert_eq!(
+            answered(Err(&answer(BodyError::TooLarge { limit: 1 })), false),
+            None
+        );
+        assert_eq!(answered(Err(&ProxyError::RelayLost { worker }), true), None);
+        assert_eq!(
+            answered(Err(&status(StatusCode::SERVICE_UNAVAILABLE)), false),
+            Some(false)
+        );
+        assert_eq!(
+            answered(Err(&status(StatusCode::BAD_REQUEST)), false),
+            Some(true),
+            "a refusal of the request is an answer"
+        );
+        assert_eq!(answered(Ok(()), false), Some(true));
+        assert_eq!(answered(Ok(()), true), None, "a stream's relay reports");
     }
 
     #[test]
