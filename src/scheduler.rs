@@ -66,7 +66,7 @@ pub struct Config {
     /// Credit for a block on disk or remote storage, 0..=1.
     pub disk_weight: f64,
     /// 0: always the lowest cost (ties at random). Above 0: sample from a softmax over
-    /// costs normalised by the largest, at this temperature.
+    /// costs scaled to 0..1 over their spread (lowest to highest), at this temperature.
     pub temperature: f64,
     /// A worker whose booked blocks exceed this share of its G1 capacity is busy.
     pub busy_decode_fraction: f64,
@@ -75,7 +75,9 @@ pub struct Config {
     /// Bookings shared by other replicas and not completed within this time are dropped
     /// (a replica that died without freeing them), ms. This router's own bookings do not
     /// expire: their guards release them however their request ends, and a stream may run
-    /// longer than any fixed time.
+    /// longer than any fixed time. At least [`MIN_BOOKING_TTL_MS`]: peers refresh the
+    /// bookings they still hold with every heartbeat (1 s), and a TTL near that would drop
+    /// them between two.
     pub booking_ttl_ms: u64,
     /// Seed of the tie-break and sampling generator.
     pub seed: u64,
@@ -286,6 +288,13 @@ impl Config {
         if let Some((field, _)) = positive.into_iter().find(|(_, v)| *v == 0) {
             return Err(ConfigError::Zero { field });
         }
+        if self.booking_ttl_ms < MIN_BOOKING_TTL_MS {
+            return Err(ConfigError::OutOfRange {
+                field: "booking_ttl_ms",
+                value: self.booking_ttl_ms as f64,
+                range: ">= 10000",
+            });
+        }
         self.queue.validate()?;
         Ok(())
     }
@@ -416,6 +425,9 @@ pub(crate) fn normalized_ranges(ranges: &[(u64, u64)]) -> std::borrow::Cow<'_, [
     }
     std::borrow::Cow::Owned(merged)
 }
+
+/// Shortest `booking_ttl_ms` (ten of the load share's heartbeats).
+pub const MIN_BOOKING_TTL_MS: u64 = 10_000;
 
 /// Most blocks a peer's booking may hold (a 16 M-token prompt at block size 16).
 pub const MAX_SHARED_BLOCKS: usize = 1 << 20;

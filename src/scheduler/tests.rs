@@ -164,7 +164,7 @@ fn shared_blocks_count_once_per_worker() {
 #[test]
 fn unreleased_peer_bookings_expire_and_own_ones_do_not() {
     let mut s = Scheduler::new(Config {
-        booking_ttl_ms: 1000,
+        booking_ttl_ms: 10_000,
         ..unit_weights()
     })
     .unwrap();
@@ -187,9 +187,9 @@ fn unreleased_peer_bookings_expire_and_own_ones_do_not() {
         },
     )
     .unwrap();
-    s.expire(1000);
+    s.expire(10_000);
     assert_eq!(s.open_bookings(), 2);
-    s.expire(1001);
+    s.expire(10_001);
     assert_eq!(s.open_bookings(), 1);
     assert_eq!(s.expired_bookings(), 1);
     assert_eq!(s.load(key(0)).unwrap().decode_blocks(), 4);
@@ -411,6 +411,18 @@ fn config_validation_names_the_field() {
         Some(PolicyKind::LeastLoaded)
     );
     assert_eq!(PolicyKind::parse("nope"), None);
+    // A booking TTL near the heartbeat would drop peers' live bookings between two.
+    let short = Config {
+        booking_ttl_ms: 2_000,
+        ..unit_weights()
+    };
+    assert!(matches!(
+        short.validate(),
+        Err(ConfigError::OutOfRange {
+            field: "booking_ttl_ms",
+            ..
+        })
+    ));
 }
 
 #[test]
@@ -505,7 +517,7 @@ mod ledger {
             4 => (0u32..4, 1u32..6).prop_map(|(prompt, len)| Op::Route { prompt, len }),
             2 => (0usize..64).prop_map(Op::FirstToken),
             3 => (0usize..64).prop_map(Op::Complete),
-            1 => (1u64..400).prop_map(Op::Advance),
+            1 => (1u64..4_000).prop_map(Op::Advance),
             2 => (1u64..3, 0u64..8, 0u64..4, 0u32..4, 1u32..6)
                 .prop_map(|(origin, seq, worker, prompt, len)| Op::Peer { origin, seq, worker, prompt, len }),
             1 => (1u64..3).prop_map(Op::DropOrigin),
@@ -530,7 +542,7 @@ mod ledger {
 
         #[test]
         fn open_bookings_and_loads_match_the_model(ops in proptest::collection::vec(op(), 1..150)) {
-            const TTL: u64 = 1_000;
+            const TTL: u64 = 10_000;
             let mut s = Scheduler::new(Config { booking_ttl_ms: TTL, ..Config::default() }).unwrap();
             let mut workers: BTreeSet<WorkerKey> = BTreeSet::new();
             for w in 0..3 {
