@@ -448,8 +448,8 @@ pub enum SharedBookingError {
         /// Its block count.
         blocks: usize,
     },
-    /// Prefill that is not a finite number between 0 and its block count.
-    #[error("booking's prefill {prefill_blocks} is not in 0..=blocks+1")]
+    /// Prefill that is not a finite number of blocks a prompt could have.
+    #[error("booking's prefill {prefill_blocks} is not in 0..={MAX_SHARED_BLOCKS}+1")]
     Prefill {
         /// The value sent.
         prefill_blocks: f64,
@@ -1287,7 +1287,9 @@ impl Scheduler {
                 blocks: b.blocks.len(),
             });
         }
-        let most = b.blocks.len() as f64 + 1.0;
+        // Not bounded by the blocks sent: a booking too large for one message goes with
+        // its first blocks only ([`crate::events::load::Outbox`]), its prefill whole.
+        let most = MAX_SHARED_BLOCKS as f64 + 1.0;
         if !b.prefill_blocks.is_finite() || !(0.0..=most).contains(&b.prefill_blocks) {
             return Err(SharedBookingError::Prefill {
                 prefill_blocks: b.prefill_blocks,

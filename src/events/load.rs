@@ -253,13 +253,12 @@ impl Outbox {
         let mut payloads = Vec::new();
         let mut current: Vec<u8> = Vec::new();
         for op in ops {
-            let encoded = serde_json::to_vec(&op).expect("invariant: load messages serialize");
             // `[` + op + `]` must fit alone.
-            if encoded.len() + 2 > max_payload {
+            let Some(encoded) = encode_within(op, max_payload.saturating_sub(2)) else {
                 self.shed += 1;
                 metrics::counter!("kvroute_load_shed_total").increment(1);
                 continue;
-            }
+            };
             if !current.is_empty() && current.len() + 1 + encoded.len() + 1 > max_payload {
                 current.push(b']');
                 payloads.push(Bytes::from(std::mem::take(&mut current)));
@@ -273,6 +272,37 @@ impl Outbox {
         }
         payloads
     }
+}
+
+/// An operation as JSON of at most `max` bytes. A booking over it (a long prompt at a small
+/// block size: a block is up to 21 bytes, so 1 MiB holds about 50,000) goes with as many of
+/// its first blocks as fit: its load and work whole, only the prefix credit of its later
+/// blocks lost; shedding it hid the heaviest requests from every peer. `None` if nothing
+/// fits.
+fn encode_within(op: LoadMessage, max: usize) -> Option<Vec<u8>> {
+    let encoded = serde_json::to_vec(&op).expect("invariant: load messages serialize");
+    if encoded.len() <= max {
+        return Some(encoded);
+    }
+    let LoadMessage::Book { mut booking } = op else {
+        return None;
+    };
+    // Everything but the blocks, plus at most 21 bytes a block kept
+    // ("18446744073709551615,").
+    let blocks = std::mem::take(&mut booking.blocks);
+    booking.tail = false;
+    let rest = serde_json::to_vec(&LoadMessage::Book {
+        booking: booking.clone(),
+    })
+    .expect("invariant: load messages serialize")
+    .len();
+    let keep = max.checked_sub(rest)? / 21;
+    booking.blocks = blocks;
+    booking.blocks.truncate(keep);
+    metrics::counter!("kvroute_load_truncated_total").increment(1);
+    let encoded = serde_json::to_vec(&LoadMessage::Book { booking })
+        .expect("invariant: load messages serialize");
+    (encoded.len() <= max).then_some(encoded)
 }
 
 /// The operations of a peer's message still to apply ([`Peers::take`]).

@@ -143,11 +143,47 @@ fn a_flush_splits_under_the_payload_limit_and_keeps_order() {
         })
         .collect();
     assert_eq!(seqs, (0..500).collect::<Vec<_>>());
-    // One operation too large for any message is shed, not sent over the limit.
+    // A booking too large for any message goes with the first blocks that fit, its load
+    // and work whole (it was shed: peers never saw the heaviest requests), and a peer
+    // books it.
+    let big = SharedBooking {
+        prefill_tokens: 150_000.0,
+        decode_tokens: 64,
+        ..shared(1, 1, 10_000, 9_000.0)
+    };
     o.push(LoadMessage::Book {
-        booking: shared(1, 1, 10_000, 1.0),
+        booking: big.clone(),
     });
-    assert!(o.drain_payloads(limit).is_empty());
+    let payloads = o.drain_payloads(limit);
+    assert_eq!(payloads.len(), 1);
+    assert!(payloads[0].len() <= limit);
+    let [LoadMessage::Book { booking }] = &decode_load(&payloads[0]).unwrap()[..] else {
+        panic!("not one booking");
+    };
+    assert!(
+        booking.blocks.len() > 500,
+        "{} blocks",
+        booking.blocks.len()
+    );
+    assert_eq!(booking.blocks[..], big.blocks[..booking.blocks.len()]);
+    assert_eq!(
+        (
+            booking.prefill_blocks,
+            booking.prefill_tokens,
+            booking.decode_tokens
+        ),
+        (9_000.0, 150_000.0, 64)
+    );
+    let mut peer = scheduler(0);
+    peer.book_shared(0, booking.clone()).unwrap();
+    assert_eq!(
+        peer.load((WorkerId(1), DpRank(0))).unwrap().prefill_blocks,
+        9_000.0
+    );
+    assert_eq!(o.shed(), 0);
+    // Under a limit nothing fits in, it is shed, not sent over the limit.
+    o.push(LoadMessage::Book { booking: big });
+    assert!(o.drain_payloads(64).is_empty());
     assert_eq!(o.shed(), 1);
 }
 
