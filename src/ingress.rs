@@ -410,6 +410,10 @@ impl Router {
             config.retry_budget_percent,
             config.retry_budget_per_s,
         ));
+        // Peers freeing room wake the queue as this replica's own completions do.
+        let room = load
+            .as_ref()
+            .map_or_else(|| Arc::new(Notify::new()), LoadShare::freed);
         let router = Arc::new(Router {
             api_keys,
             scheduler,
@@ -431,7 +435,7 @@ impl Router {
             waiting_models: Arc::default(),
             fleet_full: AtomicBool::new(false),
             retry_budget,
-            room: Arc::new(Notify::new()),
+            room,
             #[cfg(test)]
             break_next_walk: AtomicBool::new(false),
         });

@@ -323,6 +323,18 @@ impl Incoming {
     pub fn is_empty(&self) -> bool {
         self.ops.is_empty()
     }
+
+    /// Whether applying them may free room on a worker.
+    pub fn frees(&self) -> bool {
+        self.ops.iter().any(|op| {
+            matches!(
+                op,
+                LoadMessage::FirstToken { .. }
+                    | LoadMessage::Complete { .. }
+                    | LoadMessage::Heartbeat { .. }
+            )
+        })
+    }
 }
 
 /// Work the replica's reader does for its peers' messages per hold of the scheduler's lock
@@ -597,6 +609,10 @@ pub struct LoadShare {
     outbox: Arc<Mutex<Outbox>>,
     /// Wakes the flusher when the outbox stops being empty.
     wake: Arc<tokio::sync::Notify>,
+    /// Notified when a peer's message may have freed room on a worker (a first token, a
+    /// completion, a heartbeat dropping bookings): the router's admission queue waits on
+    /// it, so requests queued for room a peer frees go at once, not at its next poll.
+    freed: Arc<tokio::sync::Notify>,
 }
 
 impl LoadShare {
@@ -619,6 +635,7 @@ impl LoadShare {
             scheduler,
             outbox: Arc::new(Mutex::new(Outbox::new(config.max_pending))),
             wake: Arc::default(),
+            freed: Arc::default(),
         };
         let flusher = share.clone();
         let mut stop = shutdown.clone();
@@ -665,6 +682,7 @@ impl LoadShare {
                         // In parts, letting routes that wait for the scheduler in
                         // between (`bump` hands the lock to a waiting thread, if any).
                         let mut incoming = Peers::take(me, ops);
+                        let frees = incoming.frees();
                         {
                             let mut scheduler = s.scheduler.lock();
                             while peers.apply(now_ms(), &mut incoming, &mut scheduler, APPLY_BUDGET) {
@@ -673,6 +691,9 @@ impl LoadShare {
                         }
                         for op in peers.take_outgoing() {
                             s.send(op);
+                        }
+                        if frees {
+                            s.freed.notify_one();
                         }
                     }
                     _ = beat.tick() => {
@@ -735,6 +756,11 @@ impl LoadShare {
                 }
             }
         }
+    }
+
+    /// What a peer's message freeing room notifies (the admission queue waits on it).
+    pub fn freed(&self) -> Arc<tokio::sync::Notify> {
+        Arc::clone(&self.freed)
     }
 
     /// Announces a booking this replica made.

@@ -800,3 +800,36 @@ async fn a_replica_started_later_learns_the_load_already_booked() {
     let worker = (WorkerId(1), DpRank(0));
     assert_eq!(figures(&b.lock(), worker), figures(&a.lock(), worker));
 }
+
+/// A peer's completion wakes whoever waits on [`LoadShare::freed`] (the router's admission
+/// queue), so a request queued for room the peer frees goes at once: before, the queue
+/// noticed only at its next poll, up to 100 ms later (paused clock).
+#[tokio::test(start_paused = true)]
+async fn a_peer_s_completion_wakes_the_admission_queue() {
+    let bus = Transport::Local(LocalBus::new());
+    let config = LoadShareConfig {
+        heartbeat_ms: 3_600_000,
+        flush_ms: 0,
+        ..LoadShareConfig::default()
+    };
+    let (_stop, rx) = watch::channel(false);
+    let s = Arc::new(Mutex::new(scheduler(1)));
+    let share = LoadShare::start(bus.clone(), "t", Arc::clone(&s), config, rx)
+        .await
+        .unwrap();
+    let freed = share.freed();
+    // A wake-up left from the start, if any, is taken first.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let _ = tokio::time::timeout(Duration::from_millis(50), freed.notified()).await;
+    let complete = serde_json::to_vec(&[LoadMessage::Complete {
+        id: BookingId { origin: 7, seq: 1 },
+    }])
+    .unwrap();
+    let woken = freed.notified();
+    bus.publish(&load_subject("t"), None, complete.into())
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_millis(5), woken)
+        .await
+        .expect("a peer's completion woke the queue");
+}
