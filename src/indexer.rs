@@ -76,8 +76,8 @@ use crate::protocol::{
 use lanes::{LaneState, Lanes, SlotsExhausted, TierMask};
 use slots::SlotRef;
 use sync::Mutex;
+pub(crate) use table::home_of_key;
 use table::{Change, Entry, Map, ShardWriter, View};
-pub(crate) use table::{home_of_key, seed as process_seed};
 
 /// Sizing of the index.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -406,6 +406,35 @@ pub struct SharedBooking {
     /// Its expected decode, tokens.
     #[serde(default)]
     pub decode_tokens: u64,
+    /// The session whose turn it is ([`sessions::session_key`]), as 32 hex digits: peers
+    /// stick the session to the same worker. Absent for a request without one, and from
+    /// replicas older than shared sessions.
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "hex_key")]
+    pub session: Option<sessions::SessionKey>,
+}
+
+/// A session key as 32 hex digits (JSON numbers past 2^53 lose digits in many parsers).
+mod hex_key {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(key: &Option<u128>, s: S) -> Result<S::Ok, S::Error> {
+        match key {
+            Some(k) => s.serialize_str(&format!("{k:032x}")),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u128>, D::Error> {
+        let Some(text) = Option::<std::borrow::Cow<'de, str>>::deserialize(d)? else {
+            return Ok(None);
+        };
+        if text.len() != 32 {
+            return Err(serde::de::Error::custom("a session key is 32 hex digits"));
+        }
+        u128::from_str_radix(&text, 16)
+            .map(Some)
+            .map_err(|_| serde::de::Error::custom("a session key is 32 hex digits"))
+    }
 }
 
 /// Inclusive ranges of booking numbers sorted and apart, as a heartbeat sends them (made so
@@ -571,6 +600,8 @@ struct Booking {
     tail: bool,
     booked_ms: u64,
     prefill_open: bool,
+    /// The session whose turn it is, shared with peers.
+    session: Option<sessions::SessionKey>,
 }
 
 #[derive(Debug)]
@@ -1203,6 +1234,7 @@ impl Scheduler {
             blocks,
             tail,
             chosen.work,
+            request.session.map(|s| sessions::session_key(s.id)),
         );
         id
     }
@@ -1217,6 +1249,7 @@ impl Scheduler {
         blocks: Vec<SeqHash>,
         tail: bool,
         work: Work,
+        session: Option<sessions::SessionKey>,
     ) {
         let recent = self
             .workers
@@ -1241,6 +1274,7 @@ impl Scheduler {
                 tail,
                 booked_ms: now_ms,
                 prefill_open: true,
+                session,
             },
         );
         // Only what peers shared expires: this router's own bookings have live guards.
@@ -1271,6 +1305,7 @@ impl Scheduler {
                 0.0
             },
             decode_tokens: b.work.decode_tokens,
+            session: b.session,
         })
     }
 
@@ -1324,7 +1359,19 @@ impl Scheduler {
             prefill_tokens: b.prefill_tokens,
             decode_tokens: b.decode_tokens,
         };
-        self.insert_booking(now_ms, b.id, key, b.prefill_blocks, b.blocks, b.tail, work);
+        self.insert_booking(
+            now_ms,
+            b.id,
+            key,
+            b.prefill_blocks,
+            b.blocks,
+            b.tail,
+            work,
+            b.session,
+        );
+        if let Some(session) = b.session {
+            self.sessions.learned(now_ms, session, key);
+        }
         Ok(())
     }
 

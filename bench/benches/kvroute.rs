@@ -254,6 +254,7 @@ fn scheduler(c: &mut Criterion) {
                     tail: false,
                     prefill_tokens: 0.0,
                     decode_tokens: 0,
+                    session: None,
                 },
             )
             .expect("a known worker");

@@ -179,6 +179,9 @@ impl Harness {
             "load_message" => match decode_load(input) {
                 Ok(ops) => {
                     self.peers.on_message(self.now, 0, ops, &mut self.scheduler);
+                    // What a replica would publish (asks, bookings again): bounded by the
+                    // message, dropped here.
+                    let _ = self.peers.take_outgoing();
                     self.peers.on_tick(self.now, 5_000, &mut self.scheduler);
                     self.scheduler.expire(self.now);
                     true
@@ -438,10 +441,18 @@ fn load_message(rng: &mut Rng) -> Vec<u8> {
                         tail: rng.below(2) == 0,
                         prefill_tokens: 0.0,
                         decode_tokens: 0,
+                        session: (rng.below(2) == 0).then(|| rng.below(8) as u128),
                     },
                 },
                 1 => LoadMessage::FirstToken { id },
                 2 => LoadMessage::Complete { id },
+                3 if rng.below(2) == 0 => LoadMessage::Want {
+                    replica: id.origin,
+                    from: rng.below(4) as u64,
+                    open: (0..rng.below(5))
+                        .map(|_| (rng.below(60) as u64, rng.below(60) as u64))
+                        .collect(),
+                },
                 _ => LoadMessage::Heartbeat {
                     replica: id.origin,
                     open: (0..rng.below(5))

@@ -763,8 +763,7 @@ fn spill_words(owners: &[Entry]) -> usize {
     }
 }
 
-/// The probe seed: random per process so that publishers cannot aim at one probe chain
-/// (also the key of the other tables whose keys come from the network).
+/// The probe seed: random per process so that publishers cannot aim at one probe chain.
 pub(crate) fn seed() -> u64 {
     use std::sync::OnceLock;
     static SEED: OnceLock<u64> = OnceLock::new();

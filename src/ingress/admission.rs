@@ -712,6 +712,8 @@ impl Router {
         metrics::counter!("kvroute_session_turns_total", "outcome" => "moved").absolute(st.moved);
         metrics::counter!("kvroute_session_turns_total", "outcome" => "yielded")
             .absolute(st.yielded);
+        metrics::counter!("kvroute_session_turns_total", "outcome" => "learned")
+            .absolute(st.learned);
     }
 }
 

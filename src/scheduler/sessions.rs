@@ -1,9 +1,12 @@
 //! Session affinity: which worker each conversation's last turn went to, so the next turn
 //! goes there too while that worker has room. Sessions are forgotten `ttl_ms` after their
 //! last turn, and the least recently seen first when more than `max_sessions` are known, so
-//! the table follows the live conversations whatever clients send.
+//! the table follows the live conversations whatever clients send. Router replicas learn
+//! each other's turns from their shared bookings ([`super::SharedBooking::session`]), so a
+//! session's next turn sticks to its worker whichever replica takes it.
 
-use std::collections::VecDeque;
+use std::collections::hash_map::RandomState;
+use std::collections::{HashMap, VecDeque};
 
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
@@ -47,6 +50,8 @@ pub struct SessionStats {
     pub moved: u64,
     /// Turns sent elsewhere because the session's worker was saturated (soft affinity).
     pub yielded: u64,
+    /// Turns other router replicas routed, learnt from their bookings.
+    pub learned: u64,
 }
 
 #[derive(Debug)]
@@ -55,21 +60,27 @@ struct Entry {
     last_ms: u64,
 }
 
-/// A session's id as the table keeps it: 128 bits of a hash keyed per process. Ids come from
-/// clients' headers, scoped by tenant and model (up to about 530 bytes): kept whole, a full
-/// table of a million sessions took over half a GB. Two ids that met here would share a
-/// worker, nothing more; finding such a pair takes the key.
-type SessionKey = u128;
+/// A session's id as the table keeps it: 128 bits of a hash, the same on every router
+/// replica (they share them in their bookings). Ids come from clients' headers, scoped by
+/// tenant and model (up to about 530 bytes): kept whole, a full table of a million sessions
+/// took over half a GB. Two ids with one key would share a worker, nothing more; the table
+/// hashes keys with a per-process random SipHash key, so ids chosen to crowd its buckets
+/// cannot be computed from the (public) key function.
+pub type SessionKey = u128;
 
-fn session_key(id: &str) -> SessionKey {
-    xxhash_rust::xxh3::xxh3_128_with_seed(id.as_bytes(), crate::indexer::process_seed())
+/// Seed of [`session_key`]: fixed, so that replicas agree.
+const SESSION_KEY_SEED: u64 = 0x6b76_726f_7574_6573;
+
+/// The key of session `id`.
+pub fn session_key(id: &str) -> SessionKey {
+    xxhash_rust::xxh3::xxh3_128_with_seed(id.as_bytes(), SESSION_KEY_SEED)
 }
 
 /// The session table.
 #[derive(Debug)]
 pub(super) struct Sessions {
     config: SessionConfig,
-    map: FxHashMap<SessionKey, Entry>,
+    map: HashMap<SessionKey, Entry, RandomState>,
     /// (last turn, session) by age; entries whose session had a later turn are stale and
     /// skipped.
     by_age: VecDeque<(u64, SessionKey)>,
@@ -82,7 +93,7 @@ impl Sessions {
     pub(super) fn new(config: SessionConfig) -> Self {
         Sessions {
             config,
-            map: FxHashMap::default(),
+            map: HashMap::default(),
             by_age: VecDeque::new(),
             per_worker: FxHashMap::default(),
             stats: SessionStats::default(),
@@ -137,7 +148,17 @@ impl Sessions {
             Some(_) if !registered => self.stats.moved += 1,
             Some(_) => self.stats.yielded += 1,
         }
-        let key = session_key(id);
+        self.stick(now_ms, session_key(id), chosen);
+    }
+
+    /// A peer replica routed a turn of session `key` to `worker` (its booking said so).
+    pub(super) fn learned(&mut self, now_ms: u64, key: SessionKey, worker: WorkerKey) {
+        self.stats.learned += 1;
+        self.stick(now_ms, key, worker);
+    }
+
+    /// Session `key`'s last turn went to `chosen` at `now_ms`.
+    fn stick(&mut self, now_ms: u64, key: SessionKey, chosen: WorkerKey) {
         let previous = self.map.insert(
             key,
             Entry {

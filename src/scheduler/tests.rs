@@ -184,6 +184,7 @@ fn unreleased_peer_bookings_expire_and_own_ones_do_not() {
             tail: false,
             prefill_tokens: 32.0,
             decode_tokens: 16,
+            session: None,
         },
     )
     .unwrap();
@@ -602,6 +603,7 @@ mod ledger {
                             tail: false,
                             prefill_tokens: 0.0,
                             decode_tokens: 0,
+                            session: None,
                         };
                         let known = workers.contains(&key(worker));
                         let result = s.book_shared(now, booking.clone());
@@ -1018,6 +1020,59 @@ fn soft_affinity_yields_to_a_saturated_worker_and_hard_affinity_waits() {
         &in_session(request(&blocks(10, 1900), 160, &none), "c", true),
     ));
     assert_eq!(hard.chosen.key, soft.chosen.key);
+}
+
+/// Router replicas learn each other's sessions from their bookings: a hard session's turn
+/// on replica A sticks it to its worker on replica B too, which waits for that worker when
+/// it is full (before, B knew nothing of the session and routed the next turn anywhere).
+#[test]
+fn replicas_learn_each_other_s_sessions_from_their_bookings() {
+    let replica = |id: u64| {
+        let mut s = Scheduler::new(Config {
+            replica_id: id,
+            admission: AdmissionConfig {
+                worker_budget_tokens: 200,
+                fleet_budget_tokens: 0,
+                decode_cap_tokens: 100,
+            },
+            ..Config::default()
+        })
+        .unwrap();
+        for w in 0..2 {
+            s.add_worker(key(w), 1000, "m");
+        }
+        s
+    };
+    let (mut a, mut b) = (replica(1), replica(2));
+    let none = scores(&[]);
+    let first = routed(a.admit(
+        0,
+        &in_session(request(&blocks(10, 0), 160, &none), "c", true),
+    ));
+    // As peers read it, from JSON.
+    let json = serde_json::to_string(&a.shared(first.booking).unwrap()).unwrap();
+    assert!(json.contains(r#""session":""#), "{json}");
+    b.book_shared(0, serde_json::from_str(&json).unwrap())
+        .unwrap();
+    assert_eq!(b.session_worker(1, "c"), Some(first.chosen.key));
+    assert_eq!(b.session_stats().learned, 1);
+    // The session's worker holds 176 of 200 tokens (A's turn, booked on B too): B waits.
+    assert_eq!(
+        b.admit(
+            1,
+            &in_session(request(&blocks(10, 900), 160, &none), "c", true)
+        ),
+        Admission::Wait
+    );
+    // A turn without a session shares none; a booking from an older replica (no session
+    // field) is read; a malformed key is refused.
+    let plain = routed(a.admit(2, &request(&blocks(4, 5000), 64, &none)));
+    let plain = serde_json::to_string(&a.shared(plain.booking).unwrap()).unwrap();
+    assert!(!plain.contains("session"), "{plain}");
+    let old: SharedBooking = serde_json::from_str(&plain).unwrap();
+    assert_eq!(old.session, None);
+    let bad = json.replacen(r#""session":""#, r#""session":"zz"#, 1);
+    assert!(serde_json::from_str::<SharedBooking>(&bad).is_err());
 }
 
 #[test]

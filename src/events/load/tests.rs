@@ -43,6 +43,7 @@ fn shared(origin: u64, seq: u64, blocks: usize, prefill: f64) -> SharedBooking {
         tail: false,
         prefill_tokens: 0.0,
         decode_tokens: 0,
+        session: None,
     }
 }
 
