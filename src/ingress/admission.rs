@@ -491,7 +491,6 @@ impl Router {
         loop {
             match self.walk_queue(&mut walk) {
                 Walked::Done => {
-                    self.fleet_full.store(walk.fleet_full, Ordering::Relaxed);
                     return Pumped {
                         visited: walk.visited,
                         read: walk.read,
@@ -642,8 +641,17 @@ impl Router {
                 let _ = left.payload.tx.send(Ok((*decision, booking)));
                 Walked::Admitted
             }
-            Some(End::FleetFull) => Walked::Done,
-            None if to_read.is_empty() => Walked::Done,
+            // The flag is set with the queue locked, as `enter` sets it: stored after the
+            // lock was let go, a pump's `false` could overwrite the `true` of a request
+            // queued in between, and smaller requests of other pools would pass it.
+            Some(End::FleetFull) => {
+                self.fleet_full.store(true, Ordering::Relaxed);
+                Walked::Done
+            }
+            None if to_read.is_empty() => {
+                self.fleet_full.store(walk.fleet_full, Ordering::Relaxed);
+                Walked::Done
+            }
             None => Walked::Read(to_read),
         }
     }
