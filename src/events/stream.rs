@@ -264,10 +264,12 @@ impl WorkerStream {
         // An answer to the request made now in an epoch this stream retired, but later than
         // the one it follows, is the worker's present (a stale heartbeat took the stream
         // back to an older epoch): adopted, else every answer is refused and the resync
-        // never ends. An older retired epoch's answer is a past incarnation's (one still
-        // draining under the same id).
-        if self.retired.contains(&snapshot.epoch) && self.epoch.is_some_and(|e| snapshot.epoch < e)
-        {
+        // never ends. An answer of an older epoch, retired or never seen, is a past
+        // incarnation's (one still draining under the same id, answering the same subject):
+        // adopted, it retired the present one, whose batches and heartbeats were then
+        // dropped for good. The registry's heartbeat moves a stream to an older epoch (a
+        // clock stepped back across a restart), not an answer.
+        if self.epoch.is_some_and(|e| snapshot.epoch < e) {
             return;
         }
         self.stats.resync_ms += now_ms.saturating_sub(since_ms);
@@ -309,7 +311,11 @@ impl WorkerStream {
     /// within the reorder timeout, it is a gap. A heartbeat of another epoch means the worker
     /// restarted: the old incarnation's entries go at once.
     pub fn on_watermark(&mut self, now_ms: u64, epoch: u64, last_id: u64, out: &mut Vec<Command>) {
-        if self.retired.contains(&epoch) {
+        // A retired epoch's heartbeat is a past incarnation's if it is older than the one
+        // followed; a later one's means a stale heartbeat took the stream back to an older
+        // epoch, and the later incarnation is alive: followed again (ignored, it never was,
+        // and the stream stayed on the stale incarnation for good).
+        if self.retired.contains(&epoch) && self.epoch.is_some_and(|e| epoch < e) {
             return;
         }
         if self.epoch != Some(epoch) {

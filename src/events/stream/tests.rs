@@ -696,3 +696,54 @@ proptest! {
         prop_assert_eq!(indexed(&ix), worker.resident.clone());
     }
 }
+
+/// A past incarnation still draining under the same id answers the snapshot subject too: an
+/// answer of an older epoch than the one followed is refused, even one never seen. Adopted,
+/// it retired the present epoch, whose batches and heartbeats were then dropped for good.
+#[test]
+fn an_older_incarnation_s_answer_never_takes_the_stream() {
+    let mut s = stream();
+    let mut out = Vec::new();
+    s.on_batch(0, batch(8, 5..=6), &mut out);
+    assert!(!s.is_live());
+    out.clear();
+    s.on_snapshot(1, s.snapshot_request(), snapshot(7, 40), &mut out);
+    assert_eq!(s.epoch(), Some(8));
+    assert!(!s.is_live());
+    assert!(out.is_empty(), "{out:?}");
+    s.on_snapshot(2, s.snapshot_request(), snapshot(8, 4), &mut out);
+    assert_eq!((s.epoch(), s.next_id()), (Some(8), Some(7)));
+    assert_eq!(applied_ids(&out), vec![1, 2, 3, 4, 5, 6]);
+}
+
+/// A stale heartbeat of an older incarnation takes the stream to its epoch; the present
+/// incarnation's next heartbeat takes it back, though its epoch was retired on the way, and
+/// a snapshot fills what was dropped meanwhile. Before, that heartbeat was ignored and the
+/// stream followed the stale incarnation for good.
+#[test]
+fn a_later_incarnation_s_heartbeat_takes_back_a_stream_a_stale_one_took() {
+    let mut s = stream();
+    let mut out = Vec::new();
+    s.on_batch(0, batch(8, 1..=3), &mut out);
+    s.on_watermark(1, 7, 0, &mut out);
+    assert_eq!(s.epoch(), Some(7));
+    s.on_batch(2, batch(8, 4..=4), &mut out);
+    out.clear();
+    s.on_watermark(3, 8, 4, &mut out);
+    assert_eq!(s.epoch(), Some(8));
+    assert!(
+        out.iter()
+            .any(|c| matches!(c, Command::RequestSnapshot { epoch: 8, .. })),
+        "{out:?}"
+    );
+    out.clear();
+    s.on_snapshot(4, s.snapshot_request(), snapshot(8, 4), &mut out);
+    assert_eq!((s.epoch(), s.next_id()), (Some(8), Some(5)));
+    s.on_batch(5, batch(8, 5..=5), &mut out);
+    assert_eq!(applied_ids(&out), vec![1, 2, 3, 4, 5]);
+    // The stale one's heartbeat again: retired and older, ignored.
+    out.clear();
+    s.on_watermark(6, 7, 0, &mut out);
+    assert_eq!(s.epoch(), Some(8));
+    assert!(out.is_empty(), "{out:?}");
+}
