@@ -9,6 +9,7 @@ pub mod openai;
 pub mod proxy;
 pub mod tokenizer;
 
+use std::collections::HashMap;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -27,8 +28,9 @@ use tokio::sync::{Notify, Semaphore, watch};
 use tokio::time::Instant;
 
 use crate::auth::{Secret, bearer_key, bearer_ok};
+use crate::events::fleet::StreamKey;
 use crate::events::load::LoadShare;
-use crate::events::plane::EventPlane;
+use crate::events::plane::{EventPlane, StreamStatus};
 use crate::events::transport::Transport;
 use crate::http::budget::{BodyBudget, Reservation, collect_within};
 use crate::http::{
@@ -439,6 +441,9 @@ impl Router {
             #[cfg(test)]
             break_next_walk: AtomicBool::new(false),
         });
+        for end in proxy::RelayEnd::ALL {
+            metrics::counter!("kvroute_relay_ended_total", "how" => end.label()).increment(0);
+        }
         tokio::spawn(watch_hashes(Arc::downgrade(&router)));
         if let Some(path) = router.config.api_keys_file.clone() {
             tokio::spawn(watch_api_keys(Arc::downgrade(&router), path));
@@ -931,23 +936,51 @@ pub(crate) fn percent_decoded(s: &str) -> std::borrow::Cow<'_, str> {
 fn admin_workers(router: &Router) -> Response<Body> {
     let streams = router.plane.streams();
     let view = router.plane.view();
-    let scheduler = router.scheduler.lock();
-    let alarm = router.mismatch.lock();
+    // Each worker's streams, found once (not by a scan of every stream per worker).
+    let mut ranks_of: HashMap<WorkerId, Vec<&(StreamKey, StreamStatus)>> = HashMap::new();
+    for stream in &streams {
+        ranks_of.entry(stream.0.0).or_default().push(stream);
+    }
+    // What the scheduler and the alarm say, copied out under their locks (routing and
+    // every first token need them), the rest built after.
+    let (figures, open_bookings, expired_bookings) = {
+        let scheduler = router.scheduler.lock();
+        let alarm = router.mismatch.lock();
+        let figures: HashMap<WorkerId, _> = view
+            .workers
+            .values()
+            .map(|w| {
+                let (mut prefill, mut held, mut requests) = (0.0, 0, 0);
+                for ((_, rank), _) in ranks_of.get(&w.id).into_iter().flatten() {
+                    if let Some(l) = scheduler.load((w.id, *rank)) {
+                        prefill += l.prefill_blocks;
+                        held += l.decode_blocks();
+                        requests += l.requests;
+                    }
+                }
+                // The scheduler's copy of the engine's load: the view is published again
+                // only when a registration changes shape, not for each heartbeat's load.
+                let engine_load = scheduler.engine_load((w.id, crate::protocol::DpRank(0)));
+                (
+                    w.id,
+                    (alarm.status(w.id), prefill, held, requests, engine_load),
+                )
+            })
+            .collect();
+        (
+            figures,
+            scheduler.open_bookings(),
+            scheduler.expired_bookings(),
+        )
+    };
     let workers: Vec<_> = view
         .workers
         .values()
         .map(|w| {
-            let mismatch = alarm.status(w.id);
-            let ranks: Vec<_> = streams.iter().filter(|((id, _), _)| *id == w.id).collect();
+            let ranks: &[&(StreamKey, StreamStatus)] =
+                ranks_of.get(&w.id).map_or(&[], Vec::as_slice);
             let synced = !ranks.is_empty() && ranks.iter().all(|(_, s)| s.live);
-            let (mut prefill, mut held, mut requests) = (0.0, 0, 0);
-            for ((_, rank), _) in &ranks {
-                if let Some(l) = scheduler.load((w.id, *rank)) {
-                    prefill += l.prefill_blocks;
-                    held += l.decode_blocks();
-                    requests += l.requests;
-                }
-            }
+            let (mismatch, prefill, held, requests, engine_load) = figures[&w.id];
             serde_json::json!({
                 "id": w.id, "url": w.url, "model": w.model, "epoch": w.epoch, "dp_size": w.dp_size,
                 "block_size": w.block_size, "g1_blocks": w.g1_blocks, "g2_blocks": w.g2_blocks,
@@ -957,9 +990,7 @@ fn admin_workers(router: &Router) -> Response<Body> {
                 "booked_prefill_blocks": prefill, "booked_blocks": held, "booked_requests": requests,
                 "hash_mismatch": mismatch.raised, "routed_blocks_seen": mismatch.seen, "routed_blocks_missing": mismatch.missing,
                 "engine_event_faults": w.event_faults,
-                // The scheduler's copy: the view is published again only when a
-                // registration changes shape, not for each heartbeat's load.
-                "engine_load": scheduler.engine_load((w.id, crate::protocol::DpRank(0))),
+                "engine_load": engine_load,
             })
         })
         .collect();
@@ -971,7 +1002,7 @@ fn admin_workers(router: &Router) -> Response<Body> {
             "workers": workers,
             "index": {"blocks": sizes.blocks, "entries": sizes.entries},
             "silent": router.plane.silent_workers(),
-            "bookings": {"open": scheduler.open_bookings(), "expired": scheduler.expired_bookings()},
+            "bookings": {"open": open_bookings, "expired": expired_bookings},
             "fleet": {
                 "batches_dropped": c.batches_dropped.load(Ordering::Relaxed),
                 "registrations_refused": c.registrations_refused.load(Ordering::Relaxed),

@@ -15,8 +15,8 @@ pub use events::{BlockChange, EventBatch, KvEvent, KvEventData, StoredBlock, par
 pub use hashing::{BlockHash, HASH_SEED, Salt, extend_blocks, hash_blocks, local_hash, seq_hash};
 pub use ids::{DpRank, LocalHash, SeqHash, Tier, WorkerId};
 pub use snapshot::{
-    AssembleError, SNAPSHOT_MAGIC, Snapshot, SnapshotAssembler, SnapshotBlock, SnapshotChunk,
-    decode_snapshot_chunk,
+    AssembleError, MAX_SNAPSHOT_BLOCKS, SNAPSHOT_MAGIC, Snapshot, SnapshotAssembler, SnapshotBlock,
+    SnapshotChunk, decode_snapshot_chunk,
 };
 
 #[cfg(test)]

@@ -23,7 +23,8 @@ use super::transport::Transport;
 use crate::discovery::{RegistryEvent, Watch, WorkerInfo};
 use crate::indexer::Indexer;
 use crate::protocol::{
-    EventBatch, Limits, Snapshot, SnapshotAssembler, WorkerId, decode, decode_snapshot_chunk,
+    AssembleError, EventBatch, Limits, MAX_SNAPSHOT_BLOCKS, Snapshot, SnapshotAssembler, WorkerId,
+    decode, decode_snapshot_chunk,
 };
 use crate::scheduler::Scheduler;
 use intake::{Delivery, Intake, Watermark, WatermarkGate};
@@ -326,6 +327,9 @@ impl EventPlane {
         // Started means subscribed: the server has our interest before we return.
         transport.synced().await;
         let limits = Limits::for_payload(transport.max_payload().max(1 << 20));
+        // None yet: the gauge exists, at 0, before any worker registers (a fleet that never
+        // registered, say under a wrong cluster name, had no series for its alert to see).
+        metrics::gauge!("kvroute_workers_registered").set(0.0);
         let fleet = Fleet::new(FleetConfig {
             lease_ttl_ms: watch.lease_ttl_ms,
             tombstone_ttl_ms: config.tombstone_ttl_ms,
@@ -903,6 +907,10 @@ impl FleetOwner {
                         let mut s = s.lock();
                         s.add_worker(key, capacity_blocks, &model);
                         s.set_adapters(key, adapters);
+                        // At 0 from the start, so that its first ejection is an
+                        // `increase()` to Prometheus.
+                        metrics::counter!("kvroute_worker_ejections_total", "worker" => key.0.to_string())
+                            .increment(0);
                     }
                 }
                 FleetCommand::Unroutable(key) => {
@@ -1441,6 +1449,12 @@ async fn fetch(shared: &Shared, key: StreamKey) -> Option<Snapshot> {
             Ok(chunk) if (chunk.worker, chunk.dp_rank) == key => match assembler.add(chunk) {
                 Ok(Some(snapshot)) => return Some(snapshot),
                 Ok(None) => {}
+                Err(AssembleError::TooLarge) => {
+                    // Its chunks are gone: waiting out the deadline for the rest would only
+                    // hold a fetch permit. Workers refuse a cache that large at start.
+                    tracing::error!(worker = %key.0, "snapshot over the limit of {MAX_SNAPSHOT_BLOCKS} blocks: refused");
+                    return None;
+                }
                 Err(e) => {
                     tracing::warn!(worker = %key.0, error = %e, "inconsistent snapshot chunks")
                 }

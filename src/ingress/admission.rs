@@ -698,11 +698,12 @@ impl Router {
     /// Sets the queue and admission gauges (at scrape time).
     pub(super) fn queue_gauges(&self) {
         let now = self.now_ms();
-        for b in self.queue.lock().view(now) {
-            let band = b.band.to_string();
-            metrics::gauge!("kvroute_queue_depth", "band" => band.clone()).set(b.depth as f64);
-            metrics::gauge!("kvroute_queue_limit", "band" => band.clone()).set(b.max_queued as f64);
-            metrics::gauge!("kvroute_queue_ttl_seconds", "band" => band).set(b.ttl_ms as f64 / 1e3);
+        let depths = self.queue.lock().depths();
+        for (band, depth, max_queued, ttl_ms) in depths {
+            let band = band.to_string();
+            metrics::gauge!("kvroute_queue_depth", "band" => band.clone()).set(depth as f64);
+            metrics::gauge!("kvroute_queue_limit", "band" => band.clone()).set(max_queued as f64);
+            metrics::gauge!("kvroute_queue_ttl_seconds", "band" => band).set(ttl_ms as f64 / 1e3);
         }
         let mut s = self.scheduler.lock();
         s.forget_sessions(now);

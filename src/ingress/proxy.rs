@@ -995,7 +995,21 @@ pub enum RelayEnd {
 }
 
 impl RelayEnd {
-    fn label(self) -> &'static str {
+    /// Every way a relay ends (its metric's series exist from the start, at 0: a series
+    /// born at 1 is not an `increase()` to Prometheus, and one burst of a kind never seen
+    /// before raised no alert).
+    pub(super) const ALL: [RelayEnd; 8] = [
+        RelayEnd::Done,
+        RelayEnd::ClientGone,
+        RelayEnd::ClientStalled,
+        RelayEnd::WorkerStalled,
+        RelayEnd::NoFirstFrame,
+        RelayEnd::WorkerFailed,
+        RelayEnd::Truncated,
+        RelayEnd::OverBudget,
+    ];
+
+    pub(super) fn label(self) -> &'static str {
         match self {
             RelayEnd::Done => "done",
             RelayEnd::ClientGone => "client_gone",

@@ -222,13 +222,20 @@ impl WorkerSeries {
     }
 
     /// Appends the text exposition, each metric name's series together under one `# TYPE`.
+    /// The series are copied out (handles: `Arc`s) and formatted with the lock let go:
+    /// every request's latency metrics take it to find their series, and formatting a few
+    /// hundred workers' histograms under it stalled them for the whole scrape.
     fn render_into(&self, out: &mut String) {
-        let state = self.state.lock();
+        let all: Vec<(Key, Series)> = {
+            let state = self.state.lock();
+            state
+                .values()
+                .flat_map(|w| w.series.iter().map(|(k, s)| (k.clone(), s.clone())))
+                .collect()
+        };
         let mut by_name: BTreeMap<&str, Vec<(&Key, &Series)>> = BTreeMap::new();
-        for w in state.values() {
-            for (key, series) in &w.series {
-                by_name.entry(key.name()).or_default().push((key, series));
-            }
+        for (key, series) in &all {
+            by_name.entry(key.name()).or_default().push((key, series));
         }
         for (name, series) in by_name {
             let kind = match series[0].1.kind() {

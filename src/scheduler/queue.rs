@@ -478,6 +478,20 @@ impl<T> AdmissionQueue<T> {
             .unwrap_or(0)
     }
 
+    /// Every band that holds tickets or ever did, highest first: (band, depth, max queued,
+    /// deadline ms). What the gauges need, in O(bands): [`AdmissionQueue::view`] walks
+    /// every ticket, and a scrape is open to anyone and comes while the queue is full.
+    pub fn depths(&self) -> Vec<(i32, usize, usize, u64)> {
+        self.counters
+            .keys()
+            .rev()
+            .map(|band| {
+                let limits = self.config.band(*band);
+                (*band, self.depth(*band), limits.max_queued, limits.ttl_ms)
+            })
+            .collect()
+    }
+
     /// Every band that holds tickets or ever did, highest first.
     pub fn view(&self, now_ms: u64) -> Vec<BandView> {
         let mut oldest: BTreeMap<i32, u64> = BTreeMap::new();

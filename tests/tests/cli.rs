@@ -404,6 +404,8 @@ fn sidecar_settings_are_checked_at_start() {
         &["--tokenizer", "/models/tokenizer.json"],
         &["--fault-injection"],
         &["--api-key", "k"],
+        // A mirror larger than one snapshot carries: routers could never resync from it.
+        &["--engine-max-blocks", "20000000"],
     ] {
         let out = run(bad);
         assert!(!out.status.success(), "{bad:?} accepted");

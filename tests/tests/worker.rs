@@ -163,8 +163,13 @@ async fn sigterm_answers_a_request_still_uploading() {
 /// never a registered zombie.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_failure_deregisters_and_exits_non_zero() {
+    let mut workers = injectable(1);
+    // Long enough to look at it deregistered, short for the test.
+    workers[0]
+        .args
+        .extend(["--failure-linger-ms".into(), "8000".into()]);
     let mut f = Fleet::start(FleetSpec {
-        workers: injectable(1),
+        workers,
         lease_ttl_ms: 60_000,
         heartbeat_ms: 1_000,
         ..FleetSpec::default()
@@ -175,11 +180,6 @@ async fn an_engine_failure_deregisters_and_exits_non_zero() {
     f.faults(0, serde_json::json!({"fail_engine": true}))
         .await
         .unwrap();
-    let status = f.workers[0]
-        .proc
-        .wait_timeout(Duration::from_secs(30))
-        .expect("the worker kept running with a failed engine");
-    assert!(!status.success(), "{status:?}");
     assert!(
         f.until(Duration::from_secs(10), || async {
             !registered(&f, port).await
@@ -187,6 +187,18 @@ async fn an_engine_failure_deregisters_and_exits_non_zero() {
         .await,
         "the failed worker is still registered"
     );
+    // Deregistered, and its metrics still answer for a scrape to record the failure.
+    let metrics = f
+        .http
+        .call("GET", &format!("{}/metrics", f.workers[0].url()), "")
+        .await
+        .unwrap();
+    assert_eq!(metrics.status, 200);
+    let status = f.workers[0]
+        .proc
+        .wait_timeout(Duration::from_secs(30))
+        .expect("the worker kept running with a failed engine");
+    assert!(!status.success(), "{status:?}");
 }
 
 /// Without `--id`, a worker's id comes from its host name and port: a restart keeps it.
@@ -393,4 +405,48 @@ async fn a_worker_with_an_api_key_serves_only_a_router_that_has_it() {
         .unwrap();
     assert_eq!(without_key.status, 503, "{}", without_key.body);
     assert!(without_key.body.contains("401"), "{}", without_key.body);
+}
+
+/// The series the chart's alerts select exist at 0 from the start: a counter born at 1 is
+/// not an `increase()` to Prometheus (the first stream ended for want of the body budget,
+/// the first batches a worker dropped and a worker's first ejection raised no alert), and a
+/// router no worker ever registered with had no `kvroute_workers_registered` for
+/// `KvrouteNoWorkers` to see.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alerted_series_exist_at_zero_from_the_start() {
+    let mut f = Fleet::start(FleetSpec {
+        workers: Vec::new(),
+        ..FleetSpec::default()
+    })
+    .await
+    .unwrap();
+    let router = f.scrape().await.unwrap();
+    for series in [
+        "kvroute_workers_registered 0",
+        "kvroute_relay_ended_total{how=\"over_budget\"} 0",
+        "kvroute_relay_ended_total{how=\"done\"} 0",
+    ] {
+        assert!(router.lines().any(|l| l == series), "{series}:\n{router}");
+    }
+    f.add_worker(&WorkerSpec::model("kvroute-sim")).unwrap();
+    f.wait_synced(Duration::from_secs(30)).await.unwrap();
+    let id = f.workers[0].port;
+    let router = f.scrape().await.unwrap();
+    let ejections = format!("kvroute_worker_ejections_total{{worker=\"{id}\"}} 0");
+    assert!(
+        router.lines().any(|l| l == ejections),
+        "{ejections}:\n{router}"
+    );
+    let worker = f
+        .http
+        .call("GET", &format!("{}/metrics", f.workers[0].url()), "")
+        .await
+        .unwrap()
+        .body;
+    assert!(
+        worker
+            .lines()
+            .any(|l| l == "kvroute_worker_event_batches_dropped_total 0"),
+        "{worker}"
+    );
 }

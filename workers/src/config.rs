@@ -87,6 +87,15 @@ pub enum ConfigError {
         /// The engine's block size.
         block_size: usize,
     },
+    /// More blocks than one snapshot may carry ([`kvroute::protocol::MAX_SNAPSHOT_BLOCKS`]):
+    /// a router could never follow this worker from a snapshot.
+    #[error("g1_blocks + g2_blocks is {blocks}, over the {max} blocks a snapshot may carry")]
+    TooManyBlocks {
+        /// G1 and G2 blocks together.
+        blocks: usize,
+        /// The limit.
+        max: usize,
+    },
     /// The KV device cannot be used.
     #[error("--device {device}: {message}")]
     Device {
@@ -112,6 +121,13 @@ impl EngineConfig {
         ];
         if let Some((field, _)) = positive.iter().find(|(_, ok)| !ok) {
             return Err(ConfigError::NotPositive { field });
+        }
+        let blocks = self.g1_blocks.saturating_add(self.g2_blocks);
+        if blocks > kvroute::protocol::MAX_SNAPSHOT_BLOCKS {
+            return Err(ConfigError::TooManyBlocks {
+                blocks,
+                max: kvroute::protocol::MAX_SNAPSHOT_BLOCKS,
+            });
         }
         let t = &self.timing;
         if !t.prefill.iter().chain(&t.decode).all(|c| c.is_finite()) || !t.decode_min_ms.is_finite()
@@ -219,5 +235,29 @@ mod tests {
         c.timing.decode[1] = f64::NAN;
         assert!(c.validate().is_err());
         assert_eq!(EngineConfig::default().validate(), Ok(()));
+    }
+
+    /// A cache larger than one snapshot carries is refused: routers could never resync
+    /// this worker (every fetch failed at the limit and was asked again, forever).
+    #[test]
+    fn a_cache_over_a_snapshot_is_refused() {
+        let max = kvroute::protocol::MAX_SNAPSHOT_BLOCKS;
+        let at = EngineConfig {
+            g1_blocks: max / 2,
+            g2_blocks: max - max / 2,
+            ..EngineConfig::default()
+        };
+        assert_eq!(at.validate(), Ok(()));
+        let over = EngineConfig {
+            g2_blocks: at.g2_blocks + 1,
+            ..at
+        };
+        assert_eq!(
+            over.validate(),
+            Err(ConfigError::TooManyBlocks {
+                blocks: max + 1,
+                max
+            })
+        );
     }
 }

@@ -130,6 +130,12 @@ struct Args {
     /// finish, ms.
     #[arg(long, env = "KVROUTE_DRAIN_TIMEOUT_MS", default_value_t = 30_000)]
     drain_timeout_ms: u64,
+    /// After its engine fails, the worker (deregistered at once) keeps answering /metrics
+    /// this long before it exits non-zero, so that a scrape records what failed (the
+    /// counters of a failure were lost with the process, and their alerts never fired:
+    /// two of the chart's 15 s scrapes by default); SIGTERM ends the wait, ms.
+    #[arg(long, env = "KVROUTE_FAILURE_LINGER_MS", default_value_t = 30_000)]
+    failure_linger_ms: u64,
     /// Log lines as `text` (colour only on a terminal) or `json`.
     #[arg(long, env = "KVROUTE_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
@@ -190,8 +196,9 @@ struct Args {
     engine_health_ms: u64,
     /// Sidecar: most blocks the mirror of each engine rank holds (about 100 B each); what
     /// the engine stores past it is not indexed (`kvroute_engine_blocks_not_indexed_total`
-    /// reason `capped`) until it removes some.
-    #[arg(long, env = "KVROUTE_ENGINE_MAX_BLOCKS", default_value_t = kvroute::engines::mirror::DEFAULT_MAX_BLOCKS as u64, value_parser = clap::value_parser!(u64).range(1..=(1 << 32)))]
+    /// reason `capped`) until it removes some. At most 16 Mi (2^24), what one snapshot
+    /// carries: the mirror is what routers resync from.
+    #[arg(long, env = "KVROUTE_ENGINE_MAX_BLOCKS", default_value_t = kvroute::engines::mirror::DEFAULT_MAX_BLOCKS as u64, value_parser = clap::value_parser!(u64).range(1..=(kvroute::protocol::MAX_SNAPSHOT_BLOCKS as u64)))]
     engine_max_blocks: u64,
     /// Be a test engine instead: the simulated engine, speaking `vllm`, `vllm-legacy` or
     /// `sglang` wire formats (KV events on ZMQ, no NATS, no registration).
@@ -406,7 +413,19 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
         }
         reason = failed.wait_for(Option::is_some) => {
             let reason = reason.ok().and_then(|r| r.clone()).unwrap_or_default();
-            // Never a registered zombie: leave the fleet, then fail loudly.
+            // Never a registered zombie: leave the fleet, let a scrape see why, then fail
+            // loudly.
+            let mut worker = worker;
+            worker.leave().await;
+            tracing::error!(
+                reason = %reason,
+                linger_ms = args.failure_linger_ms,
+                "engine failed: deregistered; exiting once /metrics has been scraped"
+            );
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_millis(args.failure_linger_ms)) => {}
+                () = kvroute::process::signalled(signals) => {}
+            }
             worker.stop().await;
             bail!("engine failed: {reason}")
         }

@@ -326,6 +326,14 @@ impl Worker {
         left
     }
 
+    /// Leaves the fleet (routers stop sending), serving on: what a failed engine's worker
+    /// does before it exits, so that its metrics can still be scraped.
+    pub async fn leave(&mut self) {
+        if let Some(r) = self.registration.take() {
+            r.goodbye().await;
+        }
+    }
+
     /// Stops at once: deregisters, stops serving and the engine.
     pub async fn stop(mut self) {
         if let Some(r) = self.registration.take() {

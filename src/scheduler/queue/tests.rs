@@ -357,3 +357,26 @@ proptest! {
         prop_assert!(bands.windows(2).all(|w| w[0] >= w[1]), "{bands:?}");
     }
 }
+
+/// The gauges' O(bands) depths agree with the whole view's.
+#[test]
+fn depths_agree_with_the_view() {
+    let mut q = AdmissionQueue::new(QueueConfig::default());
+    for i in 0..30 {
+        q.push(
+            0,
+            ticket(i % 3 - 1, ["a", "b"][i as usize % 2], 10),
+            i as u32,
+        )
+        .unwrap();
+    }
+    let (id, _, _) = q.peek().unwrap();
+    q.admit(1, id).unwrap();
+    let view: Vec<(i32, usize, usize, u64)> = q
+        .view(2)
+        .into_iter()
+        .map(|b| (b.band, b.depth, b.max_queued, b.ttl_ms))
+        .collect();
+    assert_eq!(view.len(), 3);
+    assert_eq!(q.depths(), view);
+}

@@ -348,6 +348,10 @@ impl Series {
         };
         let gauge = |name: &'static str| metrics::gauge!(name, labels.clone());
         let counter = |name: &'static str| metrics::counter!(name, labels.clone());
+        // At 0 from the start (it is counted where batches are dropped, without labels): a
+        // series born at 1 is not an `increase()` to Prometheus, and its alert missed the
+        // first overflow.
+        metrics::counter!("kvroute_worker_event_batches_dropped_total").increment(0);
         Series {
             waiting: gauge("kvroute_worker_requests_waiting"),
             running: gauge("kvroute_worker_requests_running"),
