@@ -33,6 +33,25 @@ fn request<'a>(
     }
 }
 
+/// Load sharing as the tests run it: heartbeats every 100 ms, a replica gone after 1 s.
+fn fast_share_config() -> LoadShareConfig {
+    LoadShareConfig {
+        heartbeat_ms: 100,
+        replica_ttl_ms: 1_000,
+        flush_ms: 2,
+        max_pending: 1024,
+    }
+}
+
+/// The blocks of a 64-token prompt.
+fn prompt_blocks() -> Vec<crate::protocol::BlockHash> {
+    hash_blocks(
+        &[1; 64],
+        std::num::NonZeroUsize::new(16).unwrap(),
+        Salt::NONE,
+    )
+}
+
 fn shared(origin: u64, seq: u64, blocks: usize, prefill: f64) -> SharedBooking {
     SharedBooking {
         id: BookingId { origin, seq },
@@ -401,12 +420,7 @@ fn a_booking_a_live_peer_still_holds_outlives_the_ttl() {
 #[tokio::test(start_paused = true)]
 async fn a_silent_replica_loses_its_bookings_after_the_ttl() {
     let bus = Transport::Local(LocalBus::new());
-    let config = LoadShareConfig {
-        heartbeat_ms: 100,
-        replica_ttl_ms: 1_000,
-        flush_ms: 2,
-        max_pending: 1024,
-    };
+    let config = fast_share_config();
     let (stop_a, rx_a) = watch::channel(false);
     let (_stop_b, rx_b) = watch::channel(false);
     let a = Arc::new(Mutex::new(scheduler(1)));
@@ -417,11 +431,7 @@ async fn a_silent_replica_loses_its_bookings_after_the_ttl() {
     let _share_b = LoadShare::start(bus.clone(), "t", Arc::clone(&b), config, rx_b)
         .await
         .unwrap();
-    let blocks = hash_blocks(
-        &[1; 64],
-        std::num::NonZeroUsize::new(16).unwrap(),
-        Salt::NONE,
-    );
+    let blocks = prompt_blocks();
     let overlaps = OverlapScores {
         workers: vec![Overlap {
             worker: WorkerId(1),
@@ -514,11 +524,7 @@ async fn a_server_that_takes_nothing_costs_a_flush_at_most_the_publish_wait() {
 /// hold, and its first heartbeat drops every old booking at once.
 #[test]
 fn a_replica_restarted_under_its_pinned_id_leaves_no_booking_of_its_previous_life() {
-    let blocks = hash_blocks(
-        &[1; 64],
-        std::num::NonZeroUsize::new(16).unwrap(),
-        Salt::NONE,
-    );
+    let blocks = prompt_blocks();
     let overlaps = OverlapScores::default();
     let request = request(&blocks, &overlaps);
     let mut peer = scheduler(0);
@@ -651,11 +657,7 @@ fn what_a_heartbeat_names_and_is_not_held_is_missing() {
 fn missing_bookings_are_asked_for_and_announced_again() {
     // Replica 7 holds three bookings of its own.
     let mut owner = scheduler(7);
-    let blocks = hash_blocks(
-        &[1; 64],
-        std::num::NonZeroUsize::new(16).unwrap(),
-        Salt::NONE,
-    );
+    let blocks = prompt_blocks();
     let overlaps = OverlapScores {
         workers: Vec::new(),
     };
@@ -767,12 +769,7 @@ fn asks_leave_in_messages_of_their_own() {
 #[tokio::test(start_paused = true)]
 async fn a_replica_started_later_learns_the_load_already_booked() {
     let bus = Transport::Local(LocalBus::new());
-    let config = LoadShareConfig {
-        heartbeat_ms: 100,
-        replica_ttl_ms: 1_000,
-        flush_ms: 2,
-        max_pending: 1024,
-    };
+    let config = fast_share_config();
     let (_stop_a, rx_a) = watch::channel(false);
     let (_stop_b, rx_b) = watch::channel(false);
     let a = Arc::new(Mutex::new(scheduler(1)));
@@ -780,11 +777,7 @@ async fn a_replica_started_later_learns_the_load_already_booked() {
     let share_a = LoadShare::start(bus.clone(), "t", Arc::clone(&a), config.clone(), rx_a)
         .await
         .unwrap();
-    let blocks = hash_blocks(
-        &[1; 64],
-        std::num::NonZeroUsize::new(16).unwrap(),
-        Salt::NONE,
-    );
+    let blocks = prompt_blocks();
     let overlaps = OverlapScores {
         workers: Vec::new(),
     };
