@@ -267,6 +267,11 @@ impl ProxyError {
     /// the worker's (unreachable, too slow, overloaded, misdirected, broken), not the request's.
     pub fn retry_elsewhere(&self) -> bool {
         match self {
+            // A 404 is the worker's registration out of date, not the request: the router
+            // sends a model only where it is registered, on a path it chose (vLLM answers
+            // 404 for a LoRA adapter unloaded at run time). Tried elsewhere, but still the
+            // client's if every worker says so, and no count towards the worker's ejection.
+            ProxyError::Status { status, .. } if *status == StatusCode::NOT_FOUND => true,
             ProxyError::Status { status, .. } | ProxyError::Body { status, .. } => {
                 worker_side(*status)
             }

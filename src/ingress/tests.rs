@@ -29,13 +29,21 @@ fn the_error_decides_retry_fault_and_status() {
         assert_eq!(e.to_api().status, 503, "{code}");
     }
     // A request the worker refuses on its merits goes back to the client as it is.
-    for code in [400, 404, 413, 422] {
+    for code in [400, 413, 422] {
         let e = status(code);
         assert!(!e.retry_elsewhere(), "{code}");
         assert_eq!(e.fault(), Fault::Client);
         assert_eq!(e.to_api().status, code);
         assert_eq!(e.label(), "refused");
     }
+    // A 404 (the model or adapter not there after all: a registration out of date) is
+    // tried elsewhere, and goes back to the client as it is if every worker says so; it
+    // counts nothing towards the worker's ejection.
+    let e = status(404);
+    assert!(e.retry_elsewhere());
+    assert_eq!(e.fault(), Fault::Client);
+    assert_eq!(e.to_api().status, 404);
+    assert_eq!(proxy::answered(Err(&e), false), Some(true));
     let timeout = ProxyError::HeadersTimeout {
         worker: WorkerId(1),
         ms: 10,
