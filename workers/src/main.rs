@@ -69,8 +69,8 @@ struct Args {
     /// from its /v1/models].
     #[arg(long, env = "KVROUTE_MODEL")]
     model: Option<String>,
-    /// Where the KV cache lives: `cpu` (host memory, byte mode) or `cuda[:N]` (G1 on GPU N,
-    /// G2 in pinned host memory).
+    /// Where the KV cache lives: `cpu` (the timing model only, no KV bytes held) or
+    /// `cuda[:N]` (G1 on GPU N, G2 in pinned host memory).
     #[arg(long, env = "KVROUTE_DEVICE", default_value = "cpu")]
     device: Device,
     /// Tokens per KV block.
