@@ -539,7 +539,9 @@ impl ShardWriter<'_> {
             self.rebuild(usize::from(index.is_none()), spill_words);
         } else if index.is_none() && (self.books.used + 1) * 16 > self.books.table.slots.len() * 13
         {
-            self.rebuild(1, 0);
+            // With room for this set's region: the grown arena is sized for the live sets,
+            // which may be none.
+            self.rebuild(1, spill_words);
         }
         let word = self.encode(owners);
         match self.probe_for_write(home, key) {
@@ -839,6 +841,27 @@ mod tests {
         assert_eq!(w.rebuilds(), before + 1, "one rebuild to the final size");
         drop(w);
         assert_eq!(map.table_bytes(), 2 * MIN_CAPACITY * 16);
+    }
+
+    /// A spilled set inserted under a new key when the table must grow, while no spilled
+    /// set is live (the arena emptied): the grown table has arena room for it. It was sized
+    /// for the live sets alone, none, and writing the region panicked (a writer's panic
+    /// mid-batch; reachable with slot indices past 16 bits, `max_workers` over 65,536).
+    #[test]
+    fn a_spilled_key_inserted_as_the_table_grows_has_arena_room() {
+        let map = Map::new(2, 0);
+        let mut buf = Vec::new();
+        let mut w = map.write_shard(0);
+        let big = [entry(70_000, 1)];
+        assert_eq!(w.set(home_of_key(0), 0, &big), Change::Created);
+        for key in 1..12u64 {
+            w.set(home_of_key(key), key, &owners(1));
+        }
+        assert_eq!(w.set(home_of_key(0), 0, &[]), Change::Emptied);
+        w.set(home_of_key(12), 12, &owners(1));
+        assert_eq!(w.set(home_of_key(13), 13, &big), Change::Created);
+        assert!(w.read(home_of_key(13), 13, &mut buf));
+        assert_eq!(buf, big);
     }
 
     #[test]
