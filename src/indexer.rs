@@ -251,6 +251,10 @@ fn bump(counter: &AtomicU64, by: u64) {
     }
 }
 
+/// Owners a lane's scratch list keeps room for between batches (4 KiB); a larger one, left
+/// by a block shared by more ranks, is freed after its batch.
+const SCRATCH_KEPT: usize = 1024;
+
 /// What one [`Indexer::apply`] did (also added to the [`Counters`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ApplyOutcome {
@@ -398,6 +402,11 @@ impl Indexer {
                         }
                         _ => self.apply_event(slot.index, lane, event, &mut outcome),
                     }
+                }
+                // A block held by thousands of ranks left each lane's scratch as large as its
+                // owner list for good: about 4 B × ranks² over the fleet (1 GiB at 16,384).
+                if lane.scratch.capacity() > SCRATCH_KEPT {
+                    lane.scratch = Vec::new();
                 }
                 outcome.count(&self.counters);
                 self.add_sizes(outcome.sizes);
