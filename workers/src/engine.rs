@@ -366,7 +366,8 @@ impl Engine {
             }));
             return;
         }
-        let needed = (prompt_len + request.max_tokens as usize).div_ceil(bs);
+        // The last output token is sampled, never computed: its KV is never held.
+        let needed = (prompt_len + request.max_tokens as usize - 1).div_ceil(bs);
         if needed > self.config.g1_blocks {
             out.push(reject(RejectReason::TooLong {
                 needed,

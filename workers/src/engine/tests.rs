@@ -344,6 +344,36 @@ fn rejects_what_cannot_run() {
     assert!(e.next_wakeup_us().is_none());
 }
 
+/// A request whose prompt fills G1 exactly and asks for one token runs: its one output
+/// token's KV is never computed (it was refused as needing one block more than G1 has).
+#[test]
+fn a_prompt_that_fills_g1_with_one_token_to_go_runs() {
+    let mut e = engine(EngineConfig {
+        g1_blocks: 4,
+        ..EngineConfig::default()
+    });
+    let mut out = Vec::new();
+    e.submit(0, request(1, (1..=64).collect(), 1), &mut out);
+    let mut now = 0;
+    e.advance(now, &mut out).unwrap();
+    while let Some(t) = e.next_wakeup_us() {
+        now = now.max(t);
+        e.advance(now, &mut out).unwrap();
+    }
+    assert!(
+        out.iter()
+            .any(|o| o.request == RequestId(1) && o.kind == OutputKind::Finished),
+        "{out:?}"
+    );
+    e.submit(now, request(2, (1..=64).collect(), 2), &mut out);
+    assert!(out.iter().any(|o| o.request == RequestId(2)
+        && o.kind
+            == OutputKind::Rejected(RejectReason::TooLong {
+                needed: 5,
+                capacity: 4
+            })));
+}
+
 #[test]
 fn cancel_releases_blocks() {
     let mut e = engine(EngineConfig::default());
