@@ -285,6 +285,10 @@ struct Books {
     /// Under `cfg(test)`, revive tombstones for any key (the loom negative control of rule 1).
     #[cfg(all(test, kvroute_loom))]
     broken_reuse: bool,
+    /// Under `cfg(test)`, write every region at the arena's start, over the one readers may
+    /// be reading (the loom negative control of rule 2).
+    #[cfg(all(test, kvroute_loom))]
+    broken_regions: bool,
 }
 
 impl Books {
@@ -299,6 +303,8 @@ impl Books {
             rebuilds: 0,
             #[cfg(all(test, kvroute_loom))]
             broken_reuse: false,
+            #[cfg(all(test, kvroute_loom))]
+            broken_regions: false,
         }
     }
 }
@@ -456,6 +462,13 @@ impl Map {
     pub(crate) fn break_reuse(&self) {
         for shard in self.shards.iter() {
             shard.lock().broken_reuse = true;
+        }
+    }
+
+    #[cfg(all(test, kvroute_loom))]
+    pub(crate) fn break_regions(&self) {
+        for shard in self.shards.iter() {
+            shard.lock().broken_regions = true;
         }
     }
 
@@ -656,6 +669,11 @@ impl ShardWriter<'_> {
                 word |= u64::from(*e) << (k as u32 * ENTRY_BITS);
             }
             return word;
+        }
+        #[cfg(all(test, kvroute_loom))]
+        if self.books.broken_regions {
+            self.books.arena_live += owners.len().div_ceil(2);
+            return write_region(&self.books.table.arena, 0, owners);
         }
         let word = write_region(&self.books.table.arena, self.books.arena_top, owners);
         let words = owners.len().div_ceil(2);
