@@ -946,7 +946,7 @@ fn admin_workers(router: &Router) -> Response<Body> {
     let (figures, open_bookings, expired_bookings) = {
         let scheduler = router.scheduler.lock();
         let alarm = router.mismatch.lock();
-        let figures: HashMap<WorkerId, _> = view
+        let figures: Vec<_> = view
             .workers
             .values()
             .map(|w| {
@@ -961,10 +961,7 @@ fn admin_workers(router: &Router) -> Response<Body> {
                 // The scheduler's copy of the engine's load: the view is published again
                 // only when a registration changes shape, not for each heartbeat's load.
                 let engine_load = scheduler.engine_load((w.id, crate::protocol::DpRank(0)));
-                (
-                    w.id,
-                    (alarm.status(w.id), prefill, held, requests, engine_load),
-                )
+                (alarm.status(w.id), prefill, held, requests, engine_load)
             })
             .collect();
         (
@@ -976,11 +973,11 @@ fn admin_workers(router: &Router) -> Response<Body> {
     let workers: Vec<_> = view
         .workers
         .values()
-        .map(|w| {
+        .zip(figures)
+        .map(|(w, (mismatch, prefill, held, requests, engine_load))| {
             let ranks: &[&(StreamKey, StreamStatus)] =
                 ranks_of.get(&w.id).map_or(&[], Vec::as_slice);
             let synced = !ranks.is_empty() && ranks.iter().all(|(_, s)| s.live);
-            let (mismatch, prefill, held, requests, engine_load) = figures[&w.id];
             serde_json::json!({
                 "id": w.id, "url": w.url, "model": w.model, "epoch": w.epoch, "dp_size": w.dp_size,
                 "block_size": w.block_size, "g1_blocks": w.g1_blocks, "g2_blocks": w.g2_blocks,

@@ -437,6 +437,13 @@ mod hex_key {
     }
 }
 
+/// Whether `seq` is in `ranges` (inclusive, sorted and apart: [`normalized_ranges`]), by
+/// bisection.
+pub(crate) fn in_ranges(ranges: &[(u64, u64)], seq: u64) -> bool {
+    let at = ranges.partition_point(|(a, _)| *a <= seq);
+    at > 0 && seq <= ranges[at - 1].1
+}
+
 /// Inclusive ranges of booking numbers sorted and apart, as a heartbeat sends them (made so
 /// if a peer sent them otherwise), so that a number is found in them by bisection.
 pub(crate) fn normalized_ranges(ranges: &[(u64, u64)]) -> std::borrow::Cow<'_, [(u64, u64)]> {
@@ -1424,10 +1431,7 @@ impl Scheduler {
         // Each booking is found by bisection, not by a scan of thousands of ranges under
         // the scheduler's lock.
         let open = normalized_ranges(open);
-        let held = |seq: u64| {
-            let at = open.partition_point(|(a, _)| *a <= seq);
-            at > 0 && seq <= open[at - 1].1
-        };
+        let held = |seq: u64| in_ranges(&open, seq);
         let refresh_after = self.config.booking_ttl_ms / 2;
         let mut stale = Vec::new();
         for (id, b) in &mut self.bookings {

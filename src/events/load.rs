@@ -490,8 +490,7 @@ impl Peers {
     fn resend(&mut self, now_ms: u64, me: u64, wanted: &[(u64, u64)], scheduler: &Scheduler) {
         let wanted = crate::scheduler::normalized_ranges(wanted);
         for seq in scheduler.open_seqs(me) {
-            let at = wanted.partition_point(|(a, _)| *a <= seq);
-            if at == 0 || seq > wanted[at - 1].1 {
+            if !crate::scheduler::in_ranges(&wanted, seq) {
                 continue;
             }
             if self

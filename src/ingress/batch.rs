@@ -401,12 +401,11 @@ impl Merge {
                         if chunk.get("object").and_then(Value::as_str) == Some("error") =>
                     {
                         self.failed = true;
-                        let error = serde_json::json!({"error": {
-                            "message": chunk.get("message").cloned().unwrap_or(Value::Null),
-                            "type": chunk.get("type").cloned().unwrap_or(Value::Null),
-                            "param": chunk.get("param").cloned().unwrap_or(Value::Null),
-                            "code": chunk.get("code").cloned().unwrap_or(Value::Null),
-                        }});
+                        let error: Map<String, Value> = ["message", "type", "param", "code"]
+                            .into_iter()
+                            .map(|k| (k.to_owned(), chunk.get(k).cloned().unwrap_or(Value::Null)))
+                            .collect();
+                        let error = serde_json::json!({ "error": error });
                         push_event(&mut out, format!("data: {error}").as_bytes());
                         break;
                     }

@@ -382,7 +382,7 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
     else {
         return Ok(());
     };
-    let worker = worker?;
+    let mut worker = worker?;
     tracing::info!(%id, addr = %worker.addr, "worker serving");
     println!("kvroute-worker {id} listening on http://{}", worker.addr);
     for (e, (rank, r)) in emulate
@@ -415,7 +415,6 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
             let reason = reason.ok().and_then(|r| r.clone()).unwrap_or_default();
             // Never a registered zombie: leave the fleet, let a scrape see why, then fail
             // loudly.
-            let mut worker = worker;
             worker.leave().await;
             tracing::error!(
                 reason = %reason,

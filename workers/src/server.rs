@@ -309,9 +309,7 @@ impl Worker {
     /// connections, lets requests in flight finish for up to `drain`, then stops the engine.
     /// Returns how many requests were still running.
     pub async fn shutdown(mut self, drain: Duration) -> usize {
-        if let Some(r) = self.registration.take() {
-            r.goodbye().await;
-        }
+        self.leave().await;
         let _ = self.shutdown.send(true);
         let deadline = tokio::time::Instant::now() + drain;
         while self.active() > 0 && tokio::time::Instant::now() < deadline {
@@ -336,9 +334,7 @@ impl Worker {
 
     /// Stops at once: deregisters, stops serving and the engine.
     pub async fn stop(mut self) {
-        if let Some(r) = self.registration.take() {
-            r.goodbye().await;
-        }
+        self.leave().await;
         let _ = self.shutdown.send(true);
         self.engines.iter().for_each(EngineHandle::stop);
     }
