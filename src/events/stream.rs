@@ -52,6 +52,10 @@ pub enum Command {
     Reset,
     /// Apply this batch to the index.
     Apply(EventBatch),
+    /// Apply this snapshot's blocks to the index ([`Snapshot::to_batch`]), after the
+    /// `Reset` before it. Left to the driver to convert: a snapshot may hold millions of
+    /// blocks, which a driver converts and applies off its runtime's threads.
+    ApplySnapshot(Snapshot),
     /// Ask the worker for a snapshot of this epoch.
     RequestSnapshot {
         /// The epoch the stream is at (the worker answers with its current one).
@@ -280,15 +284,15 @@ impl WorkerStream {
             out.push(Command::Reset);
         }
         self.stats.snapshots += 1;
-        let watermark = snapshot.watermark;
-        out.push(Command::Apply(snapshot.to_batch()));
+        let (watermark, epoch) = (snapshot.watermark, snapshot.epoch);
+        out.push(Command::ApplySnapshot(snapshot));
         self.state = State::Live {
             next_id: watermark + 1,
         };
         let held = std::mem::take(&mut self.held);
         self.held_blocks = 0;
         for (_, (under, batch)) in held {
-            if batch.epoch != snapshot.epoch {
+            if batch.epoch != epoch {
                 continue;
             }
             if under < request && batch.first_id().is_some_and(|first| first > watermark) {

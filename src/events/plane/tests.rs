@@ -606,3 +606,73 @@ async fn snapshot_fetches_are_bounded_across_streams() {
     assert_eq!(workers.len(), 10, "workers asked: {workers:?}");
     assert!(most <= 2, "{most} snapshot fetches under way at once");
 }
+
+/// A snapshot too large to apply on a runtime thread (it would hold that thread, and the
+/// requests behind it, for as long as it takes) is applied on the blocking pool, in its
+/// place in the stream: the batch after it applies after it, and the stream is live.
+#[tokio::test(start_paused = true)]
+async fn a_large_snapshot_applies_off_the_runtime_in_order() {
+    let s = setup(LeaseConfig::default()).await;
+    let blocks = INLINE_APPLY_BLOCKS + 1_000;
+    let tokens: Vec<u32> = (1_000_000..1_000_000 + 4 * blocks as u32).collect();
+    let chain = hash_blocks(&tokens, NonZeroUsize::new(4).unwrap(), Salt::NONE);
+    let snapshot = Snapshot {
+        worker: WorkerId(1),
+        dp_rank: DpRank(0),
+        epoch: 7,
+        watermark: 10,
+        blocks: chain
+            .iter()
+            .scan(None, |parent, b| {
+                let block = crate::protocol::SnapshotBlock {
+                    tier: Tier::Device,
+                    parent: *parent,
+                    block: StoredBlock {
+                        seq: b.seq,
+                        local: b.local,
+                    },
+                };
+                *parent = Some(b.seq);
+                Some(block)
+            })
+            .collect(),
+    };
+    let mut requests = s
+        .bus
+        .subscribe(&snapshot_subject("t", WorkerId(1)))
+        .await
+        .unwrap();
+    let bus = s.bus.clone();
+    tokio::spawn(async move {
+        while let Some(m) = requests.next().await {
+            let Some(reply) = m.reply else { continue };
+            for chunk in snapshot.encode(1 << 20).unwrap() {
+                let _ = bus.publish(&reply, None, chunk.into()).await;
+            }
+        }
+    });
+    // Mid-stream (its registration says 10 events were sent): the stream asks for a
+    // snapshot, and event 11 follows it.
+    let mut registered = info(1, 1);
+    registered.last_event_ids = vec![10];
+    s.local.put(registered);
+    assert!(
+        settle(|| s
+            .plane
+            .streams()
+            .first()
+            .is_some_and(|(_, st)| st.stats.snapshots == 1))
+        .await
+    );
+    s.publish(1, batch(1, 11, 16)).await;
+    assert!(settle(|| s.plane.indexer().sizes().blocks == blocks + 4).await);
+    let (_, status) = &s.plane.streams()[0];
+    assert!(status.live, "{status:?}");
+    assert_eq!(status.stats.gaps, 0, "{:?}", status.stats);
+    let held = s
+        .plane
+        .indexer()
+        .find_matches_seq(&chain.iter().map(|b| b.seq).collect::<Vec<_>>());
+    assert_eq!(held.workers.len(), 1);
+    assert_eq!(held.workers[0].device as usize, blocks);
+}

@@ -40,6 +40,7 @@ fn applied_ids(out: &[Command]) -> Vec<u64> {
     out.iter()
         .flat_map(|c| match c {
             Command::Apply(b) => b.events.iter().map(|e| e.id).collect(),
+            Command::ApplySnapshot(s) => s.to_batch().events.iter().map(|e| e.id).collect(),
             _ => Vec::new(),
         })
         .collect()
@@ -117,10 +118,10 @@ fn a_gap_resyncs_from_a_snapshot_and_replays_only_past_its_watermark() {
     // Cut after the request: it covers 7, which the worker had sent before.
     s.on_snapshot(3, s.snapshot_request(), snapshot(7, 7), &mut out);
     assert_eq!(out[0], Command::Reset);
-    let Command::Apply(snap) = &out[1] else {
+    let Command::ApplySnapshot(snap) = &out[1] else {
         panic!("{out:?}")
     };
-    assert_eq!(snap.events.len(), 7);
+    assert_eq!(snap.blocks.len(), 7);
     // Buffered 8..=9 follow it; 4..=7, in the snapshot, are duplicates.
     assert_eq!(applied_ids(&out[2..]), vec![8, 9]);
     assert_eq!(s.next_id(), Some(10));
@@ -640,6 +641,7 @@ proptest! {
                 match c {
                     Command::Reset => { ix.remove_rank(WorkerId(1), DpRank(0)); }
                     Command::Apply(b) => { ix.apply(&b); }
+                    Command::ApplySnapshot(s) => { ix.apply(&s.to_batch()); }
                     Command::RequestSnapshot { .. } => *snapshot_wanted = true,
                 }
             }
