@@ -405,23 +405,26 @@ impl Registry {
         }
     }
 
-    /// Removes a registration (goodbye).
-    pub async fn delete(&self, id: WorkerId) -> Result<(), DiscoveryError> {
+    /// Removes `info`'s registration (goodbye) while it is still this incarnation's: one
+    /// written since by another process under the same id (a replacement started before
+    /// this one stopped, as a StatefulSet pod replaced on a partitioned node) is left in
+    /// place. An unconditional delete removed the replacement from every router, which then
+    /// took its heartbeats for the departed one's for a minute.
+    pub async fn delete(&self, info: &WorkerInfo) -> Result<(), DiscoveryError> {
         match self {
             Registry::Nats(bucket) => {
                 bucket
-                    .store
-                    .delete(id.to_string())
+                    .delete_own(info)
                     .await
-                    .map_err(|e| DiscoveryError::Register {
-                        id,
-                        reason: e.to_string(),
+                    .map_err(|reason| DiscoveryError::Register {
+                        id: info.id,
+                        reason,
                     })
             }
             Registry::Local(local) => {
                 #[cfg(test)]
                 local.held.until_released().await;
-                local.delete(id);
+                local.delete_own(info.id, info.epoch);
                 Ok(())
             }
             Registry::Static(_) => Ok(()),
@@ -600,6 +603,15 @@ async fn create_bucket(
     }
 }
 
+/// Whether a registration's value is incarnation `epoch`'s.
+fn holds_epoch(value: &[u8], epoch: u64) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Epoch {
+        epoch: u64,
+    }
+    serde_json::from_slice::<Epoch>(value).is_ok_and(|v| v.epoch == epoch)
+}
+
 /// The registry bucket's configuration: one value a key, kept for two leases.
 fn bucket_config(bucket: &str, lease: &LeaseConfig, replicas: usize) -> kv::Config {
     kv::Config {
@@ -632,6 +644,39 @@ impl NatsBucket {
             }
             result => result,
         }
+    }
+
+    /// Deletes `info`'s key if it holds `info`'s incarnation, conditional on nothing
+    /// written since it was read (a put in between is read again, once).
+    async fn delete_own(&self, info: &WorkerInfo) -> Result<(), String> {
+        let key = info.id.to_string();
+        let mut last_error = String::new();
+        for _ in 0..2 {
+            let Some(entry) = self.store.entry(&key).await.map_err(|e| e.to_string())? else {
+                return Ok(());
+            };
+            if entry.operation != kv::Operation::Put {
+                return Ok(());
+            }
+            if !holds_epoch(&entry.value, info.epoch) {
+                tracing::warn!(
+                    worker = %info.id,
+                    epoch = info.epoch,
+                    "another process registered under this worker's id since it started: its registration is left in place"
+                );
+                return Ok(());
+            }
+            match self
+                .store
+                .delete_expect_revision(&key, Some(entry.revision))
+                .await
+            {
+                Ok(()) => return Ok(()),
+                // Written since it was read: read again.
+                Err(e) => last_error = e.to_string(),
+            }
+        }
+        Err(last_error)
     }
 
     /// One try at creating the bucket again (the next failed write tries again). Creating
@@ -1054,10 +1099,20 @@ impl LocalRegistry {
         let _ = self.changes.send(RegistryEvent::Put(info));
     }
 
-    /// Removes a registration (a goodbye).
+    /// Removes a registration (an operator's delete).
     pub fn delete(&self, id: WorkerId) {
         self.workers.lock().remove(&id);
         let _ = self.changes.send(RegistryEvent::Delete(id));
+    }
+
+    /// Removes `id`'s registration if it is incarnation `epoch`'s (a goodbye).
+    pub fn delete_own(&self, id: WorkerId, epoch: u64) {
+        let mut workers = self.workers.lock();
+        if workers.get(&id).is_some_and(|w| w.epoch == epoch) {
+            workers.remove(&id);
+            drop(workers);
+            let _ = self.changes.send(RegistryEvent::Delete(id));
+        }
     }
 }
 
@@ -1149,8 +1204,9 @@ impl Registration {
         // Until it has stopped: a beat being sent on another thread could otherwise land
         // after the delete, and a router starting then would take it for a registration.
         let _ = (&mut self.task).await;
-        let id = self.info.lock().id;
-        let error = match tokio::time::timeout(self.ttl, self.registry.delete(id)).await {
+        let info = self.info.lock().clone();
+        let id = info.id;
+        let error = match tokio::time::timeout(self.ttl, self.registry.delete(&info)).await {
             Ok(Ok(())) => return,
             Ok(Err(e)) => e.to_string(),
             Err(_) => format!("not acknowledged within {:?}", self.ttl),

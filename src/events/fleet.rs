@@ -79,6 +79,9 @@ pub enum FleetCommand {
     /// The worker came back as another incarnation (a new epoch, or a new URL) without
     /// leaving: the failures of the old one say nothing of it (an ejection ends).
     Reincarnated(WorkerId),
+    /// The incarnation that said goodbye wrote its registration again: its key had been
+    /// deleted under it ([`FleetStats::rejoined`]). Registered again; said to the operator.
+    Rejoined(WorkerId),
     /// A worker's heartbeat came late for the router's lease: more than three quarters of
     /// it after the one before (`gap_ms`), or after the lease had lapsed (`gap_ms` unknown),
     /// the router hearing all along. Its heartbeat period, or the registry's delay, does not
@@ -129,8 +132,9 @@ pub struct FleetStats {
     pub dropped_no_rank: u64,
     /// Registrations refused (block size conflicting with the model's other workers).
     pub refused: u64,
-    /// Heartbeats of an incarnation that had already said goodbye, ignored.
-    pub zombie_heartbeats: u64,
+    /// Heartbeats of an incarnation that had said goodbye, registered again
+    /// ([`FleetCommand::Rejoined`]).
+    pub rejoined: u64,
     /// Registrations read back from the registry's history whose lease had already lapsed
     /// (their worker stopped without a goodbye, or cannot write the registry), kept aside
     /// until a batch of theirs shows the worker alive.
@@ -277,6 +281,8 @@ impl Fleet {
         let id = info.id;
         let heard_before = |at: u64| self.deaf_at.is_none_or(|deaf| deaf < at);
         let late = match (self.members.get(&id), self.tombstones.get(&id)) {
+            // A new incarnation's first heartbeat is not late: the gap is its restart.
+            (Some(m), _) if m.info.epoch != info.epoch => None,
             (Some(m), _) => m
                 .heard_ms
                 .filter(|&at| heard_before(at))
@@ -318,9 +324,6 @@ impl Fleet {
     ) -> Result<Replayed, Refusal> {
         let lapsed = self.config.lease_ttl_ms.is_some_and(|ttl| age_ms > ttl);
         if lapsed && !self.members.contains_key(&info.id) {
-            if self.is_zombie(&info) {
-                return Ok(Replayed::Registered);
-            }
             self.stats.stale_registrations += 1;
             let forget_ms = now_ms.saturating_add(self.config.tombstone_ttl_ms);
             self.dormant.insert(info.id, Dormant { info, forget_ms });
@@ -361,7 +364,7 @@ impl Fleet {
     }
 
     /// Whether `info` is a heartbeat of the incarnation that said goodbye.
-    fn is_zombie(&self, info: &WorkerInfo) -> bool {
+    fn said_goodbye(&self, info: &WorkerInfo) -> bool {
         self.tombstones
             .get(&info.id)
             .is_some_and(|&(epoch, _, reason)| epoch == info.epoch && reason == Departure::Left)
@@ -376,10 +379,14 @@ impl Fleet {
         out: &mut Vec<FleetCommand>,
     ) -> Result<(), Refusal> {
         let id = info.id;
-        if self.is_zombie(&info) {
-            // A heartbeat that crossed the goodbye of its own incarnation.
-            self.stats.zombie_heartbeats += 1;
-            return Ok(());
+        if self.said_goodbye(&info) {
+            // Written after its own goodbye in the registry's order, which a worker never
+            // does (its heartbeats stop, acknowledged, before it deletes its key): its key
+            // was deleted under it, by an operator or by another process leaving under the
+            // same id. It is alive: registered again (it was once ignored for the
+            // tombstone's whole minute, its batches dropped and its index wiped).
+            self.stats.rejoined += 1;
+            out.push(FleetCommand::Rejoined(id));
         }
         if let Some(fleet_block_size) = self
             .members

@@ -367,6 +367,7 @@ impl EventPlane {
             transit_seconds: metrics::histogram!("kvroute_event_transit_seconds"),
             refusals_logged: PerWorkerLog::new(Duration::from_secs(60)),
             lates_logged: PerWorkerLog::new(Duration::from_secs(600)),
+            rejoins_logged: PerWorkerLog::new(Duration::from_secs(600)),
             watermarks: WatermarkGate::default(),
             ask_barrier: false,
             view_stale: false,
@@ -557,6 +558,9 @@ struct FleetOwner {
     /// Workers whose heartbeat came late, logged once per 10 minutes each (each late one
     /// is counted).
     lates_logged: PerWorkerLog,
+    /// Workers registered again after their key was deleted under them, logged once per
+    /// 10 minutes each (each is counted).
+    rejoins_logged: PerWorkerLog,
     /// Heartbeats' watermarks held until the events they count have been read ([`intake`]).
     watermarks: WatermarkGate,
     /// The gate wants a barrier the intake has not been asked for yet (asked after the
@@ -930,6 +934,12 @@ impl FleetOwner {
                                 tracing::warn!(worker = %id, ?lease_ms, "a worker's lease lapsed and the same incarnation heartbeats again: its heartbeat period (--heartbeat-ms) or the registry's delay does not fit --lease-ttl-ms, and each lapse drops what the index holds of it")
                             }
                         }
+                    }
+                }
+                FleetCommand::Rejoined(id) => {
+                    metrics::counter!("kvroute_registry_rejoined_total").increment(1);
+                    if self.rejoins_logged.due(id) {
+                        tracing::warn!(worker = %id, "a worker that had said goodbye heartbeats again as the same incarnation: its registration was deleted under it (an operator's `nats kv del`, or another process leaving under its id); registered again");
                     }
                 }
                 FleetCommand::Reincarnated(id) => {

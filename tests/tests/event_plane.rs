@@ -293,6 +293,54 @@ async fn a_restart_in_place_and_a_crash_leave_no_stale_entries() {
     assert_exact(&r, &sims).await;
 }
 
+/// A worker replaced under the same id before the old process stopped (a StatefulSet pod
+/// replaced while its node was cut off, the old one killed when the node comes back): the
+/// old process's goodbye leaves its replacement's registration, and no router drops the
+/// replacement (an unconditional delete removed it from every router for a minute).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_predecessor_s_goodbye_leaves_its_replacement_registered() {
+    let server = NatsServer::start().unwrap();
+    let (old_t, old_reg) = nats(&server, "old").await;
+    let (new_t, new_reg) = nats(&server, "new").await;
+    let (rt, rreg) = nats(&server, "router").await;
+    let r = router(rt.clone(), &rreg).await;
+    let old = workers(&old_t, &old_reg, 0..1, Faults::default()).await;
+    let first = eventually(Duration::from_secs(30), || {
+        r.plane.worker(WorkerId(0)).is_some()
+    })
+    .await;
+    assert!(first);
+    let old_epoch = r.plane.worker(WorkerId(0)).unwrap().epoch;
+    let new = workers(&new_t, &new_reg, 0..1, Faults::default()).await;
+    let replaced = eventually(Duration::from_secs(30), || {
+        r.plane
+            .worker(WorkerId(0))
+            .is_some_and(|w| w.epoch > old_epoch)
+    })
+    .await;
+    assert!(replaced);
+    let new_epoch = r.plane.worker(WorkerId(0)).unwrap().epoch;
+    for w in old {
+        w.stop(true).await;
+    }
+    // A registration written after the goodbye: once the router has it, it has read
+    // everything the registry took before it, the goodbye included.
+    let marker = workers(&rt, &rreg, 99..100, Faults::default()).await;
+    let seen = eventually(Duration::from_secs(30), || {
+        r.plane.worker(WorkerId(99)).is_some()
+    })
+    .await;
+    assert!(seen);
+    assert_eq!(r.plane.counters().workers_left.load(Ordering::Relaxed), 0);
+    assert_eq!(
+        r.plane.worker(WorkerId(0)).map(|w| w.epoch),
+        Some(new_epoch)
+    );
+    for w in new.into_iter().chain(marker) {
+        w.stop(true).await;
+    }
+}
+
 /// A router starting after a worker crashed reads the crashed worker's registration back
 /// from the bucket (it stays until the bucket's max age, two leases): older than the lease
 /// by the bucket's own timestamps, it is never routed to, while the live worker is.

@@ -75,6 +75,7 @@ impl Driver {
                 }
                 FleetCommand::Departed { .. }
                 | FleetCommand::Reincarnated(_)
+                | FleetCommand::Rejoined(_)
                 | FleetCommand::LateHeartbeat { .. } => {}
             }
         }
@@ -144,18 +145,13 @@ fn a_batch_after_goodbye_is_dropped_and_does_not_resurrect_the_worker() {
     assert!(d.streams.is_empty() && d.lanes.is_empty());
     assert_eq!(fleet.stats().dropped_departed, 1);
     assert_eq!(fleet.stats().dropped_unregistered, 1);
-    // A heartbeat of the incarnation that said goodbye does not bring it back either.
-    fleet
-        .on_registration(20, info(1, 7, 1, "m", 16), &mut out)
-        .unwrap();
-    assert!(out.is_empty());
-    assert_eq!(fleet.stats().zombie_heartbeats, 1);
-    // A new incarnation does.
+    // A new incarnation's registration brings it back.
     fleet
         .on_registration(30, info(1, 8, 1, "m", 16), &mut out)
         .unwrap();
     d.apply(&mut out);
     assert_eq!(d.streams.len(), 1);
+    assert_eq!(fleet.stats().rejoined, 0);
     // The tombstone is gone once its time is up.
     fleet.on_goodbye(40, WorkerId(1), &mut out);
     d.apply(&mut out);
@@ -192,7 +188,7 @@ fn a_lapsed_lease_expires_a_renewed_one_does_not_and_a_lapsed_worker_can_return(
         .unwrap();
     d.apply(&mut out);
     assert_eq!(d.streams.len(), 2);
-    assert_eq!(fleet.stats().zombie_heartbeats, 0);
+    assert_eq!(fleet.stats().rejoined, 0);
     // After the router's own outage every lease runs from its reconnection.
     fleet.renew_all(2_400);
     fleet.on_tick(3_000, &mut out);
@@ -604,4 +600,53 @@ proptest! {
         prop_assert_eq!(fleet.tombstones(), 0);
         prop_assert_eq!(fleet.dormant(), 0);
     }
+}
+
+/// A registration written after its own incarnation's goodbye, in the registry's order,
+/// is the worker alive with its key deleted under it (an operator's `nats kv del`, or
+/// another process leaving under the same id: a replaced StatefulSet pod's predecessor):
+/// it is registered again at once and said, not ignored for the tombstone's minute with
+/// its batches dropped.
+#[test]
+fn a_heartbeat_after_its_own_goodbye_registers_the_worker_again() {
+    let mut fleet = Fleet::new(config());
+    let mut out = Vec::new();
+    let mut d = Driver::default();
+    fleet
+        .on_registration(0, info(1, 7, 1, "m", 16), &mut out)
+        .unwrap();
+    d.apply(&mut out);
+    fleet.on_goodbye(10, WorkerId(1), &mut out);
+    d.apply(&mut out);
+    assert!(d.routable.is_empty());
+    fleet
+        .on_registration(20, info(1, 7, 1, "m", 16), &mut out)
+        .unwrap();
+    assert!(out.contains(&FleetCommand::Rejoined(WorkerId(1))));
+    d.apply(&mut out);
+    assert_eq!(d.routable.len(), 1);
+    assert_eq!(fleet.stats().rejoined, 1);
+    d.batch(&mut fleet, 30, (WorkerId(1), DpRank(0)));
+    assert_eq!(d.lanes.len(), 1, "its batches are delivered");
+}
+
+/// A new incarnation's first heartbeat comes as late as its restart took; that is not a
+/// heartbeat period that does not fit the lease.
+#[test]
+fn a_restart_is_no_late_heartbeat() {
+    let mut fleet = Fleet::new(config());
+    let mut out = Vec::new();
+    let ttl = config().lease_ttl_ms.unwrap();
+    fleet
+        .on_registration(0, info(1, 7, 1, "m", 16), &mut out)
+        .unwrap();
+    fleet
+        .on_registration(ttl * 9 / 10, info(1, 8, 1, "m", 16), &mut out)
+        .unwrap();
+    assert_eq!(fleet.stats().late_heartbeats, 0);
+    // The same incarnation that late is.
+    fleet
+        .on_registration(ttl * 18 / 10, info(1, 8, 1, "m", 16), &mut out)
+        .unwrap();
+    assert_eq!(fleet.stats().late_heartbeats, 1);
 }
