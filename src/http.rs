@@ -118,11 +118,28 @@ pub enum HttpConfigError {
         /// The setting.
         field: &'static str,
     },
+    /// More connections than a process can hold (a file descriptor each): meant as
+    /// "unlimited", it would have failed the listener at start (a semaphore's limit) while
+    /// the process stayed up and ready.
+    #[error("http.max_connections must be at most {max} (a file descriptor each)")]
+    TooManyConnections {
+        /// The limit.
+        max: usize,
+    },
 }
 
+/// Most connections one listener may allow: 2^20, the largest open-files limit Linux allows
+/// by default (`fs.nr_open`).
+pub const MAX_CONNECTIONS: usize = 1 << 20;
+
 impl HttpConfig {
-    /// Checks that no limit is zero.
+    /// Checks that no limit is zero, and that the connections fit a process.
     pub fn validate(&self) -> Result<(), HttpConfigError> {
+        if self.max_connections > MAX_CONNECTIONS {
+            return Err(HttpConfigError::TooManyConnections {
+                max: MAX_CONNECTIONS,
+            });
+        }
         let checks = [
             ("max_connections", self.max_connections as u64),
             ("header_read_timeout_ms", self.header_read_timeout_ms),

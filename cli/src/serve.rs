@@ -362,7 +362,8 @@ pub async fn start_router(
 /// Serves until SIGINT or SIGTERM (heard through `signals`), then drains: `/ready` fails, the listeners close, and
 /// requests in flight get up to `drain` to finish. If the event plane fails for good (its
 /// subscription or the registry watch ended), the router can no longer follow the fleet: it
-/// drains the same way and returns the failure.
+/// drains the same way and returns the failure; so does a listener that stops on its own (a
+/// panic), which otherwise left the process up and ready, refusing every connection.
 pub async fn serve_until_signal(
     router: Arc<Router>,
     listeners: Listeners,
@@ -370,8 +371,23 @@ pub async fn serve_until_signal(
     signals: &watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     let (stop_accepting, accepting) = watch::channel(false);
-    let api = tokio::spawn(serve(Arc::clone(&router), listeners.api, accepting.clone()));
-    let admin = tokio::spawn(serve_admin(Arc::clone(&router), listeners.admin, accepting));
+    let (ended_tx, mut ended) = tokio::sync::mpsc::channel(2);
+    let api = tokio::spawn({
+        let ended = Ended("API", ended_tx.clone());
+        let serving = serve(Arc::clone(&router), listeners.api, accepting.clone());
+        async move {
+            let _ended = ended;
+            serving.await
+        }
+    });
+    let admin = tokio::spawn({
+        let ended = Ended("admin", ended_tx);
+        let serving = serve_admin(Arc::clone(&router), listeners.admin, accepting);
+        async move {
+            let _ended = ended;
+            serving.await
+        }
+    });
     // Probes and scrapes are answered through the drain (`/ready` says 503): the status
     // listener stops when this returns.
     let (_stop_status, status_stop) = watch::channel(false);
@@ -381,7 +397,11 @@ pub async fn serve_until_signal(
     let mut failed = router.plane.failed();
     let failure = tokio::select! {
         () = kvroute::process::signalled(signals) => None,
-        reason = failed.wait_for(Option::is_some) => reason.ok().and_then(|r| r.clone()),
+        reason = failed.wait_for(Option::is_some) => reason
+            .ok()
+            .and_then(|r| r.clone())
+            .map(|r| format!("the event plane failed: {r}")),
+        Some(name) = ended.recv() => Some(format!("the {name} listener stopped")),
     };
     router.begin_drain();
     let _ = stop_accepting.send(true);
@@ -403,7 +423,17 @@ pub async fn serve_until_signal(
         tracing::info!("drained");
     }
     match failure {
-        Some(reason) => anyhow::bail!("the event plane failed: {reason}"),
+        Some(reason) => anyhow::bail!("{reason}"),
         None => Ok(()),
+    }
+}
+
+/// Says its listener's name when dropped: when the task serving it ends, returned or
+/// panicked.
+struct Ended(&'static str, tokio::sync::mpsc::Sender<&'static str>);
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        let _ = self.1.try_send(self.0);
     }
 }

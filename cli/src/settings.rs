@@ -1066,6 +1066,8 @@ mod tests {
         assert!(bad("relay_idle_timeout_ms = 0").is_err());
         assert!(bad("worker_pool_idle_ms = 0").is_err());
         assert!(bad("max_connections = 0").is_err());
+        assert!(bad("max_connections = 1048577").is_err());
+        assert!(bad("max_connections = 9223372036854775807").is_err());
         assert!(bad("nats_user = \"u\"").is_err());
         // A semaphore past tokio's maximum panicked at start; past the blocking pool, work
         // waited outside the deadline.

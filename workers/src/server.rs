@@ -306,12 +306,21 @@ impl Worker {
     }
 
     /// A graceful exit (SIGTERM): deregisters first (routers stop sending), stops accepting
-    /// connections, lets requests in flight finish for up to `drain`, then stops the engine.
-    /// Returns how many requests were still running.
+    /// connections, lets requests in flight finish, then stops the engine: all within
+    /// `drain` of the call, the goodbye included (a goodbye waiting on an unreachable
+    /// registry for a lease once came first, and the drain after it ran into the pod's
+    /// SIGKILL). Returns how many requests were still running.
     pub async fn shutdown(mut self, drain: Duration) -> usize {
-        self.leave().await;
-        let _ = self.shutdown.send(true);
         let deadline = tokio::time::Instant::now() + drain;
+        if tokio::time::timeout_at(deadline, self.leave())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "goodbye not acknowledged within the drain timeout: routers drop this worker when its lease lapses"
+            );
+        }
+        let _ = self.shutdown.send(true);
         while self.active() > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
