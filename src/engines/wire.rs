@@ -47,35 +47,48 @@ pub struct EngineHash(pub u64);
 /// Which memory an engine says a block is in.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Medium {
-    /// GPU memory (`GPU`, or no medium: engines before the field existed).
+    /// GPU memory (`GPU`, `DEVICE`, or no medium: engines before the field existed).
     Gpu,
-    /// Host memory (vLLM `CPU`, SGLang `CPU_PINNED`, `CPU_TIER1`, `CPU_TIER2`, Mooncake `cpu`).
+    /// Host memory (vLLM `CPU`, SGLang `CPU_PINNED`, `CPU_TIER1`, Mooncake `cpu`).
     Cpu,
-    /// Anything else (vLLM `STORAGE`, SGLang `DISK`, `EXTERNAL`, connectors' own names).
+    /// Anything else (vLLM `STORAGE`, SGLang `DISK`, `CPU_TIER2`, `EXTERNAL`, connectors'
+    /// own names).
     Other(String),
 }
 
 impl Medium {
+    /// By exact name, any case: a prefix rule once took `CPU_TIER2`, which names storage
+    /// below host memory, for host memory.
     pub(crate) fn parse(name: Option<&str>) -> Medium {
-        match name {
-            None => Medium::Gpu,
-            Some(n) if n.eq_ignore_ascii_case("gpu") => Medium::Gpu,
-            Some(n) if n.to_ascii_uppercase().starts_with("CPU") => Medium::Cpu,
-            Some(n) => Medium::Other(n.to_owned()),
+        let Some(name) = name else {
+            return Medium::Gpu;
+        };
+        let is = |n: &str| name.eq_ignore_ascii_case(n);
+        if is("GPU") || is("DEVICE") {
+            Medium::Gpu
+        } else if is("CPU") || is("CPU_PINNED") || is("CPU_TIER1") {
+            Medium::Cpu
+        } else {
+            Medium::Other(name.to_owned())
         }
     }
 
     /// The kvroute tier: GPU → device, CPU → host, a shared or remote pool → remote
     /// (SGLang's `EXTERNAL`, "L4: shared / remote pool (e.g. Mooncake)" in its
-    /// `StorageMedium`, python/sglang/srt/disaggregation/kv_events.py; `REMOTE`), anything
-    /// else (vLLM's `STORAGE`, SGLang's `DISK`, L3) → disk. Apart, an L3 eviction does not
-    /// take the router's knowledge of an L4 copy with it.
+    /// `StorageMedium`, python/sglang/srt/disaggregation/kv_events.py; `REMOTE`, `NETWORK`,
+    /// `SHARED`), anything else (vLLM's `STORAGE`, SGLang's `DISK`, `CPU_TIER2`, `NVME`:
+    /// L3) → disk. `CPU_TIER2` is the tier below host memory: SGLang's L3 ("remote
+    /// storage") and the disk tier of NVIDIA Dynamo's block manager, which its router reads
+    /// as disk (`StorageTier::from_kv_medium` in ai-dynamo/dynamo's kv-router). Apart, an L3
+    /// eviction does not take the router's knowledge of an L4 copy with it.
     pub fn tier(&self) -> Tier {
         match self {
             Medium::Gpu => Tier::Device,
             Medium::Cpu => Tier::Host,
             Medium::Other(name)
-                if name.eq_ignore_ascii_case("EXTERNAL") || name.eq_ignore_ascii_case("REMOTE") =>
+                if ["EXTERNAL", "REMOTE", "NETWORK", "SHARED"]
+                    .iter()
+                    .any(|n| name.eq_ignore_ascii_case(n)) =>
             {
                 Tier::Remote
             }

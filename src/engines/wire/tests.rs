@@ -560,15 +560,22 @@ fn a_batch_of_too_many_events_is_refused() {
 
 /// Media name tiers: SGLang's `EXTERNAL` (L4, a shared or remote pool such as Mooncake) is
 /// the remote tier, apart from `DISK` and vLLM's `STORAGE` (L3), so an L3 eviction does not
-/// take an L4 copy with it.
+/// take an L4 copy with it; `CPU_TIER2` (SGLang's L3, Dynamo's disk tier) is not host
+/// memory.
 #[test]
 fn media_name_their_tiers() {
     for (name, tier) in [
         (None, Tier::Device),
         (Some("GPU"), Tier::Device),
+        (Some("DEVICE"), Tier::Device),
+        (Some("CPU"), Tier::Host),
         (Some("CPU_PINNED"), Tier::Host),
+        (Some("CPU_TIER1"), Tier::Host),
         (Some("cpu"), Tier::Host),
+        (Some("CPU_TIER2"), Tier::Disk),
+        (Some("NVME"), Tier::Disk),
         (Some("DISK"), Tier::Disk),
+        (Some("NETWORK"), Tier::Remote),
         (Some("STORAGE"), Tier::Disk),
         (Some("EXTERNAL"), Tier::Remote),
         (Some("REMOTE"), Tier::Remote),
