@@ -274,9 +274,26 @@ impl Tokenizer {
                 .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
             _ => None,
         };
+        // A named template saved as its own file (transformers'
+        // `additional_chat_templates/<name>.jinja`, beside `chat_template.jinja`, the
+        // default): it takes the place of the config's template of that name.
+        let additional = |name: &str| {
+            let file = path
+                .with_file_name("additional_chat_templates")
+                .join(format!("{name}.jinja"));
+            match std::fs::read_to_string(&file) {
+                Ok(source) => Ok(Some(source)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(err(format!("{}: {e}", file.display()))),
+            }
+        };
+        let tool_use_file = additional("tool_use")?;
         // The config's `tool_use` template counts only beside its `default` one: a template
         // file (the engine's `--chat-template`, or `chat_template.jinja`, which makes
-        // transformers ignore the config's) serves every request.
+        // transformers ignore the config's) serves every request but those with tools,
+        // which a `tool_use.jinja` beside `chat_template.jinja` serves (transformers loads
+        // the two as one named set, and vLLM asks it for `tool_use` when a request has
+        // tools).
         let (template, tool_use) = match chat_template {
             Some(file) => (
                 Some(
@@ -288,17 +305,17 @@ impl Tokenizer {
             None => {
                 let file = path.with_file_name("chat_template.jinja");
                 match std::fs::read_to_string(&file) {
-                    Ok(source) => (Some(source), None),
+                    Ok(source) => (Some(source), tool_use_file),
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                        let tool_use = tool_use_file.or_else(|| named("tool_use"));
                         match processor_template(path).map_err(err)? {
                             // vLLM's order (`resolve_chat_template`): the processor's
                             // template, unless the request has tools; then the tokenizer's
                             // (`get_chat_template`: its `tool_use`, else its `default`).
-                            Some(processor) => (
-                                Some(processor),
-                                named("tool_use").or_else(|| named("default")),
-                            ),
-                            None => (named("default"), named("tool_use")),
+                            Some(processor) => {
+                                (Some(processor), tool_use.or_else(|| named("default")))
+                            }
+                            None => (named("default"), tool_use),
                         }
                     }
                     Err(e) => return Err(err(format!("{}: {e}", file.display()))),
@@ -312,9 +329,11 @@ impl Tokenizer {
                     reason: e.to_string(),
                 };
                 let mut env = chat_environment();
+                let source = generation_as_if(&source);
                 formats.0 = content_format::detect(&source);
                 env.add_template_owned("chat", source).map_err(compile)?;
                 if let Some(tool_use) = tool_use {
+                    let tool_use = generation_as_if(&tool_use);
                     formats.1 = content_format::detect(&tool_use);
                     env.add_template_owned("chat_tool_use", tool_use)
                         .map_err(compile)?;
@@ -697,6 +716,50 @@ fn continued(
         at + trimmed.len()
     };
     Ok(text[..end].to_owned())
+}
+
+/// `source` with transformers' `{% generation %}…{% endgeneration %}` blocks (its
+/// `AssistantTracker` extension, which marks the assistant's tokens for training recipes
+/// such as TRL's `assistant_only_loss`; fine-tunes ship templates with them) written as
+/// `{% if true %}…{% endif %}`, which renders the same: the extension renders a block's
+/// body unchanged, and Jinja2 trims around any block tag alike. minijinja has no custom
+/// tags, and refused such templates (a router that would not start on the model).
+pub(crate) fn generation_as_if(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(at) = rest.find("{%") {
+        out.push_str(&rest[..at]);
+        let tag = &rest[at..];
+        // `{%`, a whitespace control mark, spaces, the name, spaces, a mark, `%}`.
+        let inner_from = 2 + usize::from(tag[2..].starts_with(['-', '+']));
+        let inner = &tag[inner_from..];
+        let name_from = inner.len() - inner.trim_start().len();
+        let name_len = inner[name_from..]
+            .find(|c: char| !c.is_ascii_alphanumeric() && c != '_')
+            .unwrap_or(inner.len() - name_from);
+        let name = &inner[name_from..name_from + name_len];
+        let after = inner[name_from + name_len..].trim_start();
+        let closes = after.starts_with("%}")
+            || (after.starts_with(['-', '+']) && after[1..].starts_with("%}"));
+        let replacement = match name {
+            "generation" if closes => Some("if true"),
+            "endgeneration" if closes => Some("endif"),
+            _ => None,
+        };
+        match replacement {
+            Some(r) => {
+                out.push_str(&tag[..inner_from + name_from]);
+                out.push_str(r);
+                rest = &tag[inner_from + name_from + name_len..];
+            }
+            None => {
+                out.push_str("{%");
+                rest = &tag[2..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 /// The environment chat templates are rendered in: what Hugging Face's renderer (Jinja2,
@@ -1308,6 +1371,77 @@ mod tests {
             .unwrap_err();
         assert!(e.to_string().contains("no system"), "{e}");
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// A model saved by recent transformers with a default and a `tool_use` template
+    /// (`chat_template.jinja` and `additional_chat_templates/tool_use.jinja`): requests
+    /// with tools render with `tool_use`, as vLLM asks transformers for it; the others with
+    /// the default. Before, the default rendered both, and tool-calling traffic never
+    /// matched the engine's cache.
+    #[test]
+    fn a_tool_use_template_file_serves_requests_with_tools() {
+        let (dir, _) = with_config("tool-file", serde_json::json!({}));
+        std::fs::write(
+            dir.join("chat_template.jinja"),
+            "default:{{ messages | length }}",
+        )
+        .unwrap();
+        std::fs::create_dir_all(dir.join("additional_chat_templates")).unwrap();
+        std::fs::write(
+            dir.join("additional_chat_templates/tool_use.jinja"),
+            "tools:{{ tools | length }}",
+        )
+        .unwrap();
+        let t = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
+        let one = [ChatMessage::text("user", "hi")];
+        assert_eq!(
+            t.render(&one, &ChatOptions::default()).unwrap(),
+            "default:1"
+        );
+        let tools = ChatOptions {
+            tools: Some(serde_json::json!([{"type": "function", "function": {"name": "f"}}])),
+            ..ChatOptions::default()
+        };
+        assert_eq!(t.render(&one, &tools).unwrap(), "tools:1");
+        // Without `chat_template.jinja` the file takes the config's `tool_use` place too.
+        std::fs::remove_file(dir.join("chat_template.jinja")).unwrap();
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            serde_json::json!({"chat_template": [
+                {"name": "default", "template": "config-default"},
+                {"name": "tool_use", "template": "config-tools"},
+            ]})
+            .to_string(),
+        )
+        .unwrap();
+        let t = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
+        assert_eq!(t.render(&one, &tools).unwrap(), "tools:1");
+        assert_eq!(
+            t.render(&one, &ChatOptions::default()).unwrap(),
+            "config-default"
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// Templates with transformers' `{% generation %}` blocks (fine-tunes made with
+    /// assistant-only loss ship them) load and render the block's body, whitespace control
+    /// marks kept; the request's own template too. minijinja refused the tag, and the
+    /// router would not start on such a model.
+    #[test]
+    fn generation_blocks_render_their_body() {
+        let template = "{% for m in messages %}{% if m.role == 'assistant' %}{%- generation -%} [{{ m.content }}] {%- endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}";
+        let (dir, t) = with_config("generation", serde_json::json!({"chat_template": template}));
+        let (m, options) = chat(serde_json::json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+            "add_generation_prompt": false,
+        }));
+        assert_eq!(t.render(&m, &options).unwrap(), "hi[yo]");
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(
+            generation_as_if("{%generation%}a{%+ endgeneration -%}{% if x %}{% generations %}"),
+            "{%if true%}a{%+ endif -%}{% if x %}{% generations %}"
+        );
     }
 
     /// A tokenizer directory whose `tokenizer_config.json` holds `config`.

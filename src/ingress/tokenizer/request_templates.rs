@@ -50,14 +50,16 @@ impl RequestTemplate {
     fn compile(source: &str) -> Result<RequestTemplate, TokenizerError> {
         let mut env = chat_environment();
         env.set_fuel(Some(RENDER_FUEL));
-        env.add_template_owned("chat", source.to_owned())
+        let compiled = super::generation_as_if(source);
+        let format = content_format::detect(&compiled);
+        env.add_template_owned("chat", compiled)
             .map_err(|e| TokenizerError::Template {
                 reason: format!("the request's chat template: {e}"),
             })?;
         Ok(RequestTemplate {
             source: source.into(),
             env,
-            format: content_format::detect(source),
+            format,
         })
     }
 
