@@ -501,9 +501,14 @@ impl Ingest {
         let mut replies = 0u64;
         // The engine replays consecutive batches: one missing between two replies was lost
         // on the way (a ROUTER socket drops what its peer's queue has no room for), and is
-        // asked for again once this reply stream has ended, up to REPLAY_ASKS times in all.
+        // asked for again once this reply stream has ended: up to REPLAY_ASKS times in all,
+        // and beyond while each request brings the replay further (a gap longer than the
+        // engine's socket queue, 1,000 messages by default, comes back a queue at a time),
+        // up to MAX_REPLAY_ASKS.
         let mut lost: Option<u64> = None;
         let mut asks = 1;
+        // Where the latest request asked from.
+        let mut asked_from = from;
         let mut answered = false;
         loop {
             if replies == limits.max_replay_batches {
@@ -523,6 +528,7 @@ impl Ingest {
                 Err(_) if answered && next <= ends => match lost.take() {
                     Some(from) => {
                         asks += 1;
+                        asked_from = from;
                         dealer.send(&[b"", &from.to_be_bytes()]).await?;
                         continue;
                     }
@@ -549,6 +555,7 @@ impl Ingest {
                 if seq.n == u64::MAX {
                     lost = None;
                     asks += 1;
+                    asked_from = from;
                     dealer.send(&[b"", &from.to_be_bytes()]).await?;
                 }
                 continue;
@@ -580,7 +587,9 @@ impl Ingest {
             match self.seq.check(seq) {
                 SeqCheck::First | SeqCheck::Next => {}
                 SeqCheck::Gap { expected }
-                    if asks < REPLAY_ASKS && previous.is_some_and(|p| seq > p + 1) =>
+                    if previous.is_some_and(|p| seq > p + 1)
+                        && (asks < REPLAY_ASKS || expected > asked_from)
+                        && asks < MAX_REPLAY_ASKS =>
                 {
                     lost = Some(expected);
                     continue;
@@ -655,8 +664,13 @@ fn live_message(frames: &[Bytes]) -> Option<(Seq, Bytes)> {
     }
 }
 
-/// Requests one replay makes at most: the first, and again from a batch lost on the way.
+/// Requests one replay makes in any case: the first, and again from a batch lost on the way.
 const REPLAY_ASKS: u32 = 3;
+
+/// Requests one replay makes at most while each brings it further: vLLM's replay buffer
+/// holds 10,000 batches and its ROUTER socket queues 1,000 messages a peer, so a long gap
+/// comes back in about ten.
+const MAX_REPLAY_ASKS: u32 = 64;
 
 /// A replay reply after the empty delimiter: `(topic, seq, payload)` (vLLM ≥ 0.26) or
 /// `(seq, payload)` (SGLang, older vLLM); the end is seq `0xFF…FF` (-1 as a signed int).

@@ -494,6 +494,30 @@ async fn lost_inside_a_replay(end_marker: bool) {
     assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 2);
 }
 
+/// A gap longer than the engine's ROUTER socket queues for a peer comes back a queue at a
+/// time: each request's reply stream loses a batch after its first two (the queue full)
+/// and goes on. The replay asks again as long as each request brings it further, and the
+/// mirror is repaired; it gave up after three requests and cleared the mirror, though the
+/// engine held every batch.
+#[tokio::test]
+async fn a_long_gap_is_replayed_a_queue_at_a_time() {
+    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
+    let handler: RouterHandler = std::sync::Arc::new(move |request: Vec<Bytes>| {
+        let from = asked_from(&request);
+        (from..40)
+            .filter(|&seq| seq != from + 2)
+            .map(|seq| replay_reply(seq, store(seq + 1, (seq > 0).then_some(seq))))
+            .chain([replay_reply(u64::MAX, Bytes::new())])
+            .collect()
+    });
+    let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
+    let mut owner = follow(scripted(&pubs, &replay), IngestLimits::default()).await;
+    owner
+        .until("the chain is whole", |o| o.held.len() == 40)
+        .await;
+    assert_eq!(owner.stats.unrepaired, 0, "{:?}", owner.stats);
+}
+
 /// A burst that makes the engine's ROUTER drop a batch drops its end marker too (sent right
 /// after the last batch): a stream that falls silent after answering has ended, and what it
 /// lost is asked for again. The replay waited for the marker, gave up, threw the batches
