@@ -23,6 +23,20 @@ impl Secret {
         &self.0
     }
 
+    /// The tenant a key's requests are when they name none: `key-` and the first 12 hex
+    /// digits of the key's SHA-256, the same on every replica and whatever else the key
+    /// list holds (a key's place in the list named it, so revoking one key moved every key
+    /// after it to another's tenant: its sessions' workers and its fair share), and telling
+    /// nothing of the key.
+    pub fn tenant(&self) -> String {
+        let digest = ring::digest::digest(&ring::digest::SHA256, self.0.as_bytes());
+        let hex: String = digest.as_ref()[..6]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        format!("key-{hex}")
+    }
+
     /// Whether `candidate` equals the secret, in time independent of where they differ.
     pub fn matches(&self, candidate: &[u8]) -> bool {
         let secret = self.0.as_bytes();
@@ -51,9 +65,9 @@ pub fn bearer_ok(headers: &hyper::HeaderMap, keys: &[Secret]) -> bool {
     bearer_key(headers, keys).is_some()
 }
 
-/// Which of `keys` the request's `Authorization: Bearer` names, by index (a tenant when the
-/// client names none).
-pub fn bearer_key(headers: &hyper::HeaderMap, keys: &[Secret]) -> Option<usize> {
+/// Which of `keys` the request's `Authorization: Bearer` names (its tenant when the client
+/// names none: [`Secret::tenant`]).
+pub fn bearer_key<'k>(headers: &hyper::HeaderMap, keys: &'k [Secret]) -> Option<&'k Secret> {
     let value = headers.get(hyper::header::AUTHORIZATION)?.as_bytes();
     // The scheme is case-insensitive (RFC 9110 §11.1): `BEARER`, `bearer` and `Bearer`.
     let (scheme, token) = value.split_at_checked(7)?;
@@ -61,9 +75,9 @@ pub fn bearer_key(headers: &hyper::HeaderMap, keys: &[Secret]) -> Option<usize> 
         return None;
     }
     // Check every key, so the time taken does not tell which one matched.
-    keys.iter().enumerate().fold(None, |found, (i, k)| {
+    keys.iter().fold(None, |found, k| {
         let hit = k.matches(token);
-        found.or(hit.then_some(i))
+        found.or(hit.then_some(k))
     })
 }
 
@@ -236,6 +250,29 @@ impl NatsAuth {
 mod tests {
     use super::*;
 
+    /// A key's tenant is the key's, not its place in the list: revoking or adding another
+    /// key leaves every other key's tenant as it was (its sessions and fair share), and
+    /// the tenant does not show the key.
+    #[test]
+    fn a_key_s_tenant_does_not_move_when_the_list_changes() {
+        let (a, b, c) = (
+            Secret::new("key-a"),
+            Secret::new("key-b"),
+            Secret::new("key-c"),
+        );
+        let mut headers = hyper::HeaderMap::new();
+        headers.insert("authorization", "Bearer key-c".parse().unwrap());
+        let before = [a.clone(), b.clone(), c.clone()];
+        let after = [b.clone(), c.clone()];
+        let tenant = |keys: &[Secret]| bearer_key(&headers, keys).map(Secret::tenant);
+        assert_eq!(tenant(&before), tenant(&after));
+        assert_eq!(tenant(&after), Some(c.tenant()));
+        assert_ne!(a.tenant(), b.tenant());
+        assert!(!c.tenant().contains("key-c"));
+        // SHA-256("key-c"), its first six bytes: the same on every replica and version.
+        assert_eq!(c.tenant().len(), "key-".len() + 12);
+    }
+
     #[test]
     fn secrets_compare_and_never_print() {
         let s = Secret::new("hunter2");
@@ -274,7 +311,7 @@ mod tests {
         // The scheme is case-insensitive; the key is not.
         for value in ["BEARER k1", "bearer k1", "bEaReR k1"] {
             h.insert(hyper::header::AUTHORIZATION, value.parse().unwrap());
-            assert_eq!(bearer_key(&h, &keys), Some(0), "{value}");
+            assert_eq!(bearer_key(&h, &keys), Some(&keys[0]), "{value}");
         }
         h.insert(hyper::header::AUTHORIZATION, "Bearer K1".parse().unwrap());
         assert!(!bearer_ok(&h, &keys));

@@ -1562,7 +1562,13 @@ async fn completions(
     req: hyper::Request<Incoming>,
     chat: bool,
 ) -> Result<Response<Body>, ApiError> {
-    let api_key = bearer_key(req.headers(), &router.api_keys());
+    // Read once, here: the tenant of the key the request was let in with (a key list
+    // re-read since `handle` checked it could name none).
+    let api_key: Option<Arc<str>> = match bearer_key(req.headers(), &router.api_keys()) {
+        Some(key) => Some(Arc::from(key.tenant())),
+        None if router.keys_required() => return Err(ApiError::unauthorized()),
+        None => None,
+    };
     let headers = req.headers().clone();
     let (body, mut held) = read_body(router, req).await?;
     // The request's headers are kept with it (its class, its id, what is passed on), through
@@ -1575,7 +1581,7 @@ async fn completions(
     if !router.bodies.cover(&mut held, with_headers) {
         return Err(ApiError::bodies_over_budget(router.bodies.bytes()));
     }
-    match complete(router, &headers, api_key, body.clone(), held, chat).await {
+    match complete(router, &headers, api_key.clone(), body.clone(), held, chat).await {
         // A completions prompt list: one request per prompt, answers merged.
         Err(e) if e.code == Some(openai::PROMPT_BATCH) && !chat => {
             batch::complete_batch(router, &headers, api_key, body).await
@@ -1588,7 +1594,7 @@ async fn completions(
 async fn complete(
     router: &Arc<Router>,
     headers: &hyper::HeaderMap,
-    api_key: Option<usize>,
+    api_key: Option<Arc<str>>,
     body: Bytes,
     held: Reservation,
     chat: bool,
@@ -1602,7 +1608,7 @@ async fn complete(
     let mut class = Class::read(
         &router.config.headers,
         headers,
-        api_key,
+        api_key.as_deref(),
         p.priority,
         p.service_tier.as_deref(),
     )?;

@@ -197,11 +197,12 @@ pub struct ServeFlags {
     /// where tenants share it [default: false; `kvroute up`: true].
     #[arg(long, env = "KVROUTE_ROUTE_HEADERS", num_args = 0..=1, default_missing_value = "true")]
     pub route_headers: Option<bool>,
-    /// Request header naming the tenant (else the API key's index) [default: x-kvroute-tenant].
+    /// Request header naming the tenant (else the API key's) [default: x-kvroute-tenant].
     #[arg(long, env = "KVROUTE_TENANT_HEADER")]
     pub tenant_header: Option<String>,
     /// Honour the tenant header on requests that carry an API key (behind a gateway that
-    /// sets it). Otherwise a key's requests are its tenant, `key-N`, whatever they claim:
+    /// sets it). Otherwise a key's requests are its tenant (`key-` and 12 hex digits of
+    /// the key's SHA-256), whatever they claim:
     /// a client naming a new tenant per request would take the others' fair share
     /// [default: false].
     #[arg(long, env = "KVROUTE_TRUST_TENANT_HEADER", num_args = 0..=1, default_missing_value = "true")]

@@ -28,7 +28,7 @@ use crate::scheduler::{Admission, Decision, RouteRequest, SessionRef, WorkerKey}
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ClassHeaders {
-    /// The tenant, for fairness within a band (else the API key's index, else `default`).
+    /// The tenant, for fairness within a band (else the API key's, else `default`).
     pub tenant: String,
     /// The priority band, an integer: higher is served first (else the body's `priority`,
     /// vLLM's, lower first, or `service_tier`: `priority` +1, `flex` −1; else 0).
@@ -91,11 +91,13 @@ impl Class {
     }
 
     /// Reads the class from the headers (names in `names`), falling back to the body's
-    /// `priority` and `service_tier` and, for the tenant, to the API key's index.
+    /// `priority` and `service_tier` and, for the tenant, to the API key's
+    /// ([`crate::auth::Secret::tenant`]; `key_tenant` is `Some` when the request came with
+    /// a key).
     pub fn read(
         names: &ClassHeaders,
         headers: &hyper::HeaderMap,
-        api_key: Option<usize>,
+        key_tenant: Option<&str>,
         body_priority: Option<i64>,
         service_tier: Option<&str>,
     ) -> Result<Class, ApiError> {
@@ -114,10 +116,10 @@ impl Class {
                 })?;
             Ok(Some(v))
         };
-        let tenant: Arc<str> = match (text(&names.tenant)?, api_key) {
+        let tenant: Arc<str> = match (text(&names.tenant)?, key_tenant) {
             (Some(t), None) => Arc::from(t),
             (Some(t), Some(_)) if names.trust_tenant => Arc::from(t),
-            (_, Some(i)) => Arc::from(format!("key-{i}")),
+            (_, Some(key)) => Arc::from(key),
             (None, None) => Arc::from("default"),
         };
         let band = match text(&names.priority)? {
@@ -134,7 +136,7 @@ impl Class {
                 _ => 0,
             },
         };
-        let band = match api_key {
+        let band = match key_tenant {
             Some(_) if !names.trust_priority => band.min(0),
             _ => band,
         };

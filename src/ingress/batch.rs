@@ -35,7 +35,7 @@ const BATCH_CONCURRENCY: usize = 32;
 pub(super) async fn complete_batch(
     router: &Arc<Router>,
     headers: &HeaderMap,
-    api_key: Option<usize>,
+    api_key: Option<Arc<str>>,
     body: Bytes,
 ) -> Result<Response<Body>, ApiError> {
     let over = || ApiError::bodies_over_budget(router.bodies.bytes());
@@ -75,6 +75,7 @@ pub(super) async fn complete_batch(
     let (shared_router, shared_headers) = (Arc::clone(router), headers.clone());
     let part = move |(i, (part, held)): (usize, (Bytes, Reservation))| {
         let router = Arc::clone(&shared_router);
+        let api_key = api_key.clone();
         let mut headers = shared_headers.clone();
         // Each prompt is a request of its own at the engine, under an id of its own (vLLM
         // refuses an id already running).

@@ -533,20 +533,20 @@ fn a_key_s_requests_are_its_tenant_unless_the_header_is_trusted() {
     use super::admission::{Class, ClassHeaders};
     let mut headers = hyper::HeaderMap::new();
     headers.insert("x-kvroute-tenant", "someone-else".parse().unwrap());
-    let tenant = |names: &ClassHeaders, key: Option<usize>| {
+    let tenant = |names: &ClassHeaders, key: Option<&str>| {
         Class::read(names, &headers, key, None, None)
             .unwrap()
             .tenant
             .to_string()
     };
     let untrusted = ClassHeaders::default();
-    assert_eq!(tenant(&untrusted, Some(3)), "key-3");
+    assert_eq!(tenant(&untrusted, Some("key-3")), "key-3");
     assert_eq!(tenant(&untrusted, None), "someone-else");
     let trusted = ClassHeaders {
         trust_tenant: true,
         ..ClassHeaders::default()
     };
-    assert_eq!(tenant(&trusted, Some(3)), "someone-else");
+    assert_eq!(tenant(&trusted, Some("key-3")), "someone-else");
     let none = hyper::HeaderMap::new();
     assert_eq!(
         Class::read(&untrusted, &none, None, None, None)
@@ -565,7 +565,7 @@ fn a_key_s_requests_cannot_raise_their_band_unless_trusted() {
     use super::admission::{Class, ClassHeaders};
     let band = |names: &ClassHeaders,
                 header: Option<&str>,
-                key: Option<usize>,
+                key: Option<&str>,
                 body: Option<i64>,
                 tier: Option<&str>| {
         let mut headers = hyper::HeaderMap::new();
@@ -580,15 +580,21 @@ fn a_key_s_requests_cannot_raise_their_band_unless_trusted() {
         ..ClassHeaders::default()
     };
     // Raised by the header, vLLM's body priority (lower first) or the service tier.
-    assert_eq!(band(&untrusted, Some("10"), Some(0), None, None), 0);
-    assert_eq!(band(&untrusted, None, Some(0), Some(-5), None), 0);
-    assert_eq!(band(&untrusted, None, Some(0), None, Some("priority")), 0);
-    assert_eq!(band(&trusted, Some("10"), Some(0), None, None), 10);
-    assert_eq!(band(&trusted, None, Some(0), Some(-5), None), 5);
+    assert_eq!(band(&untrusted, Some("10"), Some("key-0"), None, None), 0);
+    assert_eq!(band(&untrusted, None, Some("key-0"), Some(-5), None), 0);
+    assert_eq!(
+        band(&untrusted, None, Some("key-0"), None, Some("priority")),
+        0
+    );
+    assert_eq!(band(&trusted, Some("10"), Some("key-0"), None, None), 10);
+    assert_eq!(band(&trusted, None, Some("key-0"), Some(-5), None), 5);
     assert_eq!(band(&untrusted, Some("10"), None, None, None), 10);
     // Lowered: batch work may step aside.
-    assert_eq!(band(&untrusted, Some("-3"), Some(0), None, None), -3);
-    assert_eq!(band(&untrusted, None, Some(0), None, Some("flex")), -1);
+    assert_eq!(band(&untrusted, Some("-3"), Some("key-0"), None, None), -3);
+    assert_eq!(
+        band(&untrusted, None, Some("key-0"), None, Some("flex")),
+        -1
+    );
 }
 
 /// Sessions are the tenant's and the model's: alike-named sessions of two tenants, or one
