@@ -1337,7 +1337,7 @@ fn parse_within(
     } else {
         let r: CompletionRequest = serde_json::from_slice(body).map_err(invalid)?;
         openai::check_stream_options(r.stream, r.stream_options)?;
-        let max_tokens = Some(r.max_tokens());
+        let max_tokens = r.max_tokens;
         let keep = openai::prompt_keep(r.truncate_prompt_tokens)?;
         let (tokens, untokenized) = match r.prompt {
             Prompt::Text(t) => or_untokenized(

@@ -283,7 +283,8 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for PromptList<'a> {
 }
 
 /// `POST /v1/completions`. Fields clients may send as `null` read as absent, as vLLM's
-/// request models (pydantic, `Optional`) take them.
+/// request models (pydantic, `Optional`) take them; but `max_tokens`, whose default is 16
+/// only when absent.
 #[derive(Debug, Deserialize)]
 pub struct CompletionRequest {
     /// Model name; must be one the fleet serves. Absent: the fleet's only base model (vLLM
@@ -292,8 +293,11 @@ pub struct CompletionRequest {
     pub model: Option<String>,
     /// The prompt.
     pub prompt: Prompt,
-    /// Tokens to generate per sequence (vLLM's and OpenAI's default: 16).
-    #[serde(default)]
+    /// Tokens to generate per sequence: 16 when absent (vLLM's and OpenAI's default),
+    /// unlimited when `null` (vLLM's `max_tokens: int | None = 16`, in
+    /// vllm/entrypoints/openai/completion/protocol.py: the engine then generates up to the
+    /// context length).
+    #[serde(default = "default_max_tokens")]
     pub max_tokens: Option<u32>,
     /// Sequences to generate.
     #[serde(default)]
@@ -325,11 +329,8 @@ pub struct CompletionRequest {
     pub truncate_prompt_tokens: Option<i64>,
 }
 
-impl CompletionRequest {
-    /// Tokens to generate per sequence.
-    pub fn max_tokens(&self) -> u32 {
-        self.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS)
-    }
+fn default_max_tokens() -> Option<u32> {
+    Some(DEFAULT_MAX_TOKENS)
 }
 
 /// How many of a prompt's tokens vLLM keeps for a request's `truncate_prompt_tokens`, so

@@ -120,6 +120,18 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
     );
     let defaults = parse(&t, br#"{"model":"m","prompt":"hi"}"#, false).unwrap();
     assert_eq!(defaults.booked_max_tokens(), 16);
+    // A completion's max_tokens sent as null is unlimited, as vLLM reads it (its default
+    // of 16 is for an absent field only).
+    let unlimited = parse(
+        &t,
+        br#"{"model":"m","prompt":"hi","max_tokens":null}"#,
+        false,
+    )
+    .unwrap();
+    assert_eq!(
+        (unlimited.max_tokens, unlimited.booked_max_tokens()),
+        (None, u32::MAX)
+    );
     // Fields sent as null read as absent; max_completion_tokens wins over max_tokens;
     // stream_options alone asks for the usage chunk (vLLM's default).
     let nulls = parse(

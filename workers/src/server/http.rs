@@ -392,7 +392,7 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                 if let Err(e) = check_stream_options(r.stream, r.stream_options) {
                     return bad_request(&e.message);
                 }
-                let max_tokens = r.max_tokens();
+                let max_tokens = r.max_tokens.unwrap_or(default_max_tokens());
                 let special = r.add_special_tokens.unwrap_or(true);
                 let keep = match prompt_keep(r.truncate_prompt_tokens) {
                     Ok(keep) => keep,
