@@ -215,18 +215,18 @@ impl LoadCell {
             .saturating_add(get(&self.running))
     }
 
-    /// The load series of rank `rank` of a `flavor` engine serving `model` (`block_size`):
-    /// vLLM's `vllm:num_requests_running`, `vllm:num_requests_waiting`,
-    /// `vllm:kv_cache_usage_perc` (labelled `engine` and `model_name`) and
-    /// `vllm:cache_config_info` (its G1 size in `num_gpu_blocks`); SGLang's
-    /// `sglang:num_running_reqs`, `sglang:num_queue_reqs` and `sglang:token_usage`.
-    pub fn render(
+    /// The load samples of rank `rank` of a `flavor` engine serving `model` (`block_size`),
+    /// each with its family: vLLM's `vllm:num_requests_running`,
+    /// `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` (labelled `engine` and
+    /// `model_name`) and `vllm:cache_config_info` (its G1 size in `num_gpu_blocks`);
+    /// SGLang's `sglang:num_running_reqs`, `sglang:num_queue_reqs` and `sglang:token_usage`.
+    fn samples(
         &self,
         flavor: Flavor,
         block_size: NonZeroUsize,
         model: &str,
         rank: usize,
-    ) -> String {
+    ) -> Vec<(&'static str, String)> {
         let get = |a: &AtomicUsize| a.load(Ordering::Relaxed);
         let l = self;
         let (running, waiting) = (get(&l.running), get(&l.waiting));
@@ -237,7 +237,6 @@ impl LoadCell {
             .replace('\\', "\\\\")
             .replace('"', "\\\"")
             .replace('\n', "\\n");
-        let mut out = String::new();
         let (names, labels) = match flavor {
             Flavor::Sglang => (
                 [
@@ -258,31 +257,54 @@ impl LoadCell {
                 format!("engine=\"{rank}\",model_name=\"{model}\""),
             ),
         };
-        for (name, value) in names
+        let mut out: Vec<(&'static str, String)> = names
             .into_iter()
             .zip([running as f64, waiting as f64, usage])
-        {
-            let _ = writeln!(out, "# TYPE {name} gauge\n{name}{{{labels}}} {value:?}");
-        }
+            .map(|(name, value)| (name, format!("{name}{{{labels}}} {value:?}")))
+            .collect();
         if flavor != Flavor::Sglang {
-            let _ = writeln!(
-                out,
-                "# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{}\",engine=\"{rank}\",num_gpu_blocks=\"{capacity}\"}} 1.0",
-                block_size
-            );
+            out.push((
+                "vllm:cache_config_info",
+                format!(
+                    "vllm:cache_config_info{{block_size=\"{block_size}\",engine=\"{rank}\",num_gpu_blocks=\"{capacity}\"}} 1.0"
+                ),
+            ));
         }
         out
     }
 }
 
+/// The exposition of `ranks`' load series (rank `i` is `ranks[i]`; [`LoadCell::samples`]):
+/// each family once, its `# TYPE` line then every rank's sample, as the text format wants
+/// (a strict parser, Prometheus' own `expfmt`, refuses a family given twice).
+pub fn render(
+    flavor: Flavor,
+    block_size: NonZeroUsize,
+    model: &str,
+    ranks: &[&LoadCell],
+) -> String {
+    let per_rank: Vec<Vec<(&'static str, String)>> = ranks
+        .iter()
+        .enumerate()
+        .map(|(rank, cell)| cell.samples(flavor, block_size, model, rank))
+        .collect();
+    let mut out = String::new();
+    let families = per_rank.first().map_or(0, Vec::len);
+    for family in 0..families {
+        let name = per_rank[0][family].0;
+        let _ = writeln!(out, "# TYPE {name} gauge");
+        for samples in &per_rank {
+            let _ = writeln!(out, "{}", samples[family].1);
+        }
+    }
+    out
+}
+
 impl Emulation {
     /// The flavour's load series of every rank for its `/metrics` ([`LoadCell::render`]).
     pub fn metrics(&self, model: &str) -> String {
-        self.ranks
-            .iter()
-            .enumerate()
-            .map(|(r, rank)| rank.load.render(self.flavor, self.block_size, model, r))
-            .collect()
+        let cells: Vec<&LoadCell> = self.ranks.iter().map(|rank| &rank.load).collect();
+        render(self.flavor, self.block_size, model, &cells)
     }
 
     /// Turns one kvroute batch of the engine into the flavour's payload.
@@ -488,7 +510,7 @@ mod tests {
         cell.set(&engine(3, 7, 250));
         let block = NonZeroUsize::new(16).unwrap();
         for flavor in [Flavor::Vllm, Flavor::VllmLegacy, Flavor::Sglang] {
-            let s = scrape(&cell.render(flavor, block, "org/model \"x\"", 0));
+            let s = scrape(&render(flavor, block, "org/model \"x\"", &[&cell]));
             assert_eq!(
                 s.load,
                 Some(EngineLoad {
@@ -506,7 +528,19 @@ mod tests {
         let other = LoadCell::default();
         other.set(&engine(1, 0, 750));
         for flavor in [Flavor::Vllm, Flavor::Sglang] {
-            let text = cell.render(flavor, block, "m", 0) + &other.render(flavor, block, "m", 1);
+            let text = render(flavor, block, "m", &[&cell, &other]);
+            // Each family once, its samples together (the text format's rule).
+            let mut seen = Vec::new();
+            for line in text.lines() {
+                let family = line.strip_prefix("# TYPE ").map_or_else(
+                    || line.split('{').next().unwrap(),
+                    |t| t.split(' ').next().unwrap(),
+                );
+                if seen.last() != Some(&family) {
+                    assert!(!seen.contains(&family), "{family} given twice:\n{text}");
+                    seen.push(family);
+                }
+            }
             let s = scrape(&text);
             assert_eq!(
                 s.load,
