@@ -529,6 +529,9 @@ impl Ingest {
                     Some(from) => {
                         asks += 1;
                         asked_from = from;
+                        // On a new connection: the read the deadline cut may have stopped
+                        // inside a frame, and this one would read on from its middle.
+                        dealer = Connection::connect(&endpoint, "DEALER", limits.connect).await?;
                         dealer.send(&[b"", &from.to_be_bytes()]).await?;
                         continue;
                     }
