@@ -146,6 +146,7 @@ pub async fn run(
             .with_max_blocks(limits.max_blocks),
         seq: SeqTracker::default(),
         replayed_from: None,
+        rebuilt: false,
         publisher: None,
         stats: IngestStats::default(),
         changes: Vec::new(),
@@ -240,6 +241,9 @@ struct Ingest {
     /// Where the last replay started: live batches from there up to the expected seq were
     /// covered by it and are skipped, not taken for a restart.
     replayed_from: Option<u64>,
+    /// The last replay rebuilt the mirror from the engine's whole buffer (it began at seq
+    /// 0): the mirror is the engine's, whatever it held before.
+    rebuilt: bool,
     /// The publisher's identity, when its sequence frames carry one (vLLM with a snapshot
     /// endpoint): a new identity is a restarted engine, whatever its numbering says.
     publisher: Option<Publisher>,
@@ -292,9 +296,15 @@ impl Ingest {
     async fn resync(&mut self, expected: u64) -> Result<(), ZmtpError> {
         let last = self.replay(0, true).await?;
         if last.is_none_or(|last| last.saturating_add(1) < expected) {
-            // The engine's newest batch is older than what was seen: it restarted.
-            self.restarted(0);
-            self.replay(0, false).await?;
+            // The engine's newest batch is older than what was seen: it restarted. A buffer
+            // that held its whole life has made the mirror the new engine's already.
+            if self.rebuilt {
+                self.stats.restarts += 1;
+                tracing::info!(endpoint = %self.endpoint.events, expected, "engine restarted: the mirror is rebuilt from its whole replay buffer");
+            } else {
+                self.restarted(0);
+                self.replay(0, false).await?;
+            }
         }
         Ok(())
     }
@@ -416,6 +426,7 @@ impl Ingest {
         self.mirror.clear(&mut self.changes);
         self.seq.reset();
         self.replayed_from = None;
+        self.rebuilt = false;
     }
 
     fn apply(&mut self, seq: u64, payload: &[u8]) {
@@ -465,6 +476,7 @@ impl Ingest {
             self.stats.replays_skipped += 1;
             return Err(ZmtpError::Resting(until - now));
         }
+        self.rebuilt = false;
         let replayed = self.replay_batches(from, rebuild).await;
         self.mirror.end_rebuild(&mut self.changes);
         // Any failure counts (a socket that refuses connections, or speaks something else,
@@ -580,6 +592,7 @@ impl Ingest {
                 } else {
                     self.mirror.begin_rebuild();
                     self.seq.reset();
+                    self.rebuilt = true;
                 }
                 self.replayed_from = Some(seq);
             } else if renamed {
