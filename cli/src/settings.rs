@@ -438,6 +438,11 @@ pub fn parse_backend(spec: &str) -> anyhow::Result<Backend> {
         offload_chunk: 1,
         max_blocks: kvroute::engines::mirror::DEFAULT_MAX_BLOCKS,
     };
+    let engine_host = b
+        .url
+        .parse::<hyper::Uri>()
+        .ok()
+        .and_then(|u| u.host().map(str::to_owned));
     for part in parts {
         let (key, value) = part
             .split_once('=')
@@ -449,10 +454,16 @@ pub fn parse_backend(spec: &str) -> anyhow::Result<Backend> {
                 .filter(|n| (1..=most).contains(n))
                 .with_context(|| format!("--backend {spec:?}: {key} is 1..={most}"))
         };
+        // The engine's own setting, `tcp://*:PORT` (where it binds), names the engine's
+        // host: copied here it once meant this host, and a co-located engine's events were
+        // credited to this one.
         let zmq = |v: &str| -> anyhow::Result<String> {
             kvroute::engines::zmtp::tcp_address(v)
                 .with_context(|| format!("--backend {spec:?}"))?;
-            Ok(v.to_owned())
+            Ok(match (v.strip_prefix("tcp://*:"), engine_host.as_deref()) {
+                (Some(port), Some(host)) => format!("tcp://{host}:{port}"),
+                _ => v.to_owned(),
+            })
         };
         let key = key.trim();
         match key {
@@ -996,6 +1007,13 @@ mod tests {
         );
         let capped = parse_backend("http://e:8000,events=tcp://e:5557,max_blocks=1000").unwrap();
         assert_eq!(capped.max_blocks, 1000);
+        // The engine's bind-all setting copied as is names the engine's host, not this one.
+        let copied =
+            parse_backend("http://10.0.0.2:8000,events=tcp://*:5557,replay=tcp://*:5558").unwrap();
+        assert_eq!(
+            (copied.events.as_deref(), copied.replay.as_deref()),
+            (Some("tcp://10.0.0.2:5557"), Some("tcp://10.0.0.2:5558"))
+        );
         for bad in [
             "http://e:8000,offload_chunk=0",
             "http://e:8000,offload_chunk=4",
