@@ -185,17 +185,32 @@ pub enum NatsAuthError {
 }
 
 impl NatsAuth {
-    /// Each setting from `self`, else from `other` (flags over the file).
+    /// `self`'s settings over `other`'s (flags over the file). The way to authenticate is
+    /// taken whole, and so is the client certificate with its key: flags naming a creds
+    /// file replace the file's user and password (merged field by field, the two made an
+    /// ambiguous setting that refused to start, and a Helm-managed file could not be
+    /// overridden by the environment).
     pub fn or(self, other: NatsAuth) -> NatsAuth {
+        let names_method = |a: &NatsAuth| {
+            a.nats_user.is_some()
+                || a.nats_password.is_some()
+                || a.nats_token.is_some()
+                || a.nats_nkey_seed_file.is_some()
+                || a.nats_creds_file.is_some()
+        };
+        let method = if names_method(&self) { &self } else { &other }.clone();
+        let names_cert =
+            |a: &NatsAuth| a.nats_tls_cert_file.is_some() || a.nats_tls_key_file.is_some();
+        let cert = if names_cert(&self) { &self } else { &other }.clone();
         NatsAuth {
-            nats_user: self.nats_user.or(other.nats_user),
-            nats_password: self.nats_password.or(other.nats_password),
-            nats_token: self.nats_token.or(other.nats_token),
-            nats_nkey_seed_file: self.nats_nkey_seed_file.or(other.nats_nkey_seed_file),
-            nats_creds_file: self.nats_creds_file.or(other.nats_creds_file),
+            nats_user: method.nats_user,
+            nats_password: method.nats_password,
+            nats_token: method.nats_token,
+            nats_nkey_seed_file: method.nats_nkey_seed_file,
+            nats_creds_file: method.nats_creds_file,
             nats_tls_ca_file: self.nats_tls_ca_file.or(other.nats_tls_ca_file),
-            nats_tls_cert_file: self.nats_tls_cert_file.or(other.nats_tls_cert_file),
-            nats_tls_key_file: self.nats_tls_key_file.or(other.nats_tls_key_file),
+            nats_tls_cert_file: cert.nats_tls_cert_file,
+            nats_tls_key_file: cert.nats_tls_key_file,
             nats_tls_required: self.nats_tls_required || other.nats_tls_required,
         }
     }
@@ -271,6 +286,36 @@ mod tests {
         assert!(!c.tenant().contains("key-c"));
         // SHA-256("key-c"), its first six bytes: the same on every replica and version.
         assert_eq!(c.tenant().len(), "key-".len() + 12);
+    }
+
+    /// Flags naming a way to authenticate replace the file's way whole (a creds file over a
+    /// user and password), and a client certificate its key with it; a file's setting the
+    /// flags do not touch stays.
+    #[test]
+    fn flags_replace_the_file_s_way_to_authenticate() {
+        let file = NatsAuth {
+            nats_user: Some("u".into()),
+            nats_password: Some(Secret::new("p")),
+            nats_tls_ca_file: Some("/ca.pem".into()),
+            nats_tls_cert_file: Some("/old.pem".into()),
+            nats_tls_key_file: Some("/old.key".into()),
+            ..NatsAuth::default()
+        };
+        let flags = NatsAuth {
+            nats_creds_file: Some("/c.creds".into()),
+            nats_tls_cert_file: Some("/new.pem".into()),
+            nats_tls_key_file: Some("/new.key".into()),
+            ..NatsAuth::default()
+        };
+        let merged = flags.or(file.clone());
+        assert_eq!(merged.nats_creds_file, Some("/c.creds".into()));
+        assert!(merged.nats_user.is_none() && merged.nats_password.is_none());
+        assert_eq!(merged.nats_tls_cert_file, Some("/new.pem".into()));
+        assert_eq!(merged.nats_tls_ca_file, Some("/ca.pem".into()));
+        // Flags without a method leave the file's.
+        let kept = NatsAuth::default().or(file);
+        assert_eq!(kept.nats_user.as_deref(), Some("u"));
+        assert_eq!(kept.nats_tls_key_file, Some("/old.key".into()));
     }
 
     #[test]
