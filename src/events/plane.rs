@@ -674,7 +674,13 @@ impl FleetOwner {
                 }
                 _ = tick.tick() => {
                     let now = self.now_ms();
-                    if !self.shared.transport.is_connected() || !*self.registry_healthy.borrow() {
+                    let heard =
+                        self.shared.transport.is_connected() && *self.registry_healthy.borrow();
+                    // A registry whose watch cannot be made again (a consumer limit, a
+                    // revoked permission) leaves the router deaf for good while its own
+                    // writes land: only this says so.
+                    metrics::gauge!("kvroute_registry_heard").set(if heard { 1.0 } else { 0.0 });
+                    if !heard {
                         // Deaf, not abandoned: no lease lapses while NATS is out of reach or
                         // the registry takes no heartbeats (the workers' HTTP may well be
                         // fine; routing to them goes on).
