@@ -82,6 +82,16 @@ pub enum FleetCommand {
     /// The incarnation that said goodbye wrote its registration again: its key had been
     /// deleted under it ([`FleetStats::rejoined`]). Registered again; said to the operator.
     Rejoined(WorkerId),
+    /// An older incarnation's registration was ignored: a later one of the same id is alive
+    /// ([`FleetStats::id_conflicts`]). Said to the operator, with both URLs.
+    IdConflict {
+        /// The worker id both use.
+        id: WorkerId,
+        /// The ignored registration's URL.
+        ignored_url: String,
+        /// The live member's URL.
+        kept_url: String,
+    },
     /// A worker's heartbeat came late for the router's lease: more than three quarters of
     /// it after the one before (`gap_ms`), or after the lease had lapsed (`gap_ms` unknown),
     /// the router hearing all along. Its heartbeat period, or the registry's delay, does not
@@ -145,6 +155,9 @@ pub struct FleetStats {
     pub superseded: u64,
     /// Heartbeats late for the lease ([`FleetCommand::LateHeartbeat`]).
     pub late_heartbeats: u64,
+    /// Registrations of an older incarnation ignored while a later one of the same id is
+    /// alive ([`FleetCommand::IdConflict`]).
+    pub id_conflicts: u64,
 }
 
 /// What became of a registration read back from the registry's history.
@@ -277,6 +290,9 @@ impl Fleet {
         info: WorkerInfo,
         out: &mut Vec<FleetCommand>,
     ) -> Result<(), Refusal> {
+        if self.conflicts(now_ms, &info, out) {
+            return Ok(());
+        }
         self.dormant.remove(&info.id);
         let id = info.id;
         let heard_before = |at: u64| self.deaf_at.is_none_or(|deaf| deaf < at);
@@ -322,6 +338,9 @@ impl Fleet {
         age_ms: u64,
         out: &mut Vec<FleetCommand>,
     ) -> Result<Replayed, Refusal> {
+        if self.conflicts(now_ms, &info, out) {
+            return Ok(Replayed::Registered);
+        }
         let lapsed = self.config.lease_ttl_ms.is_some_and(|ttl| age_ms > ttl);
         if lapsed && !self.members.contains_key(&info.id) {
             self.stats.stale_registrations += 1;
@@ -361,6 +380,33 @@ impl Fleet {
             self.stats.woken += 1;
         }
         Some(registered)
+    }
+
+    /// Whether `info` is an older incarnation's registration while a later one of the same
+    /// id is alive (heard within its lease): two processes under one id (a replaced pod
+    /// whose predecessor still runs, or an id pinned twice). Counted, said
+    /// ([`FleetCommand::IdConflict`]) and ignored: taken, the worker's URL and epoch went
+    /// back and forth with every heartbeat, and half its requests went to the process whose
+    /// cache the index does not follow. Once the later one has been silent for a lease, the
+    /// older registers (a clock stepped back across a restart gives a smaller epoch).
+    fn conflicts(&mut self, now_ms: u64, info: &WorkerInfo, out: &mut Vec<FleetCommand>) -> bool {
+        let (Some(ttl), Some(member)) = (self.config.lease_ttl_ms, self.members.get(&info.id))
+        else {
+            return false;
+        };
+        let alive = member
+            .heard_ms
+            .is_some_and(|at| now_ms.saturating_sub(at) < ttl);
+        if info.epoch >= member.info.epoch || !alive {
+            return false;
+        }
+        self.stats.id_conflicts += 1;
+        out.push(FleetCommand::IdConflict {
+            id: info.id,
+            ignored_url: info.url.clone(),
+            kept_url: member.info.url.clone(),
+        });
+        true
     }
 
     /// Whether `info` is a heartbeat of the incarnation that said goodbye.

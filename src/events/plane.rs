@@ -942,6 +942,16 @@ impl FleetOwner {
                         }
                     }
                 }
+                FleetCommand::IdConflict {
+                    id,
+                    ignored_url,
+                    kept_url,
+                } => {
+                    metrics::counter!("kvroute_registry_id_conflicts_total").increment(1);
+                    if self.rejoins_logged.due(id) {
+                        tracing::error!(worker = %id, %kept_url, %ignored_url, "two processes register under one worker id: the older incarnation's registration is ignored while the later one is alive (a replaced pod whose predecessor still runs, or an id given to two workers)");
+                    }
+                }
                 FleetCommand::Rejoined(id) => {
                     metrics::counter!("kvroute_registry_rejoined_total").increment(1);
                     if self.rejoins_logged.due(id) {

@@ -76,6 +76,7 @@ impl Driver {
                 FleetCommand::Departed { .. }
                 | FleetCommand::Reincarnated(_)
                 | FleetCommand::Rejoined(_)
+                | FleetCommand::IdConflict { .. }
                 | FleetCommand::LateHeartbeat { .. } => {}
             }
         }
@@ -649,4 +650,37 @@ fn a_restart_is_no_late_heartbeat() {
         .on_registration(ttl * 18 / 10, info(1, 8, 1, "m", 16), &mut out)
         .unwrap();
     assert_eq!(fleet.stats().late_heartbeats, 1);
+}
+
+/// Two processes heartbeating under one id (a replaced pod whose predecessor still runs):
+/// the later incarnation keeps the id while it is heard within its lease, the older one's
+/// registrations are counted and ignored (taken, the worker's URL flipped at every
+/// heartbeat); once the later one has been silent for a lease, the older registers (a clock
+/// stepped back across a restart gives a smaller epoch).
+#[test]
+fn an_older_incarnation_does_not_take_the_id_from_a_live_later_one() {
+    let mut fleet = Fleet::new(config());
+    let mut out = Vec::new();
+    let mut newer = info(1, 8, 1, "m", 16);
+    newer.url = "http://b".into();
+    let mut older = info(1, 7, 1, "m", 16);
+    older.url = "http://a".into();
+    fleet.on_registration(0, newer.clone(), &mut out).unwrap();
+    fleet.on_registration(600, older.clone(), &mut out).unwrap();
+    assert_eq!(fleet.worker(WorkerId(1)).map(|w| w.epoch), Some(8));
+    assert_eq!(fleet.stats().id_conflicts, 1);
+    assert!(out.contains(&FleetCommand::IdConflict {
+        id: WorkerId(1),
+        ignored_url: "http://a".into(),
+        kept_url: "http://b".into(),
+    }));
+    fleet.on_registration(700, newer, &mut out).unwrap();
+    fleet.on_registration(900, older.clone(), &mut out).unwrap();
+    assert_eq!(
+        fleet.worker(WorkerId(1)).map(|w| w.url.as_str()),
+        Some("http://b")
+    );
+    // The later one silent for a lease: the older takes the id.
+    fleet.on_registration(1_800, older, &mut out).unwrap();
+    assert_eq!(fleet.worker(WorkerId(1)).map(|w| w.epoch), Some(7));
 }
