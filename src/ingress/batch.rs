@@ -587,6 +587,20 @@ mod tests {
             "{}",
             refused.message
         );
+        // The other fields keep the body's order, written as they come; past
+        // MAX_BATCH_FIELDS of them the body is refused before anything is held for them.
+        let ordered = split(br#"{"z":1,"prompt":["a","b"],"a":{"k":[2]}}"#)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            &ordered[0][..],
+            &br#"{"prompt":"a","z":1,"a":{"k":[2]}}"#[..]
+        );
+        let fields: String = (0..=openai::MAX_BATCH_FIELDS)
+            .map(|i| format!(r#""k{i}":0,"#))
+            .collect();
+        let wide = format!(r#"{{{fields}"prompt":["a","b"]}}"#);
+        assert_eq!(split(wide.as_bytes()).unwrap_err().status, 400);
     }
 
     /// vLLM's batch answer: prompt i's choice j is i·n + j, the usage is the sum.
