@@ -40,10 +40,12 @@ helm.sh/chart: {{ include "kvroute.chart" .ctx }}
 
 {{/* The labels of one component's pods: all but the chart's version, which changes with
      any template's edit; on a pod template it restarted every router, NATS server and
-     engine (reloading its model) at each chart upgrade. Call as kvroute.labels. */}}
+     engine (reloading its model) at each chart upgrade. Call as kvroute.labels; a pod that
+     runs another project's image (NATS) passes its own "version", or kvroute's version
+     restarted it at every kvroute upgrade. */}}
 {{- define "kvroute.podLabels" -}}
 {{ include "kvroute.selectorLabels" . }}
-app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/version: {{ .version | default .ctx.Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 app.kubernetes.io/part-of: kvroute
 {{- with .ctx.Values.commonLabels }}
