@@ -473,6 +473,14 @@ impl Engine {
             self.schedule(self.now_us, out);
             self.collect_changes(self.step.is_none());
         }
+        // A failure met on the way (a fill the device refused as a step ended) is reported
+        // now: the engine may be idle after it, and its thread then waits for input with no
+        // wake-up due, while the worker stays registered and routed to.
+        if result.is_ok()
+            && let Some(e) = self.blocks.take_device_failure()
+        {
+            result = Err(e.into());
+        }
         result
     }
 
