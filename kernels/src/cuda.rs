@@ -1028,6 +1028,23 @@ impl GpuKv {
         seqs: Option<&[u64]>,
     ) -> Result<Transfer, GpuError> {
         self.after_main()?;
+        if let Some(seqs) = seqs {
+            // Before the scatter, on its stream: G1 slots hold a pattern the check refuses,
+            // so that a slot freed by the same block's eviction (its bytes still there) and
+            // a copy lost on the way fails the check instead of passing it.
+            let poison: Vec<(usize, u64)> = pairs
+                .iter()
+                .zip(seqs)
+                .map(|(&(_, g1), &seq)| (g1, !seq))
+                .collect();
+            self.gpu.fill_slots(
+                &self.movers,
+                &self.layout,
+                &mut self.g1,
+                self.g1_blocks,
+                &poison,
+            )?;
+        }
         let block = self.layout.block_bytes();
         for chunk in pairs.chunks(self.lane_blocks) {
             let i = self.take_lane();

@@ -249,6 +249,12 @@ fn offload_then_onboard_roundtrips_bytes() {
     assert_eq!(found, PrefixMatch { device: 0, host: 4 });
     bm.allocate(t, &mut lease, 4).unwrap();
     let ticket = bm.start_onboard(t, &mut lease, 0);
+    // The slots the chain left when it was evicted come back to it with its bytes still in
+    // them: until the copy lands they hold a pattern the check refuses, so that the check
+    // after it proves the copy, not the slot's past.
+    for (i, (_, block)) in c.iter().enumerate() {
+        assert_eq!(bm.verify_bytes(lease.blocks()[i], block.seq), Some(false));
+    }
     let done = bm.next_wakeup_us().unwrap();
     // 4 blocks × 2 KiB at 25 GB/s: well under a µs, rounded up.
     assert_eq!(done, t + 1);

@@ -199,17 +199,27 @@ impl KvBytes {
     }
 
     /// Starts copying `(g2, g1)` pairs to G1 (onboard `id`), and on a GPU queues behind it
-    /// the check of each block against the pattern of its `seqs[i]`.
+    /// the check of each block against the pattern of its `seqs[i]`. The G1 slots are
+    /// overwritten first with a pattern the check refuses: a slot freed by the same block's
+    /// eviction still holds its bytes (the free list hands slots back last in, first out),
+    /// and a copy lost on the way passed the check.
     pub fn start_onboard(
         &mut self,
         id: u64,
         pairs: &[(usize, usize)],
         seqs: &[SeqHash],
     ) -> Result<(), DeviceError> {
-        if let KvBytes::Cuda { kv, onboards, .. } = self {
-            let seqs: Vec<u64> = seqs.iter().map(|s| s.0).collect();
-            let transfer = kv.onboard_checked(pairs, &seqs);
-            onboards.insert(id, transfer.map_err(device("onboard"))?);
+        match self {
+            KvBytes::Host(store) => {
+                for (&(_, g1), seq) in pairs.iter().zip(seqs) {
+                    store.fill(g1, SeqHash(!seq.0));
+                }
+            }
+            KvBytes::Cuda { kv, onboards, .. } => {
+                let seqs: Vec<u64> = seqs.iter().map(|s| s.0).collect();
+                let transfer = kv.onboard_checked(pairs, &seqs);
+                onboards.insert(id, transfer.map_err(device("onboard"))?);
+            }
         }
         Ok(())
     }
