@@ -331,6 +331,7 @@ upstream_body_timeout_ms = {{ $r.upstreamBodyTimeoutMs | int64 }}
 first_token_timeout_ms = {{ $r.firstTokenTimeoutMs | int64 }}
 max_upstream_body_bytes = {{ $r.maxUpstreamBodyBytes | int64 }}
 tokenizer_threads = {{ $r.tokenizerThreads | int64 }}
+max_tokenize_bytes = {{ $r.maxTokenizeBytes | int64 }}
 route_headers = {{ $r.routeHeaders }}
 drain_timeout_ms = {{ $r.drainTimeoutMs | int64 }}
 {{- with $r.tokenizer }}
