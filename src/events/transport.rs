@@ -68,6 +68,14 @@ fn servers(urls: &str) -> Result<(Vec<async_nats::ServerAddr>, Option<UrlCredent
             .trim()
             .parse()
             .map_err(|e| format!("not a NATS URL: {e}"))?;
+        if addr.is_websocket() {
+            // Built without the client's websocket support, it would dial the port as plain
+            // NATS and wait forever for a greeting that never comes.
+            return Err(format!(
+                "{}: websocket URLs are not supported; use nats:// or tls:// (the server's client port)",
+                crate::auth::redact_credentials(u.trim())
+            ));
+        }
         if !addr.has_user_pass() && addr.password().is_none() {
             servers.push(addr);
             continue;
@@ -597,6 +605,8 @@ mod tests {
         );
         let hosts: Vec<(&str, u16)> = parsed.iter().map(|s| (s.host(), s.port())).collect();
         assert_eq!(hosts, [("a", 4222), ("b", 4223), ("c", 4224)]);
+        let ws = servers("nats://a:4222,wss://user:pw@b:443").unwrap_err();
+        assert!(ws.contains("websocket") && !ws.contains("pw"), "{ws}");
         let (_, token) = servers("tls://s3cret@a:4222").unwrap();
         assert_eq!(token, Some(UrlCredentials::Token("s3cret".into())));
         assert_eq!(servers("nats://a:4222").unwrap().1, None);
