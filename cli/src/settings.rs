@@ -845,13 +845,7 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
         .cluster
         .or(file.cluster)
         .unwrap_or_else(|| "default".into());
-    if cluster.is_empty()
-        || !cluster
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-    {
-        bail!("cluster {cluster:?}: use letters, digits, '-' and '_' (it names NATS subjects)");
-    }
+    kvroute::events::plane::check_cluster(&cluster).map_err(anyhow::Error::msg)?;
     Ok(Settings {
         nats,
         nats_auth,

@@ -31,6 +31,22 @@ use intake::{Delivery, Intake, Watermark, WatermarkGate};
 
 mod intake;
 
+/// Checks a cluster name, which names NATS subjects and the registry bucket: letters,
+/// digits, `-` and `_` (a `.` or a wildcard would take other subjects; NATS refuses such a
+/// bucket name, which a worker met as a minute of retries).
+pub fn check_cluster(cluster: &str) -> Result<(), String> {
+    if cluster.is_empty()
+        || !cluster
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    {
+        return Err(format!(
+            "cluster {cluster:?}: use letters, digits, '-' and '_' (it names NATS subjects)"
+        ));
+    }
+    Ok(())
+}
+
 /// Subject of one worker's events.
 pub fn events_subject(cluster: &str, worker: WorkerId) -> String {
     format!("kvroute.{cluster}.events.{worker}")
@@ -285,7 +301,6 @@ struct Shared {
     transport: Transport,
     indexer: Arc<Indexer>,
     config: PlaneConfig,
-    limits: Limits,
     /// Open streams. Only the fleet owner inserts and removes; others read.
     streams: Mutex<HashMap<StreamKey, StreamHandle>>,
     view: RwLock<Arc<FleetView>>,
@@ -326,7 +341,6 @@ impl EventPlane {
             .await?;
         // Started means subscribed: the server has our interest before we return.
         transport.synced().await;
-        let limits = Limits::for_payload(transport.max_payload().max(1 << 20));
         // None yet: the gauge exists, at 0, before any worker registers (a fleet that never
         // registered, say under a wrong cluster name, had no series for its alert to see).
         metrics::gauge!("kvroute_workers_registered").set(0.0);
@@ -346,7 +360,6 @@ impl EventPlane {
             transport,
             indexer,
             config,
-            limits,
             streams: Mutex::default(),
             view: RwLock::default(),
             counters: PlaneCounters::default(),
@@ -504,6 +517,13 @@ impl EventPlane {
 }
 
 impl Shared {
+    /// What a payload may hold, by the server's `max_payload` now: a server restarted with
+    /// a larger one (as the workers' own errors advise) lets workers send larger snapshot
+    /// chunks and batches, which limits fixed when the router started refused for good.
+    fn limits(&self) -> Limits {
+        Limits::for_payload(self.transport.max_payload().max(1 << 20))
+    }
+
     fn resync_all(&self) {
         for handle in self.streams.lock().values() {
             handle.overflowed.store(true, Ordering::Relaxed);
@@ -721,7 +741,7 @@ impl FleetOwner {
 
     fn on_payload(&mut self, subject: &str, payload: &Bytes) {
         let received_us = unix_us();
-        let batch = match decode(payload, &self.shared.limits) {
+        let batch = match decode(payload, &self.shared.limits()) {
             Ok(batch) => batch,
             Err(e) => {
                 self.shared
@@ -1185,16 +1205,17 @@ async fn run_stream(
     // deadline. A fetch still waiting for its turn (the plane's permits) takes the new
     // request over instead: what it will fetch is newer than both, and it keeps its place.
     let mut fetching: Option<(tokio::task::AbortHandle, Arc<Mutex<FetchTurn>>)> = None;
-    let mut request_snapshot = |request: u64, wait_ms: u64| {
+    let mut request_snapshot = |request: u64, wait_ms: u64, epoch: u64| {
         let wait = Duration::from_millis(wait_ms);
         if let Some((_, turn)) = &fetching
-            && turn.lock().take_over(request, wait)
+            && turn.lock().take_over(request, wait, epoch)
         {
             return;
         }
         let turn = Arc::new(Mutex::new(FetchTurn {
             request,
             wait,
+            epoch,
             started: false,
         }));
         let fetch = tokio::spawn(fetch_snapshot(
@@ -1310,8 +1331,10 @@ async fn run_stream(
                     }
                 }
                 Command::RequestSnapshot {
-                    request, wait_ms, ..
-                } => request_snapshot(request, wait_ms),
+                    request,
+                    wait_ms,
+                    epoch,
+                } => request_snapshot(request, wait_ms, epoch),
             }
         }
         if dropped {
@@ -1450,16 +1473,18 @@ fn record_stream_metrics(worker: &str, before: &StreamStats, after: &StreamStats
 struct FetchTurn {
     request: u64,
     wait: Duration,
+    /// The stream's epoch when it asked: an answer of an earlier one is no answer.
+    epoch: u64,
     started: bool,
 }
 
 impl FetchTurn {
     /// Makes a fetch not started yet answer `request` instead; false once it has started.
-    fn take_over(&mut self, request: u64, wait: Duration) -> bool {
+    fn take_over(&mut self, request: u64, wait: Duration, epoch: u64) -> bool {
         if self.started {
             return false;
         }
-        (self.request, self.wait) = (request, wait);
+        (self.request, self.wait, self.epoch) = (request, wait, epoch);
         true
     }
 }
@@ -1476,17 +1501,17 @@ async fn fetch_snapshot(
     let Ok(_permit) = shared.snapshot_fetches.acquire().await else {
         return;
     };
-    let (request, deadline) = {
+    let (request, deadline, epoch) = {
         let mut turn = turn.lock();
         turn.started = true;
-        (turn.request, turn.wait)
+        (turn.request, turn.wait, turn.epoch)
     };
     // Its wait runs from now (if the queue is full, the stream asks again a little early).
     let _ = tx.try_send(Input::FetchStarted(request));
     // As long as the stream waits before asking again (doubling with each retry): a
     // snapshot slower to come than that is asked for again anyway.
     let asks_again_at = tokio::time::Instant::now() + deadline;
-    let fetched = tokio::time::timeout_at(asks_again_at, fetch(&shared, key)).await;
+    let fetched = tokio::time::timeout_at(asks_again_at, fetch(&shared, key, epoch)).await;
     match fetched {
         Ok(Some(snapshot)) => {
             // Queued behind the stream's batches, as long as the answer is still wanted (a
@@ -1502,7 +1527,10 @@ async fn fetch_snapshot(
     }
 }
 
-async fn fetch(shared: &Shared, key: StreamKey) -> Option<Snapshot> {
+/// The first whole snapshot of `key` of epoch `epoch` or later: an earlier incarnation
+/// still draining under the same id answers too, and its answer, refused by the stream,
+/// left the later one's unheard until the fetch was asked again.
+async fn fetch(shared: &Shared, key: StreamKey, epoch: u64) -> Option<Snapshot> {
     let inbox = shared.transport.new_inbox();
     let mut replies = shared.transport.subscribe(&inbox).await.ok()?;
     let subject = snapshot_subject(&shared.config.cluster, key.0);
@@ -1522,9 +1550,12 @@ async fn fetch(shared: &Shared, key: StreamKey) -> Option<Snapshot> {
             tracing::warn!(worker = %key.0, "no snapshot responder for worker");
             return None;
         }
-        match decode_snapshot_chunk(&message.payload, &shared.limits) {
+        match decode_snapshot_chunk(&message.payload, &shared.limits()) {
             Ok(chunk) if (chunk.worker, chunk.dp_rank) == key => match assembler.add(chunk) {
-                Ok(Some(snapshot)) => return Some(snapshot),
+                Ok(Some(snapshot)) if snapshot.epoch >= epoch => return Some(snapshot),
+                Ok(Some(old)) => {
+                    tracing::debug!(worker = %key.0, epoch = old.epoch, "a snapshot of an earlier incarnation; waiting for the present one's");
+                }
                 Ok(None) => {}
                 Err(AssembleError::TooLarge) => {
                     // Its chunks are gone: waiting out the deadline for the rest would only

@@ -352,9 +352,17 @@ impl Transport {
     /// Largest payload one message may carry.
     pub fn max_payload(&self) -> usize {
         match self {
-            Transport::Nats(NatsTransport { client, .. }) => {
-                client.server_info().max_payload.max(4096)
+            // The client's copy, updated at each reconnect (one atomic read; the server's
+            // whole INFO was cloned for it at every publish).
+            Transport::Nats(NatsTransport { client, .. }) => client.max_payload().max(4096),
+            #[cfg(test)]
+            Transport::Local(bus) => {
+                match bus.max_payload.load(std::sync::atomic::Ordering::Relaxed) {
+                    0 => 1 << 20,
+                    set => set,
+                }
             }
+            #[cfg(not(test))]
             Transport::Local(_) => 1 << 20,
         }
     }
@@ -457,6 +465,10 @@ pub struct LocalBus {
     /// A fault for tests: publishes wait while it is held (a server that takes nothing).
     #[cfg(test)]
     pub(crate) held: Hold,
+    /// For tests: the `max_payload` the bus says it has (none: 1 MiB), as a NATS server
+    /// restarted with another would.
+    #[cfg(test)]
+    pub(crate) max_payload: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// A fault for tests: while held, [`Hold::until_released`] waits (a server that takes no

@@ -191,7 +191,8 @@ pub struct SnapshotAssembler {
 /// Why chunks do not form one snapshot.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AssembleError {
-    /// A chunk disagrees with the first on worker, epoch, watermark or count.
+    /// A chunk disagrees with the first on worker, epoch, watermark or count (and is of no
+    /// later epoch, which would start the assembly over).
     #[error("chunk {index} belongs to another snapshot")]
     Mismatch {
         /// The chunk's index.
@@ -200,11 +201,36 @@ pub enum AssembleError {
     /// More chunks or blocks than a snapshot may have.
     #[error("a snapshot of more than {MAX_SNAPSHOT_CHUNKS} chunks or {MAX_SNAPSHOT_BLOCKS} blocks")]
     TooLarge,
+    /// A chunk numbered outside its snapshot's count, or of a snapshot of no chunks.
+    #[error("chunk {index} of {count}")]
+    BadIndex {
+        /// The chunk's index.
+        index: u32,
+        /// The chunks its snapshot says it has.
+        count: u32,
+    },
 }
 
 impl SnapshotAssembler {
     /// Adds a chunk; returns the whole snapshot once every chunk is in.
     pub fn add(&mut self, chunk: SnapshotChunk) -> Result<Option<Snapshot>, AssembleError> {
+        if chunk.index >= chunk.count {
+            // Counted towards a whole set, it completed a snapshot with chunks missing.
+            return Err(AssembleError::BadIndex {
+                index: chunk.index,
+                count: chunk.count,
+            });
+        }
+        if let Some(first) = self.chunks.values().next()
+            && (first.worker, first.dp_rank) == (chunk.worker, chunk.dp_rank)
+            && chunk.epoch > first.epoch
+        {
+            // A later incarnation's answer (two processes answer under one id while the old
+            // one drains): the earlier one's chunks, first in, locked the assembly out of
+            // it until the fetch timed out, and the new incarnation stayed unindexed.
+            self.chunks.clear();
+            self.blocks = 0;
+        }
         if let Some(first) = self.chunks.values().next() {
             let same = (
                 first.worker,

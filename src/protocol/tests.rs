@@ -535,9 +535,25 @@ fn snapshot_chunks_are_validated() {
     assembler
         .add(decode_snapshot_chunk(&two[0], &Limits::default()).unwrap())
         .unwrap();
-    let foreign =
-        decode_snapshot_chunk(&other.encode(4096).unwrap()[0], &Limits::default()).unwrap();
-    assert!(assembler.add(foreign).is_err());
+    // An earlier incarnation's chunk does not join a later one's assembly.
+    other.epoch = 8;
+    let older = decode_snapshot_chunk(&other.encode(4096).unwrap()[0], &Limits::default()).unwrap();
+    assert!(assembler.add(older).is_err());
+    // A later incarnation's answer starts the assembly over, and completes.
+    other.epoch = 10;
+    let later = decode_snapshot_chunk(&other.encode(4096).unwrap()[0], &Limits::default()).unwrap();
+    assert_eq!(assembler.add(later).unwrap(), Some(other.clone()));
+    // A chunk numbered past its count never completes a set.
+    let mut assembler = SnapshotAssembler::default();
+    let first = decode_snapshot_chunk(&two[0], &Limits::default()).unwrap();
+    let mut stray = first.clone();
+    stray.index = 7;
+    assembler.add(first).unwrap();
+    let count = stray.count;
+    assert_eq!(
+        assembler.add(stray),
+        Err(AssembleError::BadIndex { index: 7, count })
+    );
     // A snapshot announcing more chunks than any can have is refused on its first.
     let mut huge = decode_snapshot_chunk(&bytes, &Limits::default()).unwrap();
     huge.count = crate::protocol::snapshot::MAX_SNAPSHOT_CHUNKS + 1;

@@ -295,6 +295,14 @@ fn dry_run_refuses_non_finite_weights() {
         .output()
         .unwrap();
     assert!(!out.status.success());
+    // A worker checks its cluster name as routers do: a `.` names other subjects, and NATS
+    // refuses it as a bucket name after a minute of retries.
+    let out = Command::new(binary("kvroute-worker").unwrap())
+        .args(["--cluster", "prod.eu", "--dry-run"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cluster"));
 }
 
 /// Secrets given in the environment never show in `--dry-run`.

@@ -291,6 +291,7 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
         write_stall_timeout_ms: args.write_stall_timeout_ms,
     };
     http.validate()?;
+    kvroute::events::plane::check_cluster(&args.cluster).map_err(anyhow::Error::msg)?;
     args.nats_auth.validate()?;
     if !(1..=5).contains(&args.registry_replicas) {
         bail!("--registry-replicas must be 1..=5 (JetStream's limit)");

@@ -676,3 +676,68 @@ async fn a_large_snapshot_applies_off_the_runtime_in_order() {
     assert_eq!(held.workers.len(), 1);
     assert_eq!(held.workers[0].device as usize, blocks);
 }
+
+/// What a payload may hold follows the server's `max_payload` as it is now: a NATS server
+/// restarted with a larger one (as the workers' own errors advise) lets workers send larger
+/// batches and snapshot chunks, which limits fixed when the router started refused for
+/// good (each snapshot chunk refused as malformed: a resync that never ended).
+#[tokio::test(start_paused = true)]
+async fn a_larger_max_payload_after_start_is_taken() {
+    let s = setup(LeaseConfig::default()).await;
+    s.local.put(info(1, 1));
+    assert!(settle(|| s.plane.streams().len() == 1).await);
+    let Transport::Local(bus) = &s.bus else {
+        panic!("a local bus");
+    };
+    bus.max_payload.store(8 << 20, Ordering::Relaxed);
+    // 100,000 blocks: about 1.6 MB, over the 1 MiB the plane started with.
+    let big = batch(1, 1, 400_000);
+    assert!(big.len() > 1 << 20, "{} bytes", big.len());
+    s.publish(1, big).await;
+    assert!(settle(|| s.plane.indexer().sizes().blocks == 100_000).await);
+    assert_eq!(s.plane.counters().malformed.load(Ordering::Relaxed), 0);
+}
+
+/// Two processes answer a worker's snapshot requests (the old incarnation still draining
+/// under the same id, and the new one): the older one's answer, complete first, is not the
+/// fetch's answer; the present incarnation's is, and the stream goes live. The fetch
+/// returned the first whole snapshot, which the stream refused, and asked again with the
+/// old one answering first every time.
+#[tokio::test(start_paused = true)]
+async fn an_older_incarnation_s_snapshot_does_not_answer_the_fetch() {
+    let s = setup(LeaseConfig::default()).await;
+    let answer = |epoch: u64, delay_ms: u64| {
+        let bus = s.bus.clone();
+        async move {
+            let mut requests = bus
+                .subscribe(&snapshot_subject("t", WorkerId(1)))
+                .await
+                .unwrap();
+            tokio::spawn(async move {
+                while let Some(m) = requests.next().await {
+                    let Some(reply) = m.reply else { continue };
+                    tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+                    let snapshot = Snapshot {
+                        worker: WorkerId(1),
+                        dp_rank: DpRank(0),
+                        epoch,
+                        watermark: 10,
+                        blocks: Vec::new(),
+                    };
+                    for chunk in snapshot.encode(1 << 20).unwrap() {
+                        let _ = bus.publish(&reply, None, chunk.into()).await;
+                    }
+                }
+            });
+        }
+    };
+    answer(6, 0).await;
+    answer(7, 10).await;
+    let mut registered = info(1, 1);
+    registered.last_event_ids = vec![10];
+    s.local.put(registered);
+    assert!(settle(|| s.plane.streams().first().is_some_and(|(_, st)| st.live)).await);
+    let (_, status) = &s.plane.streams()[0];
+    assert_eq!(status.epoch, Some(7));
+    assert_eq!(status.stats.snapshot_retries, 0, "{:?}", status.stats);
+}
