@@ -16,9 +16,10 @@
 //! `lib/kv-router/src/indexer/INDEXER_BENCH.md` of ai-dynamo/dynamo): 1,000 unique
 //! workers, each request sent to one at random; engines with 16,384 blocks of 128 tokens
 //! (one block per trace hash id, as that version of Dynamo's bench makes them: prompts are
-//! `hash_ids × 128` tokens), steps sped up 10×, prefix caching, no host tier, the trace's
-//! arrivals compressed to
-//! 10 s; every worker's requests and events then stretched so its last one lands at 30 s, and
+//! `hash_ids × 128` tokens), steps sped up 10×, prefix caching, no host tier, each worker's
+//! arrivals compressed from its first to its last to 10 s (its `scale_mooncake_trace` runs
+//! per worker); every worker's requests and events then stretched so its first lands at 0
+//! and its last at 30 s (Dynamo's issuers start every worker's first request at once), and
 //! replayed 7 times under new worker ids with the same hashes (7,000 workers sharing nodes).
 //! Only `find_matches` is timed, and its p99 is the figure.
 
@@ -36,7 +37,8 @@ use serde::Serialize;
 
 use crate::fleet::{Fleet, FleetSink};
 use crate::stats::{
-    Summary, allocator_options, peak_rss_bytes, rss_anon_bytes, rss_bytes, settled_rss_bytes,
+    Summary, allocator_options, peak_rss_bytes, rss_anon_bytes, rss_bytes, sample_peak_rss,
+    settled_rss_bytes,
 };
 use crate::trace::{self, mix};
 
@@ -88,11 +90,12 @@ pub struct Args {
     /// Engine G2 (host) blocks per worker; 0: no host tier.
     #[arg(long, default_value_t = 65_536)]
     pub g2_blocks: usize,
-    /// Engines run the trace's arrivals compressed to span this many seconds.
+    /// Engines run each worker's arrivals compressed, from its first to its last, to span
+    /// this many seconds (Dynamo's rescaling, per worker).
     #[arg(long)]
     pub compress_to_s: Option<f64>,
-    /// The paced phase stretches each worker's requests and events so its last lands at
-    /// this many seconds (instead of `--pace-speedup`).
+    /// The paced phase stretches each worker's requests and events so its first lands at 0
+    /// and its last at this many seconds (instead of `--pace-speedup`).
     #[arg(long)]
     pub window_s: Option<f64>,
     /// Divides the engines' step times while the timeline is made.
@@ -207,6 +210,13 @@ pub struct Memory {
     pub leave_seconds: Option<f64>,
     /// (rss_full − rss_before) / distinct blocks.
     pub rss_bytes_per_block: f64,
+    /// The process's peak RSS during the paced replay (read every 10 ms), bytes: the index
+    /// at its largest, old and grown tables together while a shard grows.
+    pub rss_index_peak_bytes: Option<u64>,
+    /// (rss_after_leave − rss_before) / (rss_full − rss_before): the index's share left
+    /// resident after every worker left (the ± 10 % target is on this, not on the process,
+    /// whose timeline dwarfs the index).
+    pub left_share: Option<f64>,
 }
 
 /// The churn phase: fill to `blocks` distinct blocks, evict them all, `rounds` times.
@@ -259,6 +269,13 @@ pub struct Phase {
     pub wall_s: f64,
     /// (stored + removed + walked lookup blocks) / wall.
     pub block_ops_per_s: f64,
+    /// Stored + removed blocks / the writer's own time (first batch to the last one
+    /// applied; `apply` returns once a batch is in the index, so the drain is included):
+    /// the event figure, without the blocks lookups walked.
+    pub event_blocks_per_s: f64,
+    /// Paced: how late the writer applied each batch after its due time, µs (a writer
+    /// that falls behind gives lookups a smaller, staler index). Flat out: empty.
+    pub writer_late_us: Summary,
     /// `find_matches` latency, µs: the call alone (service time).
     pub lookup_us: Summary,
     /// Paced: from each lookup's due time to its answer, µs, the wait for a free reader
@@ -281,15 +298,18 @@ pub struct Phase {
 }
 
 impl Phase {
-    /// The figures of a phase that took `wall_s`, applied `event_blocks` and ran lookups
-    /// with these `latencies` (µs) that walked `walked` blocks.
-    fn new(wall_s: f64, event_blocks: u64, mut lookups: Lookups) -> Phase {
+    /// The figures of a phase that took `wall_s`, whose writer applied `writer` and ran
+    /// lookups with these `latencies` (µs) that walked `walked` blocks.
+    fn new(wall_s: f64, mut writer: Written, mut lookups: Lookups) -> Phase {
+        let event_blocks = writer.blocks;
         let walked = lookups.walked;
         let total_us: f64 = lookups.service_us.iter().sum();
         let count = lookups.service_us.len().max(1) as f64;
         Phase {
             wall_s,
             block_ops_per_s: (event_blocks + walked) as f64 / wall_s,
+            event_blocks_per_s: event_blocks as f64 / writer.seconds.max(1e-9),
+            writer_late_us: Summary::of(&mut writer.late_us),
             lookup_us: Summary::of(&mut lookups.service_us),
             lookup_response_us: Summary::of(&mut lookups.response_us),
             lookups_behind: lookups.behind_us.len() as u64,
@@ -320,8 +340,11 @@ pub struct Report {
     pub event_blocks: u64,
     /// Blocks lookups walked.
     pub lookup_blocks: u64,
-    /// Saturation block-ops/s.
+    /// Saturation block-ops/s, the blocks lookups walked included.
     pub block_ops_per_s: f64,
+    /// Saturation: stored + removed blocks a second of the writer's own time (drain
+    /// included), lookups' blocks not counted.
+    pub event_blocks_per_s: f64,
     /// Lookup p50 at the trace's rate, µs.
     pub lookup_p50_us: f64,
     /// Lookup p99 at the trace's rate, µs (the call alone).
@@ -438,7 +461,9 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         None => Some(args.pace_speedup),
     };
     let rss_before = settled_rss_bytes(args.settle_ms);
+    let peak = sample_peak_rss();
     let paced = replay(&timeline, &config, pace, args.readers)?;
+    let rss_index_peak = Some(peak.finish());
     let rss_full = settled_rss_bytes(args.settle_ms);
     let full = settled(&timeline, &paced.index);
     let table_full = paced.index.table_bytes();
@@ -465,6 +490,10 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         table_bytes_after_leave: left.map(|l| l.1),
         leave_seconds: left.map(|l| l.2),
         rss_bytes_per_block: rss_full.saturating_sub(rss_before) as f64 / blocks.max(1) as f64,
+        rss_index_peak_bytes: rss_index_peak,
+        left_share: left.map(|l| {
+            (l.0 as f64 - rss_before as f64) / (rss_full as f64 - rss_before as f64).max(1.0)
+        }),
     };
     drop(paced.index);
     eprintln!("indexer: saturated replay …");
@@ -480,6 +509,7 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
         event_blocks,
         lookup_blocks: saturated.walked,
         block_ops_per_s: saturated.phase.block_ops_per_s,
+        event_blocks_per_s: saturated.phase.event_blocks_per_s,
         lookup_p50_us: paced.phase.lookup_us.p50,
         lookup_p99_us: paced.phase.lookup_us.p99,
         lookup_response_p99_us: paced.phase.lookup_response_us.p99,
@@ -523,22 +553,8 @@ fn simulate(
         replicas: args.replicas as u64,
         workers: args.workers as u64,
     };
-    let span_ms = records
-        .iter()
-        .map(|r| r.timestamp)
-        .max()
-        .unwrap_or(0)
-        .max(1);
-    let scale = args
-        .compress_to_s
-        .map_or(1.0, |s| s * 1000.0 / span_ms as f64);
-    for (i, record) in records.iter().enumerate() {
-        let at = (record.timestamp as f64 * 1000.0 * scale) as u64;
-        fleet.run_until(at, &mut timeline)?;
-        let prompt = trace::prompt_tokens(record, args.trace_block_size);
-        let hashes = hash_blocks(&prompt, block_size, Salt::NONE);
-        let copy = i as u64 % args.duplicate as u64;
-        let worker = if args.random_workers {
+    let worker_of = |i: usize, record: &trace::TraceRecord| {
+        if args.random_workers {
             (mix(i as u64 ^ 0x2a) % args.workers as u64) as usize
         } else {
             // Sticky by conversation: the first id after the shared system prompt.
@@ -549,7 +565,44 @@ fn simulate(
                 .copied()
                 .unwrap_or(0);
             (mix(key) % args.workers as u64) as usize
-        };
+        }
+    };
+    let workers: Vec<usize> = records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| worker_of(i, r))
+        .collect();
+    // Each request's arrival, µs. Compressed, as Dynamo's bench rescales its trace: each
+    // worker's own requests, from its first (at 0) to its last (at the given span), so
+    // every worker starts at once (`scale_mooncake_trace` per worker, and its issuers
+    // start every worker's first request at once, ai-dynamo/dynamo lib/bench/kv_router).
+    let arrivals: Vec<u64> = match args.compress_to_s {
+        None => records.iter().map(|r| r.timestamp * 1000).collect(),
+        Some(span_s) => {
+            let mut spans: rustc_hash::FxHashMap<usize, (u64, u64)> = Default::default();
+            for (r, &w) in records.iter().zip(&workers) {
+                let s = spans.entry(w).or_insert((r.timestamp, r.timestamp));
+                *s = (s.0.min(r.timestamp), s.1.max(r.timestamp));
+            }
+            records
+                .iter()
+                .zip(&workers)
+                .map(|(r, w)| {
+                    let (first, last) = spans[w];
+                    let from_first = (r.timestamp - first) as f64;
+                    (from_first * span_s * 1e6 / (last - first).max(1) as f64) as u64
+                })
+                .collect()
+        }
+    };
+    let mut order: Vec<usize> = (0..records.len()).collect();
+    order.sort_by_key(|&i| arrivals[i]);
+    for i in order {
+        let (record, worker, at) = (&records[i], workers[i], arrivals[i]);
+        fleet.run_until(at, &mut timeline)?;
+        let prompt = trace::prompt_tokens(record, args.trace_block_size);
+        let hashes = hash_blocks(&prompt, block_size, Salt::NONE);
+        let copy = i as u64 % args.duplicate as u64;
         let locals: Vec<LocalHash> = hashes.iter().map(|h| h.local).collect();
         let seqs: Vec<SeqHash> = hashes
             .iter()
@@ -576,20 +629,32 @@ fn simulate(
     }
     fleet.run_until(u64::MAX, &mut timeline)?;
     if let Some(window) = args.window_s {
-        // Each worker's last request or event lands at the window's end.
-        let mut last: rustc_hash::FxHashMap<u64, u64> = Default::default();
+        // Each worker's first request or event lands at 0 and its last at the window's
+        // end.
+        let mut spans: rustc_hash::FxHashMap<u64, (u64, u64)> = Default::default();
         for (t, item) in &timeline.items {
-            let m = last.entry(item.worker()).or_default();
-            *m = (*m).max(*t);
+            let s = spans.entry(item.worker()).or_insert((*t, *t));
+            *s = (s.0.min(*t), s.1.max(*t));
         }
         let window_us = window * 1e6;
         for (t, item) in &mut timeline.items {
-            let end = last[&item.worker()].max(1);
-            *t = (*t as f64 * window_us / end as f64) as u64;
+            let (first, last) = spans[&item.worker()];
+            *t = ((*t - first) as f64 * window_us / (last - first).max(1) as f64) as u64;
         }
     }
     timeline.items.sort_by_key(|(t, _)| *t);
     Ok(timeline)
+}
+
+/// What a replay's writer thread did.
+#[derive(Default)]
+struct Written {
+    /// Stored + removed blocks applied.
+    blocks: u64,
+    /// From the replay's start to its last batch applied, s.
+    seconds: f64,
+    /// Paced: per batch, how late it was applied after its due time, µs.
+    late_us: Vec<f64>,
 }
 
 /// One replay's figures, and its index (full).
@@ -613,17 +678,21 @@ fn replay(
     let writer = {
         let (timeline, index) = (Arc::clone(timeline), Arc::clone(&index));
         std::thread::spawn(move || {
-            let mut blocks = 0u64;
+            let mut written = Written::default();
             for (t, item) in &timeline.items {
                 if let Item::Batch(b) = item {
                     if let Some(d) = due(*t) {
-                        sleep_until(start + d);
+                        let at = start + d;
+                        sleep_until(at);
+                        let late = Instant::now().saturating_duration_since(at);
+                        written.late_us.push(late.as_secs_f64() * 1e6);
                     }
                     index.apply(b);
-                    blocks += b.block_count() as u64;
+                    written.blocks += b.block_count() as u64;
                 }
             }
-            blocks
+            written.seconds = start.elapsed().as_secs_f64();
+            written
         })
     };
     let next = Arc::new(AtomicUsize::new(0));
@@ -636,7 +705,7 @@ fn replay(
             })
         })
         .collect();
-    let event_blocks = writer
+    let written = writer
         .join()
         .map_err(|_| anyhow::anyhow!("writer thread panicked"))?;
     let mut lookups = Lookups::default();
@@ -647,7 +716,7 @@ fn replay(
         lookups.merge(one);
     }
     let walked = lookups.walked;
-    let phase = Phase::new(start.elapsed().as_secs_f64(), event_blocks, lookups);
+    let phase = Phase::new(start.elapsed().as_secs_f64(), written, lookups);
     Ok(Replayed {
         phase,
         walked,
@@ -756,7 +825,7 @@ fn lookups(
 fn settled(timeline: &Timeline, index: &Indexer) -> Phase {
     let start = Instant::now();
     let lookups = lookups(timeline, &AtomicUsize::new(0), index, |_| None);
-    Phase::new(start.elapsed().as_secs_f64(), 0, lookups)
+    Phase::new(start.elapsed().as_secs_f64(), Written::default(), lookups)
 }
 
 /// Fills a fresh index with `blocks` distinct blocks (64 workers, 16-block chains, on the
@@ -862,17 +931,18 @@ pub fn print(report: &Report) {
         report.trace, report.workers, report.events, report.lookups, report.readers
     );
     println!(
-        "| phase | wall s | block-ops/s | lookup p50 µs | lookup p90 µs | lookup p99 µs | mean µs | from due time p50 / p99 µs | blocks walked (mean) | ns per block |"
+        "| phase | wall s | event blocks/s (writer) | block-ops/s (lookups' blocks too) | lookup p50 µs | lookup p90 µs | lookup p99 µs | mean µs | from due time p50 / p99 µs | blocks walked (mean) | ns per block |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for (name, p) in [
         ("paced (trace rate)", &report.paced),
         ("lookups only, full index", &report.full),
         ("saturated", &report.saturated),
     ] {
         println!(
-            "| {name} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} / {:.2} | {:.1} | {:.1} |",
+            "| {name} | {:.2} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} / {:.2} | {:.1} | {:.1} |",
             p.wall_s,
+            p.event_blocks_per_s,
             p.block_ops_per_s,
             p.lookup_us.p50,
             p.lookup_us.p90,
@@ -894,6 +964,10 @@ pub fn print(report: &Report) {
         p.woke_late_us.p50,
         p.woke_late_us.p99
     );
+    println!(
+        "paced writer: batches applied p50 / p99 {:.1} / {:.1} µs after their due time",
+        p.writer_late_us.p50, p.writer_late_us.p99
+    );
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     let m = &report.memory;
     println!(
@@ -911,14 +985,19 @@ pub fn print(report: &Report) {
     ) {
         (Some(rss), Some(tables), Some(seconds)) => {
             format!(
-                "{:.0} MiB after every worker left in {seconds:.2} s (tables {tables} B)",
-                mib(rss)
+                "{:.0} MiB after every worker left in {seconds:.2} s (tables {tables} B; {:.1} % of the index's RSS left)",
+                mib(rss),
+                m.left_share.unwrap_or(0.0) * 100.0
             )
         }
         _ => "leaving not measured (--no-leave)".to_owned(),
     };
+    let index_peak = m.rss_index_peak_bytes.map_or_else(
+        || "not measured".to_owned(),
+        |b| format!("{:.0} MiB", mib(b)),
+    );
     println!(
-        "RSS: {:.0} MiB before the index, {:.0} MiB full, {after}; peak {:.0} MiB",
+        "RSS: {:.0} MiB before the index, {:.0} MiB full, {after}; peak during the paced replay {index_peak}; process peak {:.0} MiB (timeline included)",
         mib(m.rss_before_bytes),
         mib(m.rss_full_bytes),
         mib(report.peak_rss_bytes)
