@@ -354,14 +354,14 @@ pub struct CompletionRequest {
     /// unlimited when `null` (vLLM's `max_tokens: int | None = 16`, in
     /// vllm/entrypoints/openai/completion/protocol.py: the engine then generates up to the
     /// context length).
-    #[serde(default = "default_max_tokens")]
+    #[serde(default = "default_max_tokens", deserialize_with = "lax_u32")]
     pub max_tokens: Option<u32>,
     /// Sequences to generate.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax_u32")]
     pub n: Option<u32>,
     /// vLLM's scheduling priority: lower is handled earlier (vLLM's `protocol.py`: "The
     /// priority of the request (lower means earlier handling; default: 0)").
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax_i64")]
     pub priority: Option<i64>,
     /// OpenAI's processing tier (`auto`, `default`, `flex`, `priority`, `scale`).
     #[serde(default)]
@@ -382,8 +382,44 @@ pub struct CompletionRequest {
     pub cache_salt: Option<String>,
     /// vLLM's `truncate_prompt_tokens`: keep only the prompt's last this many tokens
     /// ([`prompt_keep`]).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax_i64")]
     pub truncate_prompt_tokens: Option<i64>,
+}
+
+/// An integer field as vLLM's request models (pydantic, in its lax mode) take it: an
+/// integer, or a number with no fractional part (`256.0`: Python clients that compute token
+/// budgets send floats, which vLLM answers and serde refused with a 400); `2.5` is refused.
+fn integral(n: &serde_json::Number) -> Option<i128> {
+    if let Some(u) = n.as_u64() {
+        return Some(i128::from(u));
+    }
+    if let Some(i) = n.as_i64() {
+        return Some(i128::from(i));
+    }
+    let f = n.as_f64()?;
+    (f.fract() == 0.0 && f.abs() < 9.2e18).then_some(f as i128)
+}
+
+fn lax_u32<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+    use serde::de::Error;
+    let Some(n) = Option::<serde_json::Number>::deserialize(d)? else {
+        return Ok(None);
+    };
+    integral(&n)
+        .and_then(|v| u32::try_from(v).ok())
+        .map(Some)
+        .ok_or_else(|| D::Error::custom(format!("{n} is not an integer from 0 to {}", u32::MAX)))
+}
+
+fn lax_i64<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
+    use serde::de::Error;
+    let Some(n) = Option::<serde_json::Number>::deserialize(d)? else {
+        return Ok(None);
+    };
+    integral(&n)
+        .and_then(|v| i64::try_from(v).ok())
+        .map(Some)
+        .ok_or_else(|| D::Error::custom(format!("{n} is not a 64-bit integer")))
 }
 
 fn default_max_tokens() -> Option<u32> {
@@ -715,17 +751,17 @@ pub struct ChatRequest {
     /// The conversation.
     pub messages: Vec<ChatMessage>,
     /// Tokens to generate per sequence (none: up to the context, vLLM's default).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax_u32")]
     pub max_tokens: Option<u32>,
     /// OpenAI's newer name for `max_tokens`; wins when both are sent (as in vLLM).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax_u32")]
     pub max_completion_tokens: Option<u32>,
     /// Sequences to generate.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax_u32")]
     pub n: Option<u32>,
     /// vLLM's scheduling priority: lower is handled earlier (vLLM's `protocol.py`: "The
     /// priority of the request (lower means earlier handling; default: 0)").
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax_i64")]
     pub priority: Option<i64>,
     /// OpenAI's processing tier (`auto`, `default`, `flex`, `priority`, `scale`).
     #[serde(default)]
@@ -776,7 +812,7 @@ pub struct ChatRequest {
     #[serde(default)]
     pub cache_salt: Option<String>,
     /// vLLM's `truncate_prompt_tokens` ([`prompt_keep`]).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax_i64")]
     pub truncate_prompt_tokens: Option<i64>,
 }
 

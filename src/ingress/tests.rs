@@ -120,6 +120,32 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
     );
     let defaults = parse(&t, br#"{"model":"m","prompt":"hi"}"#, false).unwrap();
     assert_eq!(defaults.booked_max_tokens(), 16);
+    // Integers sent as floats with no fraction are integers, as vLLM's pydantic models
+    // take them (Python clients compute budgets in floats); a fraction is refused.
+    let floats = parse(
+        &t,
+        br#"{"model":"m","prompt":"hi","max_tokens":256.0,"n":2.0,"priority":-1.0}"#,
+        false,
+    )
+    .unwrap();
+    assert_eq!(
+        (floats.max_tokens, floats.n, floats.priority),
+        (Some(256), 2, Some(-1))
+    );
+    let chat_floats = parse(
+        &t,
+        br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":7.0}"#,
+        true,
+    )
+    .unwrap();
+    assert_eq!(chat_floats.max_tokens, Some(7));
+    for bad in [
+        &br#"{"model":"m","prompt":"hi","max_tokens":2.5}"#[..],
+        br#"{"model":"m","prompt":"hi","n":-1}"#,
+        br#"{"model":"m","prompt":"hi","max_tokens":"16"}"#,
+    ] {
+        assert_eq!(parse(&t, bad, false).unwrap_err().status, 400);
+    }
     // A completion's max_tokens sent as null is unlimited, as vLLM reads it (its default
     // of 16 is for an absent field only).
     let unlimited = parse(
