@@ -76,6 +76,11 @@ pub struct WorkerInfo {
     /// ([`crate::events::routed`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub learns_routes: bool,
+    /// This incarnation has said goodbye (its last write: [`Registration::goodbye`]). A
+    /// router removes the member only if it is this incarnation: a bare delete names no
+    /// incarnation, and a predecessor leaving under the same id removed its replacement.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub left: bool,
 }
 
 /// How the router talks to a worker.
@@ -405,32 +410,6 @@ impl Registry {
         }
     }
 
-    /// Removes `info`'s registration (goodbye) while it is still this incarnation's: one
-    /// written since by another process under the same id (a replacement started before
-    /// this one stopped, as a StatefulSet pod replaced on a partitioned node) is left in
-    /// place. An unconditional delete removed the replacement from every router, which then
-    /// took its heartbeats for the departed one's for a minute.
-    pub async fn delete(&self, info: &WorkerInfo) -> Result<(), DiscoveryError> {
-        match self {
-            Registry::Nats(bucket) => {
-                bucket
-                    .delete_own(info)
-                    .await
-                    .map_err(|reason| DiscoveryError::Register {
-                        id: info.id,
-                        reason,
-                    })
-            }
-            Registry::Local(local) => {
-                #[cfg(test)]
-                local.held.until_released().await;
-                local.delete_own(info.id, info.epoch);
-                Ok(())
-            }
-            Registry::Static(_) => Ok(()),
-        }
-    }
-
     /// Watches the registry until the receiver is dropped: every current registration
     /// (as `Replayed` from a NATS bucket, with its age; as `Put` otherwise), then changes.
     /// `lease` says how long a silent registration lives.
@@ -603,15 +582,6 @@ async fn create_bucket(
     }
 }
 
-/// Whether a registration's value is incarnation `epoch`'s.
-fn holds_epoch(value: &[u8], epoch: u64) -> bool {
-    #[derive(serde::Deserialize)]
-    struct Epoch {
-        epoch: u64,
-    }
-    serde_json::from_slice::<Epoch>(value).is_ok_and(|v| v.epoch == epoch)
-}
-
 /// The registry bucket's configuration: one value a key, kept for two leases.
 fn bucket_config(bucket: &str, lease: &LeaseConfig, replicas: usize) -> kv::Config {
     kv::Config {
@@ -644,39 +614,6 @@ impl NatsBucket {
             }
             result => result,
         }
-    }
-
-    /// Deletes `info`'s key if it holds `info`'s incarnation, conditional on nothing
-    /// written since it was read (a put in between is read again, once).
-    async fn delete_own(&self, info: &WorkerInfo) -> Result<(), String> {
-        let key = info.id.to_string();
-        let mut last_error = String::new();
-        for _ in 0..2 {
-            let Some(entry) = self.store.entry(&key).await.map_err(|e| e.to_string())? else {
-                return Ok(());
-            };
-            if entry.operation != kv::Operation::Put {
-                return Ok(());
-            }
-            if !holds_epoch(&entry.value, info.epoch) {
-                tracing::warn!(
-                    worker = %info.id,
-                    epoch = info.epoch,
-                    "another process registered under this worker's id since it started: its registration is left in place"
-                );
-                return Ok(());
-            }
-            match self
-                .store
-                .delete_expect_revision(&key, Some(entry.revision))
-                .await
-            {
-                Ok(()) => return Ok(()),
-                // Written since it was read: read again.
-                Err(e) => last_error = e.to_string(),
-            }
-        }
-        Err(last_error)
     }
 
     /// One try at creating the bucket again (the next failed write tries again). Creating
@@ -1104,16 +1041,6 @@ impl LocalRegistry {
         self.workers.lock().remove(&id);
         let _ = self.changes.send(RegistryEvent::Delete(id));
     }
-
-    /// Removes `id`'s registration if it is incarnation `epoch`'s (a goodbye).
-    pub fn delete_own(&self, id: WorkerId, epoch: u64) {
-        let mut workers = self.workers.lock();
-        if workers.get(&id).is_some_and(|w| w.epoch == epoch) {
-            workers.remove(&id);
-            drop(workers);
-            let _ = self.changes.send(RegistryEvent::Delete(id));
-        }
-    }
 }
 
 /// Longest wait for the registry's watch to start (its consumer created).
@@ -1197,16 +1124,24 @@ impl Registration {
         })
     }
 
-    /// Stops the heartbeat and removes the registration, waiting at most the lease's TTL
+    /// Stops the heartbeat and says goodbye (the registration marked as left), waiting at
+    /// most the lease's TTL
     /// (a registry that cannot be reached, as in a NATS outage, must not hold a shutdown).
     pub async fn goodbye(mut self) {
         self.task.abort();
         // Until it has stopped: a beat being sent on another thread could otherwise land
-        // after the delete, and a router starting then would take it for a registration.
+        // after the goodbye and take it back.
         let _ = (&mut self.task).await;
-        let info = self.info.lock().clone();
+        // The goodbye names its incarnation: the registration written once more, marked as
+        // left, which routers take as this incarnation's departure only. A bare delete named
+        // none: a predecessor leaving under the same id (a replaced pod whose node came
+        // back) removed its replacement from every router whenever its own beat had been
+        // the last written. The marker stays until the bucket's max age (two leases), or
+        // until the id's next live registration overwrites it.
+        let mut info = self.info.lock().clone();
+        info.left = true;
         let id = info.id;
-        let error = match tokio::time::timeout(self.ttl, self.registry.delete(&info)).await {
+        let error = match tokio::time::timeout(self.ttl, self.registry.put(&info)).await {
             Ok(Ok(())) => return,
             Ok(Err(e)) => e.to_string(),
             Err(_) => format!("not acknowledged within {:?}", self.ttl),
@@ -1298,6 +1233,7 @@ mod tests {
             event_faults: None,
             engine_rank_kv_usage: Vec::new(),
             learns_routes: false,
+            left: false,
         }
     }
 

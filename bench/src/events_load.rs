@@ -253,6 +253,7 @@ pub async fn run(args: &Args) -> anyhow::Result<Report> {
                     event_faults: None,
                     engine_rank_kv_usage: Vec::new(),
                     learns_routes: false,
+                    left: false,
                 })
                 .collect(),
         )

@@ -158,6 +158,9 @@ pub struct FleetStats {
     /// Registrations of an older incarnation ignored while a later one of the same id is
     /// alive ([`FleetCommand::IdConflict`]).
     pub id_conflicts: u64,
+    /// Goodbyes of an incarnation that is not the registered one (a predecessor leaving
+    /// under its replacement's id, or one never registered here): no member removed.
+    pub goodbyes_of_others: u64,
 }
 
 /// What became of a registration read back from the registry's history.
@@ -524,7 +527,23 @@ impl Fleet {
         Ok(())
     }
 
-    /// A worker said goodbye.
+    /// Incarnation `epoch` of worker `id` said goodbye (its registration marked as left):
+    /// the member goes if it is that incarnation, and only then (a predecessor leaving
+    /// under the same id leaves its replacement registered).
+    pub fn on_left(&mut self, now_ms: u64, id: WorkerId, epoch: u64, out: &mut Vec<FleetCommand>) {
+        if self.dormant.get(&id).is_some_and(|d| d.info.epoch == epoch) {
+            self.dormant.remove(&id);
+        }
+        if self.members.get(&id).is_some_and(|m| m.info.epoch == epoch) {
+            self.remove(now_ms, id, Departure::Left, out);
+        } else {
+            self.stats.goodbyes_of_others += 1;
+        }
+        self.sweep_tombstones(now_ms);
+    }
+
+    /// A worker's registration was deleted: a worker of an earlier version saying goodbye,
+    /// or an operator's delete. It names no incarnation; whichever is registered goes.
     pub fn on_goodbye(&mut self, now_ms: u64, id: WorkerId, out: &mut Vec<FleetCommand>) {
         self.dormant.remove(&id);
         if self.members.contains_key(&id) {

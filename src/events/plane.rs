@@ -830,6 +830,14 @@ impl FleetOwner {
             }
             return;
         }
+        if info.left {
+            // A goodbye naming its incarnation, live or read back from the history: never
+            // a registration.
+            self.fleet
+                .on_left(now, info.id, info.epoch, &mut self.commands);
+            self.execute();
+            return;
+        }
         let changed = self
             .fleet
             .worker(info.id)

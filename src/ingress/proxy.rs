@@ -1840,6 +1840,7 @@ mod tests {
             event_faults: None,
             engine_rank_kv_usage: Vec::new(),
             learns_routes: false,
+            left: false,
         }
     }
 

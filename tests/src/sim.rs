@@ -115,6 +115,7 @@ impl SimWorker {
             event_faults: None,
             engine_rank_kv_usage: Vec::new(),
             learns_routes: false,
+            left: false,
         }));
         let lease = LeaseConfig {
             heartbeat_ms: 200,

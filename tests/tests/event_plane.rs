@@ -295,8 +295,9 @@ async fn a_restart_in_place_and_a_crash_leave_no_stale_entries() {
 
 /// A worker replaced under the same id before the old process stopped (a StatefulSet pod
 /// replaced while its node was cut off, the old one killed when the node comes back): the
-/// old process's goodbye leaves its replacement's registration, and no router drops the
-/// replacement (an unconditional delete removed it from every router for a minute).
+/// old process's goodbye names its own incarnation, and no router drops the replacement (a
+/// bare delete removed it from every router whenever the old one's beat was the last
+/// written, about half the time).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_predecessor_s_goodbye_leaves_its_replacement_registered() {
     let server = NatsServer::start().unwrap();
@@ -774,6 +775,7 @@ async fn publishing_without_nats_fails_at_once() {
         event_faults: None,
         engine_rank_kv_usage: Vec::new(),
         learns_routes: false,
+        left: false,
     }));
     let plane = kvroute_worker::plane::WorkerPlane::new(transport.clone(), CLUSTER, info);
     let batch = |id| EventBatch {

@@ -127,6 +127,7 @@ pub async fn run(
         engine_rank_kv_usage: Vec::new(),
         // Routers report what they send an engine without events to its sidecar.
         learns_routes: learned.is_some(),
+        left: false,
     }));
     if !config.model.is_empty() {
         info.lock().validate()?;

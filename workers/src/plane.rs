@@ -223,6 +223,7 @@ mod tests {
             event_faults: None,
             engine_rank_kv_usage: Vec::new(),
             learns_routes: false,
+            left: false,
         }));
         let plane = WorkerPlane::new(Transport::Local(LocalBus::new()), "c", Arc::clone(&info));
         plane.note_sent(&batch(0, 9));

@@ -196,6 +196,7 @@ impl Worker {
             event_faults: None,
             engine_rank_kv_usage: Vec::new(),
             learns_routes: false,
+            left: false,
         }));
         info.lock().validate()?;
         let plane = WorkerPlane::new(transport.clone(), &config.cluster, Arc::clone(&info));

@@ -21,6 +21,7 @@ fn info(id: u64, epoch: u64, dp_size: u32, model: &str, block_size: usize) -> Wo
         event_faults: None,
         engine_rank_kv_usage: Vec::new(),
         learns_routes: false,
+        left: false,
     }
 }
 
@@ -683,4 +684,35 @@ fn an_older_incarnation_does_not_take_the_id_from_a_live_later_one() {
     // The later one silent for a lease: the older takes the id.
     fleet.on_registration(1_800, older, &mut out).unwrap();
     assert_eq!(fleet.worker(WorkerId(1)).map(|w| w.epoch), Some(7));
+}
+
+/// A goodbye names its incarnation (the registration marked as left): it removes the member
+/// only if the member is that incarnation. A predecessor leaving under its replacement's id
+/// leaves the replacement registered; the incarnation itself leaves, tombstoned as left.
+#[test]
+fn a_goodbye_removes_only_its_own_incarnation() {
+    let mut fleet = Fleet::new(config());
+    let mut out = Vec::new();
+    let mut d = Driver::default();
+    fleet
+        .on_registration(0, info(1, 8, 1, "m", 16), &mut out)
+        .unwrap();
+    d.apply(&mut out);
+    fleet.on_left(10, WorkerId(1), 7, &mut out);
+    d.apply(&mut out);
+    assert_eq!(d.routable.len(), 1, "the replacement stays");
+    assert_eq!(fleet.stats().goodbyes_of_others, 1);
+    assert_eq!(fleet.stats().left, 0);
+    fleet.on_left(20, WorkerId(1), 8, &mut out);
+    assert!(out.contains(&FleetCommand::Departed {
+        id: WorkerId(1),
+        reason: Departure::Left
+    }));
+    d.apply(&mut out);
+    assert!(d.routable.is_empty() && d.streams.is_empty());
+    assert_eq!(fleet.stats().left, 1);
+    assert_eq!(
+        fleet.on_batch(30, (WorkerId(1), DpRank(0))),
+        BatchVerdict::Departed
+    );
 }

@@ -23,6 +23,7 @@ pub(crate) fn info(id: u64, dp_size: u32) -> WorkerInfo {
         event_faults: None,
         engine_rank_kv_usage: Vec::new(),
         learns_routes: false,
+        left: false,
     }
 }
 
