@@ -185,32 +185,52 @@ pub enum NatsAuthError {
 }
 
 impl NatsAuth {
-    /// `self`'s settings over `other`'s (flags over the file). The way to authenticate is
-    /// taken whole, and so is the client certificate with its key: flags naming a creds
-    /// file replace the file's user and password (merged field by field, the two made an
-    /// ambiguous setting that refused to start, and a Helm-managed file could not be
-    /// overridden by the environment).
+    /// `self`'s settings over `other`'s (flags over the file), each setting on its own but
+    /// the way to authenticate: flags naming a token, an nkey seed or a creds file replace
+    /// the file's way whole (a creds file over a file's user and password made an ambiguous
+    /// setting that refused to start, so a Helm-managed file could not be overridden), and
+    /// flags naming a user or a password replace the file's other ways, the pair merged (a
+    /// file's user with the environment's password).
     pub fn or(self, other: NatsAuth) -> NatsAuth {
-        let names_method = |a: &NatsAuth| {
-            a.nats_user.is_some()
-                || a.nats_password.is_some()
-                || a.nats_token.is_some()
-                || a.nats_nkey_seed_file.is_some()
-                || a.nats_creds_file.is_some()
+        let whole = self.nats_token.is_some()
+            || self.nats_nkey_seed_file.is_some()
+            || self.nats_creds_file.is_some();
+        let pair = self.nats_user.is_some() || self.nats_password.is_some();
+        let (nats_user, nats_password, nats_token, nats_nkey_seed_file, nats_creds_file) = if whole
+        {
+            (
+                self.nats_user,
+                self.nats_password,
+                self.nats_token,
+                self.nats_nkey_seed_file,
+                self.nats_creds_file,
+            )
+        } else if pair {
+            (
+                self.nats_user.or(other.nats_user),
+                self.nats_password.or(other.nats_password),
+                None,
+                None,
+                None,
+            )
+        } else {
+            (
+                other.nats_user,
+                other.nats_password,
+                other.nats_token,
+                other.nats_nkey_seed_file,
+                other.nats_creds_file,
+            )
         };
-        let method = if names_method(&self) { &self } else { &other }.clone();
-        let names_cert =
-            |a: &NatsAuth| a.nats_tls_cert_file.is_some() || a.nats_tls_key_file.is_some();
-        let cert = if names_cert(&self) { &self } else { &other }.clone();
         NatsAuth {
-            nats_user: method.nats_user,
-            nats_password: method.nats_password,
-            nats_token: method.nats_token,
-            nats_nkey_seed_file: method.nats_nkey_seed_file,
-            nats_creds_file: method.nats_creds_file,
+            nats_user,
+            nats_password,
+            nats_token,
+            nats_nkey_seed_file,
+            nats_creds_file,
             nats_tls_ca_file: self.nats_tls_ca_file.or(other.nats_tls_ca_file),
-            nats_tls_cert_file: cert.nats_tls_cert_file,
-            nats_tls_key_file: cert.nats_tls_key_file,
+            nats_tls_cert_file: self.nats_tls_cert_file.or(other.nats_tls_cert_file),
+            nats_tls_key_file: self.nats_tls_key_file.or(other.nats_tls_key_file),
             nats_tls_required: self.nats_tls_required || other.nats_tls_required,
         }
     }
@@ -288,9 +308,9 @@ mod tests {
         assert_eq!(c.tenant().len(), "key-".len() + 12);
     }
 
-    /// Flags naming a way to authenticate replace the file's way whole (a creds file over a
-    /// user and password), and a client certificate its key with it; a file's setting the
-    /// flags do not touch stays.
+    /// Flags naming a token, nkey seed or creds file replace the file's way to authenticate
+    /// whole (a creds file over a user and password); a password alone joins the file's
+    /// user; a file's setting the flags do not touch stays.
     #[test]
     fn flags_replace_the_file_s_way_to_authenticate() {
         let file = NatsAuth {
@@ -312,6 +332,19 @@ mod tests {
         assert!(merged.nats_user.is_none() && merged.nats_password.is_none());
         assert_eq!(merged.nats_tls_cert_file, Some("/new.pem".into()));
         assert_eq!(merged.nats_tls_ca_file, Some("/ca.pem".into()));
+        // The file's user, the environment's password: one pair.
+        let password = NatsAuth {
+            nats_password: Some(Secret::new("from-env")),
+            ..NatsAuth::default()
+        }
+        .or(NatsAuth {
+            nats_user: Some("router".into()),
+            nats_token: Some(Secret::new("t")),
+            ..NatsAuth::default()
+        });
+        assert_eq!(password.nats_user.as_deref(), Some("router"));
+        assert!(password.nats_token.is_none());
+        assert!(password.validate().is_ok());
         // Flags without a method leave the file's.
         let kept = NatsAuth::default().or(file);
         assert_eq!(kept.nats_user.as_deref(), Some("u"));
