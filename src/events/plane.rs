@@ -381,6 +381,7 @@ impl EventPlane {
             refusals_logged: PerWorkerLog::new(Duration::from_secs(60)),
             lates_logged: PerWorkerLog::new(Duration::from_secs(600)),
             rejoins_logged: PerWorkerLog::new(Duration::from_secs(600)),
+            conflicts_logged: PerWorkerLog::new(Duration::from_secs(600)),
             watermarks: WatermarkGate::default(),
             ask_barrier: false,
             view_stale: false,
@@ -581,6 +582,9 @@ struct FleetOwner {
     /// Workers registered again after their key was deleted under them, logged once per
     /// 10 minutes each (each is counted).
     rejoins_logged: PerWorkerLog,
+    /// Ids two processes register under, logged once per 10 minutes each (each ignored
+    /// registration is counted).
+    conflicts_logged: PerWorkerLog,
     /// Heartbeats' watermarks held until the events they count have been read ([`intake`]).
     watermarks: WatermarkGate,
     /// The gate wants a barrier the intake has not been asked for yet (asked after the
@@ -976,7 +980,7 @@ impl FleetOwner {
                     kept_url,
                 } => {
                     metrics::counter!("kvroute_registry_id_conflicts_total").increment(1);
-                    if self.rejoins_logged.due(id) {
+                    if self.conflicts_logged.due(id) {
                         tracing::error!(worker = %id, %kept_url, %ignored_url, "two processes register under one worker id: the older incarnation's registration is ignored while the later one is alive (a replaced pod whose predecessor still runs, or an id given to two workers)");
                     }
                 }
