@@ -1312,10 +1312,7 @@ async fn run_stream(
                     else {
                         return;
                     };
-                    applied += 1;
-                    wipes += u64::from(outcome.cleared > 0);
-                    apply_metrics.record(&outcome);
-                    dropped = outcome.no_slot;
+                    dropped = apply_metrics.count(&outcome, &mut applied, &mut wipes);
                 }
                 Command::Apply(batch) => {
                     let Some((outcome, batch)) =
@@ -1323,10 +1320,7 @@ async fn run_stream(
                     else {
                         return;
                     };
-                    applied += 1;
-                    wipes += u64::from(outcome.cleared > 0);
-                    apply_metrics.record(&outcome);
-                    dropped = outcome.no_slot;
+                    dropped = apply_metrics.count(&outcome, &mut applied, &mut wipes);
                     let now_us = unix_us();
                     if let Some(lag) = lag_ms(batch.sent_unix_us, now_us) {
                         status.lock().last_lag_ms = lag;
@@ -1437,6 +1431,16 @@ impl ApplyMetrics {
             unknown_removed: metrics::counter!("kvroute_event_unknown_removed_total", "worker" => w()),
             lag_seconds: metrics::histogram!("kvroute_event_lag_seconds"),
         }
+    }
+
+    /// Counts an applied batch: in the stream's tallies (`applied`, and `wipes` if it
+    /// cleared the rank) and its metrics. True if the index had no slot for the rank (the
+    /// batches after it cannot follow).
+    fn count(&self, outcome: &ApplyOutcome, applied: &mut u64, wipes: &mut u64) -> bool {
+        *applied += 1;
+        *wipes += u64::from(outcome.cleared > 0);
+        self.record(outcome);
+        outcome.no_slot
     }
 
     fn record(&self, outcome: &ApplyOutcome) {

@@ -611,13 +611,7 @@ proptest! {
 /// its batches dropped.
 #[test]
 fn a_heartbeat_after_its_own_goodbye_registers_the_worker_again() {
-    let mut fleet = Fleet::new(config());
-    let mut out = Vec::new();
-    let mut d = Driver::default();
-    fleet
-        .on_registration(0, info(1, 7, 1, "m", 16), &mut out)
-        .unwrap();
-    d.apply(&mut out);
+    let (mut fleet, mut out, mut d) = one_registered(7);
     fleet.on_goodbye(10, WorkerId(1), &mut out);
     d.apply(&mut out);
     assert!(d.routable.is_empty());
@@ -691,13 +685,7 @@ fn an_older_incarnation_does_not_take_the_id_from_a_live_later_one() {
 /// leaves the replacement registered; the incarnation itself leaves, tombstoned as left.
 #[test]
 fn a_goodbye_removes_only_its_own_incarnation() {
-    let mut fleet = Fleet::new(config());
-    let mut out = Vec::new();
-    let mut d = Driver::default();
-    fleet
-        .on_registration(0, info(1, 8, 1, "m", 16), &mut out)
-        .unwrap();
-    d.apply(&mut out);
+    let (mut fleet, mut out, mut d) = one_registered(8);
     fleet.on_left(10, WorkerId(1), 7, &mut out);
     d.apply(&mut out);
     assert_eq!(d.routable.len(), 1, "the replacement stays");
@@ -715,4 +703,17 @@ fn a_goodbye_removes_only_its_own_incarnation() {
         fleet.on_batch(30, (WorkerId(1), DpRank(0))),
         BatchVerdict::Departed
     );
+}
+
+/// A fleet with worker 1 (one rank of model "m", blocks of 16) registered at 0 as
+/// incarnation `epoch`, and the driver that carried out its commands.
+fn one_registered(epoch: u64) -> (Fleet, Vec<FleetCommand>, Driver) {
+    let mut fleet = Fleet::new(config());
+    let mut out = Vec::new();
+    let mut d = Driver::default();
+    fleet
+        .on_registration(0, info(1, epoch, 1, "m", 16), &mut out)
+        .unwrap();
+    d.apply(&mut out);
+    (fleet, out, d)
 }
