@@ -429,11 +429,12 @@ impl Fleet {
     ) -> Result<(), Refusal> {
         let id = info.id;
         if self.said_goodbye(&info) {
-            // Written after its own goodbye in the registry's order, which a worker never
-            // does (its heartbeats stop, acknowledged, before it deletes its key): its key
-            // was deleted under it, by an operator or by another process leaving under the
-            // same id. It is alive: registered again (it was once ignored for the
-            // tombstone's whole minute, its batches dropped and its index wiped).
+            // Written after its own departure in the registry's order, which a worker never
+            // does (its heartbeats stop, acknowledged, before it says goodbye): its key was
+            // deleted under it, by an operator or by a worker of an earlier version leaving
+            // under the same id (a bare delete names no incarnation). It is alive:
+            // registered again (it was once ignored for the tombstone's whole minute, its
+            // batches dropped and its index wiped).
             self.stats.rejoined += 1;
             out.push(FleetCommand::Rejoined(id));
         }

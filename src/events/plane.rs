@@ -987,7 +987,7 @@ impl FleetOwner {
                 FleetCommand::Rejoined(id) => {
                     metrics::counter!("kvroute_registry_rejoined_total").increment(1);
                     if self.rejoins_logged.due(id) {
-                        tracing::warn!(worker = %id, "a worker that had said goodbye heartbeats again as the same incarnation: its registration was deleted under it (an operator's `nats kv del`, or another process leaving under its id); registered again");
+                        tracing::warn!(worker = %id, "a worker that had said goodbye heartbeats again as the same incarnation: its registration was deleted under it (an operator's `nats kv del`, or a worker of an earlier version leaving under its id); registered again");
                     }
                 }
                 FleetCommand::Reincarnated(id) => {
