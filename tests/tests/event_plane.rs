@@ -171,6 +171,12 @@ async fn nats_plane_mirrors_eight_workers_exactly() {
     let (rt, rreg) = nats(&server, "router").await;
     let r = router(rt, &rreg).await;
     let sims = workers(&transport, &registry, 0..8, Faults::default()).await;
+    // The router knows the fleet before it publishes: batches that reach it before the
+    // registration its watch delivers later (a loaded machine delays the watch's start)
+    // are a stranger's, dropped, and the stream joins mid-way with a resync, which is
+    // the recovery and not what this test counts.
+    let known = eventually(Duration::from_secs(30), || r.plane.streams().len() == 8).await;
+    assert!(known, "{:?}", r.plane.streams());
     run_workload(&sims, 1, 60).await;
     assert_exact(&r, &sims).await;
     let streams = r.plane.streams();
