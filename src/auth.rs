@@ -65,9 +65,9 @@ pub fn bearer_ok(headers: &hyper::HeaderMap, keys: &[Secret]) -> bool {
     bearer_key(headers, keys).is_some()
 }
 
-/// Which of `keys` the request's `Authorization: Bearer` names (its tenant when the client
-/// names none: [`Secret::tenant`]).
-pub fn bearer_key<'k>(headers: &hyper::HeaderMap, keys: &'k [Secret]) -> Option<&'k Secret> {
+/// Which of `keys` the request's `Authorization: Bearer` names, by index (its tenant when
+/// the client names none: [`Secret::tenant`]).
+pub fn bearer_key(headers: &hyper::HeaderMap, keys: &[Secret]) -> Option<usize> {
     let value = headers.get(hyper::header::AUTHORIZATION)?.as_bytes();
     // The scheme is case-insensitive (RFC 9110 §11.1): `BEARER`, `bearer` and `Bearer`.
     let (scheme, token) = value.split_at_checked(7)?;
@@ -75,9 +75,9 @@ pub fn bearer_key<'k>(headers: &hyper::HeaderMap, keys: &'k [Secret]) -> Option<
         return None;
     }
     // Check every key, so the time taken does not tell which one matched.
-    keys.iter().fold(None, |found, k| {
+    keys.iter().enumerate().fold(None, |found, (i, k)| {
         let hit = k.matches(token);
-        found.or(hit.then_some(k))
+        found.or(hit.then_some(i))
     })
 }
 
@@ -299,7 +299,7 @@ mod tests {
         headers.insert("authorization", "Bearer key-c".parse().unwrap());
         let before = [a.clone(), b.clone(), c.clone()];
         let after = [b.clone(), c.clone()];
-        let tenant = |keys: &[Secret]| bearer_key(&headers, keys).map(Secret::tenant);
+        let tenant = |keys: &[Secret]| bearer_key(&headers, keys).map(|i| keys[i].tenant());
         assert_eq!(tenant(&before), tenant(&after));
         assert_eq!(tenant(&after), Some(c.tenant()));
         assert_ne!(a.tenant(), b.tenant());
@@ -389,7 +389,7 @@ mod tests {
         // The scheme is case-insensitive; the key is not.
         for value in ["BEARER k1", "bearer k1", "bEaReR k1"] {
             h.insert(hyper::header::AUTHORIZATION, value.parse().unwrap());
-            assert_eq!(bearer_key(&h, &keys), Some(&keys[0]), "{value}");
+            assert_eq!(bearer_key(&h, &keys), Some(0), "{value}");
         }
         h.insert(hyper::header::AUTHORIZATION, "Bearer K1".parse().unwrap());
         assert!(!bearer_ok(&h, &keys));

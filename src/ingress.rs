@@ -339,7 +339,7 @@ pub struct Router {
     #[cfg(test)]
     break_next_walk: AtomicBool,
     /// The keys accepted on `/v1/*`: `config.api_keys` and the file's, as last read.
-    api_keys: Mutex<Arc<Vec<Secret>>>,
+    api_keys: Mutex<Arc<ApiKeys>>,
 }
 
 /// Routed prompts waiting to be reported to sidecars (each up to a prompt's blocks, 16 B a
@@ -348,6 +348,21 @@ const ROUTED_QUEUE: usize = 64;
 
 /// How long reporting one routed prompt to a sidecar may wait on NATS.
 const ROUTED_PUBLISH_DEADLINE: Duration = Duration::from_secs(1);
+
+/// The keys accepted on `/v1/*`, each with its tenant ([`Secret::tenant`]) worked out once
+/// when the keys are read rather than hashed again for every request.
+pub struct ApiKeys {
+    keys: Vec<Secret>,
+    /// `tenants[i]` is `keys[i]`'s.
+    tenants: Vec<Arc<str>>,
+}
+
+impl ApiKeys {
+    fn new(keys: Vec<Secret>) -> ApiKeys {
+        let tenants = keys.iter().map(|k| Arc::from(k.tenant())).collect();
+        ApiKeys { keys, tenants }
+    }
+}
 
 /// How often `api_keys_file` is re-read.
 pub const API_KEYS_RELOAD: Duration = Duration::from_secs(2);
@@ -407,7 +422,7 @@ impl Router {
                 }
             }
         }
-        let api_keys = Mutex::new(Arc::new(keys));
+        let api_keys = Mutex::new(Arc::new(ApiKeys::new(keys)));
         let retry_budget = Mutex::new(RetryBudget::new(
             config.retry_budget_percent,
             config.retry_budget_per_s,
@@ -515,7 +530,7 @@ impl Router {
     }
 
     /// The keys accepted on `/v1/*` now.
-    pub fn api_keys(&self) -> Arc<Vec<Secret>> {
+    pub fn api_keys(&self) -> Arc<ApiKeys> {
         Arc::clone(&self.api_keys.lock())
     }
 
@@ -530,13 +545,14 @@ impl Router {
         let mut keys = self.config.api_keys.clone();
         keys.extend(file_keys);
         let mut current = self.api_keys.lock();
-        let same = current.len() == keys.len()
+        let same = current.keys.len() == keys.len()
             && current
+                .keys
                 .iter()
                 .zip(&keys)
                 .all(|(a, b)| a.matches(b.expose().as_bytes()));
         if !same {
-            *current = Arc::new(keys);
+            *current = Arc::new(ApiKeys::new(keys));
         }
         !same
     }
@@ -751,7 +767,7 @@ fn metrics_text(router: &Router) -> Response<Body> {
 async fn handle(router: Arc<Router>, mut req: hyper::Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_owned();
     let api = path.starts_with("/v1/");
-    if api && router.keys_required() && !bearer_ok(req.headers(), &router.api_keys()) {
+    if api && router.keys_required() && !bearer_ok(req.headers(), &router.api_keys().keys) {
         return api_error(&ApiError::unauthorized());
     }
     let result = match (req.method().clone(), path.as_str()) {
@@ -1564,8 +1580,9 @@ async fn completions(
 ) -> Result<Response<Body>, ApiError> {
     // Read once, here: the tenant of the key the request was let in with (a key list
     // re-read since `handle` checked it could name none).
-    let api_key: Option<Arc<str>> = match bearer_key(req.headers(), &router.api_keys()) {
-        Some(key) => Some(Arc::from(key.tenant())),
+    let keys = router.api_keys();
+    let api_key: Option<Arc<str>> = match bearer_key(req.headers(), &keys.keys) {
+        Some(i) => Some(Arc::clone(&keys.tenants[i])),
         None if router.keys_required() => return Err(ApiError::unauthorized()),
         None => None,
     };

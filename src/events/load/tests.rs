@@ -34,6 +34,20 @@ fn request<'a>(
 }
 
 /// Load sharing as the tests run it: heartbeats every 100 ms, a replica gone after 1 s.
+/// Replica `id` of cluster `t` on `bus`, sharing load with `fast_share_config`: its
+/// scheduler, its load share, and the sender that stops it.
+async fn replica(
+    bus: &Transport,
+    id: u64,
+) -> (Arc<Mutex<Scheduler>>, LoadShare, watch::Sender<bool>) {
+    let (stop, rx) = watch::channel(false);
+    let s = Arc::new(Mutex::new(scheduler(id)));
+    let share = LoadShare::start(bus.clone(), "t", Arc::clone(&s), fast_share_config(), rx)
+        .await
+        .unwrap();
+    (s, share, stop)
+}
+
 fn fast_share_config() -> LoadShareConfig {
     LoadShareConfig {
         heartbeat_ms: 100,
@@ -420,17 +434,8 @@ fn a_booking_a_live_peer_still_holds_outlives_the_ttl() {
 #[tokio::test(start_paused = true)]
 async fn a_silent_replica_loses_its_bookings_after_the_ttl() {
     let bus = Transport::Local(LocalBus::new());
-    let config = fast_share_config();
-    let (stop_a, rx_a) = watch::channel(false);
-    let (_stop_b, rx_b) = watch::channel(false);
-    let a = Arc::new(Mutex::new(scheduler(1)));
-    let b = Arc::new(Mutex::new(scheduler(2)));
-    let share_a = LoadShare::start(bus.clone(), "t", Arc::clone(&a), config.clone(), rx_a)
-        .await
-        .unwrap();
-    let _share_b = LoadShare::start(bus.clone(), "t", Arc::clone(&b), config, rx_b)
-        .await
-        .unwrap();
+    let (a, share_a, stop_a) = replica(&bus, 1).await;
+    let (b, _share_b, _stop_b) = replica(&bus, 2).await;
     let blocks = prompt_blocks();
     let overlaps = OverlapScores {
         workers: vec![Overlap {
@@ -769,14 +774,7 @@ fn asks_leave_in_messages_of_their_own() {
 #[tokio::test(start_paused = true)]
 async fn a_replica_started_later_learns_the_load_already_booked() {
     let bus = Transport::Local(LocalBus::new());
-    let config = fast_share_config();
-    let (_stop_a, rx_a) = watch::channel(false);
-    let (_stop_b, rx_b) = watch::channel(false);
-    let a = Arc::new(Mutex::new(scheduler(1)));
-    let b = Arc::new(Mutex::new(scheduler(2)));
-    let share_a = LoadShare::start(bus.clone(), "t", Arc::clone(&a), config.clone(), rx_a)
-        .await
-        .unwrap();
+    let (a, share_a, _stop_a) = replica(&bus, 1).await;
     let blocks = prompt_blocks();
     let overlaps = OverlapScores {
         workers: Vec::new(),
@@ -785,9 +783,7 @@ async fn a_replica_started_later_learns_the_load_already_booked() {
     share_a.booked(decision.booking);
     tokio::time::sleep(Duration::from_millis(50)).await;
     // B starts once the booking was announced: it heard none of it.
-    let _share_b = LoadShare::start(bus.clone(), "t", Arc::clone(&b), config, rx_b)
-        .await
-        .unwrap();
+    let (b, _share_b, _stop_b) = replica(&bus, 2).await;
     assert_eq!(b.lock().open_bookings(), 0);
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(b.lock().open_seqs(1), vec![decision.booking.seq]);
