@@ -10,7 +10,7 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 
 use super::mirror::{EngineMirror, MirrorStats, SeqCheck, SeqTracker};
-use super::wire::{EngineEvent, decode_batch};
+use super::wire::{EngineEvent, WireError, decode_batch};
 use super::zmtp::{Connection, ZmtpError};
 use crate::protocol::BlockChange;
 
@@ -330,7 +330,14 @@ impl Ingest {
                 _ = tx.closed() => return Err(Closed),
             };
             let frames = match message {
-                Ok(Ok(frames)) => frames,
+                Ok(Ok(frames)) => Message::Whole(frames),
+                // Read past: its seq still counts, and the stream stays in step.
+                Ok(Err(ZmtpError::Oversized {
+                    frames,
+                    frame,
+                    bytes,
+                    ..
+                })) => Message::Oversized(frames, frame, bytes),
                 Ok(Err(e)) => {
                     tracing::warn!(endpoint = %self.endpoint.events, error = %e, "engine event stream failed; reconnecting");
                     return Ok(true);
@@ -341,7 +348,7 @@ impl Ingest {
             let Some((seq, payload)) = live_message(&frames) else {
                 self.stats.decode_errors += 1;
                 if self.stats.decode_errors == 1 {
-                    let shape: Vec<usize> = frames.iter().map(|f| f.len()).collect();
+                    let shape: Vec<usize> = frames.frames().iter().map(|f| f.len()).collect();
                     tracing::warn!(endpoint = %self.endpoint.events, frame_bytes = ?shape, "an engine message not shaped (topic, 8- or 24-byte sequence, batch); dropped");
                 }
                 continue;
@@ -357,7 +364,7 @@ impl Ingest {
         }
     }
 
-    async fn live(&mut self, seq: u64, payload: &[u8]) {
+    async fn live(&mut self, seq: u64, payload: &Payload) {
         match self.seq.check(seq) {
             SeqCheck::First | SeqCheck::Next => {
                 // Live batches come in order: none older than this one can follow.
@@ -404,7 +411,7 @@ impl Ingest {
 
     /// The engine restarted and sent `seq`: drops what the old one held, replays the new
     /// one's batches before `seq`, and applies `seq` unless the replay brought it.
-    async fn restart_at(&mut self, seq: u64, payload: &[u8]) {
+    async fn restart_at(&mut self, seq: u64, payload: &Payload) {
         self.restarted(seq);
         if seq > 0
             && self.endpoint.replay.is_some()
@@ -429,9 +436,15 @@ impl Ingest {
         self.rebuilt = false;
     }
 
-    fn apply(&mut self, seq: u64, payload: &[u8]) {
+    fn apply(&mut self, seq: u64, payload: &Payload) {
         self.seq.advance(seq);
-        match decode_batch(payload) {
+        let decoded = match payload {
+            Payload::Bytes(bytes) => decode_batch(bytes),
+            Payload::Oversized(bytes) => Err(WireError::TooLarge(
+                usize::try_from(*bytes).unwrap_or(usize::MAX),
+            )),
+        };
+        match decoded {
             Ok(batch) => {
                 let before = self.mirror.stats();
                 self.mirror.apply(&batch, &mut self.changes);
@@ -532,7 +545,14 @@ impl Ingest {
             replies += 1;
             let next = tokio::time::Instant::now() + limits.replay;
             let frames = match tokio::time::timeout_at(next.min(ends), dealer.recv()).await {
-                Ok(frames) => frames?,
+                Ok(Ok(frames)) => Message::Whole(frames),
+                Ok(Err(ZmtpError::Oversized {
+                    frames,
+                    frame,
+                    bytes,
+                    ..
+                })) => Message::Oversized(frames, frame, bytes),
+                Ok(Err(e)) => return Err(e),
                 // The engine answered and then fell silent: its ROUTER socket drops what the
                 // peer's queue has no room for, and the end marker, sent right after the last
                 // batch, is what a burst drops most often. The stream has ended; what it lost
@@ -561,7 +581,7 @@ impl Ingest {
             let Some((seq, payload)) = replay_message(&frames) else {
                 return Err(ZmtpError::Protocol(format!(
                     "a replay reply of {} frames",
-                    frames.len()
+                    frames.frames().len()
                 )));
             };
             if let Some(from) = lost {
@@ -672,10 +692,43 @@ fn seq_of(frame: &[u8]) -> Option<Seq> {
     })
 }
 
+/// A message as read: whole, or with a frame over the size limit (which of them, empty
+/// here, and its size).
+enum Message {
+    Whole(Vec<Bytes>),
+    Oversized(Vec<Bytes>, usize, u64),
+}
+
+impl Message {
+    fn frames(&self) -> &[Bytes] {
+        match self {
+            Message::Whole(frames) | Message::Oversized(frames, ..) => frames,
+        }
+    }
+
+    /// The payload, the last frame: its bytes, or its size if that frame was read past.
+    /// `None` if another frame was (a topic or sequence frame cannot be megabytes long).
+    fn payload(&self) -> Option<Payload> {
+        match self {
+            Message::Whole(frames) => frames.last().cloned().map(Payload::Bytes),
+            Message::Oversized(frames, frame, bytes) => {
+                (*frame + 1 == frames.len()).then_some(Payload::Oversized(*bytes))
+            }
+        }
+    }
+}
+
+/// A batch's payload: its bytes, or only its size when it was over the frame limit (read
+/// past, so the connection stays in step and its seq still counts: an undecodable batch).
+enum Payload {
+    Bytes(Bytes),
+    Oversized(u64),
+}
+
 /// A live message: `(topic, seq, payload)`.
-fn live_message(frames: &[Bytes]) -> Option<(Seq, Bytes)> {
-    match frames {
-        [_topic, seq, payload] => Some((seq_of(seq)?, payload.clone())),
+fn live_message(message: &Message) -> Option<(Seq, Payload)> {
+    match message.frames() {
+        [_topic, seq, _payload] => Some((seq_of(seq)?, message.payload()?)),
         _ => None,
     }
 }
@@ -690,14 +743,14 @@ const MAX_REPLAY_ASKS: u32 = 64;
 
 /// A replay reply after the empty delimiter: `(topic, seq, payload)` (vLLM ≥ 0.26) or
 /// `(seq, payload)` (SGLang, older vLLM); the end is seq `0xFF…FF` (-1 as a signed int).
-fn replay_message(frames: &[Bytes]) -> Option<(Seq, Bytes)> {
+fn replay_message(message: &Message) -> Option<(Seq, Payload)> {
+    let frames = message.frames();
     let frames = match frames.first() {
         Some(f) if f.is_empty() => &frames[1..],
         _ => frames,
     };
     match frames {
-        [_topic, seq, payload] => Some((seq_of(seq)?, payload.clone())),
-        [seq, payload] => Some((seq_of(seq)?, payload.clone())),
+        [_, seq, _] | [seq, _] => Some((seq_of(seq)?, message.payload()?)),
         _ => None,
     }
 }

@@ -20,6 +20,9 @@ const MAX_COMMAND: usize = 4096;
 /// Most bytes of one message, all its frames: one frame at its limit beside small ones
 /// (an engine's topic and sequence frames are a few bytes each).
 const MAX_MESSAGE: usize = MAX_FRAME + 4096;
+/// Largest data frame read past when it is over its limit (the connection stays in step and
+/// the message is reported, [`ZmtpError::Oversized`]); a larger claim ends the connection.
+const MAX_SKIP: u64 = 1 << 30;
 /// What a frame's buffer starts at: it grows as the bytes arrive, so a header alone (9
 /// bytes declaring 16 MiB) reserves no more than this.
 const FIRST_READ: usize = 64 << 10;
@@ -39,6 +42,20 @@ pub enum ZmtpError {
     /// The peer broke the protocol (or is not ZMTP 3).
     #[error("protocol: {0}")]
     Protocol(String),
+    /// A message with a data frame over its limit: the frame's bytes were read past (it is
+    /// empty in `frames`, the message's other frames are whole), so the connection is still
+    /// in step and the next `recv` reads the next message.
+    #[error("a frame of {bytes} bytes is over the {limit}-byte limit (read past)")]
+    Oversized {
+        /// The message's frames, the oversized one empty.
+        frames: Vec<Bytes>,
+        /// Which frame was over (the first if several were).
+        frame: usize,
+        /// The oversized frame's length.
+        bytes: u64,
+        /// The limit it was over.
+        limit: usize,
+    },
     /// Not asked: it left the last requests unanswered, and rests this long more.
     #[error("not asked: it left its last requests unanswered (asked again in {0:?})")]
     Resting(Duration),
@@ -112,7 +129,12 @@ pub struct Connection {
 
 /// A frame or a command as read off the wire.
 enum Unit {
-    Frame { more: bool, body: Bytes },
+    /// A data frame; `over` is the limit it was over when its bytes were read past.
+    Frame {
+        more: bool,
+        body: Bytes,
+        over: Option<(u64, usize)>,
+    },
     Command(Bytes),
 }
 
@@ -217,9 +239,23 @@ impl Connection {
             MAX_FRAME.min(room)
         };
         if len > limit as u64 {
-            return protocol(format!(
-                "a frame of {len} bytes is over the {limit}-byte limit"
-            ));
+            if flags & COMMAND != 0 || len > MAX_SKIP {
+                return protocol(format!(
+                    "a frame of {len} bytes is over the {limit}-byte limit"
+                ));
+            }
+            // A data frame that fits the stream but not the limit: read past it, a piece at
+            // a time, so that the peer's next message is read from its start.
+            let skipped =
+                tokio::io::copy(&mut (&mut self.reader).take(len), &mut tokio::io::sink()).await?;
+            if skipped < len {
+                return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+            }
+            return Ok(Unit::Frame {
+                more: flags & MORE != 0,
+                body: Bytes::new(),
+                over: Some((len, limit)),
+            });
         }
         // Read as it arrives: the buffer grows with the bytes, not with the claim.
         let len = len as usize;
@@ -244,27 +280,40 @@ impl Connection {
             Unit::Frame {
                 more: flags & MORE != 0,
                 body,
+                over: None,
             }
         })
     }
 
     /// The next message (all its frames). Commands in between are handled: PING is answered,
     /// the rest ignored. Waits as long as the peer is silent: callers put a deadline on it
-    /// where silence is a fault.
+    /// where silence is a fault. A message with a frame over its limit is
+    /// [`ZmtpError::Oversized`], after which the connection can be read on.
     pub async fn recv(&mut self) -> Result<Vec<Bytes>, ZmtpError> {
         let mut frames = Vec::new();
         let mut room = MAX_MESSAGE;
+        let mut oversized = None;
         loop {
             match self.read_unit(room).await? {
                 Unit::Command(body) => self.command(&body).await?,
-                Unit::Frame { more, body } => {
+                Unit::Frame { more, body, over } => {
                     if frames.len() == MAX_FRAMES {
                         return protocol(format!("a message of more than {MAX_FRAMES} frames"));
                     }
                     room -= body.len();
+                    oversized =
+                        oversized.or(over.map(|(bytes, limit)| (frames.len(), bytes, limit)));
                     frames.push(body);
                     if !more {
-                        return Ok(frames);
+                        return match oversized {
+                            None => Ok(frames),
+                            Some((frame, bytes, limit)) => Err(ZmtpError::Oversized {
+                                frames,
+                                frame,
+                                bytes,
+                                limit,
+                            }),
+                        };
                     }
                 }
             }

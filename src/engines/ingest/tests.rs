@@ -957,3 +957,52 @@ async fn a_replay_hands_its_changes_over_as_they_come() {
     assert!(sizes.len() >= 4, "{sizes:?}");
     assert!(sizes.iter().all(|&n| n <= 3), "{sizes:?}");
 }
+
+/// A batch over the frame limit is read past and counted as undecodable (the mirror is
+/// dropped until blocks are stored again, as for any batch that does not decode): the
+/// subscription stays up and the batch's seq counts, so what follows applies with no gap and
+/// no reconnect. It used to end the connection: a reconnect, a gap, and the batches
+/// published meanwhile lost.
+#[tokio::test]
+async fn a_batch_over_the_frame_limit_is_read_past_on_the_same_connection() {
+    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
+    let endpoint = EngineEndpoint {
+        events: format!("tcp://127.0.0.1:{}", pubs.port()),
+        replay: None,
+        topic: String::new(),
+    };
+    let mut owner = follow(endpoint, IngestLimits::default()).await;
+    let live = |seq: u64, payload: Bytes| {
+        vec![
+            Bytes::new(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            payload,
+        ]
+    };
+    // Until the subscription reaches the socket, batches go nowhere: the first to arrive is
+    // the first the ingest sees, whatever its seq.
+    let mut seq = 0;
+    loop {
+        pubs.publish(live(seq, store(1000 + seq, None)));
+        seq += 1;
+        let wait = owner.until("a first block", |o| !o.held.is_empty());
+        if tokio::time::timeout(Duration::from_millis(20), wait)
+            .await
+            .is_ok()
+        {
+            break;
+        }
+    }
+    // Batches published meanwhile may still arrive: all of them before the ones below.
+    let oversized = Bytes::from(vec![0u8; crate::engines::zmtp::MAX_FRAME + 1]);
+    pubs.publish(live(seq, oversized));
+    pubs.publish(live(seq + 1, store(7, None)));
+    let want = hashes_of(&[(7, None)]);
+    owner
+        .until("the block after the oversized batch", |o| {
+            o.stats.decode_errors == 1 && o.held == want
+        })
+        .await;
+    assert_eq!(owner.stats.gaps, 0, "{:?}", owner.stats);
+    assert_eq!(pubs.accepted(), 1, "the subscription was made again");
+}

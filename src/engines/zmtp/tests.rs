@@ -104,6 +104,8 @@ async fn a_peer_that_is_not_zmtp_or_lies_about_sizes_is_refused() {
 
 /// A frame is read as its bytes arrive, in pieces, whatever its size; a message's frames
 /// together are bounded too (each one under the frame limit, sixteen of them were 256 MiB).
+/// A data frame over its limit is read past: the message is refused and the next one reads
+/// whole.
 #[tokio::test]
 async fn large_frames_arrive_whole_and_a_message_s_bytes_are_bounded() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -131,6 +133,7 @@ async fn large_frames_arrive_whole_and_a_message_s_bytes_are_bounded() {
             c.writer.write_all(&out).await.unwrap();
             c.writer.write_all(&half).await.unwrap();
         }
+        c.send(&[b"after"]).await.unwrap();
         c.writer.flush().await.unwrap();
         tokio::time::sleep(T).await;
     });
@@ -142,6 +145,12 @@ async fn large_frames_arrive_whole_and_a_message_s_bytes_are_bounded() {
     assert_eq!(&frames[1][..], &big[..]);
     let err = c.recv().await.unwrap_err();
     assert!(err.to_string().contains("over the"), "{err}");
+    let ZmtpError::Oversized { frames, frame, .. } = err else {
+        panic!("{err}")
+    };
+    assert_eq!((frames.len(), frame), (3, 2));
+    assert!(frames[2].is_empty());
+    assert_eq!(&c.recv().await.unwrap()[0][..], b"after");
     server.abort();
 }
 
