@@ -153,9 +153,10 @@ pub struct NatsAuth {
     #[arg(long, env = "KVROUTE_NATS_TLS_KEY_FILE")]
     pub nats_tls_key_file: Option<PathBuf>,
     /// Refuse a NATS connection that is not TLS (verified against the system's roots when no
-    /// CA file is given).
-    #[arg(long, env = "KVROUTE_NATS_TLS_REQUIRED")]
-    pub nats_tls_required: bool,
+    /// CA file is given) [default: false]. `false` (the flag or the variable) overrides a
+    /// config file's `true`.
+    #[arg(long, env = "KVROUTE_NATS_TLS_REQUIRED", num_args = 0..=1, default_missing_value = "true")]
+    pub nats_tls_required: Option<bool>,
 }
 
 /// A NATS authentication setting that cannot work.
@@ -231,7 +232,7 @@ impl NatsAuth {
             nats_tls_ca_file: self.nats_tls_ca_file.or(other.nats_tls_ca_file),
             nats_tls_cert_file: self.nats_tls_cert_file.or(other.nats_tls_cert_file),
             nats_tls_key_file: self.nats_tls_key_file.or(other.nats_tls_key_file),
-            nats_tls_required: self.nats_tls_required || other.nats_tls_required,
+            nats_tls_required: self.nats_tls_required.or(other.nats_tls_required),
         }
     }
 
@@ -275,7 +276,7 @@ impl NatsAuth {
 
     /// Whether the connection must be TLS.
     pub fn tls(&self) -> bool {
-        self.nats_tls_required
+        self.nats_tls_required.unwrap_or(false)
             || self.nats_tls_ca_file.is_some()
             || self.nats_tls_cert_file.is_some()
     }
@@ -349,6 +350,37 @@ mod tests {
         let kept = NatsAuth::default().or(file);
         assert_eq!(kept.nats_user.as_deref(), Some("u"));
         assert_eq!(kept.nats_tls_key_file, Some("/old.key".into()));
+    }
+
+    /// `--nats-tls-required` alone turns TLS on; `false` from the flags or the environment
+    /// turns off a config file's `true` (it was `flag || file`: the file always won).
+    #[test]
+    fn tls_required_false_overrides_the_file_s_true() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            auth: NatsAuth,
+        }
+        let parse = |args: &[&str]| {
+            Flags::try_parse_from(std::iter::once("kvroute").chain(args.iter().copied()))
+                .unwrap()
+                .auth
+                .nats_tls_required
+        };
+        assert_eq!(parse(&["--nats-tls-required"]), Some(true));
+        assert_eq!(parse(&["--nats-tls-required", "false"]), Some(false));
+        let file = NatsAuth {
+            nats_tls_required: Some(true),
+            ..NatsAuth::default()
+        };
+        let off = NatsAuth {
+            nats_tls_required: Some(false),
+            ..NatsAuth::default()
+        };
+        assert!(!off.or(file.clone()).tls());
+        assert!(NatsAuth::default().or(file).tls());
+        assert!(!NatsAuth::default().tls());
     }
 
     #[test]

@@ -368,12 +368,39 @@ impl ApiKeys {
 pub const API_KEYS_RELOAD: Duration = Duration::from_secs(2);
 
 /// The keys of an API keys file: its non-empty lines, trimmed.
-pub fn read_api_keys(text: &str) -> Vec<Secret> {
-    text.lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty())
-        .map(Secret::new)
-        .collect()
+pub fn read_api_keys(text: &str) -> ApiKeysFile {
+    let mut file = ApiKeysFile::default();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        match crate::auth::check_bearer_token(line) {
+            Ok(()) => file.keys.push(Secret::new(line)),
+            Err(why) => file.bad_lines.push((n + 1, why)),
+        }
+    }
+    file
+}
+
+/// What an API keys file holds: its keys, and the lines that cannot be one.
+#[derive(Debug, Default)]
+pub struct ApiKeysFile {
+    /// The keys, in the file's order.
+    pub keys: Vec<Secret>,
+    /// Lines that are no key (1-based, and why): a space or a control character could never
+    /// be sent in a Bearer header. The router refuses to start on such a file, and while it
+    /// runs skips them with a warning (the other lines' keys, revocations included, apply).
+    pub bad_lines: Vec<(usize, String)>,
+}
+
+impl ApiKeysFile {
+    /// Logs the lines that are no key (the keys themselves are not shown).
+    fn warn(&self, path: &std::path::Path) {
+        for (line, why) in &self.bad_lines {
+            tracing::warn!(path = %path.display(), line, "an API keys file line that is no key ({why}): skipped");
+        }
+    }
 }
 
 /// A prompt the router sent to a worker.
@@ -416,7 +443,11 @@ impl Router {
         if let Some(path) = &config.api_keys_file {
             // Read now as well, so that no request meets the router before its keys do.
             match std::fs::read_to_string(path) {
-                Ok(text) => keys.extend(read_api_keys(&text)),
+                Ok(text) => {
+                    let file = read_api_keys(&text);
+                    file.warn(path);
+                    keys.extend(file.keys);
+                }
                 Err(e) => {
                     tracing::error!(path = %path.display(), error = %e, "cannot read the API keys file: its keys are refused until it can be read");
                 }
@@ -1056,6 +1087,8 @@ async fn watch_api_keys(router: std::sync::Weak<Router>, path: std::path::PathBu
     let mut tick = tokio::time::interval(API_KEYS_RELOAD);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failing = false;
+    // The bad lines last warned of: each said once, not every reload.
+    let mut warned: Vec<(usize, String)> = Vec::new();
     loop {
         tick.tick().await;
         let read = tokio::fs::read_to_string(&path).await;
@@ -1065,9 +1098,13 @@ async fn watch_api_keys(router: std::sync::Weak<Router>, path: std::path::PathBu
         match read {
             Ok(text) => {
                 failing = false;
-                let keys = read_api_keys(&text);
-                let count = keys.len();
-                if router.set_file_keys(keys) {
+                let file = read_api_keys(&text);
+                if file.bad_lines != warned {
+                    file.warn(&path);
+                    warned = file.bad_lines.clone();
+                }
+                let count = file.keys.len();
+                if router.set_file_keys(file.keys) {
                     tracing::info!(path = %path.display(), keys = count, "API keys file read");
                 }
             }

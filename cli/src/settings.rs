@@ -535,6 +535,21 @@ fn parse_band_limit(spec: &str) -> anyhow::Result<(i32, scheduler::queue::BandCo
     })
 }
 
+/// The `--band-limits` entries by band; a band given twice is refused (the last would win
+/// silently).
+fn band_limits(
+    specs: &[String],
+) -> anyhow::Result<std::collections::BTreeMap<i32, scheduler::queue::BandConfig>> {
+    let mut bands = std::collections::BTreeMap::new();
+    for spec in specs {
+        let (band, limits) = parse_band_limit(spec)?;
+        if bands.insert(band, limits).is_some() {
+            bail!("band_limits: band {band} is given twice");
+        }
+    }
+    Ok(bands)
+}
+
 /// Reads a `--config` file.
 pub fn read_file(path: &Path) -> anyhow::Result<ServeFlags> {
     let text = std::fs::read_to_string(path)
@@ -630,13 +645,7 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
                     .unwrap_or(defaults.queue.default_band.ttl_ms),
                 budget_share: 1.0,
             },
-            bands: flags
-                .band_limits
-                .or(file.band_limits)
-                .unwrap_or_default()
-                .iter()
-                .map(|b| parse_band_limit(b))
-                .collect::<anyhow::Result<_>>()?,
+            bands: band_limits(&flags.band_limits.or(file.band_limits).unwrap_or_default())?,
             ..defaults.queue.clone()
         },
         sessions: scheduler::SessionConfig {
@@ -674,10 +683,14 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
     let api_keys: Vec<Secret> = flags.api_keys.or(file.api_keys).unwrap_or_default();
     let api_keys_file = flags.api_keys_file.or(file.api_keys_file);
     if let Some(path) = &api_keys_file {
-        // Read here to fail at start on a wrong path; the router reads it again, and
-        // every few seconds after (revoking a key there needs no restart).
-        std::fs::read_to_string(path)
+        // Read here to fail at start on a wrong path or a line that is no key; the router
+        // reads it again, and every few seconds after (revoking a key there needs no
+        // restart).
+        let text = std::fs::read_to_string(path)
             .with_context(|| format!("api_keys_file {}", path.display()))?;
+        if let Some((line, why)) = kvroute::ingress::read_api_keys(&text).bad_lines.first() {
+            bail!("api_keys_file {} line {line}: a key {why}", path.display());
+        }
     }
     for key in &api_keys {
         // A key with a space or a control character could never be sent in a Bearer
@@ -1095,6 +1108,24 @@ mod tests {
         assert!(bad("admin_host = \"::1\"").is_ok());
         // A template without its tokenizer passed --dry-run and failed at start.
         assert!(bad("chat_template = \"t.jinja\"").is_err());
+        // A band given twice kept only its last limits, silently.
+        let twice = bad("band_limits = [\"1=200:5000\", \"1=10:100\"]").unwrap_err();
+        assert!(
+            twice.to_string().contains("band 1 is given twice"),
+            "{twice}"
+        );
+        assert!(bad("band_limits = [\"1=200:5000\", \"2=10:100\"]").is_ok());
+        // An API keys file line that is no key was taken as a key nobody could send.
+        let dir = std::env::temp_dir().join(format!("kvroute-keys-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let keys = dir.join("keys");
+        std::fs::write(&keys, "ok-key\n\nbad key\n").unwrap();
+        let file = format!("api_keys_file = {:?}", keys.display().to_string());
+        let e = bad(&file).unwrap_err().to_string();
+        assert!(e.contains("line 3") && !e.contains("bad key"), "{e}");
+        std::fs::write(&keys, "ok-key\n\n  other-key  \n").unwrap();
+        assert!(bad(&file).is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
         assert!(bad("").is_ok());
     }
 }
