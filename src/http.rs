@@ -457,10 +457,21 @@ pub const ENGINE_POOL_IDLE_MS: u64 = 4_000;
 pub const TOKENIZER_WAIT: Duration = Duration::from_secs(10);
 
 /// Socket options of every accepted connection: streamed chunks must not wait for Nagle's
-/// algorithm (≈ 40 ms per first byte on a reused connection, with delayed ACKs).
+/// algorithm (≈ 40 ms per first byte on a reused connection, with delayed ACKs), and TCP
+/// keepalive notices a client whose host vanished (a laptop asleep, a NAT mapping dropped)
+/// in about a minute: while it waits for a non-streamed answer nothing is written to it, so
+/// without keepalive its request kept generating and held its booking until the answer's
+/// deadline.
 fn configure(stream: &tokio::net::TcpStream) {
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+    }
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(30))
+        .with_interval(Duration::from_secs(10))
+        .with_retries(3);
+    if let Err(e) = socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive) {
+        tracing::debug!(error = %e, "cannot set TCP keepalive");
     }
 }
 

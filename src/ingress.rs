@@ -403,6 +403,21 @@ impl ApiKeysFile {
     }
 }
 
+/// How the router connects to workers. Streamed chunks must not wait for Nagle's algorithm
+/// (40 ms stalls per first byte). TCP keepalive notices a worker whose host died (no FIN,
+/// no RST) in about 25 s: a request sent to it and waiting for a non-streamed answer,
+/// which sends nothing meanwhile, then fails as a lost connection and is retried elsewhere,
+/// where it waited the whole answer deadline (600 s by default) and answered 504.
+pub(crate) fn worker_connector(config: &IngressConfig) -> HttpConnector {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(Duration::from_millis(config.worker_timeout_ms)));
+    connector.set_keepalive(Some(Duration::from_secs(10)));
+    connector.set_keepalive_interval(Some(Duration::from_secs(5)));
+    connector.set_keepalive_retries(Some(3));
+    connector
+}
+
 /// A prompt the router sent to a worker.
 #[derive(Clone, Debug)]
 pub struct RoutedPrompt {
@@ -423,10 +438,7 @@ impl Router {
         metrics: Option<crate::process::Metrics>,
         tokenizer: Tokenizer,
     ) -> Arc<Router> {
-        let mut connector = HttpConnector::new();
-        // Streamed chunks must not wait for Nagle's algorithm (40 ms stalls per first byte).
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(Duration::from_millis(config.worker_timeout_ms)));
+        let connector = worker_connector(&config);
         // Idle connections to workers are dropped before the engines drop them (a request
         // failed that way counts against its worker).
         let client = Client::builder(TokioExecutor::new())

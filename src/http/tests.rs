@@ -483,3 +483,22 @@ async fn a_caller_finding_every_permit_taken_gives_up_after_its_wait() {
         7
     );
 }
+
+/// Accepted connections keep TCP alive: a client whose host vanished while it waited for a
+/// non-streamed answer (nothing written to it meanwhile) is noticed, not waited on until the
+/// answer's deadline.
+#[tokio::test]
+async fn accepted_connections_keep_tcp_alive() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let client = TcpStream::connect(listener.local_addr().unwrap());
+    let (accepted, _client) = tokio::join!(listener.accept(), client);
+    let (accepted, _) = accepted.unwrap();
+    configure(&accepted);
+    let socket = socket2::SockRef::from(&accepted);
+    assert!(socket.keepalive().unwrap());
+    assert_eq!(
+        socket.tcp_keepalive_time().unwrap(),
+        Duration::from_secs(30)
+    );
+    assert!(socket.tcp_nodelay().unwrap());
+}

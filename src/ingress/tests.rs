@@ -1338,3 +1338,27 @@ fn a_request_id_is_the_client_s_or_a_new_one() {
         request_id(&hyper::HeaderMap::new())
     );
 }
+
+/// Connections to workers keep TCP alive: a worker whose host died (no FIN, no RST) while a
+/// request waited for its non-streamed answer is noticed in about 25 s and the request
+/// retried, where it waited the whole answer deadline.
+#[tokio::test]
+async fn connections_to_workers_keep_tcp_alive() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let uri: hyper::Uri = format!("http://{}", listener.local_addr().unwrap())
+        .parse()
+        .unwrap();
+    let mut connector = worker_connector(&IngressConfig::default());
+    let (io, accepted) = tokio::join!(
+        tower_service::Service::call(&mut connector, uri),
+        listener.accept()
+    );
+    let (io, _accepted) = (io.unwrap(), accepted.unwrap());
+    let socket = socket2::SockRef::from(io.inner());
+    assert!(socket.keepalive().unwrap());
+    assert_eq!(
+        socket.tcp_keepalive_time().unwrap(),
+        Duration::from_secs(10)
+    );
+    assert!(socket.tcp_nodelay().unwrap());
+}
