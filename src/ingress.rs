@@ -1786,7 +1786,10 @@ async fn complete(
                 // conversation's next turn: a worker that failed or refused it never
                 // computed it, and a guess that it holds it would send the next turns after
                 // a cache hit that is not there.
-                if let (true, Some(sink)) = (guessed, router.decisions.lock().as_ref())
+                // A stream that opened with an error event is such a refusal.
+                let refused = response.extensions().get::<proxy::Refused>().is_some();
+                if let (true, false, Some(sink)) =
+                    (guessed, refused, router.decisions.lock().as_ref())
                     && sink
                         .try_send(RoutedPrompt {
                             key,

@@ -786,8 +786,8 @@ pub(super) async fn forward(
     tokio::spawn(tracing::Instrument::in_current_span(relay.run()));
     // Dropped with the client's connection meanwhile, this drops `rx`: the relay sees the
     // client gone and ends.
-    match opened.await {
-        Ok(Ok(())) => {}
+    let refused = match opened.await {
+        Ok(Ok(refused)) => refused,
         Ok(Err(Unopened {
             end,
             message,
@@ -809,6 +809,9 @@ pub(super) async fn forward(
             });
         }
         Err(_) => return Err(ProxyError::RelayLost { worker }),
+    };
+    if refused {
+        builder = builder.extension(Refused);
     }
     Ok(builder
         .header(header::CONTENT_TYPE, "text/event-stream")
@@ -819,6 +822,11 @@ pub(super) async fn forward(
         .body(crate::http::streamed(rx, ending, |(bytes, _held)| bytes))
         .expect("invariant: static response parts are valid"))
 }
+
+/// Marks (in its extensions) a streamed answer that opened with an error event: the worker
+/// refused the request and computed no prompt.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Refused;
 
 /// Events on their way to the client, with their share of the bodies' budget.
 type Held = (Bytes, Reservation);
@@ -957,9 +965,10 @@ struct Relay {
     itl: metrics::Histogram,
     worker: String,
     started: Instant,
-    /// Told when the client is answered (the first token came, or `open_by` passed): until
-    /// then a worker that fails is the handler's to try elsewhere. `None` once told.
-    opening: Option<oneshot::Sender<Result<(), Unopened>>>,
+    /// Told when the client is answered (the first token came, or `open_by` passed; true if
+    /// the stream opened with an error event): until then a worker that fails is the
+    /// handler's to try elsewhere. `None` once told.
+    opening: Option<oneshot::Sender<Result<bool, Unopened>>>,
     /// When the headers go to the client without a token.
     open_by: Instant,
     /// The worker has sent a token.
@@ -1049,8 +1058,13 @@ impl Relay {
 
     /// Answers the client: its headers go, with what follows.
     fn open(&mut self) {
+        self.open_with(false);
+    }
+
+    /// Answers the client, `refused` if with an error event.
+    fn open_with(&mut self, refused: bool) {
         if let Some(opening) = self.opening.take() {
-            let _ = opening.send(Ok(()));
+            let _ = opening.send(Ok(refused));
         }
     }
 
@@ -1138,6 +1152,8 @@ impl Relay {
 
     async fn pump(&mut self) -> RelayEnd {
         let mut first = true;
+        // The stream opened with an error event: no event is a token.
+        let mut refused = false;
         let mut last = self.started;
         // The first token is due by then, `first_frame` after the headers (the relay starts
         // once they came; a prompt's media was fetched before them), whatever arrives before
@@ -1285,10 +1301,13 @@ impl Relay {
             // An error event first (the client's, relayed; or one past the wait for the
             // first token) is no first token: the engine computed no prompt to be found
             // cached, and it says nothing of the worker's latency.
+            // Nor is anything after it (the `[DONE]` that follows it, a separate event).
             if token && first && error_first(&data) {
-                self.open();
+                self.open_with(true);
                 self.tokens = true;
-            } else if token {
+                first = false;
+                refused = true;
+            } else if token && !refused {
                 self.open();
                 let now = Instant::now();
                 let (histogram, since) = if first {

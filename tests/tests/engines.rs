@@ -1292,29 +1292,7 @@ async fn a_prompt_a_worker_refused_is_not_guessed_to_be_in_its_cache() {
     let good = engine("vllm");
     let (bad, tried) = scripted_engine(Script::Fail).await;
     let (_router, url, admin) = round_robin_router(&good, &bad);
-    // Both engines' worker ids, once both are registered.
-    let mut ids = None;
-    for _ in 0..400 {
-        if let Ok(r) = http
-            .call("GET", &format!("{admin}/admin/workers"), "")
-            .await
-        {
-            let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();
-            let workers = v["workers"].as_array().cloned().unwrap_or_default();
-            if workers.len() == 2 {
-                let id_of = |url: &str| {
-                    workers
-                        .iter()
-                        .find(|w| w["url"].as_str() == Some(url))
-                        .map(|w| w["id"].to_string())
-                };
-                ids = id_of(&bad).zip(id_of(&good.url()));
-                break;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let (bad_id, good_id) = ids.expect("both engines registered");
+    let (bad_id, good_id) = worker_ids(&http, &admin, &bad, &good.url()).await;
     wait_registered(&http, &admin, 2).await;
     let prompts: Vec<String> = (0..6)
         .map(|i| {
@@ -1357,6 +1335,103 @@ async fn a_prompt_a_worker_refused_is_not_guessed_to_be_in_its_cache() {
             "a prompt the engine refused is credited to it"
         );
     }
+}
+
+/// The worker ids of the engines at `a` and `b` in router `admin`'s fleet, once both are
+/// registered.
+async fn worker_ids(http: &Http, admin: &str, a: &str, b: &str) -> (String, String) {
+    for _ in 0..400 {
+        if let Ok(r) = http
+            .call("GET", &format!("{admin}/admin/workers"), "")
+            .await
+        {
+            let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();
+            let workers = v["workers"].as_array().cloned().unwrap_or_default();
+            if workers.len() == 2 {
+                let id_of = |url: &str| {
+                    workers
+                        .iter()
+                        .find(|w| w["url"].as_str() == Some(url))
+                        .map(|w| w["id"].to_string())
+                };
+                if let (Some(a), Some(b)) = (id_of(a), id_of(b)) {
+                    return (a, b);
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the engines at {a} and {b} never both registered");
+}
+
+/// A stream that opens with the client's error (vLLM tags most exceptions its stream
+/// generator catches as a 400) is relayed, and is no answer: its `[DONE]`, a separate event,
+/// was counted as the first token (a TTFT sample, the worker marked as answering), and the
+/// prompt was guessed to be in the refusing engine's cache, drawing the conversation's next
+/// turns there for a cache hit that is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_refused_with_an_error_event_is_no_token_and_caches_nothing() {
+    let http = Http::default();
+    let good = engine("vllm");
+    let (refusing, _) = scripted_engine(Script::ClientErrorEvent).await;
+    let (_router, url, admin) = round_robin_router(&good, &refusing);
+    let (refusing_id, good_id) = worker_ids(&http, &admin, &refusing, &good.url()).await;
+    wait_registered(&http, &admin, 2).await;
+    // Round robin: prompts until one was refused and a later one served.
+    let mut refused = Vec::new();
+    let mut served = None;
+    for i in 0..20 {
+        let body = completion(
+            MODEL,
+            &format!("prompt {i}: {}", "some shared words ".repeat(20)),
+            2,
+            true,
+        );
+        let r = http
+            .call("POST", &format!("{url}/v1/completions"), body.clone())
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        if r.body.contains("scripted bad request") {
+            refused.push(body);
+        } else if !refused.is_empty() {
+            assert!(r.body.contains("\"text\""), "{}", r.body);
+            served = Some(body);
+            break;
+        }
+    }
+    let served = served.expect("round robin sent prompts to both engines");
+    // Learning is in order: once the served prompt is credited, the refused ones were judged.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while !credited(&http, &admin, &served, &good_id).await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the served prompt is never credited to the engine that served it"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for body in &refused {
+        assert!(
+            !credited_strictly(&http, &admin, body, &refusing_id)
+                .await
+                .unwrap(),
+            "a prompt the engine refused is credited to it"
+        );
+    }
+    let scrape = http
+        .call("GET", &format!("{url}/metrics"), "")
+        .await
+        .unwrap()
+        .body;
+    let ttft_count = |id: &str| {
+        let series = format!("kvroute_ttft_seconds_count{{worker=\"{id}\"}} ");
+        scrape
+            .lines()
+            .find_map(|l| l.strip_prefix(&series))
+            .map_or(0.0, |v| v.trim().parse::<f64>().unwrap())
+    };
+    assert!(ttft_count(&good_id) > 0.0, "no TTFT series in\n{scrape}");
+    assert_eq!(ttft_count(&refusing_id), 0.0, "{scrape}");
 }
 
 /// Load that bypasses the router, as a sidecar reports it: clients send engine a six long
