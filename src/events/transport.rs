@@ -126,6 +126,48 @@ pub struct NatsTransport {
     dropped: Arc<std::sync::atomic::AtomicU64>,
 }
 
+/// Keeps `link` (up or down) and `reconnects` (connections after the first) as the client's
+/// own state and connection count say, on each connection event (`wake`) and every second.
+/// async-nats hands its events over a queue of 128 that drops what does not fit, and a burst
+/// of slow-consumer events (one per message dropped) fills it: taken from the events, a lost
+/// `Disconnected` left the router trusting silence through an outage (every lease expired)
+/// and a lost `Connected` left it deaf for good. Ends when nobody reads the link.
+async fn follow_link(
+    client: async_nats::Client,
+    link: Arc<watch::Sender<bool>>,
+    reconnects: Arc<watch::Sender<u64>>,
+    wake: Arc<tokio::sync::Notify>,
+) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = link.closed() => return,
+            _ = wake.notified() => {}
+            _ = tick.tick() => {}
+        }
+        let up = client.connection_state() == async_nats::connection::State::Connected;
+        let was = link.send_replace(up);
+        if was != up {
+            metrics::gauge!("kvroute_nats_connected").set(if up { 1.0 } else { 0.0 });
+            if !up {
+                tracing::warn!("NATS connection lost; reconnecting");
+            }
+        }
+        // The first connection is no reconnection.
+        let after_first = client
+            .statistics()
+            .connects
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .saturating_sub(1);
+        reconnects.send_if_modified(|n| {
+            let more = after_first > *n;
+            *n = (*n).max(after_first);
+            more
+        });
+    }
+}
+
 /// Warnings of messages dropped for a full subscription queue, all connections together.
 static SLOW_CONSUMER_LOG: crate::process::LogEvery =
     crate::process::LogEvery::new(std::time::Duration::from_secs(10));
@@ -151,7 +193,8 @@ impl Transport {
         let tx = Arc::new(tx);
         let (link, connected) = watch::channel(true);
         let link = Arc::new(link);
-        let connects = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let wake = Arc::new(tokio::sync::Notify::new());
+        let woken = Arc::clone(&wake);
         let dropped = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let dropped_here = Arc::clone(&dropped);
         let connect_error = |reason: String| TransportError::Connect {
@@ -203,26 +246,12 @@ impl Transport {
             .name(name)
             .subscription_capacity(SUBSCRIPTION_QUEUE)
             .event_callback(move |event| {
-                let (tx, connects, link, dropped) = (
-                    Arc::clone(&tx),
-                    Arc::clone(&connects),
-                    Arc::clone(&link),
-                    Arc::clone(&dropped_here),
-                );
+                let (wake, dropped) = (Arc::clone(&woken), Arc::clone(&dropped_here));
                 async move {
                     match event {
-                        async_nats::Event::Connected => {
-                            link.send_replace(true);
-                            metrics::gauge!("kvroute_nats_connected").set(1.0);
-                            // The first connect is not a reconnect.
-                            if connects.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 0 {
-                                tx.send_modify(|n| *n += 1);
-                            }
-                        }
-                        async_nats::Event::Disconnected => {
-                            link.send_replace(false);
-                            metrics::gauge!("kvroute_nats_connected").set(0.0);
-                            tracing::warn!("NATS connection lost; reconnecting")
+                        // Read from the client's own state ([`follow_link`]).
+                        async_nats::Event::Connected | async_nats::Event::Disconnected => {
+                            wake.notify_one();
                         }
                         async_nats::Event::ServerError(e) => {
                             tracing::warn!(error = %e, "NATS server error")
@@ -270,8 +299,8 @@ impl Transport {
                 }
             }
         };
-        // As the link says now (a loss during the start may have come since).
-        metrics::gauge!("kvroute_nats_connected").set(if *connected.borrow() { 1.0 } else { 0.0 });
+        metrics::gauge!("kvroute_nats_connected").set(1.0);
+        tokio::spawn(follow_link(client.clone(), link, tx, wake));
         Ok(Transport::Nats(NatsTransport {
             client,
             reconnects,

@@ -835,3 +835,41 @@ async fn messages_a_full_subscription_queue_drops_are_counted() {
     let counted = eventually(Duration::from_secs(20), || reader.dropped() > 0).await;
     assert!(counted, "no dropped message counted");
 }
+
+/// The link's state is the client's own, not what its events said: async-nats drops the
+/// connection events its queue of 128 has no room for, and a slow consumer fills it with one
+/// event per message dropped. Here a burst of drops meets a NATS restart; the reader must
+/// see the outage, come back connected and count the reconnection (taken from the events, a
+/// lost `Connected` left it disconnected for good). Whether the events are lost depends on
+/// timing, so without the fix this fails only sometimes; with it, it must always pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_link_follows_the_client_through_a_burst_of_drops_and_a_restart() {
+    use kvroute::events::transport::SUBSCRIPTION_QUEUE;
+    let mut nats = NatsServer::start().unwrap();
+    let reader = Transport::connect_nats(&nats.url(), "reader", &Default::default())
+        .await
+        .unwrap();
+    let writer = Transport::connect_nats(&nats.url(), "writer", &Default::default())
+        .await
+        .unwrap();
+    let mut reconnects = reader.reconnects().unwrap();
+    let _unread = reader.subscribe("slow.subject").await.unwrap();
+    reader.flush().await;
+    for _ in 0..SUBSCRIPTION_QUEUE + 10_000 {
+        writer
+            .publish("slow.subject", None, bytes::Bytes::from_static(b"x"))
+            .await
+            .unwrap();
+    }
+    writer.flush().await;
+    nats.restart().unwrap();
+    let back = tokio::time::timeout(Duration::from_secs(60), reconnects.changed()).await;
+    assert!(
+        matches!(back, Ok(Ok(()))),
+        "the reconnection was never counted"
+    );
+    assert!(
+        eventually(Duration::from_secs(30), || reader.is_connected()).await,
+        "the reader never came back connected"
+    );
+}
