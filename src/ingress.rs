@@ -1606,9 +1606,18 @@ async fn explain(
 pub(crate) struct InFlight(Arc<Router>);
 
 impl InFlight {
-    fn take(router: &Arc<Router>) -> Result<InFlight, ApiError> {
+    /// A slot for a request whose band `band` tells if every slot is taken (read only
+    /// then: it costs a pass over the body): a queued request of a lower band gives it its
+    /// place ([`Router::displace_for`]), or it is refused 429. The displaced request lets go
+    /// of its slot when its handler wakes: until then the count is one over the limit.
+    fn take(
+        router: &Arc<Router>,
+        band: impl FnOnce() -> Option<i64>,
+    ) -> Result<InFlight, ApiError> {
         let limit = router.config.max_inflight;
-        if router.inflight.fetch_add(1, Ordering::Relaxed) >= limit {
+        if router.inflight.fetch_add(1, Ordering::Relaxed) >= limit
+            && !band().is_some_and(|band| router.displace_for(band))
+        {
             router.inflight.fetch_sub(1, Ordering::Relaxed);
             return Err(ApiError::overloaded(limit));
         }
@@ -1668,7 +1677,19 @@ async fn complete(
     // The slot is taken once the body is in: a client uploading slowly holds a connection
     // and its body's share of the memory budget, not one of the requests the router
     // processes at once (4,096 slow uploads would otherwise turn everyone away).
-    let mut inflight = Some(InFlight::take(router)?);
+    let band = || {
+        let fields = openai::band_fields(&body);
+        Class::read(
+            &router.config.headers,
+            headers,
+            api_key.as_deref(),
+            fields.priority,
+            fields.service_tier.as_deref(),
+        )
+        .ok()
+        .map(|class| class.band)
+    };
+    let mut inflight = Some(InFlight::take(router, band)?);
     let prepared = Prepared::parse(router, body, held, chat).await?;
     let p = &prepared.parsed;
     let mut class = Class::read(
@@ -1863,6 +1884,7 @@ async fn admit(
         }
         Ok(Ok(Err(Refusal::NoWorkers))) => Err(ApiError::no_workers()),
         Ok(Ok(Err(Refusal::ShuttingDown))) => Err(ApiError::shutting_down()),
+        Ok(Ok(Err(Refusal::Displaced { band, by }))) => Err(ApiError::displaced(band, by)),
         Ok(Err(_)) | Err(_) => Err(ApiError::queue_deadline(band, ttl_ms, 1)),
     }
 }

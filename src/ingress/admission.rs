@@ -194,6 +194,9 @@ pub(super) enum Refusal {
     NoWorkers,
     /// The router began shutting down: another replica may serve it now.
     ShuttingDown,
+    /// It gave its place (and its slot among the requests the router takes at once) to a
+    /// request of a higher band that found every slot taken.
+    Displaced { band: i32, by: i32 },
 }
 
 /// The answer a queued request's handler waits for.
@@ -447,6 +450,28 @@ impl Router {
                 Err(ApiError::queue_full(band, limit, retry_after_s))
             }
         }
+    }
+
+    /// Makes room among the requests the router takes at once for one of `band` that found
+    /// every slot taken: the newest request of the lowest band below it leaves the queue
+    /// (answered 429), its slot to be this one's. False if none waits below `band`. Queued
+    /// requests hold their slots (the limit bounds what the router keeps in memory, prompts'
+    /// tokens included); without this, a flood of low-band requests queued up to the limit
+    /// turned every higher band's request away before it could be queued ahead of them.
+    pub(super) fn displace_for(&self, band: i64) -> bool {
+        let now = self.now_ms();
+        let mut queue = self.queue.lock();
+        let by = queue.config().clamp(band);
+        let Some(left) = queue.displace(now, by) else {
+            return false;
+        };
+        drop(queue);
+        rejected(left.ticket.band, "displaced");
+        let _ = left.payload.tx.send(Err(Refusal::Displaced {
+            band: left.ticket.band,
+            by,
+        }));
+        true
     }
 
     /// Answers every queued request 503 with `Retry-After` (the router is shutting down):

@@ -1025,6 +1025,22 @@ pub struct ApiError {
     pub worker_body: Option<bytes::Bytes>,
 }
 
+/// The body's fields a request's priority band is read from (besides its headers), read
+/// alone, as [`CompletionRequest`] and [`ChatRequest`] read them; absent if the body is no
+/// JSON object (its parse refuses it later).
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct BandFields {
+    #[serde(default, deserialize_with = "lax_i64")]
+    pub priority: Option<i64>,
+    #[serde(default)]
+    pub service_tier: Option<String>,
+}
+
+/// [`BandFields`] of a request body.
+pub(crate) fn band_fields(body: &[u8]) -> BandFields {
+    serde_json::from_slice(body).unwrap_or_default()
+}
+
 impl ApiError {
     fn new(status: u16, kind: &'static str, fault: Fault, message: impl Into<String>) -> Self {
         ApiError {
@@ -1132,6 +1148,21 @@ impl ApiError {
             Fault::Router,
             format!("{limit} requests in flight; retry shortly"),
         )
+    }
+
+    /// 429: a queued request gave its place to one of a higher band while the router was
+    /// at its limit of requests at once.
+    pub fn displaced(band: i32, by: i32) -> Self {
+        ApiError::new(
+            429,
+            "rate_limit_error",
+            Fault::Router,
+            format!(
+                "the router is at its limit of requests at once and a request of priority \
+                 band {by} took this one's place in band {band}'s queue; retry later"
+            ),
+        )
+        .retry_after(1)
     }
 
     /// 429: every tokenizer thread stayed busy for the router's wait.

@@ -686,6 +686,15 @@ mod queue {
         admission: scheduler::AdmissionConfig,
         models: [&str; 2],
     ) -> (Arc<Router>, Setup) {
+        router_configured(admission, models, IngressConfig::default()).await
+    }
+
+    /// [`router_with`], the router configured as `config` says.
+    async fn router_configured(
+        admission: scheduler::AdmissionConfig,
+        models: [&str; 2],
+        config: IngressConfig,
+    ) -> (Arc<Router>, Setup) {
         let scheduler = Scheduler::new(scheduler::Config {
             admission,
             ..Default::default()
@@ -709,7 +718,7 @@ mod queue {
             Arc::clone(&s.scheduler),
             s.plane.clone(),
             None,
-            IngressConfig::default(),
+            config,
             None,
             Tokenizer::Bytes,
         );
@@ -738,9 +747,20 @@ mod queue {
         prompt_tokens: usize,
         session: Option<&str>,
     ) -> Result<Entered<'a>, crate::ingress::openai::ApiError> {
+        try_enter_in_band(router, model, prompt_tokens, session, 0)
+    }
+
+    /// [`try_enter_with`] in `band`.
+    fn try_enter_in_band<'a>(
+        router: &'a Router,
+        model: &str,
+        prompt_tokens: usize,
+        session: Option<&str>,
+        band: i64,
+    ) -> Result<Entered<'a>, crate::ingress::openai::ApiError> {
         let class = Class {
             tenant: Arc::from("default"),
-            band: 0,
+            band,
             session: session.map(|s| (s.to_owned(), true)),
             receipt: false,
         };
@@ -807,6 +827,75 @@ mod queue {
             enter_with(&router, "a", 90, None),
             Entered::Admitted(_)
         ));
+    }
+
+    /// With every slot of `max_inflight` taken by requests queued in a low band, a request of
+    /// a higher band takes the newest one's place (it is answered 429, and its slot is the
+    /// newcomer's); one of the same band or lower is refused, as is a higher one once no
+    /// lower band waits. Before, queued requests held every slot and each higher band's
+    /// request was refused before it could be queued ahead of them.
+    #[tokio::test(start_paused = true)]
+    async fn a_higher_band_takes_a_lower_band_s_place_when_every_slot_is_taken() {
+        use super::super::InFlight;
+        use super::super::admission::Refusal;
+        let (router, _plane) = router_configured(
+            scheduler::AdmissionConfig {
+                worker_budget_tokens: 100,
+                ..Default::default()
+            },
+            ["a", "a"],
+            IngressConfig {
+                max_inflight: 2,
+                ..IngressConfig::default()
+            },
+        )
+        .await;
+        let mut admitted = Vec::new();
+        for _ in 0..2 {
+            let Entered::Admitted(a) = enter_with(&router, "a", 90, None) else {
+                panic!("an idle worker admits");
+            };
+            admitted.push(a);
+        }
+        let mut low = Vec::new();
+        for _ in 0..2 {
+            let slot = InFlight::take(&router, || Some(-1)).expect("a free slot");
+            let Ok(Entered::Queued { guard, rx, .. }) =
+                try_enter_in_band(&router, "a", 90, None, -1)
+            else {
+                panic!("both workers are full");
+            };
+            low.push((slot, guard, rx));
+        }
+        let refused = |band: i64| {
+            let Err(e) = InFlight::take(&router, || Some(band)) else {
+                panic!("band {band} took a slot");
+            };
+            assert_eq!(e.status, 429, "{e:?}");
+        };
+        refused(-1);
+        refused(-3);
+        let high = InFlight::take(&router, || Some(5)).expect("the newest low request's place");
+        let (newest_slot, _guard, mut newest) = low.pop().unwrap();
+        assert!(matches!(
+            newest.try_recv(),
+            Ok(Err(Refusal::Displaced { band: -1, by: 5 }))
+        ));
+        drop(newest_slot);
+        assert!(
+            matches!(low[0].2.try_recv(), Err(_)),
+            "the older one still waits"
+        );
+        let _also_high = InFlight::take(&router, || Some(1)).expect("the older one's place");
+        assert!(matches!(
+            low[0].2.try_recv(),
+            Ok(Err(Refusal::Displaced { band: -1, by: 1 }))
+        ));
+        low.clear();
+        // Nothing waits below: refused, however high.
+        refused(10);
+        assert_eq!(router.inflight.load(Ordering::Relaxed), 2);
+        drop(high);
     }
 
     /// How [`a_later_request_waits_behind`] fills its two workers (a budget of 100 tokens each;

@@ -249,6 +249,9 @@ pub struct BandCounters {
     pub expired: u64,
     /// Tickets whose client went away.
     pub cancelled: u64,
+    /// Tickets that gave up their place to a request of a higher band, which found the
+    /// router at its limit of requests at once ([`AdmissionQueue::displace`]).
+    pub displaced: u64,
 }
 
 /// A band as `/admin/queues` shows it.
@@ -435,6 +438,26 @@ impl<T> AdmissionQueue<T> {
     pub fn cancel(&mut self, now_ms: u64, id: TicketId) -> Option<Left<T>> {
         let left = self.remove(now_ms, id, false)?;
         self.counters.entry(left.ticket.band).or_default().cancelled += 1;
+        Some(left)
+    }
+
+    /// Removes the ticket that would go last of the lowest band below `band` (that band's
+    /// newest), for a request of `band` to take its place: `None` if no band below it holds
+    /// one.
+    pub fn displace(&mut self, now_ms: u64, band: i32) -> Option<Left<T>> {
+        let band = self.config.clamp(i64::from(band));
+        let (std::cmp::Reverse(lowest), tickets) = self.bands.iter().next_back()?;
+        if *lowest >= band {
+            return None;
+        }
+        let newest = tickets
+            .tenants
+            .values()
+            .filter_map(|t| t.tickets.back())
+            .max()
+            .copied()?;
+        let left = self.remove(now_ms, newest, false)?;
+        self.counters.entry(left.ticket.band).or_default().displaced += 1;
         Some(left)
     }
 

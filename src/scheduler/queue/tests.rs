@@ -142,6 +142,25 @@ enum Op {
     Admit,
     Cancel(usize),
     Advance(u64),
+    Displace(i32),
+}
+
+/// A request of a higher band takes the place of the lowest band's newest ticket; one of
+/// the lowest band waiting, or of a band below every waiting one, takes none.
+#[test]
+fn the_lowest_band_s_newest_ticket_gives_its_place_to_a_higher_band() {
+    let mut q = AdmissionQueue::new(QueueConfig::default());
+    let old_low = q.push(0, ticket(-1, "a", 10), 1).unwrap();
+    let new_low = q.push(1, ticket(-1, "b", 10), 2).unwrap();
+    let mid = q.push(2, ticket(0, "a", 10), 3).unwrap();
+    assert!(q.displace(3, -1).is_none(), "not below its own band");
+    assert!(q.displace(3, -5).is_none());
+    let l = q.displace(3, 0).unwrap();
+    assert_eq!((l.id, l.payload, l.waited_ms), (new_low, 2, 2));
+    assert_eq!(q.displace(3, 5).unwrap().id, old_low);
+    assert_eq!(q.displace(3, 5).unwrap().id, mid);
+    assert!(q.displace(3, 5).is_none() && q.is_empty());
+    assert_eq!(q.counters[&-1].displaced, 2);
 }
 
 /// A tenant that is never backlogged for long (one ticket at a time, sent again as soon as
@@ -251,6 +270,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => Just(Op::Admit),
         1 => any::<usize>().prop_map(Op::Cancel),
         1 => (0u64..40).prop_map(Op::Advance),
+        1 => (-2i32..=3).prop_map(Op::Displace),
     ]
 }
 
@@ -292,6 +312,19 @@ proptest! {
                         let l = q.cancel(now, id).expect("a waiting ticket");
                         prop_assert!(left.insert(l.id, "cancelled").is_none());
                         waiting.remove(&id);
+                    }
+                }
+                Op::Displace(band) => {
+                    let lowest = waiting.iter().map(|(id, b)| (*b, std::cmp::Reverse(*id))).min();
+                    match q.displace(now, band) {
+                        Some(l) => {
+                            // The newest ticket of the lowest band, which is below `band`.
+                            let (b, std::cmp::Reverse(id)) = lowest.expect("a ticket waited");
+                            prop_assert!(b < band && l.id == id, "displaced {:?}, not {id:?}", l.id);
+                            prop_assert!(left.insert(l.id, "displaced").is_none());
+                            waiting.remove(&l.id);
+                        }
+                        None => prop_assert!(lowest.is_none_or(|(b, _)| b >= band)),
                     }
                 }
                 Op::Advance(ms) => {
