@@ -338,6 +338,9 @@ pub struct Router {
     /// invariant), for the pump's guard's test.
     #[cfg(test)]
     break_next_walk: AtomicBool,
+    /// Under `cfg(test)`, the next walk that routes a ticket panics right after.
+    #[cfg(test)]
+    break_after_routing: AtomicBool,
     /// The keys accepted on `/v1/*`: `config.api_keys` and the file's, as last read.
     api_keys: Mutex<Arc<ApiKeys>>,
 }
@@ -498,6 +501,8 @@ impl Router {
             room,
             #[cfg(test)]
             break_next_walk: AtomicBool::new(false),
+            #[cfg(test)]
+            break_after_routing: AtomicBool::new(false),
         });
         for end in proxy::RelayEnd::ALL {
             metrics::counter!("kvroute_relay_ended_total", "how" => end.label()).increment(0);

@@ -559,7 +559,7 @@ impl Router {
         // How the walk ended, if not by running out of tickets to weigh.
         enum End {
             FleetFull,
-            Admit(TicketId, Box<Decision>),
+            Admit(TicketId, Box<(Decision, Booking)>),
         }
         let mut ended = None;
         for (id, ticket, waiter) in queue.in_order() {
@@ -638,11 +638,21 @@ impl Router {
                     break;
                 }
                 Admission::NoWorkers => orphaned.push(id),
+                // Its guard at once: the work below (the other tickets' cancels) runs before
+                // the booking reaches its handler, and a panic there (the pump survives one)
+                // left a booking nothing would ever release.
                 Admission::Routed(decision) => {
-                    ended = Some(End::Admit(id, Box::new(decision)));
+                    let booking = Booking::new(self, decision.booking);
+                    ended = Some(End::Admit(id, Box::new((decision, booking))));
                     break;
                 }
             }
+        }
+        #[cfg(test)]
+        if matches!(ended, Some(End::Admit(..)))
+            && self.break_after_routing.swap(false, Ordering::Relaxed)
+        {
+            panic!("a broken invariant, after routing a ticket (test)");
         }
         for id in closed {
             walk.overlaps.remove(&id);
@@ -657,15 +667,14 @@ impl Router {
             }
         }
         match ended {
-            Some(End::Admit(id, decision)) => {
-                record_decision(&decision);
-                let booking = Booking::new(self, decision.booking);
+            Some(End::Admit(id, admitted)) => {
+                record_decision(&admitted.0);
                 let left = queue
                     .admit_waiting(now, id)
                     .expect("invariant: the ticket waits while the queue is locked");
                 waited(left.ticket.band, left.waited_ms);
                 // A handler gone since the check drops the booking with the message.
-                let _ = left.payload.tx.send(Ok((*decision, booking)));
+                let _ = left.payload.tx.send(Ok(*admitted));
                 Walked::Admitted
             }
             // The flag is set with the queue locked, as `enter` sets it: stored after the

@@ -1293,6 +1293,35 @@ mod queue {
         );
     }
 
+    /// A pump that panics after routing a ticket, before the ticket's handler has its booking,
+    /// leaves no booking behind: the next pump routes the ticket again, and one booking is
+    /// open, not two (the first had no guard yet, and nothing would ever release it).
+    #[tokio::test(start_paused = true)]
+    async fn a_pump_that_panics_after_routing_leaves_no_booking_behind() {
+        let (router, _plane) = router(1, ["a", "b"]).await;
+        let running = enter(&router, "a");
+        assert!(matches!(running, Entered::Admitted(_)));
+        let Entered::Queued {
+            guard: _waiting,
+            rx,
+            ttl_ms,
+        } = enter(&router, "a")
+        else {
+            panic!("the worker is busy: queued");
+        };
+        router.break_after_routing.store(true, Ordering::Relaxed);
+        drop(running);
+        let outcome = tokio::time::timeout(Duration::from_millis(ttl_ms / 2), rx)
+            .await
+            .expect("no pump admitted the request after one panicked");
+        assert!(matches!(outcome, Ok(Ok(_))));
+        assert!(
+            !router.break_after_routing.load(Ordering::Relaxed),
+            "no pump panicked"
+        );
+        assert_eq!(router.scheduler.lock().open_bookings(), 1);
+    }
+
     /// A request of a model with nothing waiting is routed at once, whatever another model
     /// has queued; and one queued behind more than a pump weighs of another model's is still
     /// admitted once its worker has room.
