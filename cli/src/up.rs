@@ -51,6 +51,9 @@ pub struct UpArgs {
     /// Hugging Face `tokenizer.json` for router and workers [default: one token per byte].
     #[arg(long, env = "KVROUTE_TOKENIZER")]
     pub tokenizer: Option<PathBuf>,
+    /// The workers take `POST /admin/faults` (tests).
+    #[arg(long, hide = true)]
+    pub fault_injection: bool,
 }
 
 /// Runs the embedded fleet until SIGINT or SIGTERM.
@@ -104,12 +107,21 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
                 metrics: None,
                 tokenizer: Arc::clone(&worker_tokenizer),
                 http: settings.ingress.http.clone(),
-                fault_injection: false,
+                fault_injection: args.fault_injection,
                 api_key: None,
                 emulate: None,
             };
             workers.push(Worker::start(config, bus.clone(), registry.clone()).await?);
         }
+        // A worker whose engine fails leaves the fleet (as `kvroute-worker` does), and the
+        // others go on serving: registered, it kept heartbeating and every request sent to
+        // it failed.
+        let (stop_workers, stopping) = watch::channel(false);
+        let workers: Vec<_> = workers
+            .into_iter()
+            .enumerate()
+            .map(|(i, worker)| tokio::spawn(follow_worker(i + 1, worker, stopping.clone())))
+            .collect();
         let (stop, stop_rx) = watch::channel(false);
         let router =
             start_router(&settings, bus, registry, false, metrics, tokenizer, stop_rx).await?;
@@ -152,10 +164,32 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             &signals,
         )
         .await;
+        let _ = stop_workers.send(true);
         for worker in workers {
-            worker.stop().await;
+            let _ = worker.await;
         }
         let _ = stop.send(true);
         outcome
     })
+}
+
+/// Runs in-process worker `n` until `stopping`: if its engine fails first, it leaves the
+/// fleet and says why.
+async fn follow_worker(n: usize, mut worker: Worker, mut stopping: watch::Receiver<bool>) {
+    let mut failed = worker.failed();
+    let failure = tokio::select! {
+        _ = stopping.wait_for(|stop| *stop) => None,
+        reason = failed.wait_for(Option::is_some) => Some(
+            reason
+                .ok()
+                .and_then(|r| r.clone())
+                .unwrap_or_else(|| "its engine ended".into()),
+        ),
+    };
+    if let Some(reason) = failure {
+        worker.leave().await;
+        tracing::error!(worker = n, %reason, "an in-process worker's engine failed: it left the fleet; the others serve on");
+        let _ = stopping.wait_for(|stop| *stop).await;
+    }
+    worker.stop().await;
 }

@@ -86,6 +86,62 @@ async fn a_low_soft_open_files_limit_is_raised_to_the_hard_one() {
     assert_eq!(soft, hard, "the soft limit stayed at {soft}");
 }
 
+/// An in-process worker whose engine fails leaves the fleet and the other serves on: it
+/// stayed registered, heartbeating, and every request sent to it failed.
+#[tokio::test]
+async fn up_drops_a_worker_whose_engine_failed() {
+    let (_up, url, admin, http) =
+        up(&["--workers", "2", "--speedup", "20", "--fault-injection"]).await;
+    let listed = |body: &str| -> Vec<String> {
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        v["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w["url"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let workers = http
+        .call("GET", &format!("{admin}/admin/workers"), "")
+        .await
+        .unwrap();
+    let urls = listed(&workers.body);
+    assert_eq!(urls.len(), 2, "{}", workers.body);
+    let r = http
+        .call(
+            "POST",
+            &format!("{}/admin/faults", urls[0]),
+            r#"{"fail_engine":true}"#,
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    let mut left = false;
+    for _ in 0..600 {
+        let workers = http
+            .call("GET", &format!("{admin}/admin/workers"), "")
+            .await
+            .unwrap();
+        if listed(&workers.body) == urls[1..] {
+            left = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(left, "the failed worker is still in the fleet");
+    for _ in 0..4 {
+        let r = http
+            .call(
+                "POST",
+                &format!("{url}/v1/completions"),
+                r#"{"model":"kvroute-sim","prompt":"Hello there","max_tokens":2}"#,
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+}
+
 #[tokio::test]
 async fn up_serves_openai_requests_without_nats() {
     let (_up, url, admin, http) = up(&["--workers", "2", "--speedup", "20"]).await;
