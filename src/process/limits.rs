@@ -20,8 +20,8 @@ pub fn raise_open_files_limit(connections: usize) {
         return;
     };
     let now = if was < hard {
-        match sys::set_soft(hard) {
-            Ok(()) => hard,
+        match sys::raise_soft(hard) {
+            Ok(now) => now,
             Err(e) => {
                 tracing::warn!(error = %e, soft = was, hard, "could not raise the open-files limit");
                 was
@@ -31,7 +31,7 @@ pub fn raise_open_files_limit(connections: usize) {
         was
     };
     if now != was {
-        tracing::info!(was, now, "open-files limit raised to the hard limit");
+        tracing::info!(was, now, hard, "open-files limit raised");
     }
     if now < needed {
         tracing::warn!(
@@ -57,10 +57,13 @@ mod sys {
         Resource::NOFILE.get().ok()
     }
 
-    /// Sets the soft `RLIMIT_NOFILE`, keeping the hard one.
-    pub fn set_soft(soft: u64) -> std::io::Result<()> {
-        let (_, hard) = Resource::NOFILE.get()?;
-        Resource::NOFILE.set(soft, hard)
+    /// Raises the soft `RLIMIT_NOFILE` towards `soft`, keeping the hard one; returns what it
+    /// is now. Where the hard limit is unlimited (macOS) the kernel refuses an unlimited
+    /// soft one: the rlimit crate caps it at what the kernel allows a process
+    /// (`kern.maxfilesperproc`), where setting it whole failed and left the soft limit at
+    /// 256.
+    pub fn raise_soft(soft: u64) -> std::io::Result<u64> {
+        rlimit::increase_nofile_limit(soft)
     }
 }
 
