@@ -73,6 +73,11 @@ pub struct MirrorStats {
     /// Blocks whose parent the mirror does not know (stored before it started, or lost):
     /// their kvroute hash cannot be computed, so they are not indexed.
     pub orphans: u64,
+    /// Blocks not indexed because a known engine hash came under another parent than the
+    /// block it names (the stored block, and the rest of its chain): the engine names a
+    /// block by its tokens alone, not its position (SGLang before its position-aware
+    /// SHA-256 block hashes: `hash(tuple(page_tokens))`), so one hash is several blocks.
+    pub ambiguous: u64,
     /// Token-less stores and removals of blocks the mirror does not know.
     pub unresolved: u64,
     /// Events of groups that do not hold the whole prefix (sliding window, Mamba).
@@ -362,6 +367,14 @@ impl EngineMirror {
             .enumerate()
         {
             if let Some(known) = self.lookup(*h) {
+                // A known hash under another parent (both known) names another block of
+                // the same tokens: taken for the known one, it credited the rest of this
+                // chain under the known block's prefix (an overcount). The chain is not
+                // indexed from here (an undercount, which routing survives).
+                if parent.is_some_and(|up| up != known.parent) {
+                    self.stats.ambiguous += (s.hashes.len() - i) as u64;
+                    return;
+                }
                 // Named before (another tier, or stored twice): the same block.
                 let held = self.hold(*h, known, tier, out);
                 parent = held.then_some(Some(known.block.seq));

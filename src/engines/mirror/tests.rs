@@ -499,6 +499,46 @@ fn a_known_block_resolves_by_its_engine_hash_whatever_its_parent() {
     assert_eq!(m.stats().orphans, 0);
 }
 
+/// An engine that names a block by its tokens alone (SGLang before its position-aware
+/// hashes: `hash(tuple(page_tokens))`) gives a page the same hash under two prefixes. Taken
+/// for the block already known, the second chain's later blocks were credited under the
+/// first chain's prefix (S1 D Q indexed, where the engine holds S1 D and S2 D Q): an
+/// overcount. The second chain is not indexed from the ambiguous block on.
+#[test]
+fn a_known_hash_under_another_parent_stops_the_chain() {
+    let (s1, s2, d, q) = (tokens(BS), vec![500; BS], vec![600; BS], vec![700; BS]);
+    let mut m = EngineMirror::new(bs());
+    let first = apply(
+        &mut m,
+        vec![stored(
+            &[10, 20],
+            None,
+            &[s1.clone(), d.clone()].concat(),
+            Medium::Gpu,
+        )],
+    );
+    assert_eq!(first.len(), 2);
+    let second = [s2.clone(), d.clone(), q.clone()].concat();
+    let out = apply(
+        &mut m,
+        vec![stored(&[30, 20, 40], None, &second, Medium::Gpu)],
+    );
+    let want = hash_blocks(&second, bs(), Salt::NONE);
+    let stored_seqs: Vec<SeqHash> = out
+        .iter()
+        .map(|c| match c {
+            BlockChange::Stored { block, .. } => block.seq,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(stored_seqs, [want[0].seq], "only S2 is indexed");
+    assert_eq!(m.stats().ambiguous, 2);
+    // Under a parent the mirror does not know, the known block is taken as it is (SGLang's
+    // host stores name a parent that may have left every tier).
+    let out = apply(&mut m, vec![stored(&[20], Some(999), &d, Medium::Cpu)]);
+    assert_eq!(out.len(), 1, "{out:?}");
+}
+
 /// vLLM releases before `lora_name` name an adapter by number only: its blocks are salted
 /// with the adapter in the engine, and the router salts by name, so they are not indexed
 /// (as base-model blocks they would be false hits), and counted.

@@ -132,13 +132,14 @@ impl Telemetry {
         }
         const NOT_INDEXED: &str = "kvroute_engine_blocks_not_indexed_total";
         const SKIPPED: &str = "kvroute_engine_events_skipped_total";
-        let by_reason: [(&'static str, Figure); 9] = [
+        let by_reason: [(&'static str, Figure); 10] = [
             (
                 NOT_INDEXED,
                 ("block_size", |s| s.mirror.block_size_mismatch),
             ),
             (NOT_INDEXED, ("malformed", |s| s.mirror.malformed)),
             (NOT_INDEXED, ("orphan", |s| s.mirror.orphans)),
+            (NOT_INDEXED, ("ambiguous", |s| s.mirror.ambiguous)),
             (NOT_INDEXED, ("unresolved", |s| s.mirror.unresolved)),
             (NOT_INDEXED, ("other_group", |s| s.mirror.other_groups)),
             (NOT_INDEXED, ("unnamed_lora", |s| s.mirror.unnamed_lora)),
