@@ -765,25 +765,7 @@ async fn publishing_without_nats_fails_at_once() {
     let transport = Transport::connect_nats(&nats.url(), "w", &Default::default())
         .await
         .unwrap();
-    let info = Arc::new(parking_lot::Mutex::new(kvroute::discovery::WorkerInfo {
-        id: WorkerId(5),
-        url: "http://127.0.0.1:1/".into(),
-        block_size: 16,
-        g1_blocks: 8,
-        g2_blocks: 0,
-        model: "sim".into(),
-        dp_size: 1,
-        epoch: 1,
-        last_event_ids: vec![0],
-        api: kvroute::discovery::WorkerApi::Kvroute,
-        adapters: Vec::new(),
-        engine_load: None,
-        event_faults: None,
-        engine_rank_kv_usage: Vec::new(),
-        learns_routes: false,
-        left: false,
-    }));
-    let plane = kvroute_worker::plane::WorkerPlane::new(transport.clone(), CLUSTER, info);
+    let plane = worker_plane(&transport);
     let batch = |id| EventBatch {
         worker: WorkerId(5),
         dp_rank: DpRank(0),
@@ -806,6 +788,80 @@ async fn publishing_without_nats_fails_at_once() {
         .await
         .expect("publish waited on a disconnected client");
     assert!(r.is_err(), "a batch was taken while NATS was down");
+}
+
+/// The event publisher of worker 5 (rank 0, epoch 1) over `transport`.
+fn worker_plane(transport: &Transport) -> kvroute_worker::plane::WorkerPlane {
+    let info = Arc::new(parking_lot::Mutex::new(kvroute::discovery::WorkerInfo {
+        id: WorkerId(5),
+        url: "http://127.0.0.1:1/".into(),
+        block_size: 16,
+        g1_blocks: 8,
+        g2_blocks: 0,
+        model: "sim".into(),
+        dp_size: 1,
+        epoch: 1,
+        last_event_ids: vec![0],
+        api: kvroute::discovery::WorkerApi::Kvroute,
+        adapters: Vec::new(),
+        engine_load: None,
+        event_faults: None,
+        engine_rank_kv_usage: Vec::new(),
+        learns_routes: false,
+        left: false,
+    }));
+    kvroute_worker::plane::WorkerPlane::new(transport.clone(), CLUSTER, info)
+}
+
+/// A connection that stays up but takes nothing (the server stopped, as behind a half-open
+/// connection: the client reports it connected until its pings time out, minutes later):
+/// once a message was not taken within the publish deadline, publishes fail at once for a
+/// while instead of each waiting out the deadline, which held a sidecar to a batch a second
+/// while its engine's socket dropped the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_stuck_on_a_connection_that_does_not_move_stops_waiting() {
+    use kvroute::protocol::{
+        DpRank, EventBatch, KvEvent, KvEventData, LocalHash, SeqHash, StoredBlock,
+    };
+    let nats = NatsServer::start().unwrap();
+    let transport = Transport::connect_nats(&nats.url(), "w", &Default::default())
+        .await
+        .unwrap();
+    let plane = worker_plane(&transport);
+    let blocks: Vec<StoredBlock> = (0..200u64)
+        .map(|i| StoredBlock {
+            seq: SeqHash(i + 1),
+            local: LocalHash(i + 1),
+        })
+        .collect();
+    let batch = |id| EventBatch {
+        worker: WorkerId(5),
+        dp_rank: DpRank(0),
+        epoch: 1,
+        sent_unix_us: 0,
+        events: vec![KvEvent {
+            id,
+            tier: Tier::Device,
+            data: KvEventData::Stored {
+                parent: None,
+                blocks: blocks.clone(),
+            },
+        }],
+    };
+    nats.pause();
+    // The client's buffers fill; then a message is not taken within the deadline.
+    let mut first_error = None;
+    for id in 1..=100_000 {
+        if let Err(e) = plane.publish(&batch(id)).await {
+            first_error = Some((id, e.to_string()));
+            break;
+        }
+    }
+    let (id, first) = first_error.expect("a paused server took every message");
+    assert!(first.contains("not taken within"), "{first}");
+    let next = plane.publish(&batch(id + 1)).await.unwrap_err().to_string();
+    assert!(next.contains("not waiting on it again"), "{next}");
+    nats.resume();
 }
 
 /// A subscription whose reader falls behind by its whole queue loses messages in the NATS

@@ -27,12 +27,20 @@ pub struct SnapshotRequest {
 /// Longest wait for the NATS client to take one message of a batch.
 pub const PUBLISH_DEADLINE: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// After a message was not taken within [`PUBLISH_DEADLINE`], publishes fail at once for
+/// this long before one waits again.
+pub const STALL_BACKOFF: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Publishes one worker's events.
 #[derive(Clone, Debug)]
 pub struct WorkerPlane {
     transport: Transport,
     subject: String,
     info: Arc<Mutex<WorkerInfo>>,
+    /// Until when publishes fail at once: the client took no message within the deadline
+    /// (a connection that stays up but does not move, which the client reports as
+    /// connected until its pings time out, minutes later).
+    stalled_until: Arc<Mutex<Option<tokio::time::Instant>>>,
 }
 
 impl WorkerPlane {
@@ -51,6 +59,7 @@ impl WorkerPlane {
             transport,
             subject,
             info,
+            stalled_until: Arc::default(),
         }
     }
 
@@ -58,7 +67,10 @@ impl WorkerPlane {
     /// registration heartbeat. Fails at once while NATS is unreachable, and after
     /// [`PUBLISH_DEADLINE`] if the client takes no message: its buffer is full during a
     /// reconnect, and waiting would stall whoever publishes (a sidecar's one loop also
-    /// answers snapshots, checks health and hears SIGTERM). The caller notes the batch as
+    /// answers snapshots, checks health and hears SIGTERM). After such a wait, publishes
+    /// fail at once for [`STALL_BACKOFF`]: waiting a second on each batch of a connection
+    /// that does not move held a sidecar to a batch a second, so it stopped reading its
+    /// engine's events and the engine's socket dropped them. The caller notes the batch as
     /// sent (lost), so routers see the gap and resync.
     pub async fn publish(&self, batch: &EventBatch) -> Result<(), TransportError> {
         let failed = |reason: String| TransportError::Publish {
@@ -68,6 +80,15 @@ impl WorkerPlane {
         if !self.transport.is_connected() {
             return Err(failed("not connected to NATS".into()));
         }
+        let now = tokio::time::Instant::now();
+        if let Some(until) = *self.stalled_until.lock()
+            && now < until
+        {
+            return Err(failed(format!(
+                "NATS took no message within {PUBLISH_DEADLINE:?}; not waiting on it again for {:?}",
+                until - now
+            )));
+        }
         let max = self.transport.max_payload();
         let payloads = encode_split(batch, max).map_err(|e| failed(e.to_string()))?;
         for payload in payloads {
@@ -76,7 +97,10 @@ impl WorkerPlane {
                 self.transport.publish(&self.subject, None, payload.into()),
             )
             .await
-            .map_err(|_| failed(format!("not taken within {PUBLISH_DEADLINE:?}")))??;
+            .map_err(|_| {
+                *self.stalled_until.lock() = Some(tokio::time::Instant::now() + STALL_BACKOFF);
+                failed(format!("not taken within {PUBLISH_DEADLINE:?}"))
+            })??;
         }
         self.note_sent(batch);
         Ok(())
