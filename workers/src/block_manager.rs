@@ -104,6 +104,12 @@ pub struct CacheStats {
 /// How often a copy the device has not finished is polled, µs of engine time.
 pub const DEVICE_POLL_US: u64 = 100;
 
+/// How long after the link model ended it a copy the device has not finished is a failure
+/// of the device ([`OffloadError::Stuck`]), µs of engine time: a block's copy takes
+/// microseconds, and one that never ends held its slots, and the requests behind them, for
+/// good while the engine polled it ten thousand times a second.
+pub const DEVICE_DEADLINE_US: u64 = 10_000_000;
+
 /// A copy's direction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Copy {
@@ -135,6 +141,12 @@ pub enum OffloadError {
     /// The GPU failed a copy.
     #[error(transparent)]
     Device(#[from] DeviceError),
+    /// The device has not finished a copy [`DEVICE_DEADLINE_US`] after it was due.
+    #[error("the device has not finished a KV copy {late_ms} ms after it was due: it is hung")]
+    Stuck {
+        /// How late, ms.
+        late_ms: u64,
+    },
 }
 
 #[derive(Debug)]
@@ -150,7 +162,8 @@ struct Inner {
     /// Copies G2 → G1 in flight on `h2d`: (G2 source, reserved G1 slot) pairs.
     onboards: FxHashMap<TransferId, Vec<(BlockId, BlockId)>>,
     /// Copies the link model has ended and the device has not, in the order they ended.
-    device_wait: Vec<(TransferId, Copy)>,
+    /// With each, when it was due.
+    device_wait: Vec<(TransferId, Copy, u64)>,
     /// When `device_wait` is polled next.
     poll_at: Option<u64>,
     /// G1 slots held only by an offload copy: they come back when it ends.
@@ -673,11 +686,11 @@ impl Inner {
         let retries = due.len();
         let mut done = Vec::new();
         self.d2h.advance(now_us, &mut done);
-        due.extend(done.drain(..).map(|(id, _)| (id, Copy::Offload)));
+        due.extend(done.drain(..).map(|(id, _)| (id, Copy::Offload, now_us)));
         self.h2d.advance(now_us, &mut done);
-        due.extend(done.into_iter().map(|(id, _)| (id, Copy::Onboard)));
+        due.extend(done.into_iter().map(|(id, _)| (id, Copy::Onboard, now_us)));
         let mut result = Ok(());
-        for (i, (id, copy)) in due.into_iter().enumerate() {
+        for (i, (id, copy, since)) in due.into_iter().enumerate() {
             let polled = match copy {
                 Copy::Offload => self.poll_offload(id),
                 Copy::Onboard => self.poll_onboard(id, ready),
@@ -687,7 +700,13 @@ impl Inner {
                     if i >= retries {
                         self.stats.late_copies += 1;
                     }
-                    self.device_wait.push((id, copy));
+                    let late = now_us.saturating_sub(since);
+                    if late >= DEVICE_DEADLINE_US {
+                        result = Err(OffloadError::Stuck {
+                            late_ms: late / 1_000,
+                        });
+                    }
+                    self.device_wait.push((id, copy, since));
                 }
                 Poll::Ready(Err(e)) => result = Err(e),
                 Poll::Ready(Ok(())) => {}

@@ -351,6 +351,32 @@ fn an_onboard_the_device_is_late_with_is_polled_not_waited_for() {
     bm.check_invariants().unwrap();
 }
 
+/// A copy the device never finishes is a failure of the device once it is
+/// [`DEVICE_DEADLINE_US`] late (the engine stops, and its worker leaves the fleet): it was
+/// polled forever, its slots and the request behind them held for good.
+#[test]
+fn a_copy_the_device_never_finishes_fails_at_its_deadline() {
+    let bm = BlockManager::new(&byte_config(4, 8));
+    let c = chain(0, 4);
+    let t = offload_chain(&bm, &c);
+    bm.lag_device(u32::MAX);
+    let (mut lease, _) = bm.acquire_prefix(&seqs(&c));
+    bm.allocate(t, &mut lease, 4).unwrap();
+    bm.start_onboard(t, &mut lease, 0);
+    let done = bm.next_wakeup_us().unwrap();
+    let mut ready = Vec::new();
+    bm.advance(done, &mut ready).unwrap();
+    bm.advance(done + DEVICE_DEADLINE_US - DEVICE_POLL_US, &mut ready)
+        .unwrap();
+    assert!(ready.is_empty());
+    assert_eq!(
+        bm.advance(done + DEVICE_DEADLINE_US, &mut ready),
+        Err(OffloadError::Stuck {
+            late_ms: DEVICE_DEADLINE_US / 1_000
+        })
+    );
+}
+
 /// An offload the device is late with keeps its G1 slots until the device is done.
 #[test]
 fn an_offload_holds_its_g1_slots_until_the_device_is_done() {
