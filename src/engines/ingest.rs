@@ -329,15 +329,8 @@ impl Ingest {
                 m = tokio::time::timeout(idle, sub.recv()) => m,
                 _ = tx.closed() => return Err(Closed),
             };
-            let frames = match message {
-                Ok(Ok(frames)) => Message::Whole(frames),
-                // Read past: its seq still counts, and the stream stays in step.
-                Ok(Err(ZmtpError::Oversized {
-                    frames,
-                    frame,
-                    bytes,
-                    ..
-                })) => Message::Oversized(frames, frame, bytes),
+            let frames = match message.map(Message::read) {
+                Ok(Ok(message)) => message,
                 Ok(Err(e)) => {
                     tracing::warn!(endpoint = %self.endpoint.events, error = %e, "engine event stream failed; reconnecting");
                     return Ok(true);
@@ -544,15 +537,9 @@ impl Ingest {
             }
             replies += 1;
             let next = tokio::time::Instant::now() + limits.replay;
-            let frames = match tokio::time::timeout_at(next.min(ends), dealer.recv()).await {
-                Ok(Ok(frames)) => Message::Whole(frames),
-                Ok(Err(ZmtpError::Oversized {
-                    frames,
-                    frame,
-                    bytes,
-                    ..
-                })) => Message::Oversized(frames, frame, bytes),
-                Ok(Err(e)) => return Err(e),
+            let received = tokio::time::timeout_at(next.min(ends), dealer.recv()).await;
+            let frames = match received.map(Message::read) {
+                Ok(message) => message?,
                 // The engine answered and then fell silent: its ROUTER socket drops what the
                 // peer's queue has no room for, and the end marker, sent right after the last
                 // batch, is what a burst drops most often. The stream has ended; what it lost
@@ -700,6 +687,21 @@ enum Message {
 }
 
 impl Message {
+    /// What a `recv` gave: a message, whole or with a frame read past (its seq still
+    /// counts, and the stream stays in step), or why the connection failed.
+    fn read(received: Result<Vec<Bytes>, ZmtpError>) -> Result<Message, ZmtpError> {
+        match received {
+            Ok(frames) => Ok(Message::Whole(frames)),
+            Err(ZmtpError::Oversized {
+                frames,
+                frame,
+                bytes,
+                ..
+            }) => Ok(Message::Oversized(frames, frame, bytes)),
+            Err(e) => Err(e),
+        }
+    }
+
     fn frames(&self) -> &[Bytes] {
         match self {
             Message::Whole(frames) | Message::Oversized(frames, ..) => frames,

@@ -760,23 +760,13 @@ async fn replicas_see_each_others_bookings_and_drop_a_dead_replicas() {
 /// sidecar's one loop also answers snapshots, checks its engine and hears SIGTERM.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publishing_without_nats_fails_at_once() {
-    use kvroute::protocol::{DpRank, EventBatch, KvEvent, KvEventData};
+    use kvroute::protocol::KvEventData;
     let mut nats = NatsServer::start().unwrap();
     let transport = Transport::connect_nats(&nats.url(), "w", &Default::default())
         .await
         .unwrap();
     let plane = worker_plane(&transport);
-    let batch = |id| EventBatch {
-        worker: WorkerId(5),
-        dp_rank: DpRank(0),
-        epoch: 1,
-        sent_unix_us: 0,
-        events: vec![KvEvent {
-            id,
-            tier: Tier::Device,
-            data: KvEventData::Cleared,
-        }],
-    };
+    let batch = |id| worker_5_batch(id, KvEventData::Cleared);
     plane.publish(&batch(1)).await.unwrap();
     nats.kill();
     assert!(
@@ -788,6 +778,22 @@ async fn publishing_without_nats_fails_at_once() {
         .await
         .expect("publish waited on a disconnected client");
     assert!(r.is_err(), "a batch was taken while NATS was down");
+}
+
+/// Worker 5's batch of one event, `id`, in its epoch 1 (rank 0).
+fn worker_5_batch(id: u64, data: kvroute::protocol::KvEventData) -> kvroute::protocol::EventBatch {
+    use kvroute::protocol::{DpRank, EventBatch, KvEvent};
+    EventBatch {
+        worker: WorkerId(5),
+        dp_rank: DpRank(0),
+        epoch: 1,
+        sent_unix_us: 0,
+        events: vec![KvEvent {
+            id,
+            tier: Tier::Device,
+            data,
+        }],
+    }
 }
 
 /// The event publisher of worker 5 (rank 0, epoch 1) over `transport`.
@@ -820,9 +826,7 @@ fn worker_plane(transport: &Transport) -> kvroute_worker::plane::WorkerPlane {
 /// while its engine's socket dropped the rest.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publisher_stuck_on_a_connection_that_does_not_move_stops_waiting() {
-    use kvroute::protocol::{
-        DpRank, EventBatch, KvEvent, KvEventData, LocalHash, SeqHash, StoredBlock,
-    };
+    use kvroute::protocol::{KvEventData, LocalHash, SeqHash, StoredBlock};
     let nats = NatsServer::start().unwrap();
     let transport = Transport::connect_nats(&nats.url(), "w", &Default::default())
         .await
@@ -834,19 +838,12 @@ async fn a_publisher_stuck_on_a_connection_that_does_not_move_stops_waiting() {
             local: LocalHash(i + 1),
         })
         .collect();
-    let batch = |id| EventBatch {
-        worker: WorkerId(5),
-        dp_rank: DpRank(0),
-        epoch: 1,
-        sent_unix_us: 0,
-        events: vec![KvEvent {
-            id,
-            tier: Tier::Device,
-            data: KvEventData::Stored {
-                parent: None,
-                blocks: blocks.clone(),
-            },
-        }],
+    let batch = |id| {
+        let data = KvEventData::Stored {
+            parent: None,
+            blocks: blocks.clone(),
+        };
+        worker_5_batch(id, data)
     };
     nats.pause();
     // The client's buffers fill; then a message is not taken within the deadline.
