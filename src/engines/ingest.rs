@@ -424,6 +424,7 @@ impl Ingest {
         self.stats.restarts += 1;
         tracing::info!(endpoint = %self.endpoint.events, seq, expected = ?self.seq.expected(), "engine restarted: dropping what it held");
         self.mirror.clear(&mut self.changes);
+        self.mirror.engine_restarted();
         self.seq.reset();
         self.replayed_from = None;
         self.rebuilt = false;
@@ -458,6 +459,9 @@ impl Ingest {
                     })
                 {
                     tracing::warn!(endpoint = %self.endpoint.events, kind = %tag, "engine events of a kind kvroute does not know; skipped (counted in unknown_events)");
+                }
+                if before.ambiguous == 0 && self.mirror.stats().ambiguous > 0 {
+                    tracing::error!(endpoint = %self.endpoint.events, "the engine names KV blocks by their tokens alone, not their place in the prompt (SGLang before its position-aware block hashes): one hash is several blocks, so its cache cannot be mirrored; nothing of it is indexed until it restarts (counted in ambiguous; upgrade the engine)");
                 }
                 if before.capped == 0 && self.mirror.stats().capped > 0 {
                     tracing::warn!(endpoint = %self.endpoint.events, blocks = self.mirror.len(), "the engine's mirror is full: blocks it stores from now on are not indexed until it removes some (counted in capped; raise the mirror's max_blocks if the engine really holds this many)");

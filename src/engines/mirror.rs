@@ -130,6 +130,9 @@ pub struct EngineMirror {
     stats: MirrorStats,
     /// The last block size an engine sent that differs from the configured one.
     wrong_block_size: Option<u32>,
+    /// The engine was seen to name a block by its tokens alone (a known hash under another
+    /// parent): nothing of it is indexed until it restarts ([`EngineMirror::engine_restarted`]).
+    ambiguous_hashing: bool,
     /// GPU blocks per chunk of the engine's host tier ([`EngineMirror::with_offload_chunk`]).
     offload_chunk: usize,
     /// Per host-tier chunk held (keyed by the hash that names it): its blocks, and how
@@ -154,6 +157,7 @@ impl EngineMirror {
             storing_groups: 0,
             stats: MirrorStats::default(),
             wrong_block_size: None,
+            ambiguous_hashing: false,
             offload_chunk: 1,
             chunks: FxHashMap::default(),
             rebuilding: None,
@@ -273,6 +277,18 @@ impl EngineMirror {
         self.chunks.clear();
     }
 
+    /// The engine process restarted (it may have been upgraded): its hashes are judged
+    /// afresh. The caller clears the mirror too.
+    pub fn engine_restarted(&mut self) {
+        self.ambiguous_hashing = false;
+    }
+
+    /// Whether the engine names blocks by their tokens alone, so that nothing of it is
+    /// indexed (see [`MirrorStats::ambiguous`]).
+    pub fn ambiguous_hashing(&self) -> bool {
+        self.ambiguous_hashing
+    }
+
     /// Starts over from the engine's whole history (its replay from the first batch it
     /// sent), without telling the owner: what is held now is set aside, a block stored
     /// again is not handed out a second time, and [`EngineMirror::end_rebuild`] hands out
@@ -326,6 +342,10 @@ impl EngineMirror {
             self.stats.unnamed_lora += n;
             return;
         }
+        if self.ambiguous_hashing {
+            self.stats.ambiguous += n;
+            return;
+        }
         let tier = s.medium.tier();
         if s.token_ids.is_empty() {
             // An offload tier's copy of blocks the engine named before.
@@ -367,12 +387,17 @@ impl EngineMirror {
             .enumerate()
         {
             if let Some(known) = self.lookup(*h) {
-                // A known hash under another parent (both known) names another block of
-                // the same tokens: taken for the known one, it credited the rest of this
-                // chain under the known block's prefix (an overcount). The chain is not
-                // indexed from here (an undercount, which routing survives).
+                // A known hash (held or remembered) under another parent (both known)
+                // names another block of the same tokens: the engine's hashes are no
+                // positions, so none of them can be trusted, as a block's or as a parent's
+                // (taken for the known one, it credited this chain's later blocks, and
+                // later stores under it, under the known block's prefix: an overcount).
+                // Nothing of the engine is indexed from here: an undercount, which routing
+                // survives.
                 if parent.is_some_and(|up| up != known.parent) {
                     self.stats.ambiguous += (s.hashes.len() - i) as u64;
+                    self.clear(out);
+                    self.ambiguous_hashing = true;
                     return;
                 }
                 // Named before (another tier, or stored twice): the same block.

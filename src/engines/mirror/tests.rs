@@ -502,11 +502,19 @@ fn a_known_block_resolves_by_its_engine_hash_whatever_its_parent() {
 /// An engine that names a block by its tokens alone (SGLang before its position-aware
 /// hashes: `hash(tuple(page_tokens))`) gives a page the same hash under two prefixes. Taken
 /// for the block already known, the second chain's later blocks were credited under the
-/// first chain's prefix (S1 D Q indexed, where the engine holds S1 D and S2 D Q): an
-/// overcount. The second chain is not indexed from the ambiguous block on.
+/// first chain's prefix (S1 D Q indexed, where the engine holds S1 D and S2 D Q), and so was
+/// any later store under that hash as a parent: an overcount. Seen once, the engine's
+/// hashes are no positions: nothing of it is indexed (what was is removed) until it
+/// restarts.
 #[test]
-fn a_known_hash_under_another_parent_stops_the_chain() {
-    let (s1, s2, d, q) = (tokens(BS), vec![500; BS], vec![600; BS], vec![700; BS]);
+fn a_known_hash_under_another_parent_stops_indexing_the_engine() {
+    let (s1, s2, d, q, x) = (
+        tokens(BS),
+        vec![500; BS],
+        vec![600; BS],
+        vec![700; BS],
+        vec![800; BS],
+    );
     let mut m = EngineMirror::new(bs());
     let first = apply(
         &mut m,
@@ -523,20 +531,43 @@ fn a_known_hash_under_another_parent_stops_the_chain() {
         &mut m,
         vec![stored(&[30, 20, 40], None, &second, Medium::Gpu)],
     );
+    let (mut stored_now, mut removed) = (Vec::new(), Vec::new());
+    for c in &out {
+        match c {
+            BlockChange::Stored { block, .. } => stored_now.push(block.seq),
+            BlockChange::Removed { seq, .. } => removed.push(*seq),
+        }
+    }
     let want = hash_blocks(&second, bs(), Salt::NONE);
-    let stored_seqs: Vec<SeqHash> = out
+    assert_eq!(
+        stored_now,
+        [want[0].seq],
+        "S2 is stored before the ambiguity is seen"
+    );
+    removed.sort();
+    let mut all: Vec<SeqHash> = first
         .iter()
-        .map(|c| match c {
-            BlockChange::Stored { block, .. } => block.seq,
-            other => panic!("{other:?}"),
+        .chain(&out)
+        .filter_map(|c| match c {
+            BlockChange::Stored { block, .. } => Some(block.seq),
+            BlockChange::Removed { .. } => None,
         })
         .collect();
-    assert_eq!(stored_seqs, [want[0].seq], "only S2 is indexed");
+    all.sort();
+    assert_eq!(removed, all, "everything indexed is removed");
+    assert!(m.ambiguous_hashing());
     assert_eq!(m.stats().ambiguous, 2);
-    // Under a parent the mirror does not know, the known block is taken as it is (SGLang's
-    // host stores name a parent that may have left every tier).
-    let out = apply(&mut m, vec![stored(&[20], Some(999), &d, Medium::Cpu)]);
-    assert_eq!(out.len(), 1, "{out:?}");
+    // A later store under D (as a parent) or under a parent the mirror never saw: nothing.
+    assert!(apply(&mut m, vec![stored(&[50], Some(20), &x, Medium::Gpu)]).is_empty());
+    assert!(apply(&mut m, vec![stored(&[60], Some(999), &x, Medium::Cpu)]).is_empty());
+    assert_eq!(m.stats().ambiguous, 4);
+    // A restarted engine is judged afresh.
+    m.clear(&mut Vec::new());
+    m.engine_restarted();
+    assert_eq!(
+        apply(&mut m, vec![stored(&[10], None, &s1, Medium::Gpu)]).len(),
+        1
+    );
 }
 
 /// vLLM releases before `lora_name` name an adapter by number only: its blocks are salted
