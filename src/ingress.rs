@@ -311,6 +311,8 @@ pub struct Router {
     tokenize_permits: Arc<Semaphore>,
     client: Client<HttpConnector, Full<Bytes>>,
     inflight: AtomicUsize,
+    /// Of those, slots taken over the limit while their requests are read ([`InFlight`]).
+    provisional: AtomicUsize,
     /// The request bodies held at once (`config.body_memory_bytes`).
     bodies: BodyBudget,
     draining: AtomicBool,
@@ -375,7 +377,8 @@ pub fn read_api_keys(text: &str) -> ApiKeysFile {
     let mut file = ApiKeysFile::default();
     for (n, line) in text.lines().enumerate() {
         let line = line.trim();
-        if line.is_empty() {
+        // Blank lines and `#` comments are no keys.
+        if line.is_empty() || line.starts_with('#') {
             continue;
         }
         match crate::auth::check_bearer_token(line) {
@@ -458,11 +461,8 @@ impl Router {
         if let Some(path) = &config.api_keys_file {
             // Read now as well, so that no request meets the router before its keys do.
             match std::fs::read_to_string(path) {
-                Ok(text) => {
-                    let file = read_api_keys(&text);
-                    file.warn(path);
-                    keys.extend(file.keys);
-                }
+                // Its bad lines are said by the watch's first read, right after.
+                Ok(text) => keys.extend(read_api_keys(&text).keys),
                 Err(e) => {
                     tracing::error!(path = %path.display(), error = %e, "cannot read the API keys file: its keys are refused until it can be read");
                 }
@@ -488,6 +488,7 @@ impl Router {
             tokenize_permits: Arc::new(Semaphore::new(threads)),
             client,
             inflight: AtomicUsize::new(0),
+            provisional: AtomicUsize::new(0),
             bodies,
             draining: AtomicBool::new(false),
             started: Instant::now(),
@@ -1608,31 +1609,64 @@ async fn explain(
 
 /// An in-flight slot, released on drop: when the answer is complete, which for a stream is
 /// when its relay ends, not when its headers go out.
-pub(crate) struct InFlight(Arc<Router>);
+pub(crate) struct InFlight {
+    router: Arc<Router>,
+    /// Taken over the limit while the request is read, until its band says whether a
+    /// queued request of a lower band gives it its place ([`InFlight::confirm`]).
+    provisional: bool,
+}
+
+/// Requests read at once over `max_inflight`, each on a provisional slot, to learn whether
+/// a queued request of a lower band gives it its place.
+const PROVISIONAL_SLOTS: usize = 64;
 
 impl InFlight {
-    /// A slot for a request whose band `band` tells if every slot is taken (read only
-    /// then: it costs a pass over the body): a queued request of a lower band gives it its
-    /// place ([`Router::displace_for`]), or it is refused 429. The displaced request lets go
-    /// of its slot when its handler wakes: until then the count is one over the limit.
-    fn take(
-        router: &Arc<Router>,
-        band: impl FnOnce() -> Option<i64>,
-    ) -> Result<InFlight, ApiError> {
+    /// One of the `max_inflight` slots; with every one taken while requests are queued,
+    /// a provisional one (of [`PROVISIONAL_SLOTS`] over the limit) for the request to be
+    /// read, its band to be known ([`InFlight::confirm`]); else 429.
+    fn take(router: &Arc<Router>) -> Result<InFlight, ApiError> {
         let limit = router.config.max_inflight;
-        if router.inflight.fetch_add(1, Ordering::Relaxed) >= limit
-            && !band().is_some_and(|band| router.displace_for(band))
-        {
-            router.inflight.fetch_sub(1, Ordering::Relaxed);
-            return Err(ApiError::overloaded(limit));
+        let slot = |provisional| InFlight {
+            router: Arc::clone(router),
+            provisional,
+        };
+        if router.inflight.fetch_add(1, Ordering::Relaxed) < limit {
+            return Ok(slot(false));
         }
-        Ok(InFlight(Arc::clone(router)))
+        if router.provisional.fetch_add(1, Ordering::Relaxed) < PROVISIONAL_SLOTS
+            && !router.queue.lock().is_empty()
+        {
+            return Ok(slot(true));
+        }
+        router.provisional.fetch_sub(1, Ordering::Relaxed);
+        router.inflight.fetch_sub(1, Ordering::Relaxed);
+        Err(ApiError::overloaded(limit))
+    }
+
+    /// The request was read and is of `band`: a provisional slot becomes its own if a
+    /// queued request of a lower band gives it its place ([`Router::displace_for`],
+    /// answered 429), else the request is refused 429 (dropped, the slot goes). A request
+    /// that does not parse, or names no model served, displaces nobody. Until a displaced
+    /// request's handler wakes and lets go of its slot, the count is over the limit by one.
+    fn confirm(&mut self, band: i64) -> Result<(), ApiError> {
+        if !std::mem::take(&mut self.provisional) {
+            return Ok(());
+        }
+        self.router.provisional.fetch_sub(1, Ordering::Relaxed);
+        if self.router.displace_for(band) {
+            Ok(())
+        } else {
+            Err(ApiError::overloaded(self.router.config.max_inflight))
+        }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.inflight.fetch_sub(1, Ordering::Relaxed);
+        self.router.inflight.fetch_sub(1, Ordering::Relaxed);
+        if self.provisional {
+            self.router.provisional.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -1682,19 +1716,7 @@ async fn complete(
     // The slot is taken once the body is in: a client uploading slowly holds a connection
     // and its body's share of the memory budget, not one of the requests the router
     // processes at once (4,096 slow uploads would otherwise turn everyone away).
-    let band = || {
-        let fields = openai::band_fields(&body);
-        Class::read(
-            &router.config.headers,
-            headers,
-            api_key.as_deref(),
-            fields.priority,
-            fields.service_tier.as_deref(),
-        )
-        .ok()
-        .map(|class| class.band)
-    };
-    let mut inflight = Some(InFlight::take(router, band)?);
+    let mut inflight = Some(InFlight::take(router)?);
     let prepared = Prepared::parse(router, body, held, chat).await?;
     let p = &prepared.parsed;
     let mut class = Class::read(
@@ -1704,6 +1726,9 @@ async fn complete(
         p.priority,
         p.service_tier.as_deref(),
     )?;
+    if let Some(slot) = &mut inflight {
+        slot.confirm(class.band)?;
+    }
     class.scope_session(&p.model);
     let mut body = proxy::Upstream {
         generate: None,

@@ -1025,22 +1025,6 @@ pub struct ApiError {
     pub worker_body: Option<bytes::Bytes>,
 }
 
-/// The body's fields a request's priority band is read from (besides its headers), read
-/// alone, as [`CompletionRequest`] and [`ChatRequest`] read them; absent if the body is no
-/// JSON object (its parse refuses it later).
-#[derive(Debug, Default, Deserialize)]
-pub(crate) struct BandFields {
-    #[serde(default, deserialize_with = "lax_i64")]
-    pub priority: Option<i64>,
-    #[serde(default)]
-    pub service_tier: Option<String>,
-}
-
-/// [`BandFields`] of a request body.
-pub(crate) fn band_fields(body: &[u8]) -> BandFields {
-    serde_json::from_slice(body).unwrap_or_default()
-}
-
 impl ApiError {
     fn new(status: u16, kind: &'static str, fault: Fault, message: impl Into<String>) -> Self {
         ApiError {

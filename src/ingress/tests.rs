@@ -830,10 +830,11 @@ mod queue {
     }
 
     /// With every slot of `max_inflight` taken by requests queued in a low band, a request of
-    /// a higher band takes the newest one's place (it is answered 429, and its slot is the
-    /// newcomer's); one of the same band or lower is refused, as is a higher one once no
-    /// lower band waits. Before, queued requests held every slot and each higher band's
-    /// request was refused before it could be queued ahead of them.
+    /// a higher band, read on a provisional slot, takes the newest one's place (it is
+    /// answered 429, and its slot is the newcomer's); one of the same band or lower is
+    /// refused once read, as is a higher one once no lower band waits, and with nothing
+    /// queued a request is refused before it is read. Before, queued requests held every
+    /// slot and each higher band's request was refused before it could be queued ahead.
     #[tokio::test(start_paused = true)]
     async fn a_higher_band_takes_a_lower_band_s_place_when_every_slot_is_taken() {
         use super::super::InFlight;
@@ -859,7 +860,7 @@ mod queue {
         }
         let mut low = Vec::new();
         for _ in 0..2 {
-            let slot = InFlight::take(&router, || Some(-1)).expect("a free slot");
+            let slot = InFlight::take(&router).expect("a free slot");
             let Ok(Entered::Queued { guard, rx, .. }) =
                 try_enter_in_band(&router, "a", 90, None, -1)
             else {
@@ -867,15 +868,16 @@ mod queue {
             };
             low.push((slot, guard, rx));
         }
+        // Read on a provisional slot, then refused for its band.
         let refused = |band: i64| {
-            let Err(e) = InFlight::take(&router, || Some(band)) else {
-                panic!("band {band} took a slot");
-            };
+            let mut slot = InFlight::take(&router).expect("a provisional slot");
+            let e = slot.confirm(band).unwrap_err();
             assert_eq!(e.status, 429, "{e:?}");
         };
         refused(-1);
         refused(-3);
-        let high = InFlight::take(&router, || Some(5)).expect("the newest low request's place");
+        let mut high = InFlight::take(&router).expect("a provisional slot");
+        high.confirm(5).expect("the newest low request's place");
         let (newest_slot, _guard, mut newest) = low.pop().unwrap();
         assert!(matches!(
             newest.try_recv(),
@@ -883,16 +885,21 @@ mod queue {
         ));
         drop(newest_slot);
         assert!(low[0].2.try_recv().is_err(), "the older one still waits");
-        let _also_high = InFlight::take(&router, || Some(1)).expect("the older one's place");
+        let mut also_high = InFlight::take(&router).expect("a provisional slot");
+        also_high.confirm(1).expect("the older one's place");
         assert!(matches!(
             low[0].2.try_recv(),
             Ok(Err(Refusal::Displaced { band: -1, by: 1 }))
         ));
         low.clear();
-        // Nothing waits below: refused, however high.
-        refused(10);
+        // Something of a lower band must wait for a request to be read over the limit.
+        let Err(e) = InFlight::take(&router) else {
+            panic!("a provisional slot with nothing queued");
+        };
+        assert_eq!(e.status, 429, "{e:?}");
         assert_eq!(router.inflight.load(Ordering::Relaxed), 2);
-        drop(high);
+        assert_eq!(router.provisional.load(Ordering::Relaxed), 0);
+        drop((high, also_high));
     }
 
     /// How [`a_later_request_waits_behind`] fills its two workers (a budget of 100 tokens each;
