@@ -1123,7 +1123,7 @@ mod tests {
         let file = format!("api_keys_file = {:?}", keys.display().to_string());
         let e = bad(&file).unwrap_err().to_string();
         assert!(e.contains("line 3") && !e.contains("bad key"), "{e}");
-        std::fs::write(&keys, "ok-key\n\n  other-key  \n").unwrap();
+        std::fs::write(&keys, "# team a\nok-key\n\n  other-key  \n").unwrap();
         assert!(bad(&file).is_ok());
         std::fs::remove_dir_all(&dir).unwrap();
         assert!(bad("").is_ok());

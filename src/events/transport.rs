@@ -143,7 +143,9 @@ async fn follow_link(
     loop {
         tokio::select! {
             _ = link.closed() => return,
-            _ = wake.notified() => {}
+            // The client says what happened before it sets its state: read it a moment
+            // later (else the tick after would correct it, up to a second late).
+            _ = wake.notified() => tokio::time::sleep(std::time::Duration::from_millis(10)).await,
             _ = tick.tick() => {}
         }
         let up = client.connection_state() == async_nats::connection::State::Connected;

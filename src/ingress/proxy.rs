@@ -824,7 +824,9 @@ pub(super) async fn forward(
 }
 
 /// Marks (in its extensions) a streamed answer that opened with an error event: the worker
-/// refused the request and computed no prompt.
+/// refused the request and computed no prompt. A stream whose headers went out before its
+/// first event (the wait for the first token passed) is answered before its error is seen,
+/// unmarked.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Refused;
 
