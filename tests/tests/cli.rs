@@ -468,6 +468,8 @@ fn sidecar_settings_are_checked_at_start() {
         &["--tokenizer", "/models/tokenizer.json"],
         &["--fault-injection"],
         &["--api-key", "k"],
+        // Routers reach a sidecar's engine at --engine-url, which it registers.
+        &["--url", "http://10.0.0.5:8000"],
         // A mirror larger than one snapshot carries: routers could never resync from it.
         &["--engine-max-blocks", "20000000"],
     ] {

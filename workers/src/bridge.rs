@@ -9,6 +9,7 @@ use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context;
 use bytes::Bytes;
 use http_body_util::Empty;
 use hyper_util::client::legacy::Client;
@@ -389,6 +390,8 @@ fn probe_engine(
 ) -> mpsc::Receiver<Probe> {
     let (tx, rx) = mpsc::channel(1);
     tokio::spawn(async move {
+        // Why `/v1/models` could not be read last, said once while it stays so.
+        let mut models_error: Option<String> = None;
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -408,13 +411,29 @@ fn probe_engine(
                 probe.scraped = text
                     .map(|t| metrics::scrape(&String::from_utf8_lossy(&t)))
                     .unwrap_or_default();
-                if model.is_empty()
-                    && let Some(served) = served_model(&client, &base, every).await
-                {
-                    model = served;
+                let read = async {
+                    if model.is_empty() {
+                        model = served_model(&client, &base, every).await?;
+                    }
+                    probe.adapters = Some(served_adapters(&client, &base, &model, every).await?);
+                    anyhow::Ok(())
+                }
+                .await;
+                match read {
+                    Ok(()) => {
+                        if models_error.take().is_some() {
+                            tracing::info!(engine = %base, "the engine's /v1/models reads again");
+                        }
+                    }
+                    Err(e) => {
+                        let e = e.to_string();
+                        if models_error.as_ref() != Some(&e) {
+                            tracing::warn!(engine = %base, error = %e, known_model = !model.is_empty(), "cannot read the engine's /v1/models: an engine whose model is not known is not registered (set --model), and its LoRA adapters are not announced (an engine started with --api-key needs --engine-api-key)");
+                            models_error = Some(e);
+                        }
+                    }
                 }
                 if !model.is_empty() {
-                    probe.adapters = served_adapters(&client, &base, &model, every).await;
                     probe.model = Some(model.clone());
                 }
             }
@@ -598,10 +617,26 @@ async fn get(
 }
 
 /// The first model of the engine's `/v1/models`.
-async fn served_model(client: &EngineClient, base: &str, deadline: Duration) -> Option<String> {
-    let body = get(client, base, "/v1/models", deadline).await.ok()?;
-    let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
-    v["data"][0]["id"].as_str().map(str::to_owned)
+async fn served_model(
+    client: &EngineClient,
+    base: &str,
+    deadline: Duration,
+) -> anyhow::Result<String> {
+    let v = models(client, base, deadline).await?;
+    v["data"][0]["id"]
+        .as_str()
+        .map(str::to_owned)
+        .context("/v1/models lists no model")
+}
+
+/// The engine's `/v1/models`, as JSON.
+async fn models(
+    client: &EngineClient,
+    base: &str,
+    deadline: Duration,
+) -> anyhow::Result<serde_json::Value> {
+    let body = get(client, base, "/v1/models", deadline).await?;
+    serde_json::from_slice(&body).context("/v1/models is not JSON")
 }
 
 /// The LoRA adapters the engine serves on top of `model`: the `/v1/models` entries whose
@@ -611,15 +646,15 @@ async fn served_adapters(
     base: &str,
     model: &str,
     deadline: Duration,
-) -> Option<Adapters> {
-    let body = get(client, base, "/v1/models", deadline).await.ok()?;
-    let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+) -> anyhow::Result<Adapters> {
+    let v = models(client, base, deadline).await?;
     let names = v["data"]
-        .as_array()?
+        .as_array()
+        .context("/v1/models has no data list")?
         .iter()
         .filter(|m| m["parent"].as_str() == Some(model))
         .filter_map(|m| m["id"].as_str());
-    Some(Adapters::of(model, names))
+    Ok(Adapters::of(model, names))
 }
 
 /// The adapter names a registration can carry, and those it cannot.

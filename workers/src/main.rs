@@ -59,8 +59,9 @@ struct Args {
     /// restarts; random if there is no host name or the port is 0).
     #[arg(long, env = "KVROUTE_WORKER_ID")]
     id: Option<u64>,
-    /// URL the router reaches this worker at (default: http://HOST:PORT).
-    #[arg(long, env = "KVROUTE_URL")]
+    /// URL the router reaches this worker at (default: http://HOST:PORT). A sidecar
+    /// registers --engine-url instead (it was taken and ignored).
+    #[arg(long, conflicts_with = "engine", env = "KVROUTE_URL")]
     url: Option<String>,
     /// Cluster name (NATS subjects and registry bucket).
     #[arg(long, env = "KVROUTE_CLUSTER", default_value = "default")]
