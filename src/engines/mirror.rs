@@ -275,6 +275,12 @@ impl EngineMirror {
         self.ghosts.clear();
         self.ghost_order.clear();
         self.chunks.clear();
+        // An engine that held millions of blocks left as many slots of empty capacity
+        // (hundreds of MB a rank at the cap): given back, grown again as blocks come.
+        self.blocks.shrink_to(0);
+        self.ghosts.shrink_to(0);
+        self.ghost_order.shrink_to(0);
+        self.chunks.shrink_to(0);
     }
 
     /// The engine process restarted (it may have been upgraded): its hashes are judged

@@ -570,6 +570,27 @@ fn a_known_hash_under_another_parent_stops_indexing_the_engine() {
     );
 }
 
+/// A clear gives the maps' capacity back: an engine that held millions of blocks left as
+/// many empty slots behind, for good.
+#[test]
+fn a_clear_gives_the_mirror_s_memory_back() {
+    let mut m = EngineMirror::new(bs());
+    let hashes: Vec<u64> = (1..=10_000).collect();
+    let out = apply(
+        &mut m,
+        vec![stored(
+            &hashes,
+            None,
+            &tokens(hashes.len() * BS),
+            Medium::Gpu,
+        )],
+    );
+    assert_eq!(out.len(), hashes.len());
+    assert!(m.blocks.capacity() >= hashes.len());
+    m.clear(&mut Vec::new());
+    assert!(m.blocks.capacity() < 64, "{}", m.blocks.capacity());
+}
+
 /// vLLM releases before `lora_name` name an adapter by number only: its blocks are salted
 /// with the adapter in the engine, and the router salts by name, so they are not indexed
 /// (as base-model blocks they would be false hits), and counted.
