@@ -76,6 +76,9 @@ pub struct TierUsage {
     pub registered: usize,
     /// Full blocks nobody uses (cached, evictable).
     pub inactive: usize,
+    /// Of `registered`, slots held only by an offload copy reading them (they come back
+    /// when it ends): no request holds or fills them.
+    pub offloading: usize,
 }
 
 /// Cumulative counters of the cache.

@@ -331,7 +331,10 @@ impl Engine {
             waiting: self.waiting.len(),
             running: self.running.len(),
             g1_used: g1.capacity - g1.free,
-            g1_in_use: g1.mutable + g1.registered,
+            // Requests' blocks: not those only an offload copy still reads (an offload
+            // burst read as the cache filling, and the router's busy check skipped the
+            // worker).
+            g1_in_use: g1.mutable + g1.registered - g1.offloading,
             g1_capacity: g1.capacity,
         }
     }

@@ -140,6 +140,7 @@ impl Pool {
             mutable: self.mutable,
             registered: self.registered,
             inactive: self.inactive,
+            offloading: self.detached,
         }
     }
 

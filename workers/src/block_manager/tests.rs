@@ -387,6 +387,9 @@ fn an_offload_holds_its_g1_slots_until_the_device_is_done() {
     drop(bm.acquire_prefix(&seqs(&c)).0);
     let mut other = bm.lease();
     assert_eq!(bm.allocate(10, &mut other, 2), Err(AllocError::Pending));
+    // Held by the copy alone: no request's.
+    let copying = bm.usage(Tier::Device);
+    assert_eq!((copying.registered, copying.offloading), (2, 2));
     let done = bm.next_wakeup_us().unwrap();
     bm.advance(done, &mut Vec::new()).unwrap();
     assert_eq!(
