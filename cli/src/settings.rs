@@ -838,6 +838,12 @@ pub fn resolve(flags: ServeFlags, file: ServeFlags) -> anyhow::Result<Settings> 
     if chat_template.is_some() && tokenizer.is_none() {
         bail!("chat_template needs tokenizer (the template renders for its tokens)");
     }
+    // Opened here so that --dry-run fails on a wrong path, not the router's start after it.
+    for (what, path) in [("tokenizer", &tokenizer), ("chat_template", &chat_template)] {
+        if let Some(path) = path {
+            std::fs::File::open(path).with_context(|| format!("{what} {}", path.display()))?;
+        }
+    }
     let nats = flags
         .nats
         .or(file.nats)
@@ -1108,6 +1114,12 @@ mod tests {
         assert!(bad("admin_host = \"::1\"").is_ok());
         // A template without its tokenizer passed --dry-run and failed at start.
         assert!(bad("chat_template = \"t.jinja\"").is_err());
+        // So did a tokenizer or template that cannot be read.
+        let e = bad("tokenizer = \"/nonexistent/tokenizer.json\"").unwrap_err();
+        assert!(
+            format!("{e:#}").contains("/nonexistent/tokenizer.json"),
+            "{e:#}"
+        );
         // A band given twice kept only its last limits, silently.
         let twice = bad("band_limits = [\"1=200:5000\", \"1=10:100\"]").unwrap_err();
         assert!(
