@@ -162,21 +162,17 @@ impl NatsServer {
     /// Stops the server's process (SIGSTOP) without closing anything: its clients stay
     /// connected and nothing they send moves, as behind a half-open connection.
     pub fn pause(&self) {
-        self.signal("-STOP");
+        self.signal("STOP");
     }
 
     /// Lets a paused server go on (SIGCONT).
     pub fn resume(&self) {
-        self.signal("-CONT");
+        self.signal("CONT");
     }
 
-    fn signal(&self, which: &str) {
+    fn signal(&self, name: &str) {
         if let Some(child) = &self.child {
-            let status = std::process::Command::new("kill")
-                .args([which, &child.id().to_string()])
-                .status()
-                .expect("kill runs");
-            assert!(status.success(), "kill {which} failed");
+            crate::procs::signal(child.id(), name).expect("signal the server");
         }
     }
 

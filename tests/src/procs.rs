@@ -97,13 +97,7 @@ impl Proc {
 
     /// Sends a signal by name (`STOP`, `CONT`, `TERM`, `KILL`).
     pub fn signal(&self, name: &str) -> anyhow::Result<()> {
-        let status = Command::new("kill")
-            .args([&format!("-{name}"), &self.child.id().to_string()])
-            .status()?;
-        if !status.success() {
-            bail!("kill -{name} {} failed", self.child.id());
-        }
-        Ok(())
+        signal(self.child.id(), name)
     }
 
     /// Whether it has exited, and how.
@@ -113,13 +107,7 @@ impl Proc {
 
     /// Sends SIGTERM (what Kubernetes sends before killing a pod).
     pub fn terminate(&self) -> anyhow::Result<()> {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()?;
-        if !status.success() {
-            bail!("kill -TERM {} failed", self.child.id());
-        }
-        Ok(())
+        signal(self.child.id(), "TERM")
     }
 
     /// Waits up to `timeout` for it to exit on its own.
@@ -139,6 +127,17 @@ impl Proc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Sends process `pid` a signal by name (`STOP`, `CONT`, `TERM`, `KILL`).
+pub fn signal(pid: u32, name: &str) -> anyhow::Result<()> {
+    let status = Command::new("kill")
+        .args([&format!("-{name}"), &pid.to_string()])
+        .status()?;
+    if !status.success() {
+        bail!("kill -{name} {pid} failed");
+    }
+    Ok(())
 }
 
 impl Drop for Proc {
