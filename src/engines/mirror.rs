@@ -73,10 +73,11 @@ pub struct MirrorStats {
     /// Blocks whose parent the mirror does not know (stored before it started, or lost):
     /// their kvroute hash cannot be computed, so they are not indexed.
     pub orphans: u64,
-    /// Blocks not indexed because a known engine hash came under another parent than the
-    /// block it names (the stored block, and the rest of its chain): the engine names a
-    /// block by its tokens alone, not its position (SGLang before its position-aware
-    /// SHA-256 block hashes: `hash(tuple(page_tokens))`), so one hash is several blocks.
+    /// Blocks not indexed because the engine names a block by its tokens alone, not its
+    /// position (SGLang before its position-aware SHA-256 block hashes:
+    /// `hash(tuple(page_tokens))`), so one hash is several blocks: seen when a known hash
+    /// comes under another parent; that chain's blocks from there on, and every block
+    /// stored after, until the engine restarts.
     pub ambiguous: u64,
     /// Token-less stores and removals of blocks the mirror does not know.
     pub unresolved: u64,

@@ -129,7 +129,8 @@ pub struct Connection {
 
 /// A frame or a command as read off the wire.
 enum Unit {
-    /// A data frame; `over` is the limit it was over when its bytes were read past.
+    /// A data frame; `over` is its length and the limit it was over when its bytes were
+    /// read past (its body empty).
     Frame {
         more: bool,
         body: Bytes,
