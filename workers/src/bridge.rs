@@ -411,11 +411,13 @@ fn probe_engine(
                 probe.scraped = text
                     .map(|t| metrics::scrape(&String::from_utf8_lossy(&t)))
                     .unwrap_or_default();
+                // One read of `/v1/models` names the model (if not configured) and its adapters.
                 let read = async {
+                    let v = models(&client, &base, every).await?;
                     if model.is_empty() {
-                        model = served_model(&client, &base, every).await?;
+                        model = served_model(&v)?;
                     }
-                    probe.adapters = Some(served_adapters(&client, &base, &model, every).await?);
+                    probe.adapters = Some(served_adapters(&v, &model)?);
                     anyhow::Ok(())
                 }
                 .await;
@@ -617,12 +619,7 @@ async fn get(
 }
 
 /// The first model of the engine's `/v1/models`.
-async fn served_model(
-    client: &EngineClient,
-    base: &str,
-    deadline: Duration,
-) -> anyhow::Result<String> {
-    let v = models(client, base, deadline).await?;
+fn served_model(v: &serde_json::Value) -> anyhow::Result<String> {
     v["data"][0]["id"]
         .as_str()
         .map(str::to_owned)
@@ -641,13 +638,7 @@ async fn models(
 
 /// The LoRA adapters the engine serves on top of `model`: the `/v1/models` entries whose
 /// `parent` is the base model (vLLM lists each loaded adapter so).
-async fn served_adapters(
-    client: &EngineClient,
-    base: &str,
-    model: &str,
-    deadline: Duration,
-) -> anyhow::Result<Adapters> {
-    let v = models(client, base, deadline).await?;
+fn served_adapters(v: &serde_json::Value, model: &str) -> anyhow::Result<Adapters> {
     let names = v["data"]
         .as_array()
         .context("/v1/models has no data list")?
