@@ -163,14 +163,18 @@ pub struct FleetStats {
     pub goodbyes_of_others: u64,
 }
 
-/// What became of a registration read back from the registry's history.
+/// What became of a registration or heartbeat the fleet was not refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Replayed {
-    /// Registered (or renewed), its lease aged.
+pub enum Heard {
+    /// Registered (or renewed; one read back from the registry's history has its lease
+    /// aged).
     Registered,
-    /// Older than its lease: kept aside until a batch of the worker's arrives
-    /// ([`Fleet::wake`]).
+    /// Read back from the history older than its lease: kept aside until a batch of the
+    /// worker's arrives ([`Fleet::wake`]).
     KeptAside,
+    /// An older incarnation's while a later one is alive ([`FleetCommand::IdConflict`]):
+    /// nothing of it is taken, the engine load it reports included.
+    Ignored,
 }
 
 /// Why a registration was refused.
@@ -292,9 +296,9 @@ impl Fleet {
         now_ms: u64,
         info: WorkerInfo,
         out: &mut Vec<FleetCommand>,
-    ) -> Result<(), Refusal> {
+    ) -> Result<Heard, Refusal> {
         if self.conflicts(now_ms, &info, out) {
-            return Ok(());
+            return Ok(Heard::Ignored);
         }
         self.dormant.remove(&info.id);
         let id = info.id;
@@ -323,7 +327,7 @@ impl Fleet {
         if let Some(member) = self.members.get_mut(&id) {
             member.heard_ms = Some(now_ms);
         }
-        registered
+        registered.map(|()| Heard::Registered)
     }
 
     /// A registration read back from the registry's history as a watch starts (a router
@@ -340,24 +344,24 @@ impl Fleet {
         info: WorkerInfo,
         age_ms: u64,
         out: &mut Vec<FleetCommand>,
-    ) -> Result<Replayed, Refusal> {
+    ) -> Result<Heard, Refusal> {
         if self.conflicts(now_ms, &info, out) {
-            return Ok(Replayed::Registered);
+            return Ok(Heard::Ignored);
         }
         let lapsed = self.config.lease_ttl_ms.is_some_and(|ttl| age_ms > ttl);
         if lapsed && !self.members.contains_key(&info.id) {
             self.stats.stale_registrations += 1;
             let forget_ms = now_ms.saturating_add(self.config.tombstone_ttl_ms);
             self.dormant.insert(info.id, Dormant { info, forget_ms });
-            return Ok(Replayed::KeptAside);
+            return Ok(Heard::KeptAside);
         }
         self.dormant.remove(&info.id);
         self.register(now_ms, info, Some(age_ms), out)
-            .map(|()| Replayed::Registered)
+            .map(|()| Heard::Registered)
     }
 
     /// A batch of worker `id`, incarnation `epoch`, arrived while it is not a member: if its
-    /// registration was kept aside ([`Replayed::KeptAside`]), the worker is alive (its
+    /// registration was kept aside ([`Heard::KeptAside`]), the worker is alive (its
     /// heartbeats do not reach the registry) and is registered now, its commands in `out`
     /// to be carried out before the batch is delivered. `None` if nothing was kept aside
     /// for it, or if what was is an older incarnation's (forgotten then: the batch proves a
@@ -604,6 +608,15 @@ impl Fleet {
             self.renew_all(now_ms);
         }
         self.sweep_tombstones(now_ms);
+    }
+
+    /// The router's NATS connection came back (it may have dropped and returned between two
+    /// ticks, unseen by them): the outage counts as deafness up to now, so a blip pauses the
+    /// leases and only a longer one renews them, as [`Fleet::on_deaf_tick`] says. (Renewing
+    /// on every reconnect gave a crashed worker a new lease each time the connection
+    /// flapped: a server closing a slow consumer, a rolling restart of a NATS cluster.)
+    pub fn on_reconnected(&mut self, now_ms: u64) {
+        self.on_deaf_tick(now_ms);
     }
 
     /// The lease, ms (`None`: leases never lapse).

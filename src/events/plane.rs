@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
 use super::fleet::{
-    BatchVerdict, Departure, Fleet, FleetCommand, FleetConfig, Refusal, Replayed, StreamKey,
+    BatchVerdict, Departure, Fleet, FleetCommand, FleetConfig, Heard, Refusal, StreamKey,
 };
 use super::stream::{Command, StreamConfig, StreamStats, WorkerStream};
 use super::transport::Transport;
@@ -725,8 +725,8 @@ impl FleetOwner {
                     }
                     tracing::warn!("reconnected to NATS: resyncing every worker stream");
                     // Out of earshot, the router heard no heartbeat: that says nothing of
-                    // the workers, so their leases run from now.
-                    self.fleet.renew_all(self.now_ms());
+                    // the workers. A blip pauses their leases, a longer outage renews them.
+                    self.fleet.on_reconnected(self.now_ms());
                     self.shared.resync_all();
                 }
                 _ = shutdown.changed() => break,
@@ -854,7 +854,7 @@ impl FleetOwner {
                     .fleet
                     .on_replayed_registration(now, info, age_ms, &mut self.commands)
                 {
-                    Ok(Replayed::KeptAside) => {
+                    Ok(Heard::KeptAside) => {
                         self.shared
                             .counters
                             .stale_registrations
@@ -867,14 +867,22 @@ impl FleetOwner {
                         );
                         return;
                     }
-                    registered => registered.map(|_| ()),
+                    registered => registered,
                 }
             }
         };
-        if let Err(refusal) = registered {
-            self.refused(&refusal);
-        }
+        let taken = match registered {
+            Ok(heard) => heard == Heard::Registered,
+            Err(refusal) => {
+                self.refused(&refusal);
+                false
+            }
+        };
         self.execute();
+        // An older incarnation's heartbeat, ignored, reports another engine's load.
+        if !taken {
+            return;
+        }
         if let (Some(s), (id, load, ranks)) = (&self.shared.scheduler, reported) {
             s.lock().set_engine_load(id, load, &ranks);
         }

@@ -271,6 +271,42 @@ fn a_short_deafness_pauses_leases_and_a_long_one_renews_them() {
     assert!(!out.is_empty());
 }
 
+/// A reconnect is a deafness like any other: after a blip (shorter than the grace) a
+/// crashed worker's lease ends where it would have, moved only by the blip, not renewed
+/// from the reconnect; after a long outage leases run afresh.
+#[test]
+fn a_reconnect_after_a_blip_does_not_renew_leases() {
+    // Lease 1,000 ms, grace 200 ms. Deaf from 700, reconnected at 800.
+    let mut fleet = registered(1);
+    let mut out = Vec::new();
+    fleet.on_deaf_tick(700);
+    fleet.on_reconnected(800);
+    fleet.on_tick(850, &mut out);
+    fleet.on_tick(1_150, &mut out);
+    assert!(out.is_empty(), "lapsed though 150 ms were deaf: {out:?}");
+    fleet.on_tick(1_151, &mut out);
+    assert!(
+        !out.is_empty(),
+        "a reconnect after a blip gave the lease a fresh start"
+    );
+    // A reconnect no tick saw coming: the same.
+    let mut fleet = registered(2);
+    out.clear();
+    fleet.on_reconnected(900);
+    fleet.on_tick(950, &mut out);
+    fleet.on_tick(1_051, &mut out);
+    assert!(!out.is_empty(), "a reconnect between ticks renewed the lease");
+    // Deaf past the grace: renewed from the reconnect.
+    let mut fleet = registered(3);
+    out.clear();
+    fleet.on_deaf_tick(700);
+    fleet.on_reconnected(1_000);
+    fleet.on_tick(2_000, &mut out);
+    assert!(out.is_empty(), "{out:?}");
+    fleet.on_tick(2_001, &mut out);
+    assert!(!out.is_empty());
+}
+
 /// A registration read back from the registry's history as a watch starts is aged by when
 /// it was written: one older than the lease (a worker that stopped without a goodbye) is
 /// kept aside, not routed to, until a batch of the worker's shows it alive; a younger one

@@ -742,3 +742,35 @@ async fn an_older_incarnation_s_snapshot_does_not_answer_the_fetch() {
     assert_eq!(status.epoch, Some(7));
     assert_eq!(status.stats.snapshot_retries, 0, "{:?}", status.stats);
 }
+
+/// An older incarnation's heartbeat, ignored while the later one is alive (two processes
+/// under one id), does not report its engine's load as the kept one's: the scheduler's
+/// view of the worker's queue and KV usage stays the live incarnation's.
+#[tokio::test(start_paused = true)]
+async fn an_ignored_incarnation_s_engine_load_is_not_taken() {
+    let lease = LeaseConfig {
+        heartbeat_ms: 200,
+        ttl_ms: 1_000,
+    };
+    let s = setup(lease).await;
+    let load = |waiting| crate::engines::metrics::EngineLoad {
+        running: 1,
+        waiting,
+        kv_usage_permille: 100,
+    };
+    let key = (WorkerId(1), DpRank(0));
+    let mut later = info(1, 1);
+    later.epoch = 9;
+    later.engine_load = Some(load(0));
+    s.local.put(later);
+    assert!(settle(|| s.scheduler.lock().engine_load(key) == Some(load(0))).await);
+    let mut older = info(1, 1);
+    older.url = "http://127.0.0.1:9/other".into();
+    older.engine_load = Some(load(50));
+    s.local.put(older);
+    // Registry events are taken in order: once worker 2 has its stream, the older
+    // incarnation's heartbeat was heard.
+    s.local.put(info(2, 1));
+    assert!(settle(|| s.plane.streams().len() == 2).await);
+    assert_eq!(s.scheduler.lock().engine_load(key), Some(load(0)));
+}
