@@ -359,6 +359,13 @@ fn dry_run_refuses_non_finite_weights() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cluster"));
+    // A tokenizer that cannot be opened fails the check, not the worker's start.
+    let out = Command::new(binary("kvroute-worker").unwrap())
+        .args(["--tokenizer", "/nonexistent/tokenizer.json", "--dry-run"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "a missing tokenizer passed --dry-run");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--tokenizer"));
 }
 
 /// Secrets given in the environment never show in `--dry-run`.

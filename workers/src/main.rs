@@ -307,6 +307,19 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
             args.host
         );
     }
+    // Opened before `--dry-run` answers: a path that is wrong passed the check and
+    // crash-looped the worker at start.
+    let tokenizer = {
+        let mut tokenizer = match &args.tokenizer {
+            Some(path) => kvroute::ingress::tokenizer::Tokenizer::load(path)
+                .context("--tokenizer")?,
+            None => kvroute::ingress::tokenizer::Tokenizer::Bytes,
+        };
+        if args.trust_request_chat_template {
+            tokenizer.trust_request_chat_templates();
+        }
+        tokenizer
+    };
     if args.dry_run {
         println!("{}", serde_json::to_string_pretty(&args)?);
         return Ok(());
@@ -363,16 +376,7 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
         lease,
         epoch: new_epoch(),
         metrics: kvroute::process::install_metrics(),
-        tokenizer: std::sync::Arc::new({
-            let mut tokenizer = match &args.tokenizer {
-                Some(path) => kvroute::ingress::tokenizer::Tokenizer::load(path)?,
-                None => kvroute::ingress::tokenizer::Tokenizer::Bytes,
-            };
-            if args.trust_request_chat_template {
-                tokenizer.trust_request_chat_templates();
-            }
-            tokenizer
-        }),
+        tokenizer: std::sync::Arc::new(tokenizer),
         http,
         fault_injection: args.fault_injection,
         api_key: args.api_key.clone(),
