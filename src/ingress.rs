@@ -254,6 +254,9 @@ pub const DEFAULT_MAX_TOKENIZE_BYTES: usize = 1 << 20;
 /// Most `tokenizer_threads` (tokio's blocking pool holds 512 threads).
 pub const MAX_TOKENIZER_THREADS: usize = 512;
 
+/// Longest timeout the ingress takes, ms: 30 days (an operator's "never").
+pub const MAX_TIMEOUT_MS: u64 = 30 * 24 * 3600 * 1000;
+
 impl IngressConfig {
     /// Checks every limit.
     pub fn validate(&self) -> Result<(), IngressConfigError> {
@@ -279,6 +282,21 @@ impl IngressConfig {
         ];
         if let Some((field, _, min)) = checks.into_iter().find(|(_, v, min)| v < min) {
             return Err(IngressConfigError::TooSmall { field, min });
+        }
+        // Deadlines are instants these far ahead: one past what an instant can hold
+        // (`u64::MAX` meant as "never") panicked every request.
+        let timeouts = [
+            ("worker_timeout_ms", self.worker_timeout_ms),
+            ("relay_idle_timeout_ms", self.relay_idle_timeout_ms),
+            ("worker_pool_idle_ms", self.worker_pool_idle_ms),
+            ("upstream_body_timeout_ms", self.upstream_body_timeout_ms),
+            ("first_token_timeout_ms", self.first_token_timeout_ms),
+        ];
+        if let Some((field, _)) = timeouts.into_iter().find(|(_, v)| *v > MAX_TIMEOUT_MS) {
+            return Err(IngressConfigError::TooLarge {
+                field,
+                max: MAX_TIMEOUT_MS,
+            });
         }
         // Each permit is a thread of tokio's blocking pool (512 by default): past it, work
         // waits in the pool's queue, outside the permits' 10 s deadline.
@@ -816,8 +834,18 @@ fn metrics_text(router: &Router) -> Response<Body> {
 async fn handle(router: Arc<Router>, mut req: hyper::Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_owned();
     let api = path.starts_with("/v1/");
+    // Every answer of the completions endpoints names its request, a refused key's and a
+    // wrong method's included.
+    let named = matches!(path.as_str(), "/v1/completions" | "/v1/chat/completions")
+        .then(|| request_id(req.headers()));
+    let name = |mut r: Response<Body>| {
+        if let Some(id) = &named {
+            r.headers_mut().insert(REQUEST_ID, id.clone());
+        }
+        r
+    };
     if api && router.keys_required() && !bearer_ok(req.headers(), &router.api_keys().keys) {
-        return api_error(&ApiError::unauthorized());
+        return name(api_error(&ApiError::unauthorized()));
     }
     let result = match (req.method().clone(), path.as_str()) {
         (Method::GET, "/health") => Ok(health()),
@@ -830,14 +858,12 @@ async fn handle(router: Arc<Router>, mut req: hyper::Request<Incoming>) -> Respo
         }
         (Method::POST, "/v1/completions" | "/v1/chat/completions") => {
             let chat = path == "/v1/chat/completions";
-            let id = request_id(req.headers());
+            let id = named.clone().unwrap_or_else(|| request_id(req.headers()));
             req.headers_mut().insert(REQUEST_ID, id.clone());
             let span = tracing::info_span!("request", id = %id.to_str().unwrap_or_default());
             let answer =
                 tracing::Instrument::instrument(completions(&router, req, chat), span).await;
-            let mut response = answer.unwrap_or_else(|e| api_error(&e));
-            response.headers_mut().insert(REQUEST_ID, id);
-            return response;
+            return name(answer.unwrap_or_else(|e| api_error(&e)));
         }
         (method, p) => match allowed_methods(p) {
             // A known endpoint asked with another method: 405 with `Allow`, as vLLM's
@@ -846,7 +872,7 @@ async fn handle(router: Arc<Router>, mut req: hyper::Request<Incoming>) -> Respo
                 let mut r = api_error(&ApiError::method_not_allowed(&method, allow));
                 r.headers_mut()
                     .insert(header::ALLOW, header::HeaderValue::from_static(allow));
-                return r;
+                return name(r);
             }
             None => Err(ApiError::not_found()),
         },

@@ -1475,7 +1475,10 @@ impl SseEvents {
     /// length if an event grew past [`MAX_EVENT_BYTES`].
     fn push(&mut self, data: Bytes) -> Result<Option<Bytes>, usize> {
         if self.partial.is_empty() && event_end(&data) == Some(data.len()) {
-            return Ok(Some(data));
+            // A copy: `data` is a slice of the worker connection's read buffer, which hyper
+            // allocates afresh (8 KiB or more) while a slice of the last one lives, so each
+            // event a slow client had yet to take kept one alive, counted as its own bytes.
+            return Ok(Some(Bytes::copy_from_slice(&data)));
         }
         // What is held has no blank line (it would have been sent): only the new bytes,
         // and the 3 before them a blank line may start in, are looked through. Scanning
@@ -1803,6 +1806,24 @@ mod tests {
         assert_eq!(event_end(b"data: 1\n\r\n"), Some(10));
         assert_eq!(event_end(b"data: 1\r\n\r\n"), Some(11));
         assert_eq!(event_end(b"data: 1\r\n"), None);
+    }
+
+    /// An event relayed as it came is copied out of the buffer it was read into: kept while
+    /// a slow client takes its time, a slice would keep the worker connection's whole read
+    /// buffer (hyper's, 8 KiB or more, allocated afresh for the next read) alive.
+    #[test]
+    fn a_whole_event_is_copied_out_of_the_read_buffer() {
+        let mut read = bytes::BytesMut::with_capacity(8192);
+        let base = read.as_ptr() as usize;
+        read.extend_from_slice(b"data: {\"a\":1}\n\n");
+        let frame = read.split().freeze();
+        let out = SseEvents::default().push(frame.clone()).unwrap().unwrap();
+        assert_eq!(out, frame);
+        let at = out.as_ptr() as usize;
+        assert!(
+            !(base..base + 8192).contains(&at),
+            "the event still points into the read buffer"
+        );
     }
 
     /// Events cut anywhere reach the client whole; an unterminated event waits, and what

@@ -550,6 +550,18 @@ fn config_limits_are_checked() {
             min: 64 << 20
         })
     );
+    // "Never" written as the largest number is refused, not a panic on every request.
+    let never = IngressConfig {
+        upstream_body_timeout_ms: u64::MAX,
+        ..IngressConfig::default()
+    };
+    assert_eq!(
+        never.validate(),
+        Err(IngressConfigError::TooLarge {
+            field: "upstream_body_timeout_ms",
+            max: MAX_TIMEOUT_MS
+        })
+    );
 }
 
 #[test]

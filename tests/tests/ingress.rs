@@ -1191,6 +1191,13 @@ async fn answers_name_their_request() {
         .unwrap();
     assert_eq!(refused.status, 400, "{}", refused.body);
     assert_eq!(refused.header("x-request-id"), Some("bad-1"));
+    let wrong_method = f
+        .http
+        .call_with("GET", &url, "", &[("x-request-id", "get-1")])
+        .await
+        .unwrap();
+    assert_eq!(wrong_method.status, 405, "{}", wrong_method.body);
+    assert_eq!(wrong_method.header("x-request-id"), Some("get-1"));
 }
 
 /// Half-sent requests (slow-loris) are cut off at the header timeout instead of piling up.
@@ -1490,6 +1497,19 @@ async fn api_keys_and_the_admin_token_are_enforced() {
         .unwrap();
     assert_eq!(open.status, 401, "{}", open.body);
     assert!(open.body.contains("invalid_api_key"));
+    // A refused key's answer names its request too.
+    let named = f
+        .http
+        .call_with(
+            "POST",
+            &url,
+            request(0, 0, false),
+            &[("x-request-id", "no-key-1")],
+        )
+        .await
+        .unwrap();
+    assert_eq!(named.status, 401, "{}", named.body);
+    assert_eq!(named.header("x-request-id"), Some("no-key-1"));
     for (key, status) in [
         ("Bearer key-two", 200),
         ("Bearer key-three", 401),
