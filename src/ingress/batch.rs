@@ -17,6 +17,9 @@ use futures_util::stream::FuturesUnordered;
 use futures_util::{StreamExt, TryStreamExt};
 use http_body_util::BodyExt;
 use hyper::{HeaderMap, Response, StatusCode, header};
+use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
+use serde::ser::{Serialize, SerializeMap, Serializer};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use super::REQUEST_ID;
@@ -46,8 +49,17 @@ pub(super) async fn complete_batch(
         return Err(over());
     }
     let limit = router.config.max_body_bytes;
-    let Some(parts) = router
-        .off_runtime(move || openai::split_batch(&body, limit))
+    // Split, and the first part's settings read (up to a limit's worth of token ids), off
+    // the runtime's threads.
+    let Some((parts, first)) = router
+        .off_runtime(move || {
+            let Some(parts) = openai::split_batch(&body, limit)? else {
+                return Ok(None);
+            };
+            let first: openai::CompletionRequest = serde_json::from_slice(&parts[0])
+                .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))?;
+            Ok::<_, ApiError>(Some((parts, first)))
+        })
         .await??
     else {
         return Err(ApiError::bad_request("expected a prompt list"));
@@ -66,8 +78,6 @@ pub(super) async fn complete_batch(
         })
         .collect();
     drop(held);
-    let first: openai::CompletionRequest = serde_json::from_slice(&parts[0])
-        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))?;
     let n = first.n.unwrap_or(1).max(1);
     let stream = first.stream.unwrap_or(false);
     let include_usage = openai::include_usage(first.stream_options);
@@ -220,7 +230,8 @@ fn answer_headers(answer: &Response<Body>) -> hyper::http::response::Builder {
 }
 
 /// The whole answers of a non-streamed batch merged, held against the bodies' budget while
-/// the client is sent it.
+/// the client is sent it. The merge runs off the runtime's threads (answers may total the
+/// budget's size).
 async fn merge_whole(
     router: &Router,
     answers: Vec<Response<Body>>,
@@ -229,7 +240,7 @@ async fn merge_whole(
     let over = || ApiError::bodies_over_budget(router.bodies.bytes());
     let response = answers.first().map(answer_headers);
     let mut held = Reservation::default();
-    let mut values = Vec::with_capacity(answers.len());
+    let mut bodies = Vec::with_capacity(answers.len());
     let mut bytes_held = 0usize;
     for answer in answers {
         let bytes = answer
@@ -238,18 +249,18 @@ async fn merge_whole(
             .await
             .map_err(|_| ApiError::unavailable("a prompt's answer was cut off"))?
             .to_bytes();
-        // Parsed, an answer takes about twice its bytes.
+        // Held, and read as raw fields (about as much again: only the choices' indexes and
+        // the usage are parsed).
         bytes_held = bytes_held.saturating_add(bytes.len().saturating_mul(2));
         if !router.bodies.cover(&mut held, bytes_held) {
             return Err(over());
         }
-        values.push(
-            serde_json::from_slice::<Value>(&bytes).map_err(|e| {
-                ApiError::bad_gateway(format!("a prompt's answer is not JSON: {e}"))
-            })?,
-        );
+        bodies.push(bytes);
     }
-    let merged = Bytes::from(merge_answers(values, n).to_string());
+    let merged = router
+        .off_runtime(move || merge_answers(&bodies, n))
+        .await?
+        .map_err(|e| ApiError::bad_gateway(format!("a prompt's answer is not a completion: {e}")))?;
     let mut held_merged = Reservation::default();
     if !router.bodies.cover(&mut held_merged, merged.len()) {
         return Err(over());
@@ -264,40 +275,139 @@ async fn merge_whole(
 }
 
 /// The prompts' answers as one: the first's fields, every prompt's choices renumbered
-/// (prompt `i`'s choice `j` is `i·n + j`), and the usage summed.
-fn merge_answers(answers: Vec<Value>, n: u32) -> Value {
-    let mut merged = Value::Null;
-    let mut choices = Vec::new();
+/// (prompt `i`'s choice `j` is `i·n + j`), and the usage summed. Everything else stays as
+/// the workers wrote it, unparsed (a `serde_json::Value` tree of logprobs is several times
+/// their JSON's size).
+fn merge_answers(answers: &[Bytes], n: u32) -> Result<Bytes, serde_json::Error> {
+    let mut head: Option<RawObject> = None;
+    let mut choices: Vec<RawObject> = Vec::new();
     let mut usage = Usage::default();
-    for (i, mut answer) in answers.into_iter().enumerate() {
-        usage.add(answer.get("usage"));
-        if let Some(Value::Array(list)) = answer.get_mut("choices").map(Value::take) {
-            choices.extend(list.into_iter().map(|c| renumbered(c, i, n)));
+    for (i, bytes) in answers.iter().enumerate() {
+        let mut answer: RawObject = serde_json::from_slice(bytes)?;
+        if let Some(u) = answer.get("usage") {
+            usage.add(Some(&serde_json::from_str::<Value>(u.get())?));
         }
-        if merged.is_null() {
-            merged = answer;
+        if let Some(list) = answer.get_mut("choices") {
+            // Taken out (the head keeps a `null` in its place, where the merged list goes).
+            let raw = std::mem::replace(list, null());
+            let list: Option<Vec<RawObject>> = serde_json::from_str(raw.get())?;
+            for mut choice in list.unwrap_or_default() {
+                renumber(&mut choice, i, n)?;
+                choices.push(choice);
+            }
+        }
+        if head.is_none() {
+            head = Some(answer);
         }
     }
-    if let Value::Object(fields) = &mut merged {
-        fields.insert("choices".into(), Value::Array(choices));
-        if fields.get("usage").is_some_and(|u| !u.is_null()) {
-            fields.insert("usage".into(), usage.to_json());
-        }
-    }
-    merged
+    let merged = Merged {
+        head: &head.unwrap_or_default(),
+        choices: &choices,
+        usage: &usage,
+    };
+    serde_json::to_vec(&merged).map(Bytes::from)
 }
 
-/// A choice of prompt `prompt` with its index moved past the earlier prompts' `n` each.
+/// Choice `own` of prompt `prompt` in the batch's answer: past the earlier prompts' `n`
+/// each (saturating: the numbers come from workers).
+fn batch_index(own: u64, prompt: usize, n: u32) -> u64 {
+    (prompt as u64)
+        .saturating_mul(u64::from(n))
+        .saturating_add(own)
+}
+
+/// A streamed choice of prompt `prompt` with its index moved ([`batch_index`]).
 fn renumbered(mut choice: Value, prompt: usize, n: u32) -> Value {
     if let Some(index) = choice.get_mut("index") {
-        let own = index.as_u64().unwrap_or(0);
-        *index = Value::from(
-            (prompt as u64)
-                .saturating_mul(u64::from(n))
-                .saturating_add(own),
-        );
+        *index = Value::from(batch_index(index.as_u64().unwrap_or(0), prompt, n));
     }
     choice
+}
+
+/// A whole answer's choice of prompt `prompt` with its index moved ([`batch_index`]).
+fn renumber(choice: &mut RawObject, prompt: usize, n: u32) -> Result<(), serde_json::Error> {
+    if let Some(index) = choice.get_mut("index") {
+        let own = serde_json::from_str::<Value>(index.get())?
+            .as_u64()
+            .unwrap_or(0);
+        *index = RawValue::from_string(batch_index(own, prompt, n).to_string())?;
+    }
+    Ok(())
+}
+
+/// JSON `null`, raw.
+fn null() -> Box<RawValue> {
+    RawValue::from_string("null".to_owned()).expect("invariant: null is JSON")
+}
+
+/// A JSON object's fields in order, each value as it was written.
+#[derive(Debug, Default)]
+struct RawObject(Vec<(String, Box<RawValue>)>);
+
+impl RawObject {
+    fn get(&self, key: &str) -> Option<&RawValue> {
+        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| &**v)
+    }
+
+    fn get_mut(&mut self, key: &str) -> Option<&mut Box<RawValue>> {
+        self.0.iter_mut().find(|(k, _)| k == key).map(|(_, v)| v)
+    }
+}
+
+impl<'de> Deserialize<'de> for RawObject {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> Visitor<'de> for Fields {
+            type Value = RawObject;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawObject, A::Error> {
+                let mut fields = Vec::new();
+                while let Some(field) = map.next_entry::<String, Box<RawValue>>()? {
+                    fields.push(field);
+                }
+                Ok(RawObject(fields))
+            }
+        }
+        d.deserialize_map(Fields)
+    }
+}
+
+impl Serialize for RawObject {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(Some(self.0.len()))?;
+        for (k, v) in &self.0 {
+            map.serialize_entry(k, v)?;
+        }
+        map.end()
+    }
+}
+
+/// The merged answer as it is written: the first answer's fields in their order, the
+/// merged choices in place of its own (or last, if it had none), the summed usage in place
+/// of its usage unless that was `null`.
+struct Merged<'a> {
+    head: &'a RawObject,
+    choices: &'a [RawObject],
+    usage: &'a Usage,
+}
+
+impl Serialize for Merged<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(None)?;
+        for (k, v) in &self.head.0 {
+            match k.as_str() {
+                "choices" => map.serialize_entry(k, self.choices)?,
+                "usage" if v.get() != "null" => map.serialize_entry(k, &self.usage.to_json())?,
+                _ => map.serialize_entry(k, v)?,
+            }
+        }
+        if self.head.get("choices").is_none() {
+            map.serialize_entry("choices", self.choices)?;
+        }
+        map.end()
+    }
 }
 
 /// Token counts summed over the prompts (saturating: the numbers come from workers).
@@ -617,7 +727,11 @@ mod tests {
                           "prompt_tokens_details": {"cached_tokens": cached}},
             })
         };
-        let merged = merge_answers(vec![answer("a", 3, 1), answer("b", 5, 2)], 2);
+        let merge = |answers: Vec<Value>, n| {
+            let bodies: Vec<Bytes> = answers.iter().map(|a| Bytes::from(a.to_string())).collect();
+            serde_json::from_slice::<Value>(&merge_answers(&bodies, n).unwrap()).unwrap()
+        };
+        let merged = merge(vec![answer("a", 3, 1), answer("b", 5, 2)], 2);
         assert_eq!(merged["id"], "cmpl-a");
         let texts: Vec<(u64, &str)> = merged["choices"]
             .as_array()
@@ -633,9 +747,17 @@ mod tests {
         );
         // Numbers from workers that would overflow saturate.
         let huge = json!({"choices": [{"index": u64::MAX}], "usage": {"prompt_tokens": u64::MAX}});
-        let merged = merge_answers(vec![huge.clone(), huge], 2);
+        let merged = merge(vec![huge.clone(), huge], 2);
         assert_eq!(merged["choices"][1]["index"], u64::MAX);
         assert_eq!(merged["usage"]["total_tokens"], u64::MAX);
+        // The rest is written as the worker wrote it, in its order; a null usage stays.
+        let raw = br#"{"id":"x","choices":[{"index":0,"logprobs":{"token_logprobs":[-0.50]}}],"usage":null,"z":1}"#;
+        let both = [Bytes::from_static(raw), Bytes::from_static(raw)];
+        assert_eq!(
+            std::str::from_utf8(&merge_answers(&both, 1).unwrap()).unwrap(),
+            r#"{"id":"x","choices":[{"index":0,"logprobs":{"token_logprobs":[-0.50]}},{"index":1,"logprobs":{"token_logprobs":[-0.50]}}],"usage":null,"z":1}"#
+        );
+        assert!(merge_answers(&[Bytes::from_static(b"[1]")], 1).is_err());
     }
 
     /// Streams merge as their chunks come, renumbered and with the batch's one id; the
