@@ -1271,8 +1271,8 @@ impl ApiError {
     }
 
     /// A worker refused the request itself (a 4xx that another worker would refuse too):
-    /// its status and message, the client's fault; its own error body, if it sent a JSON
-    /// object, goes to the client as it came.
+    /// its status and message, the client's fault; its own error body, if it is in
+    /// OpenAI's shape, goes to the client as it came.
     pub fn refused_by_worker(
         status: u16,
         message: impl Into<String>,

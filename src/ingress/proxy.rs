@@ -513,9 +513,10 @@ async fn error_body(
 }
 
 /// The error message of a worker's error body: OpenAI's shape (`error.message`), vLLM's
-/// older flat one (`{"object": "error", "message": …}`), FastAPI's (`detail`), else its
-/// text (at most 1 KiB of it); and the body itself if it is a whole JSON object (not cut at
-/// [`ERROR_BODY_BYTES`]).
+/// older flat one and SGLang's (`{"object": "error", "message": …}`), FastAPI's
+/// (`detail`), else its text (at most 1 KiB of it); and the body itself if it is whole (not
+/// cut at [`ERROR_BODY_BYTES`]) and in OpenAI's shape. Other shapes are answered in
+/// OpenAI's with their message: clients read `error.message` and `error.type`.
 fn error_parts(body: Vec<u8>) -> (String, Option<Bytes>) {
     let parsed = serde_json::from_slice::<serde_json::Value>(&body).ok();
     let message = parsed.as_ref().and_then(|v| {
@@ -527,8 +528,9 @@ fn error_parts(body: Vec<u8>) -> (String, Option<Bytes>) {
         Some(m) => m.chars().take(1024).collect(),
         None => String::from_utf8_lossy(&body[..body.len().min(1024)]).into_owned(),
     };
-    let object = body.len() < ERROR_BODY_BYTES && parsed.is_some_and(|v| v.is_object());
-    (message, object.then(|| Bytes::from(body)))
+    let openai = body.len() < ERROR_BODY_BYTES
+        && parsed.is_some_and(|v| v["error"]["message"].is_string());
+    (message, openai.then(|| Bytes::from(body)))
 }
 
 /// A request as each kind of worker takes it.
@@ -1705,21 +1707,26 @@ mod tests {
         assert_eq!(unavailable.to_api().status, 504);
     }
 
-    /// The worker's message is found in every shape engines answer errors in.
+    /// The worker's message is found in every shape engines answer errors in; only a body
+    /// in OpenAI's shape goes to the client as it came.
     #[test]
     fn worker_error_messages_are_read_in_each_shape() {
-        for body in [
-            &br#"{"error":{"message":"too long","type":"BadRequestError"}}"#[..],
-            br#"{"object":"error","message":"too long","type":"BadRequestError","code":400}"#,
-            br#"{"detail":"too long"}"#,
-            b"too long",
+        for (body, kept) in [
+            (
+                &br#"{"error":{"message":"too long","type":"BadRequestError"}}"#[..],
+                true,
+            ),
+            (
+                br#"{"object":"error","message":"too long","type":"BadRequestError","code":400}"#,
+                false,
+            ),
+            (br#"{"detail":"too long"}"#, false),
+            (b"too long", false),
         ] {
-            assert_eq!(
-                error_parts(body.to_vec()).0,
-                "too long",
-                "{}",
-                String::from_utf8_lossy(body)
-            );
+            let (message, as_it_came) = error_parts(body.to_vec());
+            let shown = String::from_utf8_lossy(body);
+            assert_eq!(message, "too long", "{shown}");
+            assert_eq!(as_it_came.is_some(), kept, "{shown}");
         }
     }
 
