@@ -479,6 +479,9 @@ fn sidecar_settings_are_checked_at_start() {
         &["--url", "http://10.0.0.5:8000"],
         // A mirror larger than one snapshot carries: routers could never resync from it.
         &["--engine-max-blocks", "20000000"],
+        // The simulated worker's drain and linger: the engine drains its own requests.
+        &["--drain-timeout-ms", "60000"],
+        &["--failure-linger-ms", "1000"],
     ] {
         let out = run(bad);
         assert!(!out.status.success(), "{bad:?} accepted");
