@@ -308,19 +308,11 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
             args.host
         );
     }
-    // Opened before `--dry-run` answers: a path that is wrong passed the check and
-    // crash-looped the worker at start.
-    let tokenizer = {
-        let mut tokenizer = match &args.tokenizer {
-            Some(path) => kvroute::ingress::tokenizer::Tokenizer::load(path)
-                .context("--tokenizer")?,
-            None => kvroute::ingress::tokenizer::Tokenizer::Bytes,
-        };
-        if args.trust_request_chat_template {
-            tokenizer.trust_request_chat_templates();
-        }
-        tokenizer
-    };
+    // Opened before `--dry-run` answers, as the router's is: a wrong path passed the check
+    // and crash-looped the worker at start.
+    if let Some(path) = &args.tokenizer {
+        std::fs::File::open(path).with_context(|| format!("--tokenizer {}", path.display()))?;
+    }
     if args.dry_run {
         println!("{}", serde_json::to_string_pretty(&args)?);
         return Ok(());
@@ -377,7 +369,16 @@ async fn run(signals: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<()>
         lease,
         epoch: new_epoch(),
         metrics: kvroute::process::install_metrics(),
-        tokenizer: std::sync::Arc::new(tokenizer),
+        tokenizer: std::sync::Arc::new({
+            let mut tokenizer = match &args.tokenizer {
+                Some(path) => kvroute::ingress::tokenizer::Tokenizer::load(path)?,
+                None => kvroute::ingress::tokenizer::Tokenizer::Bytes,
+            };
+            if args.trust_request_chat_template {
+                tokenizer.trust_request_chat_templates();
+            }
+            tokenizer
+        }),
         http,
         fault_injection: args.fault_injection,
         api_key: args.api_key.clone(),
