@@ -1265,6 +1265,8 @@ struct Parsed {
     /// The prompt's text is longer than the router tokenizes (`max_tokenize_bytes`):
     /// `tokens` is empty, and the request is routed on load alone.
     untokenized: bool,
+    /// It asks vLLM for full KV event reporting ([`openai::VllmXargs`]).
+    reports_full: bool,
 }
 
 impl Parsed {
@@ -1430,6 +1432,7 @@ fn parse_within(
             priority: r.priority,
             service_tier: r.service_tier,
             cache_salt: r.cache_salt,
+            reports_full: openai::VllmXargs::reports_full(r.vllm_xargs.as_ref()),
         }
     } else {
         let r: CompletionRequest = serde_json::from_slice(body).map_err(invalid)?;
@@ -1458,6 +1461,7 @@ fn parse_within(
             priority: r.priority,
             service_tier: r.service_tier,
             cache_salt: r.cache_salt,
+            reports_full: openai::VllmXargs::reports_full(r.vllm_xargs.as_ref()),
         }
     };
     if parsed.n == 0 || parsed.n > MAX_N {
@@ -1483,6 +1487,11 @@ fn parse_within(
 pub fn decode_request(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<usize, ApiError> {
     parse(tokenizer, body, chat).map(|p| p.tokens.len())
 }
+
+/// Requests asking vLLM for full KV event reporting are logged at most this often (each is
+/// counted).
+static REPORT_MODE_LOGGED: crate::process::LogEvery =
+    crate::process::LogEvery::new(Duration::from_secs(60));
 
 /// A prompt ready for the scheduler: its block hashes at its model's block size and every
 /// worker's cached prefix of it.
@@ -1518,13 +1527,26 @@ impl Prepared {
         held: Reservation,
         chat: bool,
     ) -> Result<Prepared, ApiError> {
-        let raw = body.clone();
         let tokenizer = Arc::clone(&router.tokenizer);
         let text_limit = router.config.max_tokenize_bytes;
         let view = router.plane.view();
-        let (parsed, block_size, blocks, salt) = router
+        let (parsed, block_size, blocks, salt, raw) = router
             .off_runtime(move || {
                 let mut parsed = parse_within(&tokenizer, &body, chat, text_limit)?;
+                // What an engine is sent: as it came, less vLLM's full KV event reporting,
+                // which its mirror would take for copies that are never removed.
+                let raw = match parsed.reports_full {
+                    false => body,
+                    true => {
+                        metrics::counter!("kvroute_kv_report_mode_removed_total").increment(1);
+                        if REPORT_MODE_LOGGED.due() {
+                            tracing::warn!("a request asked vLLM for full KV event reporting (vllm_xargs.kv_cache_report_mode: full): taken out of the body the engine is sent, as the re-announced blocks would stay in the router's index after the engine evicted them (each is counted in kvroute_kv_report_mode_removed_total; said at most every minute)");
+                        }
+                        openai::without_report_mode(&body)
+                            .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))?
+                            .unwrap_or(body)
+                    }
+                };
                 if view.workers.is_empty() {
                     return Err(ApiError::no_workers());
                 }
@@ -1549,7 +1571,7 @@ impl Prepared {
                 // cache_salt, by the engine as here.
                 let salt = view.salt(&parsed.model, parsed.cache_salt.as_deref());
                 let blocks = hash_blocks(&parsed.tokens, block_size, salt);
-                Ok((parsed, block_size.get(), blocks, salt))
+                Ok((parsed, block_size.get(), blocks, salt, raw))
             })
             .await??;
         let seqs: Vec<SeqHash> = blocks.iter().map(|b| b.seq).collect();

@@ -17,13 +17,12 @@ use futures_util::stream::FuturesUnordered;
 use futures_util::{StreamExt, TryStreamExt};
 use http_body_util::BodyExt;
 use hyper::{HeaderMap, Response, StatusCode, header};
-use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 use serde::ser::{Serialize, SerializeMap, Serializer};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use super::REQUEST_ID;
-use super::openai::{self, ApiError};
+use super::openai::{self, ApiError, RawObject};
 use super::proxy::error_events;
 use super::{Router, complete};
 use crate::http::budget::{GRAIN, Reservation};
@@ -338,50 +337,6 @@ fn renumber(choice: &mut RawObject, prompt: usize, n: u32) -> Result<(), serde_j
 /// JSON `null`, raw.
 fn null() -> Box<RawValue> {
     RawValue::from_string("null".to_owned()).expect("invariant: null is JSON")
-}
-
-/// A JSON object's fields in order, each value as it was written.
-#[derive(Debug, Default)]
-struct RawObject(Vec<(String, Box<RawValue>)>);
-
-impl RawObject {
-    fn get(&self, key: &str) -> Option<&RawValue> {
-        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| &**v)
-    }
-
-    fn get_mut(&mut self, key: &str) -> Option<&mut Box<RawValue>> {
-        self.0.iter_mut().find(|(k, _)| k == key).map(|(_, v)| v)
-    }
-}
-
-impl<'de> Deserialize<'de> for RawObject {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Fields;
-        impl<'de> Visitor<'de> for Fields {
-            type Value = RawObject;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawObject, A::Error> {
-                let mut fields = Vec::new();
-                while let Some(field) = map.next_entry::<String, Box<RawValue>>()? {
-                    fields.push(field);
-                }
-                Ok(RawObject(fields))
-            }
-        }
-        d.deserialize_map(Fields)
-    }
-}
-
-impl Serialize for RawObject {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut map = s.serialize_map(Some(self.0.len()))?;
-        for (k, v) in &self.0 {
-            map.serialize_entry(k, v)?;
-        }
-        map.end()
-    }
 }
 
 /// The merged answer as it is written: the first answer's fields in their order, the

@@ -339,6 +339,104 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for PromptList<'a> {
     }
 }
 
+/// Of a request's `vllm_xargs` (vLLM's per-request `SamplingParams.extra_args`), the one
+/// key the router acts on.
+///
+/// `kv_cache_report_mode: "full"` makes vLLM announce the cached blocks the request reuses
+/// as `BlockStored` events again (`KVCacheManager.get_computed_blocks` in
+/// `vllm/v1/core/kv_cache_manager.py`; its `docs/features/kv_events.md` says event reference
+/// counts cannot tell them from new copies). An engine's mirror counts each `BlockStored` of
+/// a hash as a copy, which one `BlockRemoved` each takes back: the re-announced ones are
+/// never removed, and the blocks would stay in the index after the engine evicted them (an
+/// overcount). The router takes the key out of the body it sends an engine
+/// ([`without_report_mode`]).
+#[derive(Debug, Default, Deserialize)]
+pub struct VllmXargs {
+    /// `"full"` or `"incremental"` (vLLM's default).
+    #[serde(default)]
+    pub kv_cache_report_mode: Option<serde_json::Value>,
+}
+
+impl VllmXargs {
+    /// Whether `xargs` ask for vLLM's full reporting.
+    pub fn reports_full(xargs: Option<&VllmXargs>) -> bool {
+        xargs
+            .and_then(|x| x.kv_cache_report_mode.as_ref())
+            .is_some_and(|m| m.as_str() == Some("full"))
+    }
+}
+
+/// `body` without `vllm_xargs.kv_cache_report_mode` (and without `vllm_xargs` if nothing
+/// else was in it); the other fields written as they came, in their order. `None` if the
+/// body has no such key.
+pub fn without_report_mode(body: &[u8]) -> Result<Option<bytes::Bytes>, serde_json::Error> {
+    let mut request: RawObject = serde_json::from_slice(body)?;
+    let Some(raw) = request.get("vllm_xargs") else {
+        return Ok(None);
+    };
+    let mut xargs: serde_json::Map<String, serde_json::Value> = serde_json::from_str(raw.get())?;
+    if xargs.shift_remove("kv_cache_report_mode").is_none() {
+        return Ok(None);
+    }
+    if xargs.is_empty() {
+        request.0.retain(|(k, _)| k != "vllm_xargs");
+    } else if let Some(raw) = request.get_mut("vllm_xargs") {
+        *raw = serde_json::value::to_raw_value(&xargs)?;
+    }
+    serde_json::to_vec(&request).map(|v| Some(v.into()))
+}
+
+/// A JSON object's fields in order, each value as it was written (a `serde_json::Value`
+/// tree of a body of token ids is tens of times its size).
+#[derive(Debug, Default)]
+pub(super) struct RawObject(pub(super) Vec<(String, Box<serde_json::value::RawValue>)>);
+
+impl RawObject {
+    pub(super) fn get(&self, key: &str) -> Option<&serde_json::value::RawValue> {
+        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| &**v)
+    }
+
+    pub(super) fn get_mut(&mut self, key: &str) -> Option<&mut Box<serde_json::value::RawValue>> {
+        self.0.iter_mut().find(|(k, _)| k == key).map(|(_, v)| v)
+    }
+}
+
+impl<'de> Deserialize<'de> for RawObject {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> serde::de::Visitor<'de> for Fields {
+            type Value = RawObject;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<RawObject, A::Error> {
+                let mut fields = Vec::new();
+                while let Some(field) =
+                    map.next_entry::<String, Box<serde_json::value::RawValue>>()?
+                {
+                    fields.push(field);
+                }
+                Ok(RawObject(fields))
+            }
+        }
+        d.deserialize_map(Fields)
+    }
+}
+
+impl serde::Serialize for RawObject {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(Some(self.0.len()))?;
+        for (k, v) in &self.0 {
+            map.serialize_entry(k, v)?;
+        }
+        map.end()
+    }
+}
+
 /// `POST /v1/completions`. Fields clients may send as `null` read as absent, as vLLM's
 /// request models (pydantic, `Optional`) take them; but `max_tokens`, whose default is 16
 /// only when absent.
@@ -380,6 +478,10 @@ pub struct CompletionRequest {
     /// the same salt share them.
     #[serde(default)]
     pub cache_salt: Option<String>,
+    /// vLLM's extra sampling arguments; only `kv_cache_report_mode` is read
+    /// ([`VllmXargs`]).
+    #[serde(default)]
+    pub vllm_xargs: Option<VllmXargs>,
     /// vLLM's `truncate_prompt_tokens`: keep only the prompt's last this many tokens
     /// ([`prompt_keep`]).
     #[serde(default, deserialize_with = "lax_i64")]
@@ -811,6 +913,9 @@ pub struct ChatRequest {
     /// vLLM's `cache_salt`: the prompt's blocks are salted with it.
     #[serde(default)]
     pub cache_salt: Option<String>,
+    /// vLLM's extra sampling arguments ([`VllmXargs`]).
+    #[serde(default)]
+    pub vllm_xargs: Option<VllmXargs>,
     /// vLLM's `truncate_prompt_tokens` ([`prompt_keep`]).
     #[serde(default, deserialize_with = "lax_i64")]
     pub truncate_prompt_tokens: Option<i64>,

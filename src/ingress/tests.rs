@@ -1489,3 +1489,35 @@ async fn connections_to_workers_keep_tcp_alive() {
     );
     assert!(socket.tcp_nodelay().unwrap());
 }
+
+/// vLLM's full KV event reporting is taken out of what an engine is sent (the mirror would
+/// take its re-announced blocks for copies never removed); the rest of the body is written
+/// as it came, in order, and a body without it is left alone.
+#[test]
+fn full_kv_event_reporting_is_taken_out_of_the_engine_s_body() {
+    let t = Tokenizer::Bytes;
+    let full = br#"{"model":"m","prompt":"hi","vllm_xargs":{"kv_cache_report_mode":"full","x":1},"z":[1, 2]}"#;
+    assert!(parse(&t, full, false).unwrap().reports_full);
+    let out = openai::without_report_mode(full).unwrap().unwrap();
+    assert_eq!(
+        std::str::from_utf8(&out).unwrap(),
+        r#"{"model":"m","prompt":"hi","vllm_xargs":{"x":1},"z":[1, 2]}"#
+    );
+    let only = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"vllm_xargs":{"kv_cache_report_mode":"full"}}"#;
+    assert!(parse(&t, only, true).unwrap().reports_full);
+    let out = openai::without_report_mode(only).unwrap().unwrap();
+    assert_eq!(
+        std::str::from_utf8(&out).unwrap(),
+        r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#
+    );
+    for kept in [
+        &br#"{"model":"m","prompt":"hi","vllm_xargs":{"kv_cache_report_mode":"incremental"}}"#[..],
+        br#"{"model":"m","prompt":"kv_cache_report_mode"}"#,
+    ] {
+        assert!(!parse(&t, kept, false).unwrap().reports_full);
+    }
+    assert_eq!(
+        openai::without_report_mode(br#"{"model":"m","prompt":"hi"}"#).unwrap(),
+        None
+    );
+}
