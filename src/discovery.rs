@@ -30,7 +30,7 @@ pub const MAX_ADAPTERS: usize = 256;
 /// Largest block size accepted, tokens.
 const MAX_BLOCK_SIZE: usize = 1 << 16;
 /// Largest pool accepted, blocks (2⁴⁰: far beyond any GPU or host memory).
-const MAX_POOL_BLOCKS: usize = 1 << 40;
+pub(crate) const MAX_POOL_BLOCKS: usize = 1 << 40;
 
 /// What a worker registers, refreshed every heartbeat.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

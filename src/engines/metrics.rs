@@ -72,6 +72,9 @@ pub struct Scraped {
     pub load: Option<EngineLoad>,
     /// G1 blocks (vLLM's `num_gpu_blocks`).
     pub g1_blocks: Option<usize>,
+    /// The KV pool's size in tokens, a rank's (SGLang's `sglang:max_total_num_tokens`, the
+    /// largest of its ranks'): G1 blocks once divided by the engine's page size.
+    pub kv_capacity_tokens: Option<u64>,
     /// KV usage per data-parallel rank, per mille, indexed by rank: vLLM labels each engine
     /// core's figures `engine="<rank>"`. Empty unless every usage sample names a rank below
     /// [`MAX_RANKS`] and no rank is missing below the highest.
@@ -88,6 +91,12 @@ pub fn scrape(text: &str) -> Scraped {
     // Per rank (vLLM's `engine` label); `None` once a sample has no usable rank.
     let mut by_rank: Option<Vec<Option<f64>>> = Some(Vec::new());
     let mut g1_blocks = None;
+    let mut kv_capacity_tokens: Option<u64> = None;
+    // SGLang's counts by (name, dp_rank), the largest sample of each: started with
+    // `--enable-metrics-for-all-schedulers`, every scheduler of a rank's tensor-parallel group
+    // reports the same queue under its own `tp_rank` (its metrics collector reports from
+    // `attn_tp_rank == 0` only otherwise), and added up they were that many times the load.
+    let mut sglang_counts: Vec<(&str, &str, f64)> = Vec::new();
     for line in text.lines() {
         if line.starts_with('#') {
             continue;
@@ -102,11 +111,24 @@ pub fn scrape(text: &str) -> Scraped {
             continue;
         }
         match name {
-            "vllm:num_requests_running" | "sglang:num_running_reqs" => {
-                *running.get_or_insert(0.0) += value
+            "vllm:num_requests_running" => *running.get_or_insert(0.0) += value,
+            "vllm:num_requests_waiting" => *waiting.get_or_insert(0.0) += value,
+            "sglang:num_running_reqs" | "sglang:num_queue_reqs" => {
+                let rank = label(labels, "dp_rank").unwrap_or("");
+                match sglang_counts
+                    .iter_mut()
+                    .find(|(n, r, _)| *n == name && *r == rank)
+                {
+                    Some((_, _, most)) => *most = most.max(value),
+                    None => sglang_counts.push((name, rank, value)),
+                }
             }
-            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => {
-                *waiting.get_or_insert(0.0) += value
+            // (At most a registration's largest pool, in tokens of one.)
+            "sglang:max_total_num_tokens"
+                if value >= 1.0 && value <= crate::discovery::MAX_POOL_BLOCKS as f64 =>
+            {
+                let tokens = value as u64;
+                kv_capacity_tokens = Some(kv_capacity_tokens.map_or(tokens, |t| t.max(tokens)));
             }
             // vLLM before 0.9.2 names it gpu_cache_usage_perc ("Deprecated in 0.9.2 -
             // Renamed as vllm:kv_cache_usage_perc", vllm/v1/metrics/loggers.py).
@@ -134,6 +156,14 @@ pub fn scrape(text: &str) -> Scraped {
             }
             _ => {}
         }
+    }
+    for (name, _, value) in sglang_counts {
+        let count = if name == "sglang:num_running_reqs" {
+            &mut running
+        } else {
+            &mut waiting
+        };
+        *count.get_or_insert(0.0) += value;
     }
     let any = running.is_some() || waiting.is_some() || usage_n > 0;
     let count = |x: Option<f64>| -> Option<u32> {
@@ -165,7 +195,8 @@ pub fn scrape(text: &str) -> Scraped {
         .unwrap_or_default();
     Scraped {
         load: load.filter(|_| any),
-        g1_blocks: g1_blocks.filter(|n| *n > 0),
+        g1_blocks: g1_blocks.filter(|n| (1..=crate::discovery::MAX_POOL_BLOCKS).contains(n)),
+        kv_capacity_tokens,
         rank_kv_usage_permille,
     }
 }
@@ -310,6 +341,22 @@ vllm:prompt_tokens_total{model_name="Qwen/Qwen3-8B"} 123456.0
             })
         );
         assert_eq!(s.rank_kv_usage_permille, vec![200, 600]);
+        // SGLang with --enable-metrics-for-all-schedulers: each tensor-parallel rank of a
+        // data-parallel rank reports the same queue, counted once; its pool's size read.
+        let all_schedulers = concat!(
+            "sglang:num_running_reqs{dp_rank=\"0\",tp_rank=\"0\"} 5\n",
+            "sglang:num_running_reqs{dp_rank=\"0\",tp_rank=\"1\"} 5\n",
+            "sglang:num_running_reqs{dp_rank=\"1\",tp_rank=\"2\"} 3\n",
+            "sglang:num_running_reqs{dp_rank=\"1\",tp_rank=\"3\"} 3\n",
+            "sglang:num_queue_reqs{dp_rank=\"0\",tp_rank=\"0\"} 2\n",
+            "sglang:num_queue_reqs{dp_rank=\"0\",tp_rank=\"1\"} 2\n",
+            "sglang:token_usage{dp_rank=\"0\",tp_rank=\"0\"} 0.5\n",
+            "sglang:max_total_num_tokens{dp_rank=\"0\",tp_rank=\"0\"} 500000\n",
+            "sglang:max_total_num_tokens{dp_rank=\"1\",tp_rank=\"2\"} 500000\n",
+        );
+        let s = scrape(all_schedulers);
+        assert_eq!(s.load.map(|l| (l.running, l.waiting)), Some((8, 2)));
+        assert_eq!(s.kv_capacity_tokens, Some(500_000));
         // A rank missing below the highest, or a rank past the cap: no per-rank figures.
         for gap in [
             "vllm:kv_cache_usage_perc{engine=\"0\"} 0.1\nvllm:kv_cache_usage_perc{engine=\"2\"} 0.3\n",

@@ -273,7 +273,15 @@ pub async fn run(
                     };
                     // Every scrape that has it: one that failed when the engine registered
                     // left the default, and routers take a changed size from a heartbeat.
-                    if let Some(blocks) = scraped.g1_blocks {
+                    // vLLM names its blocks; SGLang its pool's tokens, in pages of the
+                    // block size.
+                    let blocks = scraped.g1_blocks.or_else(|| {
+                        scraped
+                            .kv_capacity_tokens
+                            .map(|t| (t / config.block_size.get() as u64) as usize)
+                            .filter(|b| *b > 0)
+                    });
+                    if let Some(blocks) = blocks {
                         i.g1_blocks = blocks;
                     }
                     if let Some(model) = probe.model
