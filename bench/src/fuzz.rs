@@ -561,6 +561,7 @@ fn engine_batch(rng: &mut Rng) -> Vec<u8> {
                         block_size,
                         medium: mediums[rng.below(mediums.len())].into(),
                         lora_name: (rng.below(4) == 0).then(|| "adapter".into()),
+                        extra_keys: Vec::new(),
                     }
                 }
                 2 => RawEvent::Removed {

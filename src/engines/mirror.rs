@@ -28,7 +28,7 @@ pub const DEFAULT_MAX_BLOCKS: usize = 8 << 20;
 
 /// How SGLang tags a request's cache salt among an event's extra keys (the prefix is
 /// NVIDIA Dynamo's, whose router strips it; SGLang's `CACHE_SALT_EXTRA_KEY_PREFIX`).
-const TAGGED_SALT: &str = "dynamo-cache-salt:";
+pub const TAGGED_SALT: &str = "dynamo-cache-salt:";
 
 /// The salt of a sequence computed with a LoRA adapter and a cache salt: how the router
 /// hashes a request for adapter `lora` with `cache_salt`, and how a mirror hashes an engine's

@@ -629,6 +629,8 @@ pub enum RawEvent {
         medium: String,
         /// LoRA adapter.
         lora_name: Option<String>,
+        /// Per block, its extra keys as strings (empty: none); empty for none at all.
+        extra_keys: Vec<Vec<String>>,
     },
     /// `BlockRemoved`.
     Removed {
@@ -652,7 +654,7 @@ pub fn encode_batch(ts: f64, events: &[RawEvent], dp_rank: u32, encoding: Encodi
     ok(w::write_array_len(&mut out, events.len() as u32));
     for e in events {
         let (tag, fields): (&str, usize) = match e {
-            RawEvent::Stored { .. } => ("BlockStored", 7),
+            RawEvent::Stored { .. } => ("BlockStored", 8),
             RawEvent::Removed { .. } => ("BlockRemoved", 2),
             RawEvent::Cleared => ("AllBlocksCleared", 0),
         };
@@ -682,6 +684,7 @@ pub fn encode_batch(ts: f64, events: &[RawEvent], dp_rank: u32, encoding: Encodi
                 block_size,
                 medium,
                 lora_name,
+                extra_keys,
             } => {
                 key(&mut out, "block_hashes");
                 hash_list(&mut out, hashes);
@@ -705,6 +708,22 @@ pub fn encode_batch(ts: f64, events: &[RawEvent], dp_rank: u32, encoding: Encodi
                 match lora_name {
                     Some(n) => ok(w::write_str(&mut out, n)),
                     None => ok(w::write_nil(&mut out)),
+                }
+                key(&mut out, "extra_keys");
+                if extra_keys.is_empty() {
+                    ok(w::write_nil(&mut out));
+                } else {
+                    ok(w::write_array_len(&mut out, extra_keys.len() as u32));
+                    for keys in extra_keys {
+                        if keys.is_empty() {
+                            ok(w::write_nil(&mut out));
+                            continue;
+                        }
+                        ok(w::write_array_len(&mut out, keys.len() as u32));
+                        for k in keys {
+                            ok(w::write_str(&mut out, k));
+                        }
+                    }
                 }
             }
             RawEvent::Removed { hashes, medium } => {

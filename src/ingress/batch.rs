@@ -259,7 +259,9 @@ async fn merge_whole(
     let merged = router
         .off_runtime(move || merge_answers(&bodies, n))
         .await?
-        .map_err(|e| ApiError::bad_gateway(format!("a prompt's answer is not a completion: {e}")))?;
+        .map_err(|e| {
+            ApiError::bad_gateway(format!("a prompt's answer is not a completion: {e}"))
+        })?;
     let mut held_merged = Reservation::default();
     if !router.bodies.cover(&mut held_merged, merged.len()) {
         return Err(over());

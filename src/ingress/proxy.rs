@@ -528,8 +528,8 @@ fn error_parts(body: Vec<u8>) -> (String, Option<Bytes>) {
         Some(m) => m.chars().take(1024).collect(),
         None => String::from_utf8_lossy(&body[..body.len().min(1024)]).into_owned(),
     };
-    let openai = body.len() < ERROR_BODY_BYTES
-        && parsed.is_some_and(|v| v["error"]["message"].is_string());
+    let openai =
+        body.len() < ERROR_BODY_BYTES && parsed.is_some_and(|v| v["error"]["message"].is_string());
     (message, openai.then(|| Bytes::from(body)))
 }
 

@@ -364,7 +364,10 @@ fn dry_run_refuses_non_finite_weights() {
         .args(["--tokenizer", "/nonexistent/tokenizer.json", "--dry-run"])
         .output()
         .unwrap();
-    assert!(!out.status.success(), "a missing tokenizer passed --dry-run");
+    assert!(
+        !out.status.success(),
+        "a missing tokenizer passed --dry-run"
+    );
     assert!(String::from_utf8_lossy(&out.stderr).contains("--tokenizer"));
 }
 

@@ -74,11 +74,12 @@ pub struct TokenBook {
     blocks: Mutex<Learnt>,
 }
 
-/// One learnt block: its tokens and the LoRA adapter it was computed with.
+/// One learnt block: its tokens, and the LoRA adapter and cache salt it was computed with.
 #[derive(Clone, Debug)]
 struct Learnt1 {
     tokens: Arc<[u32]>,
     lora: Option<Arc<str>>,
+    cache_salt: Option<Arc<str>>,
 }
 
 /// Blocks by hash with the number of their last learning, and the hashes in the order they
@@ -100,12 +101,20 @@ impl TokenBook {
         }
     }
 
-    /// Learns the full blocks of a sequence, hashed as the engine hashes it (`salt`: a LoRA
-    /// adapter's, named `lora`). The least recently learnt go first past the capacity: a
-    /// block learnt long ago and used since (a shared system prompt) stays.
-    pub fn learn(&self, sequence: &[u32], salt: Salt, lora: Option<&str>) {
+    /// Learns the full blocks of a sequence, hashed as the engine hashes it (`salt`: that
+    /// of a LoRA adapter named `lora` and of a request's `cache_salt`). The least recently
+    /// learnt go first past the capacity: a block learnt long ago and used since (a shared
+    /// system prompt) stays.
+    pub fn learn(
+        &self,
+        sequence: &[u32],
+        salt: Salt,
+        lora: Option<&str>,
+        cache_salt: Option<&str>,
+    ) {
         let hashes = hash_blocks(sequence, self.block_size, salt);
         let lora: Option<Arc<str>> = lora.map(Arc::from);
+        let cache_salt: Option<Arc<str>> = cache_salt.map(Arc::from);
         let mut guard = self.blocks.lock();
         let (blocks, order, learnt) = &mut *guard;
         for (h, tokens) in hashes
@@ -116,6 +125,7 @@ impl TokenBook {
             let block = Learnt1 {
                 tokens: tokens.into(),
                 lora: lora.clone(),
+                cache_salt: cache_salt.clone(),
             };
             blocks.insert(h.seq, (block, *learnt));
             order.push_back((h.seq, *learnt));
@@ -347,12 +357,26 @@ impl Emulation {
                                 .flat_map(|b| b.tokens.iter().copied())
                                 .collect(),
                         };
-                        let lora_name = run
-                            .iter()
-                            .flatten()
-                            .next()
-                            .and_then(|b| b.lora.as_deref())
-                            .map(str::to_owned);
+                        let first = run.iter().flatten().next();
+                        let lora_name = first.and_then(|b| b.lora.as_deref()).map(str::to_owned);
+                        // A salted request's cache salt, as each engine sends it: vLLM among
+                        // the extra keys of a chain's first block (with the adapter's name,
+                        // which it puts on every block); SGLang tagged, as the first key of
+                        // each of the request's events.
+                        let salt = first.and_then(|b| b.cache_salt.as_deref());
+                        let extra_keys = match (self.flavor, salt) {
+                            (_, None) => Vec::new(),
+                            (Flavor::Sglang, Some(salt)) => {
+                                vec![vec![format!(
+                                    "{}{salt}",
+                                    kvroute::engines::mirror::TAGGED_SALT
+                                )]]
+                            }
+                            (_, Some(salt)) if parent.is_none() => {
+                                vec![lora_name.iter().cloned().chain([salt.to_owned()]).collect()]
+                            }
+                            _ => Vec::new(),
+                        };
                         out.push(RawEvent::Stored {
                             hashes: blocks[start..end]
                                 .iter()
@@ -367,6 +391,7 @@ impl Emulation {
                             token_ids,
                             medium: medium.into(),
                             lora_name,
+                            extra_keys,
                         });
                         parent = Some(blocks[end - 1].seq);
                         start = end;
@@ -436,7 +461,7 @@ mod tests {
         };
         // Blocks 1, 2, 3 chained; the book knows the tokens of 1 and 3 only.
         let chain = hash_blocks(&[1, 2, 3], bs, Salt::NONE);
-        emulation.book.learn(&[1, 2, 3], Salt::NONE, None);
+        emulation.book.learn(&[1, 2, 3], Salt::NONE, None, None);
         emulation.book.blocks.lock().0.remove(&chain[1].seq);
         let stored = |tier| EventBatch {
             worker: WorkerId(1),
@@ -474,6 +499,76 @@ mod tests {
         assert_eq!(runs(Tier::Host), vec![(3, None)]);
     }
 
+    /// A salted request's blocks go out with its cache salt where each engine puts it (vLLM:
+    /// the chain's first block's extra keys; SGLang: tagged, on every event), so that an
+    /// engine mirror names them as the engine hashed them: without it, a salted prompt was
+    /// indexed under the unsalted chain, and an unsalted request credited with its blocks.
+    #[test]
+    fn a_salted_request_s_events_carry_its_cache_salt() {
+        use kvroute::engines::EngineMirror;
+        use kvroute::engines::wire::decode_batch;
+        use kvroute::protocol::{BlockChange, DpRank, EventBatch, KvEvent, StoredBlock, WorkerId};
+        let bs = NonZeroUsize::new(2).unwrap();
+        let tokens: Vec<u32> = (1..=6).collect();
+        for (flavor, lora) in [
+            (Flavor::Vllm, None),
+            (Flavor::Vllm, Some("adapter")),
+            (Flavor::Sglang, None),
+        ] {
+            let emulation = Emulation {
+                flavor,
+                bytes_hashes: false,
+                book: TokenBook::new(bs, 16),
+                block_size: bs,
+                capacity_tokens: 16,
+                vocab: 100,
+                adapters: Vec::new(),
+                ranks: Vec::new(),
+            };
+            let salt = kvroute::engines::engine_salt(lora, Some("tenant"));
+            emulation.book.learn(&tokens, salt, lora, Some("tenant"));
+            let chain = hash_blocks(&tokens, bs, salt);
+            // Two events: the chain's first block, then the rest under it.
+            let event =
+                |id, parent: Option<SeqHash>, blocks: &[kvroute::protocol::BlockHash]| KvEvent {
+                    id,
+                    tier: Tier::Device,
+                    data: KvEventData::Stored {
+                        parent,
+                        blocks: blocks
+                            .iter()
+                            .map(|b| StoredBlock {
+                                seq: b.seq,
+                                local: b.local,
+                            })
+                            .collect(),
+                    },
+                };
+            let batch = EventBatch {
+                worker: WorkerId(1),
+                dp_rank: DpRank(0),
+                epoch: 1,
+                sent_unix_us: 0,
+                events: vec![
+                    event(1, None, &chain[..1]),
+                    event(2, Some(chain[0].seq), &chain[1..]),
+                ],
+            };
+            let mut mirror = EngineMirror::new(bs);
+            let mut out = Vec::new();
+            mirror.apply(&decode_batch(&emulation.encode(&batch)).unwrap(), &mut out);
+            let named: Vec<SeqHash> = out
+                .iter()
+                .filter_map(|c| match c {
+                    BlockChange::Stored { block, .. } => Some(block.seq),
+                    _ => None,
+                })
+                .collect();
+            let want: Vec<SeqHash> = chain.iter().map(|b| b.seq).collect();
+            assert_eq!(named, want, "{flavor:?} {lora:?}");
+        }
+    }
+
     /// The book forgets the block learnt least recently, not the one learnt first: a block
     /// learnt early and in use since stayed only until newer blocks pushed it out, and its
     /// engine's events about it were then dropped whole.
@@ -482,7 +577,7 @@ mod tests {
         let book = TokenBook::new(NonZeroUsize::new(1).unwrap(), 2);
         let hash = |t: u32| hash_blocks(&[t], NonZeroUsize::new(1).unwrap(), Salt::NONE)[0].seq;
         for t in [1, 2, 1, 3] {
-            book.learn(&[t], Salt::NONE, None);
+            book.learn(&[t], Salt::NONE, None, None);
         }
         assert!(book.block(hash(1)).is_some(), "learnt again, kept");
         assert!(book.block(hash(2)).is_none());
@@ -490,7 +585,7 @@ mod tests {
         assert_eq!(book.len(), 2);
         // Learning the same block over and over keeps the order bounded.
         for _ in 0..1_000 {
-            book.learn(&[1], Salt::NONE, None);
+            book.learn(&[1], Salt::NONE, None, None);
         }
         assert!(book.blocks.lock().1.len() <= 2 * 2 + 64);
     }

@@ -129,14 +129,24 @@ struct Args {
     write_stall_timeout_ms: u64,
     /// On SIGTERM: deregister, stop accepting, and give requests in flight this long to
     /// finish, ms. (Not a sidecar's: its engine serves the requests, and drains them itself.)
-    #[arg(long, env = "KVROUTE_DRAIN_TIMEOUT_MS", default_value_t = 30_000, conflicts_with = "engine")]
+    #[arg(
+        long,
+        env = "KVROUTE_DRAIN_TIMEOUT_MS",
+        default_value_t = 30_000,
+        conflicts_with = "engine"
+    )]
     drain_timeout_ms: u64,
     /// After its engine fails, the worker (deregistered at once) keeps answering /metrics
     /// this long before it exits non-zero, so that a scrape records what failed (the
     /// counters of a failure were lost with the process, and their alerts never fired:
     /// two of the chart's 15 s scrapes by default); SIGTERM ends the wait, ms. (Not a
     /// sidecar's: it has no engine of its own to fail; an unhealthy engine is withdrawn.)
-    #[arg(long, env = "KVROUTE_FAILURE_LINGER_MS", default_value_t = 30_000, conflicts_with = "engine")]
+    #[arg(
+        long,
+        env = "KVROUTE_FAILURE_LINGER_MS",
+        default_value_t = 30_000,
+        conflicts_with = "engine"
+    )]
     failure_linger_ms: u64,
     /// Log lines as `text` (colour only on a terminal) or `json`.
     #[arg(long, env = "KVROUTE_LOG_FORMAT", default_value = "text")]

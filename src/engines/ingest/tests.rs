@@ -71,6 +71,7 @@ fn store(hash: u64, parent: Option<u64>) -> Bytes {
         block_size: BS as u32,
         medium: "GPU".into(),
         lora_name: None,
+        extra_keys: Vec::new(),
     };
     let enc = Encoding {
         tagged_maps: hash.is_multiple_of(2),
@@ -897,6 +898,7 @@ async fn the_rank_the_engine_names_is_reported() {
         block_size: BS as u32,
         medium: "GPU".into(),
         lora_name: None,
+        extra_keys: Vec::new(),
     };
     let enc = Encoding {
         tagged_maps: true,

@@ -30,6 +30,7 @@ fn every_encoding_round_trips() {
             block_size: 4,
             medium: "GPU".into(),
             lora_name: Some("adapter-a".into()),
+            extra_keys: vec![vec!["adapter-a".into(), "salt-1".into()], Vec::new()],
         },
         RawEvent::Stored {
             hashes: vec![7],
@@ -38,6 +39,7 @@ fn every_encoding_round_trips() {
             block_size: 0,
             medium: "CPU".into(),
             lora_name: None,
+            extra_keys: Vec::new(),
         },
         RawEvent::Removed {
             hashes: vec![u64::MAX - 3],
@@ -67,6 +69,16 @@ fn every_encoding_round_trips() {
             assert_eq!(st.parent, Some(h(1 << 63)));
             assert_eq!((st.token_ids.len(), st.block_size), (8, 4));
             assert_eq!(st.lora_name.as_deref(), Some("adapter-a"));
+            assert_eq!(
+                st.extra_keys,
+                vec![
+                    vec![
+                        ExtraKey::Str("adapter-a".into()),
+                        ExtraKey::Str("salt-1".into())
+                    ],
+                    Vec::new()
+                ]
+            );
             assert_eq!(st.medium.tier(), Tier::Device);
             let EngineEvent::Stored(cpu) = &b.events[1] else {
                 panic!()

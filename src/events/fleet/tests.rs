@@ -295,7 +295,10 @@ fn a_reconnect_after_a_blip_does_not_renew_leases() {
     fleet.on_reconnected(900);
     fleet.on_tick(950, &mut out);
     fleet.on_tick(1_051, &mut out);
-    assert!(!out.is_empty(), "a reconnect between ticks renewed the lease");
+    assert!(
+        !out.is_empty(),
+        "a reconnect between ticks renewed the lease"
+    );
     // Deaf past the grace: renewed from the reconnect.
     let mut fleet = registered(3);
     out.clear();

@@ -35,8 +35,20 @@ pub(crate) enum EngineInput {
     Snapshot(SnapshotRequest),
     /// Fail as a broken engine would (fault injection).
     Fail,
+    /// Panic (tests: a bug on the engine thread).
+    #[cfg(test)]
+    Panic,
     /// Stop.
     Stop,
+}
+
+/// A panic's message, if it has one (`panic!` with a literal or a formatted string).
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("no message")
 }
 
 /// The handle on the engine thread.
@@ -60,10 +72,19 @@ impl EngineHandle {
         std::thread::Builder::new()
             .name("kvroute-engine".into())
             .spawn(move || {
-                if let Err(reason) = run(engine, rx, events, plane, emulation) {
-                    tracing::error!(%reason, "engine failed");
-                    failure.send_replace(Some(reason));
-                }
+                // A panic is a failure too, with its reason: the thread's end alone closed
+                // the channel, which one rank's relay took for a failure with no reason, and
+                // beside other ranks' was not seen at all (the dead rank stayed chosen).
+                let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    run(engine, rx, events, plane, emulation)
+                }));
+                let reason = match ran {
+                    Ok(Ok(())) => return,
+                    Ok(Err(reason)) => reason,
+                    Err(panic) => format!("engine panicked: {}", panic_message(&*panic)),
+                };
+                tracing::error!(%reason, "engine failed");
+                failure.send_replace(Some(reason));
             })?;
         Ok(EngineHandle { inputs, failed })
     }
@@ -144,6 +165,8 @@ fn run(
                 let _ = request.reply.send(engine.snapshot());
             }
             Ok(EngineInput::Fail) => return Err("fault injected: engine failure".into()),
+            #[cfg(test)]
+            Ok(EngineInput::Panic) => panic!("a test's panic"),
             Ok(EngineInput::Stop) | Err(RecvTimeoutError::Disconnected) => return Ok(()),
             Err(RecvTimeoutError::Timeout) => {}
         }
@@ -364,5 +387,54 @@ impl Series {
             shared_on_register: counter("kvroute_worker_blocks_shared_on_register_total"),
             tokens: counter("kvroute_worker_tokens_total"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvroute::discovery::WorkerInfo;
+    use kvroute::events::transport::{LocalBus, Transport};
+    use kvroute::protocol::{DpRank, WorkerId};
+
+    use super::*;
+    use crate::config::EngineConfig;
+
+    /// A panic on the engine thread fails the engine with its reason, as an error does: the
+    /// thread's end alone was seen as a failure without a reason with one rank, and not at
+    /// all beside other ranks.
+    #[tokio::test]
+    async fn a_panic_on_the_engine_thread_is_a_failure_with_its_reason() {
+        let engine = Engine::new(EngineConfig::default(), WorkerId(1), DpRank(0), 42).unwrap();
+        let info = Arc::new(parking_lot::Mutex::new(WorkerInfo {
+            id: WorkerId(1),
+            url: "http://127.0.0.1:9".into(),
+            block_size: 16,
+            g1_blocks: 16,
+            g2_blocks: 0,
+            model: "m".into(),
+            dp_size: 1,
+            epoch: 1,
+            last_event_ids: vec![0],
+            api: Default::default(),
+            adapters: Vec::new(),
+            engine_load: None,
+            event_faults: None,
+            engine_rank_kv_usage: Vec::new(),
+            learns_routes: false,
+            left: false,
+        }));
+        let plane = WorkerPlane::new(Transport::Local(LocalBus::new()), "c", info);
+        let (events, _kept) = mpsc::channel(4);
+        let handle = EngineHandle::spawn(engine, events, plane, None).unwrap();
+        handle.inputs().send(EngineInput::Panic).unwrap();
+        let mut failed = handle.failed();
+        let reason =
+            tokio::time::timeout(Duration::from_secs(30), failed.wait_for(Option::is_some))
+                .await
+                .expect("the engine thread said nothing")
+                .expect("the engine thread ended without a reason")
+                .clone()
+                .unwrap_or_default();
+        assert!(reason.contains("a test's panic"), "{reason}");
     }
 }

@@ -101,6 +101,10 @@ struct Generate {
     /// The LoRA adapter asked for (the test engine's), whose name salts the blocks.
     #[serde(default)]
     lora: Option<String>,
+    /// The OpenAI request's `cache_salt` (the test engine's; a router's body has its salt
+    /// in `salt` only), which its KV events carry as the engine's do.
+    #[serde(skip)]
+    cache_salt: Option<String>,
 }
 
 fn default_max_tokens() -> u32 {
@@ -471,6 +475,7 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
             lora: adapter.then(|| model.clone()),
             include_usage: kvroute::ingress::openai::include_usage(options),
             dp_rank,
+            cache_salt,
         },
     )
     .await
@@ -701,8 +706,12 @@ async fn run(state: State, g: Generate) -> Response<Body> {
     }
     let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
     let prompt_tokens = g.token_ids.len();
+    // As the engine admits it: the last output token is sampled, never held.
     if let Some(e) = &state.emulate
-        && prompt_tokens.saturating_add(g.max_tokens as usize) <= e.capacity_tokens
+        && prompt_tokens
+            .saturating_add(g.max_tokens as usize)
+            .saturating_sub(1)
+            <= e.capacity_tokens
     {
         // Events describe blocks by their tokens: learn every block this request can fill,
         // its output included (decode tokens are a function of the request id). A request
@@ -711,7 +720,12 @@ async fn run(state: State, g: Generate) -> Response<Body> {
         let mut all = g.token_ids.clone();
         all.extend((0..g.max_tokens).map(|i| crate::engine::output_token(id, i, e.vocab)));
         let lora = g.lora.as_deref();
-        e.book.learn(&all, kvroute::protocol::Salt(g.salt), lora);
+        e.book.learn(
+            &all,
+            kvroute::protocol::Salt(g.salt),
+            lora,
+            g.cache_salt.as_deref(),
+        );
     }
     let request = Request {
         id,
