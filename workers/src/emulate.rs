@@ -441,6 +441,20 @@ mod tests {
 
     use super::*;
 
+    /// A `flavor` emulation of blocks of `bs` tokens, its book holding 16, no ranks.
+    fn emulation(flavor: Flavor, bs: NonZeroUsize) -> Emulation {
+        Emulation {
+            flavor,
+            bytes_hashes: false,
+            book: TokenBook::new(bs, 16),
+            block_size: bs,
+            capacity_tokens: 16,
+            vocab: 100,
+            adapters: Vec::new(),
+            ranks: Vec::new(),
+        }
+    }
+
     /// A stored chain with a block whose tokens the book does not know goes out as the runs
     /// around it (the known blocks were dropped with it), and a token-less host store needs
     /// no tokens at all.
@@ -449,16 +463,7 @@ mod tests {
         use kvroute::engines::wire::{EngineEvent, decode_batch};
         use kvroute::protocol::{DpRank, EventBatch, KvEvent, StoredBlock, WorkerId};
         let bs = NonZeroUsize::new(1).unwrap();
-        let emulation = Emulation {
-            flavor: Flavor::Vllm,
-            bytes_hashes: false,
-            book: TokenBook::new(bs, 16),
-            block_size: bs,
-            capacity_tokens: 16,
-            vocab: 100,
-            adapters: Vec::new(),
-            ranks: Vec::new(),
-        };
+        let emulation = emulation(Flavor::Vllm, bs);
         // Blocks 1, 2, 3 chained; the book knows the tokens of 1 and 3 only.
         let chain = hash_blocks(&[1, 2, 3], bs, Salt::NONE);
         emulation.book.learn(&[1, 2, 3], Salt::NONE, None, None);
@@ -515,16 +520,7 @@ mod tests {
             (Flavor::Vllm, Some("adapter")),
             (Flavor::Sglang, None),
         ] {
-            let emulation = Emulation {
-                flavor,
-                bytes_hashes: false,
-                book: TokenBook::new(bs, 16),
-                block_size: bs,
-                capacity_tokens: 16,
-                vocab: 100,
-                adapters: Vec::new(),
-                ranks: Vec::new(),
-            };
+            let emulation = emulation(flavor, bs);
             let salt = kvroute::engines::engine_salt(lora, Some("tenant"));
             emulation.book.learn(&tokens, salt, lora, Some("tenant"));
             let chain = hash_blocks(&tokens, bs, salt);

@@ -206,6 +206,29 @@ impl WorkerPlane {
 /// Most queued snapshot requests answered by one round of snapshots.
 const MAX_SHARED_REQUESTS: usize = 1024;
 
+/// A worker's registration for tests: worker 1, model "m", `dp_size` ranks.
+#[cfg(test)]
+pub(crate) fn test_info(dp_size: u32) -> WorkerInfo {
+    WorkerInfo {
+        id: kvroute::protocol::WorkerId(1),
+        url: "http://127.0.0.1:9000".into(),
+        block_size: 16,
+        g1_blocks: 16,
+        g2_blocks: 0,
+        model: "m".into(),
+        dp_size,
+        epoch: 1,
+        last_event_ids: vec![0],
+        api: Default::default(),
+        adapters: Vec::new(),
+        engine_load: None,
+        event_faults: None,
+        engine_rank_kv_usage: Vec::new(),
+        learns_routes: false,
+        left: false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use kvroute::events::transport::LocalBus;
@@ -231,24 +254,7 @@ mod tests {
     /// (id 5) are sent: the heartbeat's last id never goes back.
     #[test]
     fn the_last_event_id_never_goes_back() {
-        let info = Arc::new(Mutex::new(WorkerInfo {
-            id: WorkerId(1),
-            url: "http://127.0.0.1:9000".into(),
-            block_size: 16,
-            g1_blocks: 16,
-            g2_blocks: 0,
-            model: "m".into(),
-            dp_size: 2,
-            epoch: 1,
-            last_event_ids: vec![0],
-            api: Default::default(),
-            adapters: Vec::new(),
-            engine_load: None,
-            event_faults: None,
-            engine_rank_kv_usage: Vec::new(),
-            learns_routes: false,
-            left: false,
-        }));
+        let info = Arc::new(Mutex::new(test_info(2)));
         let plane = WorkerPlane::new(Transport::Local(LocalBus::new()), "c", Arc::clone(&info));
         plane.note_sent(&batch(0, 9));
         plane.note_sent(&batch(0, 5));

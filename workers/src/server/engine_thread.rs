@@ -392,7 +392,6 @@ impl Series {
 
 #[cfg(test)]
 mod tests {
-    use kvroute::discovery::WorkerInfo;
     use kvroute::events::transport::{LocalBus, Transport};
     use kvroute::protocol::{DpRank, WorkerId};
 
@@ -405,24 +404,7 @@ mod tests {
     #[tokio::test]
     async fn a_panic_on_the_engine_thread_is_a_failure_with_its_reason() {
         let engine = Engine::new(EngineConfig::default(), WorkerId(1), DpRank(0), 42).unwrap();
-        let info = Arc::new(parking_lot::Mutex::new(WorkerInfo {
-            id: WorkerId(1),
-            url: "http://127.0.0.1:9".into(),
-            block_size: 16,
-            g1_blocks: 16,
-            g2_blocks: 0,
-            model: "m".into(),
-            dp_size: 1,
-            epoch: 1,
-            last_event_ids: vec![0],
-            api: Default::default(),
-            adapters: Vec::new(),
-            engine_load: None,
-            event_faults: None,
-            engine_rank_kv_usage: Vec::new(),
-            learns_routes: false,
-            left: false,
-        }));
+        let info = Arc::new(parking_lot::Mutex::new(crate::plane::test_info(1)));
         let plane = WorkerPlane::new(Transport::Local(LocalBus::new()), "c", info);
         let (events, _kept) = mpsc::channel(4);
         let handle = EngineHandle::spawn(engine, events, plane, None).unwrap();
