@@ -858,7 +858,9 @@ async fn handle(router: Arc<Router>, mut req: hyper::Request<Incoming>) -> Respo
         }
         (Method::POST, "/v1/completions" | "/v1/chat/completions") => {
             let chat = path == "/v1/chat/completions";
-            let id = named.clone().unwrap_or_else(|| request_id(req.headers()));
+            let id = named
+                .clone()
+                .expect("invariant: a completions path is named");
             req.headers_mut().insert(REQUEST_ID, id.clone());
             let span = tracing::info_span!("request", id = %id.to_str().unwrap_or_default());
             let answer =
@@ -1497,7 +1499,8 @@ static REPORT_MODE_LOGGED: crate::process::LogEvery =
 /// worker's cached prefix of it.
 struct Prepared {
     parsed: Parsed,
-    /// The client's body as it came (what an engine's own OpenAI endpoint is sent).
+    /// The client's body as it came, less vLLM's full KV event reporting (what an engine's
+    /// own OpenAI endpoint is sent; [`openai::VllmXargs`]).
     raw: Bytes,
     /// `raw`'s share of the bodies' memory budget, released with it.
     _held: Reservation,
@@ -1537,15 +1540,9 @@ impl Prepared {
                 // which its mirror would take for copies that are never removed.
                 let raw = match parsed.reports_full {
                     false => body,
-                    true => {
-                        metrics::counter!("kvroute_kv_report_mode_removed_total").increment(1);
-                        if REPORT_MODE_LOGGED.due() {
-                            tracing::warn!("a request asked vLLM for full KV event reporting (vllm_xargs.kv_cache_report_mode: full): taken out of the body the engine is sent, as the re-announced blocks would stay in the router's index after the engine evicted them (each is counted in kvroute_kv_report_mode_removed_total; said at most every minute)");
-                        }
-                        openai::without_report_mode(&body)
-                            .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))?
-                            .unwrap_or(body)
-                    }
+                    true => openai::without_report_mode(&body)
+                        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))?
+                        .unwrap_or(body),
                 };
                 if view.workers.is_empty() {
                     return Err(ApiError::no_workers());
@@ -1778,6 +1775,15 @@ async fn complete(
         slot.confirm(class.band)?;
     }
     class.scope_session(&p.model);
+    if p.reports_full {
+        // Counted here, for a request on its way to a worker (each prompt of a batch).
+        metrics::counter!("kvroute_kv_report_mode_removed_total").increment(1);
+        if REPORT_MODE_LOGGED.due() {
+            tracing::warn!(
+                "a request asked vLLM for full KV event reporting (vllm_xargs.kv_cache_report_mode: full): taken out of the body an engine is sent, as the re-announced blocks would stay in the router's index after the engine evicted them (each is counted in kvroute_kv_report_mode_removed_total; said at most every minute)"
+            );
+        }
+    }
     let mut body = proxy::Upstream {
         generate: None,
         raw: prepared.raw.clone(),

@@ -256,9 +256,12 @@ async fn merge_whole(
         }
         bodies.push(bytes);
     }
-    let merged = router
-        .off_runtime(move || merge_answers(&bodies, n))
-        .await?
+    // On a blocking thread of its own, not a tokenizer permit: the answers are generated,
+    // and a burst of prompts keeping every permit busy would have thrown them away with a
+    // 429. The bodies' budget bounds what merges at once.
+    let merged = tokio::task::spawn_blocking(move || merge_answers(&bodies, n))
+        .await
+        .map_err(|_| ApiError::unavailable("merging the prompts' answers failed"))?
         .map_err(|e| {
             ApiError::bad_gateway(format!("a prompt's answer is not a completion: {e}"))
         })?;

@@ -374,11 +374,15 @@ pub fn without_report_mode(body: &[u8]) -> Result<Option<bytes::Bytes>, serde_js
     let Some(raw) = request.get("vllm_xargs") else {
         return Ok(None);
     };
-    let mut xargs: serde_json::Map<String, serde_json::Value> = serde_json::from_str(raw.get())?;
-    if xargs.shift_remove("kv_cache_report_mode").is_none() {
+    // Its other keys as they came too (a number past 64 bits read into a value would be
+    // written back as a float).
+    let mut xargs: RawObject = serde_json::from_str(raw.get())?;
+    let before = xargs.0.len();
+    xargs.0.retain(|(k, _)| k != "kv_cache_report_mode");
+    if xargs.0.len() == before {
         return Ok(None);
     }
-    if xargs.is_empty() {
+    if xargs.0.is_empty() {
         request.0.retain(|(k, _)| k != "vllm_xargs");
     } else if let Some(raw) = request.get_mut("vllm_xargs") {
         *raw = serde_json::value::to_raw_value(&xargs)?;
@@ -1125,7 +1129,7 @@ pub struct ApiError {
     pub retryable: bool,
     /// For a retryable error, the `Retry-After` the client is sent, s.
     pub retry_after_s: u64,
-    /// The worker's own error body (a JSON object), sent as it came instead of one of the
+    /// The worker's own error body (in OpenAI's shape), sent as it came instead of one of the
     /// router's: an engine's refusal keeps its type, code and param.
     pub worker_body: Option<bytes::Bytes>,
 }

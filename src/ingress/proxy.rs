@@ -203,7 +203,8 @@ pub enum ProxyError {
         status: StatusCode,
         /// Its error message (from its OpenAI-shaped body, else the body's text).
         message: String,
-        /// Its body, if a whole JSON object (a refusal reaches the client as it came).
+        /// Its body, if whole and in OpenAI's shape (a refusal reaches the client as it
+        /// came; [`error_parts`]).
         body: Option<Bytes>,
     },
     /// A non-streamed answer failed after its success status: its body broke off, was
@@ -484,7 +485,7 @@ fn worker_side(status: StatusCode) -> bool {
 const ERROR_BODY_BYTES: usize = 16 << 10;
 
 /// The message of a worker's error body, read within `deadline`, and the body itself if it
-/// is a whole JSON object (what the client is sent for a refusal); a body longer than
+/// is whole and in OpenAI's shape (what the client is sent for a refusal); a body longer than
 /// [`ERROR_BODY_BYTES`] is cut there (its message is in its first bytes, if anywhere).
 async fn error_body(
     body: hyper::body::Incoming,
@@ -539,7 +540,8 @@ pub(super) struct Upstream {
     /// when a kvroute worker is first chosen ([`Upstream::needs_generate`]): engines never
     /// read it, and it is several times the client's body (about 6.5 B a token).
     pub generate: Option<Bytes>,
-    /// For an engine: the client's body as it came.
+    /// For an engine: the client's body as it came, less vLLM's full KV event reporting
+    /// ([`super::openai::VllmXargs`]).
     pub raw: Bytes,
     /// A chat completion (else a completion).
     pub chat: bool,

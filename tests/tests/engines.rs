@@ -1085,6 +1085,8 @@ enum Script {
     ErrorEvent,
     /// 200 and a stream whose first event is the client's error (code 400).
     ClientErrorEvent,
+    /// 200 and a whole completion whose text is the body the engine was sent.
+    Echo,
 }
 
 /// An OpenAI-compatible engine in this process answering completions as `script` says: its
@@ -1114,6 +1116,18 @@ async fn scripted_engine(
                             .unwrap()
                     };
                     match req.uri().path() {
+                        "/v1/completions" if script == Script::Echo => {
+                            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            let body = req.into_body().collect().await.unwrap().to_bytes();
+                            let answer = serde_json::json!({
+                                "id": "c", "object": "text_completion", "model": "scripted",
+                                "choices": [{"index": 0, "text": String::from_utf8_lossy(&body), "finish_reason": "stop"}],
+                            });
+                            hyper::Response::builder()
+                                .header("content-type", "application/json")
+                                .body(kvroute::http::full(answer.to_string()))
+                                .unwrap()
+                        }
                         "/v1/completions" => {
                             counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                             if script == Script::Fail {
@@ -1159,6 +1173,48 @@ async fn scripted_engine(
         .await;
     });
     (url, sent)
+}
+
+/// vLLM's per-request full KV event reporting is taken out of what an engine is sent (its
+/// re-announced blocks would stay in the index after eviction), the rest of the body as it
+/// came, and the request counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_kv_event_reporting_never_reaches_the_engine() {
+    let (engine, _) = scripted_engine(Script::Echo).await;
+    let (_router, url, _) = direct_router(&[format!("{engine},model=scripted")], &[]).unwrap();
+    let http = Http::default();
+    let body = r#"{"model":"scripted","prompt":"hello there","max_tokens":4,"vllm_xargs":{"kv_cache_report_mode":"full","x":1}}"#;
+    let mut seen = None;
+    for _ in 0..200 {
+        match http
+            .call("POST", &format!("{url}/v1/completions"), body.to_owned())
+            .await
+        {
+            Ok(r) if r.status == 200 => {
+                seen = Some(r.body);
+                break;
+            }
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+    let answer: serde_json::Value =
+        serde_json::from_str(&seen.expect("the router never served the scripted engine")).unwrap();
+    let sent = answer["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(
+        sent,
+        r#"{"model":"scripted","prompt":"hello there","max_tokens":4,"vllm_xargs":{"x":1}}"#
+    );
+    let metrics = http
+        .call("GET", &format!("{url}/metrics"), "")
+        .await
+        .unwrap()
+        .body;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("kvroute_kv_report_mode_removed_total") && l.ends_with(" 1")),
+        "{metrics}"
+    );
 }
 
 /// Streams end as their worker says: after `[DONE]` the relay waits only briefly for the
