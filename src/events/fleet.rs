@@ -610,11 +610,14 @@ impl Fleet {
         self.sweep_tombstones(now_ms);
     }
 
-    /// The router's NATS connection came back (it may have dropped and returned between two
-    /// ticks, unseen by them): the outage counts as deafness up to now, so a blip pauses the
-    /// leases and only a longer one renews them, as [`Fleet::on_deaf_tick`] says. (Renewing
-    /// on every reconnect gave a crashed worker a new lease each time the connection
-    /// flapped: a server closing a slow consumer, a rolling restart of a NATS cluster.)
+    /// The router's NATS connection came back: taken as a deaf tick now, so an outage the
+    /// ticks saw pauses the leases if short and renews them if longer than the grace, as
+    /// [`Fleet::on_deaf_tick`] says, and one they did not see (it dropped and came back
+    /// between two ticks, at most the transport's one-second check) pauses them from now to
+    /// the next tick only, its own time counted against them: less than a heartbeat period
+    /// against leases of four or more. (Renewing on every reconnect gave a crashed worker a
+    /// new lease each time the connection flapped: a server closing a slow consumer, a
+    /// rolling restart of a NATS cluster.)
     pub fn on_reconnected(&mut self, now_ms: u64) {
         self.on_deaf_tick(now_ms);
     }
