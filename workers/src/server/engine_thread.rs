@@ -75,8 +75,9 @@ impl EngineHandle {
                 // A panic is a failure too, with its reason: the thread's end alone closed
                 // the channel, which one rank's relay took for a failure with no reason, and
                 // beside other ranks' was not seen at all (the dead rank stayed chosen).
+                let mut engine = engine;
                 let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    run(engine, rx, events, plane, emulation)
+                    run(&mut engine, rx, events, plane, emulation)
                 }));
                 let reason = match ran {
                     Ok(Ok(())) => return,
@@ -85,6 +86,10 @@ impl EngineHandle {
                 };
                 tracing::error!(%reason, "engine failed");
                 failure.send_replace(Some(reason));
+                // Dropped only once the failure is out: the drop of a GPU's KV memory waits
+                // for its streams, for good if a device copy is stuck (the failure it
+                // stopped for), and the worker never heard it had failed.
+                drop(engine);
             })?;
         Ok(EngineHandle { inputs, failed })
     }
@@ -108,7 +113,7 @@ impl EngineHandle {
 }
 
 fn run(
-    mut engine: Engine,
+    engine: &mut Engine,
     inputs: Receiver<EngineInput>,
     events: mpsc::Sender<EventBatch>,
     plane: WorkerPlane,
@@ -211,7 +216,7 @@ fn run(
             waiting.remove(&id);
         }
         for id in stalled {
-            end_unread(&mut engine, &mut waiting, id);
+            end_unread(engine, &mut waiting, id);
         }
         for o in out.drain(..) {
             if matches!(o.kind, OutputKind::Token { .. }) {
