@@ -206,12 +206,8 @@ pub fn run(args: &Args) -> anyhow::Result<Report> {
     let (g1_blocks, g2_blocks) = (4096, 2048);
     let mut kv = GpuKv::new(args.device, layout, g1_blocks, g2_blocks, 256)
         .context("kvroute-bench kernels needs a CUDA device")?;
-    let device = format!(
-        "{} (sm_{}{})",
-        kv.gpu().name,
-        kv.gpu().arch.0,
-        kv.gpu().arch.1
-    );
+    let (name, (major, minor)) = kv.device();
+    let device = format!("{name} (sm_{major}{minor})");
     let mut seed = 0x2545_f491_4f6c_dd1d_u64;
     let mut shuffled = |n: usize| {
         let mut v: Vec<usize> = (0..n).collect();

@@ -391,7 +391,8 @@ impl Gpu {
             return Ok(());
         }
         let (s, _s) = src.device_ptr(stream);
-        let (d, _d) = dst.device_ptr(stream);
+        // Written: recorded as a write, so that a read on another stream waits for it.
+        let (d, _d) = dst.device_ptr_mut(stream);
         let words = stream.clone_htod(&copy_words(pieces, s, d))?;
         let n = pieces.len() as u32;
         let mut launch = stream.launch_builder(&self.copy);
@@ -583,7 +584,8 @@ impl Gpu {
         if pieces.is_empty() {
             return Ok(());
         }
-        let (base, _b) = buf.device_ptr(stream);
+        // Written: recorded as a write (see `copy`).
+        let (base, _b) = buf.device_ptr_mut(stream);
         let words = stream.clone_htod(&pattern_words(pieces, base))?;
         let n = pieces.len() as u32;
         let mut launch = stream.launch_builder(&self.fill);
@@ -829,10 +831,11 @@ impl GpuKv {
         })
     }
 
-    /// The device. Its context has cudarc's event tracking off (see [`GpuKv`]): buffers
-    /// allocated through it are ordered across streams by the caller alone.
-    pub fn gpu(&self) -> &Gpu {
-        &self.gpu
+    /// The device's name and compute capability. (Not the device itself: its context has
+    /// cudarc's event tracking off, see [`GpuKv`], which `Gpu`'s safe methods rely on, so a
+    /// buffer allocated through it and used on another stream was a use after free.)
+    pub fn device(&self) -> (&str, (i32, i32)) {
+        (&self.gpu.name, self.gpu.arch)
     }
 
     /// The geometry.
@@ -1082,9 +1085,21 @@ impl GpuKv {
             Some(seqs) => Some(self.queue_check(pairs, seqs)?),
             None => None,
         };
-        let done = self.movers.record_event(None)?;
-        self.main.wait(&done)?;
-        Ok(Transfer { done, check })
+        let done = self
+            .movers
+            .record_event(None)
+            .and_then(|done| self.main.wait(&done).map(|()| done));
+        match done {
+            Ok(done) => Ok(Transfer { done, check }),
+            Err(e) => {
+                // The verification's copy may still be writing into its pinned buffer,
+                // which `check` frees: only a `Transfer` waits for it when dropped.
+                if check.is_some() {
+                    let _ = self.movers.synchronize();
+                }
+                Err(e.into())
+            }
+        }
     }
 
     /// Queues the verification of the onboarded G1 slots on `movers` and the copy of its
