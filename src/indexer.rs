@@ -24,10 +24,11 @@
 //! A node is one 16-byte slot of an open-addressing table ([`table`]): the `SeqHash` (the
 //! key *is* the node's address) and one word holding up to three owners inline, each a
 //! worker slot and its tier bits in 20 bits; more owners spill to an arena at 4 B each.
-//! Tables stay between 41 % and 81 % full while the index grows or holds steady, so a
-//! distinct block costs 20–39 B (27 B at the mean of a doubling); a block shared by four or
-//! more workers adds 4 B per owner out of line (the [`table`] module's docs give the
-//! details, and what a shrinking index costs). There is no per-worker reverse
+//! Tables stay between 41 % and 81 % full while the index grows, so a distinct block costs
+//! 20–39 B (27 B at the mean of a doubling); at steady churn, tombstones purged at 13/16
+//! used, the live keys fill 31–62 % (26–51 B a block); a block shared by four or more
+//! workers adds 4 B per owner out of line, in an arena with room for twice the live sets
+//! (the [`table`] module's docs give the details, and what a shrinking index costs). There is no per-worker reverse
 //! map: what a worker holds is in the nodes, and `Cleared`, worker removal and `dump` walk
 //! the map (rare). A removal is two halves: retiring the worker's slot (constant time:
 //! lookups stop crediting it and its next events register afresh) and reaping (the walk
@@ -92,7 +93,7 @@ pub struct Config {
     /// never contend; readers take no lock at all.
     pub shards: usize,
     /// Blocks to size the tables for at start (saves the early rebuilds; readers never
-    /// wait on a rebuild either way).
+    /// wait on a rebuild either way). The tables never shrink below that size.
     pub initial_blocks: usize,
 }
 
@@ -450,10 +451,13 @@ impl Indexer {
                 }
                 let mut parent = *parent;
                 // The blocks stored before the cap refuses one stay, and count as held.
-                'chain: for group in blocks.chunks(LOOKAHEAD) {
+                'chain: for (g, group) in blocks.chunks(LOOKAHEAD).enumerate() {
                     self.touch(&self.map.view(), group.iter().map(|b| home(b.seq)));
-                    for block in group {
+                    for (k, block) in group.iter().enumerate() {
                         if !self.store(slot, event.tier, parent, *block, scratch, out) {
+                            // The rest of the chain is refused with it (counted as blocks).
+                            let after = blocks.len() - (g * LOOKAHEAD + k) - 1;
+                            out.capped += after as u64;
                             break 'chain;
                         }
                         parent = Some(block.seq);
@@ -860,13 +864,14 @@ impl Indexer {
         let mut depth = 1u32;
         // One view of the tables for the rest of the walk, pinned after block 0's owners were
         // read twice (the generation protocol above needs fresh reads; every read through
-        // this view is as some moment after them saw it, see [`table::Map`]). Blocks are
+        // this view is as some moment after them saw it, see [`table::Map`], and no earlier
+        // than the reads before it: table rule 4 pins again past a replaced table). Blocks are
         // touched a group at a time, one group before they are read, so that the group's
         // cache misses overlap instead of costing one memory latency per block in turn. The
         // touches of a group are issued back to back: a load that misses holds up the
         // instructions behind it until it completes, so touches spread between reads would
         // overlap only with the few nearest.
-        let view = self.map.view();
+        let mut view = self.map.view();
         if seqs.size_hint().0 >= WARM_AFTER {
             std::hint::black_box(view.warm());
         }
@@ -883,13 +888,13 @@ impl Indexer {
             let Some((seq, home)) = ahead.pop_front() else {
                 break;
             };
-            let changed = match view.read_changed(
-                self.map.shard_of(home),
-                home,
-                seq.0,
-                &mut last,
-                &mut owners,
-            ) {
+            let shard = self.map.shard_of(home);
+            // Table rule 4: a table replaced since the view was pinned may be behind what
+            // the walk read in other shards; its successor is not.
+            if view.replaced(shard) {
+                view = self.map.view();
+            }
+            let changed = match view.read_changed(shard, home, seq.0, &mut last, &mut owners) {
                 None => break,
                 Some(changed) => changed,
             };
@@ -1055,11 +1060,14 @@ impl Indexer {
         }
     }
 
-    /// Sizes of the live state.
+    /// Sizes of the live state. The counts are added a batch at a time, so two lanes'
+    /// batches may briefly take one below zero (a block one lane created and another
+    /// emptied, the emptying batch done first): read as zero then, not as 2⁶⁴ − 1.
     pub fn sizes(&self) -> Sizes {
+        let read = |count: &AtomicUsize| (count.load(Ordering::Relaxed) as isize).max(0) as usize;
         Sizes {
-            blocks: self.block_count.load(Ordering::Relaxed),
-            entries: self.entry_count.load(Ordering::Relaxed),
+            blocks: read(&self.block_count),
+            entries: read(&self.entry_count),
             workers: self.lanes.slots.occupied(),
         }
     }
@@ -1070,8 +1078,9 @@ impl Indexer {
         self.map.table_bytes()
     }
 
-    /// Rebuilds every shard's table to its live size now. Tables shrink on their own as
-    /// blocks leave (at an eighth full); this also drops tombstones and dead arena regions.
+    /// Rebuilds every shard's table to its live size now (not below `initial_blocks`'s).
+    /// Tables shrink on their own as blocks leave (at an eighth full); this also drops
+    /// tombstones and dead arena regions.
     pub fn shrink_to_fit(&self) {
         for index in 0..self.map.shards() {
             self.map.write_shard(index).compact();

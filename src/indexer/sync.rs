@@ -5,11 +5,11 @@
 #[cfg(kvroute_loom)]
 pub(crate) use loom::sync::Arc;
 #[cfg(kvroute_loom)]
-pub(crate) use loom::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 #[cfg(not(kvroute_loom))]
 pub(crate) use std::sync::Arc;
 #[cfg(not(kvroute_loom))]
-pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+pub(crate) use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 /// A mutex whose `lock` cannot fail (poisoning is not a state the indexer recovers from).
 #[derive(Debug, Default)]

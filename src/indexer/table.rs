@@ -12,10 +12,14 @@
 //! - `PRESENT | SPILLED | len << 32 | offset`: more owners (or a slot index past 16 bits)
 //!   out of line, `len` entries packed two to a word in the shard's arena.
 //!
-//! So a block costs its slot, 16 B, divided by the table's load. While the index grows or
-//! holds steady the load stays between 0.41 and 0.81 (the table doubles at 13/16): 20 to
-//! 39 B, 27 B at the mean of a doubling. It shrinks only at 1/8, so after most blocks have
-//! left a block may cost up to 128 B until then. A block shared by four or more workers
+//! So a block costs its slot, 16 B, divided by the table's load. While the index grows the
+//! load stays between 0.41 and 0.81 (the table doubles at 13/16 used): 20 to 39 B, 27 B at
+//! the mean of a doubling. At steady churn (a full cache evicting as it stores, the usual
+//! state) removed keys leave tombstones that count as used; at 13/16 used the table is
+//! rebuilt without them, at the same size if the live keys fill at most 5/8 of it, else
+//! doubled, so the live load stays between 5/16 and 5/8: 26 to 51 B a block, by where the
+//! live count falls between two powers of two. It shrinks only at 1/8, so after most
+//! blocks have left a block may cost up to 128 B until then. A block shared by four or more workers
 //! (shared system prompts) keeps its whole owner set out of line, 4 B an owner, in an arena
 //! with room for twice the live sets and at least an eighth of a word (1 B) a slot, so that
 //! the rebuilds its changes cause are paid for. Nothing else is kept per block: the key is the
@@ -45,12 +49,21 @@
 //!
 //! 3. *A new table is in the view before anything is written to it* ([`Map`]).
 //!
-//! All three rules are model-checked by loom with negative controls (`loom_models.rs`).
+//! A walk reads its blocks through one view, so a fourth keeps its reads in order:
+//!
+//! 4. *A replaced table is marked before anything is written to its successor*, and a walk
+//!    about to read a marked table pins the view again. Otherwise one view could read a
+//!    shard as it is and the next block's shard as it was when its table was replaced,
+//!    before writes that came before the ones already read (a worker credited with blocks
+//!    it never held together: a store of block 1 seen, the removal of block 2 before it
+//!    not).
+//!
+//! All four rules are model-checked by loom with negative controls (`loom_models.rs`).
 //!
 //! Probe positions come from the key mixed with a per-process random seed, so a publisher
 //! cannot choose hashes that pile into one probe chain.
 
-use super::sync::{Arc, ArcCell, AtomicU64, Loaded, Mutex, MutexGuard, Ordering};
+use super::sync::{Arc, ArcCell, AtomicBool, AtomicU64, Loaded, Mutex, MutexGuard, Ordering};
 
 /// One owner of a block: `slot << 4 | tiers` (bit `t` set: held in `Tier` `t`).
 pub(crate) type Entry = u32;
@@ -103,6 +116,8 @@ struct Slot {
 pub(crate) struct Table {
     slots: Box<[Slot]>,
     arena: Box<[AtomicU64]>,
+    /// Set once a successor is in the view, before anything is written to it (rule 4).
+    replaced: AtomicBool,
 }
 
 impl Table {
@@ -115,6 +130,7 @@ impl Table {
                 })
                 .collect(),
             arena: (0..arena).map(|_| AtomicU64::new(0)).collect(),
+            replaced: AtomicBool::new(false),
         };
         // The zeroed slots come from a zeroed allocation, whose fresh pages the kernel maps
         // on first touch. A rebuild's first touch of a page is a probe's read, which maps the
@@ -282,6 +298,10 @@ struct Books {
     arena_live: usize,
     /// Rebuilds since creation (for tests and the bench).
     rebuilds: u64,
+    /// The smallest table: the size asked for at start (`initial_blocks`). Shrinking below
+    /// it threw the presizing away at the first removal, and the tables grew through every
+    /// doubling again.
+    floor: usize,
     /// Under `cfg(test)`, revive tombstones for any key (the loom negative control of rule 1).
     #[cfg(all(test, kvroute_loom))]
     broken_reuse: bool,
@@ -294,13 +314,15 @@ struct Books {
 impl Books {
     /// An empty shard's, with room for `expected` keys.
     fn new(expected: usize) -> Books {
+        let floor = capacity_for(expected);
         Books {
-            table: Arc::new(Table::new(capacity_for(expected), 0)),
+            table: Arc::new(Table::new(floor, 0)),
             live: 0,
             used: 0,
             arena_top: 0,
             arena_live: 0,
             rebuilds: 0,
+            floor,
             #[cfg(all(test, kvroute_loom))]
             broken_reuse: false,
             #[cfg(all(test, kvroute_loom))]
@@ -334,6 +356,12 @@ impl View {
         out: &mut Vec<Entry>,
     ) -> Option<bool> {
         self.0[shard].read_changed(home, key, last, out)
+    }
+
+    /// Whether shard `shard`'s table here was replaced, and may be behind writes a walk
+    /// read elsewhere since it pinned this view (rule 4: pin again).
+    pub(crate) fn replaced(&self, shard: usize) -> bool {
+        self.0[shard].replaced.load(Ordering::Acquire)
     }
 
     /// Loads every shard's table header (where its slots are), so that a long walk does not
@@ -590,7 +618,7 @@ impl ShardWriter<'_> {
     fn sparse(&self) -> bool {
         let cap = self.books.table.slots.len();
         let arena = self.books.table.arena.len();
-        (self.books.live < cap / 8 && cap > MIN_CAPACITY)
+        (self.books.live < cap / 8 && cap > self.books.floor)
             || (self.books.live == 0 && arena > 0)
             || arena
                 > (2 * arena_words(self.books.arena_live, cap))
@@ -639,17 +667,19 @@ impl ShardWriter<'_> {
     fn probe_for_write(&self, home: u64, key: u64) -> Result<usize, usize> {
         #[cfg(all(test, kvroute_loom))]
         if self.books.broken_reuse {
-            // Broken on purpose: the first tombstone on the probe takes any key.
+            // Broken on purpose: the first tombstone on the probe is taken as a free slot
+            // by any key, which is rekeyed (its key, then its word, as a new key's slot is
+            // written): wrong only for a reader that matched the old key in between.
             let mask = self.books.table.slots.len() - 1;
             let mut i = home as usize & mask;
             loop {
                 let w = self.books.table.slots[i].word.load(Ordering::Relaxed);
                 let k = self.books.table.slots[i].key.load(Ordering::Relaxed);
-                if w == 0 {
-                    return Err(i);
-                }
-                if k == key || w == PRESENT {
+                if k == key && w != 0 {
                     return Ok(i);
+                }
+                if w == 0 || w == PRESENT {
+                    return Err(i);
                 }
                 i = (i + 1) & mask;
             }
@@ -691,7 +721,7 @@ impl ShardWriter<'_> {
     /// Copies the live nodes into a fresh table sized for them plus `more` nodes and
     /// `more_arena` arena words, and swaps it in.
     fn rebuild(&mut self, more: usize, more_arena: usize) {
-        let capacity = capacity_for(self.books.live + more);
+        let capacity = capacity_for(self.books.live + more).max(self.books.floor);
         let arena = arena_words(self.books.arena_live + more_arena, capacity);
         let next = Table::new(capacity, arena);
         let mask = capacity - 1;
@@ -732,6 +762,9 @@ impl ShardWriter<'_> {
         }
         #[cfg(not(all(test, kvroute_loom)))]
         self.map.publish(self.index, &next);
+        // Rule 4: marked before the new table takes a write (the writes that follow are
+        // ordered after this store).
+        self.books.table.replaced.store(true, Ordering::Release);
         self.books.table = next;
         self.books.used = self.books.live;
         self.books.arena_top = arena_top;

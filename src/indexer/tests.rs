@@ -257,7 +257,11 @@ fn cleared_takes_what_a_capped_store_kept() {
     let c = chain(&[1, 2, 3, 4]);
     ix.apply(&batch(1, vec![(Tier::Device, stored(None, &c))]));
     assert_eq!(ix.sizes().blocks, 2);
-    assert_eq!(ix.counters().capped, 1);
+    assert_eq!(
+        ix.counters().capped,
+        2,
+        "the refused block and the rest of its chain"
+    );
     ix.apply(&batch(1, vec![(Tier::Device, KvEventData::Cleared)]));
     assert_eq!(
         ix.sizes().blocks,
@@ -347,7 +351,8 @@ fn block_cap_refuses_new_blocks_and_recovers() {
     .unwrap();
     let c = chain(&[1, 2, 3, 4]);
     let out = ix.apply(&batch(1, vec![(Tier::Device, stored(None, &c))]));
-    assert_eq!((out.stored, out.capped), (2, 1));
+    // The block the cap refused and the rest of its chain: 2 blocks.
+    assert_eq!((out.stored, out.capped), (2, 2));
     // Existing blocks still take new owners at the cap.
     ix.apply(&batch(2, vec![(Tier::Device, stored(None, &c[..2]))]));
     assert_eq!(overlap(&ix, 2, &[1, 2]), (2, 0, 0));
@@ -355,6 +360,26 @@ fn block_cap_refuses_new_blocks_and_recovers() {
     ix.remove_worker(WorkerId(2));
     let out = ix.apply(&batch(1, vec![(Tier::Device, stored(None, &c[..2]))]));
     assert_eq!(out.stored, 2);
+}
+
+/// Tables sized at start (`initial_blocks`) keep that size as blocks come and go and a
+/// worker leaves: shrinking threw the presizing away at the first removal.
+#[test]
+fn presized_tables_keep_their_size() {
+    let ix = Indexer::new(Config {
+        initial_blocks: 1 << 16,
+        shards: 4,
+        ..Config::default()
+    })
+    .unwrap();
+    let presized = ix.table_bytes();
+    let c = chain(&[1, 2, 3]);
+    ix.apply(&batch(1, vec![(Tier::Device, stored(None, &c))]));
+    ix.apply(&batch(1, vec![(Tier::Device, removed(&c[2..]))]));
+    ix.remove_worker(WorkerId(1));
+    ix.shrink_to_fit();
+    assert_eq!(ix.sizes().blocks, 0);
+    assert_eq!(ix.table_bytes(), presized);
 }
 
 #[test]
