@@ -28,9 +28,9 @@
 //! 20–39 B (27 B at the mean of a doubling); at steady churn, tombstones purged at 13/16
 //! used, the live keys fill 31–62 % (26–51 B a block); a block shared by four or more
 //! workers adds 4 B per owner out of line, in an arena with room for twice the live sets
-//! (the [`table`] module's docs give the details, and what a shrinking index costs). There is no per-worker reverse
-//! map: what a worker holds is in the nodes, and `Cleared`, worker removal and `dump` walk
-//! the map (rare). A removal is two halves: retiring the worker's slot (constant time:
+//! (the [`table`] module's docs give the details, and what a shrinking index costs). There
+//! is no per-worker reverse map: what a worker holds is in the nodes, and `Cleared`, worker
+//! removal and `dump` walk the map (rare). A removal is two halves: retiring the worker's slot (constant time:
 //! lookups stop crediting it and its next events register afresh) and reaping (the walk
 //! that strips its entries and frees the slot). Removals that come together share one walk
 //! ([`Indexer::remove_workers`], or concurrent callers of [`Indexer::reap`], which combine),
@@ -45,7 +45,8 @@
 //! events. The protocols that make lock-free reads exact are: a table slot's key never
 //! changes while its table lives, owner sets are published with one store, tables are
 //! swapped whole when they grow or shrink, and a lookup pins all of them at once through a
-//! view that holds a new table before anything is written to it ([`table`]); and a worker
+//! view that holds a new table before anything is written to it, pinning again before it
+//! reads a table replaced since, so that it reads its blocks in order ([`table`]); and a worker
 //! slot handed to a new worker during a walk is never credited with the old one's blocks
 //! (generations, checked around block 0 and at the end of the walk: [`Indexer::walk`]); a
 //! slot is reused only after the reaper has stripped it, and a removal that finds another
@@ -343,6 +344,26 @@ pub struct Indexer {
     /// negative control: a removal during a pass is then never stripped).
     #[cfg(all(test, kvroute_loom))]
     broken_reap: bool,
+    /// Under `cfg(test)`, run once by the next walk right after it pins its view (writes a
+    /// test makes there land after the pin).
+    #[cfg(all(test, not(kvroute_loom)))]
+    after_pin: AfterPin,
+}
+
+/// A test's writes to run once right after a walk pins its view.
+#[cfg(all(test, not(kvroute_loom)))]
+#[derive(Default)]
+struct AfterPin(std::sync::Mutex<Option<TestWrites>>);
+
+/// Writes a test makes to an index.
+#[cfg(all(test, not(kvroute_loom)))]
+type TestWrites = Box<dyn FnOnce(&Indexer) + Send>;
+
+#[cfg(all(test, not(kvroute_loom)))]
+impl std::fmt::Debug for AfterPin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AfterPin")
+    }
 }
 
 const fn bit(tier: Tier) -> TierMask {
@@ -373,6 +394,8 @@ impl Indexer {
             reaping: Mutex::new(()),
             #[cfg(all(test, kvroute_loom))]
             broken_reap: false,
+            #[cfg(all(test, not(kvroute_loom)))]
+            after_pin: AfterPin::default(),
             config,
         })
     }
@@ -872,6 +895,10 @@ impl Indexer {
         // instructions behind it until it completes, so touches spread between reads would
         // overlap only with the few nearest.
         let mut view = self.map.view();
+        #[cfg(all(test, not(kvroute_loom)))]
+        if let Some(hook) = self.after_pin.0.lock().ok().and_then(|mut h| h.take()) {
+            hook(self);
+        }
         if seqs.size_hint().0 >= WARM_AFTER {
             std::hint::black_box(view.warm());
         }

@@ -762,8 +762,9 @@ impl ShardWriter<'_> {
         }
         #[cfg(not(all(test, kvroute_loom)))]
         self.map.publish(self.index, &next);
-        // Rule 4: marked before the new table takes a write (the writes that follow are
-        // ordered after this store).
+        // Rule 4: marked before the new table takes a write. A walk that then reads (an
+        // acquire of) a word stored after one of those writes sees the mark: the mark comes
+        // before the writes in this thread, and they before that store.
         self.books.table.replaced.store(true, Ordering::Release);
         self.books.table = next;
         self.books.used = self.books.live;

@@ -362,6 +362,38 @@ fn block_cap_refuses_new_blocks_and_recovers() {
     assert_eq!(out.stored, 2);
 }
 
+/// Table rule 4 in the walk: a table replaced after the walk pinned its view is read as it
+/// is now. Worker 1 holds Z on the device and B on the host; after the pin B's shard is
+/// rebuilt, B removed and A stored on the host (A in the other shard). A walk of [Z, A, B]
+/// that read B through its pinned view credited both A and B, which no moment held.
+#[test]
+#[cfg(not(kvroute_loom))]
+fn a_walk_reads_a_table_replaced_after_its_pin_as_it_is_now() {
+    let ix = Indexer::new(Config {
+        shards: 2,
+        ..Config::default()
+    })
+    .unwrap();
+    let shard = |seq: u64| ix.map.shard_of(super::home(SeqHash(seq)));
+    let block = |seq: u64| StoredBlock {
+        seq: SeqHash(seq),
+        local: LocalHash(seq),
+    };
+    let (z, b) = (100, 300);
+    let a = (200..).find(|&a| shard(a) != shard(b)).unwrap();
+    ix.apply(&batch(1, vec![(Tier::Device, stored(None, &[block(z)]))]));
+    ix.apply(&batch(1, vec![(Tier::Host, stored(None, &[block(b)]))]));
+    let b_shard = shard(b);
+    *ix.after_pin.0.lock().unwrap() = Some(Box::new(move |ix: &Indexer| {
+        ix.map.write_shard(b_shard).compact();
+        ix.apply(&batch(1, vec![(Tier::Host, removed(&[block(b)]))]));
+        ix.apply(&batch(1, vec![(Tier::Host, stored(None, &[block(a)]))]));
+    }));
+    let seen = ix.find_matches_seq(&[SeqHash(z), SeqHash(a), SeqHash(b)]);
+    let one = seen.get(WorkerId(1), DpRank(0));
+    assert_eq!((one.device, one.host), (1, 1), "{one:?}");
+}
+
 /// Tables sized at start (`initial_blocks`) keep that size as blocks come and go and a
 /// worker leaves: shrinking threw the presizing away at the first removal.
 #[test]

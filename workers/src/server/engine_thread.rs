@@ -79,17 +79,29 @@ impl EngineHandle {
                 let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     run(&mut engine, rx, events, plane, emulation)
                 }));
-                let reason = match ran {
-                    Ok(Ok(())) => return,
-                    Ok(Err(reason)) => reason,
-                    Err(panic) => format!("engine panicked: {}", panic_message(&*panic)),
+                let fail = |reason: String| {
+                    tracing::error!(%reason, "engine failed");
+                    failure.send_if_modified(|failed| {
+                        let first = failed.is_none();
+                        if first {
+                            *failed = Some(reason);
+                        }
+                        first
+                    });
                 };
-                tracing::error!(%reason, "engine failed");
-                failure.send_replace(Some(reason));
-                // Dropped only once the failure is out: the drop of a GPU's KV memory waits
+                match ran {
+                    Ok(Ok(())) => {}
+                    Ok(Err(reason)) => fail(reason),
+                    Err(panic) => fail(format!("engine panicked: {}", panic_message(&*panic))),
+                }
+                // Dropped only once a failure is out: the drop of a GPU's KV memory waits
                 // for its streams, for good if a device copy is stuck (the failure it
                 // stopped for), and the worker never heard it had failed.
-                drop(engine);
+                let dropped =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(engine)));
+                if let Err(panic) = dropped {
+                    fail(format!("engine panicked: {}", panic_message(&*panic)));
+                }
             })?;
         Ok(EngineHandle { inputs, failed })
     }
