@@ -70,6 +70,13 @@ async fn nats_as(
     nats_with(server, name, auth, &lease()).await
 }
 
+/// A plain connection to `server` (no credentials), named `name`.
+async fn connect(server: &NatsServer, name: &str) -> Transport {
+    Transport::connect_nats(&server.url(), name, &Default::default())
+        .await
+        .unwrap()
+}
+
 /// A connection and the registry; the bucket, if this creates it, keeps entries for two of
 /// `bucket_lease`'s leases.
 async fn nats_with(
@@ -664,10 +671,7 @@ async fn replicas_see_each_others_bookings_and_drop_a_dead_replicas() {
             s.add_worker((WorkerId(w), DpRank(0)), 10_000, "m");
         }
         let s = Arc::new(parking_lot::Mutex::new(s));
-        let transport =
-            Transport::connect_nats(&server.url(), &format!("replica-{id}"), &Default::default())
-                .await
-                .unwrap();
+        let transport = connect(&server, &format!("replica-{id}")).await;
         let (tx, rx) = watch::channel(false);
         let share = LoadShare::start(transport, CLUSTER, Arc::clone(&s), config.clone(), rx)
             .await
@@ -762,9 +766,7 @@ async fn replicas_see_each_others_bookings_and_drop_a_dead_replicas() {
 async fn publishing_without_nats_fails_at_once() {
     use kvroute::protocol::KvEventData;
     let mut nats = NatsServer::start().unwrap();
-    let transport = Transport::connect_nats(&nats.url(), "w", &Default::default())
-        .await
-        .unwrap();
+    let transport = connect(&nats, "w").await;
     let plane = worker_plane(&transport);
     let batch = |id| worker_5_batch(id, KvEventData::Cleared);
     plane.publish(&batch(1)).await.unwrap();
@@ -828,9 +830,7 @@ fn worker_plane(transport: &Transport) -> kvroute_worker::plane::WorkerPlane {
 async fn a_publisher_stuck_on_a_connection_that_does_not_move_stops_waiting() {
     use kvroute::protocol::{KvEventData, LocalHash, SeqHash, StoredBlock};
     let nats = NatsServer::start().unwrap();
-    let transport = Transport::connect_nats(&nats.url(), "w", &Default::default())
-        .await
-        .unwrap();
+    let transport = connect(&nats, "w").await;
     let plane = worker_plane(&transport);
     let blocks: Vec<StoredBlock> = (0..200u64)
         .map(|i| StoredBlock {
@@ -868,12 +868,8 @@ async fn a_publisher_stuck_on_a_connection_that_does_not_move_stops_waiting() {
 async fn messages_a_full_subscription_queue_drops_are_counted() {
     use kvroute::events::transport::SUBSCRIPTION_QUEUE;
     let nats = NatsServer::start().unwrap();
-    let reader = Transport::connect_nats(&nats.url(), "reader", &Default::default())
-        .await
-        .unwrap();
-    let writer = Transport::connect_nats(&nats.url(), "writer", &Default::default())
-        .await
-        .unwrap();
+    let reader = connect(&nats, "reader").await;
+    let writer = connect(&nats, "writer").await;
     // Never read: every message past the queue's room is dropped.
     let _unread = reader.subscribe("slow.subject").await.unwrap();
     reader.flush().await;
@@ -899,12 +895,8 @@ async fn messages_a_full_subscription_queue_drops_are_counted() {
 async fn the_link_follows_the_client_through_a_burst_of_drops_and_a_restart() {
     use kvroute::events::transport::SUBSCRIPTION_QUEUE;
     let mut nats = NatsServer::start().unwrap();
-    let reader = Transport::connect_nats(&nats.url(), "reader", &Default::default())
-        .await
-        .unwrap();
-    let writer = Transport::connect_nats(&nats.url(), "writer", &Default::default())
-        .await
-        .unwrap();
+    let reader = connect(&nats, "reader").await;
+    let writer = connect(&nats, "writer").await;
     let mut reconnects = reader.reconnects().unwrap();
     let _unread = reader.subscribe("slow.subject").await.unwrap();
     reader.flush().await;
