@@ -153,6 +153,9 @@ pub struct Worker {
     serving: tokio::task::JoinHandle<()>,
     /// The injected faults (`POST /admin/faults` changes them where enabled).
     _faults: Arc<watch::Sender<Faults>>,
+    /// The request bodies' budget, for tests to wait on it being full or empty.
+    #[cfg(test)]
+    bodies: kvroute::http::budget::BodyBudget,
 }
 
 impl Worker {
@@ -252,6 +255,7 @@ impl Worker {
             });
         }
         let active = Arc::new(AtomicUsize::new(0));
+        let bodies = kvroute::http::budget::BodyBudget::new(http::BODY_BUDGET);
         let serving = tokio::spawn(http::serve(
             listener,
             config.http.clone(),
@@ -266,7 +270,7 @@ impl Worker {
                 faults: config.fault_injection.then(|| Arc::clone(&faults)),
                 fingerprint: format!("fp_{:012x}", config.epoch & 0xffff_ffff_ffff),
                 body_read_timeout: Duration::from_millis(config.http.body_read_timeout_ms),
-                bodies: kvroute::http::budget::BodyBudget::new(http::BODY_BUDGET),
+                bodies: bodies.clone(),
                 emulate: config.emulate.clone(),
                 api_key: config.api_key.clone(),
                 tokenize_permits: Arc::new(tokio::sync::Semaphore::new(
@@ -293,7 +297,15 @@ impl Worker {
             active,
             serving,
             _faults: faults,
+            #[cfg(test)]
+            bodies,
         })
+    }
+
+    /// Bytes of request bodies held now.
+    #[cfg(test)]
+    pub(crate) fn body_bytes_in_use(&self) -> usize {
+        self.bodies.in_use()
     }
 
     /// Changes to `Some(reason)` when the engine fails; the worker must then leave.

@@ -522,7 +522,9 @@ fn worker_ids_are_stable_and_apart_on_one_host() {
 
 /// Request bodies share one budget ([`http::BODY_BUDGET`], 1 MiB in tests): with two
 /// uploads under way holding all of it, a request is refused with 429 (it may not park a
-/// body beside them), and once they are gone requests pass again.
+/// body beside them), and once they are gone requests pass again. The test waits on the
+/// budget itself, full then empty, not on a window of time (a loaded machine reads the
+/// uploads late).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_bodies_share_a_budget() {
     let bus = LocalBus::new();
@@ -539,26 +541,35 @@ async fn request_bodies_share_a_budget() {
         s.write_all(&vec![b' '; (512 << 10) - 1]).await.unwrap();
         uploads.push(s);
     }
-    // Whether a small request comes to get `status` (asked every 50 ms, up to 10 s).
-    let answered = |status: &'static str| async move {
-        let small = r#"{"token_ids":[1,2,3],"max_tokens":1}"#;
-        for _ in 0..200 {
-            if post(w.addr, "/internal/generate", small)
-                .await
-                .starts_with(status)
-            {
-                return true;
+    let budget_reaches = |full: bool| {
+        let w = &w;
+        async move {
+            // Bounded only so that a broken budget fails the test rather than hanging it.
+            for _ in 0..6_000 {
+                let in_use = w.body_bytes_in_use();
+                if (full && in_use >= http::BODY_BUDGET) || (!full && in_use == 0) {
+                    return true;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            false
         }
-        false
     };
     assert!(
-        answered("HTTP/1.1 429").await,
-        "the two uploads never filled the budget"
+        budget_reaches(true).await,
+        "the two uploads never filled the budget ({} B held)",
+        w.body_bytes_in_use()
     );
+    let small = r#"{"token_ids":[1,2,3],"max_tokens":1}"#;
+    let refused = post(w.addr, "/internal/generate", small).await;
+    assert!(refused.starts_with("HTTP/1.1 429"), "{refused}");
     drop(uploads);
-    let passed = answered("HTTP/1.1 200").await;
-    assert!(passed, "requests never passed again");
+    assert!(
+        budget_reaches(false).await,
+        "the uploads' bodies were never released ({} B held)",
+        w.body_bytes_in_use()
+    );
+    let passed = post(w.addr, "/internal/generate", small).await;
+    assert!(passed.starts_with("HTTP/1.1 200"), "{passed}");
     w.stop().await;
 }
