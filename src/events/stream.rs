@@ -313,15 +313,16 @@ impl WorkerStream {
     /// The worker says it has sent events up to `last_id` in `epoch` (its heartbeat). A lost
     /// last batch is otherwise invisible until the next one: if nothing fills the difference
     /// within the reorder timeout, it is a gap. A heartbeat of another epoch means the worker
-    /// restarted: the old incarnation's entries go at once.
+    /// restarted (or, older, that the incarnation the fleet followed is gone and an older
+    /// one under the same id is registered again): the old incarnation's entries go at once.
     pub fn on_watermark(&mut self, now_ms: u64, epoch: u64, last_id: u64, out: &mut Vec<Command>) {
-        // A retired epoch's heartbeat is a past incarnation's if it is older than the one
-        // followed; a later one's means a stale heartbeat took the stream back to an older
-        // epoch, and the later incarnation is alive: followed again (ignored, it never was,
-        // and the stream stayed on the stale incarnation for good).
-        if self.retired.contains(&epoch) && self.epoch.is_some_and(|e| epoch < e) {
-            return;
-        }
+        // The registry's word on the epoch is followed whatever it is, retired or older:
+        // the fleet passes on only the incarnation it registered (an older one's heartbeat
+        // while a later one is alive is an id conflict, ignored there), and requests go to
+        // that incarnation's URL. An older retired epoch comes back when the later
+        // incarnation died and the older one still runs under the same id; ignored here, the
+        // stream stayed on the dead epoch for good, every snapshot of the live one refused,
+        // a routable worker indexed as holding nothing.
         if self.epoch != Some(epoch) {
             // The worker restarted (or is new) and none of its new events reached us: what
             // the index holds for the old incarnation is stale either way.

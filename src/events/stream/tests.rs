@@ -743,9 +743,39 @@ fn a_later_incarnation_s_heartbeat_takes_back_a_stream_a_stale_one_took() {
     assert_eq!((s.epoch(), s.next_id()), (Some(8), Some(5)));
     s.on_batch(5, batch(8, 5..=5), &mut out);
     assert_eq!(applied_ids(&out), vec![1, 2, 3, 4, 5]);
-    // The stale one's heartbeat again: retired and older, ignored.
+}
+
+/// Two processes under one id, the later (epoch 20) registered over the older (10), which
+/// still runs; the later one dies. Once it has been silent for a lease the fleet registers
+/// the older one again and passes on its heartbeat: the stream follows it though it retired
+/// that epoch, and goes live from its snapshot. Ignored as a past incarnation's, the stream
+/// stayed on the dead epoch for good: the older one's batches dropped as stale, its snapshots
+/// refused as older, and a routable worker indexed as holding nothing.
+#[test]
+fn an_older_incarnation_registered_again_is_followed_though_retired() {
+    let mut s = stream();
+    let mut out = Vec::new();
+    s.on_batch(0, batch(10, 1..=3), &mut out);
+    s.on_watermark(1, 20, 0, &mut out);
+    assert_eq!((s.epoch(), s.next_id()), (Some(20), Some(1)));
+    s.on_batch(2, batch(10, 4..=4), &mut out);
+    assert_eq!(s.stats().stale_epoch, 1);
     out.clear();
-    s.on_watermark(6, 7, 0, &mut out);
-    assert_eq!(s.epoch(), Some(8));
+    s.on_watermark(60_000, 10, 6, &mut out);
+    assert_eq!(s.epoch(), Some(10));
+    assert_eq!(out.first(), Some(&Command::Reset), "{out:?}");
+    assert!(
+        out.iter()
+            .any(|c| matches!(c, Command::RequestSnapshot { epoch: 10, .. })),
+        "{out:?}"
+    );
+    out.clear();
+    s.on_snapshot(60_001, s.snapshot_request(), snapshot(10, 6), &mut out);
+    s.on_batch(60_002, batch(10, 7..=7), &mut out);
+    assert_eq!((s.epoch(), s.next_id()), (Some(10), Some(8)));
+    assert_eq!(applied_ids(&out), (1..=7).collect::<Vec<_>>());
+    // The dead one's stragglers are now a retired epoch's: dropped.
+    out.clear();
+    s.on_batch(60_003, batch(20, 1..=1), &mut out);
     assert!(out.is_empty(), "{out:?}");
 }
