@@ -104,10 +104,10 @@ pub struct PlaneConfig {
     /// workers. The NATS client's own queue is bounded by a count of messages (65,536), each
     /// up to the server's max_payload, which bounds no memory worth the name.
     pub intake_bytes: usize,
-    /// Snapshot fetches under way at once, all streams together (at least one). After a
-    /// NATS reconnect every stream resyncs; unbounded, a fleet's every snapshot would be in
-    /// the router's memory at once, beside the index it replaces. Fetches beyond it wait
-    /// their turn in order.
+    /// Snapshots in the router at once, all streams together (at least one), from the
+    /// fetch until the stream has applied it (or let it go). After a NATS reconnect every
+    /// stream resyncs; unbounded, a fleet's every snapshot would be in the router's memory
+    /// at once, beside the index it replaces. Fetches beyond it wait their turn in order.
     pub snapshot_fetches: usize,
 }
 
@@ -225,8 +225,9 @@ enum Input {
         epoch: u64,
         last_id: u64,
     },
-    /// A snapshot, and the request (resync) it answers.
-    Snapshot(Snapshot, u64),
+    /// A snapshot, the request (resync) it answers, and its fetch's permit, held until the
+    /// stream has applied it: a snapshot queued or being applied is still in memory.
+    Snapshot(Snapshot, u64, tokio::sync::OwnedSemaphorePermit),
     /// The fetch for this request (resync) has had its turn and asked the worker.
     FetchStarted(u64),
 }
@@ -313,8 +314,11 @@ struct Shared {
     router: Mutex<LagSamples>,
     scheduler: Option<Arc<Mutex<Scheduler>>>,
     failure: watch::Sender<Option<String>>,
-    /// Permits for snapshot fetches ([`PlaneConfig::snapshot_fetches`]).
-    snapshot_fetches: tokio::sync::Semaphore,
+    /// Permits for snapshots in the router ([`PlaneConfig::snapshot_fetches`]).
+    snapshot_fetches: Arc<tokio::sync::Semaphore>,
+    /// A fault for tests: streams wait here before applying a snapshot.
+    #[cfg(test)]
+    hold_snapshot_applies: super::transport::Hold,
 }
 
 /// The running plane (a cheap handle).
@@ -355,7 +359,8 @@ impl EventPlane {
             })
         };
         let (lags, transit, router) = (samples(), samples(), samples());
-        let snapshot_fetches = tokio::sync::Semaphore::new(config.snapshot_fetches.max(1));
+        let snapshot_fetches =
+            Arc::new(tokio::sync::Semaphore::new(config.snapshot_fetches.max(1)));
         let shared = Arc::new(Shared {
             transport,
             indexer,
@@ -369,6 +374,8 @@ impl EventPlane {
             scheduler,
             failure: watch::channel(None).0,
             snapshot_fetches,
+            #[cfg(test)]
+            hold_snapshot_applies: Default::default(),
         });
         let owner = FleetOwner {
             shared: Arc::clone(&shared),
@@ -1256,6 +1263,8 @@ async fn run_stream(
     loop {
         // The batch that just arrived: (epoch, its first event's id, received at, µs).
         let mut arrived = None;
+        // The permit of the snapshot that just arrived: let go once it is applied below.
+        let mut snapshot_permit = None;
         tokio::select! {
             biased;
             _ = &mut closed => break,
@@ -1277,8 +1286,9 @@ async fn run_stream(
                         stream.on_watermark(now, epoch, last_id, &mut commands);
                     }
                     Input::FetchStarted(request) => stream.on_fetch_started(now, request),
-                    Input::Snapshot(snapshot, request) => {
+                    Input::Snapshot(snapshot, request, permit) => {
                         stream.on_snapshot(now, request, snapshot, &mut commands);
+                        snapshot_permit = Some(permit);
                     }
                 }
             }
@@ -1314,6 +1324,8 @@ async fn run_stream(
                     // After a batch the index dropped, the rest cannot follow it.
                 }
                 Command::ApplySnapshot(snapshot) => {
+                    #[cfg(test)]
+                    shared.hold_snapshot_applies.until_released().await;
                     let blocks = snapshot.blocks.len();
                     let Some((outcome, _)) =
                         apply(&shared.indexer, blocks, move || snapshot.to_batch()).await
@@ -1351,6 +1363,8 @@ async fn run_stream(
                 } => request_snapshot(request, wait_ms, epoch),
             }
         }
+        // Applied, or not wanted: another snapshot may come into memory.
+        drop(snapshot_permit);
         if dropped {
             // The index had no slot for this rank (more ranks than `max_workers`, or slots
             // of departed ones not yet freed): what it holds of the rank is not what the
@@ -1522,7 +1536,7 @@ async fn fetch_snapshot(
     tx: mpsc::Sender<Input>,
     turn: Arc<Mutex<FetchTurn>>,
 ) {
-    let Ok(_permit) = shared.snapshot_fetches.acquire().await else {
+    let Ok(permit) = Arc::clone(&shared.snapshot_fetches).acquire_owned().await else {
         return;
     };
     let (request, deadline, epoch) = {
@@ -1542,9 +1556,8 @@ async fn fetch_snapshot(
             // full queue dropped it, and the fetch of perhaps millions of blocks was made
             // again and again under load). The stream may have closed meanwhile; then
             // nobody wants it.
-            let _ =
-                tokio::time::timeout_at(asks_again_at, tx.send(Input::Snapshot(snapshot, request)))
-                    .await;
+            let queued = tx.send(Input::Snapshot(snapshot, request, permit));
+            let _ = tokio::time::timeout_at(asks_again_at, queued).await;
         }
         Ok(None) => {}
         Err(_) => tracing::warn!(worker = %key.0, rank = %key.1, "snapshot fetch timed out"),

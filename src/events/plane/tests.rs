@@ -4,7 +4,9 @@ use super::*;
 use crate::discovery::{LeaseConfig, LocalRegistry, Registration, Registry};
 use crate::events::transport::LocalBus;
 use crate::indexer::Config;
-use crate::protocol::{DpRank, KvEvent, KvEventData, Salt, StoredBlock, Tier, encode, hash_blocks};
+use crate::protocol::{
+    DpRank, KvEvent, KvEventData, LocalHash, Salt, SeqHash, StoredBlock, Tier, encode, hash_blocks,
+};
 
 pub(crate) fn info(id: u64, dp_size: u32) -> WorkerInfo {
     WorkerInfo {
@@ -606,6 +608,85 @@ async fn snapshot_fetches_are_bounded_across_streams() {
     most = most.max(bus.open_subscriptions("_INBOX"));
     assert_eq!(workers.len(), 10, "workers asked: {workers:?}");
     assert!(most <= 2, "{most} snapshot fetches under way at once");
+}
+
+/// A snapshot holds its fetch's permit until its stream has applied it: one queued behind
+/// the stream's batches, or being applied, is still in the router's memory. With one permit
+/// and two workers to resync, the second is not asked while the first one's snapshot waits
+/// to be applied (the permit went back once the snapshot was queued, and every stream's
+/// snapshot could be in memory at once after a reconnect); once it is, the second is asked
+/// and both streams go live.
+#[tokio::test(start_paused = true)]
+async fn a_snapshot_holds_its_permit_until_it_is_applied() {
+    let config = PlaneConfig {
+        snapshot_fetches: 1,
+        ..PlaneConfig::default()
+    };
+    let scheduler = Scheduler::new(Default::default()).unwrap();
+    let lease = LeaseConfig {
+        heartbeat_ms: 60_000,
+        ttl_ms: 600_000,
+    };
+    let s = Setup::start(lease, Config::default(), config, scheduler).await;
+    s.plane.shared.hold_snapshot_applies.set(true);
+    let asked: Arc<Mutex<Vec<u64>>> = Arc::default();
+    for id in 1..=2u64 {
+        let snapshot = Snapshot {
+            worker: WorkerId(id),
+            dp_rank: DpRank(0),
+            epoch: 7,
+            watermark: 10,
+            blocks: (1..=2u64)
+                .map(|i| crate::protocol::SnapshotBlock {
+                    tier: Tier::Device,
+                    parent: None,
+                    block: StoredBlock {
+                        seq: SeqHash(id * 1_000 + i),
+                        local: LocalHash(i),
+                    },
+                })
+                .collect(),
+        };
+        let mut requests = s
+            .bus
+            .subscribe(&snapshot_subject("t", WorkerId(id)))
+            .await
+            .unwrap();
+        let (bus, asked) = (s.bus.clone(), Arc::clone(&asked));
+        tokio::spawn(async move {
+            while let Some(m) = requests.next().await {
+                asked.lock().push(id);
+                let Some(reply) = m.reply else { continue };
+                for chunk in snapshot.encode(1 << 20).unwrap() {
+                    let _ = bus.publish(&reply, None, chunk.into()).await;
+                }
+            }
+        });
+    }
+    for id in 1..=2 {
+        // Mid-stream: each stream starts from a snapshot.
+        let mut registered = info(id, 1);
+        registered.last_event_ids = vec![10];
+        s.local.put(registered);
+    }
+    assert!(settle(|| !asked.lock().is_empty()).await);
+    // Long past every snapshot wait and retry.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let first = asked.lock()[0];
+    assert!(
+        asked.lock().iter().all(|&id| id == first),
+        "workers asked while a snapshot waited to be applied: {:?}",
+        asked.lock()
+    );
+    s.plane.shared.hold_snapshot_applies.set(false);
+    assert!(
+        settle(|| {
+            let streams = s.plane.streams();
+            streams.len() == 2 && streams.iter().all(|(_, st)| st.live)
+        })
+        .await
+    );
+    assert!(asked.lock().contains(&(3 - first)));
 }
 
 /// A snapshot too large to apply on a runtime thread (it would hold that thread, and the
