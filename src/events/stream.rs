@@ -146,6 +146,9 @@ pub struct WorkerStream {
     /// Resyncs started so far: the number a snapshot request carries, so that an answer to
     /// a request made before the buffer was last cleared is told from a current one.
     resyncs: u64,
+    /// Events may have been lost while a resync was under way: its snapshot may have been
+    /// cut before the loss, so another resync follows it.
+    lost_while_resyncing: bool,
     stats: StreamStats,
 }
 
@@ -165,6 +168,7 @@ impl WorkerStream {
             announced_last: 0,
             last_reason: None,
             resyncs: 0,
+            lost_while_resyncing: false,
             stats: StreamStats::default(),
         }
     }
@@ -308,6 +312,9 @@ impl WorkerStream {
         // Likewise a heartbeat heard before the request announced nothing past the
         // watermark; a later one announces again what is still missing.
         self.announced_last = self.announced_last.min(watermark);
+        if self.lost_while_resyncing && self.is_live() {
+            self.start_resync(now_ms, ResyncReason::Requested, out);
+        }
     }
 
     /// The worker says it has sent events up to `last_id` in `epoch` (its heartbeat). A lost
@@ -380,8 +387,14 @@ impl WorkerStream {
     }
 
     /// Forces a resync (after a transport outage, when events may have been lost unseen).
+    /// One under way is not started over (under a sustained loss, every fetch would be
+    /// stopped before its answer came): another follows once its snapshot is applied, which
+    /// may have been cut before the loss (cleared, the stream went live past events it
+    /// never saw, found only by a later batch or heartbeat).
     pub fn resync(&mut self, now_ms: u64, out: &mut Vec<Command>) {
-        if self.epoch.is_some() && !matches!(self.state, State::Resyncing { .. }) {
+        if matches!(self.state, State::Resyncing { .. }) {
+            self.lost_while_resyncing = true;
+        } else if self.epoch.is_some() {
             self.start_resync(now_ms, ResyncReason::Requested, out);
         }
     }
@@ -482,6 +495,8 @@ impl WorkerStream {
     }
 
     fn start_resync(&mut self, now_ms: u64, reason: ResyncReason, out: &mut Vec<Command>) {
+        // Whatever was lost before now, this resync's snapshot covers.
+        self.lost_while_resyncing = false;
         self.stats.resyncs += 1;
         self.resyncs += 1;
         self.last_reason = Some(reason);
