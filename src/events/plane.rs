@@ -612,6 +612,13 @@ const VIEW_EVERY: Duration = Duration::from_millis(50);
 static INVALID_LOGGED: crate::process::LogEvery =
     crate::process::LogEvery::new(Duration::from_secs(10));
 
+/// Malformed event payloads are logged at most this often, all together (each is counted):
+/// a publisher of another format version (a rolling upgrade) sends nothing else, and a
+/// warning per payload on the task that reads every event slowed it until the intake
+/// dropped good ones.
+static MALFORMED_LOGGED: crate::process::LogEvery =
+    crate::process::LogEvery::new(Duration::from_secs(10));
+
 /// A warning said at most once per `every` for each worker. Workers logged within `every`
 /// are remembered; the others are forgotten once [`PER_WORKER_LOGS`] are remembered.
 #[derive(Debug)]
@@ -760,7 +767,9 @@ impl FleetOwner {
                     .malformed
                     .fetch_add(1, Ordering::Relaxed);
                 metrics::counter!("kvroute_event_malformed_total").increment(1);
-                tracing::warn!(subject, error = %e, "dropping malformed event payload");
+                if MALFORMED_LOGGED.due() {
+                    tracing::warn!(subject, error = %e, "dropping malformed event payload (each is counted in kvroute_event_malformed_total; this is said at most every 10 s)");
+                }
                 return;
             }
         };
@@ -773,7 +782,9 @@ impl FleetOwner {
                 .malformed
                 .fetch_add(1, Ordering::Relaxed);
             metrics::counter!("kvroute_event_malformed_total").increment(1);
-            tracing::warn!(subject, worker = %batch.worker, "dropping a batch published on another worker's subject");
+            if MALFORMED_LOGGED.due() {
+                tracing::warn!(subject, worker = %batch.worker, "dropping a batch published on another worker's subject (each is counted in kvroute_event_malformed_total; this is said at most every 10 s)");
+            }
             return;
         }
         if let Some(ms) = lag_ms(batch.sent_unix_us, received_us) {
