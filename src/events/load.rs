@@ -682,14 +682,23 @@ impl LoadShare {
                         // between (`bump` hands the lock to a waiting thread, if any).
                         let mut incoming = Peers::take(me, ops);
                         let frees = incoming.frees();
+                        // What it answers (bookings announced again) is queued before the
+                        // lock goes, at every hand-over too: a booking the ingress completes
+                        // meanwhile queues its completion after it. Queued once the lock had
+                        // gone, a `Book` could follow its own `Complete`, and peers held a
+                        // booking that no longer runs until the next heartbeat.
                         {
                             let mut scheduler = s.scheduler.lock();
-                            while peers.apply(now_ms(), &mut incoming, &mut scheduler, APPLY_BUDGET) {
+                            loop {
+                                let more = peers.apply(now_ms(), &mut incoming, &mut scheduler, APPLY_BUDGET);
+                                for op in peers.take_outgoing() {
+                                    s.send(op);
+                                }
+                                if !more {
+                                    break;
+                                }
                                 MutexGuard::bump(&mut scheduler);
                             }
-                        }
-                        for op in peers.take_outgoing() {
-                            s.send(op);
                         }
                         if frees {
                             s.freed.notify_one();
