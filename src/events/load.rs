@@ -690,7 +690,9 @@ impl LoadShare {
                         {
                             let mut scheduler = s.scheduler.lock();
                             loop {
-                                let more = peers.apply(now_ms(), &mut incoming, &mut scheduler, APPLY_BUDGET);
+                                let now = now_ms();
+                                let more =
+                                    peers.apply(now, &mut incoming, &mut scheduler, APPLY_BUDGET);
                                 for op in peers.take_outgoing() {
                                     s.send(op);
                                 }
