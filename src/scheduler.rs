@@ -941,18 +941,17 @@ impl Scheduler {
                 // The blocks bookings hold are closed under prefixes (a booking holds all of
                 // its prompt's full blocks, and a block's hash names its whole prefix), so
                 // the held blocks of this prompt are a leading run: found by bisection, a few
-                // lookups per worker instead of one per held block.
-                let booked_prefix =
-                    request.blocks.partition_point(|b| state.load.holds(b.seq)) as u32;
-                debug_assert_eq!(
-                    booked_prefix as usize,
-                    request
-                        .blocks
-                        .iter()
-                        .take_while(|b| state.load.holds(b.seq))
-                        .count(),
-                    "held blocks are not a prefix"
-                );
+                // lookups per worker instead of one per held block. A peer's booking is
+                // input from the network: one that lacks its prompt's first block (a faulty
+                // peer) breaks the rule, and the bisection then credited blocks held
+                // nowhere; a run that does not start at block 0 is no prefix, so nothing
+                // is credited (this was a debug assertion, which such a message tripped).
+                let booked_prefix = match request.blocks.first() {
+                    Some(first) if state.load.holds(first.seq) => {
+                        request.blocks.partition_point(|b| state.load.holds(b.seq)) as u32
+                    }
+                    _ => 0,
+                };
                 let indexed = c.device_weight * f64::from(overlap.device)
                     + c.host_weight * f64::from(overlap.host)
                     + c.disk_weight * f64::from(overlap.disk);

@@ -200,6 +200,33 @@ fn unreleased_peer_bookings_expire_and_own_ones_do_not() {
     assert_eq!(s.load(key(0)).unwrap().decode_blocks(), 0);
 }
 
+/// A peer's booking is input from the network: one that lacks its prompt's first block (a
+/// faulty peer) credits no booked prefix to a prompt that starts with that block. The
+/// bisection over held blocks took it for a prefix and credited all four, and in a debug
+/// build a check of that rule panicked under the scheduler's lock.
+#[test]
+fn a_peer_booking_without_its_first_block_credits_no_prefix() {
+    let mut s = scheduler(PolicyKind::Kv, 1);
+    let b = blocks(4, 0);
+    s.book_shared(
+        0,
+        SharedBooking {
+            id: BookingId { origin: 9, seq: 1 },
+            worker: WorkerId(0),
+            dp_rank: DpRank(0),
+            prefill_blocks: 3.0,
+            blocks: b[1..].iter().map(|x| x.seq).collect(),
+            tail: false,
+            prefill_tokens: 48.0,
+            decode_tokens: 16,
+            session: None,
+        },
+    )
+    .unwrap();
+    let routed = s.route(0, &request(&b, 64, &scores(&[]))).unwrap();
+    assert_eq!(routed.receipt.cached_blocks, 0);
+}
+
 #[test]
 fn ties_break_at_random_and_deterministically() {
     let picks = |seed| {
