@@ -168,7 +168,13 @@ pub struct ServeFlags {
     /// Limits of single bands, `BAND=MAX_QUEUED:TTL_MS[:BUDGET_SHARE]`, semicolon-separated
     /// (`1=200:5000;-1=20000:300000:0.5`: band −1 may fill half of each worker's budget)
     /// [default: none, every band as --queue-max/--queue-ttl-ms, the whole budget].
-    #[arg(long, env = "KVROUTE_BAND_LIMITS", value_delimiter = ';')]
+    /// (A value may start with `-`: the best-effort bands are negative.)
+    #[arg(
+        long,
+        env = "KVROUTE_BAND_LIMITS",
+        value_delimiter = ';',
+        allow_hyphen_values = true
+    )]
     pub band_limits: Option<Vec<String>>,
     /// A session with no turn for this long is forgotten, ms [default: 1800000].
     #[arg(long, env = "KVROUTE_SESSION_TTL_MS")]
@@ -947,6 +953,26 @@ fn random_replica_id() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `--band-limits -1=...` as two arguments: a value starting with `-` was taken for a
+    /// flag ("unexpected argument '-1'"), though the negative bands are the best-effort ones
+    /// the flag's own help shows.
+    #[test]
+    fn band_limits_take_a_negative_band_as_their_own_argument() {
+        #[derive(clap::Parser)]
+        struct Serve {
+            #[command(flatten)]
+            flags: ServeFlags,
+        }
+        let parsed = <Serve as clap::Parser>::try_parse_from([
+            "serve",
+            "--band-limits",
+            "-1=20:300:0.5;2=10:100",
+        ])
+        .unwrap();
+        let bands = band_limits(parsed.flags.band_limits.as_deref().unwrap()).unwrap();
+        assert_eq!(bands.keys().copied().collect::<Vec<_>>(), vec![-1, 2]);
+    }
 
     #[test]
     fn flags_override_the_file_which_overrides_defaults() {
