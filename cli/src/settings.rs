@@ -421,6 +421,24 @@ pub struct Backend {
     pub max_blocks: usize,
 }
 
+/// An engine's URL in one spelling: its host in lower case, no `/` at the end of its path.
+/// The worker's id is a hash of it, and two spellings of one engine (`http://E:8000/` and
+/// `http://e:8000`) passed the check for an engine given twice: two workers behind one
+/// engine, each booked half its load, and two bridges on its one event stream.
+fn canonical_url(uri: &hyper::Uri) -> Option<String> {
+    let authority = uri.authority()?.as_str();
+    let (user, host) = match authority.rsplit_once('@') {
+        Some((user, host)) => (format!("{user}@"), host),
+        None => (String::new(), authority),
+    };
+    let path = uri.path().trim_end_matches('/');
+    let query = uri.query().map(|q| format!("?{q}")).unwrap_or_default();
+    Some(format!(
+        "http://{user}{}{path}{query}",
+        host.to_ascii_lowercase()
+    ))
+}
+
 /// Parses one `--backend` value.
 pub fn parse_backend(spec: &str) -> anyhow::Result<Backend> {
     let mut parts = spec.split(',');
@@ -430,9 +448,13 @@ pub fn parse_backend(spec: &str) -> anyhow::Result<Backend> {
             "--backend {spec:?}: https is not supported (the router speaks plain HTTP to engines)"
         );
     }
-    if !url.starts_with("http://") || url.parse::<hyper::Uri>().is_err() {
+    let Some(url) = url
+        .strip_prefix("http://")
+        .and(url.parse::<hyper::Uri>().ok())
+        .and_then(|uri| canonical_url(&uri))
+    else {
         bail!("--backend {spec:?}: starts with the engine's http:// URL");
-    }
+    };
     let mut b = Backend {
         url,
         events: None,
@@ -1078,6 +1100,18 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(twice.contains("given twice"), "{twice}");
+        // However it is spelt.
+        let twice = resolve(
+            flags(&["http://e:8000", "http://E:8000/"]),
+            ServeFlags::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(twice.contains("given twice"), "{twice}");
+        assert_eq!(
+            parse_backend("http://Engine-1.NS:8000/v1/").unwrap().url,
+            "http://engine-1.ns:8000/v1"
+        );
         let two = resolve(
             flags(&["http://e:8000", "http://f:8000"]),
             ServeFlags::default(),
