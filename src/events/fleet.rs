@@ -74,7 +74,9 @@ pub enum FleetCommand {
         /// Its G1 capacity, blocks.
         capacity_blocks: usize,
     },
-    /// The scheduler must stop routing to this rank and drop its bookings.
+    /// The scheduler must stop routing to this rank. Its open bookings stay until their
+    /// guards release them (requests still running there; a rank that comes back books them
+    /// again).
     Unroutable(StreamKey),
     /// The worker came back as another incarnation (a new epoch, or a new URL) without
     /// leaving: the failures of the old one say nothing of it (an ejection ends).
