@@ -526,17 +526,15 @@ impl Indexer {
         *held = held.saturating_add_signed((out.sizes.entries - entries_before) as i64);
     }
 
-    /// Loads the first table slot each block's probe reads, all before any is used, so that
-    /// their cache misses overlap instead of costing one memory latency per block in turn
-    /// (an event's blocks land in random shards and slots: one miss each), through `view`.
-    /// Writers call it per group of an event's blocks, with their probe homes;
-    /// [`Indexer::walk`] per group it reads next, through the view it holds.
+    /// Starts the cache misses of the first table slot each block's probe reads, all before
+    /// any is used, so that they overlap instead of costing one memory latency per block in
+    /// turn (an event's blocks land in random shards and slots: one miss each), through
+    /// `view` ([`View::touch`]). Writers call it per group of an event's blocks, with their
+    /// probe homes; [`Indexer::walk`] per group it reads next, through the view it holds.
     fn touch(&self, view: &View, homes: impl Iterator<Item = u64>) {
-        let mut touched = 0u64;
         for home in homes {
-            touched ^= view.touch(self.map.shard_of(home), home);
+            view.touch(self.map.shard_of(home), home);
         }
-        std::hint::black_box(touched);
     }
 
     /// The tiers `slot` holds `seq` in (lock-free; exact for the lane's own writer).
@@ -889,11 +887,9 @@ impl Indexer {
         // read twice (the generation protocol above needs fresh reads; every read through
         // this view is as some moment after them saw it, see [`table::Map`], and no earlier
         // than the reads before it: table rule 4 pins again past a replaced table). Blocks are
-        // touched a group at a time, one group before they are read, so that the group's
-        // cache misses overlap instead of costing one memory latency per block in turn. The
-        // touches of a group are issued back to back: a load that misses holds up the
-        // instructions behind it until it completes, so touches spread between reads would
-        // overlap only with the few nearest.
+        // touched (prefetched) a group at a time, one group before they are read, so that
+        // the group's cache misses overlap instead of costing one memory latency per block in
+        // turn.
         let mut view = self.map.view();
         #[cfg(all(test, not(kvroute_loom)))]
         if let Some(hook) = self.after_pin.0.lock().ok().and_then(|mut h| h.take()) {

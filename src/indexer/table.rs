@@ -370,13 +370,17 @@ impl View {
         self.0.iter().fold(0, |acc, t| acc ^ t.slots.len())
     }
 
-    /// Loads the first slot `home` probes, so that its cache miss is under way before the
-    /// read. Returns the word (callers feed it to `black_box`).
-    pub(crate) fn touch(&self, shard: usize, home: u64) -> u64 {
+    /// Starts the cache miss of the first slot `home` probes, so that it is under way
+    /// before the read: a prefetch on x86-64, which retires at once (a load held up the
+    /// instructions behind it until its line came, so a group of them overlapped only with
+    /// each other); a load elsewhere and under loom.
+    pub(crate) fn touch(&self, shard: usize, home: u64) {
         let slots = &self.0[shard].slots;
-        slots[home as usize & (slots.len() - 1)]
-            .word
-            .load(Ordering::Relaxed)
+        let slot = &slots[home as usize & (slots.len() - 1)];
+        #[cfg(all(target_arch = "x86_64", not(kvroute_loom)))]
+        safe_arch::prefetch_t0(slot);
+        #[cfg(not(all(target_arch = "x86_64", not(kvroute_loom))))]
+        std::hint::black_box(slot.word.load(Ordering::Relaxed));
     }
 }
 
