@@ -8,9 +8,18 @@ use serde::{Deserialize, Serialize};
 
 /// A secret (password, token, API key): compared in constant time, printed and serialised
 /// as `"<redacted>"` so `--dry-run` and logs never show it.
-#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(transparent)]
 pub struct Secret(String);
+
+/// Through [`Secret::matches`]: a derived `==` stopped at the first byte that differs.
+impl PartialEq for Secret {
+    fn eq(&self, other: &Secret) -> bool {
+        self.matches(other.0.as_bytes())
+    }
+}
+
+impl Eq for Secret {}
 
 impl Secret {
     /// Wraps a secret value.
@@ -69,11 +78,14 @@ pub fn bearer_ok(headers: &hyper::HeaderMap, keys: &[Secret]) -> bool {
 /// the client names none: [`Secret::tenant`]).
 pub fn bearer_key(headers: &hyper::HeaderMap, keys: &[Secret]) -> Option<usize> {
     let value = headers.get(hyper::header::AUTHORIZATION)?.as_bytes();
-    // The scheme is case-insensitive (RFC 9110 §11.1): `BEARER`, `bearer` and `Bearer`.
+    // The scheme is case-insensitive (RFC 9110 §11.1): `BEARER`, `bearer` and `Bearer`;
+    // one or more spaces come before the token (`auth-scheme 1*SP token68`, §11.4), and no
+    // key holds a space ([`check_bearer_token`]).
     let (scheme, token) = value.split_at_checked(7)?;
     if !scheme.eq_ignore_ascii_case(b"bearer ") {
         return None;
     }
+    let token = token.trim_ascii_start();
     // Check every key, so the time taken does not tell which one matched.
     keys.iter().enumerate().fold(None, |found, (i, k)| {
         let hit = k.matches(token);
@@ -427,6 +439,20 @@ mod tests {
         assert!(!bearer_ok(&h, &keys));
         h.insert(hyper::header::AUTHORIZATION, "Bear".parse().unwrap());
         assert!(!bearer_ok(&h, &keys));
+        // One or more spaces after the scheme (RFC 9110 §11.4): two were refused.
+        h.insert(hyper::header::AUTHORIZATION, "Bearer   k2".parse().unwrap());
+        assert_eq!(bearer_key(&h, &keys), Some(1));
+        h.insert(hyper::header::AUTHORIZATION, "Bearer  ".parse().unwrap());
+        assert!(!bearer_ok(&h, &keys));
+    }
+
+    /// Secrets compare through `matches` (constant time), as equal values and lengths say.
+    #[test]
+    fn secrets_compare_by_value() {
+        assert!(Secret::new("k1") == Secret::new("k1"));
+        assert!(Secret::new("k1") != Secret::new("k2"));
+        assert!(Secret::new("k1") != Secret::new("k12"));
+        assert!(Secret::new("") != Secret::new("k"));
     }
 
     #[test]
