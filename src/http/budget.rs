@@ -57,12 +57,16 @@ impl Reservation {
 }
 
 impl BodyBudget {
-    /// A budget of `bytes` (rounded up to a whole grain).
+    /// A budget of `bytes` (rounded up to a whole grain; at most what a `usize` counts in
+    /// whole grains: `usize::MAX`, meant as no limit, made 2^54 grains, whose bytes
+    /// overflowed in [`BodyBudget::in_use`], a panic at every metrics scrape in a debug
+    /// build and 1.8e19 bytes held in a release one).
     pub fn new(bytes: usize) -> BodyBudget {
-        let grains = bytes.div_ceil(GRAIN).clamp(1, Semaphore::MAX_PERMITS);
+        let most = Semaphore::MAX_PERMITS.min(usize::MAX / GRAIN);
+        let grains = bytes.div_ceil(GRAIN).clamp(1, most);
         BodyBudget {
             grains: Arc::new(Semaphore::new(grains)),
-            bytes: grains.saturating_mul(GRAIN),
+            bytes: grains * GRAIN,
         }
     }
 
@@ -192,15 +196,24 @@ where
                 return Err(BodyError::TooLarge { limit });
             }
             if needed > all.capacity() {
-                // Doubling (a copy per doubling), up to what was announced.
+                // Doubling (a copy per doubling), up to what was announced; reserved before
+                // it is allocated (allocated first, a body about to be refused held up to
+                // `limit` the budget never counted), and topped up if the allocation came
+                // larger.
                 let grown = (2 * all.capacity()).max(GRAIN).min(most).max(needed);
+                let over = |budget: &BodyBudget| BodyError::OverBudget {
+                    budget: budget.bytes(),
+                };
+                if let Some(budget) = budget
+                    && !budget.cover(&mut held, grown)
+                {
+                    return Err(over(budget));
+                }
                 all.reserve_exact(grown - all.len());
                 if let Some(budget) = budget
                     && !budget.cover(&mut held, all.capacity())
                 {
-                    return Err(BodyError::OverBudget {
-                        budget: budget.bytes(),
-                    });
+                    return Err(over(budget));
                 }
             }
             all.extend_from_slice(&data);
@@ -385,6 +398,15 @@ mod tests {
             large.await.unwrap(),
             "the large one gets the room once it is free"
         );
+    }
+
+    /// A budget of `usize::MAX` (meant as no limit) counts what it holds without
+    /// overflowing: its bytes overflowed, a panic at every metrics scrape in a debug build.
+    #[test]
+    fn a_budget_of_usize_max_counts_without_overflow() {
+        let budget = BodyBudget::new(usize::MAX);
+        assert_eq!(budget.in_use(), 0);
+        assert!(budget.bytes() > usize::MAX - GRAIN);
     }
 
     #[tokio::test]
