@@ -241,6 +241,11 @@ pub struct LeaseConfig {
 /// one late heartbeat does not turn the router deaf, and it keeps crashed workers lapsing.
 pub const MIN_LEASE_HEARTBEATS: u64 = 4;
 
+/// The longest lease, ms (an hour): the registry bucket keeps a registration for two, and a
+/// lease meant as "never" (`u64::MAX`) overflowed that age (a debug build panicked; a release
+/// one wrapped it to an age of 0, which JetStream reads as keeping it for ever).
+pub const MAX_LEASE_TTL_MS: u64 = 3_600_000;
+
 /// Why lease timing cannot work.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum LeaseError {
@@ -260,13 +265,25 @@ pub enum LeaseError {
         /// The heartbeat period, ms.
         heartbeat_ms: u64,
     },
+    /// A lease over [`MAX_LEASE_TTL_MS`].
+    #[error("a lease of {ttl_ms} ms is over the most, {MAX_LEASE_TTL_MS} ms (an hour)")]
+    TooLong {
+        /// The lease, ms.
+        ttl_ms: u64,
+    },
 }
 
 impl LeaseConfig {
-    /// Checks that the lease spans at least [`MIN_LEASE_HEARTBEATS`] heartbeat periods.
+    /// Checks that the lease spans at least [`MIN_LEASE_HEARTBEATS`] heartbeat periods, and
+    /// at most [`MAX_LEASE_TTL_MS`].
     pub fn validate(&self) -> Result<(), LeaseError> {
         if self.heartbeat_ms == 0 {
             return Err(LeaseError::NoHeartbeat);
+        }
+        if self.ttl_ms > MAX_LEASE_TTL_MS {
+            return Err(LeaseError::TooLong {
+                ttl_ms: self.ttl_ms,
+            });
         }
         if self.ttl_ms < MIN_LEASE_HEARTBEATS.saturating_mul(self.heartbeat_ms) {
             return Err(LeaseError::TooShort {
@@ -587,7 +604,7 @@ fn bucket_config(bucket: &str, lease: &LeaseConfig, replicas: usize) -> kv::Conf
     kv::Config {
         bucket: bucket.to_owned(),
         history: 1,
-        max_age: Duration::from_millis(lease.ttl_ms.max(1000) * 2),
+        max_age: Duration::from_millis(lease.ttl_ms.max(1000).saturating_mul(2)),
         num_replicas: replicas,
         ..Default::default()
     }
@@ -616,19 +633,36 @@ impl NatsBucket {
         }
     }
 
-    /// One try at creating the bucket again (the next failed write tries again). Creating
-    /// a bucket that exists with the same configuration succeeds and changes nothing; one
-    /// with another (another process's lease) is refused, and nothing is lost either way.
+    /// One try at creating the bucket again (the next failed write tries again), with one
+    /// replica fewer after each refusal to place them, down to one: a cluster now short of
+    /// servers refuses the replicas the bucket was first made with ("insufficient
+    /// resources", "no suitable peers"; a single server, "non-clustered"), and only the last
+    /// was stepped down from, so every probe and heartbeat failed until a server came back.
+    /// (Any other error, a timeout while the cluster elects a leader, is not a reason to
+    /// keep fewer copies for good.) Creating a bucket that exists with the same
+    /// configuration succeeds and changes nothing; one with another (another process's
+    /// lease) is refused, and nothing is lost either way.
     async fn create_again(&self) {
         let bucket = &self.config.bucket;
         let mut config = self.config.clone();
         let mut result = self.js.create_key_value(config.clone()).await;
-        if let Err(e) = &result
+        let unplaceable = |e: &async_nats::jetstream::context::CreateKeyValueError| {
+            let e = e.to_string();
+            [
+                "non-clustered",
+                "insufficient resources",
+                "no suitable peers",
+            ]
+            .iter()
+            .any(|m| e.contains(m))
+        };
+        while let Err(e) = &result
             && config.num_replicas > 1
-            && e.to_string().contains("non-clustered")
+            && unplaceable(e)
         {
-            config.num_replicas = 1;
-            result = self.js.create_key_value(config).await;
+            config.num_replicas -= 1;
+            tracing::debug!(bucket, replicas = config.num_replicas, error = %e, "creating the registry bucket again with fewer replicas");
+            result = self.js.create_key_value(config.clone()).await;
         }
         match result {
             Ok(_) => {
@@ -1190,6 +1224,14 @@ mod tests {
             })
         );
         assert_eq!(lease(0, 5_000).validate(), Err(LeaseError::NoHeartbeat));
+        // At most an hour: "never" overflowed the bucket's age of two leases.
+        assert_eq!(lease(1_000, MAX_LEASE_TTL_MS).validate(), Ok(()));
+        assert_eq!(
+            lease(1_000, u64::MAX).validate(),
+            Err(LeaseError::TooLong { ttl_ms: u64::MAX })
+        );
+        let age = bucket_config("b", &lease(1_000, u64::MAX), 1).max_age;
+        assert_eq!(age, Duration::from_millis(u64::MAX));
     }
 
     /// A registration counts only under its own worker's key: one under another key would
