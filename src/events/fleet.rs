@@ -392,12 +392,15 @@ impl Fleet {
     }
 
     /// Whether `info` is an older incarnation's registration while a later one of the same
-    /// id is alive (heard within its lease): two processes under one id (a replaced pod
-    /// whose predecessor still runs, or an id pinned twice). Counted, said
-    /// ([`FleetCommand::IdConflict`]) and ignored: taken, the worker's URL and epoch went
-    /// back and forth with every heartbeat, and half its requests went to the process whose
-    /// cache the index does not follow. Once the later one has been silent for a lease, the
-    /// older registers (a clock stepped back across a restart gives a smaller epoch).
+    /// id is alive (heard, or its lease renewed by its own batches, within a lease): two
+    /// processes under one id (a replaced pod whose predecessor still runs, or an id pinned
+    /// twice). Counted, said ([`FleetCommand::IdConflict`]) and ignored: taken, the worker's
+    /// URL and epoch went back and forth with every heartbeat, and half its requests went to
+    /// the process whose cache the index does not follow (its stream follows whichever
+    /// epoch is registered, so a later one still publishing while its registry writes
+    /// failed made it wipe and resync at every turn). Once the later one has been silent
+    /// for a lease, the older registers (a clock stepped back across a restart gives a
+    /// smaller epoch).
     fn conflicts(&mut self, now_ms: u64, info: &WorkerInfo, out: &mut Vec<FleetCommand>) -> bool {
         let (Some(ttl), Some(member)) = (self.config.lease_ttl_ms, self.members.get(&info.id))
         else {
@@ -405,7 +408,8 @@ impl Fleet {
         };
         let alive = member
             .heard_ms
-            .is_some_and(|at| now_ms.saturating_sub(at) < ttl);
+            .is_some_and(|at| now_ms.saturating_sub(at) < ttl)
+            || clock(now_ms).saturating_sub(member.renewed_ms) < clock(ttl);
         if info.epoch >= member.info.epoch || !alive {
             return false;
         }
@@ -559,15 +563,18 @@ impl Fleet {
         self.sweep_tombstones(now_ms);
     }
 
-    /// A batch arrived from `key` at `now_ms`: deliver it or drop it (counted). A delivered
-    /// batch renews its worker's lease as a heartbeat does: a worker that publishes events is
-    /// alive, even while its heartbeats cannot reach the registry (a JetStream election, or
-    /// a server its connection cannot write the bucket through). (A worker whose
-    /// registration was kept aside is woken first: [`Fleet::wake`].)
-    pub fn on_batch(&mut self, now_ms: u64, key: StreamKey) -> BatchVerdict {
+    /// A batch of incarnation `epoch` arrived from `key` at `now_ms`: deliver it or drop it
+    /// (counted). A delivered batch of the registered incarnation renews its worker's lease
+    /// as a heartbeat does: a worker that publishes events is alive, even while its
+    /// heartbeats cannot reach the registry (a JetStream election, or a server its
+    /// connection cannot write the bucket through). Another incarnation's batch proves
+    /// nothing of the registered one (one that died would stay registered for as long as an
+    /// older process under its id published). (A worker whose registration was kept aside
+    /// is woken first: [`Fleet::wake`].)
+    pub fn on_batch(&mut self, now_ms: u64, key: StreamKey, epoch: u64) -> BatchVerdict {
         let verdict = match self.members.get_mut(&key.0) {
             Some(m) if key.1.0 < m.info.dp_size => {
-                if clock(now_ms) >= m.renewed_ms {
+                if m.info.epoch == epoch && clock(now_ms) >= m.renewed_ms {
                     m.renewed_ms = clock(now_ms);
                     m.replay_age_ms = None;
                 }

@@ -812,7 +812,7 @@ impl FleetOwner {
                 self.view_stale = true;
             }
         }
-        let reason = match self.fleet.on_batch(self.now_ms(), key) {
+        let reason = match self.fleet.on_batch(self.now_ms(), key, batch.epoch) {
             BatchVerdict::Deliver => {
                 return self.shared.send(key, Input::Batch(batch, received_us));
             }

@@ -269,14 +269,16 @@ impl WorkerStream {
             // its watermark may lie before batches since dropped.
             return;
         }
-        // An answer to the request made now in an epoch this stream retired, but later than
-        // the one it follows, is the worker's present (a stale heartbeat took the stream
-        // back to an older epoch): adopted, else every answer is refused and the resync
-        // never ends. An answer of an older epoch, retired or never seen, is a past
-        // incarnation's (one still draining under the same id, answering the same subject):
-        // adopted, it retired the present one, whose batches and heartbeats were then
-        // dropped for good. The registry's heartbeat moves a stream to an older epoch (a
-        // clock stepped back across a restart), not an answer.
+        // An answer to the request made now in an epoch later than the one followed, even
+        // one this stream retired, is the worker's present (the registry moved the stream
+        // back to an older epoch, and the later incarnation answers): adopted, else every
+        // answer is refused and the resync never ends. (The fleet passes on an older epoch
+        // only once the later one has been silent for a lease, its heartbeats and its own
+        // batches alike, so the two do not take turns.) An answer of an older epoch,
+        // retired or never seen, is a past incarnation's (one still draining under the same
+        // id, answering the same subject): adopted, it retired the present one, whose
+        // batches and heartbeats were then dropped for good. The registry's heartbeat moves
+        // a stream to an older epoch, not an answer.
         if self.epoch.is_some_and(|e| snapshot.epoch < e) {
             return;
         }

@@ -92,7 +92,7 @@ impl Driver {
         let mut out = Vec::new();
         let _ = fleet.wake(now_ms, key.0, epoch, &mut out);
         self.apply(&mut out);
-        if fleet.on_batch(now_ms, key) == BatchVerdict::Deliver {
+        if fleet.on_batch(now_ms, key, epoch) == BatchVerdict::Deliver {
             assert!(
                 self.streams.contains(&key),
                 "delivered to a closed stream: {key:?}"
@@ -137,11 +137,11 @@ fn a_batch_after_goodbye_is_dropped_and_does_not_resurrect_the_worker() {
     d.apply(&mut out);
     // A straggler of the departed worker, and one of a worker never seen.
     assert_eq!(
-        fleet.on_batch(0, (WorkerId(1), DpRank(0))),
+        fleet.on_batch(0, (WorkerId(1), DpRank(0)), 7),
         BatchVerdict::Departed
     );
     assert_eq!(
-        fleet.on_batch(0, (WorkerId(2), DpRank(0))),
+        fleet.on_batch(0, (WorkerId(2), DpRank(0)), 7),
         BatchVerdict::Unregistered
     );
     assert!(d.streams.is_empty() && d.lanes.is_empty());
@@ -219,7 +219,7 @@ fn event_batches_renew_a_lease() {
     let mut out = Vec::new();
     for at in [600, 1_200, 1_800] {
         assert_eq!(
-            fleet.on_batch(at, (WorkerId(1), DpRank(0))),
+            fleet.on_batch(at, (WorkerId(1), DpRank(0)), 7),
             BatchVerdict::Deliver
         );
         fleet.on_tick(at + 500, &mut out);
@@ -235,7 +235,7 @@ fn event_batches_renew_a_lease() {
     // A batch for a rank the worker does not have renews nothing.
     let mut fleet = registered(2);
     out.clear();
-    fleet.on_batch(900, (WorkerId(2), DpRank(5)));
+    fleet.on_batch(900, (WorkerId(2), DpRank(5)), 7);
     fleet.on_tick(1_001, &mut out);
     assert!(!out.is_empty(), "an absent rank's batch renewed the lease");
 }
@@ -496,13 +496,13 @@ fn a_refused_registration_keeps_the_tombstone() {
     let mut out = Vec::new();
     fleet.on_goodbye(10, WorkerId(2), &mut out);
     let key = (WorkerId(2), DpRank(0));
-    let departed = fleet.on_batch(20, key);
+    let departed = fleet.on_batch(20, key, 7);
     assert!(
         fleet
             .on_registration(30, info(2, 8, 1, "a", 32), &mut out)
             .is_err()
     );
-    assert_eq!(fleet.on_batch(40, key), departed);
+    assert_eq!(fleet.on_batch(40, key, 7), departed);
     assert_ne!(departed, BatchVerdict::Unregistered);
 }
 
@@ -521,7 +521,7 @@ fn a_model_keeps_one_block_size() {
     assert_eq!(fleet.block_size("a"), Some(16));
     assert_eq!(fleet.block_size("b"), Some(32));
     assert_eq!(
-        fleet.on_batch(0, (WorkerId(3), DpRank(0))),
+        fleet.on_batch(0, (WorkerId(3), DpRank(0)), 7),
         BatchVerdict::Unregistered
     );
 }
@@ -541,7 +541,7 @@ fn fewer_ranks_close_the_extra_streams() {
     d.apply(&mut out);
     assert_eq!(d.streams.len(), 2);
     assert_eq!(
-        fleet.on_batch(0, (WorkerId(1), DpRank(3))),
+        fleet.on_batch(0, (WorkerId(1), DpRank(3)), 7),
         BatchVerdict::NoSuchRank
     );
     assert_eq!(
@@ -719,6 +719,36 @@ fn an_older_incarnation_does_not_take_the_id_from_a_live_later_one() {
     assert_eq!(fleet.worker(WorkerId(1)).map(|w| w.epoch), Some(7));
 }
 
+/// A later incarnation that still publishes while its heartbeats cannot reach the registry
+/// is alive: its own batches renew its lease, and the older one's registrations stay
+/// ignored (taken, the stream followed the older epoch and the later one's snapshot answer
+/// took it back: a wipe and a resync at every heartbeat). The older one's batches renew
+/// nothing: once the later one is silent for a lease, the older takes the id (renewed by
+/// them, a dead incarnation stayed registered for as long as the older one published).
+#[test]
+fn a_later_incarnation_s_batches_keep_the_id_and_an_older_one_s_do_not() {
+    let mut fleet = Fleet::new(config());
+    let mut out = Vec::new();
+    let older = info(1, 7, 1, "m", 16);
+    let key = (WorkerId(1), DpRank(0));
+    fleet
+        .on_registration(0, info(1, 8, 1, "m", 16), &mut out)
+        .unwrap();
+    for at in (200..=3_000).step_by(200) {
+        assert_eq!(fleet.on_batch(at, key, 8), BatchVerdict::Deliver);
+        let heard = fleet.on_registration(at, older.clone(), &mut out);
+        assert_eq!(heard, Ok(Heard::Ignored), "at {at} ms");
+    }
+    assert_eq!(fleet.worker(WorkerId(1)).map(|w| w.epoch), Some(8));
+    // The later one has stopped; the older one publishes.
+    for at in (3_200..=4_000).step_by(200) {
+        fleet.on_batch(at, key, 7);
+    }
+    let heard = fleet.on_registration(4_200, older, &mut out);
+    assert_eq!(heard, Ok(Heard::Registered));
+    assert_eq!(fleet.worker(WorkerId(1)).map(|w| w.epoch), Some(7));
+}
+
 /// A goodbye names its incarnation (the registration marked as left): it removes the member
 /// only if the member is that incarnation. A predecessor leaving under its replacement's id
 /// leaves the replacement registered; the incarnation itself leaves, tombstoned as left.
@@ -739,7 +769,7 @@ fn a_goodbye_removes_only_its_own_incarnation() {
     assert!(d.routable.is_empty() && d.streams.is_empty());
     assert_eq!(fleet.stats().left, 1);
     assert_eq!(
-        fleet.on_batch(30, (WorkerId(1), DpRank(0))),
+        fleet.on_batch(30, (WorkerId(1), DpRank(0)), 7),
         BatchVerdict::Departed
     );
 }
