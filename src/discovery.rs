@@ -664,12 +664,15 @@ impl NatsBucket {
             tracing::debug!(bucket, replicas = config.num_replicas, error = %e, "creating the registry bucket again with fewer replicas");
             result = self.js.create_key_value(config.clone()).await;
         }
+        let replicas = config.num_replicas;
         match result {
             Ok(_) => {
                 metrics::counter!("kvroute_registry_bucket_created_again_total").increment(1);
                 tracing::warn!(
                     bucket,
-                    "the worker registry bucket was gone; created it again (workers re-register with their next heartbeat)"
+                    replicas,
+                    wanted = self.config.num_replicas,
+                    "the worker registry bucket was gone; created it again (workers re-register with their next heartbeat; with fewer replicas than wanted, a router's restart raises them)"
                 );
             }
             Err(e) => {

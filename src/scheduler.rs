@@ -942,10 +942,14 @@ impl Scheduler {
                 // its prompt's full blocks, and a block's hash names its whole prefix), so
                 // the held blocks of this prompt are a leading run: found by bisection, a few
                 // lookups per worker instead of one per held block. A peer's booking is
-                // input from the network: one that lacks its prompt's first block (a faulty
-                // peer) breaks the rule, and the bisection then credited blocks held
-                // nowhere; a run that does not start at block 0 is no prefix, so nothing
-                // is credited (this was a debug assertion, which such a message tripped).
+                // input from the network, trusted to hold its prompt's leading blocks as
+                // this router's own do (a message too small for a booking keeps its first
+                // blocks). One that lacks the first block (a faulty peer) would have the
+                // bisection credit blocks held nowhere, so a run that does not start at
+                // block 0 credits nothing (a debug assertion here was tripped by such a
+                // message); a hole further in is not looked for (a linear check per worker
+                // would cost what the bisection saves): a faulty peer can misdirect load,
+                // as one that books what it likes can, never the index.
                 let booked_prefix = match request.blocks.first() {
                     Some(first) if state.load.holds(first.seq) => {
                         request.blocks.partition_point(|b| state.load.holds(b.seq)) as u32

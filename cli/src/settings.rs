@@ -141,7 +141,7 @@ pub struct ServeFlags {
     /// This replica's id when several routers share load [default: random].
     #[arg(long, env = "KVROUTE_REPLICA_ID")]
     pub replica_id: Option<u64>,
-    /// A worker silent for this long is dropped, ms [default: 5000].
+    /// A worker silent for this long is dropped, ms, 1000..=3600000 [default: 5000].
     #[arg(long, env = "KVROUTE_LEASE_TTL_MS")]
     pub lease_ttl_ms: Option<u64>,
     /// Requests accepted at once, queued or in flight; beyond it new ones get 429
@@ -421,22 +421,25 @@ pub struct Backend {
     pub max_blocks: usize,
 }
 
-/// An engine's URL in one spelling: its host in lower case, no `/` at the end of its path.
-/// The worker's id is a hash of it, and two spellings of one engine (`http://E:8000/` and
-/// `http://e:8000`) passed the check for an engine given twice: two workers behind one
-/// engine, each booked half its load, and two bridges on its one event stream.
+/// An engine's URL in one spelling: its host in lower case, no default port (80), no `/` at
+/// the end of its path. The worker's id is a hash of it, and two spellings of one engine
+/// (`http://E:8000/` and `http://e:8000`) passed the check for an engine given twice: two
+/// workers behind one engine, each booked half its load, and two bridges on its one event
+/// stream.
 fn canonical_url(uri: &hyper::Uri) -> Option<String> {
-    let authority = uri.authority()?.as_str();
-    let (user, host) = match authority.rsplit_once('@') {
-        Some((user, host)) => (format!("{user}@"), host),
-        None => (String::new(), authority),
+    let authority = uri.authority()?;
+    let user = match authority.as_str().rsplit_once('@') {
+        Some((user, _)) => format!("{user}@"),
+        None => String::new(),
+    };
+    let host = authority.host().to_ascii_lowercase();
+    let port = match authority.port_u16() {
+        Some(80) | None => String::new(),
+        Some(port) => format!(":{port}"),
     };
     let path = uri.path().trim_end_matches('/');
     let query = uri.query().map(|q| format!("?{q}")).unwrap_or_default();
-    Some(format!(
-        "http://{user}{}{path}{query}",
-        host.to_ascii_lowercase()
-    ))
+    Some(format!("http://{user}{host}{port}{path}{query}"))
 }
 
 /// Parses one `--backend` value.
@@ -1111,6 +1114,11 @@ mod tests {
         assert_eq!(
             parse_backend("http://Engine-1.NS:8000/v1/").unwrap().url,
             "http://engine-1.ns:8000/v1"
+        );
+        assert_eq!(parse_backend("http://e:80").unwrap().url, "http://e");
+        assert_eq!(
+            parse_backend("http://[::1]:8000").unwrap().url,
+            "http://[::1]:8000"
         );
         let two = resolve(
             flags(&["http://e:8000", "http://f:8000"]),

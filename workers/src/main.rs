@@ -111,7 +111,7 @@ struct Args {
     /// Registration heartbeat, ms.
     #[arg(long, env = "KVROUTE_HEARTBEAT_MS", default_value_t = LeaseConfig::default().heartbeat_ms)]
     heartbeat_ms: u64,
-    /// Registration TTL, ms: at least four heartbeat periods.
+    /// Registration TTL, ms: at least four heartbeat periods, at most 3600000 (an hour).
     #[arg(long, env = "KVROUTE_LEASE_TTL_MS", default_value_t = LeaseConfig::default().ttl_ms)]
     lease_ttl_ms: u64,
     /// Client connections served at once.
