@@ -566,23 +566,28 @@ async fn a_burst_of_registrations_publishes_few_views() {
     assert!(settle(|| s.plane.view().workers.len() == 1_999).await);
 }
 
+/// A plane with `permits` snapshot fetches, whose leases outlast a test: its workers are
+/// registered once and never heartbeat.
+async fn with_snapshot_permits(permits: usize) -> Setup {
+    let config = PlaneConfig {
+        snapshot_fetches: permits,
+        ..PlaneConfig::default()
+    };
+    let scheduler = Scheduler::new(Default::default()).unwrap();
+    let lease = LeaseConfig {
+        heartbeat_ms: 60_000,
+        ttl_ms: 600_000,
+    };
+    Setup::start(lease, Config::default(), config, scheduler).await
+}
+
 /// Snapshot fetches are bounded across streams: after a reconnect (or a router start
 /// amid a running fleet) every stream wants one, and each would hold a worker's snapshot
 /// in the router's memory. With two permits and ten streams mid-stream whose workers never
 /// answer, at most two fetches are under way at a time, and every worker is asked in turn.
 #[tokio::test(start_paused = true)]
 async fn snapshot_fetches_are_bounded_across_streams() {
-    let config = PlaneConfig {
-        snapshot_fetches: 2,
-        ..PlaneConfig::default()
-    };
-    let scheduler = Scheduler::new(Default::default()).unwrap();
-    // Leases outlast the test: the workers are registered once, never heartbeat.
-    let lease = LeaseConfig {
-        heartbeat_ms: 60_000,
-        ttl_ms: 600_000,
-    };
-    let s = Setup::start(lease, Config::default(), config, scheduler).await;
+    let s = with_snapshot_permits(2).await;
     let Transport::Local(bus) = &s.bus else {
         panic!("a local bus");
     };
@@ -618,16 +623,7 @@ async fn snapshot_fetches_are_bounded_across_streams() {
 /// and both streams go live.
 #[tokio::test(start_paused = true)]
 async fn a_snapshot_holds_its_permit_until_it_is_applied() {
-    let config = PlaneConfig {
-        snapshot_fetches: 1,
-        ..PlaneConfig::default()
-    };
-    let scheduler = Scheduler::new(Default::default()).unwrap();
-    let lease = LeaseConfig {
-        heartbeat_ms: 60_000,
-        ttl_ms: 600_000,
-    };
-    let s = Setup::start(lease, Config::default(), config, scheduler).await;
+    let s = with_snapshot_permits(1).await;
     s.plane.shared.hold_snapshot_applies.set(true);
     let asked: Arc<Mutex<Vec<u64>>> = Arc::default();
     for id in 1..=2u64 {
