@@ -30,12 +30,12 @@
 //! workers adds 4 B per owner out of line, in an arena with room for twice the live sets
 //! (the [`table`] module's docs give the details, and what a shrinking index costs). There
 //! is no per-worker reverse map: what a worker holds is in the nodes, and `Cleared`, worker
-//! removal and `dump` walk the map (rare). A removal is two halves: retiring the worker's slot (constant time:
-//! lookups stop crediting it and its next events register afresh) and reaping (the walk
-//! that strips its entries and frees the slot). Removals that come together share one walk
-//! ([`Indexer::remove_workers`], or concurrent callers of [`Indexer::reap`], which combine),
-//! so a thousand workers leaving cost one walk, not a thousand. A block's parent and
-//! `LocalHash` are not kept: no lookup needs them.
+//! removal and `dump` walk the map (rare). A removal is two halves: retiring the worker's
+//! slot (constant time: lookups stop crediting it and its next events register afresh) and
+//! reaping (the walk that strips its entries and frees the slot). Removals that come
+//! together share one walk ([`Indexer::remove_workers`], or concurrent callers of
+//! [`Indexer::reap`], which combine), so a thousand workers leaving cost one walk, not a
+//! thousand. A block's parent and `LocalHash` are not kept: no lookup needs them.
 //! Worker slots ([`slots`]) and lanes ([`lanes`]) cost per worker, not per block.
 //!
 //! # Concurrency

@@ -451,11 +451,10 @@ pub fn parse_backend(spec: &str) -> anyhow::Result<Backend> {
             "--backend {spec:?}: https is not supported (the router speaks plain HTTP to engines)"
         );
     }
-    let Some(url) = url
-        .strip_prefix("http://")
-        .and(url.parse::<hyper::Uri>().ok())
-        .and_then(|uri| canonical_url(&uri))
-    else {
+    let parsed = url
+        .starts_with("http://")
+        .then(|| url.parse::<hyper::Uri>().ok());
+    let Some(url) = parsed.flatten().and_then(|uri| canonical_url(&uri)) else {
         bail!("--backend {spec:?}: starts with the engine's http:// URL");
     };
     let mut b = Backend {

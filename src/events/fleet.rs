@@ -392,7 +392,7 @@ impl Fleet {
     }
 
     /// Whether `info` is an older incarnation's registration while a later one of the same
-    /// id is alive (heard, or its lease renewed by its own batches, within a lease): two
+    /// id is alive (its lease, renewed by its heartbeats and its own batches, runs): two
     /// processes under one id (a replaced pod whose predecessor still runs, or an id pinned
     /// twice). Counted, said ([`FleetCommand::IdConflict`]) and ignored: taken, the worker's
     /// URL and epoch went back and forth with every heartbeat, and half its requests went to
@@ -406,10 +406,8 @@ impl Fleet {
         else {
             return false;
         };
-        let alive = member
-            .heard_ms
-            .is_some_and(|at| now_ms.saturating_sub(at) < ttl)
-            || clock(now_ms).saturating_sub(member.renewed_ms) < clock(ttl);
+        // A heartbeat renews the lease too, so this covers one heard within it.
+        let alive = clock(now_ms).saturating_sub(member.renewed_ms) < clock(ttl);
         if info.epoch >= member.info.epoch || !alive {
             return false;
         }

@@ -18,13 +18,14 @@
 //! state) removed keys leave tombstones that count as used; at 13/16 used the table is
 //! rebuilt without them, at the same size if the live keys fill at most 5/8 of it, else
 //! doubled, so the live load stays between 5/16 and 5/8: 26 to 51 B a block, by where the
-//! live count falls between two powers of two. It shrinks only at 1/8, so after most
-//! blocks have left a block may cost up to 128 B until then. A block shared by four or more workers
-//! (shared system prompts) keeps its whole owner set out of line, 4 B an owner, in an arena
-//! with room for twice the live sets and at least an eighth of a word (1 B) a slot, so that
-//! the rebuilds its changes cause are paid for. Nothing else is kept per block: the key is the
-//! node's address, the block's parent and `LocalHash` are not needed to answer a lookup, and
-//! what a worker holds is read off the nodes when it leaves (a walk; rare).
+//! live count falls between two powers of two. It shrinks only at 1/8, so after most blocks
+//! have left a block may cost up to 128 B until then. A block shared by four or more
+//! workers (shared system prompts) keeps its whole owner set out of line, 4 B an owner, in
+//! an arena with room for twice the live sets and at least an eighth of a word (1 B) a
+//! slot, so that the rebuilds its changes cause are paid for. Nothing else is kept per
+//! block: the key is the node's address, the block's parent and `LocalHash` are not needed
+//! to answer a lookup, and what a worker holds is read off the nodes when it leaves (a
+//! walk; rare).
 //!
 //! # Concurrency
 //!
