@@ -294,11 +294,21 @@ impl Ingest {
     }
 
     async fn resync(&mut self, expected: u64) -> Result<(), ZmtpError> {
-        let last = self.replay(0, true).await?;
-        if last.is_none_or(|last| last.saturating_add(1) < expected) {
+        let replayed = self.replay(0, true).await?;
+        // Only a replay that reached its end marker gives the engine's newest batch: one
+        // that fell silent may have lost its tail (a burst drops the last batches and the
+        // marker first), and a live engine taken for a restarted one loses every block it
+        // announced before its buffer's window. The live stream shows a restart later.
+        if replayed.ended
+            && replayed
+                .last
+                .is_none_or(|last| last.saturating_add(1) < expected)
+        {
             // The engine's newest batch is older than what was seen: it restarted. A buffer
-            // that held its whole life has made the mirror the new engine's already.
-            if self.rebuilt {
+            // that held its whole life has made the mirror the new engine's already, unless
+            // the old engine's hashing kept the mirror from holding anything (the new one
+            // may hash by position: its replay is applied again).
+            if self.rebuilt && !self.mirror.ambiguous_hashing() {
                 self.stats.restarts += 1;
                 tracing::info!(endpoint = %self.endpoint.events, expected, "engine restarted: the mirror is rebuilt from its whole replay buffer");
             } else {
@@ -344,6 +354,9 @@ impl Ingest {
                     let shape: Vec<usize> = frames.frames().iter().map(|f| f.len()).collect();
                     tracing::warn!(endpoint = %self.endpoint.events, frame_bytes = ?shape, "an engine message not shaped (topic, 8- or 24-byte sequence, batch); dropped");
                 }
+                // Counted where the owner sees it (an engine sending nothing else showed no
+                // decode error at all).
+                self.flush(tx).await?;
                 continue;
             };
             if self.adopt(seq.publisher) {
@@ -413,9 +426,18 @@ impl Ingest {
             // The new engine's batches before this one were missed.
             self.replay_failed(&e);
         }
-        if !matches!(self.seq.check(seq), SeqCheck::Restarted) {
-            // Not brought by the replay (it failed, or there is none).
-            self.apply(seq, payload);
+        match self.seq.check(seq) {
+            // Brought by the replay.
+            SeqCheck::Restarted => {}
+            // The replay stopped short of it: what it missed is lost for good (a removal
+            // among it would leave a block held here that the engine dropped).
+            SeqCheck::Gap { .. } => {
+                self.stats.unrepaired += 1;
+                self.mirror.clear(&mut self.changes);
+                self.apply(seq, payload);
+            }
+            // Nothing replayed (it failed, or there is none): the first batch seen.
+            SeqCheck::First | SeqCheck::Next => self.apply(seq, payload),
         }
     }
 
@@ -479,8 +501,8 @@ impl Ingest {
     /// Asks the replay socket for every batch from `from` on and applies those not seen;
     /// with `rebuild`, a buffer that starts at seq 0 replaces the mirror, handing out only
     /// what differs from what it held ([`EngineMirror::begin_rebuild`]), however the replay
-    /// ends. Returns the last seq the engine sent.
-    async fn replay(&mut self, from: u64, rebuild: bool) -> Result<Option<u64>, ZmtpError> {
+    /// ends.
+    async fn replay(&mut self, from: u64, rebuild: bool) -> Result<Replayed, ZmtpError> {
         let now = tokio::time::Instant::now();
         if let Some(until) = self.resting.until.filter(|until| now < *until) {
             self.stats.replays_skipped += 1;
@@ -511,9 +533,12 @@ impl Ingest {
         &mut self,
         mut from: u64,
         rebuild: bool,
-    ) -> Result<Option<u64>, ZmtpError> {
+    ) -> Result<Replayed, ZmtpError> {
         let Some(endpoint) = self.endpoint.replay.clone() else {
-            return Ok(None);
+            return Ok(Replayed {
+                last: None,
+                ended: false,
+            });
         };
         let limits = self.limits;
         let mut dealer = Connection::connect(&endpoint, "DEALER", limits.connect).await?;
@@ -526,7 +551,9 @@ impl Ingest {
         // asked for again once this reply stream has ended: up to REPLAY_ASKS times in all,
         // and beyond while each request brings the replay further (a gap longer than the
         // engine's socket queue, 1,000 messages by default, comes back a queue at a time),
-        // up to MAX_REPLAY_ASKS.
+        // up to MAX_REPLAY_ASKS. A stream that falls silent without its end marker may have
+        // lost its last batches (the marker, sent right after them, goes first in a burst):
+        // what follows its last reply is asked for too, within REPLAY_ASKS.
         let mut lost: Option<u64> = None;
         let mut asks = 1;
         // Where the latest request asked from.
@@ -548,7 +575,9 @@ impl Ingest {
                 // peer's queue has no room for, and the end marker, sent right after the last
                 // batch, is what a burst drops most often. The stream has ended; what it lost
                 // is asked for again.
-                Err(_) if answered && next <= ends => match lost.take() {
+                Err(_) if answered && next <= ends => match lost.take().or_else(|| {
+                    (asks < REPLAY_ASKS).then(|| last.map_or(asked_from, |l: u64| l + 1))
+                }) {
                     Some(from) => {
                         asks += 1;
                         asked_from = from;
@@ -558,7 +587,7 @@ impl Ingest {
                         dealer.send(&[b"", &from.to_be_bytes()]).await?;
                         continue;
                     }
-                    None => return Ok(last),
+                    None => return Ok(Replayed { last, ended: false }),
                 },
                 Err(_) => {
                     return Err(ZmtpError::Timeout(if next <= ends {
@@ -591,7 +620,7 @@ impl Ingest {
             let renamed = self.adopt(seq.publisher);
             let seq = seq.n;
             if seq == u64::MAX {
-                return Ok(last);
+                return Ok(Replayed { last, ended: true });
             }
             if (last.is_none() && rebuild && seq == 0) || seq < from {
                 // The engine's whole life is in the buffer, or it was asked for `from` on and
@@ -654,6 +683,16 @@ impl Ingest {
         };
         tx.send(update).await.map_err(|_| Closed)
     }
+}
+
+/// How a replay ended.
+#[derive(Clone, Copy, Debug)]
+struct Replayed {
+    /// The last seq the engine sent.
+    last: Option<u64>,
+    /// Whether its end marker came: `last` is then the newest batch the engine holds, not
+    /// only the last one that arrived.
+    ended: bool,
 }
 
 /// A publisher lifetime's identity: the 16 bytes after the sequence number.

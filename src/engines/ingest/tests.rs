@@ -1008,3 +1008,187 @@ async fn a_batch_over_the_frame_limit_is_read_past_on_the_same_connection() {
     assert_eq!(owner.stats.gaps, 0, "{:?}", owner.stats);
     assert_eq!(pubs.accepted(), 1, "the subscription was made again");
 }
+
+/// A replay socket answering from a shared buffer of batches: `(first seq, batches)`; a
+/// request from `from` gets the batches from there on and the end marker, unless
+/// `cut(from)` gives the seq its reply stream falls silent at (no marker).
+fn buffered(
+    buffer: &std::sync::Arc<std::sync::Mutex<(u64, Vec<Bytes>)>>,
+    cut: impl Fn(u64) -> Option<u64> + Send + Sync + 'static,
+) -> RouterHandler {
+    let buffer = std::sync::Arc::clone(buffer);
+    std::sync::Arc::new(move |request: Vec<Bytes>| {
+        let (first, batches) = &*buffer.lock().unwrap();
+        let from = asked_from(&request).max(*first);
+        let end = first + batches.len() as u64;
+        let upto = cut(asked_from(&request)).unwrap_or(end).min(end);
+        let replies =
+            (from..upto).map(|seq| replay_reply(seq, batches[(seq - first) as usize].clone()));
+        let marker = (upto == end).then(|| replay_reply(u64::MAX, Bytes::new()));
+        replies.chain(marker).collect()
+    })
+}
+
+/// Waits until `owner` has lost its connection and followed the engine again (the
+/// reconnect's replay done).
+async fn reconnected(owner: &mut Owner) {
+    owner.until("disconnected", |o| !o.stats.connected).await;
+    owner.until("reconnected", |o| o.stats.connected).await;
+}
+
+/// A reconnect's replay from seq 0 that loses its last batch and end marker (a burst, which
+/// drops the marker first) from a long-lived engine, whose buffer no longer reaches back to
+/// seq 0: the engine did not restart. It was taken for restarted (the last batch that came
+/// was older than the expected one), and block 1, stored before the buffer's window, was
+/// dropped though the engine still held it.
+#[tokio::test]
+async fn a_reconnect_s_replay_that_loses_its_tail_is_no_restart() {
+    // Seq 0 stores block 1; 1..=20 store and remove block 10.
+    let mut life = vec![store(1, None)];
+    for _ in 0..10 {
+        life.extend([store(10, None), remove(10)]);
+    }
+    let buffer = std::sync::Arc::new(std::sync::Mutex::new((0u64, life)));
+    let rolled = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let lossy = std::sync::Arc::clone(&rolled);
+    // Once the buffer has rolled, a request from 0 falls silent before batch 20.
+    let handler = buffered(&buffer, move |from| {
+        (from == 0 && lossy.load(std::sync::atomic::Ordering::SeqCst)).then_some(20)
+    });
+    let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
+    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
+    let limits = IngestLimits {
+        replay: Duration::from_millis(200),
+        ..IngestLimits::default()
+    };
+    let mut owner = follow(scripted(&pubs, &replay), limits).await;
+    owner.until("replayed", |o| o.stats.replayed == 21).await;
+    let one = hashes_of(&[(1, None)]);
+    assert_eq!(owner.held, one);
+    {
+        let (first, batches) = &mut *buffer.lock().unwrap();
+        *first = 10;
+        batches.drain(..10);
+    }
+    rolled.store(true, std::sync::atomic::Ordering::SeqCst);
+    let _pubs = rebind(pubs).await;
+    reconnected(&mut owner).await;
+    assert_eq!(owner.stats.restarts, 0, "{:?}", owner.stats);
+    assert_eq!(owner.held, one);
+}
+
+/// A restarted engine seen at its live batch 3 whose replay brings 0 and 1 and then falls
+/// silent: batch 2 (the removal of block 50) is lost for good, so the mirror is cleared and
+/// rebuilt from what follows. Batch 3 was applied on top, and block 50 stayed held though
+/// the engine had dropped it.
+#[tokio::test]
+async fn a_restart_whose_replay_stops_short_is_not_applied_on_top() {
+    let old: Vec<Bytes> = (0..10).map(|h| store(100 + h, None)).collect();
+    let buffer = std::sync::Arc::new(std::sync::Mutex::new((0u64, old)));
+    let restarted = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let lossy = std::sync::Arc::clone(&restarted);
+    // The new engine's replay falls silent at batch 2, asked from anywhere.
+    let handler = buffered(&buffer, move |_| {
+        lossy.load(std::sync::atomic::Ordering::SeqCst).then_some(2)
+    });
+    let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
+    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
+    let limits = IngestLimits {
+        replay: Duration::from_millis(200),
+        ..IngestLimits::default()
+    };
+    let mut owner = follow(scripted(&pubs, &replay), limits).await;
+    owner.until("replayed", |o| o.held.len() == 10).await;
+    // Live batches of the old engine (each in the buffer too, so that one the subscription
+    // missed is replayed), until one has come through the subscription.
+    for seq in 10u64.. {
+        assert!(seq < 200, "no live batch came through: {:?}", owner.stats);
+        let batch = store(100 + seq, None);
+        buffer.lock().unwrap().1.push(batch.clone());
+        pubs.publish(vec![
+            Bytes::new(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            batch,
+        ]);
+        let wait = owner.until("a live batch", |o| o.held.len() as u64 > seq);
+        if tokio::time::timeout(Duration::from_millis(20), wait)
+            .await
+            .is_ok()
+        {
+            break;
+        }
+    }
+    let unrepaired = owner.stats.unrepaired;
+    // The engine restarts (its PUB stays bound): block 50 stored, 51 stored, 50 removed.
+    *buffer.lock().unwrap() = (0, vec![store(50, None), store(51, None), remove(50)]);
+    restarted.store(true, std::sync::atomic::Ordering::SeqCst);
+    pubs.publish(vec![
+        Bytes::new(),
+        Bytes::copy_from_slice(&3u64.to_be_bytes()),
+        store(53, None),
+    ]);
+    let after = hashes_of(&[(53, None)]);
+    owner
+        .until("the new engine's batch 3", |o| {
+            o.stats.restarts == 1 && o.held.contains(after.first().unwrap())
+        })
+        .await;
+    assert_eq!(owner.held, after, "{:?}", owner.stats);
+    assert_eq!(owner.stats.unrepaired, unrepaired + 1);
+}
+
+/// An engine whose hashes were found ambiguous (one hash under two parents: nothing of it
+/// is indexed until it restarts) restarts, and the reconnect's replay holds its whole new
+/// life: the restart is seen after that replay rebuilt the mirror, which it did while the
+/// old engine's flag still dropped every store. The flag was never lowered on that path,
+/// and the upgraded engine stayed unindexed until the sidecar restarted.
+#[tokio::test]
+async fn an_ambiguous_engine_restarted_and_replayed_whole_is_indexed_again() {
+    let old = vec![
+        store(1, None),
+        store(3, None),
+        store(2, Some(1)),
+        store(2, Some(3)),
+    ];
+    let buffer = std::sync::Arc::new(std::sync::Mutex::new((0u64, old)));
+    let handler = buffered(&buffer, |_| None);
+    let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
+    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
+    let mut owner = follow(scripted(&pubs, &replay), IngestLimits::default()).await;
+    owner
+        .until("ambiguous", |o| o.stats.mirror.ambiguous > 0)
+        .await;
+    assert!(owner.held.is_empty());
+    *buffer.lock().unwrap() = (0, vec![store(5, None), store(6, Some(5))]);
+    let _pubs = rebind(pubs).await;
+    let after = hashes_of(&[(5, None), (6, Some(5))]);
+    owner.until("indexed again", |o| o.held == after).await;
+    assert_eq!(owner.stats.restarts, 1, "{:?}", owner.stats);
+}
+
+/// Messages not shaped as an engine's (here two frames: no topic) are counted where the
+/// owner sees them: an engine that sent nothing else showed no decode error at all.
+#[tokio::test]
+async fn misshaped_messages_are_reported() {
+    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
+    let handler = buffered(
+        &std::sync::Arc::new(std::sync::Mutex::new((0, Vec::new()))),
+        |_| None,
+    );
+    let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
+    let mut owner = follow(scripted(&pubs, &replay), IngestLimits::default()).await;
+    for _ in 0..200 {
+        pubs.publish(vec![
+            Bytes::copy_from_slice(&0u64.to_be_bytes()),
+            store(1, None),
+        ]);
+        let wait = owner.until("a decode error", |o| o.stats.decode_errors > 0);
+        if tokio::time::timeout(Duration::from_millis(20), wait)
+            .await
+            .is_ok()
+        {
+            return;
+        }
+    }
+    panic!("never reported: {:?}", owner.stats);
+}
