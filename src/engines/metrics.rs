@@ -96,7 +96,9 @@ pub fn scrape(text: &str) -> Scraped {
     // `--enable-metrics-for-all-schedulers`, every scheduler of a rank's tensor-parallel group
     // reports the same queue under its own `tp_rank` (its metrics collector reports from
     // `attn_tp_rank == 0` only otherwise), and added up they were that many times the load.
-    let mut sglang_counts: Vec<(&str, &str, f64)> = Vec::new();
+    // Ranks are numbers below [`MAX_RANKS`] (or no label): a body of 100,000 ranks searched
+    // a list of them per line (seconds of a runtime thread per scrape).
+    let mut sglang_counts: rustc_hash::FxHashMap<(&str, &str), f64> = Default::default();
     for line in text.lines() {
         if line.starts_with('#') {
             continue;
@@ -115,12 +117,9 @@ pub fn scrape(text: &str) -> Scraped {
             "vllm:num_requests_waiting" => *waiting.get_or_insert(0.0) += value,
             "sglang:num_running_reqs" | "sglang:num_queue_reqs" => {
                 let rank = label(labels, "dp_rank").unwrap_or("");
-                match sglang_counts
-                    .iter_mut()
-                    .find(|(n, r, _)| *n == name && *r == rank)
-                {
-                    Some((_, _, most)) => *most = most.max(value),
-                    None => sglang_counts.push((name, rank, value)),
+                if rank.is_empty() || rank.parse::<usize>().is_ok_and(|r| r < MAX_RANKS) {
+                    let most = sglang_counts.entry((name, rank)).or_insert(value);
+                    *most = most.max(value);
                 }
             }
             // (At most a registration's largest pool, in tokens of one.)
@@ -157,7 +156,7 @@ pub fn scrape(text: &str) -> Scraped {
             _ => {}
         }
     }
-    for (name, _, value) in sglang_counts {
+    for ((name, _), value) in sglang_counts {
         let count = if name == "sglang:num_running_reqs" {
             &mut running
         } else {
@@ -281,6 +280,17 @@ mod tests {
         assert_eq!(label(labels, "missing"), None);
         assert_eq!(label("", "engine"), None);
         assert!(sample(r#"m{a="unterminated} 3"#).is_none());
+    }
+
+    /// SGLang counts of ranks past [`MAX_RANKS`] are not read (100,000 of them made a
+    /// scrape search a list of every rank seen per line).
+    #[test]
+    fn sglang_ranks_past_the_limit_are_not_read() {
+        let text: String = (0..MAX_RANKS + 500)
+            .map(|r| format!("sglang:num_running_reqs{{dp_rank=\"{r}\"}} 1\n"))
+            .collect();
+        let load = scrape(&text).load.unwrap();
+        assert_eq!(load.running as usize, MAX_RANKS);
     }
 
     #[test]
