@@ -1267,11 +1267,24 @@ struct Parsed {
     /// The prompt's text is longer than the router tokenizes (`max_tokenize_bytes`):
     /// `tokens` is empty, and the request is routed on load alone.
     untokenized: bool,
+    /// Bytes of the prompt's text, when it was not tokenized: its booking's estimate.
+    untokenized_bytes: usize,
     /// It asks vLLM for full KV event reporting ([`openai::VllmXargs`]).
     reports_full: bool,
 }
 
 impl Parsed {
+    /// The prompt's tokens as booked and weighed in the queue: counted, or for a text too
+    /// long to tokenize estimated at [`BYTES_PER_TOKEN`] (a zero booked its prefill as
+    /// free: the worker looked idle, and its tenant was charged decode alone).
+    fn prompt_tokens(&self) -> usize {
+        if self.untokenized {
+            self.untokenized_bytes.div_ceil(BYTES_PER_TOKEN)
+        } else {
+            self.tokens.len()
+        }
+    }
+
     /// Tokens each sequence may generate, for its booking (the scheduler caps it at
     /// `admission.decode_cap_tokens`, then counts it `n` times): its limit, or none.
     fn booked_max_tokens(&self) -> u32 {
@@ -1326,11 +1339,17 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
     parse_within(tokenizer, body, chat, DEFAULT_MAX_TOKENIZE_BYTES)
 }
 
-/// Tokens of a prompt encoded within the text limit, or none and `true` (untokenized).
-fn or_untokenized(encoded: Option<Vec<u32>>) -> (Vec<u32>, bool) {
+/// Bytes a token of text is taken to cover where a prompt is too long to tokenize: about
+/// 4 for English prose with the BPE vocabularies of current models (OpenAI's rule of thumb,
+/// "one token is roughly 4 characters"); code and other languages take fewer.
+const BYTES_PER_TOKEN: usize = 4;
+
+/// Tokens of a prompt of `bytes` of text encoded within the text limit (and 0), or none,
+/// and its bytes (untokenized).
+fn or_untokenized(encoded: Option<Vec<u32>>, bytes: usize) -> (Vec<u32>, usize) {
     match encoded {
-        Some(tokens) => (tokens, false),
-        None => (Vec::new(), true),
+        Some(tokens) => (tokens, 0),
+        None => (Vec::new(), bytes),
     }
 }
 
@@ -1390,17 +1409,24 @@ fn parse_within(
         // and forward the request as it came.
         let media_at = r.messages.iter().position(|m| m.media);
         let keep = openai::prompt_keep(r.truncate_prompt_tokens)?;
-        let (tokens, untokenized) = match media_at {
+        let (tokens, untokenized_bytes) = match media_at {
             // The engine cuts the whole rendering, media tokens included, which the router
             // cannot count: no prefix of the cut one is known.
-            Some(_) if keep.is_some() => (Vec::new(), false),
-            None => {
-                let text = tokenizer
-                    .chat_text(&r.messages, &options)
-                    .map_err(rejected)?;
-                or_untokenized(encode(&text, options.add_special_tokens, keep).map_err(rejected)?)
-            }
-            Some(0) => (Vec::new(), false),
+            Some(_) if keep.is_some() => (Vec::new(), 0),
+            // A rendering longer than is tokenized is stopped at the limit.
+            None => match tokenizer.chat_text(&r.messages, &options, text_limit) {
+                Ok(text) => {
+                    let encoded =
+                        encode(&text, options.add_special_tokens, keep).map_err(rejected)?;
+                    or_untokenized(encoded, text.len())
+                }
+                Err(tokenizer::TokenizerError::TooLong { bytes, .. }) => {
+                    metrics::counter!("kvroute_prompts_untokenized_total").increment(1);
+                    (Vec::new(), bytes)
+                }
+                Err(e) => return Err(rejected(e)),
+            },
+            Some(0) => (Vec::new(), 0),
             // A template may refuse the shortened conversation (a system turn with no user
             // turn after it) where it takes the whole one, which the engine renders: the
             // request is then routed without a prefix, not refused.
@@ -1414,16 +1440,17 @@ fn parse_within(
                 // before the media would not be a prefix of the whole.
                 before.kwargs.shift_remove("add_generation_prompt");
                 let tokens = tokenizer
-                    .chat_text(&r.messages[..k], &before)
+                    .chat_text(&r.messages[..k], &before, text_limit)
                     .ok()
                     .and_then(|text| encode(&text, before.add_special_tokens, None).ok())
                     .flatten()
                     .unwrap_or_default();
-                (tokens, false)
+                (tokens, 0)
             }
         };
         Parsed {
-            untokenized,
+            untokenized: untokenized_bytes > 0,
+            untokenized_bytes,
             media: media_at.is_some(),
             max_tokens: r.max_tokens(),
             n: r.n.unwrap_or(1),
@@ -1441,18 +1468,20 @@ fn parse_within(
         openai::check_stream_options(r.stream, r.stream_options)?;
         let max_tokens = r.max_tokens;
         let keep = openai::prompt_keep(r.truncate_prompt_tokens)?;
-        let (tokens, untokenized) = match r.prompt {
+        let (tokens, untokenized_bytes) = match r.prompt {
             Prompt::Text(t) => or_untokenized(
                 encode(&t, r.add_special_tokens.unwrap_or(true), keep).map_err(rejected)?,
+                t.len(),
             ),
             Prompt::Tokens(mut t) => {
                 tokenizer::keep_last(&mut t, keep);
-                (t, false)
+                (t, 0)
             }
             Prompt::Batch(n) => return Err(ApiError::prompt_batch(n)),
         };
         Parsed {
-            untokenized,
+            untokenized: untokenized_bytes > 0,
+            untokenized_bytes,
             media: false,
             model: r.model.unwrap_or_default(),
             tokens,
@@ -1588,7 +1617,7 @@ impl Prepared {
         RouteRequest {
             model: &self.parsed.model,
             blocks: &self.blocks,
-            prompt_tokens: self.parsed.tokens.len(),
+            prompt_tokens: self.parsed.prompt_tokens(),
             block_size: self.block_size,
             overlaps: &self.overlaps,
             max_tokens: self.parsed.booked_max_tokens(),
@@ -1942,7 +1971,7 @@ async fn admit(
     let routable = || Routable {
         model: p.model.clone(),
         blocks: prepared.blocks.clone(),
-        prompt_tokens: p.tokens.len(),
+        prompt_tokens: p.prompt_tokens(),
         block_size: prepared.block_size,
         max_tokens: p.booked_max_tokens(),
         n: p.n,

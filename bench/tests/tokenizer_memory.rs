@@ -67,7 +67,7 @@ fn a_long_prompt_cut_to_a_few_tokens_costs_no_more_than_encoding_it() {
 
 /// Fields the router does not read cost nothing to skip: a `stream_options` key it does
 /// not know, holding a million small values (2 MB), was buffered as JSON values (109 MB
-/// allocated on the parent commit); and a chat body of that many values is refused before
+/// allocated on the parent commit), as was a `vllm_xargs.kv_cache_report_mode` of them; and a chat body of that many values is refused before
 /// it is read.
 #[test]
 fn values_the_router_does_not_read_are_not_kept() {
@@ -81,6 +81,15 @@ fn values_the_router_does_not_read_are_not_kept() {
         allocated(|| kvroute::ingress::decode_request(&t, completion.as_bytes(), false).unwrap());
     assert_eq!(tokens, 2);
     assert!(bytes < 1 << 20, "{bytes} bytes to skip a 2 MB field");
+    // The one value of `vllm_xargs` the router reads was held as a JSON value whatever it
+    // was (about 100 MB allocated for this array).
+    let xargs = format!(
+        r#"{{"model":"m","prompt":"hi","vllm_xargs":{{"kv_cache_report_mode":[{zeros}]}}}}"#
+    );
+    let (bytes, tokens) =
+        allocated(|| kvroute::ingress::decode_request(&t, xargs.as_bytes(), false).unwrap());
+    assert_eq!(tokens, 2);
+    assert!(bytes < 1 << 20, "{bytes} bytes to skip a 2 MB report mode");
     let chat = format!(
         r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"tools":[{zeros}]}}"#
     );

@@ -354,15 +354,70 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for PromptList<'a> {
 pub struct VllmXargs {
     /// `"full"` or `"incremental"` (vLLM's default).
     #[serde(default)]
-    pub kv_cache_report_mode: Option<serde_json::Value>,
+    pub kv_cache_report_mode: ReportMode,
 }
 
 impl VllmXargs {
     /// Whether `xargs` ask for vLLM's full reporting.
     pub fn reports_full(xargs: Option<&VllmXargs>) -> bool {
-        xargs
-            .and_then(|x| x.kv_cache_report_mode.as_ref())
-            .is_some_and(|m| m.as_str() == Some("full"))
+        xargs.is_some_and(|x| x.kv_cache_report_mode.full)
+    }
+}
+
+/// Whether a `kv_cache_report_mode` value is the string `"full"`. Any other value is read
+/// past without being kept: held as a JSON value, an 8 MiB array there took hundreds of MB
+/// (a completion's body has no count of its values, as a chat's has).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReportMode {
+    /// The value was `"full"`.
+    pub full: bool,
+}
+
+impl<'de> Deserialize<'de> for ReportMode {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = ReportMode;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a report mode")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ReportMode, E> {
+                Ok(ReportMode { full: v == "full" })
+            }
+            fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<ReportMode, E> {
+                Ok(ReportMode::default())
+            }
+            fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<ReportMode, E> {
+                Ok(ReportMode::default())
+            }
+            fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<ReportMode, E> {
+                Ok(ReportMode::default())
+            }
+            fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<ReportMode, E> {
+                Ok(ReportMode::default())
+            }
+            fn visit_unit<E: serde::de::Error>(self) -> Result<ReportMode, E> {
+                Ok(ReportMode::default())
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<ReportMode, A::Error> {
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(ReportMode::default())
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<ReportMode, A::Error> {
+                while map
+                    .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+                    .is_some()
+                {}
+                Ok(ReportMode::default())
+            }
+        }
+        d.deserialize_any(Visitor)
     }
 }
 

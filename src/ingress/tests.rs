@@ -209,6 +209,24 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
         .unwrap();
         assert_eq!(chat.untokenized, untokenized);
     }
+    // It is booked at an estimate from its text's length (4 bytes a token), not as a prompt
+    // of no tokens: a zero booked its prefill as free.
+    let long = format!(r#"{{"model":"m","prompt":"{}"}}"#, "x".repeat(4000));
+    let p = parse_within(&t, long.as_bytes(), false, 64).unwrap();
+    assert!(p.untokenized && p.tokens.is_empty());
+    assert_eq!(p.prompt_tokens(), 1000);
+    let p = parse_within(&t, long.as_bytes(), false, 1 << 20).unwrap();
+    assert_eq!(p.prompt_tokens(), p.tokens.len());
+    let long_chat = format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "x".repeat(4000)
+    );
+    let p = parse_within(&t, long_chat.as_bytes(), true, 64).unwrap();
+    assert!(
+        p.untokenized && p.prompt_tokens() >= 1000,
+        "{}",
+        p.prompt_tokens()
+    );
     // A chat body of a few hundred thousand small values is refused before it is read
     // (each became a JSON value of 80 B or more), as is a stream_options key's; a body
     // at the limit is read.
@@ -1510,9 +1528,16 @@ fn full_kv_event_reporting_is_taken_out_of_the_engine_s_body() {
         std::str::from_utf8(&out).unwrap(),
         r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#
     );
+    let escaped =
+        br#"{"model":"m","prompt":"hi","vllm_xargs":{"kv_cache_report_mode":"\u0066ull"}}"#;
+    assert!(parse(&t, escaped, false).unwrap().reports_full);
     for kept in [
         &br#"{"model":"m","prompt":"hi","vllm_xargs":{"kv_cache_report_mode":"incremental"}}"#[..],
         br#"{"model":"m","prompt":"kv_cache_report_mode"}"#,
+        br#"{"model":"m","prompt":"hi","vllm_xargs":{"kv_cache_report_mode":null}}"#,
+        br#"{"model":"m","prompt":"hi","vllm_xargs":{"kv_cache_report_mode":["full"]}}"#,
+        br#"{"model":"m","prompt":"hi","vllm_xargs":{"kv_cache_report_mode":{"full":1.5}}}"#,
+        br#"{"model":"m","prompt":"hi","vllm_xargs":{"kv_cache_report_mode":true}}"#,
     ] {
         assert!(!parse(&t, kept, false).unwrap().reports_full);
     }

@@ -568,13 +568,17 @@ impl Tokenizer {
     }
 
     /// The chat's text as the template renders it, before it is tokenized
-    /// ([`Tokenizer::encode_chat`] is this and [`Tokenizer::encode_within`]).
+    /// ([`Tokenizer::encode_chat`] is this and [`Tokenizer::encode_within`]); a rendering
+    /// longer than `limit` bytes is stopped there ([`TokenizerError::TooLong`], with the
+    /// bytes it had reached): a template is a program, and a request's own may write
+    /// gigabytes in a few instructions, which fuel does not count.
     pub fn chat_text(
         &self,
         messages: &[ChatMessage],
         options: &ChatOptions,
+        limit: usize,
     ) -> Result<String, TokenizerError> {
-        self.render(messages, options)
+        self.render_within(messages, options, limit)
     }
 
     /// The chat's text as the template renders it ([`Tokenizer::encode_chat`] tokenizes it).
@@ -582,6 +586,16 @@ impl Tokenizer {
         &self,
         messages: &[ChatMessage],
         options: &ChatOptions,
+    ) -> Result<String, TokenizerError> {
+        self.render_within(messages, options, usize::MAX)
+    }
+
+    /// [`Tokenizer::render`], at most `limit` bytes of it.
+    fn render_within(
+        &self,
+        messages: &[ChatMessage],
+        options: &ChatOptions,
+        limit: usize,
     ) -> Result<String, TokenizerError> {
         let template_error = |e: minijinja::Error| TokenizerError::Template {
             reason: e.to_string(),
@@ -639,10 +653,23 @@ impl Tokenizer {
                     ContentFormat::OpenAi => value(&with_parts(messages)?),
                 };
                 context.insert("messages".into(), messages);
-                env.get_template(name)
+                let mut out = Bounded {
+                    text: Vec::new(),
+                    limit,
+                    over: None,
+                };
+                let rendered = env
+                    .get_template(name)
                     .map_err(template_error)?
-                    .render(context)
-                    .map_err(template_error)?
+                    .render_captured_to(context, &mut out)
+                    .map(drop);
+                if let Some(bytes) = out.over {
+                    return Err(TokenizerError::TooLong { bytes, limit });
+                }
+                rendered.map_err(template_error)?;
+                String::from_utf8(out.text).map_err(|e| TokenizerError::Template {
+                    reason: format!("the template wrote text that is not UTF-8: {e}"),
+                })?
             }
             None => render_chat(messages, options.add_generation_prompt),
         };
@@ -651,6 +678,30 @@ impl Tokenizer {
         } else {
             Ok(text)
         }
+    }
+}
+
+/// A rendering's text, refusing to grow past `limit` bytes (the write fails, which ends the
+/// rendering; `over` says how far it had reached).
+struct Bounded {
+    text: Vec<u8>,
+    limit: usize,
+    over: Option<usize>,
+}
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let reached = self.text.len().saturating_add(buf.len());
+        if reached > self.limit {
+            self.over = Some(reached);
+            return Err(std::io::Error::other("the rendering is over its limit"));
+        }
+        self.text.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -1847,6 +1898,22 @@ mod tests {
         };
         let e = t.encode_chat(&hello, &options).unwrap_err();
         assert!(e.to_string().contains("fuel"), "{e}");
+        // Few instructions can write much: a rendering stops at the text limit (this one
+        // wrote 64 MB, and with `~` doubling gigabytes, before it was cut afterwards).
+        let writer = r#"{% for i in range(64) %}{{ "x" * 1000000 }}{% endfor %}"#;
+        let options = ChatOptions {
+            template: Some(t.request_template(writer).unwrap()),
+            ..ChatOptions::default()
+        };
+        let e = t.chat_text(&hello, &options, 1 << 20).unwrap_err();
+        assert!(
+            matches!(e, TokenizerError::TooLong { bytes, limit } if limit == 1 << 20 && bytes > limit),
+            "{e}"
+        );
+        assert_eq!(
+            t.chat_text(&hello, &options, 64 << 20).unwrap().len(),
+            64_000_000
+        );
         let e = t.request_template("{% for %}").unwrap_err();
         assert!(e.to_string().contains("the request's chat template"), "{e}");
         let first = t.request_template("{{ messages[0].content }}").unwrap();

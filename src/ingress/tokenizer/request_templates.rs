@@ -9,8 +9,13 @@
 //! them otherwise; the router does the same with its flag of that name. Trusted or not, a
 //! template is a program run on the router's tokenizer threads, so each render is bounded:
 //! at most [`RENDER_FUEL`] template instructions (minijinja's fuel; a template that loops
-//! for ever fails with a clear error instead of holding a thread), and minijinja's own
-//! limits on recursion and on repeated strings and lists.
+//! for ever fails with a clear error instead of holding a thread), its text at most the
+//! router's `max_tokenize_bytes` (a longer rendering is stopped there and the request
+//! routed untokenized: a loop of few instructions may write gigabytes), and minijinja's own
+//! limits on recursion and on repeated strings and lists. Not bounded: the values a template
+//! builds without writing them (`~` joins strings without a limit; `a ~ a` four times over a
+//! string of minijinja's largest repeat is over a gigabyte). Only an operator who trusts
+//! the clients with their templates sets `--trust-request-chat-template`, as with vLLM.
 //!
 //! A client that sends its own template usually sends the same one on every request, so the
 //! last [`CACHED`] compiled templates are kept, most recently used first.

@@ -370,7 +370,7 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                 let messages = std::mem::take(&mut r.messages);
                 let encoded = tokenize(&state, move |t| {
                     chat_options.template = t.chat_template_for(templates)?;
-                    let text = t.chat_text(&messages, &chat_options)?;
+                    let text = t.chat_text(&messages, &chat_options, max_text_bytes())?;
                     let special = chat_options.add_special_tokens;
                     t.encode_limited(&text, special, keep, max_text_bytes())
                 });
