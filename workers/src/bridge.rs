@@ -536,6 +536,9 @@ async fn next_learned(learned: &mut Option<mpsc::Receiver<RoutedPrompt>>) -> Opt
     }
 }
 
+/// Changes the scratch of a [`RankStream`] keeps room for between batches.
+const FRESH_KEPT: usize = 1 << 16;
+
 /// One dp rank's event stream: what the engine has announced (its stream repeats stores
 /// and removes what it never stored) and the publisher of the changes to that set.
 struct RankStream {
@@ -556,9 +559,21 @@ impl RankStream {
 
     /// Records the engine's `changes`; those that alter the announced set become events.
     fn record(&mut self, changes: &[kvroute::protocol::BlockChange]) {
+        let capped = self.announced.capped();
         self.announced.filter(changes, &mut self.fresh);
+        if capped == 0 && self.announced.capped() > 0 {
+            tracing::warn!(
+                max = kvroute::protocol::MAX_SNAPSHOT_BLOCKS,
+                "the engine holds more (tier, block) pairs than one snapshot carries: blocks it stores from now on are not announced until it removes some"
+            );
+        }
         self.publisher.record(&self.fresh);
         self.fresh.clear();
+        // A restarted engine's clear is one removal per block: the scratch gives that room
+        // back rather than keeping it for good.
+        if self.fresh.capacity() > FRESH_KEPT {
+            self.fresh = Vec::new();
+        }
     }
 }
 

@@ -11,8 +11,8 @@
 //! the changes that alter the announced set and is the resident set of its snapshots.
 
 use kvroute::protocol::{
-    DpRank, EventBatch, KvEvent, KvEventData, LocalHash, SeqHash, Snapshot, SnapshotBlock,
-    StoredBlock, Tier, WorkerId, parents_first,
+    DpRank, EventBatch, KvEvent, KvEventData, LocalHash, MAX_SNAPSHOT_BLOCKS, SeqHash, Snapshot,
+    SnapshotBlock, StoredBlock, Tier, WorkerId, parents_first,
 };
 use rustc_hash::FxHashMap;
 
@@ -36,15 +36,43 @@ struct Announcement {
 
 /// The resident set announced for a source that may repeat itself: a block is announced by
 /// its first store and withdrawn by the removal that matches its last store.
-#[derive(Clone, Debug, Default)]
+///
+/// It holds at most [`MAX_SNAPSHOT_BLOCKS`] (tier, block) pairs, what one snapshot carries:
+/// the engine's mirror counts blocks, each of which may be in several tiers, and a resident
+/// set past the limit made snapshots every router refuses (that worker could never be
+/// resynced). Stores past it are not announced (counted in [`Announced::capped`]): the
+/// router knows less than the engine holds, never more.
+#[derive(Clone, Debug)]
 pub struct Announced {
     blocks: FxHashMap<(Tier, SeqHash), Announcement>,
     /// Announced blocks per tier (`Tier as usize`).
     resident: [u64; Tier::ALL.len()],
     unannounced_removals: u64,
+    capped: u64,
+    max: usize,
 }
 
+impl Default for Announced {
+    fn default() -> Self {
+        Announced::with_max(MAX_SNAPSHOT_BLOCKS)
+    }
+}
+
+/// Pairs below which the map is not shrunk.
+const SHRINK_FROM: usize = 1024;
+
 impl Announced {
+    /// An empty set announcing at most `max` (tier, block) pairs.
+    pub fn with_max(max: usize) -> Self {
+        Announced {
+            blocks: FxHashMap::default(),
+            resident: [0; Tier::ALL.len()],
+            unannounced_removals: 0,
+            capped: 0,
+            max,
+        }
+    }
+
     /// Appends to `out`, in order, the changes of `changes` that alter the announced set.
     pub fn filter(&mut self, changes: &[Change], out: &mut Vec<Change>) {
         for change in changes {
@@ -54,6 +82,12 @@ impl Announced {
                     parent,
                     block,
                 } => {
+                    if self.blocks.len() >= self.max
+                        && !self.blocks.contains_key(&(tier, block.seq))
+                    {
+                        self.capped += 1;
+                        continue;
+                    }
                     let entry = self
                         .blocks
                         .entry((tier, block.seq))
@@ -79,6 +113,11 @@ impl Announced {
                 },
             }
         }
+        // A restarted engine's clear removes every block: the map gives its room back
+        // rather than keeping its peak for good (the mirror in front does the same).
+        if self.blocks.capacity() > SHRINK_FROM && self.blocks.len() < self.blocks.capacity() / 4 {
+            self.blocks.shrink_to(2 * self.blocks.len());
+        }
     }
 
     /// The announced blocks, in no order.
@@ -100,9 +139,20 @@ impl Announced {
         self.resident[tier as usize]
     }
 
-    /// Removals of blocks never announced (dropped).
+    /// Removals of blocks never announced (dropped; a block refused at the cap counts
+    /// here when it goes).
     pub fn unannounced_removals(&self) -> u64 {
         self.unannounced_removals
+    }
+
+    /// Stores not announced because the set was full.
+    pub fn capped(&self) -> u64 {
+        self.capped
+    }
+
+    /// Pairs the map has room for without growing.
+    pub fn capacity(&self) -> usize {
+        self.blocks.capacity()
     }
 }
 

@@ -88,6 +88,48 @@ fn announced_keeps_only_what_alters_the_set() {
     assert_eq!(Tier::ALL.map(|t| a.resident(t)), [1, 0, 0, 0]);
 }
 
+/// The set holds at most what one snapshot carries, (tier, block) pairs: the same blocks
+/// in two tiers past the limit made a snapshot every router refuses. Stores past it are
+/// not announced, and the map gives its room back once the blocks go.
+#[test]
+fn announced_stops_at_the_snapshot_limit_and_shrinks() {
+    let mut a = Announced::with_max(3);
+    let mut out = Vec::new();
+    a.filter(
+        &[
+            stored(Tier::Device, None, 1),
+            stored(Tier::Device, Some(1), 2),
+            stored(Tier::Host, None, 1),
+            stored(Tier::Host, Some(1), 2),
+            // Announced already: a repeat, not a new pair.
+            stored(Tier::Device, None, 1),
+        ],
+        &mut out,
+    );
+    assert_eq!(out.len(), 3);
+    assert_eq!(a.capped(), 1);
+    assert_eq!(a.blocks().count(), 3);
+    assert_eq!(a.resident(Tier::Host), 1);
+    // Room again once one goes.
+    out.clear();
+    a.filter(
+        &[removed(Tier::Device, 2), stored(Tier::Host, Some(1), 2)],
+        &mut out,
+    );
+    assert_eq!(out.len(), 2);
+    assert_eq!(a.capped(), 1);
+
+    let mut a = Announced::default();
+    let n = 100_000u64;
+    let stores: Vec<Change> = (0..n).map(|i| stored(Tier::Device, None, i)).collect();
+    a.filter(&stores, &mut out);
+    let peak = a.capacity();
+    assert!(peak >= n as usize);
+    let removals: Vec<Change> = (0..n).map(|i| removed(Tier::Device, i)).collect();
+    a.filter(&removals, &mut out);
+    assert!(a.capacity() < peak / 16, "{} of {peak}", a.capacity());
+}
+
 #[test]
 fn splits_events_at_the_block_cap() {
     let mut p = Publisher::new(WorkerId(1), DpRank(0), 1);
