@@ -240,7 +240,10 @@ fn run(
                 continue;
             };
             if let Some(held) = backlog.get_mut(&id) {
-                held.outputs.push_back(o);
+                if !held.hold(o) {
+                    backlog.remove(&id);
+                    end_unread(engine, &mut waiting, id);
+                }
                 continue;
             }
             match tx.try_send(o) {
@@ -300,8 +303,14 @@ const BACKLOG_POLL: Duration = Duration::from_millis(1);
 /// is 30 s; a worker's clients are its routers).
 const CLIENT_STALL: Duration = Duration::from_secs(10);
 
-/// A request's outputs its channel had no room for. Bounded by the request's own outputs
-/// (at most its `max_tokens` and an end), which its G1 blocks bound.
+/// Outputs a request's backlog holds at most: a client that falls further behind is cut off
+/// as one that stalled. A finished request's blocks go back to the pool while its backlog
+/// waits for the client, so without this a client reading one chunk every few seconds held
+/// its whole answer here (about 40 B an output, 10 MB for a G1's worth of tokens), however
+/// many such clients came.
+const BACKLOG_MAX: usize = 8 * 1024;
+
+/// A request's outputs its channel had no room for, at most [`BACKLOG_MAX`].
 struct Backlog {
     outputs: VecDeque<Output>,
     /// When its client last took one.
@@ -321,6 +330,15 @@ enum Flushed {
 }
 
 impl Backlog {
+    /// Holds `o` after the others; false if the backlog is full (the client is too slow).
+    fn hold(&mut self, o: Output) -> bool {
+        if self.outputs.len() >= BACKLOG_MAX {
+            return false;
+        }
+        self.outputs.push_back(o);
+        true
+    }
+
     fn flush(&mut self, tx: &mpsc::Sender<Output>, now: Instant) -> Flushed {
         let mut ended = false;
         while let Some(o) = self.outputs.pop_front() {
@@ -356,7 +374,7 @@ fn end_unread(
         metrics::counter!("kvroute_worker_slow_client_total").increment(1);
         tracing::warn!(
             request = id.0,
-            "client read nothing for {CLIENT_STALL:?}; its stream is cut off"
+            "client read nothing for {CLIENT_STALL:?}, or left {BACKLOG_MAX} outputs unread; its stream is cut off"
         );
     }
     engine.cancel(id);
@@ -414,6 +432,27 @@ mod tests {
 
     use super::*;
     use crate::config::EngineConfig;
+
+    /// A backlog holds at most [`BACKLOG_MAX`] outputs: a client that reads, but slower than
+    /// the engine writes, is cut off once that far behind (its backlog grew with the
+    /// whole answer, which the request's blocks no longer bounded once it finished).
+    #[test]
+    fn a_backlog_is_bounded() {
+        let output = |at_us| Output {
+            request: RequestId(1),
+            at_us,
+            kind: OutputKind::Finished,
+        };
+        let mut held = Backlog {
+            outputs: VecDeque::new(),
+            progress: Instant::now(),
+        };
+        for at in 0..BACKLOG_MAX as u64 {
+            assert!(held.hold(output(at)));
+        }
+        assert!(!held.hold(output(0)));
+        assert_eq!(held.outputs.len(), BACKLOG_MAX);
+    }
 
     /// A panic on the engine thread fails the engine with its reason, as an error does: the
     /// thread's end alone was seen as a failure without a reason with one rank, and not at

@@ -107,8 +107,17 @@ struct Generate {
     cache_salt: Option<String>,
 }
 
+/// A completion's default `max_tokens`: vLLM's (16, its `CompletionRequest.max_tokens`).
 fn default_max_tokens() -> u32 {
     16
+}
+
+/// A chat's default `max_tokens`: as vLLM's, what the model's context leaves after the
+/// prompt (`get_max_tokens` in its `entrypoints/utils.py`, with no `max_tokens` given), the
+/// context here being the engine's G1, at least 1. It was a completion's 16, which a router
+/// books as unlimited and the engine ended at 16.
+fn chat_default_max_tokens(max_tokens_held: usize, prompt: usize) -> u32 {
+    u32::try_from(max_tokens_held.saturating_sub(prompt).max(1)).unwrap_or(u32::MAX)
 }
 
 /// Decodes an internal generate body (what a router sends), as the handler does.
@@ -375,15 +384,20 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                     t.encode_limited(&text, special, keep, max_text_bytes())
                 });
                 match encoded.await {
-                    Ok(tokens) => (
-                        std::mem::take(&mut r.model),
-                        tokens,
-                        r.max_tokens().unwrap_or(default_max_tokens()),
-                        r.n,
-                        r.stream,
-                        r.stream_options,
-                        r.cache_salt.take(),
-                    ),
+                    Ok(tokens) => {
+                        let max_tokens = r.max_tokens().unwrap_or_else(|| {
+                            chat_default_max_tokens(state.max_tokens_held, tokens.len())
+                        });
+                        (
+                            std::mem::take(&mut r.model),
+                            tokens,
+                            max_tokens,
+                            r.n,
+                            r.stream,
+                            r.stream_options,
+                            r.cache_salt.take(),
+                        )
+                    }
                     Err(response) => return response,
                 }
             }

@@ -573,3 +573,46 @@ async fn request_bodies_share_a_budget() {
     assert!(passed.starts_with("HTTP/1.1 200"), "{passed}");
     w.stop().await;
 }
+
+/// A chat without `max_tokens` generates what the context leaves after its prompt, as vLLM
+/// does (the context here: the engine's G1), not a completion's default of 16 (a router
+/// books such a chat as unlimited). Control: a completion without it stops at 16.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_without_max_tokens_fills_the_context() {
+    let bus = LocalBus::new();
+    let mut c = config();
+    c.engine.g1_blocks = 8;
+    let held = c.engine.g1_blocks * c.engine.block_size;
+    let w = Worker::start(
+        c,
+        Transport::Local(bus.clone()),
+        Registry::Local(LocalRegistry::default()),
+    )
+    .await
+    .unwrap();
+    let usage = |response: &str| {
+        let v: serde_json::Value = serde_json::from_str(body(response)).unwrap();
+        let u = &v["usage"];
+        (
+            u["prompt_tokens"].as_u64().unwrap() as usize,
+            u["completion_tokens"].as_u64().unwrap() as usize,
+        )
+    };
+    let chat = post(
+        w.addr,
+        "/v1/chat/completions",
+        r#"{"model": "sim", "messages": [{"role": "user", "content": "hi"}]}"#,
+    )
+    .await;
+    assert!(chat.starts_with("HTTP/1.1 200"), "{chat}");
+    let (prompt, completion) = usage(&chat);
+    assert_eq!(prompt + completion, held, "{chat}");
+    let completion = post(
+        w.addr,
+        "/v1/completions",
+        r#"{"model": "sim", "prompt": "hi"}"#,
+    )
+    .await;
+    assert_eq!(usage(&completion).1, 16, "{completion}");
+    w.stop().await;
+}
