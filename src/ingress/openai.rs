@@ -549,7 +549,8 @@ pub struct CompletionRequest {
 
 /// An integer field as vLLM's request models (pydantic, in its lax mode) take it: an
 /// integer, or a number with no fractional part (`256.0`: Python clients that compute token
-/// budgets send floats, which vLLM answers and serde refused with a 400); `2.5` is refused.
+/// budgets send floats, which vLLM answers and serde refused with a 400), or a string of
+/// one ([`integral_text`]); `2.5` is refused.
 fn integral(n: &serde_json::Number) -> Option<i128> {
     if let Some(u) = n.as_u64() {
         return Some(i128::from(u));
@@ -561,12 +562,84 @@ fn integral(n: &serde_json::Number) -> Option<i128> {
     (f.fract() == 0.0 && f.abs() < 9.2e18).then_some(f as i128)
 }
 
+/// An integer written as a string, as pydantic's lax mode reads one (`str_as_int` in
+/// pydantic-core): surrounding whitespace ignored, a sign, digits with single underscores
+/// between them, and a fraction of zeros (`" 16 "`, `"+16"`, `"1_024"`, `"16.00"`).
+fn integral_text(text: &str) -> Option<i128> {
+    let text = text.trim();
+    let whole = match text.find('.') {
+        Some(dot) if text[dot + 1..].bytes().all(|b| b == b'0') => &text[..dot],
+        Some(_) => return None,
+        None => text,
+    };
+    let digits = whole.strip_prefix(['+', '-']).unwrap_or(whole);
+    let well_formed = !digits.is_empty()
+        && digits
+            .split('_')
+            .all(|run| !run.is_empty() && run.bytes().all(|b| b.is_ascii_digit()));
+    if !well_formed {
+        return None;
+    }
+    whole.replace('_', "").parse().ok()
+}
+
+/// A lax integer field's value as sent: a number or a string (anything else is refused).
+enum LaxInt {
+    Number(serde_json::Number),
+    Text(String),
+}
+
+impl<'de> Deserialize<'de> for LaxInt {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = LaxInt;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an integer (a number, or a string of one)")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<LaxInt, E> {
+                Ok(LaxInt::Number(v.into()))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<LaxInt, E> {
+                Ok(LaxInt::Number(v.into()))
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<LaxInt, E> {
+                serde_json::Number::from_f64(v)
+                    .map(LaxInt::Number)
+                    .ok_or_else(|| E::custom(format!("{v} is not an integer")))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<LaxInt, E> {
+                Ok(LaxInt::Text(v.to_owned()))
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
+}
+
+impl LaxInt {
+    fn integral(&self) -> Option<i128> {
+        match self {
+            LaxInt::Number(n) => integral(n),
+            LaxInt::Text(t) => integral_text(t),
+        }
+    }
+}
+
+impl std::fmt::Display for LaxInt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LaxInt::Number(n) => write!(f, "{n}"),
+            LaxInt::Text(t) => write!(f, "{t:?}"),
+        }
+    }
+}
+
 fn lax_u32<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
     use serde::de::Error;
-    let Some(n) = Option::<serde_json::Number>::deserialize(d)? else {
+    let Some(n) = Option::<LaxInt>::deserialize(d)? else {
         return Ok(None);
     };
-    integral(&n)
+    n.integral()
         .and_then(|v| u32::try_from(v).ok())
         .map(Some)
         .ok_or_else(|| D::Error::custom(format!("{n} is not an integer from 0 to {}", u32::MAX)))
@@ -574,10 +647,10 @@ fn lax_u32<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Err
 
 fn lax_i64<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
     use serde::de::Error;
-    let Some(n) = Option::<serde_json::Number>::deserialize(d)? else {
+    let Some(n) = Option::<LaxInt>::deserialize(d)? else {
         return Ok(None);
     };
-    integral(&n)
+    n.integral()
         .and_then(|v| i64::try_from(v).ok())
         .map(Some)
         .ok_or_else(|| D::Error::custom(format!("{n} is not a 64-bit integer")))

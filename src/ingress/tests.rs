@@ -139,10 +139,28 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
     )
     .unwrap();
     assert_eq!(chat_floats.max_tokens, Some(7));
+    // So are integers sent as strings, as pydantic's lax mode reads them (they were 400s
+    // here, which vLLM answers).
+    let texts = parse(
+        &t,
+        br#"{"model":"m","prompt":"hi","max_tokens":" 1_024 ","n":"2.00","priority":"-3"}"#,
+        false,
+    )
+    .unwrap();
+    assert_eq!(
+        (texts.max_tokens, texts.n, texts.priority),
+        (Some(1024), 2, Some(-3))
+    );
     for bad in [
         &br#"{"model":"m","prompt":"hi","max_tokens":2.5}"#[..],
         br#"{"model":"m","prompt":"hi","n":-1}"#,
-        br#"{"model":"m","prompt":"hi","max_tokens":"16"}"#,
+        br#"{"model":"m","prompt":"hi","max_tokens":"16.5"}"#,
+        br#"{"model":"m","prompt":"hi","max_tokens":"1__6"}"#,
+        br#"{"model":"m","prompt":"hi","max_tokens":"_16"}"#,
+        br#"{"model":"m","prompt":"hi","max_tokens":"sixteen"}"#,
+        br#"{"model":"m","prompt":"hi","max_tokens":""}"#,
+        br#"{"model":"m","prompt":"hi","max_tokens":"-1"}"#,
+        br#"{"model":"m","prompt":"hi","max_tokens":[16]}"#,
     ] {
         assert_eq!(parse(&t, bad, false).unwrap_err().status, 400);
     }
