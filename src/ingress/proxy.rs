@@ -805,6 +805,12 @@ pub(super) async fn forward(
                         budget: router.bodies.bytes(),
                     },
                 },
+                RelayEnd::EventTooLarge => ProxyError::Answer {
+                    worker,
+                    source: BodyError::TooLarge {
+                        limit: MAX_EVENT_BYTES,
+                    },
+                },
                 end => ProxyError::StreamFailed {
                     worker,
                     end,
@@ -1012,13 +1018,18 @@ pub enum RelayEnd {
     /// The router's budget for bodies held had no room for what the worker sent within
     /// the idle timeout (many clients reading slowly, or an event larger than the budget).
     OverBudget,
+    /// The worker sent an event over the router's limit ([`MAX_EVENT_BYTES`]): the
+    /// router's limit, not the worker failing (`echo` and logprobs of a long prompt make
+    /// one), so neither counted towards its ejection nor tried elsewhere, where it would
+    /// be generated again and fail the same way.
+    EventTooLarge,
 }
 
 impl RelayEnd {
     /// Every way a relay ends (its metric's series exist from the start, at 0: a series
     /// born at 1 is not an `increase()` to Prometheus, and one burst of a kind never seen
     /// before raised no alert).
-    pub(super) const ALL: [RelayEnd; 8] = [
+    pub(super) const ALL: [RelayEnd; 9] = [
         RelayEnd::Done,
         RelayEnd::ClientGone,
         RelayEnd::ClientStalled,
@@ -1027,6 +1038,7 @@ impl RelayEnd {
         RelayEnd::WorkerFailed,
         RelayEnd::Truncated,
         RelayEnd::OverBudget,
+        RelayEnd::EventTooLarge,
     ];
 
     pub(super) fn label(self) -> &'static str {
@@ -1039,6 +1051,7 @@ impl RelayEnd {
             RelayEnd::WorkerFailed => "worker_failed",
             RelayEnd::Truncated => "truncated",
             RelayEnd::OverBudget => "over_budget",
+            RelayEnd::EventTooLarge => "event_too_large",
         }
     }
 }
@@ -1090,6 +1103,7 @@ impl Relay {
                 | RelayEnd::NoFirstFrame
                 | RelayEnd::Truncated
                 | RelayEnd::OverBudget
+                | RelayEnd::EventTooLarge
         );
         // The client has seen nothing of a stream that failed unopened: the handler tries
         // another worker (or, out of budget, answers with a status), and the answer's time is
@@ -1126,6 +1140,10 @@ impl Relay {
     /// Why the stream ended, for its client.
     fn end_message(&self, end: RelayEnd) -> String {
         match end {
+            RelayEnd::EventTooLarge => format!(
+                "worker {} sent a server-sent event over the router's limit of {MAX_EVENT_BYTES} bytes",
+                self.worker
+            ),
             RelayEnd::OverBudget => format!(
                 "the router's budget of {} bytes for bodies held had no room for the stream within {} ms",
                 self.bodies.bytes(),
@@ -1280,8 +1298,8 @@ impl Relay {
                 Ok(Some(events)) => events,
                 Ok(None) => continue,
                 Err(len) => {
-                    tracing::warn!(worker = %self.worker, bytes = len, "worker sent an event without end");
-                    return RelayEnd::WorkerFailed;
+                    tracing::warn!(worker = %self.worker, bytes = len, limit = MAX_EVENT_BYTES, "worker sent an event over the router's limit");
+                    return RelayEnd::EventTooLarge;
                 }
             };
             // Comments alone (`: keep-alive`) are relayed but are no token.
@@ -1490,7 +1508,15 @@ impl SseEvents {
         let from = self.partial.len().saturating_sub(3);
         self.partial.extend_from_slice(&data);
         match event_end(&self.partial[from..]).map(|end| from + end) {
-            Some(end) => Ok(Some(self.partial.split_to(end).freeze())),
+            Some(end) => {
+                // Copied out, and what follows kept in a buffer of its own size: a frozen
+                // split shares the buffer, which then stayed as large as a long event had
+                // grown it (MiBs, with `echo` and logprobs) for the rest of the stream,
+                // uncounted by the body budget, which counts the bytes held.
+                let events = Bytes::copy_from_slice(&self.partial[..end]);
+                self.partial = bytes::BytesMut::from(&self.partial[end..]);
+                Ok(Some(events))
+            }
             None if self.partial.len() > MAX_EVENT_BYTES => Err(self.partial.len()),
             None => Ok(None),
         }
@@ -1832,6 +1858,28 @@ mod tests {
         assert!(
             !(base..base + 8192).contains(&at),
             "the event still points into the read buffer"
+        );
+    }
+
+    /// The buffer a long event grew is not kept for the events after it: the events were
+    /// split off it frozen, so what followed them shared it (MiBs for the rest of a stream,
+    /// uncounted by the body budget, which counts the bytes held).
+    #[test]
+    fn a_long_event_s_buffer_goes_with_it() {
+        let mut e = SseEvents::default();
+        for _ in 0..16 {
+            assert_eq!(e.push(Bytes::from(vec![b'x'; 64 << 10])), Ok(None));
+        }
+        let long = e
+            .push(Bytes::from_static(b"\n\ndata: {\"a"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(long.len(), (16 << 16) + 2);
+        drop(long);
+        assert!(e.partial.capacity() < 64 << 10, "{}", e.partial.capacity());
+        assert_eq!(
+            e.push(Bytes::from_static(b"\":1}\n\n")),
+            Ok(Some(Bytes::from_static(b"data: {\"a\":1}\n\n")))
         );
     }
 

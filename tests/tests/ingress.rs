@@ -743,6 +743,47 @@ async fn a_stream_that_breaks_before_its_first_token_is_retried_elsewhere() {
     assert_eq!(failed(&f.scrape().await.unwrap()), before);
 }
 
+/// A server-sent event over the router's 8 MiB limit (`echo` and logprobs of a long prompt
+/// make one) is the router's limit, not the worker failing: the client gets a 502 from the
+/// first worker, which is neither tried again elsewhere (where the prefill would run again
+/// and fail the same way) nor counted towards its ejection. It was a worker failure,
+/// retried on every worker and counted against each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_over_the_router_s_limit_is_not_the_worker_s_failure() {
+    let f = Fleet::start(injectable_pair(&["--policy", "round_robin"]))
+        .await
+        .unwrap();
+    let oversized = serde_json::json!({"event_bytes_without_end": (8u64 << 20) + 4096});
+    for w in 0..2 {
+        f.faults(w, oversized.clone()).await.unwrap();
+    }
+    let url = format!("{}/v1/completions", f.url());
+    let r = f
+        .http
+        .call("POST", &url, request(0, 0, true))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 502, "{}", r.body);
+    let scrape = f.scrape().await.unwrap();
+    let ended = |how: &str| {
+        counter_sum(
+            &scrape,
+            "kvroute_relay_ended_total",
+            &format!("how=\"{how}\""),
+        )
+    };
+    assert_eq!(ended("event_too_large"), 1.0, "tried once");
+    assert_eq!(ended("worker_failed"), 0.0);
+    assert_eq!(
+        counter_sum(
+            &scrape,
+            "kvroute_proxy_errors_total",
+            "kind=\"stream_failed\""
+        ),
+        0.0
+    );
+}
+
 /// A client that leaves before its first token frees its booking at once (not at the
 /// first-token deadline, a minute by default), and a prompt the worker never computed is
 /// no evidence of a hash mismatch.

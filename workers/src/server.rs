@@ -131,6 +131,10 @@ pub struct Faults {
     pub stall_after_first_chunk: bool,
     /// Streams: wait this long before the headers (an engine fetching a prompt's media).
     pub headers_delay_ms: Option<u64>,
+    /// Streams: send the headers, then this many bytes of one event that does not end (no
+    /// blank line), then nothing (an event past a router's limit: `echo` and logprobs of a
+    /// long prompt).
+    pub event_bytes_without_end: Option<u64>,
 }
 
 /// Events queued for the publisher; beyond, batches are dropped (the heartbeat still

@@ -107,17 +107,13 @@ struct Generate {
     cache_salt: Option<String>,
 }
 
-/// A completion's default `max_tokens`: vLLM's (16, its `CompletionRequest.max_tokens`).
+/// The default `max_tokens`: a completion's in vLLM (16, its `CompletionRequest.max_tokens`),
+/// and a chat's here too. vLLM's chat default is what the context leaves after the prompt,
+/// which a real model seldom reaches (it ends at its end-of-sequence token); the simulated
+/// model has none, and a chat without a limit would generate for the whole G1 (a quarter of
+/// a million tokens by default: an hour at the default timing).
 fn default_max_tokens() -> u32 {
     16
-}
-
-/// A chat's default `max_tokens`: as vLLM's, what the model's context leaves after the
-/// prompt (`get_max_tokens` in its `entrypoints/utils.py`, with no `max_tokens` given), the
-/// context here being the engine's G1, at least 1. It was a completion's 16, which a router
-/// books as unlimited and the engine ended at 16.
-fn chat_default_max_tokens(max_tokens_held: usize, prompt: usize) -> u32 {
-    u32::try_from(max_tokens_held.saturating_sub(prompt).max(1)).unwrap_or(u32::MAX)
 }
 
 /// Decodes an internal generate body (what a router sends), as the handler does.
@@ -384,20 +380,15 @@ async fn openai(state: State, req: hyper::Request<Incoming>, chat: bool) -> Resp
                     t.encode_limited(&text, special, keep, max_text_bytes())
                 });
                 match encoded.await {
-                    Ok(tokens) => {
-                        let max_tokens = r.max_tokens().unwrap_or_else(|| {
-                            chat_default_max_tokens(state.max_tokens_held, tokens.len())
-                        });
-                        (
-                            std::mem::take(&mut r.model),
-                            tokens,
-                            max_tokens,
-                            r.n,
-                            r.stream,
-                            r.stream_options,
-                            r.cache_salt.take(),
-                        )
-                    }
+                    Ok(tokens) => (
+                        std::mem::take(&mut r.model),
+                        tokens,
+                        r.max_tokens().unwrap_or(default_max_tokens()),
+                        r.n,
+                        r.stream,
+                        r.stream_options,
+                        r.cache_salt.take(),
+                    ),
                     Err(response) => return response,
                 }
             }
@@ -701,6 +692,20 @@ async fn run(state: State, g: Generate) -> Response<Body> {
                 "text/html",
                 "<html><body><h1>502 Bad Gateway</h1></body></html>".to_owned(),
             );
+        }
+        if let Some(bytes) = f.event_bytes_without_end {
+            use futures_util::StreamExt as _;
+            let mut event = b"data: ".to_vec();
+            event.resize(usize::try_from(bytes).unwrap_or(usize::MAX).max(6), b'x');
+            let body = futures_util::stream::once(async move {
+                Ok::<_, BodyAborted>(Frame::data(Bytes::from(event)))
+            })
+            .chain(futures_util::stream::pending());
+            return Response::builder()
+                .status(StatusCode::OK)
+                .header(header::CONTENT_TYPE, "text/event-stream")
+                .body(BodyExt::boxed(StreamBody::new(body)))
+                .expect("invariant: static response parts are valid");
         }
         if f.stall_after_headers || f.end_after_headers {
             use futures_util::future::Either;
