@@ -89,12 +89,17 @@ pub struct OnlineReport {
     pub failures: std::collections::BTreeMap<String, u64>,
     /// From the start of the schedule to the last answer's end, s.
     pub span_s: f64,
-    /// Send to the first server-sent event that carries a token, ms.
+    /// The request's due time (its arrival in the schedule) to the first server-sent event
+    /// that carries a token, ms: a client that sends late (its timer, building the body, a
+    /// busy machine) counts against it, as a user who sent on time would see it.
     pub ttft_ms: Summary,
     /// Gaps between events that carry tokens, ms.
     pub itl_ms: Summary,
-    /// Send to `[DONE]`, ms.
+    /// The due time to `[DONE]`, ms.
     pub e2e_ms: Summary,
+    /// How late each request was sent after its due time, ms (the client's own lag, which
+    /// TTFT and E2E include: they were timed from the send and left it out).
+    pub send_lag_ms: Summary,
     /// Tokens the successful streams carried, per second over the span.
     pub throughput_tok_s: f64,
     /// What the router's headers said; `None` when no response carried them.
@@ -118,6 +123,7 @@ struct Measured {
     ttft_ms: Vec<f64>,
     itl_ms: Vec<f64>,
     e2e_ms: Vec<f64>,
+    send_lag_ms: Vec<f64>,
     tokens: u64,
     reused_tokens: u64,
     prompt_tokens: u64,
@@ -269,7 +275,8 @@ pub async fn run(
             (client.clone(), endpoint.clone(), Arc::clone(&measured));
         let model = model.to_owned();
         tasks.push(tokio::spawn(async move {
-            tokio::time::sleep_until(start + Duration::from_micros(r.arrival_us)).await;
+            let due = start + Duration::from_micros(r.arrival_us);
+            tokio::time::sleep_until(due).await;
             // Built after the sleep: a trace's bodies are not all held at once.
             let prompt = if text {
                 serde_json::Value::from(text_of(&r.tokens))
@@ -344,10 +351,11 @@ pub async fn run(
             };
             let mut m = measured.lock();
             if let Some(f) = meter.first {
-                m.ttft_ms.push(f.duration_since(sent).as_secs_f64() * 1e3);
+                m.ttft_ms.push(f.duration_since(due).as_secs_f64() * 1e3);
             }
             m.itl_ms.extend(meter.gaps_ms);
-            m.e2e_ms.push(done.duration_since(sent).as_secs_f64() * 1e3);
+            m.e2e_ms.push(done.duration_since(due).as_secs_f64() * 1e3);
+            m.send_lag_ms.push(sent.duration_since(due).as_secs_f64() * 1e3);
             m.tokens += meter.tokens;
             m.prompt_tokens += prompt_len;
             if let Some(o) = overlap {
@@ -389,6 +397,7 @@ pub async fn run(
         ttft_ms: ttft,
         itl_ms: Summary::of(&mut m.itl_ms),
         e2e_ms: Summary::of(&mut m.e2e_ms),
+        send_lag_ms: Summary::of(&mut m.send_lag_ms),
         throughput_tok_s: m.tokens as f64 / span_s.max(1e-9),
         router,
         ttft_sorted_ms: m.ttft_ms,
@@ -487,6 +496,12 @@ pub fn print(r: &OnlineReport) {
             r.itl_ms.p50,
             r.e2e_ms.p50,
             r.throughput_tok_s
+        );
+    }
+    if r.failed < r.requests {
+        println!(
+            "TTFT and E2E from each request's due time; sent late p50 / p99 {:.1} / {:.1} ms",
+            r.send_lag_ms.p50, r.send_lag_ms.p99
         );
     }
     match &r.router {
