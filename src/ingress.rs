@@ -1265,24 +1265,19 @@ struct Parsed {
     /// The chat has images or audio: `tokens` are the conversation before them only.
     media: bool,
     /// The prompt's text is longer than the router tokenizes (`max_tokenize_bytes`):
-    /// `tokens` is empty, and the request is routed on load alone.
-    untokenized: bool,
-    /// Bytes of the prompt's text, when it was not tokenized: its booking's estimate.
-    untokenized_bytes: usize,
+    /// `tokens` is empty, the request is routed on load alone, and booked at this estimate
+    /// of its tokens ([`untokenized_estimate`]).
+    untokenized: Option<usize>,
     /// It asks vLLM for full KV event reporting ([`openai::VllmXargs`]).
     reports_full: bool,
 }
 
 impl Parsed {
     /// The prompt's tokens as booked and weighed in the queue: counted, or for a text too
-    /// long to tokenize estimated at [`BYTES_PER_TOKEN`] (a zero booked its prefill as
-    /// free: the worker looked idle, and its tenant was charged decode alone).
+    /// long to tokenize estimated (a zero booked its prefill as free: the worker looked
+    /// idle, and its tenant was charged decode alone).
     fn prompt_tokens(&self) -> usize {
-        if self.untokenized {
-            self.untokenized_bytes.div_ceil(BYTES_PER_TOKEN)
-        } else {
-            self.tokens.len()
-        }
+        self.untokenized.unwrap_or(self.tokens.len())
     }
 
     /// Tokens each sequence may generate, for its booking (the scheduler caps it at
@@ -1344,12 +1339,26 @@ fn parse(tokenizer: &Tokenizer, body: &[u8], chat: bool) -> Result<Parsed, ApiEr
 /// "one token is roughly 4 characters"); code and other languages take fewer.
 const BYTES_PER_TOKEN: usize = 4;
 
-/// Tokens of a prompt of `bytes` of text encoded within the text limit (and 0), or none,
-/// and its bytes (untokenized).
-fn or_untokenized(encoded: Option<Vec<u32>>, bytes: usize) -> (Vec<u32>, usize) {
+/// The tokens a prompt too long to tokenize is taken to have: its `bytes` of text at
+/// [`BYTES_PER_TOKEN`] (at least those: a chat's rendering is stopped at the limit), at
+/// most the `keep` the engine cuts it to (`truncate_prompt_tokens`).
+fn untokenized_estimate(bytes: usize, keep: Option<usize>) -> usize {
+    bytes
+        .div_ceil(BYTES_PER_TOKEN)
+        .min(keep.unwrap_or(usize::MAX))
+        .max(1)
+}
+
+/// Tokens of a prompt of `bytes` of text encoded within the text limit, or none and its
+/// estimate (untokenized).
+fn or_untokenized(
+    encoded: Option<Vec<u32>>,
+    bytes: usize,
+    keep: Option<usize>,
+) -> (Vec<u32>, Option<usize>) {
     match encoded {
-        Some(tokens) => (tokens, 0),
-        None => (Vec::new(), bytes),
+        Some(tokens) => (tokens, None),
+        None => (Vec::new(), Some(untokenized_estimate(bytes, keep))),
     }
 }
 
@@ -1409,24 +1418,24 @@ fn parse_within(
         // and forward the request as it came.
         let media_at = r.messages.iter().position(|m| m.media);
         let keep = openai::prompt_keep(r.truncate_prompt_tokens)?;
-        let (tokens, untokenized_bytes) = match media_at {
+        let (tokens, untokenized) = match media_at {
             // The engine cuts the whole rendering, media tokens included, which the router
             // cannot count: no prefix of the cut one is known.
-            Some(_) if keep.is_some() => (Vec::new(), 0),
+            Some(_) if keep.is_some() => (Vec::new(), None),
             // A rendering longer than is tokenized is stopped at the limit.
             None => match tokenizer.chat_text(&r.messages, &options, text_limit) {
                 Ok(text) => {
                     let encoded =
                         encode(&text, options.add_special_tokens, keep).map_err(rejected)?;
-                    or_untokenized(encoded, text.len())
+                    or_untokenized(encoded, text.len(), keep)
                 }
                 Err(tokenizer::TokenizerError::TooLong { bytes, .. }) => {
                     metrics::counter!("kvroute_prompts_untokenized_total").increment(1);
-                    (Vec::new(), bytes)
+                    (Vec::new(), Some(untokenized_estimate(bytes, keep)))
                 }
                 Err(e) => return Err(rejected(e)),
             },
-            Some(0) => (Vec::new(), 0),
+            Some(0) => (Vec::new(), None),
             // A template may refuse the shortened conversation (a system turn with no user
             // turn after it) where it takes the whole one, which the engine renders: the
             // request is then routed without a prefix, not refused.
@@ -1445,12 +1454,11 @@ fn parse_within(
                     .and_then(|text| encode(&text, before.add_special_tokens, None).ok())
                     .flatten()
                     .unwrap_or_default();
-                (tokens, 0)
+                (tokens, None)
             }
         };
         Parsed {
-            untokenized: untokenized_bytes > 0,
-            untokenized_bytes,
+            untokenized,
             media: media_at.is_some(),
             max_tokens: r.max_tokens(),
             n: r.n.unwrap_or(1),
@@ -1468,20 +1476,20 @@ fn parse_within(
         openai::check_stream_options(r.stream, r.stream_options)?;
         let max_tokens = r.max_tokens;
         let keep = openai::prompt_keep(r.truncate_prompt_tokens)?;
-        let (tokens, untokenized_bytes) = match r.prompt {
+        let (tokens, untokenized) = match r.prompt {
             Prompt::Text(t) => or_untokenized(
                 encode(&t, r.add_special_tokens.unwrap_or(true), keep).map_err(rejected)?,
                 t.len(),
+                keep,
             ),
             Prompt::Tokens(mut t) => {
                 tokenizer::keep_last(&mut t, keep);
-                (t, 0)
+                (t, None)
             }
             Prompt::Batch(n) => return Err(ApiError::prompt_batch(n)),
         };
         Parsed {
-            untokenized: untokenized_bytes > 0,
-            untokenized_bytes,
+            untokenized,
             media: false,
             model: r.model.unwrap_or_default(),
             tokens,
@@ -1506,7 +1514,7 @@ fn parse_within(
             "cache_salt must be a non-empty string if provided",
         ));
     }
-    if parsed.tokens.is_empty() && !parsed.media && !parsed.untokenized {
+    if parsed.tokens.is_empty() && !parsed.media && parsed.untokenized.is_none() {
         return Err(ApiError::bad_request("prompt must not be empty"));
     }
     Ok(parsed)
@@ -1884,7 +1892,7 @@ async fn complete(
         let key = decision.chosen.key;
         let api = router.plane.view().workers.get(&key.0).map(|w| w.api);
         if api.is_some_and(|api| body.needs_generate(api)) {
-            if p.untokenized {
+            if p.untokenized.is_some() {
                 // A kvroute worker generates from the router's tokens.
                 return Err(ApiError::prompt_not_tokenized(
                     router.config.max_tokenize_bytes,

@@ -155,6 +155,7 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
         &br#"{"model":"m","prompt":"hi","max_tokens":2.5}"#[..],
         br#"{"model":"m","prompt":"hi","n":-1}"#,
         br#"{"model":"m","prompt":"hi","max_tokens":"16.5"}"#,
+        br#"{"model":"m","prompt":"hi","max_tokens":"16."}"#,
         br#"{"model":"m","prompt":"hi","max_tokens":"1__6"}"#,
         br#"{"model":"m","prompt":"hi","max_tokens":"_16"}"#,
         br#"{"model":"m","prompt":"hi","max_tokens":"sixteen"}"#,
@@ -215,7 +216,7 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
     for (limit, untokenized) in [(4, true), (5, false)] {
         let p = parse_within(&t, br#"{"model":"m","prompt":"hello"}"#, false, limit).unwrap();
         assert_eq!(
-            (p.untokenized, p.tokens.is_empty()),
+            (p.untokenized.is_some(), p.tokens.is_empty()),
             (untokenized, untokenized)
         );
         let chat = parse_within(
@@ -225,23 +226,35 @@ fn bodies_parse_off_the_runtime_with_clear_errors() {
             if untokenized { 20 } else { 1 << 20 },
         )
         .unwrap();
-        assert_eq!(chat.untokenized, untokenized);
+        assert_eq!(chat.untokenized.is_some(), untokenized);
     }
     // It is booked at an estimate from its text's length (4 bytes a token), not as a prompt
     // of no tokens: a zero booked its prefill as free.
     let long = format!(r#"{{"model":"m","prompt":"{}"}}"#, "x".repeat(4000));
     let p = parse_within(&t, long.as_bytes(), false, 64).unwrap();
-    assert!(p.untokenized && p.tokens.is_empty());
+    assert!(p.untokenized.is_some() && p.tokens.is_empty());
     assert_eq!(p.prompt_tokens(), 1000);
+    // At most what the engine keeps of it.
+    let kept = format!(
+        r#"{{"model":"m","prompt":"{}","truncate_prompt_tokens":100}}"#,
+        "x".repeat(4000)
+    );
+    assert_eq!(
+        parse_within(&t, kept.as_bytes(), false, 64)
+            .unwrap()
+            .prompt_tokens(),
+        100
+    );
     let p = parse_within(&t, long.as_bytes(), false, 1 << 20).unwrap();
     assert_eq!(p.prompt_tokens(), p.tokens.len());
     let long_chat = format!(
         r#"{{"model":"m","messages":[{{"role":"user","content":"{}"}}]}}"#,
         "x".repeat(4000)
     );
+    // A chat's rendering stops at the limit: at least that much.
     let p = parse_within(&t, long_chat.as_bytes(), true, 64).unwrap();
     assert!(
-        p.untokenized && p.prompt_tokens() >= 1000,
+        p.untokenized.is_some() && p.prompt_tokens() >= 64 / 4,
         "{}",
         p.prompt_tokens()
     );

@@ -41,9 +41,9 @@ pub enum TokenizerError {
     #[error("{0}")]
     RequestTemplateRefused(&'static str),
     /// A prompt's text longer than is tokenized (a tokenizer peaks at up to 350 times it).
-    #[error("a prompt text of {bytes} bytes, over the {limit} tokenized")]
+    #[error("a prompt text of {bytes} bytes or more, over the {limit} tokenized")]
     TooLong {
-        /// The text's length.
+        /// The text's length (at least: a chat's rendering stops past the limit).
         bytes: usize,
         /// The most tokenized.
         limit: usize,
