@@ -564,11 +564,15 @@ fn integral(n: &serde_json::Number) -> Option<i128> {
 
 /// An integer written as a string, as pydantic's lax mode reads one (`str_as_int` in
 /// pydantic-core): surrounding whitespace ignored, a sign, digits with single underscores
-/// between them, and a fraction of zeros (`" 16 "`, `"+16"`, `"1_024"`, `"16.00"`).
+/// between them, and a fraction of one or more zeros (`" 16 "`, `"+16"`, `"1_024"`,
+/// `"16.00"`; not `"16."`, which pydantic refuses since 2.18). Not matched: pydantic also
+/// reads `true`/`false` as 1/0 and strips leading zeros before it checks underscores.
 fn integral_text(text: &str) -> Option<i128> {
     let text = text.trim();
     let whole = match text.find('.') {
-        Some(dot) if text[dot + 1..].bytes().all(|b| b == b'0') => &text[..dot],
+        Some(dot) if dot + 1 < text.len() && text[dot + 1..].bytes().all(|b| b == b'0') => {
+            &text[..dot]
+        }
         Some(_) => return None,
         None => text,
     };
@@ -629,6 +633,11 @@ impl std::fmt::Display for LaxInt {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             LaxInt::Number(n) => write!(f, "{n}"),
+            // A refused string is echoed in the 400: its first characters only.
+            LaxInt::Text(t) if t.chars().nth(32).is_some() => {
+                let head: String = t.chars().take(32).collect();
+                write!(f, "{head:?}…")
+            }
             LaxInt::Text(t) => write!(f, "{t:?}"),
         }
     }
