@@ -298,7 +298,8 @@ impl Ingest {
         // Only a replay that reached its end marker gives the engine's newest batch: one
         // that fell silent may have lost its tail (a burst drops the last batches and the
         // marker first), and a live engine taken for a restarted one loses every block it
-        // announced before its buffer's window. The live stream shows a restart later.
+        // announced before its buffer's window. The live stream shows a restart later if
+        // the new engine numbers below the old one.
         if replayed.ended
             && replayed
                 .last
@@ -315,6 +316,13 @@ impl Ingest {
                 self.restarted(0);
                 self.replay(0, false).await?;
             }
+        } else if self.rebuilt && self.mirror.ambiguous_hashing() {
+            // The engine's whole life was replayed under the old engine's flag, with nothing
+            // to say whether it restarted (the replay fell silent, or numbers went on): it is
+            // replayed again with the flag lowered; hashes still ambiguous raise it again.
+            self.mirror.engine_restarted();
+            self.seq.reset();
+            self.replay(0, false).await?;
         }
         Ok(())
     }

@@ -98,7 +98,7 @@ pub fn scrape(text: &str) -> Scraped {
     // `attn_tp_rank == 0` only otherwise), and added up they were that many times the load.
     // Ranks are numbers below [`MAX_RANKS`] (or no label): a body of 100,000 ranks searched
     // a list of them per line (seconds of a runtime thread per scrape).
-    let mut sglang_counts: rustc_hash::FxHashMap<(&str, &str), f64> = Default::default();
+    let mut sglang_counts: rustc_hash::FxHashMap<(&str, Option<usize>), f64> = Default::default();
     for line in text.lines() {
         if line.starts_with('#') {
             continue;
@@ -116,8 +116,12 @@ pub fn scrape(text: &str) -> Scraped {
             "vllm:num_requests_running" => *running.get_or_insert(0.0) += value,
             "vllm:num_requests_waiting" => *waiting.get_or_insert(0.0) += value,
             "sglang:num_running_reqs" | "sglang:num_queue_reqs" => {
-                let rank = label(labels, "dp_rank").unwrap_or("");
-                if rank.is_empty() || rank.parse::<usize>().is_ok_and(|r| r < MAX_RANKS) {
+                // By the rank's number ("0" and "00" are one rank).
+                let rank = match label(labels, "dp_rank").filter(|r| !r.is_empty()) {
+                    None => Some(None),
+                    Some(r) => r.parse::<usize>().ok().filter(|r| *r < MAX_RANKS).map(Some),
+                };
+                if let Some(rank) = rank {
                     let most = sglang_counts.entry((name, rank)).or_insert(value);
                     *most = most.max(value);
                 }

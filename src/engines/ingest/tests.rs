@@ -1021,10 +1021,11 @@ fn buffered(
         let (first, batches) = &*buffer.lock().unwrap();
         let from = asked_from(&request).max(*first);
         let end = first + batches.len() as u64;
-        let upto = cut(asked_from(&request)).unwrap_or(end).min(end);
+        let cut = cut(asked_from(&request));
+        let upto = cut.unwrap_or(end).min(end);
         let replies =
             (from..upto).map(|seq| replay_reply(seq, batches[(seq - first) as usize].clone()));
-        let marker = (upto == end).then(|| replay_reply(u64::MAX, Bytes::new()));
+        let marker = cut.is_none().then(|| replay_reply(u64::MAX, Bytes::new()));
         replies.chain(marker).collect()
     })
 }
@@ -1144,6 +1145,20 @@ async fn a_restart_whose_replay_stops_short_is_not_applied_on_top() {
 /// and the upgraded engine stayed unindexed until the sidecar restarted.
 #[tokio::test]
 async fn an_ambiguous_engine_restarted_and_replayed_whole_is_indexed_again() {
+    ambiguous_engine_restarted(false).await;
+}
+
+/// The same, the reconnect's replay falling silent without its end marker: nothing proves
+/// a restart, but the whole life was replayed under the old engine's flag, so it is
+/// replayed again with the flag lowered.
+#[tokio::test]
+async fn an_ambiguous_engine_replayed_whole_without_end_is_indexed_again() {
+    ambiguous_engine_restarted(true).await;
+}
+
+/// An ambiguous engine restarts with two position-aware batches, its replay `silent` after
+/// them or ended.
+async fn ambiguous_engine_restarted(silent: bool) {
     let old = vec![
         store(1, None),
         store(3, None),
@@ -1151,19 +1166,34 @@ async fn an_ambiguous_engine_restarted_and_replayed_whole_is_indexed_again() {
         store(2, Some(3)),
     ];
     let buffer = std::sync::Arc::new(std::sync::Mutex::new((0u64, old)));
-    let handler = buffered(&buffer, |_| None);
+    let restarted = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mute = std::sync::Arc::clone(&restarted);
+    let handler = buffered(&buffer, move |_| {
+        (silent && mute.load(std::sync::atomic::Ordering::SeqCst)).then_some(u64::MAX)
+    });
     let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
     let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
-    let mut owner = follow(scripted(&pubs, &replay), IngestLimits::default()).await;
+    let limits = IngestLimits {
+        replay: Duration::from_millis(200),
+        ..IngestLimits::default()
+    };
+    let mut owner = follow(scripted(&pubs, &replay), limits).await;
     owner
         .until("ambiguous", |o| o.stats.mirror.ambiguous > 0)
         .await;
     assert!(owner.held.is_empty());
     *buffer.lock().unwrap() = (0, vec![store(5, None), store(6, Some(5))]);
+    restarted.store(true, std::sync::atomic::Ordering::SeqCst);
     let _pubs = rebind(pubs).await;
     let after = hashes_of(&[(5, None), (6, Some(5))]);
     owner.until("indexed again", |o| o.held == after).await;
-    assert_eq!(owner.stats.restarts, 1, "{:?}", owner.stats);
+    // Seen as a restart only where the replay ended.
+    assert_eq!(
+        owner.stats.restarts,
+        u64::from(!silent),
+        "{:?}",
+        owner.stats
+    );
 }
 
 /// Messages not shaped as an engine's (here two frames: no topic) are counted where the
