@@ -151,7 +151,8 @@ impl Announced {
     }
 
     /// Pairs the map has room for without growing.
-    pub fn capacity(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn capacity(&self) -> usize {
         self.blocks.capacity()
     }
 }

@@ -240,7 +240,7 @@ fn run(
                 continue;
             };
             if let Some(held) = backlog.get_mut(&id) {
-                if !held.hold(o) {
+                if !held.hold(o, now) {
                     backlog.remove(&id);
                     end_unread(engine, &mut waiting, id);
                 }
@@ -303,14 +303,18 @@ const BACKLOG_POLL: Duration = Duration::from_millis(1);
 /// is 30 s; a worker's clients are its routers).
 const CLIENT_STALL: Duration = Duration::from_secs(10);
 
-/// Outputs a request's backlog holds at most: a client that falls further behind is cut off
-/// as one that stalled. A finished request's blocks go back to the pool while its backlog
-/// waits for the client, so without this a client reading one chunk every few seconds held
-/// its whole answer here (about 40 B an output, 10 MB for a G1's worth of tokens), however
-/// many such clients came.
+/// Outputs a request's backlog holds before its client must keep up: past them, a client
+/// that took none for [`BACKLOG_PATIENCE`] is cut off as one that stalled. A finished
+/// request's blocks go back to the pool while its backlog waits for the client, so without
+/// this a client reading one chunk every few seconds held its whole answer here (about 40 B
+/// an output, 10 MB for a G1's worth of tokens), however many such clients came; a client
+/// that reads as fast as it can keeps a fast engine's whole answer coming.
 const BACKLOG_MAX: usize = 8 * 1024;
 
-/// A request's outputs its channel had no room for, at most [`BACKLOG_MAX`].
+/// How recently a client with a full backlog must have taken an output.
+const BACKLOG_PATIENCE: Duration = Duration::from_secs(1);
+
+/// A request's outputs its channel had no room for ([`BACKLOG_MAX`]).
 struct Backlog {
     outputs: VecDeque<Output>,
     /// When its client last took one.
@@ -330,9 +334,12 @@ enum Flushed {
 }
 
 impl Backlog {
-    /// Holds `o` after the others; false if the backlog is full (the client is too slow).
-    fn hold(&mut self, o: Output) -> bool {
-        if self.outputs.len() >= BACKLOG_MAX {
+    /// Holds `o` after the others; false if the backlog is full and its client took
+    /// nothing for [`BACKLOG_PATIENCE`] up to `now` (it is too slow).
+    fn hold(&mut self, o: Output, now: Instant) -> bool {
+        if self.outputs.len() >= BACKLOG_MAX
+            && now.duration_since(self.progress) >= BACKLOG_PATIENCE
+        {
             return false;
         }
         self.outputs.push_back(o);
@@ -433,25 +440,30 @@ mod tests {
     use super::*;
     use crate::config::EngineConfig;
 
-    /// A backlog holds at most [`BACKLOG_MAX`] outputs: a client that reads, but slower than
-    /// the engine writes, is cut off once that far behind (its backlog grew with the
-    /// whole answer, which the request's blocks no longer bounded once it finished).
+    /// A backlog past [`BACKLOG_MAX`] outputs holds more only for a client that keeps
+    /// taking them: one that reads, but slower than the engine writes, is cut off once that
+    /// far behind (its backlog grew with the whole answer, which the request's blocks no
+    /// longer bounded once it finished); one that reads as fast as it can is not.
     #[test]
-    fn a_backlog_is_bounded() {
+    fn a_backlog_is_bounded_for_a_slow_client() {
         let output = |at_us| Output {
             request: RequestId(1),
             at_us,
             kind: OutputKind::Finished,
         };
+        let start = Instant::now();
         let mut held = Backlog {
             outputs: VecDeque::new(),
-            progress: Instant::now(),
+            progress: start,
         };
         for at in 0..BACKLOG_MAX as u64 {
-            assert!(held.hold(output(at)));
+            assert!(held.hold(output(at), start + BACKLOG_PATIENCE));
         }
-        assert!(!held.hold(output(0)));
-        assert_eq!(held.outputs.len(), BACKLOG_MAX);
+        // Full, and its client took one just now: held.
+        assert!(held.hold(output(0), start + BACKLOG_PATIENCE / 2));
+        // Full, and nothing taken for the patience: cut off.
+        assert!(!held.hold(output(0), start + BACKLOG_PATIENCE));
+        assert_eq!(held.outputs.len(), BACKLOG_MAX + 1);
     }
 
     /// A panic on the engine thread fails the engine with its reason, as an error does: the
