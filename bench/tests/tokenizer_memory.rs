@@ -67,8 +67,8 @@ fn a_long_prompt_cut_to_a_few_tokens_costs_no_more_than_encoding_it() {
 
 /// Fields the router does not read cost nothing to skip: a `stream_options` key it does
 /// not know, holding a million small values (2 MB), was buffered as JSON values (109 MB
-/// allocated on the parent commit), as was a `vllm_xargs.kv_cache_report_mode` of them; and a chat body of that many values is refused before
-/// it is read.
+/// allocated on the parent commit), as was a `vllm_xargs.kv_cache_report_mode` of them;
+/// and a chat body of that many values is refused before it is read.
 #[test]
 fn values_the_router_does_not_read_are_not_kept() {
     let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());

@@ -1018,10 +1018,10 @@ pub enum RelayEnd {
     /// The router's budget for bodies held had no room for what the worker sent within
     /// the idle timeout (many clients reading slowly, or an event larger than the budget).
     OverBudget,
-    /// The worker sent an event over the router's limit ([`MAX_EVENT_BYTES`]): the
-    /// router's limit, not the worker failing (`echo` and logprobs of a long prompt make
-    /// one), so neither counted towards its ejection nor tried elsewhere, where it would
-    /// be generated again and fail the same way.
+    /// The worker sent an event over the router's limit ([`MAX_EVENT_BYTES`]; `echo` and
+    /// logprobs of a long prompt make one): as a non-streamed answer over
+    /// `max_upstream_body_bytes`, neither counted towards the worker's ejection nor tried
+    /// elsewhere, where it would be generated again and fail the same way.
     EventTooLarge,
 }
 
