@@ -1030,6 +1030,19 @@ fn buffered(
     })
 }
 
+/// An engine played by a PUB socket and the replay socket `handler` answers for, followed
+/// with replies waited for 200 ms.
+async fn follow_scripted(handler: RouterHandler) -> (RouterSocket, PubSocket, Owner) {
+    let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
+    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
+    let limits = IngestLimits {
+        replay: Duration::from_millis(200),
+        ..IngestLimits::default()
+    };
+    let owner = follow(scripted(&pubs, &replay), limits).await;
+    (replay, pubs, owner)
+}
+
 /// Waits until `owner` has lost its connection and followed the engine again (the
 /// reconnect's replay done).
 async fn reconnected(owner: &mut Owner) {
@@ -1056,13 +1069,7 @@ async fn a_reconnect_s_replay_that_loses_its_tail_is_no_restart() {
     let handler = buffered(&buffer, move |from| {
         (from == 0 && lossy.load(std::sync::atomic::Ordering::SeqCst)).then_some(20)
     });
-    let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
-    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
-    let limits = IngestLimits {
-        replay: Duration::from_millis(200),
-        ..IngestLimits::default()
-    };
-    let mut owner = follow(scripted(&pubs, &replay), limits).await;
+    let (_replay, pubs, mut owner) = follow_scripted(handler).await;
     owner.until("replayed", |o| o.stats.replayed == 21).await;
     let one = hashes_of(&[(1, None)]);
     assert_eq!(owner.held, one);
@@ -1092,13 +1099,7 @@ async fn a_restart_whose_replay_stops_short_is_not_applied_on_top() {
     let handler = buffered(&buffer, move |_| {
         lossy.load(std::sync::atomic::Ordering::SeqCst).then_some(2)
     });
-    let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
-    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
-    let limits = IngestLimits {
-        replay: Duration::from_millis(200),
-        ..IngestLimits::default()
-    };
-    let mut owner = follow(scripted(&pubs, &replay), limits).await;
+    let (_replay, pubs, mut owner) = follow_scripted(handler).await;
     owner.until("replayed", |o| o.held.len() == 10).await;
     // Live batches of the old engine (each in the buffer too, so that one the subscription
     // missed is replayed), until one has come through the subscription.
@@ -1171,13 +1172,7 @@ async fn ambiguous_engine_restarted(silent: bool) {
     let handler = buffered(&buffer, move |_| {
         (silent && mute.load(std::sync::atomic::Ordering::SeqCst)).then_some(u64::MAX)
     });
-    let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
-    let pubs = PubSocket::bind("127.0.0.1", 0).await.unwrap();
-    let limits = IngestLimits {
-        replay: Duration::from_millis(200),
-        ..IngestLimits::default()
-    };
-    let mut owner = follow(scripted(&pubs, &replay), limits).await;
+    let (_replay, pubs, mut owner) = follow_scripted(handler).await;
     owner
         .until("ambiguous", |o| o.stats.mirror.ambiguous > 0)
         .await;
