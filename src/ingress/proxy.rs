@@ -744,12 +744,11 @@ pub(super) async fn forward(
                 source => ProxyError::Answer { worker, source },
             })?;
         // Passed on as it came, but JSON: a 200 whose body is empty, a proxy's HTML page,
-        // or cut short yet ended cleanly would reach the client as a success.
-        if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(&bytes) {
-            return Err(ProxyError::NotJson {
-                worker,
-                error: e.to_string(),
-            });
+        // or cut short yet ended cleanly would reach the client as a success. A large one
+        // is read on a blocking thread (64 MiB take about 100 ms, which the streams relayed
+        // on this runtime thread would wait).
+        if let Some(error) = not_json(&bytes).await {
+            return Err(ProxyError::NotJson { worker, error });
         }
         booking.answered();
         drop(booking);
@@ -1480,6 +1479,26 @@ fn holds_done(events: &[u8]) -> bool {
     })
 }
 
+/// A non-streamed answer longer than this is checked as JSON on a blocking thread.
+const BLOCKING_CHECK_BYTES: usize = 1 << 20;
+
+/// Why `bytes` is not one JSON value, if it is not; over [`BLOCKING_CHECK_BYTES`], found
+/// on a blocking thread.
+async fn not_json(bytes: &Bytes) -> Option<String> {
+    fn check(bytes: &[u8]) -> Option<String> {
+        serde_json::from_slice::<serde::de::IgnoredAny>(bytes)
+            .err()
+            .map(|e| e.to_string())
+    }
+    if bytes.len() <= BLOCKING_CHECK_BYTES {
+        return check(bytes);
+    }
+    let whole = bytes.clone();
+    tokio::task::spawn_blocking(move || check(&whole))
+        .await
+        .unwrap_or_else(|e| Some(format!("the check failed: {e}")))
+}
+
 /// Largest server-sent event held back for its end, bytes.
 const MAX_EVENT_BYTES: usize = 8 << 20;
 
@@ -1859,6 +1878,33 @@ mod tests {
             !(base..base + 8192).contains(&at),
             "the event still points into the read buffer"
         );
+    }
+
+    /// Answers are checked as JSON, small ones in place and large ones on a blocking
+    /// thread, with the same verdicts.
+    #[tokio::test]
+    async fn answers_small_and_large_are_checked_as_json() {
+        let large = |body: &str| {
+            let mut v = b"[".to_vec();
+            while v.len() <= BLOCKING_CHECK_BYTES {
+                v.extend_from_slice(b"0,");
+            }
+            v.extend_from_slice(body.as_bytes());
+            Bytes::from(v)
+        };
+        for (bytes, json) in [
+            (Bytes::from_static(b"{\"a\":1}"), true),
+            (Bytes::from_static(b"<html>"), false),
+            (large("0]"), true),
+            (large("0"), false),
+        ] {
+            assert_eq!(
+                not_json(&bytes).await.is_none(),
+                json,
+                "{} bytes",
+                bytes.len()
+            );
+        }
     }
 
     /// The buffer a long event grew is not kept for the events after it: the events were
