@@ -136,8 +136,7 @@ async fn follow(endpoint: EngineEndpoint, limits: IngestLimits) -> Owner {
     owner
 }
 
-/// Publishes block `hash` stored then removed (leaving nothing behind) until `done` holds:
-/// until the follower's subscription reaches the publisher, batches go nowhere.
+/// Publishes block `hash` stored then removed (leaving nothing behind) until `done` holds.
 async fn churn_until(
     engine: &EnginePublisher,
     owner: &mut Owner,
@@ -145,9 +144,23 @@ async fn churn_until(
     what: &str,
     done: impl Fn(&Owner) -> bool,
 ) {
-    for _ in 0..200 {
+    let churn = |_| {
         engine.publish(store(hash, None));
         engine.publish(remove(hash));
+    };
+    publish_until(owner, what, churn, done).await;
+}
+
+/// Calls `publish` with attempts 0, 1, … until `done` holds: until the follower's
+/// subscription reaches the publisher, what it publishes goes nowhere.
+async fn publish_until(
+    owner: &mut Owner,
+    what: &str,
+    mut publish: impl FnMut(u64),
+    done: impl Fn(&Owner) -> bool,
+) {
+    for attempt in 0..200 {
+        publish(attempt);
         let wait = owner.until(what, &done);
         if tokio::time::timeout(Duration::from_millis(20), wait)
             .await
@@ -1103,8 +1116,8 @@ async fn a_restart_whose_replay_stops_short_is_not_applied_on_top() {
     owner.until("replayed", |o| o.held.len() == 10).await;
     // Live batches of the old engine (each in the buffer too, so that one the subscription
     // missed is replayed), until one has come through the subscription.
-    for seq in 10u64.. {
-        assert!(seq < 200, "no live batch came through: {:?}", owner.stats);
+    let live = |attempt: u64| {
+        let seq = 10 + attempt;
         let batch = store(100 + seq, None);
         buffer.lock().unwrap().1.push(batch.clone());
         pubs.publish(vec![
@@ -1112,14 +1125,8 @@ async fn a_restart_whose_replay_stops_short_is_not_applied_on_top() {
             Bytes::copy_from_slice(&seq.to_be_bytes()),
             batch,
         ]);
-        let wait = owner.until("a live batch", |o| o.held.len() as u64 > seq);
-        if tokio::time::timeout(Duration::from_millis(20), wait)
-            .await
-            .is_ok()
-        {
-            break;
-        }
-    }
+    };
+    publish_until(&mut owner, "a live batch", live, |o| o.held.len() > 10).await;
     let unrepaired = owner.stats.unrepaired;
     // The engine restarts (its PUB stays bound): block 50 stored, 51 stored, 50 removed.
     *buffer.lock().unwrap() = (0, vec![store(50, None), store(51, None), remove(50)]);
@@ -1202,18 +1209,14 @@ async fn misshaped_messages_are_reported() {
     );
     let replay = RouterSocket::bind("127.0.0.1", 0, handler).await.unwrap();
     let mut owner = follow(scripted(&pubs, &replay), IngestLimits::default()).await;
-    for _ in 0..200 {
+    let misshaped = |_| {
         pubs.publish(vec![
             Bytes::copy_from_slice(&0u64.to_be_bytes()),
             store(1, None),
-        ]);
-        let wait = owner.until("a decode error", |o| o.stats.decode_errors > 0);
-        if tokio::time::timeout(Duration::from_millis(20), wait)
-            .await
-            .is_ok()
-        {
-            return;
-        }
-    }
-    panic!("never reported: {:?}", owner.stats);
+        ])
+    };
+    publish_until(&mut owner, "a decode error", misshaped, |o| {
+        o.stats.decode_errors > 0
+    })
+    .await;
 }
